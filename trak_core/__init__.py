@@ -1,0 +1,29 @@
+"""trak_core: TRAK data attribution as a pure library (no Prefect here)."""
+
+__version__ = "0.1.0"
+
+from .errors import (BadInputError, IllConditionedWarning, NonFiniteGradientError, StateError,  # noqa: E402
+                     StoreMismatchError, TrakError)
+from .gradients import (AbstractGradientComputer, FunctionalGradientComputer,  # noqa: E402
+                        IterativeGradientComputer, vectorize)
+from .modelout import (TASK_TO_MODELOUT, AbstractModelOutput, CLIPModelOutput,  # noqa: E402
+                       ImageClassificationModelOutput, IterativeImageClassificationModelOutput,
+                       TextClassificationModelOutput)
+from .projectors import (AbstractProjector, BasicProjector, BasicSingleBlockProjector,  # noqa: E402
+                         DenseProjector, NoOpProjector, ProjectionType, make_projector)
+from .store import StoreMetadata, TrakStore  # noqa: E402
+from .traker import TRAKer  # noqa: E402
+
+try:  # written in parallel; optional until it lands
+    from .alpha import Alpha  # noqa: E402,F401
+except ImportError:  # pragma: no cover
+    pass
+
+__all__ = [
+    "TRAKer", "AbstractModelOutput", "ImageClassificationModelOutput", "TextClassificationModelOutput",
+    "CLIPModelOutput", "IterativeImageClassificationModelOutput", "TASK_TO_MODELOUT",
+    "AbstractProjector", "NoOpProjector", "BasicProjector", "BasicSingleBlockProjector", "DenseProjector",
+    "ProjectionType", "make_projector", "AbstractGradientComputer", "FunctionalGradientComputer",
+    "IterativeGradientComputer", "vectorize", "TrakStore", "StoreMetadata", "TrakError", "BadInputError",
+    "NonFiniteGradientError", "StateError", "StoreMismatchError", "IllConditionedWarning", "Alpha",
+]

@@ -1,0 +1,35 @@
+"""Exceptions and warnings raised by trak_core. Every message names what is wrong."""
+
+
+class TrakError(Exception):
+    """Base class of trakflow's errors."""
+
+
+class BadInputError(TrakError, ValueError):
+    """The caller passed something malformed (shapes, labels, indices, config fields)."""
+
+
+class NonFiniteGradientError(BadInputError):
+    """NaN or inf in gradients or model outputs; nothing was written."""
+
+    def __init__(self, model_id, indices, what="gradients"):
+        self.model_id = model_id
+        self.indices = list(indices)
+        shown = self.indices[:20]
+        more = "" if len(self.indices) <= 20 else f" (and {len(self.indices) - 20} more)"
+        super().__init__(
+            f"non-finite {what} (NaN or inf) for model_id={model_id} at example indices {shown}{more}; "
+            "nothing was written for this batch. Check the checkpoint and these inputs."
+        )
+
+
+class StoreMismatchError(TrakError, ValueError):
+    """A store was reopened with settings that differ from the ones it was created with."""
+
+
+class StateError(TrakError, RuntimeError):
+    """An operation was called in the wrong order (e.g. featurize after finalize)."""
+
+
+class IllConditionedWarning(UserWarning):
+    """XᵀX (+ λI) is singular or badly conditioned: scores would be dominated by round-off."""

@@ -1,0 +1,88 @@
+"""Featurization of one batch: validated inputs → per-example gradients → projection → (X, Q).
+
+Shared by the TRAKer facade and the pipeline's tasks so both compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .errors import BadInputError, NonFiniteGradientError
+from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
+from .modelout import AbstractModelOutput, resolve_task
+from .projectors import AbstractProjector
+
+
+def _bad_rows(t: Tensor) -> list[int]:
+    return (~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)).nonzero().reshape(-1).tolist()
+
+
+class Featurizer:
+    """Computes TRAK's projected gradients X (normalized by √grad_dim, as traker) and weights Q."""
+
+    def __init__(self, model: torch.nn.Module, task, projector: AbstractProjector,
+                 gradient_computer: type[AbstractGradientComputer] = FunctionalGradientComputer,
+                 grad_wrt: Optional[Iterable[str]] = None, device="cpu", dtype=torch.float32) -> None:
+        self.model = model
+        self.task: AbstractModelOutput = resolve_task(task)
+        self.projector = projector
+        self.device = device
+        self.grad_dim = grad_dim_of(model, grad_wrt)
+        self.gradient_computer = gradient_computer(model=model, task=self.task, grad_dim=self.grad_dim,
+                                                   dtype=dtype, device=device, grad_wrt=grad_wrt)
+        self.normalize_factor = math.sqrt(self.grad_dim)
+
+    def load_state(self, state_dict: dict) -> None:
+        try:
+            self.model.load_state_dict(state_dict)
+        except RuntimeError as e:
+            raise BadInputError(f"checkpoint does not fit the model: {e}") from None
+        self.model.eval()
+        self.gradient_computer.load_model_params(self.model)
+
+    def _to_device(self, batch: Sequence[Tensor]) -> list[Tensor]:
+        return [x.to(self.device) for x in batch]
+
+    def out_to_loss(self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int]) -> Tensor:
+        q = self.gradient_computer.compute_loss_grad(batch).reshape(-1).float()
+        bad = (~torch.isfinite(q)).nonzero().reshape(-1).tolist()
+        if bad:
+            raise NonFiniteGradientError(model_id, [indices[i] for i in bad], what="model outputs")
+        return q
+
+    def project_batch(self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int]) -> Tensor:
+        grads = self.gradient_computer.compute_per_sample_grad(batch)
+        bad = sorted({i for g in grads.values() for i in _bad_rows(g)})
+        if bad:
+            raise NonFiniteGradientError(model_id, [indices[i] for i in bad])
+        x = self.projector.project(grads, model_id=model_id).float() / self.normalize_factor
+        bad = _bad_rows(x)
+        if bad:
+            raise NonFiniteGradientError(model_id, [indices[i] for i in bad], what="projected gradients")
+        return x
+
+    def featurize(self, batch: Sequence[Tensor], model_id: int,
+                  indices: Optional[Sequence[int]] = None) -> tuple[np.ndarray, np.ndarray]:
+        """(X (B, p) float32, Q (B,) float32) for one batch. Raises before returning anything on bad input."""
+        self.task.validate_batch(batch)
+        batch = self._to_device(batch)
+        b = batch[0].shape[0]
+        indices = list(range(b)) if indices is None else [int(i) for i in indices]
+        q = self.out_to_loss(batch, model_id, indices)
+        x = self.project_batch(batch, model_id, indices)
+        return x.cpu().numpy(), q.cpu().numpy()
+
+    def target_features(self, batch: Sequence[Tensor], model_id: int,
+                        indices: Optional[Sequence[int]] = None) -> np.ndarray:
+        """X for targets (no Q needed, but labels are still checked)."""
+        self.task.validate_batch(batch)
+        batch = self._to_device(batch)
+        b = batch[0].shape[0]
+        indices = list(range(b)) if indices is None else [int(i) for i in indices]
+        self.out_to_loss(batch, model_id, indices)  # label range and finiteness checks
+        return self.project_batch(batch, model_id, indices).cpu().numpy()

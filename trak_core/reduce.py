@@ -1,0 +1,157 @@
+"""Streaming reductions over a store: per-shard XᵀX partials, features, and combined scores.
+
+Memory is O(block × (p + m) + p²) whatever the number of train rows n.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+
+from .errors import StateError
+from .scoring import (check_conditioning, combine_checkpoints, features_block, regularized_inverse,
+                      scores_block, xtx_partial)
+from .store import TrakStore
+
+
+def shard_partial(store: TrakStore, model_id: int, shard: int, rows: Optional[np.ndarray] = None) -> np.ndarray:
+    """Xₛᵀ Xₛ (float64) of one shard, from the stored (rounded) gradients or the given rows."""
+    if rows is None:
+        a, b = store.meta.shard_range(shard)
+        rows = store.model(model_id).grads[a:b]
+    x = torch.from_numpy(np.asarray(rows).astype(store.meta.np_dtype, copy=False).astype(np.float32))
+    return xtx_partial(x).numpy()
+
+
+def ensure_partial(store: TrakStore, model_id: int, shard: int) -> None:
+    if not store.partial_done(model_id, shard):
+        if not store.shard_featurized(model_id, shard):
+            a, b = store.meta.shard_range(shard)
+            raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {shard} are not all featurized")
+        store.write_partial(model_id, shard, shard_partial(store, model_id, shard))
+
+
+def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:
+    """XᵀX as the sum of the shard partials in shard order (the one canonical order)."""
+    m = store.model(model_id)
+    total = np.zeros((store.meta.proj_dim, store.meta.proj_dim), dtype=np.float64)
+    for s in range(store.meta.num_shards):
+        total += m.xtx_partials[s]
+    return total
+
+
+def require_featurized(store: TrakStore, model_id: int) -> None:
+    mask = store.featurized_mask(model_id)
+    if not mask.all():
+        missing = np.flatnonzero(~mask)
+        raise StateError(f"model_id={model_id} is not fully featurized: {missing.size} of {mask.size} rows "
+                         f"missing (first: {missing[:10].tolist()}); featurize them before finalizing")
+
+
+def solve_model(store: TrakStore, model_id: int, lambda_reg: float = 0.0, rescale: bool = True) -> tuple[np.ndarray, dict]:
+    """(inverse (p, p) float64, info) for one model from its partials."""
+    xtx = torch.from_numpy(total_xtx(store, model_id))
+    cond = check_conditioning(xtx, lambda_reg, store.meta.train_set_size, model_id=model_id, stacklevel=3)
+    inv = regularized_inverse(xtx, lambda_reg, rescale=rescale)
+    info = {"lambda_reg": float(lambda_reg), "rescale": bool(rescale), "condition": float(cond),
+            "xtx_trace": float(torch.trace(xtx))}
+    return inv.numpy(), info
+
+
+def write_features_rows(store: TrakStore, model_id: int, inv: np.ndarray, a: int, b: int) -> None:
+    m = store.model(model_id)
+    inv_t = torch.from_numpy(inv)
+    x = torch.from_numpy(m.grads[a:b].astype(np.float32))
+    phi = features_block(x, inv_t).numpy()
+    m.features[a:b] = phi.astype(store.meta.np_dtype)
+    m.finalized[a:b] = 1
+
+
+def finalize_model(store: TrakStore, model_id: int, lambda_reg: float = 0.0, rescale: bool = True,
+                   block_rows: Optional[int] = None, progress=None) -> dict:
+    """Partials → XᵀX → (XᵀX + λI)⁻¹ → features, streaming over rows. Idempotent."""
+    if store.is_finalized(model_id):
+        return store.finalize_info(model_id)
+    require_featurized(store, model_id)
+    for s in range(store.meta.num_shards):
+        ensure_partial(store, model_id, s)
+    inv, info = solve_model(store, model_id, lambda_reg, rescale)
+    step = block_rows or store.meta.shard_rows
+    n = store.meta.train_set_size
+    done = store.model(model_id).finalized
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        if not done[a:b].all():
+            write_features_rows(store, model_id, inv, a, b)
+        if progress:
+            progress(b - a)
+    store.model(model_id).group.attrs["finalize"] = info
+    return info
+
+
+def usable_models(store: TrakStore, exp_name: str, model_ids: Optional[Iterable[int]] = None,
+                  allow_skip: bool = False) -> list[int]:
+    """Models whose features are finalized and whose target gradients are complete."""
+    ids = list(model_ids) if model_ids is not None else store.experiment_model_ids(exp_name)
+    if not ids:
+        raise StateError(f"experiment {exp_name!r} has no scored checkpoints")
+    used = []
+    for mid in ids:
+        problem = None
+        if not store.is_finalized(mid):
+            problem = f"model_id={mid} is not finalized"
+        elif not store.targets_complete(exp_name, mid):
+            problem = f"target gradients of experiment {exp_name!r} for model_id={mid} are incomplete or missing"
+        if problem:
+            if allow_skip:
+                warnings.warn(f"{problem}; skipping it (allow_skip=True)")
+                continue
+            raise StateError(problem)
+        used.append(mid)
+    if not used:
+        raise StateError(f"no usable checkpoint for experiment {exp_name!r}")
+    return used
+
+
+def load_targets(store: TrakStore, exp_name: str, model_ids: list[int]) -> dict[int, torch.Tensor]:
+    return {mid: torch.from_numpy(store.target_grads(exp_name, mid)[:].astype(np.float32)) for mid in model_ids}
+
+
+def score_rows(store: TrakStore, exp_name: str, model_ids: list[int], a: int, b: int,
+               targets: Optional[dict] = None) -> None:
+    """Combined scores for train rows [a, b) written to the experiment's score array."""
+    targets = targets if targets is not None else load_targets(store, exp_name, model_ids)
+    scores, done = store.init_scores(exp_name)
+    acc = None
+    qsum = np.zeros(b - a, dtype=np.float64)
+    for mid in model_ids:
+        m = store.model(mid)
+        phi = torch.from_numpy(m.features[a:b].astype(np.float32))
+        block = scores_block(phi, targets[mid])
+        acc = block if acc is None else acc.add_(block)
+        qsum += m.out_to_loss[a:b].astype(np.float64)
+    out = combine_checkpoints(acc.numpy(), qsum.astype(np.float32), len(model_ids))
+    scores[a:b] = out.astype(np.float32)
+    done[a:b] = 1
+
+
+def finalize_scores(store: TrakStore, exp_name: str, model_ids: Optional[Iterable[int]] = None,
+                    allow_skip: bool = False, block_rows: Optional[int] = None, progress=None) -> np.ndarray:
+    """Stream over train rows; returns the (n, m) float32 scores (also stored)."""
+    used = usable_models(store, exp_name, model_ids, allow_skip)
+    targets = load_targets(store, exp_name, used)
+    step = block_rows or store.meta.shard_rows
+    n = store.meta.train_set_size
+    store.init_scores(exp_name)
+    e = store.experiment(exp_name)
+    e["scores_done"][:] = 0  # a new combination: recompute all rows
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        score_rows(store, exp_name, used, a, b, targets)
+        if progress:
+            progress(b - a)
+    e.attrs["scored_with"] = [int(x) for x in used]
+    return e["scores"][:]

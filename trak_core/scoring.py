@@ -1,0 +1,104 @@
+"""The linear algebra of TRAK: XᵀX, its regularized inverse, features, scores, checkpoint combination.
+
+Everything here works on blocks of rows so that memory stays flat in the number of train examples n:
+
+* ``xtx_partial(X_block)`` — one block's XᵀX in float64; XᵀX of all rows is the sum of the partials.
+* ``regularized_inverse(xtx, lambda_reg)`` — (XᵀX + λI)⁻¹ in float64, with a conditioning check; traker
+  0.3.2 additionally divides it by its mean absolute value (``rescale=True``, our default, for parity).
+* ``features_block(X_block, inv)`` — Φ = X (XᵀX + λI)⁻¹ for one block.
+* ``scores_block(Φ_block, G)`` — Φ Gᵀ for one block of train rows against all targets.
+* combination over C checkpoints (traker's): S = [(1/C) Σ_c Φ_c G_cᵀ] ⊙ [(1/C) Σ_c Q_c] (Q broadcast
+  over targets), see :func:`combine_checkpoints`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .errors import IllConditionedWarning
+
+# above this condition number of (XᵀX + λI) the float32 features are dominated by round-off
+CONDITION_WARN = 1e7
+
+
+def xtx_partial(x_block: Tensor) -> Tensor:
+    """Xᵀ X of one block of rows, accumulated in float64."""
+    x = x_block.to(torch.float64)
+    return x.T @ x
+
+
+def condition_number(mat: Tensor) -> tuple[float, Tensor]:
+    """(condition number, eigenvalues) of a symmetric PSD matrix, in float64."""
+    ev = torch.linalg.eigvalsh(mat.to(torch.float64))
+    top = float(ev[-1])
+    low = float(ev[0])
+    if top <= 0:
+        return math.inf, ev
+    if low <= top * 1e-300 or low <= 0:
+        return math.inf, ev
+    return top / low, ev
+
+
+def check_conditioning(xtx: Tensor, lambda_reg: float, n_rows: int, *, model_id=None,
+                       stacklevel: int = 2) -> float:
+    """Warn (:class:`IllConditionedWarning`) when XᵀX + λI is singular or badly conditioned.
+
+    Returns the condition estimate. traker 0.3.2 silently returns noise in these cases.
+    """
+    p = xtx.shape[0]
+    reg = xtx.to(torch.float64) + lambda_reg * torch.eye(p, dtype=torch.float64, device=xtx.device)
+    cond, ev = condition_number(reg)
+    who = f" for model_id={model_id}" if model_id is not None else ""
+    mean_eig = float(ev.clamp(min=0).mean())
+    remedy = (f"set lambda_reg > 0 (e.g. {1e-3 * mean_eig:.3g}, 1e-3 × the mean eigenvalue of XᵀX) "
+              f"or use a proj_dim well below the number of train examples")
+    if p >= n_rows and lambda_reg == 0:
+        warnings.warn(
+            f"proj_dim={p} ≥ number of train examples n={n_rows}{who}: XᵀX has rank ≤ {n_rows} < {p} and is "
+            f"singular (condition estimate {cond:.3g}); scores would be noise. Remedy: {remedy}.",
+            IllConditionedWarning, stacklevel=stacklevel)
+    elif not cond < CONDITION_WARN:
+        warnings.warn(
+            f"XᵀX + λI is badly conditioned{who} (condition estimate {cond:.3g} with lambda_reg={lambda_reg}, "
+            f"proj_dim={p}, n={n_rows}); scores are dominated by round-off. Remedy: {remedy}.",
+            IllConditionedWarning, stacklevel=stacklevel)
+    return cond
+
+
+def regularized_inverse(xtx: Tensor, lambda_reg: float = 0.0, rescale: bool = True) -> Tensor:
+    """(XᵀX + λI)⁻¹ in float64; divided by its mean |entry| when ``rescale`` (traker 0.3.2 does)."""
+    p = xtx.shape[0]
+    reg = xtx.to(torch.float64) + lambda_reg * torch.eye(p, dtype=torch.float64, device=xtx.device)
+    try:
+        inv = torch.linalg.inv(reg)
+    except RuntimeError:  # exactly singular: the pseudo-inverse keeps the output finite
+        inv = torch.linalg.pinv(reg, hermitian=True)
+    if rescale:
+        m = inv.abs().mean()
+        if m > 0:
+            inv = inv / m
+    return inv
+
+
+def features_block(x_block: Tensor, inv: Tensor, compute_dtype: torch.dtype = torch.float32) -> Tensor:
+    """Φ = X (XᵀX + λI)⁻¹ for a block of rows."""
+    return x_block.to(compute_dtype) @ inv.to(compute_dtype)
+
+
+def scores_block(features: Tensor, target_grads: Tensor, compute_dtype: torch.dtype = torch.float32) -> Tensor:
+    """Φ Gᵀ for a block of train rows (rows × p) and all targets (m × p) → rows × m."""
+    return features.to(compute_dtype) @ target_grads.to(compute_dtype).T
+
+
+def combine_checkpoints(score_sum: np.ndarray | Tensor, out_to_loss_sum: np.ndarray | Tensor,
+                        num_models: int) -> np.ndarray | Tensor:
+    """traker's combination: (Σ_c Φ_c G_cᵀ / C) ⊙ (Σ_c Q_c / C), Q (rows,) broadcast over targets."""
+    if num_models <= 0:
+        raise ValueError("no checkpoint contributed to the scores")
+    q = out_to_loss_sum.reshape(-1, 1)
+    return (score_sum / num_models) * (q / num_models)

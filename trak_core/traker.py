@@ -1,0 +1,203 @@
+"""A drop-in for traker 0.3.2's ``TRAKer``: same constructor arguments and methods, our store and math.
+
+Differences from traker 0.3.2, on purpose:
+
+* the store is one Zarr group (``save_dir`` may be a path or an fsspec URL), validated on reopen;
+* XᵀX is accumulated in float64 and inverted in float64 (traker: in the storage dtype / float32);
+* singular or badly conditioned XᵀX warns with the condition estimate and the remedy;
+* bad input raises a clear exception before anything is written (traker asserts or logs and goes on);
+* the default projector is our counter-RNG dense Rademacher projection on every device (same matrix on
+  CPU and GPU); pass ``projector=`` to choose another.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Iterable, Optional, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .errors import BadInputError, StateError
+from .featurize import Featurizer
+from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
+from .modelout import AbstractModelOutput, resolve_task
+from .projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType
+from .reduce import finalize_model, finalize_scores
+from .store import StoreMetadata, TrakStore
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class TRAKer:
+    """The front-facing TRAK class (see the module docstring for how it differs from traker 0.3.2).
+
+    Extra keyword arguments: ``rescale_inverse`` (traker's division of (XᵀX+λI)⁻¹ by its mean |entry|;
+    default True for parity), ``chunk_rows``/``shard_rows`` (store layout), ``storage_options`` (fsspec).
+    """
+
+    def __init__(self, model: torch.nn.Module, task: Union[AbstractModelOutput, str], train_set_size: int,
+                 save_dir: str = "./trak_results", load_from_save_dir: bool = True,
+                 device: Union[str, torch.device, None] = None,
+                 gradient_computer: type[AbstractGradientComputer] = FunctionalGradientComputer,
+                 projector: Optional[AbstractProjector] = None, saver=None, score_computer=None,
+                 proj_dim: int = 2048, logging_level=logging.INFO, use_half_precision: bool = True,
+                 proj_max_batch_size: int = 32, projector_seed: int = 0,
+                 grad_wrt: Optional[Iterable[str]] = None, lambda_reg: float = 0.0, *,
+                 rescale_inverse: bool = True, chunk_rows: int = 1024, shard_rows: Optional[int] = None,
+                 storage_options: Optional[dict] = None) -> None:
+        self.logger = logging.getLogger("trakflow")
+        self.logger.setLevel(logging_level)
+        if saver is not None or score_computer is not None:
+            warnings.warn("TRAKer: custom saver/score_computer classes are not used; trakflow's Zarr store "
+                          "and score computation replace them", stacklevel=2)
+        if not isinstance(train_set_size, (int, np.integer)) or train_set_size <= 0:
+            raise BadInputError(f"train_set_size must be a positive integer, got {train_set_size!r}")
+        if not lambda_reg >= 0:
+            raise BadInputError(f"lambda_reg must be >= 0, got {lambda_reg!r}")
+        self.model = model
+        self.task = resolve_task(task)
+        self.train_set_size = int(train_set_size)
+        self.device = str(device) if device is not None else default_device()
+        self.dtype = torch.float16 if use_half_precision else torch.float32
+        self.grad_wrt = list(grad_wrt) if grad_wrt is not None else None
+        self.lambda_reg = float(lambda_reg)
+        self.rescale_inverse = rescale_inverse
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.num_params_for_grad = grad_dim_of(model, self.grad_wrt)
+        self.proj_seed = projector_seed
+
+        if projector is None:
+            if not isinstance(proj_dim, int) or proj_dim <= 0:
+                raise BadInputError(f"proj_dim must be a positive integer, got {proj_dim!r}")
+            projector = DenseProjector(self.num_params_for_grad, proj_dim, projector_seed,
+                                       ProjectionType.rademacher, self.device)
+        elif isinstance(projector, NoOpProjector):
+            projector.grad_dim = projector.proj_dim = self.num_params_for_grad
+            projector.device = self.device
+        if projector.grad_dim != self.num_params_for_grad:
+            raise BadInputError(f"projector.grad_dim={projector.grad_dim} but the model has "
+                                f"{self.num_params_for_grad} parameters to take gradients for")
+        self.projector = projector
+        self.proj_dim = projector.proj_dim
+        self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
+
+        spec = projector.spec()
+        shard_rows = shard_rows or max(chunk_rows, 8 * chunk_rows)
+        self.metadata = StoreMetadata(
+            train_set_size=self.train_set_size, grad_dim=self.num_params_for_grad, proj_dim=self.proj_dim,
+            projector=spec["kind"], proj_type=spec["proj_type"], proj_seed=spec["seed"],
+            dtype="float16" if use_half_precision else "float32", chunk_rows=chunk_rows,
+            shard_rows=shard_rows, task=type(self.task).__name__)
+        self.save_dir = str(save_dir)
+        self.load_from_save_dir = load_from_save_dir
+        self.store = TrakStore.create_or_open(self.save_dir, self.metadata, storage_options)
+        self.featurizer = Featurizer(model, self.task, projector, gradient_computer, self.grad_wrt, self.device)
+        self.gradient_computer = self.featurizer.gradient_computer
+        self.ckpt_loaded: Optional[int] = None
+        self.current_model_id: Optional[int] = None
+        self.current_experiment_name: Optional[str] = None
+        self._last_ind = 0
+        self._last_ind_target = 0
+        self.scores = None
+
+    # ------------------------------------------------------------------ featurizing
+    def load_checkpoint(self, checkpoint: dict, model_id: int, _allow_featurizing_already_registered=False) -> None:
+        """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
+        self.store.init_model(model_id)
+        self.featurizer.load_state(checkpoint)
+        self.ckpt_loaded = model_id
+        self.current_model_id = model_id
+        self._last_ind = 0
+
+    def _resolve_inds(self, batch, inds, num_samples, attr: str, limit: int) -> np.ndarray:
+        if (inds is None) == (num_samples is None):
+            raise BadInputError("exactly one of inds and num_samples must be given")
+        if num_samples is not None:
+            start = getattr(self, attr)
+            inds = np.arange(start, start + int(num_samples))
+            setattr(self, attr, start + int(num_samples))
+        inds = np.asarray(inds.cpu() if isinstance(inds, Tensor) else inds).reshape(-1).astype(np.int64)
+        b = batch[0].shape[0] if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], Tensor) else None
+        if b is not None and b != inds.size:
+            raise BadInputError(f"batch has {b} examples but {inds.size} indices were given")
+        if inds.size and (inds.min() < 0 or inds.max() >= limit):
+            bad = inds[(inds < 0) | (inds >= limit)]
+            raise BadInputError(f"indices {bad[:10].tolist()} out of range [0, {limit})")
+        if np.unique(inds).size != inds.size:
+            raise BadInputError("indices within one batch must be distinct")
+        return inds
+
+    def featurize(self, batch, inds=None, num_samples: Optional[int] = None) -> None:
+        """Project the gradients of a batch of train examples and store them (rows ``inds``)."""
+        if self.ckpt_loaded is None:
+            raise StateError("load a checkpoint with load_checkpoint(...) before featurizing")
+        mid = self.current_model_id
+        if self.store.is_finalized(mid):
+            raise StateError(f"model_id={mid} is already finalized; featurizing it again would make its features "
+                             "stale. Use a new model_id or a new store.")
+        self.task.validate_batch(batch)
+        inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
+        done = self.store.model(mid).featurized.oindex[inds].astype(bool)
+        if done.all():
+            return
+        keep = np.flatnonzero(~done)
+        if keep.size < inds.size:
+            sel = torch.as_tensor(keep)
+            batch = [x[sel] for x in batch]
+            inds = inds[keep]
+        order = np.argsort(inds)
+        x, q = self.featurizer.featurize(batch, mid, inds)
+        self.store.write_train_rows(mid, inds[order], x[order], q[order])
+
+    def finalize_features(self, model_ids: Optional[Iterable[int]] = None, del_grads: bool = False) -> None:
+        """XᵀX, (XᵀX + λI)⁻¹ and the features Φ for each model (all registered ones by default)."""
+        ids = list(model_ids) if model_ids is not None else self.store.model_ids()
+        for mid in ids:
+            if not self.store.has_model(mid):
+                raise BadInputError(f"model_id={mid} is not registered; load_checkpoint and featurize it first")
+        for mid in ids:
+            if self.store.is_finalized(mid):
+                self.logger.warning("model_id=%s already finalized, skipping", mid)
+                continue
+            finalize_model(self.store, mid, self.lambda_reg, self.rescale_inverse)
+            if del_grads:
+                g = self.store.model(mid).grads
+                g[:] = 0
+        self._last_ind = 0
+
+    # ------------------------------------------------------------------ scoring
+    def start_scoring_checkpoint(self, exp_name: str, checkpoint: dict, model_id: int, num_targets: int) -> None:
+        """Begin computing target gradients of experiment ``exp_name`` for checkpoint ``model_id``."""
+        if not self.store.is_finalized(model_id):
+            raise StateError(f"model_id={model_id} is not finalized; call finalize_features first")
+        self.store.init_experiment(exp_name, num_targets)
+        self.store.init_experiment_model(exp_name, model_id)
+        self.featurizer.load_state(checkpoint)
+        self.current_experiment_name = exp_name
+        self.current_model_id = model_id
+        self.ckpt_loaded = model_id
+        self._last_ind_target = 0
+
+    def score(self, batch, inds=None, num_samples: Optional[int] = None) -> None:
+        """Project the gradients of a batch of targets (rows ``inds`` of the experiment)."""
+        if self.current_experiment_name is None:
+            raise StateError("call start_scoring_checkpoint(...) before score(...)")
+        exp = self.current_experiment_name
+        self.task.validate_batch(batch)
+        inds = self._resolve_inds(batch, inds, num_samples, "_last_ind_target", self.store.num_targets(exp))
+        order = np.argsort(inds)
+        g = self.featurizer.target_features(batch, self.current_model_id, inds)
+        self.store.write_target_rows(exp, self.current_model_id, inds[order], g[order])
+
+    def finalize_scores(self, exp_name: str, model_ids: Optional[Iterable[int]] = None,
+                        allow_skip: bool = False) -> np.ndarray:
+        """Combine the checkpoints' scores: (n_train, n_targets) float32 array."""
+        self._last_ind_target = 0
+        self.store.experiment(exp_name)  # unknown experiment → clear error
+        self.scores = finalize_scores(self.store, exp_name, model_ids, allow_skip)
+        return self.scores
