@@ -110,6 +110,8 @@ def check_writable(location: str) -> None:
 
 
 def _open_zarr(location: str, mode: str, storage_options: Optional[dict] = None):
+    if str(location).startswith("file://"):  # fsspec's local files do not create parents: use zarr's LocalStore
+        location = urlparse(str(location)).path
     kw = {}
     if storage_options and _is_url(location):
         kw["storage_options"] = storage_options

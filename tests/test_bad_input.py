@@ -1,0 +1,183 @@
+"""Every bad input: a clear exception naming what is wrong, raised before writing; the store unchanged."""
+
+import hashlib
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import trak_core
+from trak_core.errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
+from trak_fixtures import make_data, make_model
+
+
+def snapshot(path) -> dict:
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            full = os.path.join(root, f)
+            with open(full, "rb") as fh:
+                out[os.path.relpath(full, path)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def new_traker(tmp_path, n=40, **kw):
+    kw.setdefault("proj_dim", 16)
+    return trak_core.TRAKer(model=make_model(), task="image_classification", train_set_size=n,
+                            save_dir=str(tmp_path / "store"), device="cpu", logging_level=logging.ERROR,
+                            chunk_rows=8, **kw)
+
+
+@pytest.fixture
+def loaded(tmp_path):
+    tr = new_traker(tmp_path)
+    tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
+    x, y, _, _ = make_data(n=40)
+    tr.featurize((x[:8], y[:8]), num_samples=8)  # some real content in the store
+    return tr, tmp_path / "store", (x, y)
+
+
+def test_wrong_batch_shapes(loaded):
+    tr, store, (x, y) = loaded
+    before = snapshot(store)
+    with pytest.raises(BadInputError, match="different batch sizes"):
+        tr.featurize((x[8:16], y[8:15]), inds=np.arange(8, 16))
+    with pytest.raises(BadInputError, match="batch has 8 examples but 5 indices"):
+        tr.featurize((x[8:16], y[8:16]), inds=np.arange(8, 13))
+    with pytest.raises(BadInputError, match="batch must have 2 elements"):
+        tr.featurize((x[8:16],), inds=np.arange(8, 16))
+    with pytest.raises(BadInputError, match=r"out of range \[0, 40\)"):
+        tr.featurize((x[8:16], y[8:16]), inds=np.arange(36, 44))
+    with pytest.raises(BadInputError, match="exactly one of inds and num_samples"):
+        tr.featurize((x[8:16], y[8:16]))
+    assert snapshot(store) == before
+
+
+def test_labels_out_of_range(loaded):
+    tr, store, (x, y) = loaded
+    before = snapshot(store)
+    bad = y[8:16].clone()
+    bad[3] = 7  # the model has 3 classes
+    with pytest.raises(BadInputError, match=r"labels out of range \[0, 3\) at batch positions \[3\]"):
+        tr.featurize((x[8:16], bad), inds=np.arange(8, 16))
+    bad[3] = -1
+    with pytest.raises(BadInputError, match="labels out of range"):
+        tr.featurize((x[8:16], bad), inds=np.arange(8, 16))
+    with pytest.raises(BadInputError, match="1-d integer tensor"):
+        tr.featurize((x[8:16], y[8:16].float()), inds=np.arange(8, 16))
+    assert snapshot(store) == before
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_inputs_name_model_and_indices(loaded, value):
+    tr, store, (x, y) = loaded
+    before = snapshot(store)
+    xb = x[8:16].clone()
+    xb[2, 0] = value
+    xb[5, 3] = value
+    with pytest.raises(NonFiniteGradientError, match=r"model_id=0 at example indices \[10, 13\]") as e:
+        tr.featurize((xb, y[8:16]), inds=np.arange(8, 16))
+    assert e.value.indices == [10, 13]
+    assert snapshot(store) == before
+    assert not tr.store.model(0).featurized[8:16].any()
+
+
+def test_non_finite_weights_name_model(tmp_path):
+    tr = new_traker(tmp_path)
+    ck = make_model(1).state_dict()
+    ck["2.weight"][0, 0] = float("nan")
+    tr.load_checkpoint(ck, model_id=4)
+    x, y, _, _ = make_data(n=40)
+    before = snapshot(tmp_path / "store")
+    with pytest.raises(NonFiniteGradientError, match="model_id=4"):
+        tr.featurize((x[:8], y[:8]), num_samples=8)
+    assert snapshot(tmp_path / "store") == before
+
+
+def test_featurize_after_finalize(tmp_path):
+    tr = new_traker(tmp_path, n=24, lambda_reg=1e-3)
+    tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
+    x, y, _, _ = make_data(n=24)
+    tr.featurize((x, y), num_samples=24)
+    tr.finalize_features()
+    before = snapshot(tmp_path / "store")
+    tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
+    with pytest.raises(StateError, match="model_id=0 is already finalized"):
+        tr.featurize((x[:8], y[:8]), inds=np.arange(8))
+    assert snapshot(tmp_path / "store") == before
+
+
+def test_finalize_before_all_rows_featurized(loaded):
+    tr, store, _ = loaded
+    before = snapshot(store)
+    with pytest.raises(StateError, match="32 of 40 rows missing"):
+        tr.finalize_features()
+    assert snapshot(store) == before
+
+
+def test_unknown_exp_name(tmp_path):
+    tr = new_traker(tmp_path, n=24, lambda_reg=1e-3)
+    tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
+    x, y, xt, yt = make_data(n=24)
+    tr.featurize((x, y), num_samples=24)
+    tr.finalize_features()
+    before = snapshot(tmp_path / "store")
+    with pytest.raises(BadInputError, match="unknown experiment 'nope'"):
+        tr.finalize_scores("nope")
+    assert snapshot(tmp_path / "store") == before
+
+
+def test_score_before_start_and_unfinalized_checkpoint(loaded):
+    tr, store, (x, y) = loaded
+    before = snapshot(store)
+    with pytest.raises(StateError, match="start_scoring_checkpoint"):
+        tr.score((x[:4], y[:4]), num_samples=4)
+    with pytest.raises(StateError, match="model_id=0 is not finalized"):
+        tr.start_scoring_checkpoint("exp", make_model(1).state_dict(), 0, 4)
+    assert snapshot(store) == before
+
+
+def test_reopen_with_another_proj_dim(tmp_path):
+    tr = new_traker(tmp_path, proj_dim=16)
+    tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
+    before = snapshot(tmp_path / "store")
+    with pytest.raises(StoreMismatchError, match=r"proj_dim=16.*proj_dim=32"):
+        new_traker(tmp_path, proj_dim=32)
+    with pytest.raises(StoreMismatchError, match="dtype='float16'"):
+        new_traker(tmp_path, proj_dim=16, use_half_precision=False)
+    with pytest.raises(StoreMismatchError, match="train_set_size"):
+        new_traker(tmp_path, n=41, proj_dim=16)
+    assert snapshot(tmp_path / "store") == before
+    new_traker(tmp_path, proj_dim=16)  # the same settings reopen fine
+
+
+def test_checkpoint_that_does_not_fit(tmp_path):
+    tr = new_traker(tmp_path)
+    with pytest.raises(BadInputError, match="checkpoint does not fit the model"):
+        tr.load_checkpoint(torch.nn.Linear(3, 3).state_dict(), model_id=0)
+
+
+def test_constructor_arguments(tmp_path):
+    with pytest.raises(BadInputError, match="train_set_size"):
+        new_traker(tmp_path, n=0)
+    with pytest.raises(BadInputError, match="proj_dim"):
+        new_traker(tmp_path, proj_dim=0)
+    with pytest.raises(BadInputError, match="lambda_reg"):
+        new_traker(tmp_path, lambda_reg=-1.0)
+    with pytest.raises(BadInputError, match="grad_wrt names parameters the model does not have: \\['nope'\\]"):
+        new_traker(tmp_path, grad_wrt=["nope"])
+    with pytest.raises(BadInputError, match="unknown task"):
+        trak_core.TRAKer(model=make_model(), task="regression", train_set_size=4, save_dir=str(tmp_path / "t"),
+                         device="cpu")
+    assert not (tmp_path / "store").exists() and not (tmp_path / "t").exists()
+
+
+def test_unwritable_store_location(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(BadInputError, match="not a directory|not writable"):
+        trak_core.TRAKer(model=make_model(), task="image_classification", train_set_size=4,
+                         save_dir=str(blocker), device="cpu", proj_dim=4)
+    assert blocker.read_text() == "x"
