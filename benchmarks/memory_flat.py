@@ -1,0 +1,95 @@
+"""Peak RSS of featurize, finalize and score against the number of train rows n.
+
+Each phase runs in a fresh subprocess (peak RSS = ru_maxrss of that process), on a store of n rows of
+proj_dim-dim features from a small MLP, so the numbers show whether memory grows with n.
+
+    .venv/bin/python benchmarks/memory_flat.py --sizes 50000 200000 --proj-dim 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+PHASE_CODE = r"""
+import json, logging, resource, sys, time, warnings
+import numpy as np, torch
+torch.manual_seed(0)
+import trak_core
+phase, store, n, p, m, bs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
+tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=n, save_dir=store, device="cpu",
+                      proj_dim=p, lambda_reg=1e-3, logging_level=logging.ERROR)
+g = torch.Generator().manual_seed(1)
+t = time.perf_counter()
+if phase == "featurize":
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    for a in range(0, n, bs):
+        b = min(a + bs, n)
+        x = torch.randn(b - a, 16, generator=g); y = torch.randint(0, 10, (b - a,), generator=g)
+        tr.featurize((x, y), num_samples=b - a)
+elif phase == "finalize":
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr.finalize_features()
+elif phase == "score":
+    tr.start_scoring_checkpoint("bench", model.state_dict(), 0, m)
+    x = torch.randn(m, 16, generator=g); y = torch.randint(0, 10, (m,), generator=g)
+    tr.score((x, y), num_samples=m)
+    s = tr.finalize_scores("bench")
+    assert s.shape == (n, m)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"phase": phase, "n": n, "peak_rss_mib": peak / 1024, "baseline_rss_mib": base / 1024,
+                  "seconds": time.perf_counter() - t}))
+"""
+
+
+def run(sizes, proj_dim, targets, batch):
+    rows = []
+    for n in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            store = os.path.join(tmp, "store")
+            for phase in ("featurize", "finalize", "score"):
+                out = subprocess.run([sys.executable, "-c", PHASE_CODE, phase, store, str(n), str(proj_dim),
+                                      str(targets), str(batch)], capture_output=True, text=True, check=True)
+                rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(rows[-1], flush=True)
+    return rows
+
+
+def table(rows, sizes, proj_dim, targets) -> str:
+    lines = [f"| phase | " + " | ".join(f"n={n:,}" for n in sizes) + f" | ratio (n={sizes[-1]:,} / n={sizes[0]:,}) |",
+             "|---|" + "---|" * (len(sizes) + 1)]
+    for phase in ("featurize", "finalize", "score"):
+        vals = [r for r in rows if r["phase"] == phase]
+        cells = [f"{r['peak_rss_mib']:.0f} MiB ({r['seconds']:.1f} s)" for r in vals]
+        ratio = vals[-1]["peak_rss_mib"] / vals[0]["peak_rss_mib"]
+        lines.append(f"| {phase} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+    store_mib = {n: n * proj_dim * 2 * 2 / 2**20 for n in sizes}
+    lines.append("")
+    lines.append(f"proj_dim={proj_dim}, {targets} targets, float16 store; the grads + features arrays alone are "
+                 + ", ".join(f"{store_mib[n]:.0f} MiB at n={n:,}" for n in sizes)
+                 + ". Peak RSS includes the interpreter with torch and zarr loaded.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=int, nargs="+", default=[50_000, 200_000])
+    ap.add_argument("--proj-dim", type=int, default=512)
+    ap.add_argument("--targets", type=int, default=100)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = run(a.sizes, a.proj_dim, a.targets, a.batch)
+    print(table(rows, a.sizes, a.proj_dim, a.targets))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
