@@ -110,3 +110,18 @@ def random_signs(seed: int, model_id: int, stream: int, counter: torch.Tensor) -
     """±1 (int64) for each counter."""
     h = hash_counter(counter, stream_key(seed, model_id, stream))
     return 1 - 2 * (h >> 31)
+
+
+def sjlt_block(seed: int, model_id: int, row0: int, row1: int, proj_dim: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse JL matrix's nonzeros for input coordinates [row0, row1).
+
+    Coordinate i has ``c`` nonzeros: for r in [0, c), counter = i * c + r, column
+    ``(hash(counter, key_row) * proj_dim) >> 32`` and sign ``1 - 2 * (hash(counter, key_sign) >> 31)``;
+    the value is sign · √(proj_dim / c) (so E⟨Px, Py⟩ = proj_dim ⟨x, y⟩, as for the dense kinds).
+    Repeated columns of one coordinate add up. Returns (columns (r, c) int64, signs (r, c) int64).
+    """
+    rows = torch.arange(row0, row1, dtype=torch.int64)
+    counter = rows[:, None] * c + torch.arange(c, dtype=torch.int64)[None, :]
+    cols = uniform_ints(seed, model_id, STREAM_SJLT_ROW, counter, proj_dim)
+    signs = random_signs(seed, model_id, STREAM_SJLT_SIGN, counter)
+    return cols, signs
