@@ -141,3 +141,28 @@ def test_metadata_validation():
 def test_open_missing_store_is_clear(tmp_path):
     with pytest.raises(trak_core.BadInputError, match="no trakflow store"):
         TrakStore.open(str(tmp_path / "nothing"))
+
+
+def test_relative_damping_resolves_against_mean_eigenvalue():
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((40, 6))
+    xtx = torch.from_numpy(a.T @ a)
+    mean_eig = float(np.linalg.eigvalsh(a.T @ a).mean())
+    assert scoring.resolve_lambda("rel:0.5", xtx) == pytest.approx(0.5 * mean_eig)
+    assert scoring.resolve_lambda("auto", xtx) == pytest.approx(scoring.AUTO_DAMPING * mean_eig)
+    assert scoring.resolve_lambda(0.25, xtx) == 0.25
+    # scale-free: scaling the gradients by s scales λ by s²
+    assert scoring.resolve_lambda("rel:0.5", 9 * xtx) == pytest.approx(9 * 0.5 * mean_eig)
+    for bad in ("fancy", "rel:x", "rel:-1", -0.1):
+        with pytest.raises(ValueError, match="lambda_reg"):
+            scoring.resolve_lambda(bad, xtx)
+
+
+def test_relative_damping_in_finalize_equals_absolute(tmp_path):
+    st, x, _ = filled_store(str(tmp_path / "a"), np.random.default_rng(6))
+    info = reduce.finalize_model(st, 0, lambda_reg="rel:0.2", rescale=False)
+    xd = x.astype(np.float64)
+    lam = 0.2 * np.trace(xd.T @ xd) / 6
+    assert info["lambda_reg"] == pytest.approx(lam) and info["lambda_setting"] == "rel:0.2"
+    np.testing.assert_allclose(st.model(0).features[:], xd @ np.linalg.inv(xd.T @ xd + lam * np.eye(6)),
+                               rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ import torch
 
 from .errors import StateError
 from .scoring import (check_conditioning, combine_checkpoints, features_block, regularized_inverse,
-                      scores_block, xtx_partial)
+                      resolve_lambda, scores_block, xtx_partial)
 from .store import TrakStore
 
 
@@ -51,13 +51,14 @@ def require_featurized(store: TrakStore, model_id: int) -> None:
                          f"missing (first: {missing[:10].tolist()}); featurize them before finalizing")
 
 
-def solve_model(store: TrakStore, model_id: int, lambda_reg: float = 0.0, rescale: bool = True) -> tuple[np.ndarray, dict]:
-    """(inverse (p, p) float64, info) for one model from its partials."""
+def solve_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True) -> tuple[np.ndarray, dict]:
+    """(inverse (p, p) float64, info) for one model from its partials. ``lambda_reg``: see resolve_lambda."""
     xtx = torch.from_numpy(total_xtx(store, model_id))
-    cond = check_conditioning(xtx, lambda_reg, store.meta.train_set_size, model_id=model_id, stacklevel=3)
-    inv = regularized_inverse(xtx, lambda_reg, rescale=rescale)
-    info = {"lambda_reg": float(lambda_reg), "rescale": bool(rescale), "condition": float(cond),
-            "xtx_trace": float(torch.trace(xtx))}
+    lam = resolve_lambda(lambda_reg, xtx)
+    cond = check_conditioning(xtx, lam, store.meta.train_set_size, model_id=model_id, stacklevel=3)
+    inv = regularized_inverse(xtx, lam, rescale=rescale)
+    info = {"lambda_reg": lam, "lambda_setting": lambda_reg if isinstance(lambda_reg, str) else float(lambda_reg),
+            "rescale": bool(rescale), "condition": float(cond), "xtx_trace": float(torch.trace(xtx))}
     return inv.numpy(), info
 
 
@@ -70,7 +71,7 @@ def write_features_rows(store: TrakStore, model_id: int, inv: np.ndarray, a: int
     m.finalized[a:b] = 1
 
 
-def finalize_model(store: TrakStore, model_id: int, lambda_reg: float = 0.0, rescale: bool = True,
+def finalize_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True,
                    block_rows: Optional[int] = None, progress=None) -> dict:
     """Partials → XᵀX → (XᵀX + λI)⁻¹ → features, streaming over rows. Idempotent."""
     if store.is_finalized(model_id):

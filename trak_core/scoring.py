@@ -26,6 +26,40 @@ from .errors import IllConditionedWarning
 CONDITION_WARN = 1e7
 
 
+AUTO_DAMPING = 0.1  # "auto": λ = AUTO_DAMPING × mean eigenvalue of XᵀX (measured on the demo: see RESULTS.md)
+
+
+def resolve_lambda(lambda_reg, xtx: Tensor) -> float:
+    """The absolute λ for a ``lambda_reg`` setting: a number ≥ 0, ``"auto"``, or ``"rel:<f>"``.
+
+    Relative settings scale with the mean eigenvalue of XᵀX (trace / p), so they do not depend on the
+    gradient scale, the model size or proj_dim: ``"rel:0.1"`` adds 0.1 × the mean eigenvalue.
+    """
+    if isinstance(lambda_reg, str):
+        text = lambda_reg.strip().lower()
+        if text == "auto":
+            factor = AUTO_DAMPING
+        elif text.startswith("rel:"):
+            try:
+                factor = float(text[4:])
+            except ValueError:
+                raise ValueError(f"lambda_reg={lambda_reg!r}: expected 'rel:<number>'") from None
+        else:
+            raise ValueError(f"lambda_reg={lambda_reg!r}: use a number >= 0, 'auto' or 'rel:<factor>'")
+        if not factor >= 0:
+            raise ValueError(f"lambda_reg={lambda_reg!r}: the factor must be >= 0")
+        return float(factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
+    value = float(lambda_reg)
+    if not value >= 0:
+        raise ValueError(f"lambda_reg must be >= 0, got {lambda_reg!r}")
+    return value
+
+
+def check_lambda(lambda_reg) -> None:
+    """Validate a lambda_reg setting without data (raises ValueError naming the problem)."""
+    resolve_lambda(lambda_reg, torch.eye(1, dtype=torch.float64))
+
+
 def xtx_partial(x_block: Tensor) -> Tensor:
     """Xᵀ X of one block of rows, accumulated in float64."""
     x = x_block.to(torch.float64)

@@ -26,6 +26,7 @@ from .gradients import AbstractGradientComputer, FunctionalGradientComputer, gra
 from .modelout import AbstractModelOutput, resolve_task
 from .projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType
 from .reduce import finalize_model, finalize_scores
+from .scoring import check_lambda
 from .store import StoreMetadata, TrakStore
 
 
@@ -36,7 +37,8 @@ def default_device() -> str:
 class TRAKer:
     """The front-facing TRAK class (see the module docstring for how it differs from traker 0.3.2).
 
-    Extra keyword arguments: ``rescale_inverse`` (traker's division of (XᵀX+λI)⁻¹ by its mean |entry|;
+    ``lambda_reg`` may also be ``"auto"`` or ``"rel:<f>"``: damping relative to the mean eigenvalue of
+    XᵀX (see :func:`trak_core.scoring.resolve_lambda`). Extra keyword arguments: ``rescale_inverse`` (traker's division of (XᵀX+λI)⁻¹ by its mean |entry|;
     default True for parity), ``chunk_rows``/``shard_rows`` (store layout), ``storage_options`` (fsspec).
     """
 
@@ -57,15 +59,17 @@ class TRAKer:
                           "and score computation replace them", stacklevel=2)
         if not isinstance(train_set_size, (int, np.integer)) or train_set_size <= 0:
             raise BadInputError(f"train_set_size must be a positive integer, got {train_set_size!r}")
-        if not lambda_reg >= 0:
-            raise BadInputError(f"lambda_reg must be >= 0, got {lambda_reg!r}")
+        try:
+            check_lambda(lambda_reg)
+        except ValueError as e:
+            raise BadInputError(str(e)) from None
         self.model = model
         self.task = resolve_task(task)
         self.train_set_size = int(train_set_size)
         self.device = str(device) if device is not None else default_device()
         self.dtype = torch.float16 if use_half_precision else torch.float32
         self.grad_wrt = list(grad_wrt) if grad_wrt is not None else None
-        self.lambda_reg = float(lambda_reg)
+        self.lambda_reg = lambda_reg if isinstance(lambda_reg, str) else float(lambda_reg)
         self.rescale_inverse = rescale_inverse
         self.num_params = sum(p.numel() for p in model.parameters())
         self.num_params_for_grad = grad_dim_of(model, self.grad_wrt)
