@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 from .errors import (BadInputError, IllConditionedWarning, NonFiniteGradientError, StateError,  # noqa: E402
-                     StoreMismatchError, TrakError)
+                     StoreLockedError, StoreMismatchError, TrakError)
 from .gradients import (AbstractGradientComputer, FunctionalGradientComputer,  # noqa: E402
                         IterativeGradientComputer, vectorize)
 from .modelout import (TASK_TO_MODELOUT, AbstractModelOutput, CLIPModelOutput,  # noqa: E402
@@ -25,5 +25,5 @@ __all__ = [
     "AbstractProjector", "NoOpProjector", "BasicProjector", "BasicSingleBlockProjector", "DenseProjector",
     "ProjectionType", "make_projector", "AbstractGradientComputer", "FunctionalGradientComputer",
     "IterativeGradientComputer", "vectorize", "TrakStore", "StoreMetadata", "TrakError", "BadInputError",
-    "NonFiniteGradientError", "StateError", "StoreMismatchError", "IllConditionedWarning", "Alpha",
+    "NonFiniteGradientError", "StateError", "StoreMismatchError", "StoreLockedError", "IllConditionedWarning", "Alpha",
 ]

@@ -31,5 +31,9 @@ class StateError(TrakError, RuntimeError):
     """An operation was called in the wrong order (e.g. featurize after finalize)."""
 
 
+class StoreLockedError(TrakError, RuntimeError):
+    """Another live run holds the store's lock."""
+
+
 class IllConditionedWarning(UserWarning):
     """XᵀX (+ λI) is singular or badly conditioned: scores would be dominated by round-off."""

@@ -25,8 +25,12 @@ reopen: a mismatch is refused naming the field, before anything is written.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
+import socket
+import time
 from dataclasses import dataclass
 from typing import Literal, Optional
 from urllib.parse import urlparse
@@ -35,7 +39,7 @@ import numpy as np
 import zarr
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, NonNegativeInt, model_validator
 
-from .errors import BadInputError, StateError, StoreMismatchError
+from .errors import BadInputError, StateError, StoreLockedError, StoreMismatchError
 
 SCHEMA_VERSION = 1
 _META_KEY = "trakflow"
@@ -186,6 +190,99 @@ class TrakStore:
                     f"store at {self.location} was created with {field}={have[field]!r}, but this run asks "
                     f"for {field}={want[field]!r}. Use another store, or the same {field}."
                 )
+
+    # ---------------------------------------------------------------- run lock
+    LOCK_NAME = "trakflow.lock"
+
+    def _fs_and_path(self):
+        import fsspec
+        from fsspec.core import url_to_fs
+
+        loc = self.location
+        if loc.startswith("file://"):
+            loc = urlparse(loc).path
+        if _is_url(loc):
+            fs, path = url_to_fs(loc)
+        else:
+            fs, path = fsspec.filesystem("file"), os.path.abspath(loc)
+        return fs, path.rstrip("/") + "/" + self.LOCK_NAME
+
+    def lock_holder(self) -> Optional[dict]:
+        fs, path = self._fs_and_path()
+        try:
+            with fs.open(path, "rb") as fh:
+                return json.loads(fh.read().decode() or "{}")
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def _holder_alive(holder: dict) -> bool:
+        if holder.get("host") != socket.gethostname():
+            return True  # cannot tell for another machine: assume alive
+        pid = int(holder.get("pid", -1))
+        if pid <= 0:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def acquire_lock(self, run: str = "", force: bool = False) -> dict:
+        """Take the store's run lock or raise :class:`StoreLockedError` naming the live holder.
+
+        A lock left by a dead process of this host (a crash, SIGKILL) is stale and taken over, so a
+        rerun resumes. Workers of one run (Dask, processes) write disjoint chunks and need no lock.
+        """
+        fs, path = self._fs_and_path()
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "run": run, "since": time.time()}
+        holder = self.lock_holder()
+        if holder is not None and holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
+            return holder  # re-entrant within one process
+        if holder is not None and not force and self._holder_alive(holder):
+            raise StoreLockedError(
+                f"store {self.location} is in use by run {holder.get('run') or '?'} (pid {holder.get('pid')} on "
+                f"{holder.get('host')}); two runs on one store are refused. Wait for it, or if that run is "
+                f"gone, remove the lock with `trakflow unlock {self.location}`."
+            )
+        payload = json.dumps(me).encode()
+        if holder is None and not _is_url(self.location.replace("file://", "")):
+            try:  # atomic on local filesystems
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return self.acquire_lock(run, force)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(payload)
+        else:
+            with fs.open(path, "wb") as fh:
+                fh.write(payload)
+        if self.lock_holder() != me:  # lost a race on a non-atomic filesystem
+            raise StoreLockedError(f"store {self.location}: another run took the lock at the same time")
+        return me
+
+    def release_lock(self) -> None:
+        fs, path = self._fs_and_path()
+        holder = self.lock_holder()
+        if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+            fs.rm(path)
+
+    def force_unlock(self) -> Optional[dict]:
+        fs, path = self._fs_and_path()
+        holder = self.lock_holder()
+        if holder is not None:
+            fs.rm(path)
+        return holder
+
+    @contextlib.contextmanager
+    def locked(self, run: str = "", force: bool = False):
+        """``with store.locked(run_name): ...`` — hold the run lock for the block."""
+        self.acquire_lock(run, force)
+        try:
+            yield self
+        finally:
+            self.release_lock()
 
     # ---------------------------------------------------------------- helpers
     def _row_array(self, g: zarr.Group, name: str, dtype, width: Optional[int] = None, rows: Optional[int] = None):
