@@ -1,0 +1,30 @@
+"""featurize: one task per (checkpoint, shard of train rows); each writes its own whole chunks."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prefect import flow, get_run_logger
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from tasks import progress
+from tasks.attribution import featurize_shard, plan_attribution
+from tasks.common import summarize
+from trak_core.config import AttributeConfig
+
+from .runners import gather
+
+
+@flow(name="featurize", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)
+def featurize(config: AttributeConfig, plan: Optional[dict] = None) -> dict:
+    """Projected train gradients X, weights Q and per-shard XᵀX partials for every checkpoint.
+    ``plan`` (from the plan task) is computed when not given."""
+    plan = plan or plan_attribution(config)
+    progress.start("featurize", plan["train_set_size"] * len(plan["models"]))
+    futures = [featurize_shard.submit(config, m["model_id"], m["checkpoint"], s)
+               for m in plan["models"] for s in range(plan["num_shards"])]
+    manifests = gather(futures)
+    out = summarize(manifests)
+    get_run_logger().info("featurize: %d shard tasks, %d computed, %d skipped (complete in the store)",
+                          out["tasks"], out["computed"], out["skipped"])
+    return {**out, "manifests": manifests}

@@ -1,0 +1,31 @@
+"""score: target gradients per checkpoint, then block-wise scoring tasks combining the checkpoints."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prefect import flow, get_run_logger
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from tasks import progress
+from tasks.attribution import featurize_targets, plan_attribution, prepare_scores, score_block
+from tasks.common import summarize
+from trak_core.config import AttributeConfig
+
+from .runners import gather
+
+
+@flow(name="score", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)
+def score(config: AttributeConfig, plan: Optional[dict] = None) -> dict:
+    plan = plan or plan_attribution(config)
+    progress.start("targets", len(plan["models"]))
+    targets = gather([featurize_targets.submit(config, m["model_id"], m["checkpoint"]) for m in plan["models"]])
+    prep = prepare_scores(config, [m["model_id"] for m in plan["models"]])
+    progress.start("score", plan["train_set_size"])
+    blocks = gather([score_block.submit(config, prep["model_ids"], a, b) for a, b in prep["blocks"]])
+    t, s = summarize(targets), summarize(blocks)
+    get_run_logger().info("score: targets %d/%d computed, score blocks %d/%d computed, checkpoints combined: %s",
+                          t["computed"], t["tasks"], s["computed"], s["tasks"], prep["model_ids"])
+    return {"targets": {**t, "manifests": targets}, "blocks": {**s, "manifests": blocks},
+            "model_ids": prep["model_ids"], "computed": t["computed"] + s["computed"],
+            "skipped": t["skipped"] + s["skipped"], "tasks": t["tasks"] + s["tasks"]}

@@ -1,0 +1,26 @@
+"""train: N checkpoints (one task each) for TRAK, with loss and cockpit's α tracked per step, and a
+manifest.json the attribute flow can take as ``checkpoints``."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from tasks import progress
+from tasks.common import summarize
+from tasks.trainer import write_manifest
+from tasks.training import train_model
+from trak_core.config import TrainConfig
+
+from .runners import gather
+
+
+@flow(name="train", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)
+def train(config: TrainConfig) -> dict:
+    progress.start("train", config.num_models * config.epochs)
+    records = gather([train_model.submit(config, i) for i in range(config.num_models)])
+    manifest = write_manifest(config, records)
+    out = summarize(records)
+    get_run_logger().info("train: %d models (%d trained, %d already there); manifest %s", out["tasks"],
+                          out["computed"], out["skipped"], manifest)
+    return {**out, "manifest": manifest, "models": records}

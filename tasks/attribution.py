@@ -1,0 +1,75 @@
+"""Prefect tasks of the attribution DAG: thin wrappers over tasks.core / tasks.report.
+
+Every task returns a small manifest (never arrays), is idempotent through the store (a re-run skips
+complete work), does not use Prefect's result cache (``cache_policy=NONE``: the store is the truth),
+and retries transient failures but not bad input (``retry_condition_fn``).
+"""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_image_artifact, create_markdown_artifact
+from prefect.cache_policies import NONE
+
+from trak_core.config import AttributeConfig
+
+from . import core, report
+from .common import GPU_TAG, should_retry
+
+RETRIES = 2
+RETRY_DELAY_SECONDS = 2
+
+
+def retry_unless_bad_input(task, task_run, state) -> bool:
+    """Prefect retry_condition_fn: no retry for BadInputError / StateError / StoreMismatchError."""
+    exc = state.data if isinstance(state.data, BaseException) else None
+    return should_retry(exc)
+
+
+_common = dict(cache_policy=NONE, persist_result=False, retries=RETRIES, retry_delay_seconds=RETRY_DELAY_SECONDS,
+               retry_condition_fn=retry_unless_bad_input)
+
+
+@task(name="plan", cache_policy=NONE, persist_result=False)
+def plan_attribution(config: AttributeConfig) -> dict:
+    """Validate model/data/checkpoints/store together, then create the store's arrays (one writer)."""
+    return core.make_plan(config)
+
+
+@task(name="featurize-shard", task_run_name="featurize-m{model_id}-s{shard}", tags=[GPU_TAG], **_common)
+def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, shard: int) -> dict:
+    return core.featurize_shard(config, model_id, checkpoint, shard)
+
+
+@task(name="finalize-checkpoint", task_run_name="finalize-m{model_id}", **_common)
+def finalize_checkpoint(config: AttributeConfig, model_id: int) -> dict:
+    return core.finalize_checkpoint(config, model_id)
+
+
+@task(name="featurize-targets", task_run_name="targets-m{model_id}", tags=[GPU_TAG], **_common)
+def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -> dict:
+    return core.featurize_targets(config, model_id, checkpoint)
+
+
+@task(name="prepare-scores", cache_policy=NONE, persist_result=False)
+def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> dict:
+    return core.prepare_scores(config, model_ids)
+
+
+@task(name="score-block", task_run_name="score-rows-{a}-{b}", **_common)
+def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -> dict:
+    return core.score_block(config, model_ids, a, b)
+
+
+@task(name="report-top-k", cache_policy=NONE, persist_result=False)
+def report_top_k(config: AttributeConfig) -> dict:
+    """Top proponents/opponents per target: files in report_dir and Prefect artifacts (markdown table,
+    one image per target)."""
+    summary, pngs = report.build_report(config)
+    exp = config.exp_name
+    create_markdown_artifact(markdown=summary["markdown"], key=report.artifact_key("trakflow", exp, "top-k"),
+                             description=f"top-{config.top_k} proponents/opponents, experiment {exp}")
+    for j, png in pngs.items():
+        create_image_artifact(image_url=report.data_url(png), key=report.artifact_key("trakflow", exp, "target", j),
+                              description=f"target {j} and its top proponents (top row) / opponents (bottom row)")
+    return {k: v for k, v in summary.items() if k != "markdown"}

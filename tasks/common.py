@@ -1,0 +1,79 @@
+"""What every pipeline task shares: retry policy, tags, store access, cached data (no Prefect import)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from trak_core.config import AttributeConfig, load_data
+from trak_core.errors import BadInputError, StateError, StoreMismatchError
+from trak_core.store import TrakStore
+
+#: tag of tasks that run model code on the device: `prefect concurrency-limit create trakflow-gpu 1`
+GPU_TAG = "trakflow-gpu"
+#: errors that a retry cannot fix (bad config/data, wrong order, mismatching store)
+NOT_RETRIED: tuple[type[BaseException], ...] = (BadInputError, StateError, StoreMismatchError)
+
+
+def should_retry(exc: BaseException | None) -> bool:
+    """Retry transient failures (I/O, OOM, a lost worker), never bad input."""
+    if exc is None:
+        return True
+    try:
+        from pydantic import ValidationError
+
+        if isinstance(exc, ValidationError):
+            return False
+    except ImportError:  # pragma: no cover
+        pass
+    return not isinstance(exc, NOT_RETRIED)
+
+
+_data_lock = threading.Lock()
+_data_cache: dict[str, tuple] = {}
+
+
+def cached_data(path: str, field: str) -> tuple:
+    """The data tuple of an import path, loaded once per process and shared by the tasks' threads."""
+    with _data_lock:
+        if path not in _data_cache:
+            if len(_data_cache) >= 4:
+                _data_cache.pop(next(iter(_data_cache)))
+            _data_cache[path] = load_data(path, field)
+        return _data_cache[path]
+
+
+def clear_data_cache() -> None:
+    with _data_lock:
+        _data_cache.clear()
+
+
+def open_store(config: AttributeConfig, mode: str = "r+") -> TrakStore:
+    return TrakStore.open(config.store, config.storage_options, mode=mode)
+
+
+def load_checkpoint(path: str, device: str = "cpu", field: str = "checkpoints") -> dict:
+    try:
+        sd = torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise BadInputError(f"{field}: checkpoint {path} does not exist") from None
+    except Exception as e:
+        raise BadInputError(f"{field}: cannot load checkpoint {path} as a state_dict "
+                            f"({type(e).__name__}: {e})") from None
+    if not isinstance(sd, dict):
+        raise BadInputError(f"{field}: {path} holds a {type(sd).__name__}, not a state_dict")
+    return sd
+
+
+def manifest(stage: str, t0: float, skipped: bool, **fields: Any) -> dict:
+    """The small dict a task returns (never arrays)."""
+    return {"stage": stage, **fields, "skipped": bool(skipped), "seconds": round(time.perf_counter() - t0, 4)}
+
+
+def summarize(manifests: list[dict]) -> dict:
+    return {"tasks": len(manifests), "computed": sum(not m["skipped"] for m in manifests),
+            "skipped": sum(bool(m["skipped"]) for m in manifests),
+            "seconds": round(sum(m["seconds"] for m in manifests), 3)}

@@ -1,0 +1,205 @@
+"""Training one checkpoint for TRAK (plain function; tasks/training.py wraps it as a Prefect task).
+
+Per model ``i`` of a :class:`~trak_core.config.TrainConfig` in ``out_dir``:
+
+* ``model_{i:03d}.pt``       the state_dict (written atomically: tmp file, then rename);
+* ``model_{i:03d}.json``     its record (seed, subset, losses, accuracy, α per step); written last, so
+                             a model is complete when its record exists;
+* ``model_{i:03d}.subset.npy`` the train rows it saw (only with ``subset_fraction < 1``);
+* ``model_{i:03d}.loss.png``, ``.alpha_trace.png``, ``.alpha_gauge.png`` its plots.
+
+The train flow writes ``manifest.json`` listing the checkpoints; the attribute flow reads it.
+cockpit's α is tracked when ``trak_core.alpha`` is importable and ``alpha_every > 0``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trak_core.config import TrainConfig, load_data, load_object
+from trak_core.errors import BadInputError
+
+from . import progress
+
+_INIT_LOCK = threading.Lock()  # torch.manual_seed is process-global: seed + build under one lock
+
+
+def model_stem(out_dir: str | Path, index: int) -> Path:
+    return Path(out_dir) / f"model_{index:03d}"
+
+
+def is_complete(out_dir: str | Path, index: int) -> bool:
+    stem = model_stem(out_dir, index)
+    return stem.with_suffix(".pt").is_file() and stem.with_suffix(".json").is_file()
+
+
+def _per_sample_ce(outputs, targets):
+    return F.cross_entropy(outputs, targets, reduction="none")
+
+
+def _alpha_tracker(every: int):
+    if every <= 0:
+        return None
+    try:
+        from trak_core.alpha import Alpha
+    except ImportError:
+        return None
+    return Alpha(_per_sample_ce, track_schedule=lambda step: step % every == 0)
+
+
+def _plot_loss(losses: list[float], path: Path, title: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(np.arange(len(losses)), losses, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (batch mean)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=90)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def train_one(config: TrainConfig, index: int) -> dict:
+    """Train model ``index``; returns its record (small: no tensors). Skips a complete model unless
+    ``config.overwrite``."""
+    t0 = time.perf_counter()
+    out = Path(config.out_dir)
+    stem = model_stem(out, index)
+    if not config.overwrite and is_complete(out, index):
+        record = json.loads(stem.with_suffix(".json").read_text())
+        progress.advance("train", config.epochs)
+        return {**_brief(record), "skipped": True, "seconds": round(time.perf_counter() - t0, 4)}
+    out.mkdir(parents=True, exist_ok=True)
+    seed = config.model_seeds()[index]
+    device = config.resolved_device()
+
+    inputs, labels = _load_xy(config)
+    n = inputs.shape[0]
+    subset = None
+    if config.subset_fraction < 1.0:
+        size = max(1, int(round(config.subset_fraction * n)))
+        subset = np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
+        inputs, labels = inputs[torch.from_numpy(subset)], labels[torch.from_numpy(subset)]
+
+    with _INIT_LOCK:
+        torch.manual_seed(seed)
+        model = load_object(config.model, "model")()
+    if not isinstance(model, torch.nn.Module):
+        raise BadInputError(f"model: {config.model!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    model = model.to(device)
+    if config.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                              weight_decay=config.weight_decay)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    alpha = _alpha_tracker(config.alpha_every)
+    gen = torch.Generator().manual_seed(seed)
+    inputs, labels = inputs.to(device), labels.to(device)
+
+    losses: list[float] = []
+    epoch_loss: list[float] = []
+    step = 0
+    model.train()
+    for _epoch in range(config.epochs):
+        perm = torch.randperm(inputs.shape[0], generator=gen).to(device)
+        total = 0.0
+        for s in range(0, inputs.shape[0], config.batch_size):
+            idx = perm[s:s + config.batch_size]
+            x, y = inputs[idx], labels[idx]
+            opt.zero_grad(set_to_none=True)
+            loss = _per_sample_ce(model(x), y).mean()
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"model {index}: non-finite loss at step {step}; lower lr")
+            loss.backward()
+            if alpha is not None:
+                alpha.track(step, model, x, y)
+            opt.step()
+            value = loss.detach().item()
+            losses.append(value)
+            total += value * x.shape[0]
+            step += 1
+        epoch_loss.append(total / inputs.shape[0])
+        progress.advance("train", 1)
+    if alpha is not None:
+        alpha.finish(model)
+    model.eval()
+    with torch.no_grad():
+        acc = float((model(inputs).argmax(dim=1) == labels).float().mean())
+
+    ckpt = stem.with_suffix(".pt")
+    tmp = stem.with_name(stem.name + ".pt.tmp")
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
+    os.replace(tmp, ckpt)
+    if subset is not None:
+        np.save(stem.with_name(stem.name + ".subset.npy"), subset)
+
+    plots = {"loss": str(stem.with_name(stem.name + ".loss.png"))}
+    _plot_loss(losses, Path(plots["loss"]), f"model {index} (seed {seed})")
+    alpha_out: Optional[dict] = None
+    if alpha is not None:
+        from trak_core.alpha_plots import plot_alpha_gauge, plot_alpha_trace
+
+        alpha_out = {int(k): (None if v is None else float(v)) for k, v in alpha.get_output().items()}
+        plots["alpha_trace"] = str(plot_alpha_trace(alpha_out, stem.with_name(stem.name + ".alpha_trace.png"),
+                                                    title=f"α, model {index}"))
+        plots["alpha_gauge"] = str(plot_alpha_gauge(alpha_out, stem.with_name(stem.name + ".alpha_gauge.png"),
+                                                    title=f"α gauge, model {index}"))
+    finite = [v for v in (alpha_out or {}).values() if v is not None and math.isfinite(v)]
+    record = {
+        "index": index, "path": ckpt.name, "seed": seed, "epochs": config.epochs, "steps": step,
+        "optimizer": config.optimizer, "lr": config.lr, "momentum": config.momentum,
+        "weight_decay": config.weight_decay, "batch_size": config.batch_size,
+        "train_rows": int(inputs.shape[0]),
+        "subset": None if subset is None else stem.with_name(stem.name + ".subset.npy").name,
+        "epoch_loss": epoch_loss, "final_loss": epoch_loss[-1] if epoch_loss else None, "train_accuracy": acc,
+        "alpha": None if alpha_out is None else {str(k): v for k, v in alpha_out.items()},
+        "alpha_mean": float(np.mean(finite)) if finite else None,
+        "alpha_median": float(np.median(finite)) if finite else None,
+        "plots": {k: Path(v).name for k, v in plots.items()},
+    }
+    _atomic_write_text(stem.with_suffix(".json"), json.dumps(record, indent=1))
+    return {**_brief(record), "skipped": False, "seconds": round(time.perf_counter() - t0, 4)}
+
+
+def _brief(record: dict) -> dict:
+    keep = ("index", "path", "seed", "epochs", "steps", "train_rows", "subset", "final_loss", "train_accuracy",
+            "alpha_mean", "alpha_median", "plots")
+    return {k: record.get(k) for k in keep}
+
+
+def _load_xy(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    data = load_data(config.train_data, "train_data")
+    if len(data) != 2 or data[1].dim() != 1 or data[1].dtype.is_floating_point:
+        raise BadInputError("train_data: the train flow needs (inputs, integer labels) tensors, got "
+                            f"{[(tuple(t.shape), str(t.dtype)) for t in data]}")
+    return data[0], data[1].long()
+
+
+def write_manifest(config: TrainConfig, records: list[dict]) -> str:
+    """manifest.json: the checkpoints (paths relative to the manifest) and the config that made them."""
+    out = Path(config.out_dir)
+    records = sorted(records, key=lambda r: r["index"])
+    body = {"kind": "trakflow-checkpoints", "config": config.model_dump(mode="json"),
+            "checkpoints": [{k: v for k, v in r.items() if k not in ("skipped", "seconds")} for r in records]}
+    path = out / "manifest.json"
+    _atomic_write_text(path, json.dumps(body, indent=1))
+    return str(path)

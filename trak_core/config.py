@@ -1,0 +1,407 @@
+"""The pipeline's configuration: pydantic models that are the flows' parameters (no Prefect import here).
+
+Conventions
+-----------
+* **Import paths** ``"package.module:attr"`` name the model factory, the data and (optionally) the task.
+  They are resolved when the config is validated: a module that does not import or an attribute that is
+  missing fails validation, naming the field.
+* **Model** (``model``): a zero-argument callable returning a fresh ``torch.nn.Module`` (a class works).
+* **Data** (``train_data``, ``target_data``): a zero-argument callable returning a tuple of tensors with
+  one leading dimension (the rows), in the order the task's batches use, e.g. ``(images, labels)`` for
+  ``image_classification``; or such a tuple itself. Row ``i`` of ``train_data`` is train example ``i``.
+* **Task** (``task``): ``"image_classification"``, ``"text_classification"``, ... (trak_core's names), or
+  an import path to an :class:`~trak_core.modelout.AbstractModelOutput` subclass or instance.
+* **Checkpoints** (``checkpoints``): a list of ``state_dict`` files, a glob (``"ckpts/*.pt"``), or the
+  JSON manifest the train flow writes (``"ckpts/manifest.json"``). They are sorted by path and
+  ``model_id`` is the position in that sorted list (trak_core.TRAKer's convention). Every file must
+  exist when the config is validated.
+* **Store** (``store``): a local path or an fsspec URL. A local store must be creatable/writable when
+  the config is validated (the check leaves nothing behind).
+
+Validation happens before any compute; an error names the field (pydantic ``ValidationError``, whose
+message lists the field, or :class:`~trak_core.errors.BadInputError` naming it).
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import hashlib
+import importlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, PrivateAttr,
+                      field_validator, model_validator)
+
+from .errors import BadInputError
+from .store import check_writable
+
+_GLOB_CHARS = set("*?[")
+TASK_NAMES = ("image_classification", "text_classification", "clip", "iterative_image_classification")
+
+
+# ---------------------------------------------------------------------------- import paths
+def load_object(path: str, field: str = "import path") -> Any:
+    """Resolve ``"package.module:attr"`` (``attr`` may be dotted). Errors name ``field``."""
+    if not isinstance(path, str) or path.count(":") != 1:
+        raise BadInputError(f"{field}: {path!r} is not an import path of the form 'package.module:attr'")
+    module_name, attr = path.split(":")
+    if not module_name or not attr:
+        raise BadInputError(f"{field}: {path!r} is not an import path of the form 'package.module:attr'")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or whatever the module raises on import
+        raise BadInputError(f"{field}: cannot import module {module_name!r} of {path!r} "
+                            f"({type(e).__name__}: {e})") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise BadInputError(f"{field}: module {module_name!r} has no attribute {attr!r} ({path!r})") from None
+    return obj
+
+
+def _check_import_path(value: Optional[str], field: str, must_be_callable: bool = True) -> Optional[str]:
+    if value is None:
+        return value
+    obj = load_object(value, field)
+    if must_be_callable and not callable(obj):
+        raise BadInputError(f"{field}: {value!r} resolves to a {type(obj).__name__}, which is not callable")
+    return value
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def read_manifest(path: str | os.PathLike, field: str = "checkpoints") -> list[str]:
+    """Checkpoint paths listed in a train-flow manifest (relative entries are relative to the manifest)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInputError(f"{field}: manifest {str(path)!r} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise BadInputError(f"{field}: cannot read manifest {str(path)!r} ({type(e).__name__}: {e})") from None
+    entries = data.get("checkpoints") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise BadInputError(f"{field}: manifest {str(path)!r} has no non-empty 'checkpoints' list")
+    out = []
+    for i, e in enumerate(entries):
+        p = e.get("path") if isinstance(e, dict) else e
+        if not isinstance(p, str):
+            raise BadInputError(f"{field}: manifest {str(path)!r} entry {i} has no 'path'")
+        out.append(str((path.parent / p).resolve()) if not os.path.isabs(p) else p)
+    return out
+
+
+def resolve_checkpoints(spec: Union[str, list[str]], field: str = "checkpoints") -> list[str]:
+    """Absolute, sorted checkpoint paths from a list, a glob or a manifest; every file must exist."""
+    if isinstance(spec, str):
+        if spec.endswith(".json"):
+            paths = read_manifest(spec, field)
+        elif _GLOB_CHARS & set(spec):
+            paths = _glob.glob(spec)
+            if not paths:
+                raise BadInputError(f"{field}: the glob {spec!r} matches no file")
+        else:
+            paths = [spec]
+    else:
+        paths = list(spec)
+    if not paths:
+        raise BadInputError(f"{field}: no checkpoint given")
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise BadInputError(f"{field}: checkpoint file(s) not found: {missing[:5]}"
+                            + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
+    out = sorted(os.path.abspath(p) for p in paths)
+    if len(set(out)) != len(out):
+        raise BadInputError(f"{field}: the same checkpoint is listed twice")
+    return out
+
+
+def file_fingerprint(path: str) -> str:
+    """sha256 of a file (what a store records per model_id, so a different checkpoint is refused)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------- stores
+def check_store_location(location: str, field: str = "store") -> None:
+    """A local store must be a directory we can create files in (checked by creating and removing a
+    temporary directory in the nearest existing ancestor; nothing is left behind). URLs other than
+    ``file://`` are checked by their first write."""
+    loc = str(location)
+    if not loc:
+        raise BadInputError(f"{field}: empty store location")
+    try:
+        check_writable(loc)
+    except BadInputError as e:
+        msg = str(e)
+        msg = msg[len("store: "):] if msg.startswith("store: ") else msg
+        raise BadInputError(f"{field}: {msg}") from None
+    if "://" in loc and not loc.startswith("file://"):
+        return
+    path = os.path.abspath(loc[len("file://"):] if loc.startswith("file://") else loc)
+    probe = path
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise BadInputError(f"{field}: {path} cannot be created: {probe} exists and is not a directory")
+    try:
+        tmp = tempfile.mkdtemp(prefix=".trakflow-probe-", dir=probe)
+        os.rmdir(tmp)
+    except OSError as e:
+        raise BadInputError(f"{field}: {path} is not writable ({type(e).__name__}: {e})") from None
+
+
+# ---------------------------------------------------------------------------- configs
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), validate_default=True)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike):
+        """Validate a YAML file (a mapping of field: value)."""
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise BadInputError(f"config file {str(path)!r} does not exist") from None
+        except yaml.YAMLError as e:
+            raise BadInputError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise BadInputError(f"config file {str(path)!r} must hold a mapping of field: value")
+        return cls.model_validate(data)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+class AttributeConfig(_Base):
+    """Parameters of the ``attribute`` flow (and of ``featurize``/``finalize``/``score``)."""
+
+    model: str = Field(description="import path 'pkg.mod:factory' of a zero-argument callable returning the "
+                                   "torch.nn.Module the checkpoints belong to")
+    train_data: str = Field(description="import path of a zero-argument callable returning a tuple of tensors "
+                                        "(e.g. (inputs, labels)) holding the train examples, one per row")
+    target_data: str = Field(description="import path like train_data, for the targets to attribute")
+    task: str = Field("image_classification",
+                      description="model output function: one of " + ", ".join(TASK_NAMES)
+                                  + ", or an import path to an AbstractModelOutput subclass or instance")
+    checkpoints: Union[list[str], str] = Field(
+        description="state_dict files: a list of paths, a glob ('ckpts/*.pt') or a train-flow manifest "
+                    "('ckpts/manifest.json'); model_id = position in the sorted list")
+    store: str = Field(description="Zarr store: local path or fsspec URL")
+    exp_name: str = Field("default", description="experiment name (the targets' group in the store)")
+    proj_dim: PositiveInt = Field(512, description="projection dimension; keep it well below the number of "
+                                                  "train examples")
+    projector: Literal["dense", "noop"] = Field("dense", description="'dense' (counter-RNG JL projection) or "
+                                                                   "'noop' (no projection)")
+    proj_type: Literal["rademacher", "normal"] = "rademacher"
+    proj_seed: NonNegativeInt = 0
+    lambda_reg: NonNegativeFloat = Field(0.0, description="ridge term λ in (XᵀX + λI)⁻¹")
+    rescale_inverse: bool = Field(True, description="divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
+    dtype: Literal["float16", "float32"] = Field("float16", description="storage dtype of gradients/features")
+    batch_size: PositiveInt = Field(64, description="examples per gradient batch")
+    shard_size: PositiveInt = Field(4096, description="train rows per featurize task (a multiple of chunk_rows)")
+    chunk_rows: Optional[PositiveInt] = Field(None, description="Zarr chunk rows; default min(1024, shard_size) "
+                                                                "when it divides shard_size, else shard_size")
+    grad_wrt: Optional[list[str]] = Field(None, description="parameter names to take gradients for (all: null)")
+    device: Literal["cpu", "cuda", "auto"] = Field("auto", description="'auto' = cuda when available")
+    task_runner: Literal["thread"] = Field("thread", description="Prefect task runner")
+    max_workers: PositiveInt = Field(2, description="concurrent tasks of the thread runner")
+    top_k: PositiveInt = Field(5, description="proponents/opponents reported per target")
+    report_targets: NonNegativeInt = Field(5, description="how many targets the report covers (0: no report)")
+    report_dir: Optional[str] = Field(None, description="local folder for the report (markdown + PNGs); "
+                                                        "none: Prefect artifacts only")
+    show: Optional[str] = Field(None, description="import path of a callable(input_row) -> 2-D array, to draw "
+                                                  "examples as images in the report")
+    storage_options: Optional[dict[str, Any]] = Field(None, description="fsspec options of a remote store")
+
+    _checkpoint_paths: list[str] = PrivateAttr(default_factory=list)
+
+    @field_validator("model", "train_data", "target_data")
+    @classmethod
+    def _import_paths(cls, v, info):
+        return _check_import_path(v, info.field_name, must_be_callable=info.field_name == "model")
+
+    @field_validator("show")
+    @classmethod
+    def _show(cls, v, info):
+        return _check_import_path(v, info.field_name)
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v):
+        if v in TASK_NAMES:
+            return v
+        if ":" not in v:
+            raise BadInputError(f"task: unknown task {v!r}; use one of {list(TASK_NAMES)} or an import path "
+                                "'pkg.mod:ModelOutput'")
+        from .modelout import AbstractModelOutput
+
+        obj = load_object(v, "task")
+        ok = isinstance(obj, AbstractModelOutput) or (isinstance(obj, type) and issubclass(obj, AbstractModelOutput))
+        if not ok:
+            raise BadInputError(f"task: {v!r} is not an AbstractModelOutput subclass or instance")
+        return v
+
+    @field_validator("exp_name")
+    @classmethod
+    def _exp_name(cls, v):
+        if not v or "/" in v:
+            raise BadInputError(f"exp_name: must be a non-empty string without '/', got {v!r}")
+        return v
+
+    @field_validator("grad_wrt")
+    @classmethod
+    def _grad_wrt(cls, v):
+        if v is not None and not v:
+            raise BadInputError("grad_wrt: an empty list selects no parameter; use null for all parameters")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v):
+        check_store_location(v, "store")
+        return v
+
+    @field_validator("report_dir")
+    @classmethod
+    def _report_dir(cls, v):
+        if v is not None:
+            check_store_location(v, "report_dir")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_fields(self):
+        if self.chunk_rows is not None and self.shard_size % self.chunk_rows:
+            raise BadInputError(f"chunk_rows: {self.chunk_rows} must divide shard_size={self.shard_size} "
+                                "(each featurize task must own whole chunks)")
+        self._checkpoint_paths = resolve_checkpoints(self.checkpoints, "checkpoints")
+        return self
+
+    # -------------------------------------------------------------- derived values
+    @property
+    def checkpoint_paths(self) -> list[str]:
+        """Sorted absolute checkpoint paths; ``model_id`` is the index in this list."""
+        if not self._checkpoint_paths:
+            self._checkpoint_paths = resolve_checkpoints(self.checkpoints, "checkpoints")
+        return list(self._checkpoint_paths)
+
+    @property
+    def effective_chunk_rows(self) -> int:
+        if self.chunk_rows is not None:
+            return self.chunk_rows
+        c = min(1024, self.shard_size)
+        return c if self.shard_size % c == 0 else self.shard_size
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def build_model(self):
+        import torch
+
+        model = load_object(self.model, "model")()
+        if not isinstance(model, torch.nn.Module):
+            raise BadInputError(f"model: {self.model!r} returned a {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+    def build_task(self):
+        from .modelout import TASK_TO_MODELOUT, AbstractModelOutput
+
+        if self.task in TASK_TO_MODELOUT:
+            return TASK_TO_MODELOUT[self.task]()
+        obj = load_object(self.task, "task")
+        return obj if isinstance(obj, AbstractModelOutput) else obj()
+
+    def load_train(self) -> tuple:
+        return load_data(self.train_data, "train_data")
+
+    def load_targets(self) -> tuple:
+        return load_data(self.target_data, "target_data")
+
+
+def load_data(path: str, field: str) -> tuple:
+    """Call the data import path and check the convention (a tuple of tensors with equal rows)."""
+    import torch
+
+    obj = load_object(path, field)
+    data = obj() if callable(obj) else obj
+    if isinstance(data, list):
+        data = tuple(data)
+    if not isinstance(data, tuple) or not data or not all(isinstance(t, torch.Tensor) for t in data):
+        raise BadInputError(f"{field}: {path!r} must return a non-empty tuple of tensors (e.g. (inputs, labels)), "
+                            f"got {type(data).__name__}")
+    rows = {t.shape[0] if t.dim() else None for t in data}
+    if len(rows) != 1 or None in rows:
+        raise BadInputError(f"{field}: the tensors returned by {path!r} have different numbers of rows "
+                            f"{[tuple(t.shape) for t in data]}")
+    if next(iter(rows)) == 0:
+        raise BadInputError(f"{field}: {path!r} returned no rows")
+    return data
+
+
+class TrainConfig(_Base):
+    """Parameters of the ``train`` flow: N checkpoints of one model on (subsets of) one data set."""
+
+    model: str = Field(description="import path of a zero-argument callable returning the torch.nn.Module")
+    train_data: str = Field(description="import path of a callable returning (inputs, labels) tensors")
+    out_dir: str = Field(description="folder for model_XXX.pt, their JSON records, plots and manifest.json")
+    num_models: PositiveInt = Field(3, description="how many checkpoints to train")
+    seeds: Optional[list[NonNegativeInt]] = Field(None, description="one seed per model (default 0..N-1)")
+    subset_fraction: float = Field(1.0, gt=0.0, le=1.0,
+                                   description="each model trains on a random subset of this fraction of rows")
+    epochs: PositiveInt = 10
+    batch_size: PositiveInt = 64
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.1, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: NonNegativeFloat = 0.0
+    alpha_every: NonNegativeInt = Field(5, description="track cockpit's α every k steps (0: off)")
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    task_runner: Literal["thread"] = Field("thread", description="Prefect task runner")
+    max_workers: PositiveInt = Field(2, description="models trained concurrently")
+    overwrite: bool = Field(False, description="retrain models whose checkpoint already exists")
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v):
+        return _check_import_path(v, "model")
+
+    @field_validator("train_data")
+    @classmethod
+    def _data(cls, v):
+        return _check_import_path(v, "train_data", must_be_callable=False)
+
+    @field_validator("out_dir")
+    @classmethod
+    def _out_dir(cls, v):
+        check_store_location(v, "out_dir")
+        return v
+
+    @model_validator(mode="after")
+    def _seeds(self):
+        if self.seeds is not None and len(self.seeds) != self.num_models:
+            raise BadInputError(f"seeds: {len(self.seeds)} seeds for num_models={self.num_models}")
+        return self
+
+    def model_seeds(self) -> list[int]:
+        return list(self.seeds) if self.seeds is not None else list(range(self.num_models))
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,302 @@
+"""The ``trakflow`` command line: demo, run, train, show, serve, trigger.
+
+Flows run in this process against the Prefect API in PREFECT_API_URL, or, when that is unset, against
+Prefect's ephemeral local server (started and stopped by Prefect itself: nothing to start by hand).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(help="TRAK data attribution as a Prefect pipeline.", no_args_is_help=True,
+                  add_completion=False, pretty_exceptions_enable=False)
+console = Console()
+err_console = Console(stderr=True)
+
+STAGES = {
+    "train": "train (epochs)",
+    "featurize": "featurize (train rows × checkpoints)",
+    "finalize": "finalize (checkpoints)",
+    "targets": "target gradients (checkpoints)",
+    "score": "score (train rows)",
+}
+
+
+def _prefect_env(verbose: bool) -> None:
+    """Quiet defaults, set before Prefect is imported (an explicit environment wins)."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "true")
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+class _Bars:
+    """Rich progress bars fed by tasks.progress events (tasks run in this process's threads)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), console=err_console,
+                                 disable=not enabled)
+        self.ids: dict[str, int] = {}
+
+    def __call__(self, kind: str, stage: str, amount: float) -> None:
+        if kind == "start":
+            if stage in self.ids:
+                self.progress.reset(self.ids[stage], total=amount)
+            else:
+                self.ids[stage] = self.progress.add_task(STAGES.get(stage, stage), total=amount)
+        elif stage in self.ids:
+            self.progress.advance(self.ids[stage], amount)
+
+    def __enter__(self):
+        from tasks import progress
+
+        progress.add_listener(self)
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        from tasks import progress
+
+        progress.remove_listener(self)
+        self.progress.stop()
+        return False
+
+
+def _fail(msg: str, code: int = 2):
+    err_console.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(code)
+
+
+def _config_errors():
+    from pydantic import ValidationError
+
+    from trak_core.errors import TrakError
+
+    return (ValidationError, TrakError)
+
+
+def _load_config(cls, path: Path):
+    try:
+        return cls.from_yaml(path)
+    except _config_errors() as e:
+        _fail(f"invalid config {path}:\n{e}")
+
+
+def _run_flow(flow_fn, config, bars: bool = True):
+    from flows.runners import make_task_runner
+
+    try:
+        with _Bars(bars):
+            return flow_fn.with_options(task_runner=make_task_runner(config))(config)
+    except _config_errors() as e:
+        _fail(f"{type(e).__name__}: {e}", 1)
+
+
+def _top_k_tables(rows: list[dict], top_k: int) -> None:
+    for r in rows:
+        lab = "" if r.get("label") is None else f" (label {r['label']})"
+        t = Table(title=f"target {r['target']}{lab}", title_justify="left")
+        t.add_column("rank", justify="right")
+        t.add_column("proponent", justify="right")
+        t.add_column("score", justify="right")
+        t.add_column("opponent", justify="right")
+        t.add_column("score", justify="right")
+        for i in range(min(top_k, len(r["proponents"]))):
+            p, o = r["proponents"][i], r["opponents"][i]
+            pl = "" if p.get("label") is None else f" y={p['label']}"
+            ol = "" if o.get("label") is None else f" y={o['label']}"
+            t.add_row(str(i + 1), f"#{p['index']}{pl}", f"{p['score']:+.4g}", f"#{o['index']}{ol}", f"{o['score']:+.4g}")
+        console.print(t)
+
+
+def _print_attribution(result: dict, config) -> None:
+    f, fi, sc = result["featurize"], result["finalize"], result["score"]
+    console.print(f"store [bold]{result['store']}[/], experiment [bold]{result['exp_name']}[/]: "
+                  f"featurize {f['computed']} computed / {f['skipped']} skipped, "
+                  f"finalize {fi['computed']} / {fi['skipped']}, score {sc['computed']} / {sc['skipped']} "
+                  f"({result['seconds']:.1f} s)")
+    rep = result.get("report")
+    if rep:
+        _top_k_tables(rep["rows"], config.top_k)
+        if rep.get("label_agreement") is not None:
+            console.print(f"fraction of top-{config.top_k} proponents sharing the target's label: "
+                          f"[bold]{rep['label_agreement']:.2f}[/]")
+        if rep.get("files"):
+            console.print("report: " + ", ".join(rep["files"]))
+
+
+# ---------------------------------------------------------------------------------------------- commands
+@app.command()
+def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="where checkpoints, store and report go"),
+         models: int = typer.Option(3, min=1, help="checkpoints to train"),
+         epochs: int = typer.Option(4, min=1, help="epochs per checkpoint"),
+         proj_dim: int = typer.Option(512, min=1, help="projection dimension (< 1500 train digits)"),
+         lambda_reg: float = typer.Option(1.0, min=0.0, help="ridge term λ"),
+         verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
+    """Train digit classifiers (if absent), attribute 5 held-out digits to the 1,500 train digits, report."""
+    _prefect_env(verbose)
+    t0 = time.perf_counter()
+    from examples.digits import demo_configs
+    from flows import attribute, train
+    from tasks.trainer import is_complete
+    from trak_core.config import AttributeConfig
+
+    train_cfg, attr = demo_configs(demo_dir, num_models=models, epochs=epochs, proj_dim=proj_dim,
+                                   lambda_reg=lambda_reg)
+    manifest = Path(train_cfg.out_dir) / "manifest.json"
+    if manifest.is_file() and all(is_complete(train_cfg.out_dir, i) for i in range(models)):
+        console.print(f"checkpoints present in {train_cfg.out_dir}: not retraining")
+    else:
+        console.print(f"training {models} checkpoints ({epochs} epochs each) in {train_cfg.out_dir}")
+        res = _run_flow(train, train_cfg)
+        for r in res["models"]:
+            a = "" if r.get("alpha_mean") is None else f", mean α {r['alpha_mean']:.2f}"
+            console.print(f"  model {r['index']}: loss {r['final_loss']:.3f}, train accuracy "
+                          f"{r['train_accuracy']:.3f}{a}{' (kept)' if r['skipped'] else ''}")
+    try:
+        config = AttributeConfig.model_validate(attr)
+    except _config_errors() as e:
+        _fail(str(e))
+    Path(demo_dir).mkdir(parents=True, exist_ok=True)
+    (Path(demo_dir) / "attribute.yaml").write_text(config.to_yaml())
+    result = _run_flow(attribute, config)
+    _print_attribution(result, config)
+    console.print(f"config: {Path(demo_dir) / 'attribute.yaml'} (re-run with `trakflow run` on it)")
+    console.print(f"demo finished in {time.perf_counter() - t0:.1f} s")
+
+
+@app.command()
+def run(config_file: Path = typer.Argument(..., help="YAML file of an AttributeConfig", exists=False),
+        flow: str = typer.Option("attribute", help="attribute | featurize | finalize | score"),
+        verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
+    """Run the attribute flow (or one stage of it) on a YAML config."""
+    _prefect_env(verbose)
+    import flows
+    from trak_core.config import AttributeConfig
+
+    if flow not in ("attribute", "featurize", "finalize", "score"):
+        _fail(f"--flow must be attribute, featurize, finalize or score, not {flow!r}")
+    config = _load_config(AttributeConfig, config_file)
+    result = _run_flow(getattr(flows, flow), config)
+    if flow == "attribute":
+        _print_attribution(result, config)
+    else:
+        console.print(json.dumps({k: v for k, v in result.items() if k != "manifests"}, indent=1, default=str))
+
+
+@app.command("train")
+def train_cmd(config_file: Path = typer.Argument(..., help="YAML file of a TrainConfig"),
+              verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
+    """Train N checkpoints (the train flow) and write their manifest.json."""
+    _prefect_env(verbose)
+    from flows import train
+    from trak_core.config import TrainConfig
+
+    config = _load_config(TrainConfig, config_file)
+    res = _run_flow(train, config)
+    console.print(f"{res['tasks']} models ({res['computed']} trained, {res['skipped']} kept); "
+                  f"manifest: {res['manifest']}")
+
+
+@app.command()
+def show(store: str = typer.Argument(..., help="store path or URL"),
+         exp: Optional[str] = typer.Option(None, help="experiment (default: the only one, or 'default')"),
+         target: Optional[int] = typer.Option(None, help="print the top proponents/opponents of this target"),
+         top_k: int = typer.Option(5, "--top-k", min=1, help="how many")) -> None:
+    """Status per checkpoint and experiment; with --target, its top-k train examples."""
+    from tasks.report import top_k as top_k_of
+    from trak_core.errors import TrakError
+    from trak_core.store import TrakStore
+
+    try:
+        st = TrakStore.open(store, mode="r")
+    except TrakError as e:
+        _fail(str(e))
+    status = st.status()
+    meta = status["metadata"]
+    console.print(f"store [bold]{store}[/]: {meta['train_set_size']} train rows, grad_dim {meta['grad_dim']} → "
+                  f"proj_dim {meta['proj_dim']} ({meta['projector']}, {meta['proj_type']}, seed {meta['proj_seed']}), "
+                  f"{meta['dtype']}, shards of {meta['shard_rows']} rows, task {meta['task']}")
+    t = Table(title="checkpoints", title_justify="left")
+    for col in ("model_id", "featurized rows", "XᵀX partials", "finalized", "condition", "checkpoint"):
+        t.add_column(col)
+    for mid, info in status["models"].items():
+        m = st.model(mid)
+        parts = int(m.partial_done[:].sum())
+        fin = st.finalize_info(mid) or {}
+        ck = (m.group.attrs.get("checkpoint") or {}).get("path", "")
+        t.add_row(str(mid), f"{info['featurized']}/{info['of']}", f"{parts}/{st.meta.num_shards}",
+                  "yes" if info["finalized"] else "no",
+                  f"{fin['condition']:.3g}" if "condition" in fin else "", ck)
+    console.print(t)
+    t = Table(title="experiments", title_justify="left")
+    for col in ("experiment", "targets", "target grads complete", "score rows done", "combined checkpoints"):
+        t.add_column(col)
+    for name, info in status["experiments"].items():
+        with_ = st.experiment(name).attrs.get("scored_with")
+        t.add_row(name, str(info["num_targets"]), f"{len(info['scored_models'])}/{len(info['models'])} checkpoints",
+                  f"{info['scores_rows_done']}/{meta['train_set_size']}", "" if with_ is None else str(list(with_)))
+    console.print(t)
+    if target is None:
+        return
+    exps = st.experiments()
+    if exp is None:
+        exp = exps[0] if len(exps) == 1 else "default"
+    try:
+        scores = st.scores(exp)[:]
+    except TrakError as e:
+        _fail(str(e))
+    if not 0 <= target < scores.shape[1]:
+        _fail(f"--target {target} out of range [0, {scores.shape[1]}) for experiment {exp!r}")
+    pro, opp = top_k_of(scores, target, top_k)
+    row = {"target": target, "label": None,
+           "proponents": [{"index": int(i), "score": float(scores[i, target])} for i in pro],
+           "opponents": [{"index": int(i), "score": float(scores[i, target])} for i in opp]}
+    console.print(f"experiment [bold]{exp}[/]")
+    _top_k_tables([row], top_k)
+
+
+@app.command()
+def serve(verbose: bool = typer.Option(True, help="show Prefect's logs")) -> None:
+    """Register the deployments (one on a cron schedule) and serve them until interrupted."""
+    _prefect_env(verbose)
+    from deployments.serve import main
+
+    main()
+
+
+@app.command()
+def trigger(deployment: str = typer.Argument("attribute/digits-on-demand", help="'flow-name/deployment-name'"),
+            config_file: Optional[Path] = typer.Option(None, "--config", help="YAML config overriding the default"),
+            wait: bool = typer.Option(False, help="wait for the run to finish")) -> None:
+    """Start a run of a served deployment (like the UI's Run button or `prefect deployment run`)."""
+    _prefect_env(True)
+    import yaml
+    from prefect.deployments import run_deployment
+
+    params = None
+    if config_file is not None:
+        params = {"config": yaml.safe_load(config_file.read_text())}
+    fr = run_deployment(deployment, parameters=params, timeout=None if wait else 0)
+    console.print(f"flow run {fr.name} ({fr.id}): {fr.state.name if fr.state else 'scheduled'}")
+    if wait and fr.state and not fr.state.is_completed():
+        raise typer.Exit(1)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())
