@@ -6,6 +6,8 @@ import torch
 
 from trak_core import counter_rng
 from trak_core.errors import BadInputError
+from trak_core.factored import FactoredProjector
+from trak_core.sjlt import SJLTProjector
 from trak_core.projectors import (BasicProjector, BasicSingleBlockProjector, DenseProjector, NoOpProjector,
                                   make_projector)
 
@@ -19,6 +21,15 @@ FACTORIES = {
     "basic": lambda: BasicProjector(GRAD_DIM, PROJ_DIM, seed=3, proj_type="rademacher"),
     "single-block-normal": lambda: BasicSingleBlockProjector(GRAD_DIM, PROJ_DIM, seed=3, proj_type="normal"),
     "noop": lambda: NoOpProjector(grad_dim=GRAD_DIM, proj_dim=GRAD_DIM),
+    "sjlt-c4": lambda: SJLTProjector(GRAD_DIM, PROJ_DIM, seed=3),
+    "sjlt-c1-nocache-smallblocks": lambda: SJLTProjector(GRAD_DIM, PROJ_DIM, seed=3, c=1, block_rows=97,
+                                                         cache_bytes=0),
+    "factored-flat-rademacher": lambda: FactoredProjector(GRAD_DIM, PROJ_DIM, seed=3, proj_type="rademacher"),
+    "factored-flat-normal": lambda: FactoredProjector(GRAD_DIM, PROJ_DIM, seed=3, proj_type="normal"),
+    # Linear(20, 30) + LayerNorm(30) (the dense "__other__" block) + Linear(30, 10): 630 + 60 + 310 = 1000
+    "factored-mlp-layers": lambda: FactoredProjector.from_model(
+        torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.LayerNorm(30), torch.nn.Linear(30, 10)),
+        PROJ_DIM, seed=3),
 }
 
 

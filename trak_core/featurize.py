@@ -55,12 +55,24 @@ class Featurizer:
             raise NonFiniteGradientError(model_id, [indices[i] for i in bad], what="model outputs")
         return q
 
+    def _fast_path(self, batch: Sequence[Tensor], model_id: int) -> Optional[Tensor]:
+        """A projector with ``featurize_batch`` (e.g. the factored one) projects without materialized
+        per-example gradients; it returns None when it cannot (then: gradients + project)."""
+        fast = getattr(self.projector, "featurize_batch", None)
+        if fast is None or not isinstance(self.gradient_computer, FunctionalGradientComputer):
+            return None
+        gc = self.gradient_computer
+        return fast(self.model, self.task, gc._weights(), gc._buffers(), batch, model_id)
+
     def project_batch(self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int]) -> Tensor:
-        grads = self.gradient_computer.compute_per_sample_grad(batch)
-        bad = sorted({i for g in grads.values() for i in _bad_rows(g)})
-        if bad:
-            raise NonFiniteGradientError(model_id, [indices[i] for i in bad])
-        x = self.projector.project(grads, model_id=model_id).float() / self.normalize_factor
+        x = self._fast_path(batch, model_id)
+        if x is None:
+            grads = self.gradient_computer.compute_per_sample_grad(batch)
+            bad = sorted({i for g in grads.values() for i in _bad_rows(g)})
+            if bad:
+                raise NonFiniteGradientError(model_id, [indices[i] for i in bad])
+            x = self.projector.project(grads, model_id=model_id)
+        x = x.float() / self.normalize_factor
         bad = _bad_rows(x)
         if bad:
             raise NonFiniteGradientError(model_id, [indices[i] for i in bad], what="projected gradients")

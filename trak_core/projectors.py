@@ -203,14 +203,35 @@ class BasicSingleBlockProjector(DenseProjector):
                          block_rows=grad_dim, cache_bytes=2**62)
 
 
-PROJECTORS = {"noop": NoOpProjector, "dense": DenseProjector}
+# the structured kinds live in their own modules (imported here, after the base classes they subclass)
+from .factored import FactoredProjector  # noqa: E402
+from .sjlt import SJLTProjector  # noqa: E402
+
+PROJECTORS = {"noop": NoOpProjector, "dense": DenseProjector, "sjlt": SJLTProjector, "factored": FactoredProjector}
 
 
 def make_projector(kind: str, grad_dim: int, proj_dim: int, seed: int = 0, proj_type: str = "rademacher",
                    device="cpu", **kwargs) -> AbstractProjector:
-    """Build a projector by kind name (the pipeline's entry point)."""
+    """Build a projector by kind name (the pipeline's entry point).
+
+    ``"factored"`` needs ``model=`` (and the ``grad_wrt`` used for the gradients): its blocks are the model's
+    layers; ``"sjlt"`` takes ``c=`` (nonzeros per input coordinate).
+    """
     if kind not in PROJECTORS:
         raise BadInputError(f"unknown projector {kind!r}; choose one of {sorted(PROJECTORS)}")
     if kind == "noop":
         return NoOpProjector(grad_dim=grad_dim, proj_dim=grad_dim, device=device)
+    if kind == "factored":
+        model = kwargs.pop("model", None)
+        if model is None:
+            raise BadInputError("projector 'factored' needs the model (make_projector(..., model=model, "
+                                "grad_wrt=...)): its blocks are the model's layers")
+        grad_wrt = kwargs.pop("grad_wrt", None)
+        p = FactoredProjector.from_model(model, proj_dim, seed, proj_type, device, grad_wrt=grad_wrt, **kwargs)
+        if p.grad_dim != grad_dim:
+            raise BadInputError(f"projector 'factored': the model has {p.grad_dim} gradient coordinates "
+                                f"(grad_wrt={grad_wrt!r}), not grad_dim={grad_dim}")
+        return p
+    kwargs.pop("model", None)
+    kwargs.pop("grad_wrt", None)
     return PROJECTORS[kind](grad_dim, proj_dim, seed, proj_type, device, **kwargs)
