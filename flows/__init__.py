@@ -4,10 +4,11 @@
     attribute(config)            # an AttributeConfig or a dict of its fields
 """
 
-from .attribute import attribute
-from .featurize import featurize
-from .finalize import finalize
-from .score import score
-from .train import train
+from flows.attribute import attribute
+from flows.demo import digits_demo
+from flows.featurize import featurize
+from flows.finalize import finalize
+from flows.score import score
+from flows.train import train
 
-__all__ = ["attribute", "featurize", "finalize", "score", "train"]
+__all__ = ["attribute", "digits_demo", "featurize", "finalize", "score", "train"]

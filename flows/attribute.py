@@ -10,10 +10,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from tasks.attribution import plan_attribution, report_top_k
 from trak_core.config import AttributeConfig
 
-from .featurize import featurize
-from .finalize import finalize
-from .runners import make_task_runner
-from .score import score
+from flows.featurize import featurize
+from flows.finalize import finalize
+from flows.runners import make_task_runner
+from flows.score import score
 
 
 @flow(name="attribute", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)

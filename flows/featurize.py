@@ -12,7 +12,7 @@ from tasks.attribution import featurize_shard, plan_attribution
 from tasks.common import summarize
 from trak_core.config import AttributeConfig
 
-from .runners import gather
+from flows.runners import gather
 
 
 @flow(name="featurize", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)

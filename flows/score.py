@@ -12,7 +12,7 @@ from tasks.attribution import featurize_targets, plan_attribution, prepare_score
 from tasks.common import summarize
 from trak_core.config import AttributeConfig
 
-from .runners import gather
+from flows.runners import gather
 
 
 @flow(name="score", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)

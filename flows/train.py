@@ -12,7 +12,7 @@ from tasks.trainer import write_manifest
 from tasks.training import train_model
 from trak_core.config import TrainConfig
 
-from .runners import gather
+from flows.runners import gather
 
 
 @flow(name="train", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)

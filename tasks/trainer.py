@@ -32,6 +32,9 @@ from trak_core.errors import BadInputError
 from . import progress
 
 _INIT_LOCK = threading.Lock()  # torch.manual_seed is process-global: seed + build under one lock
+# torch's forward-AD levels (torch.func.jvp, used by Alpha) are process-global, not per thread: two
+# threads inside jvp at once fail with "forward AD level with an invalid index". One α at a time.
+_ALPHA_LOCK = threading.Lock()
 
 
 def model_stem(out_dir: str | Path, index: int) -> Path:
@@ -130,8 +133,9 @@ def train_one(config: TrainConfig, index: int) -> dict:
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"model {index}: non-finite loss at step {step}; lower lr")
             loss.backward()
-            if alpha is not None:
-                alpha.track(step, model, x, y)
+            if alpha is not None and alpha.should_track(step):
+                with _ALPHA_LOCK:
+                    alpha.track(step, model, x, y)
             opt.step()
             value = loss.detach().item()
             losses.append(value)
@@ -140,7 +144,8 @@ def train_one(config: TrainConfig, index: int) -> dict:
         epoch_loss.append(total / inputs.shape[0])
         progress.advance("train", 1)
     if alpha is not None:
-        alpha.finish(model)
+        with _ALPHA_LOCK:
+            alpha.finish(model)
     model.eval()
     with torch.no_grad():
         acc = float((model(inputs).argmax(dim=1) == labels).float().mean())

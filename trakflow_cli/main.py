@@ -148,31 +148,29 @@ def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="whe
     _prefect_env(verbose)
     t0 = time.perf_counter()
     from examples.digits import demo_configs
-    from flows import attribute, train
+    from flows import digits_demo
     from tasks.trainer import is_complete
-    from trak_core.config import AttributeConfig
 
-    train_cfg, attr = demo_configs(demo_dir, num_models=models, epochs=epochs, proj_dim=proj_dim,
-                                   lambda_reg=lambda_reg)
-    manifest = Path(train_cfg.out_dir) / "manifest.json"
-    if manifest.is_file() and all(is_complete(train_cfg.out_dir, i) for i in range(models)):
+    train_cfg, _ = demo_configs(demo_dir, num_models=models, epochs=epochs)
+    if not all(is_complete(train_cfg.out_dir, i) for i in range(models)):
+        console.print(f"training {models} checkpoints ({epochs} epochs each) in {train_cfg.out_dir}")
+    try:
+        with _Bars(True):
+            out = digits_demo(demo_dir=str(demo_dir), num_models=models, epochs=epochs, proj_dim=proj_dim,
+                              lambda_reg=lambda_reg)
+    except _config_errors() as e:
+        _fail(f"{type(e).__name__}: {e}", 1)
+    if out["train"] is None:
         console.print(f"checkpoints present in {train_cfg.out_dir}: not retraining")
     else:
-        console.print(f"training {models} checkpoints ({epochs} epochs each) in {train_cfg.out_dir}")
-        res = _run_flow(train, train_cfg)
-        for r in res["models"]:
+        for r in out["train"]["models"]:
             a = "" if r.get("alpha_mean") is None else f", mean α {r['alpha_mean']:.2f}"
             console.print(f"  model {r['index']}: loss {r['final_loss']:.3f}, train accuracy "
                           f"{r['train_accuracy']:.3f}{a}{' (kept)' if r['skipped'] else ''}")
-    try:
-        config = AttributeConfig.model_validate(attr)
-    except _config_errors() as e:
-        _fail(str(e))
-    Path(demo_dir).mkdir(parents=True, exist_ok=True)
-    (Path(demo_dir) / "attribute.yaml").write_text(config.to_yaml())
-    result = _run_flow(attribute, config)
-    _print_attribution(result, config)
-    console.print(f"config: {Path(demo_dir) / 'attribute.yaml'} (re-run with `trakflow run` on it)")
+    from trak_core.config import AttributeConfig
+
+    _print_attribution(out["attribute"], AttributeConfig.from_yaml(out["config"]))
+    console.print(f"config: {out['config']} (re-run with `trakflow run` on it)")
     console.print(f"demo finished in {time.perf_counter() - t0:.1f} s")
 
 

@@ -1,0 +1,41 @@
+# Two commands on a fresh machine (Python 3.11 + pip + the package registry):
+#   make demo    venv, install, run the embedded digits demo
+#   make test    venv, install, all tests
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONSTRAINTS := requirements/constraints.txt
+STAMP := $(VENV)/.trakflow-installed
+
+.PHONY: all install demo test serve server clean-demo
+
+all: test
+
+install: $(STAMP)
+
+# torch first and alone (the CPU wheel); anything resolving torch later must find it satisfied, or
+# pip would pull GB of CUDA wheels. traker 0.3.2 (the reference implementation, a test oracle) without
+# its dependencies for the same reason.
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps traker==0.3.2
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/trakflow demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# local Prefect server (SQLite) with the UI on http://127.0.0.1:4200
+server: $(STAMP)
+	$(BIN)/prefect server start
+
+# register the deployments with the server above and serve them
+serve: $(STAMP)
+	PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:4200/api} $(BIN)/python -m deployments.serve
+
+clean-demo:
+	rm -rf trakflow_demo

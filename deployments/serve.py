@@ -1,0 +1,53 @@
+"""Register trakflow's flows as deployments and serve them (no work pool needed)::
+
+    prefect server start                       # terminal 1: local server + UI on http://127.0.0.1:4200
+    export PREFECT_API_URL=http://127.0.0.1:4200/api
+    python -m deployments.serve                # terminal 2 (or `trakflow serve`), from the repo root
+
+Deployments (``flow/deployment``):
+
+* ``digits-demo/nightly``   the embedded default end to end, on a cron schedule (03:00 UTC daily);
+* ``attribute/digits``      the attribute flow, its config pre-filled with the digits demo (UI form);
+* ``train/digits``          the train flow for the digits checkpoints.
+
+Trigger one from the UI (Deployments → Run), the CLI (``prefect deployment run 'attribute/digits'`` or
+``trakflow trigger attribute/digits``) or Python (``prefect.deployments.run_deployment("attribute/digits")``).
+Relative paths in the parameters resolve against the serving process's working directory; set
+TRAKFLOW_DEMO_DIR to put the demo elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+NIGHTLY_CRON = "0 3 * * *"
+
+
+def build_deployments(demo_dir: str | None = None) -> list:
+    from prefect.types.entrypoint import EntrypointType
+
+    from examples.digits import demo_configs
+    from flows import attribute, digits_demo, train
+
+    demo_dir = demo_dir or os.environ.get("TRAKFLOW_DEMO_DIR", "trakflow_demo")
+    train_cfg, attr = demo_configs(demo_dir)
+    common = dict(tags=["trakflow"], entrypoint_type=EntrypointType.MODULE_PATH)  # flows.x.y: no file loading
+    return [
+        digits_demo.to_deployment(name="nightly", cron=NIGHTLY_CRON, parameters={"demo_dir": demo_dir},
+                                  description="digits demo end to end: train checkpoints if absent, attribute",
+                                  **common),
+        attribute.to_deployment(name="digits", parameters={"config": attr},
+                                description="TRAK attribution (config pre-filled with the digits demo)", **common),
+        train.to_deployment(name="digits", parameters={"config": train_cfg.model_dump(mode="json")},
+                            description="train the digits checkpoints (skips complete ones)", **common),
+    ]
+
+
+def main() -> None:
+    from prefect import serve
+
+    serve(*build_deployments())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""Flows under one session-scoped prefect_test_harness, on seconds-fast synthetic data (examples.tiny)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from examples import tiny
+from trak_core import TRAKer
+from trak_core.config import AttributeConfig, TrainConfig
+from trak_core.errors import BadInputError, StateError, StoreMismatchError
+from trak_core.featurize import Featurizer
+from trak_core.store import TrakStore
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+N, M, BATCH, SHARD, CHUNK, PROJ, LAM = tiny.NUM_TRAIN, tiny.NUM_TARGETS, 8, 16, 8, 16, 1e-3
+
+
+def config(tmp: Path, ckpts, **over) -> AttributeConfig:
+    cfg = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
+               target_data="examples.tiny:target_data", checkpoints=ckpts, store=str(tmp / "store.zarr"),
+               exp_name="tiny", proj_dim=PROJ, lambda_reg=LAM, batch_size=BATCH, shard_size=SHARD, chunk_rows=CHUNK,
+               device="cpu", top_k=3, report_targets=2, show="examples.tiny:as_image", report_dir=str(tmp / "report"))
+    cfg.update(over)
+    return AttributeConfig.model_validate(cfg)
+
+
+def traker_scores(tmp: Path, ckpt_paths) -> np.ndarray:
+    """trak_core.TRAKer on the same inputs, same batches and the same store layout."""
+    x, y = tiny.train_data()
+    xt, yt = tiny.target_data()
+    tr = TRAKer(tiny.make_model(), "image_classification", N, save_dir=str(tmp / "traker.zarr"), device="cpu",
+                proj_dim=PROJ, lambda_reg=LAM, chunk_rows=CHUNK, shard_rows=SHARD)
+    sds = [torch.load(p, weights_only=True) for p in sorted(ckpt_paths)]
+    for mid, sd in enumerate(sds):
+        tr.load_checkpoint(sd, mid)
+        for a in range(0, N, BATCH):
+            tr.featurize((x[a:a + BATCH], y[a:a + BATCH]), inds=np.arange(a, a + BATCH))
+    tr.finalize_features()
+    for mid, sd in enumerate(sds):
+        tr.start_scoring_checkpoint("tiny", sd, mid, M)
+        for a in range(0, M, BATCH):
+            tr.score((xt[a:a + BATCH], yt[a:a + BATCH]), inds=np.arange(a, a + BATCH))
+    return np.asarray(tr.finalize_scores("tiny"))
+
+
+def file_mtimes(root: str) -> dict[str, int]:
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[p] = os.stat(p).st_mtime_ns
+    return out
+
+
+@pytest.fixture(scope="module")
+def attributed(tmp_path_factory):
+    """One attribute run on 3 checkpoints (given in unsorted order, by glob)."""
+    from flows import attribute
+
+    tmp = tmp_path_factory.mktemp("attr")
+    paths = tiny.save_checkpoints(tmp / "ck", seeds=(2, 0, 1))
+    cfg = config(tmp, str(tmp / "ck" / "model_*.pt"))
+    result = attribute(cfg)
+    return tmp, paths, cfg, result
+
+
+def test_attribute_equals_traker_exactly(attributed):
+    tmp, paths, cfg, result = attributed
+    ours = TrakStore.open(cfg.store, mode="r").scores("tiny")[:]
+    ref = traker_scores(tmp, paths)
+    assert ours.shape == (N, M)
+    np.testing.assert_array_equal(ours, ref)
+    assert result["featurize"]["computed"] == 3 * (N // SHARD)
+    assert result["score"]["model_ids"] == [0, 1, 2]
+
+
+def test_second_run_recomputes_nothing(attributed, monkeypatch):
+    from flows import attribute
+
+    tmp, paths, cfg, first = attributed
+    calls = []
+    for name in ("featurize", "target_features"):
+        orig = getattr(Featurizer, name)
+
+        def counting(self, *a, _orig=orig, _name=name, **k):
+            calls.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(Featurizer, name, counting)
+    import trak_core.reduce as reduce_mod
+    import tasks.core as core_mod
+
+    monkeypatch.setattr(core_mod, "finalize_model", lambda *a, **k: pytest.fail("finalize_model called"))
+    monkeypatch.setattr(core_mod, "score_rows", lambda *a, **k: pytest.fail("score_rows called"))
+    assert reduce_mod.finalize_model is not None
+    before = file_mtimes(cfg.store)
+    scores_before = TrakStore.open(cfg.store, mode="r").scores("tiny")[:]
+
+    again = attribute(cfg)
+
+    assert calls == []
+    for stage in ("featurize", "finalize"):
+        assert again[stage]["computed"] == 0 and again[stage]["skipped"] == first[stage]["tasks"]
+        assert all(m["skipped"] for m in again[stage]["manifests"])
+    assert again["score"]["computed"] == 0 and again["score"]["skipped"] == first["score"]["tasks"]
+    after = file_mtimes(cfg.store)
+    assert after == before, sorted(k for k in after if after[k] != before.get(k))
+    np.testing.assert_array_equal(TrakStore.open(cfg.store, mode="r").scores("tiny")[:], scores_before)
+
+
+def test_report_files_and_artifacts(attributed):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    tmp, paths, cfg, result = attributed
+    rep = result["report"]
+    assert [r["target"] for r in rep["rows"]] == [0, 1]
+    scores = TrakStore.open(cfg.store, mode="r").scores("tiny")[:]
+    for r in rep["rows"]:
+        assert [e["index"] for e in r["proponents"]] == list(np.argsort(-scores[:, r["target"]], kind="stable")[:3])
+        assert [e["index"] for e in r["opponents"]] == list(np.argsort(scores[:, r["target"]], kind="stable")[:3])
+    md = Path(cfg.report_dir) / "tiny_top_k.md"
+    assert md.is_file() and "top proponents" in md.read_text()
+    for j in (0, 1):
+        assert (Path(cfg.report_dir) / f"tiny_target_{j}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["trakflow-tiny-top-k",
+                                                                            "trakflow-tiny-target-0"])))
+
+    arts = {a.key: a for a in asyncio.run(read())}
+    assert arts["trakflow-tiny-top-k"].type == "markdown"
+    assert "top proponents" in arts["trakflow-tiny-top-k"].data
+    assert arts["trakflow-tiny-target-0"].type == "image"
+
+
+def test_prefect_api_read_endpoint():
+    """A read_* call against the harness server: fails loudly on a FastAPI/Prefect mismatch (422s)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    async def read():
+        async with get_client() as client:
+            flows = await client.read_flows(flow_filter=FlowFilter(name=FlowFilterName(any_=["attribute"])))
+            runs = await client.read_flow_runs(limit=5)
+            return flows, runs
+
+    flows, runs = asyncio.run(read())
+    assert isinstance(flows, list) and isinstance(runs, list)
+
+
+def test_featurize_skips_complete_shards_and_redoes_one(tmp_path):
+    from flows import featurize
+
+    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
+    cfg = config(tmp_path, paths)
+    first = featurize(cfg)
+    assert first["computed"] == N // SHARD
+    store = TrakStore.open(cfg.store)
+    grads = store.model(0).grads[:]
+    # forget shard 2 (as if its task died before marking it complete)
+    store.model(0).featurized[32:48] = 0
+    store.model(0).partial_done[2] = 0
+    again = featurize(cfg)
+    assert again["computed"] == 1 and again["skipped"] == N // SHARD - 1
+    assert [m["shard"] for m in again["manifests"] if not m["skipped"]] == [2]
+    np.testing.assert_array_equal(TrakStore.open(cfg.store).model(0).grads[:], grads)
+
+
+def test_bad_config_fails_before_any_compute(tmp_path, monkeypatch):
+    from prefect.exceptions import ParameterTypeError
+
+    from flows import attribute
+
+    monkeypatch.setattr(Featurizer, "featurize", lambda *a, **k: pytest.fail("computed despite a bad config"))
+    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
+    base = config(tmp_path, paths).model_dump()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cases = {"model": "examples.tiny:nope", "checkpoints": [str(tmp_path / "ck" / "gone.pt")], "proj_dim": 0,
+             "store": str(blocker / "store.zarr")}
+    for field, value in cases.items():
+        with pytest.raises(ParameterTypeError, match=f"config.{field}" if field != "checkpoints" else "checkpoints"):
+            attribute(config={**base, field: value})
+    assert not os.path.exists(base["store"]) and not os.path.exists(blocker.parent / "report")
+
+
+@pytest.mark.parametrize("over,field,exc", [
+    (dict(train_data="examples.tiny:bad_labels"), "train_data", BadInputError),
+    (dict(proj_dim=N, lambda_reg=0.0), "proj_dim", BadInputError),
+    (dict(grad_wrt=["0.weight", "nope"]), "grad_wrt", BadInputError),
+])
+def test_plan_rejects_bad_input_before_writing(tmp_path, over, field, exc):
+    from flows import attribute
+
+    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
+    cfg = config(tmp_path, paths, **over)
+    with pytest.raises(exc, match=field):
+        attribute(cfg)
+    assert not os.path.exists(cfg.store)
+
+
+def test_checkpoint_that_does_not_fit_is_named(tmp_path):
+    from flows import attribute
+
+    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
+    torch.save({"weight": torch.zeros(2)}, tmp_path / "ck" / "model_009.pt")
+    cfg = config(tmp_path, str(tmp_path / "ck" / "*.pt"))
+    with pytest.raises(BadInputError, match=r"checkpoints\[1\].*model_009.pt"):
+        attribute(cfg)
+    assert not os.path.exists(cfg.store)
+    assert len(paths) == 1
+
+
+def test_other_checkpoint_for_same_model_id_is_refused(tmp_path):
+    from flows import featurize
+
+    tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
+    cfg = config(tmp_path, str(tmp_path / "ck" / "*.pt"))
+    featurize(cfg)
+    torch.manual_seed(5)
+    torch.save(tiny.make_model().state_dict(), tmp_path / "ck" / "model_000.pt")  # same path, new content
+    with pytest.raises(StoreMismatchError, match="model_id=0"):
+        featurize(cfg)
+
+
+def test_retry_condition():
+    from prefect.states import Failed
+
+    from tasks.attribution import retry_unless_bad_input
+
+    assert not retry_unless_bad_input(None, None, Failed(data=BadInputError("x")))
+    assert not retry_unless_bad_input(None, None, Failed(data=StateError("x")))
+    assert not retry_unless_bad_input(None, None, Failed(data=StoreMismatchError("x")))
+    assert retry_unless_bad_input(None, None, Failed(data=OSError("disk hiccup")))
+    assert retry_unless_bad_input(None, None, Failed(data=RuntimeError("CUDA out of memory")))
+
+
+def test_task_options():
+    from prefect.cache_policies import NONE
+
+    from tasks import attribution, training
+
+    for t in (attribution.featurize_shard, attribution.featurize_targets, training.train_model):
+        assert "trakflow-gpu" in t.tags
+    for t in (attribution.featurize_shard, attribution.finalize_checkpoint, attribution.featurize_targets,
+              attribution.score_block, training.train_model):
+        assert t.retries == 2 and t.retry_condition_fn is attribution.retry_unless_bad_input
+        assert type(t.cache_policy) is type(NONE)
+
+
+def test_train_flow_manifest_and_rerun(tmp_path):
+    from flows import train
+
+    cfg = TrainConfig(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
+                      out_dir=str(tmp_path / "ck"), num_models=2, epochs=2, batch_size=16, lr=0.05,
+                      subset_fraction=0.5, alpha_every=1)
+    res = train(cfg)
+    assert res["computed"] == 2
+    manifest = json.loads(Path(res["manifest"]).read_text())
+    assert [c["path"] for c in manifest["checkpoints"]] == ["model_000.pt", "model_001.pt"]
+    for i, entry in enumerate(manifest["checkpoints"]):
+        sd = torch.load(tmp_path / "ck" / entry["path"], weights_only=True)
+        tiny.make_model().load_state_dict(sd)
+        subset = np.load(tmp_path / "ck" / entry["subset"])
+        assert subset.size == N // 2 and entry["train_rows"] == N // 2
+        for plot in entry["plots"].values():
+            assert (tmp_path / "ck" / plot).read_bytes()[:4] == b"\x89PNG"
+    try:
+        import trak_core.alpha  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert {"alpha_trace", "alpha_gauge"} <= set(manifest["checkpoints"][0]["plots"])
+        record = json.loads((tmp_path / "ck" / "model_000.json").read_text())
+        assert len(record["alpha"]) >= 1
+    # different seeds → different subsets and weights
+    s0 = np.load(tmp_path / "ck" / manifest["checkpoints"][0]["subset"])
+    s1 = np.load(tmp_path / "ck" / manifest["checkpoints"][1]["subset"])
+    assert not np.array_equal(s0, s1)
+
+    again = train(cfg)
+    assert again["computed"] == 0 and again["skipped"] == 2
+    acfg = config(tmp_path, res["manifest"])
+    assert acfg.checkpoint_paths == [str(tmp_path / "ck" / "model_000.pt"), str(tmp_path / "ck" / "model_001.pt")]
+
+
+def test_deployments_register_and_trigger():
+    """serve.py's deployments: one on a cron schedule; applied and triggered with run_deployment."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from deployments.serve import build_deployments
+
+    deps = build_deployments()
+    names = {(d.flow_name, d.name) for d in deps}
+    assert names == {("digits-demo", "nightly"), ("attribute", "digits"), ("train", "digits")}
+    nightly = next(d for d in deps if d.name == "nightly")
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
+    on_demand = next(d for d in deps if d.flow_name == "attribute")
+    on_demand.apply()
+    run = run_deployment("attribute/digits", timeout=0)
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_flow_run(run.id)
+
+    fr = asyncio.run(read())
+    assert fr.deployment_id is not None and fr.state.is_scheduled()
+    assert "config" in fr.parameters
+
+
+def test_prefect_yaml_entrypoints_resolve():
+    import importlib
+
+    import yaml
+
+    spec = yaml.safe_load((Path(__file__).parent.parent / "deployments" / "prefect.yaml").read_text())
+    assert spec["deployments"]
+    from prefect import Flow
+
+    from trak_core.config import AttributeConfig, TrainConfig
+
+    for dep in spec["deployments"]:
+        path, fn = dep["entrypoint"].split(":")
+        flow_obj = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), fn)
+        assert isinstance(flow_obj, Flow)
+        cfg = dep["parameters"].get("config")
+        if cfg is not None:  # the pre-filled configs name only real fields
+            cls = AttributeConfig if flow_obj.name == "attribute" else TrainConfig
+            assert set(cfg) <= set(cls.model_fields)
+    assert [s["cron"] for d in spec["deployments"] for s in d.get("schedules") or []] == ["0 3 * * *"]
