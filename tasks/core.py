@@ -53,9 +53,13 @@ def data_fingerprint(data: tuple) -> str:
     return h.hexdigest()
 
 
-def build_projector(config: AttributeConfig, grad_dim: int, device: str):
-    return make_projector(config.projector, grad_dim, config.proj_dim, config.proj_seed, config.proj_type,
-                          device=device)
+def build_projector(config: AttributeConfig, grad_dim: int, device: str, model: torch.nn.Module):
+    """The projector of the config (``factored`` takes its blocks from the model's layers)."""
+    try:
+        return make_projector(config.projector, grad_dim, config.proj_dim, config.proj_seed, config.proj_type,
+                              device=device, model=model, grad_wrt=config.grad_wrt)
+    except BadInputError as e:
+        raise _prefixed("projector", e) from None
 
 
 def build_metadata(config: AttributeConfig, train_set_size: int, model: torch.nn.Module, task) -> StoreMetadata:
@@ -64,7 +68,7 @@ def build_metadata(config: AttributeConfig, train_set_size: int, model: torch.nn
         grad_dim = grad_dim_of(model, config.grad_wrt)
     except BadInputError as e:
         raise _prefixed("grad_wrt", e) from None
-    spec = build_projector(config, grad_dim, "cpu").spec()
+    spec = build_projector(config, grad_dim, "cpu", model).spec()
     return StoreMetadata(train_set_size=train_set_size, grad_dim=grad_dim, proj_dim=spec["proj_dim"],
                          projector=spec["kind"], proj_type=spec["proj_type"], proj_seed=spec["seed"],
                          dtype=config.dtype, chunk_rows=config.effective_chunk_rows, shard_rows=config.shard_size,
@@ -75,7 +79,7 @@ def build_featurizer(config: AttributeConfig, checkpoint: str, grad_dim: Optiona
     device = config.resolved_device()
     model = config.build_model().to(device)
     grad_dim = grad_dim or grad_dim_of(model, config.grad_wrt)
-    feat = Featurizer(model, config.build_task(), build_projector(config, grad_dim, device),
+    feat = Featurizer(model, config.build_task(), build_projector(config, grad_dim, device, model),
                       FunctionalGradientComputer, config.grad_wrt, device)
     feat.load_state(load_checkpoint(checkpoint, device))
     return feat
@@ -104,7 +108,7 @@ def make_plan(config: AttributeConfig) -> dict:
     _check_batch(task, targets, config.batch_size, "target_data")
     n, m = int(train[0].shape[0]), int(targets[0].shape[0])
     meta = build_metadata(config, n, model, task)
-    if config.projector == "dense" and meta.proj_dim >= n and config.lambda_reg == 0:
+    if config.projector != "noop" and meta.proj_dim >= n and config.lambda_reg == 0:
         raise BadInputError(f"proj_dim: {meta.proj_dim} ≥ number of train examples n={n} makes XᵀX singular "
                             "(scores would be noise); use a proj_dim well below n, or lambda_reg > 0")
     records = []

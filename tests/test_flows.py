@@ -32,12 +32,19 @@ def config(tmp: Path, ckpts, **over) -> AttributeConfig:
     return AttributeConfig.model_validate(cfg)
 
 
-def traker_scores(tmp: Path, ckpt_paths) -> np.ndarray:
+def traker_scores(tmp: Path, ckpt_paths, projector: str = "dense") -> np.ndarray:
     """trak_core.TRAKer on the same inputs, same batches and the same store layout."""
+    from trak_core.gradients import grad_dim_of
+    from trak_core.projectors import make_projector
+
     x, y = tiny.train_data()
     xt, yt = tiny.target_data()
-    tr = TRAKer(tiny.make_model(), "image_classification", N, save_dir=str(tmp / "traker.zarr"), device="cpu",
-                proj_dim=PROJ, lambda_reg=LAM, chunk_rows=CHUNK, shard_rows=SHARD)
+    model = tiny.make_model()
+    proj = None
+    if projector != "dense":
+        proj = make_projector(projector, grad_dim_of(model), PROJ, 0, "rademacher", "cpu", model=model)
+    tr = TRAKer(model, "image_classification", N, save_dir=str(tmp / "traker.zarr"), device="cpu",
+                proj_dim=PROJ, lambda_reg=LAM, chunk_rows=CHUNK, shard_rows=SHARD, projector=proj)
     sds = [torch.load(p, weights_only=True) for p in sorted(ckpt_paths)]
     for mid, sd in enumerate(sds):
         tr.load_checkpoint(sd, mid)
@@ -80,6 +87,19 @@ def test_attribute_equals_traker_exactly(attributed):
     np.testing.assert_array_equal(ours, ref)
     assert result["featurize"]["computed"] == 3 * (N // SHARD)
     assert result["score"]["model_ids"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("projector", ["sjlt", "factored"])
+def test_structured_projectors_equal_traker_exactly(tmp_path, projector):
+    from flows import attribute
+
+    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
+    cfg = config(tmp_path, paths, projector=projector, report_targets=0)
+    result = attribute(cfg)
+    assert result["report"] is None
+    store = TrakStore.open(cfg.store, mode="r")
+    assert store.meta.projector == projector
+    np.testing.assert_array_equal(store.scores("tiny")[:], traker_scores(tmp_path, paths, projector))
 
 
 def test_second_run_recomputes_nothing(attributed, monkeypatch):

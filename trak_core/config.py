@@ -201,8 +201,9 @@ class AttributeConfig(_Base):
     exp_name: str = Field("default", description="experiment name (the targets' group in the store)")
     proj_dim: PositiveInt = Field(512, description="projection dimension; keep it well below the number of "
                                                   "train examples")
-    projector: Literal["dense", "noop"] = Field("dense", description="'dense' (counter-RNG JL projection) or "
-                                                                   "'noop' (no projection)")
+    projector: Literal["dense", "sjlt", "factored", "noop"] = Field(
+        "dense", description="'dense' (counter-RNG JL projection), 'sjlt' (sparse JL), 'factored' (per-layer "
+                             "Kronecker projection) or 'noop' (no projection)")
     proj_type: Literal["rademacher", "normal"] = "rademacher"
     proj_seed: NonNegativeInt = 0
     lambda_reg: NonNegativeFloat = Field(0.0, description="ridge term λ in (XᵀX + λI)⁻¹")
