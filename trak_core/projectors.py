@@ -217,6 +217,15 @@ def make_projector(kind: str, grad_dim: int, proj_dim: int, seed: int = 0, proj_
     ``"factored"`` needs ``model=`` (and the ``grad_wrt`` used for the gradients): its blocks are the model's
     layers; ``"sjlt"`` takes ``c=`` (nonzeros per input coordinate).
     """
+    if kind == "fast_jl" or (kind in ("dense", "sjlt") and str(device).startswith("cuda")):
+        try:  # the GPU kernels (cuda_ext/, optional): imported here only, never when trak_core is imported
+            import cuda_ext
+        except ImportError:
+            cuda_ext = None
+        if cuda_ext is not None:
+            kwargs.pop("model", None)
+            kwargs.pop("grad_wrt", None)
+            return cuda_ext.make_cuda_projector(kind, grad_dim, proj_dim, seed, proj_type, device, **kwargs)
     if kind not in PROJECTORS:
         raise BadInputError(f"unknown projector {kind!r}; choose one of {sorted(PROJECTORS)}")
     if kind == "noop":

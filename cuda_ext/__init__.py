@@ -1,0 +1,21 @@
+"""trakflow's own GPU projection kernels (CUDA C++, built at first use with torch's extension builder).
+
+The projections are those of :mod:`trak_core.counter_rng` (dense Rademacher, dense normal, SJLT): the GPU
+computes what the CPU computes, same seed ⇒ same result up to float rounding, on any GPU model.
+
+* :class:`CudaDenseProjector` — dense, matrix generated on the fly from the counter hash; split-K with a
+  deterministic reduction; float32 FMA or tensor cores (bf16 terms of x, float32 accumulation).
+* :class:`CudaSJLTProjector` — SJLT, a deterministic gather over a per-model CSR plan built on the GPU.
+* :class:`~cuda_ext.fast_jl_interop.FastJLProjector` — ``projector="fast_jl"`` (TRAK's kernel), optional.
+* :func:`load_extension` / :func:`unavailable_reason` — the build, and why it is not there.
+
+Nothing here is imported by trak_core at import time; without CUDA the projectors fall back to trak_core's
+CPU projectors with a one-line :class:`CudaFallbackWarning`. See docs/gpu.md.
+"""
+
+from ._build import is_available, load_extension, source_digest, unavailable_reason
+from .projectors import (ALGOS, BACKENDS, CudaDenseProjector, CudaFallbackWarning, CudaProjector, CudaSJLTProjector,
+                         make_cuda_projector)
+
+__all__ = ["CudaDenseProjector", "CudaSJLTProjector", "CudaProjector", "CudaFallbackWarning", "make_cuda_projector",
+           "load_extension", "unavailable_reason", "is_available", "source_digest", "ALGOS", "BACKENDS"]
