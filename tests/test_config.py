@@ -160,3 +160,15 @@ def test_train_config(tmp_path):
     blocker.write_text("")
     fails_naming("out_dir", {**ok, "out_dir": str(blocker / "o")}, TrainConfig)
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_example_yaml_files_name_real_fields():
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).parent.parent / "examples"
+    attr = yaml.safe_load((root / "digits.yaml").read_text())
+    assert set(attr) <= set(AttributeConfig.model_fields)
+    train = TrainConfig.from_yaml(root / "digits_train.yaml")  # validates; writes nothing
+    assert train.num_models == 3 and train.model_seeds() == [0, 1, 2]
