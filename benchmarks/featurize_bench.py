@@ -1,0 +1,382 @@
+"""Featurization, scoring and memory of trakflow side by side with traker 0.3.2 on this CPU, in one run.
+
+    .venv/bin/python benchmarks/featurize_bench.py            # writes its section of benchmarks/RESULTS.md
+
+What it measures (every featurization row in a fresh subprocess, one after the other):
+
+* featurization throughput (examples/s) of N examples at proj_dim 2048, batch 256, float32 store, through
+  each library's own ``TRAKer`` (load_checkpoint + featurize calls, store writes included), for a ~10k- and
+  a ~400k-parameter MLP and a small conv net: traker 0.3.2 with its default CPU projector (BasicProjector,
+  normal entries, regenerated block by block for every batch) against trakflow with the dense, SJLT and
+  factored projectors;
+* scoring throughput: the Φ Gᵀ block product (``trak_core.scoring.scores_block``) and the whole streaming
+  ``reduce.finalize_scores`` over a float16 store, in GFLOP/s against the measured float32 matmul peak
+  (best of ``torch.matmul`` on square matrices);
+* peak RSS of featurize / finalize / score against n (``benchmarks/memory_flat.py``);
+* the LDS of dense vs SJLT vs factored projection on the demo setup (``benchmarks/lds.py``).
+
+Numbers are ratios from one run on one machine; other processes may share the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+START, END = "<!-- featurize_bench:start -->", "<!-- featurize_bench:end -->"
+
+
+# ---------------------------------------------------------------------------- models and data
+def make_model(name: str):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name == "mlp10k":
+        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)), (64,)
+    if name == "mlp400k":
+        return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10)), (784,)
+    if name == "convnet":
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Flatten(), nn.Linear(32 * 8 * 8, 10)), (3, 32, 32)
+    raise ValueError(name)
+
+
+MODEL_LABEL = {"mlp10k": "MLP 64-128-10", "mlp400k": "MLP 784-512-10",
+               "convnet": "ConvNet 3×32×32 (2 conv + linear)"}
+
+
+def make_projector(kind: str, model, grad_dim: int, proj_dim: int):
+    from trak_core.factored import FactoredProjector
+    from trak_core.projectors import DenseProjector
+    from trak_core.sjlt import SJLTProjector
+
+    if kind == "dense":
+        return DenseProjector(grad_dim, proj_dim, 0, "rademacher")
+    if kind == "dense-cached":  # the whole matrix cached (generated once per model_id)
+        return DenseProjector(grad_dim, proj_dim, 0, "rademacher", cache_bytes=8 * 2**30)
+    if kind.startswith("sjlt"):
+        c = int(kind.split("-c")[1]) if "-c" in kind else 4
+        return SJLTProjector(grad_dim, proj_dim, 0, c=c)
+    if kind == "factored":
+        return FactoredProjector.from_model(model, proj_dim, 0)
+    raise ValueError(kind)
+
+
+def worker(spec: dict) -> dict:
+    """One featurization measurement (run in a fresh process)."""
+    import numpy as np
+    import torch
+
+    warnings.simplefilter("ignore")
+    model, shape = make_model(spec["model"])
+    model.eval()
+    n, bs, p = spec["n"], spec["batch"], spec["proj_dim"]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, *shape, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    grad_dim = sum(q.numel() for q in model.parameters())
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with tempfile.TemporaryDirectory() as tmp:
+        if spec["impl"] == "traker":
+            import trak
+
+            tr = trak.TRAKer(model=model, task="image_classification", train_set_size=n,
+                             save_dir=os.path.join(tmp, "t"), device="cpu", proj_dim=p,
+                             use_half_precision=False, logging_level=logging.ERROR)
+            kind = f"{type(tr.projector).__name__} ({tr.projector.proj_type})"
+        else:
+            import trak_core
+
+            proj = make_projector(spec["impl"], model, grad_dim, p)
+            tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=n,
+                                  save_dir=os.path.join(tmp, "o"), device="cpu", projector=proj,
+                                  use_half_precision=False, logging_level=logging.ERROR)
+            kind = spec["impl"]
+        t0 = time.perf_counter()
+        tr.load_checkpoint(model.state_dict(), model_id=0)
+        for a in range(0, n, bs):
+            b = min(a + bs, n)
+            tr.featurize((x[a:b], y[a:b]), num_samples=b - a)
+        seconds = time.perf_counter() - t0
+        if spec["impl"] == "traker":
+            rows = np.asarray(tr.saver.current_store["grads"][:n], dtype=np.float32)
+        else:
+            rows = tr.store.model(0).grads[:n].astype(np.float32)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {**spec, "projector": kind, "grad_dim": grad_dim, "seconds": seconds, "examples_per_s": n / seconds,
+            "peak_rss_mib": peak / 1024, "baseline_rss_mib": base / 1024,
+            "finite": bool(np.isfinite(rows).all()), "rows_nonzero": bool((np.abs(rows).sum(1) > 0).all())}
+
+
+def run_worker(spec: dict, timeout: int = 900) -> dict:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+                         capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker {spec} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------- scoring
+def matmul_peak(sizes=(1024, 2048, 4096), reps=3) -> dict:
+    import torch
+
+    best = {}
+    for s in sizes:
+        a, b = torch.randn(s, s), torch.randn(s, s)
+        torch.matmul(a, b)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            torch.matmul(a, b)
+            ts.append(time.perf_counter() - t)
+        best[s] = 2 * s ** 3 / min(ts) / 1e9
+    return {"per_size_gflops": best, "peak_gflops": max(best.values())}
+
+
+def scoring_kernel(rows=8192, p=2048, targets=(256, 1024, 4096), reps=3) -> list[dict]:
+    import torch
+
+    from trak_core.scoring import scores_block
+
+    out = []
+    phi = torch.randn(rows, p)
+    for m in targets:
+        g = torch.randn(m, p)
+        scores_block(phi, g)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            scores_block(phi, g)
+            ts.append(time.perf_counter() - t)
+        out.append({"what": "scores_block (Φ block @ Gᵀ)", "rows": rows, "p": p, "m": m,
+                    "seconds": min(ts), "gflops": 2 * rows * p * m / min(ts) / 1e9})
+    return out
+
+
+def scoring_end_to_end(n=65536, p=2048, m=1024, dtype="float16") -> dict:
+    """reduce.finalize_scores over a store of n rows × p features (1 checkpoint), m targets."""
+    import numpy as np
+
+    from trak_core.reduce import finalize_scores
+    from trak_core.store import StoreMetadata, TrakStore
+
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        meta = StoreMetadata(train_set_size=n, grad_dim=10 * p, proj_dim=p, dtype=dtype, chunk_rows=1024,
+                             shard_rows=8192)
+        st = TrakStore.create_or_open(os.path.join(tmp, "s"), meta)
+        mod = st.init_model(0)
+        for a in range(0, n, 8192):
+            b = min(a + 8192, n)
+            mod.features[a:b] = rng.standard_normal((b - a, p), dtype=np.float32).astype(dtype)
+        mod.out_to_loss[:] = np.ones(n, dtype=np.float32)
+        mod.finalized[:] = np.ones(n, dtype=np.uint8)
+        mod.group.attrs["finalize"] = {"lambda_reg": 0.0}
+        st.init_experiment("bench", m)
+        st.init_experiment_model("bench", 0)
+        st.write_target_rows("bench", 0, slice(0, m), rng.standard_normal((m, p), dtype=np.float32))
+        t = time.perf_counter()
+        s = finalize_scores(st, "bench")
+        dt = time.perf_counter() - t
+        assert s.shape == (n, m)
+    return {"what": f"reduce.finalize_scores ({dtype} store, zarr reads + writes)", "rows": n, "p": p, "m": m,
+            "seconds": dt, "gflops": 2 * n * p * m / dt / 1e9}
+
+
+# ---------------------------------------------------------------------------- report
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import trak
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "traker": getattr(trak, "__version__", "0.3.2"), "python": platform.python_version()}
+
+
+def feat_table(rows: list[dict]) -> str:
+    lines = ["| model | params | library / projector | examples | seconds | examples/s | × traker | peak RSS |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model in ("mlp10k", "mlp400k", "convnet"):
+        sel = [r for r in rows if r["model"] == model]
+        if not sel:
+            continue
+        base = next((r for r in sel if r["impl"] == "traker"), None)
+        for r in sel:
+            who = f"traker 0.3.2 — {r['projector']}" if r["impl"] == "traker" else f"trakflow — {r['impl']}"
+            ratio = "1.0" if r is base else (f"{r['examples_per_s'] / base['examples_per_s']:.1f}" if base else "—")
+            lines.append(f"| {MODEL_LABEL[model]} | {r['grad_dim']:,} | {who} | {r['n']} | {r['seconds']:.2f} | "
+                         f"{r['examples_per_s']:,.0f} | {ratio} | {r['peak_rss_mib']:,.0f} MiB |")
+    return "\n".join(lines)
+
+
+def score_table(rows: list[dict], peak: dict) -> str:
+    lines = ["| operation | rows × p × targets | seconds | GFLOP/s | % of matmul peak |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['what']} | {r['rows']:,} × {r['p']} × {r['m']} | {r['seconds']:.3f} | {r['gflops']:.1f} | "
+                     f"{100 * r['gflops'] / peak['peak_gflops']:.0f}% |")
+    sizes = ", ".join(f"{s}: {g:.1f}" for s, g in peak["per_size_gflops"].items())
+    lines.append("")
+    lines.append(f"Measured float32 matmul peak: **{peak['peak_gflops']:.1f} GFLOP/s** (best of torch.matmul on "
+                 f"square n×n, GFLOP/s per n — {sizes}).")
+    return "\n".join(lines)
+
+
+def write_section(path: str, body: str) -> None:
+    old = open(path).read() if os.path.exists(path) else "# trakflow benchmarks\n"
+    block = f"{START}\n{body.rstrip()}\n{END}\n"
+    if START in old and END in old:
+        a, b = old.index(START), old.index(END) + len(END)
+        new = old[:a] + block.rstrip("\n") + old[b:]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block
+    with open(path, "w") as fh:
+        fh.write(new if new.endswith("\n") else new + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, default=2048, help="examples featurized per row")
+    ap.add_argument("--proj-dim", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--models", nargs="+", default=["mlp10k", "mlp400k", "convnet"])
+    ap.add_argument("--impls", nargs="+", default=["traker", "dense", "sjlt", "factored"])
+    ap.add_argument("--dense-400k-n", type=int, default=512,
+                    help="examples for the dense rows of the 400k MLP (its matrix is regenerated per batch)")
+    ap.add_argument("--sjlt-c", type=int, nargs="*", default=[1, 2, 8], help="extra SJLT c values (400k MLP)")
+    ap.add_argument("--mem-sizes", type=int, nargs="*", default=[50_000, 200_000])
+    ap.add_argument("--mem-proj-dim", type=int, default=512)
+    ap.add_argument("--lds", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--lds-lambdas", type=float, nargs="+", default=[0.1, 1.0])
+    ap.add_argument("--default", default="factored", help="the projector named as default in the report")
+    ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    ap.add_argument("--json", default=os.path.join(HERE, "featurize_bench.json"))
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(worker(json.loads(a.worker))))
+        return
+
+    command = "`.venv/bin/python benchmarks/featurize_bench.py " + " ".join(sys.argv[1:]) + "`"
+    command = command.replace(" `", "`")
+    t_all = time.perf_counter()
+    res = {"machine": machine(), "featurize": [], "command": command}
+    log = lambda *x: print(*x, flush=True)  # noqa: E731
+    log(res["machine"])
+
+    # 1. featurization, side by side
+    for model in a.models:
+        for impl in a.impls:
+            n = a.n
+            if impl.startswith("dense") and model == "mlp400k":
+                n = min(n, a.dense_400k_n)
+            r = run_worker({"model": model, "impl": impl, "n": n, "batch": a.batch, "proj_dim": a.proj_dim})
+            res["featurize"].append(r)
+            log(json.dumps(r))
+        if model == "mlp400k":
+            for c in a.sjlt_c:
+                r = run_worker({"model": model, "impl": f"sjlt-c{c}", "n": a.n, "batch": a.batch,
+                                "proj_dim": a.proj_dim})
+                res["featurize"].append(r)
+                log(json.dumps(r))
+
+    # 2. scoring against the matmul peak
+    res["peak"] = matmul_peak()
+    log(res["peak"])
+    res["scoring"] = scoring_kernel() + [scoring_end_to_end()]
+    for r in res["scoring"]:
+        log(r)
+
+    # 3. peak RSS against n
+    if a.mem_sizes:
+        import memory_flat
+
+        res["memory"] = memory_flat.run(a.mem_sizes, a.mem_proj_dim, 100, 2048)
+
+    # 4. LDS
+    if a.lds:
+        import lds
+
+        res["lds"] = lds.run(lambdas=tuple(a.lds_lambdas), log=log)
+    res["total_seconds"] = time.perf_counter() - t_all
+    with open(a.json, "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    write_section(a.out, report(res, a))
+    log(f"wrote {a.out} ({res['total_seconds']:.0f} s)")
+
+
+def report(res: dict, a) -> str:
+    m = res["machine"]
+    feats = res["featurize"]
+    by = {(r["model"], r["impl"]): r for r in feats}
+    out = ["## Featurization, scoring and memory on CPU (issue 5)", "",
+           f"Produced by {res['command']} in one run ({res['total_seconds'] / 60:.1f} min) on "
+           f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads), traker {m['traker']}, "
+           f"Python {m['python']}. All rows ran one after the other in the same run, each featurization in a fresh "
+           "process: compare **ratios**; absolute numbers move with the machine's load (other jobs may share "
+           "these cores).", ""]
+    t = by.get(("mlp400k", "traker"))
+    d = by.get(("mlp400k", a.default))
+    if t and d:
+        out += [f"**Headline:** featurizing {d['n']} examples of the {d['grad_dim']:,}-parameter MLP at proj_dim "
+                f"{d['proj_dim']}: traker 0.3.2 {t['examples_per_s']:,.0f} examples/s ({t['seconds']:.1f} s), "
+                f"trakflow's default projector (`{a.default}`) {d['examples_per_s']:,.0f} examples/s "
+                f"({d['seconds']:.2f} s) — **{d['examples_per_s'] / t['examples_per_s']:.0f}× traker**.", ""]
+    out += ["### Featurization throughput (proj_dim %d, batch %d, float32 store)" % (a.proj_dim, a.batch), "",
+            feat_table(feats), "",
+            "Each library featurizes through its own `TRAKer` (load_checkpoint + featurize, store writes "
+            "included); the model is in eval mode, inputs are random (the cost does not depend on them). "
+            "traker runs its default CPU path (`BasicProjector`, normal entries, regenerated in 100-column "
+            "blocks for every batch), with `use_half_precision=False` (its float16 path is slower on CPU). "
+            "`dense` is trakflow's counter-RNG Rademacher matrix: for the 400k MLP it exceeds the default "
+            "512 MiB cache and is regenerated for every batch (measured on fewer examples, same per-batch "
+            "cost). `sjlt` = SJLT with c=4 unless named `sjlt-cN`; `factored` = per-layer Kronecker projection "
+            "by the fast path (no per-example gradient is materialized).", ""]
+    out += ["### Scoring throughput against the matmul peak", "", score_table(res["scoring"], res["peak"]), "",
+            "Scoring is Φ Gᵀ over blocks of train rows: the kernel is one float32 GEMM per block. The end-to-end "
+            "row adds reading the float16 features from Zarr, converting them, combining checkpoints and writing "
+            "float32 scores.", ""]
+    if res.get("memory"):
+        import memory_flat
+
+        out += ["### Peak RSS against n (featurize, finalize, score; `benchmarks/memory_flat.py`)", "",
+                memory_flat.table(res["memory"], a.mem_sizes, a.mem_proj_dim, 100), ""]
+    if res.get("lds"):
+        import lds
+
+        out += ["### Attribution quality: LDS of dense vs SJLT vs factored (`benchmarks/lds.py`)", "",
+                lds.table(res["lds"]), "",
+                "LDS: for each target, Spearman correlation over the half-subset models between the subset-sum of "
+                "TRAK scores and the model's margin on the target; mean over targets. λ is relative: "
+                "lambda_reg = λ · projector.scale (E‖Px‖²/‖x‖²: proj_dim for the projections, 1 for noop), "
+                "so one λ is the same damping for every kind.", ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    main()

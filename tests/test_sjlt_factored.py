@@ -1,0 +1,299 @@
+"""SJLT and factored projections: the definitions, the fast path, TRAKer end to end, bad input.
+
+(The shared contract — shapes, batch invariance, dict == flat, JL inner products — is checked for both
+kinds by tests/test_projector_contract.py.)
+"""
+
+import logging
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import trak_core
+from trak_core import counter_rng
+from trak_core.errors import BadInputError, NonFiniteGradientError
+from trak_core.factored import (OTHER, SIDE_IN, SIDE_OUT, FactoredProjector, factor_key, factor_matrix,
+                                model_layout)
+from trak_core.featurize import Featurizer
+from trak_core.gradients import FunctionalGradientComputer
+from trak_core.modelout import ImageClassificationModelOutput
+from trak_core.projectors import DenseProjector, NoOpProjector, ProjectionType, make_projector
+from trak_core.sjlt import SJLTProjector
+
+TASK = ImageClassificationModelOutput()
+
+
+# ---------------------------------------------------------------------------- SJLT
+def _sjlt_reference(seed, model_id, grad_dim, proj_dim, c):
+    """The matrix rebuilt entry by entry from counter_rng.sjlt_block (repeated columns add up)."""
+    cols, signs = counter_rng.sjlt_block(seed, model_id, 0, grad_dim, proj_dim, c)
+    m = np.zeros((grad_dim, proj_dim))
+    for i in range(grad_dim):
+        for r in range(c):
+            m[i, int(cols[i, r])] += int(signs[i, r]) * math.sqrt(proj_dim / c)
+    return torch.from_numpy(m)
+
+
+@pytest.mark.parametrize("c", [1, 3, 8])
+def test_sjlt_is_the_counter_rng_definition(c):
+    g = torch.randn(7, 300, dtype=torch.float64)
+    ref = g @ _sjlt_reference(5, 2, 300, 64, c)
+    p = SJLTProjector(300, 64, seed=5, c=c, block_rows=50)
+    torch.testing.assert_close(p.project(g.float(), model_id=2).double(), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(p.matrix(2).double(), _sjlt_reference(5, 2, 300, 64, c))
+
+
+def test_sjlt_segmenting_and_cache_do_not_change_the_result():
+    g = torch.randn(9, 1000)
+    a = SJLTProjector(1000, 128, seed=1, c=4).project(g, 3)
+    for kw in ({"block_rows": 7}, {"block_rows": 1000, "cache_bytes": 0}, {"block_rows": 333}):
+        torch.testing.assert_close(SJLTProjector(1000, 128, seed=1, c=4, **kw).project(g, 3), a, rtol=1e-5, atol=1e-4)
+    p = SJLTProjector(1000, 128, seed=1, c=4)
+    p.project(g, 3)
+    assert p._cache and p._cache_model == 3
+    p.project(g, 4)  # another model_id replaces the cache
+    assert p._cache_model == 4
+    p.free_memory()
+    assert not p._cache
+    assert p.spec()["c"] == 4 and p.spec()["kind"] == "sjlt"
+
+
+def test_sjlt_columns_are_spread_and_signs_balanced():
+    cols, signs = counter_rng.sjlt_block(0, 0, 0, 20000, 256, 4)
+    counts = torch.bincount(cols.reshape(-1), minlength=256).double()
+    assert float(counts.std() / counts.mean()) < 0.1  # uniform: ~1/sqrt(312) ≈ 0.057
+    assert abs(float(signs.double().mean())) < 0.02
+
+
+@pytest.mark.parametrize("c", [0, -1, 1.5, True, "4", 65])
+def test_sjlt_bad_c(c):
+    with pytest.raises(BadInputError, match="c"):
+        SJLTProjector(100, 64, c=c)
+
+
+def test_sjlt_bad_type_and_dims():
+    with pytest.raises(BadInputError, match="proj_type"):
+        SJLTProjector(100, 64, proj_type="normal")
+    with pytest.raises(BadInputError, match="proj_dim"):
+        SJLTProjector(100, 0)
+    with pytest.raises(BadInputError, match="block_rows"):
+        SJLTProjector(100, 8, block_rows=0)
+
+
+# ---------------------------------------------------------------------------- factored: definition
+def test_factored_equals_explicit_kronecker_on_a_tiny_layer():
+    layer = nn.Linear(3, 2)  # weight (2, 3), bias (2,): grad_dim 8; augmented G is 2 × 4
+    p = FactoredProjector.from_model(layer, 5, seed=7, proj_type="rademacher")
+    (b,) = p.blocks
+    assert (b.kind, b.d_out, b.d_in, b.bias, b.k) == ("linear", 2, 3, True, 5)
+    p_in = factor_matrix(7, 1, "", SIDE_IN, 4, b.k_in, ProjectionType.rademacher)
+    p_out = factor_matrix(7, 1, "", SIDE_OUT, 2, b.k_out, ProjectionType.rademacher)
+    kron = torch.kron(p_out, p_in)[:, :5] * math.sqrt(5 / 5)  # rows: (o, i) of the augmented 2 × 4 matrix
+    # the gradient vector is [weight (o, i) row-major, bias o]: reorder kron's rows to it
+    order = [o * 4 + i for o in range(2) for i in range(3)] + [o * 4 + 3 for o in range(2)]
+    explicit = kron[order]
+    torch.testing.assert_close(p.matrix(1), explicit)
+    g = torch.randn(4, 8)
+    torch.testing.assert_close(p.project(g, 1), g @ explicit, rtol=1e-5, atol=1e-5)
+
+
+def test_factored_keys_are_distinct_and_stable():
+    keys = {factor_key(0, 0, n, s, u) for n in ("0", "2", "fc", OTHER) for s in (0, 1, 2) for u in (0, 1)}
+    assert len(keys) == 24
+    assert factor_key(3, 1, "layer.0", SIDE_IN) == factor_key(3, 1, "layer.0", SIDE_IN)
+    a = factor_matrix(0, 0, "x", SIDE_IN, 50, 40, ProjectionType.normal)
+    assert abs(float(a.mean())) < 0.05 and abs(float(a.var()) - 1) < 0.1
+    assert not torch.equal(a, factor_matrix(0, 1, "x", SIDE_IN, 50, 40, ProjectionType.normal))
+
+
+def test_factored_split_totals_proj_dim_and_is_proportional():
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    for p in (12, 100, 512, 2410, 5000):
+        lay = model_layout(model, p)
+        assert sum(b.k for b in lay.blocks) == p
+        for b in lay.blocks:
+            assert b.k <= b.k_out * b.k_in
+    lay = model_layout(model, 512)
+    k1, k2 = (b.k for b in lay.blocks)
+    assert abs(k1 / 512 - 2080 / 2410) < 0.01 and abs(k2 / 512 - 330 / 2410) < 0.01
+
+
+def test_factored_is_unbiased_for_rank_one_gradients():
+    """E‖Px‖² = scale ‖x‖² also for the rank-one per-example gradients of a layer (over model_ids)."""
+    layer = nn.Linear(40, 30)
+    p = FactoredProjector.from_model(layer, 64, seed=0)
+    g, a = torch.randn(30), torch.randn(40)
+    x = torch.cat([torch.outer(g, a).reshape(-1), g])[None]
+    ratios = [float((p.project(x, m) ** 2).sum() / p.scale / (x ** 2).sum()) for m in range(200)]
+    assert abs(np.mean(ratios) - 1) < 0.08
+
+
+# ---------------------------------------------------------------------------- factored: the fast path
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 5, 3, stride=2, padding=1, padding_mode="reflect", bias=False)
+        self.norm = nn.LayerNorm(5 * 4 * 4)
+        self.fc = nn.Linear(5 * 4 * 4, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.conv2(torch.relu(self.conv1(x)))).flatten(1)
+        return self.head(torch.tanh(self.fc(self.norm(h))))
+
+
+def _fast_and_slow(model, x, y, proj_dim=48, grad_wrt=None, **kw):
+    model.eval()
+    p = FactoredProjector.from_model(model, proj_dim, seed=2, grad_wrt=grad_wrt, **kw)
+    gc = FunctionalGradientComputer(model, TASK, grad_wrt=grad_wrt, dtype=torch.float32)
+    slow = p.project(gc.compute_per_sample_grad((x, y)), model_id=3)
+    fast = p.featurize_batch(model, TASK, gc._weights(), gc._buffers(), (x, y), model_id=3)
+    return p, fast, slow
+
+
+@pytest.mark.parametrize("case", ["mlp", "convnet", "conv1d", "grad_wrt"])
+def test_fast_path_equals_projecting_materialized_gradients(case):
+    torch.manual_seed(0)
+    y = torch.randint(0, 3, (6,))
+    kw = {}
+    if case == "mlp":
+        model, x = nn.Sequential(nn.Linear(7, 9), nn.LayerNorm(9), nn.Tanh(), nn.Linear(9, 3)), torch.randn(6, 7)
+    elif case == "convnet":
+        model, x = _Net(), torch.randn(6, 2, 8, 8)
+    elif case == "conv1d":
+        model = nn.Sequential(nn.Conv1d(3, 4, 3, dilation=2), nn.ReLU(), nn.Flatten(), nn.Linear(16, 3))
+        x = torch.randn(6, 3, 8)
+    else:
+        model, x = _Net(), torch.randn(6, 2, 8, 8)
+        kw["grad_wrt"] = ["conv1.weight", "fc.weight", "fc.bias", "head.bias"]  # head.bias alone: dense block
+    p, fast, slow = _fast_and_slow(model, x, y, **kw)
+    assert fast.shape == (6, 48)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4 * float(slow.abs().max()))
+    kinds = [b.kind for b in p.blocks]
+    if case in ("mlp", "grad_wrt"):
+        assert kinds[-1] == "other"
+
+
+def test_featurizer_uses_the_fast_path_and_keeps_nan_checks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    p = FactoredProjector.from_model(model, 16)
+    f = Featurizer(model, "image_classification", p)
+    f.load_state(model.state_dict())
+    x, y = torch.randn(10, 5), torch.randint(0, 3, (10,))
+
+    def refuse(*a, **k):
+        raise AssertionError("project() called: the fast path was not used")
+
+    slow = p.project(f.gradient_computer.compute_per_sample_grad((x, y)), 0) / math.sqrt(f.grad_dim)
+    p.project = refuse
+    feats, q = f.featurize((x, y), model_id=0, indices=range(100, 110))
+    np.testing.assert_allclose(feats, slow.numpy(), rtol=1e-4, atol=1e-5)
+    x[3, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match=r"\[103\]"):
+        f.featurize((x, y), model_id=0, indices=range(100, 110))
+
+
+# ---------------------------------------------------------------------------- TRAKer end to end
+def _data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 3, generator=torch.Generator().manual_seed(99))
+    x = torch.randn(n, 8, generator=g)
+    return x, (x @ w + 0.5 * torch.randn(n, 3, generator=g)).argmax(1)
+
+
+def _run(projector, tmp_path, name, lam=0.01):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    x, y = _data(400, 0)
+    xt, yt = _data(10, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=400,
+                              save_dir=str(tmp_path / name), device="cpu", projector=projector,
+                              use_half_precision=False, logging_level=logging.ERROR, chunk_rows=100,
+                              lambda_reg=lam * projector.scale)  # the margin's gradients are rank-deficient
+        tr.load_checkpoint(model.state_dict(), model_id=0)
+        for a in range(0, 400, 100):
+            tr.featurize((x[a:a + 100], y[a:a + 100]), num_samples=100)
+        tr.finalize_features()
+        tr.start_scoring_checkpoint("e", model.state_dict(), 0, 10)
+        tr.score((xt, yt), num_samples=10)
+        return tr.finalize_scores("e")
+
+
+def test_traker_end_to_end_each_projector_close_to_exact(tmp_path):
+    """195 parameters, 400 train rows, proj_dim 160, the same relative damping: every kind's scores correlate
+    with the exact-gradient ones (measured: dense 0.95, sjlt 0.95, factored 0.84 — the Kronecker sketch of
+    rank-one gradients is noisier; see benchmarks/RESULTS.md for the LDS, where it costs little)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    exact = _run(NoOpProjector(), tmp_path, "noop")
+    corr = {}
+    for kind in ("dense", "sjlt", "factored"):
+        proj = make_projector(kind, 195, 160, seed=1, model=model)
+        s = _run(proj, tmp_path, kind)
+        assert s.shape == (400, 10) and np.isfinite(s).all()
+        corr[kind] = float(np.corrcoef(s.reshape(-1), exact.reshape(-1))[0, 1])
+    assert corr["dense"] > 0.9, corr
+    assert corr["sjlt"] > 0.9, corr
+    assert corr["factored"] > 0.75, corr
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_unsupported_layers_with_other_error_name_the_parameters():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 3))
+    with pytest.raises(BadInputError, match=r"0\.weight \(Embedding\)"):
+        FactoredProjector.from_model(model, 16, other="error")
+    grouped = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 3))
+    with pytest.raises(BadInputError, match="Conv2d"):
+        FactoredProjector.from_model(grouped, 16, other="error")
+    p = FactoredProjector.from_model(grouped, 16)  # default: the grouped conv goes to the dense block
+    assert [b.kind for b in p.blocks] == ["linear", "other"]
+    with pytest.raises(BadInputError, match="other"):
+        FactoredProjector.from_model(grouped, 16, other="ignore")
+
+
+def test_layer_used_outside_its_forward_is_detected():
+    class Sneaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return nn.functional.linear(x, self.fc.weight, self.fc.bias)
+
+    model = Sneaky().eval()
+    p = FactoredProjector.from_model(model, 6)
+    gc = FunctionalGradientComputer(model, TASK, dtype=torch.float32)
+    with pytest.raises(BadInputError, match="was not called"):
+        p.featurize_batch(model, TASK, gc._weights(), gc._buffers(), (torch.randn(2, 4), torch.tensor([0, 1])), 0)
+
+
+def test_factored_bad_construction():
+    mlp = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    with pytest.raises(BadInputError, match="needs the model"):
+        make_projector("factored", 43, 8)
+    with pytest.raises(BadInputError, match="grad_dim"):
+        make_projector("factored", 44, 8, model=mlp)
+    with pytest.raises(BadInputError, match="smaller than the number of blocks"):
+        FactoredProjector.from_model(mlp, 1)
+    other = FactoredProjector.from_model(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3, bias=False)), 8)
+    gc = FunctionalGradientComputer(mlp, TASK, dtype=torch.float32)
+    with pytest.raises(BadInputError, match="layout"):
+        FactoredProjector(43, 8, layout=other.layout)
+    p = FactoredProjector.from_model(mlp, 8)
+    bad_weights = {**gc._weights(), "2.weight": torch.zeros(3, 6)}
+    with pytest.raises(BadInputError, match="2.weight"):
+        p.featurize_batch(mlp, TASK, bad_weights, {}, (torch.randn(2, 4), torch.tensor([0, 1])), 0)
+    assert FactoredProjector(43, 8).featurize_batch(mlp, TASK, gc._weights(), {}, (torch.randn(2, 4),), 0) is None
+
+
+def test_dense_projector_still_the_reference_scale():
+    """SJLT and factored report the dense kinds' scale, so lambda_reg means the same for all three."""
+    mlp = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    assert DenseProjector(43, 8).scale == SJLTProjector(43, 8).scale == FactoredProjector.from_model(mlp, 8).scale
