@@ -130,6 +130,14 @@ def make_plan(config: AttributeConfig) -> dict:
             raise StoreMismatchError(f"train_data: the store at {config.store} was featurized with different "
                                      "train data (its fingerprint differs); use a new store")
         for mid, rec in enumerate(records):
+            fin = store.finalize_info(mid) if store.has_model(mid) else None
+            if fin is not None:
+                for field, want in (("lambda_reg", float(config.lambda_reg)), ("rescale_inverse", config.rescale_inverse)):
+                    have = fin.get("lambda_reg" if field == "lambda_reg" else "rescale")
+                    if have is not None and have != want:
+                        raise StoreMismatchError(
+                            f"{field}: model_id={mid} in {config.store} was finalized with {field}={have!r}, not "
+                            f"{want!r}; use a new store (or the same {field})")
             if store.has_model(mid):
                 old = store.model(mid).group.attrs.get("checkpoint")
                 if old is not None and old.get("sha256") != rec["sha256"]:

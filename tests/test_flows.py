@@ -136,6 +136,16 @@ def test_second_run_recomputes_nothing(attributed, monkeypatch):
     np.testing.assert_array_equal(TrakStore.open(cfg.store, mode="r").scores("tiny")[:], scores_before)
 
 
+def test_rerun_with_other_lambda_is_refused(attributed):
+    from flows import attribute
+
+    tmp, paths, cfg, _ = attributed
+    before = file_mtimes(cfg.store)
+    with pytest.raises(StoreMismatchError, match="lambda_reg"):
+        attribute(cfg.model_copy(update={"lambda_reg": 0.5}))
+    assert file_mtimes(cfg.store) == before
+
+
 def test_report_files_and_artifacts(attributed):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
