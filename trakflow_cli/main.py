@@ -227,8 +227,9 @@ def show(store: str = typer.Argument(..., help="store path or URL"),
                   f"proj_dim {meta['proj_dim']} ({meta['projector']}, {meta['proj_type']}, seed {meta['proj_seed']}), "
                   f"{meta['dtype']}, shards of {meta['shard_rows']} rows, task {meta['task']}")
     t = Table(title="checkpoints", title_justify="left")
-    for col in ("model_id", "featurized rows", "XᵀX partials", "finalized", "condition", "checkpoint"):
+    for col in ("model_id", "featurized rows", "XᵀX partials", "finalized", "condition"):
         t.add_column(col)
+    t.add_column("checkpoint", overflow="fold")
     for mid, info in status["models"].items():
         m = st.model(mid)
         parts = int(m.partial_done[:].sum())
