@@ -246,6 +246,14 @@ def table(results: dict) -> str:
             f"{r['diff_vs_dense']:+.3f} [{r['diff_ci95'][0]:+.3f}, {r['diff_ci95'][1]:+.3f}]"
         lines.append(f"| {r['kind']} | {r['proj_dim']} | {r['lambda_reg']:g} | {r['lds_mean']:.3f} | "
                      f"{r['lds_std_seeds']:.3f} | {d} |")
+    best = {}
+    for r in results["summary"]:
+        if r["kind"] not in best or r["lds_mean"] > best[r["kind"]]["lds_mean"]:
+            best[r["kind"]] = r
+    if len({r["lambda_reg"] for r in results["summary"]}) > 1:
+        lines.append("")
+        lines.append("Best λ of each kind: " + "; ".join(f"{k} λ={r['lambda_reg']:g} (LDS {r['lds_mean']:.3f})"
+                                                        for k, r in best.items()) + ".")
     lines.append("")
     lines.append(f"{st['train_size']} train digits, {st['num_targets']} held-out targets, {st['num_ckpts']} "
                  f"checkpoints (target accuracy {st['target_accuracy']:.3f}), {st['num_subsets']} half-subset "
@@ -273,7 +281,8 @@ if __name__ == "__main__":
     torch.set_num_threads(max(1, torch.get_num_threads()))
     res = run(a.subsets, a.ckpts, a.targets, tuple(a.proj_dims), tuple(a.kinds), tuple(a.seeds),
               tuple(a.lambdas), a.c, not a.no_noop)
-    print(table(res))
+    res["table"] = table(res)
+    print(res["table"])
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)
