@@ -316,6 +316,10 @@ class Alpha:
             ``(step, step + 1)`` starts, or an iterable of such steps.
         eps: variance used instead of an exactly zero variance (with a warning).
 
+    Not thread-safe: ``torch.func.jvp`` uses torch's process-wide forward-AD levels, so two threads must not
+    call :meth:`track` at the same time (the train flow serializes them with a lock); separate processes
+    are fine.
+
     Usage (any optimizer)::
 
         alpha = Alpha(per_sample_loss, track_schedule=lambda s: s % 10 == 0)
