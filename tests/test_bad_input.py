@@ -181,3 +181,14 @@ def test_unwritable_store_location(tmp_path):
         trak_core.TRAKer(model=make_model(), task="image_classification", train_set_size=4,
                          save_dir=str(blocker), device="cpu", proj_dim=4)
     assert blocker.read_text() == "x"
+
+
+def test_store_under_a_file_is_refused(tmp_path):
+    from trak_core.store import check_writable
+
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    with pytest.raises(BadInputError, match="not a directory"):
+        check_writable(str(blocker / "sub" / "store"))
+    check_writable(str(tmp_path / "new" / "store"))  # creatable: fine, and nothing left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]

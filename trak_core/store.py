@@ -30,6 +30,7 @@ import json
 import math
 import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -96,21 +97,29 @@ def _is_url(location: str) -> bool:
 
 
 def check_writable(location: str) -> None:
-    """Fail before any compute when a local store location cannot be written."""
+    """Fail before any compute when a local store location cannot be created or written.
+
+    Walks up to the first existing ancestor, which must be a directory in which a probe directory can be
+    created and removed (works as root too, where permission bits do not tell). Leaves nothing behind.
+    """
     if _is_url(location) and not str(location).startswith("file://"):
         return  # remote stores are checked by the first write
     path = urlparse(str(location)).path if str(location).startswith("file://") else str(location)
     path = os.path.abspath(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise BadInputError(f"store: {path} exists and is not a directory")
     probe = path
-    while not os.path.exists(probe):
+    while not os.path.lexists(probe):
         parent = os.path.dirname(probe)
         if parent == probe:
             break
         probe = parent
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise BadInputError(f"store: {path} exists and is not a directory")
-    if not os.access(probe, os.W_OK):
-        raise BadInputError(f"store: {path} is not writable (no write permission on {probe})")
+    if not os.path.isdir(probe):
+        raise BadInputError(f"store: {path} cannot be created: {probe} exists and is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".trakflow-probe-", dir=probe))
+    except OSError as e:
+        raise BadInputError(f"store: {path} is not writable ({probe}: {e.strerror or e})") from None
 
 
 def _open_zarr(location: str, mode: str, storage_options: Optional[dict] = None):
