@@ -39,6 +39,15 @@ PIPELINE_ATTR = "trakflow_pipeline"
 
 
 # ---------------------------------------------------------------------------- helpers
+def _lambda_setting(value):
+    """A lambda_reg setting in comparable form: a float, or a normalized 'auto' / 'rel:<f>' string."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.strip().lower()
+    return float(value)
+
+
 def _prefixed(field: str, e: Exception) -> BadInputError:
     msg = str(e)
     return BadInputError(msg if msg.startswith(field) else f"{field}: {msg}")
@@ -132,8 +141,10 @@ def make_plan(config: AttributeConfig) -> dict:
         for mid, rec in enumerate(records):
             fin = store.finalize_info(mid) if store.has_model(mid) else None
             if fin is not None:
-                for field, want in (("lambda_reg", float(config.lambda_reg)), ("rescale_inverse", config.rescale_inverse)):
-                    have = fin.get("lambda_reg" if field == "lambda_reg" else "rescale")
+                for field, want, have in (
+                        ("lambda_reg", _lambda_setting(config.lambda_reg),
+                         _lambda_setting(fin.get("lambda_setting", fin.get("lambda_reg")))),
+                        ("rescale_inverse", config.rescale_inverse, fin.get("rescale"))):
                     if have is not None and have != want:
                         raise StoreMismatchError(
                             f"{field}: model_id={mid} in {config.store} was finalized with {field}={have!r}, not "

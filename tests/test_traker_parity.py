@@ -96,10 +96,9 @@ def test_no_rescale_option(tmp_path):
                        grad_wrt=FIRST_LAYER)
     b, _ = run_traker(trak_core.TRAKer, tmp_path / "b", ck, data, projector=trak_core.NoOpProjector(),
                       grad_wrt=FIRST_LAYER, rescale_inverse=False)
-    ratio = b / np.where(a == 0, np.nan, a)
-    r = np.nanmedian(ratio)
-    assert not np.isclose(r, 1.0)
-    assert np.nanmax(np.abs(ratio - r)) / abs(r) < 1e-3
+    r = float((a * b).sum() / (a * a).sum())  # the best single scale from a to b
+    assert not np.isclose(r, 1.0, rtol=1e-2)
+    assert rel_err(r * a, b) < 1e-4  # b is a scaled copy of a: only the global scale of Φ changed
 
 
 def test_warns_on_rank_deficiency_where_traker_is_silent(tmp_path):

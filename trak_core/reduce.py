@@ -13,7 +13,7 @@ import torch
 
 from .errors import StateError
 from .scoring import (check_conditioning, combine_checkpoints, features_block, regularized_inverse,
-                      resolve_lambda, scores_block, xtx_partial)
+                      resolve_lambda, xtx_partial)
 from .store import TrakStore
 
 
@@ -118,7 +118,9 @@ def usable_models(store: TrakStore, exp_name: str, model_ids: Optional[Iterable[
 
 
 def load_targets(store: TrakStore, exp_name: str, model_ids: list[int]) -> dict[int, torch.Tensor]:
-    return {mid: torch.from_numpy(store.target_grads(exp_name, mid)[:].astype(np.float32)) for mid in model_ids}
+    """Each model's target gradients, transposed and contiguous: (p, m) float32, ready for GEMM."""
+    return {mid: torch.from_numpy(store.target_grads(exp_name, mid)[:].astype(np.float32)).T.contiguous()
+            for mid in model_ids}
 
 
 def score_rows(store: TrakStore, exp_name: str, model_ids: list[int], a: int, b: int,
@@ -126,13 +128,12 @@ def score_rows(store: TrakStore, exp_name: str, model_ids: list[int], a: int, b:
     """Combined scores for train rows [a, b) written to the experiment's score array."""
     targets = targets if targets is not None else load_targets(store, exp_name, model_ids)
     scores, done = store.init_scores(exp_name)
-    acc = None
+    acc = torch.zeros(b - a, store.num_targets(exp_name), dtype=torch.float32)
     qsum = np.zeros(b - a, dtype=np.float64)
     for mid in model_ids:
         m = store.model(mid)
         phi = torch.from_numpy(m.features[a:b].astype(np.float32))
-        block = scores_block(phi, targets[mid])
-        acc = block if acc is None else acc.add_(block)
+        acc.addmm_(phi, targets[mid])  # acc += Φ_c Gᵀ_c, one GEMM per checkpoint
         qsum += m.out_to_loss[a:b].astype(np.float64)
     out = combine_checkpoints(acc.numpy(), qsum.astype(np.float32), len(model_ids))
     scores[a:b] = out.astype(np.float32)

@@ -125,8 +125,11 @@ def features_block(x_block: Tensor, inv: Tensor, compute_dtype: torch.dtype = to
 
 
 def scores_block(features: Tensor, target_grads: Tensor, compute_dtype: torch.dtype = torch.float32) -> Tensor:
-    """Φ Gᵀ for a block of train rows (rows × p) and all targets (m × p) → rows × m."""
-    return features.to(compute_dtype) @ target_grads.to(compute_dtype).T
+    """Φ Gᵀ for a block of train rows (rows × p) and all targets (m × p) → rows × m.
+
+    Gᵀ is made contiguous first: MKL's GEMM on a transposed view runs at about half the speed here.
+    """
+    return torch.mm(features.to(compute_dtype), target_grads.to(compute_dtype).T.contiguous())
 
 
 def combine_checkpoints(score_sum: np.ndarray | Tensor, out_to_loss_sum: np.ndarray | Tensor,

@@ -29,6 +29,7 @@ STAGES = {
     "finalize": "finalize (checkpoints)",
     "targets": "target gradients (checkpoints)",
     "score": "score (train rows)",
+    "lds-train": "counterfactual models (subsets × seeds)",
 }
 
 
@@ -103,8 +104,29 @@ def _run_flow(flow_fn, config, bars: bool = True):
         _fail(f"{type(e).__name__}: {e}", 1)
 
 
+def _text_tables(r: dict, top_k: int) -> None:
+    """A target with text inputs: its sentence, then one table of proponents and one of opponents."""
+    from rich.markup import escape
+
+    lab = "" if r.get("label") is None else f" (label {r['label']})"
+    console.print(f"[bold]target {r['target']}{lab}[/]: {escape(r.get('text') or '')}")
+    for key, color in (("proponents", "green"), ("opponents", "red")):
+        t = Table(title=f"top {key}", title_justify="left", title_style=color)
+        t.add_column("rank", justify="right")
+        t.add_column("train", justify="right")
+        t.add_column("score", justify="right")
+        t.add_column("text", overflow="fold")
+        for i, e in enumerate(r[key][:top_k]):
+            y = "" if e.get("label") is None else f" y={e['label']}"
+            t.add_row(str(i + 1), f"#{e['index']}{y}", f"{e['score']:+.4g}", escape(e.get("text") or ""))
+        console.print(t)
+
+
 def _top_k_tables(rows: list[dict], top_k: int) -> None:
     for r in rows:
+        if r.get("text") is not None:
+            _text_tables(r, top_k)
+            continue
         lab = "" if r.get("label") is None else f" (label {r['label']})"
         t = Table(title=f"target {r['target']}{lab}", title_justify="left")
         t.add_column("rank", justify="right")
@@ -207,18 +229,103 @@ def train_cmd(config_file: Path = typer.Argument(..., help="YAML file of a Train
                   f"manifest: {res['manifest']}")
 
 
+def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: Optional[str]):
+    """The demo's evaluate setup: its checkpoints (trained here when absent) and recipe, all 297 held-out
+    digits as targets (experiment 'digits-heldout'), the demo's lambda_reg unless given (another lambda_reg
+    gets its own store: a finalized store keeps its λ)."""
+    from examples.digits import demo_configs
+    from flows import train
+    from tasks.trainer import is_complete
+    from trak_core.config import EvaluateConfig
+
+    train_cfg, attr = demo_configs(demo_dir)
+    if not (Path(train_cfg.out_dir) / "manifest.json").is_file() or not all(
+            is_complete(train_cfg.out_dir, i) for i in range(train_cfg.num_models)):
+        console.print(f"training the demo's {train_cfg.num_models} checkpoints in {train_cfg.out_dir}")
+        _run_flow(train, train_cfg)
+    attr.update(exp_name="digits-heldout", target_data="examples.digits:heldout_data", report_targets=5)
+    if lambda_reg is not None:
+        try:
+            value = float(lambda_reg)
+        except ValueError:
+            value = lambda_reg.strip().lower()  # 'auto' / 'rel:<f>', validated by the config
+        if value != attr["lambda_reg"]:
+            tag = "".join(ch if ch.isalnum() or ch == "." else "-" for ch in str(value))
+            attr.update(store=str(Path(demo_dir).absolute() / f"store-lambda-{tag}.zarr"), lambda_reg=value)
+    return EvaluateConfig(attribute=attr, recipe_from=str(Path(train_cfg.out_dir) / "manifest.json"),
+                          num_subsets=subsets, cache_dir=str(Path(demo_dir).absolute() / "lds_cache"),
+                          report_dir=str(Path(demo_dir).absolute() / "report"))
+
+
 @app.command()
-def show(store: str = typer.Argument(..., help="store path or URL"),
-         exp: Optional[str] = typer.Option(None, help="experiment (default: the only one, or 'default')"),
+def evaluate(config_file: Optional[Path] = typer.Argument(None, help="YAML file of an EvaluateConfig (default: the "
+                                                                     "demo setup)"),
+             demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="the demo's folder (no config)"),
+             subsets: Optional[int] = typer.Option(None, min=3, help="counterfactual models M (demo default 50)"),
+             fraction: Optional[float] = typer.Option(None, min=0.0, max=1.0, help="subset fraction (default 0.5)"),
+             seeds_per_subset: Optional[int] = typer.Option(None, min=1, help="inits per subset, margins averaged"),
+             lambda_reg: Optional[str] = typer.Option(None, help="demo only: lambda_reg to evaluate (number, 'auto', "
+                                                                "'rel:<f>'; default the demo's 1.0)"),
+             verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
+    """Counterfactual LDS of an experiment (the evaluate flow): attribute if needed, train M models on random
+    subsets (cached), print the LDS. Without a config: the digits demo on its 297 held-out digits."""
+    _prefect_env(verbose)
+    t0 = time.perf_counter()
+    from flows import evaluate as evaluate_flow
+    from trak_core.config import EvaluateConfig
+
+    try:
+        if config_file is None:
+            config = _demo_evaluate_config(demo_dir, subsets or 50, lambda_reg)
+        else:
+            config = _load_config(EvaluateConfig, config_file)
+        over = {k: v for k, v in (("num_subsets", subsets), ("subset_fraction", fraction),
+                                  ("seeds_per_subset", seeds_per_subset)) if v is not None}
+        if over:
+            config = EvaluateConfig.model_validate({**config.model_dump(), **over})
+    except _config_errors() as e:
+        _fail(f"{type(e).__name__}: {e}")
+    res = _run_flow(evaluate_flow, config)
+    a, s = config.attribute, res["settings"]
+    lam = ", ".join(f"{x:.3g}" for x in s["lambda_abs"] if x is not None)
+    console.print(f"experiment [bold]{a.exp_name}[/] in {a.store}: {res['num_targets']} targets, {s['checkpoints']} "
+                  f"checkpoints, projector {s['projector']} proj_dim {s['proj_dim']}, lambda_reg {s['lambda_reg']} "
+                  f"(λ = {lam})")
+    console.print(f"ground truth: {res['num_subsets']} subsets × {res['seeds_per_subset']} seeds, fraction "
+                  f"{res['subset_fraction']}, recipe {s['recipe']}; {res['trained']} models trained now "
+                  f"({res['num_subsets'] * res['seeds_per_subset'] - res['trained']} reused) — {res['truth']}")
+    console.print(f"[bold]LDS = {res['lds']:.4f}[/] (95% bootstrap interval over targets "
+                  f"[{res['ci95'][0]:.3f}, {res['ci95'][1]:.3f}])")
+    if res.get("files"):
+        console.print("report: " + ", ".join(res["files"]))
+    console.print(f"evaluate finished in {time.perf_counter() - t0:.1f} s")
+
+
+@app.command()
+def show(store: str = typer.Argument(..., help="store path or URL, or the YAML file of an AttributeConfig"),
+         exp: Optional[str] = typer.Option(None, help="experiment (default: the config's, the only one, or 'default')"),
          target: Optional[int] = typer.Option(None, help="print the top proponents/opponents of this target"),
-         top_k: int = typer.Option(5, "--top-k", min=1, help="how many")) -> None:
-    """Status per checkpoint and experiment; with --target, its top-k train examples."""
-    from tasks.report import top_k as top_k_of
+         top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="how many (default: the config's, or 5)"),
+         config_file: Optional[Path] = typer.Option(None, "--config", help="AttributeConfig YAML of the store: labels, "
+                                                    "and text for text inputs (its show function)")) -> None:
+    """Status per checkpoint and experiment; with --target (or a config), the top-k train examples.
+
+    With a config (as the argument or --config) the tables are the report's: labels, and the sentences when
+    the config's ``show`` returns text; without --target they cover the config's report_targets."""
     from trak_core.errors import TrakError
     from trak_core.store import TrakStore
 
+    config = None
+    if config_file is None and store.endswith((".yaml", ".yml")) and Path(store).is_file():
+        config_file = Path(store)
+    if config_file is not None:
+        from trak_core.config import AttributeConfig
+
+        config = _load_config(AttributeConfig, config_file)
+        if store == str(config_file):
+            store = config.store
     try:
-        st = TrakStore.open(store, mode="r")
+        st = TrakStore.open(store, None if config is None else config.storage_options, mode="r")
     except TrakError as e:
         _fail(str(e))
     status = st.status()
@@ -247,23 +354,43 @@ def show(store: str = typer.Argument(..., help="store path or URL"),
         t.add_row(name, str(info["num_targets"]), f"{len(info['scored_models'])}/{len(info['models'])} checkpoints",
                   f"{info['scores_rows_done']}/{meta['train_set_size']}", "" if with_ is None else str(list(with_)))
     console.print(t)
-    if target is None:
+    k = top_k or (config.top_k if config is not None else 5)
+    if target is None and config is None:
         return
     exps = st.experiments()
     if exp is None:
-        exp = exps[0] if len(exps) == 1 else "default"
+        exp = config.exp_name if config is not None else (exps[0] if len(exps) == 1 else "default")
     try:
         scores = st.scores(exp)[:]
     except TrakError as e:
         _fail(str(e))
-    if not 0 <= target < scores.shape[1]:
+    if target is not None and not 0 <= target < scores.shape[1]:
         _fail(f"--target {target} out of range [0, {scores.shape[1]}) for experiment {exp!r}")
-    pro, opp = top_k_of(scores, target, top_k)
-    row = {"target": target, "label": None,
-           "proponents": [{"index": int(i), "score": float(scores[i, target])} for i in pro],
-           "opponents": [{"index": int(i), "score": float(scores[i, target])} for i in opp]}
     console.print(f"experiment [bold]{exp}[/]")
-    _top_k_tables([row], top_k)
+    if config is None:
+        from tasks.report import top_k as top_k_of
+
+        pro, opp = top_k_of(scores, target, k)
+        row = {"target": target, "label": None,
+               "proponents": [{"index": int(i), "score": float(scores[i, target])} for i in pro],
+               "opponents": [{"index": int(i), "score": float(scores[i, target])} for i in opp]}
+        _top_k_tables([row], k)
+        return
+    from tasks.report import add_texts, labels_of, top_k_table
+    from trak_core.config import load_data, load_object
+
+    train, targets = load_data(config.train_data, "train_data"), load_data(config.target_data, "target_data")
+    if targets[0].shape[0] != scores.shape[1] or train[0].shape[0] != scores.shape[0]:
+        _fail(f"experiment {exp!r} has {scores.shape[0]} train × {scores.shape[1]} targets but the config's data has "
+              f"{train[0].shape[0]} × {targets[0].shape[0]}: use the config the experiment was made with")
+    shown = [target] if target is not None else list(range(min(config.report_targets, scores.shape[1])))
+    rows = top_k_table(st, exp, shown, k, labels_of(train), labels_of(targets))
+    if config.show:
+        add_texts(rows, load_object(config.show, "show"), train, targets)
+    _top_k_tables(rows, k)
+    agree = [r["label_agreement"] for r in rows if "label_agreement" in r]
+    if agree:
+        console.print(f"fraction of top-{k} proponents sharing the target's label: [bold]{sum(agree) / len(agree):.2f}[/]")
 
 
 @app.command()
