@@ -71,5 +71,9 @@ def report_top_k(config: AttributeConfig) -> dict:
                              description=f"top-{config.top_k} proponents/opponents, experiment {exp}")
     for j, png in pngs.items():
         create_image_artifact(image_url=report.data_url(png), key=report.artifact_key("trakflow", exp, "target", j),
-                              description=f"target {j} and its top proponents (top row) / opponents (bottom row)")
-    return {k: v for k, v in summary.items() if k != "markdown"}
+                              description=f"target {j} and its top proponents (top row) / opponents (bottom row)"
+                              if not summary.get("text") else f"target {j} and its top proponents / opponents (text)")
+    create_image_artifact(image_url=report.data_url(summary["histogram_png"]),
+                          key=report.artifact_key("trakflow", exp, "score-histogram"),
+                          description=f"histogram of all scores of experiment {exp}")
+    return {k: v for k, v in summary.items() if k not in ("markdown", "histogram_png")}

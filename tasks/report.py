@@ -1,5 +1,9 @@
-"""Top proponents/opponents per target: a markdown table, PNGs, and a label-agreement sanity check
-(no Prefect import; tasks/attribution.py turns the result into artifacts)."""
+"""Top proponents/opponents per target: a markdown table, PNGs, a histogram of the scores, and a
+label-agreement sanity check (no Prefect import; tasks/attribution.py turns the result into artifacts).
+
+The config's ``show`` callable turns an input row (the first tensor of the data tuple, one row) into
+either a 2-D array — drawn as an image — or a string — drawn as text (e.g. ``examples.text:decode``);
+with text, the markdown and ``trakflow show`` also list the sentences."""
 
 from __future__ import annotations
 
@@ -69,7 +73,45 @@ def markdown_table(rows: list[dict], title: str = "") -> str:
     agree = [r["label_agreement"] for r in rows if "label_agreement" in r]
     if agree:
         lines += ["", f"Fraction of top proponents sharing the target's label: **{np.mean(agree):.2f}**"]
+    for r in rows:
+        if r.get("text") is None:
+            continue
+        lab = "" if r["label"] is None else f" (label {r['label']})"
+        lines += ["", f"### target {r['target']}{lab}: {_md(r['text'])}", "",
+                  "| rank | proponent | score | text | opponent | score | text |", "|---:|---|---:|---|---|---:|---|"]
+        for i in range(max(len(r["proponents"]), len(r["opponents"]))):
+            cells = [str(i + 1)]
+            for key in ("proponents", "opponents"):
+                if i < len(r[key]):
+                    e = r[key][i]
+                    y = "" if e["label"] is None else f" y={e['label']}"
+                    cells += [f"#{e['index']}{y}", f"{e['score']:+.3g}", _md(e.get("text") or "")]
+                else:
+                    cells += ["", "", ""]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    """Text safe inside a markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def is_text(shown) -> bool:
+    return isinstance(shown, str)
+
+
+def add_texts(rows: list[dict], show, train: tuple, targets: tuple) -> bool:
+    """Attach ``text`` to every target and entry when ``show`` returns strings; False (nothing attached)
+    when it returns images."""
+    if not rows or not is_text(show(targets[0][rows[0]["target"]].cpu().numpy())):
+        return False
+    for r in rows:
+        r["text"] = str(show(targets[0][r["target"]].cpu().numpy()))
+        for key in ("proponents", "opponents"):
+            for e in r[key]:
+                e["text"] = str(show(train[0][e["index"]].cpu().numpy()))
+    return True
 
 
 def target_png(row: dict, show, train: tuple, targets: tuple) -> bytes:
@@ -108,6 +150,74 @@ def target_png(row: dict, show, train: tuple, targets: tuple) -> bytes:
     return buf.getvalue()
 
 
+def target_text_png(row: dict, width: int = 110) -> bytes:
+    """One PNG for text inputs: the target sentence, then its top proponents (green) and opponents (red),
+    one line each with train index, label and score."""
+    import textwrap
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    def wrap(t: str) -> list[str]:
+        return textwrap.wrap(t, width=width) or [""]
+
+    lab = "" if row["label"] is None else f" (label {row['label']})"
+    lines: list[tuple[str, str, str]] = [(f"target {row['target']}{lab}", "", "bold")]
+    lines += [(t, "black", "normal") for t in wrap(row.get("text") or "")]
+    for key, color in (("proponents", "tab:green"), ("opponents", "tab:red")):
+        lines.append(("", "", "normal"))
+        lines.append((f"top {key}", color, "bold"))
+        for i, e in enumerate(row[key]):
+            y = "" if e["label"] is None else f" y={e['label']}"
+            head = f"{i + 1}. #{e['index']}{y} ({e['score']:+.3g})  "
+            body = wrap(head + (e.get("text") or ""))
+            lines += [(body[0], color, "normal")] + [("      " + t, color, "normal") for t in body[1:]]
+    height = 0.24 * len(lines) + 0.3
+    fig = Figure(figsize=(0.075 * width + 0.5, height))
+    FigureCanvasAgg(fig)
+    for i, (text, color, weight) in enumerate(lines):
+        fig.text(0.02, 1 - (0.15 + 0.24 * (i + 0.5)) / height, text, color=color or "black", fontsize=9,
+                 fontweight=weight, family="monospace", va="center", ha="left")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()
+
+
+def score_histogram_png(scores: np.ndarray, title: str = "") -> bytes:
+    """Histogram of all scores of an experiment (log count axis), with the 1st/99th percentiles marked."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    vals = np.asarray(scores, dtype=np.float64).ravel()
+    vals = vals[np.isfinite(vals)]
+    fig = Figure(figsize=(6, 3.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if vals.size:
+        ax.hist(vals, bins=100, color="tab:blue", log=True)
+        for q, style in ((1, ":"), (99, ":")):
+            v = float(np.percentile(vals, q))
+            ax.axvline(v, color="black", linestyle=style, linewidth=1)
+        ax.axvline(0.0, color="gray", linewidth=0.8)
+    ax.set_xlabel("TRAK score (dotted: 1st / 99th percentile)")
+    ax.set_ylabel("(train, target) pairs")
+    ax.set_title(title or "scores", fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()
+
+
+def score_stats(scores: np.ndarray) -> dict:
+    v = np.asarray(scores, dtype=np.float64).ravel()
+    v = v[np.isfinite(v)]
+    if not v.size:
+        return {}
+    return {"count": int(v.size), "mean": float(v.mean()), "std": float(v.std()), "min": float(v.min()),
+            "p01": float(np.percentile(v, 1)), "median": float(np.median(v)), "p99": float(np.percentile(v, 99)),
+            "max": float(v.max()), "positive_fraction": float((v > 0).mean())}
+
+
 def build_report(config: AttributeConfig) -> tuple[dict, dict[int, bytes]]:
     """(summary with the table rows and file paths, {target: PNG bytes})."""
     store = TrakStore.open(config.store, config.storage_options, mode="r")
@@ -117,12 +227,20 @@ def build_report(config: AttributeConfig) -> tuple[dict, dict[int, bytes]]:
     targets = cached_data(config.target_data, "target_data")
     shown = list(range(min(config.report_targets, m)))
     rows = top_k_table(store, exp, shown, config.top_k, labels_of(train), labels_of(targets))
+    show = load_object(config.show, "show") if config.show else None
+    text = add_texts(rows, show, train, targets) if show is not None else False
     md = markdown_table(rows, f"TRAK attribution: experiment {exp!r}, store {config.store}")
+    scores = store.scores(exp)[:]
+    stats = score_stats(scores)
+    hist = score_histogram_png(scores, f"scores of experiment {exp!r} ({scores.shape[0]} train × {scores.shape[1]} targets)")
+    if stats:
+        md += (f"\nScores: mean {stats['mean']:+.3g}, std {stats['std']:.3g}, 1st/50th/99th percentile "
+               f"{stats['p01']:+.3g} / {stats['median']:+.3g} / {stats['p99']:+.3g}, range [{stats['min']:+.3g}, "
+               f"{stats['max']:+.3g}], {100 * stats['positive_fraction']:.1f} % positive.\n")
     pngs: dict[int, bytes] = {}
-    if config.show:
-        show = load_object(config.show, "show")
+    if show is not None:
         for r in rows:
-            pngs[r["target"]] = target_png(r, show, train, targets)
+            pngs[r["target"]] = target_text_png(r) if text else target_png(r, show, train, targets)
     files = []
     if config.report_dir:
         out = Path(config.report_dir)
@@ -133,9 +251,11 @@ def build_report(config: AttributeConfig) -> tuple[dict, dict[int, bytes]]:
             p = out / f"{exp}_target_{j}.png"
             p.write_bytes(png)
             files.append(str(p))
+        (out / f"{exp}_score_histogram.png").write_bytes(hist)
+        files.append(str(out / f"{exp}_score_histogram.png"))
     agree = [r["label_agreement"] for r in rows if "label_agreement" in r]
-    summary = {"exp_name": exp, "rows": rows, "markdown": md, "files": files,
-               "label_agreement": float(np.mean(agree)) if agree else None}
+    summary = {"exp_name": exp, "rows": rows, "markdown": md, "files": files, "text": text, "score_stats": stats,
+               "histogram_png": hist, "label_agreement": float(np.mean(agree)) if agree else None}
     return summary, pngs
 
 
@@ -155,4 +275,4 @@ def artifact_key(*parts) -> str:
 
 
 __all__ = ["build_report", "top_k", "top_k_table", "markdown_table", "labels_of", "data_url", "artifact_key",
-           "target_png"]
+           "target_png", "target_text_png", "score_histogram_png", "score_stats", "add_texts", "is_text"]

@@ -96,59 +96,20 @@ def train_one(config: TrainConfig, index: int) -> dict:
     device = config.resolved_device()
 
     inputs, labels = _load_xy(config)
-    n = inputs.shape[0]
+    n = labels.shape[0]
     subset = None
     if config.subset_fraction < 1.0:
         size = max(1, int(round(config.subset_fraction * n)))
         subset = np.sort(np.random.default_rng(seed).choice(n, size=size, replace=False))
-        inputs, labels = inputs[torch.from_numpy(subset)], labels[torch.from_numpy(subset)]
+        rows = torch.from_numpy(subset)
+        inputs, labels = tuple(t[rows] for t in inputs), labels[rows]
 
-    with _INIT_LOCK:
-        torch.manual_seed(seed)
-        model = load_object(config.model, "model")()
-    if not isinstance(model, torch.nn.Module):
-        raise BadInputError(f"model: {config.model!r} returned a {type(model).__name__}, not a torch.nn.Module")
-    model = model.to(device)
-    if config.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                              weight_decay=config.weight_decay)
-    else:
-        opt = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    alpha = _alpha_tracker(config.alpha_every)
-    gen = torch.Generator().manual_seed(seed)
-    inputs, labels = inputs.to(device), labels.to(device)
-
-    losses: list[float] = []
-    epoch_loss: list[float] = []
-    step = 0
-    model.train()
-    for _epoch in range(config.epochs):
-        perm = torch.randperm(inputs.shape[0], generator=gen).to(device)
-        total = 0.0
-        for s in range(0, inputs.shape[0], config.batch_size):
-            idx = perm[s:s + config.batch_size]
-            x, y = inputs[idx], labels[idx]
-            opt.zero_grad(set_to_none=True)
-            loss = _per_sample_ce(model(x), y).mean()
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"model {index}: non-finite loss at step {step}; lower lr")
-            loss.backward()
-            if alpha is not None and alpha.should_track(step):
-                with _ALPHA_LOCK:
-                    alpha.track(step, model, x, y)
-            opt.step()
-            value = loss.detach().item()
-            losses.append(value)
-            total += value * x.shape[0]
-            step += 1
-        epoch_loss.append(total / inputs.shape[0])
-        progress.advance("train", 1)
-    if alpha is not None:
-        with _ALPHA_LOCK:
-            alpha.finish(model)
-    model.eval()
-    with torch.no_grad():
-        acc = float((model(inputs).argmax(dim=1) == labels).float().mean())
+    model = new_model(config, seed).to(device)
+    # α's JVP calls model(x) with one input tensor: track it for single-input models only
+    alpha = _alpha_tracker(config.alpha_every) if len(inputs) == 1 else None
+    inputs, labels = tuple(t.to(device) for t in inputs), labels.to(device)
+    fit = fit_model(config, model, inputs, labels, seed, alpha=alpha, what=f"model {index}")
+    losses, epoch_loss, step, acc = fit["losses"], fit["epoch_loss"], fit["steps"], fit["train_accuracy"]
 
     ckpt = stem.with_suffix(".pt")
     tmp = stem.with_name(stem.name + ".pt.tmp")
@@ -173,7 +134,7 @@ def train_one(config: TrainConfig, index: int) -> dict:
         "index": index, "path": ckpt.name, "seed": seed, "epochs": config.epochs, "steps": step,
         "optimizer": config.optimizer, "lr": config.lr, "momentum": config.momentum,
         "weight_decay": config.weight_decay, "batch_size": config.batch_size,
-        "train_rows": int(inputs.shape[0]),
+        "train_rows": int(labels.shape[0]),
         "subset": None if subset is None else stem.with_name(stem.name + ".subset.npy").name,
         "epoch_loss": epoch_loss, "final_loss": epoch_loss[-1] if epoch_loss else None, "train_accuracy": acc,
         "alpha": None if alpha_out is None else {str(k): v for k, v in alpha_out.items()},
@@ -191,12 +152,104 @@ def _brief(record: dict) -> dict:
     return {k: record.get(k) for k in keep}
 
 
-def _load_xy(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    data = load_data(config.train_data, "train_data")
-    if len(data) != 2 or data[1].dim() != 1 or data[1].dtype.is_floating_point:
-        raise BadInputError("train_data: the train flow needs (inputs, integer labels) tensors, got "
+def split_xy(data: tuple, field: str = "train_data") -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(inputs, integer labels) of a data tuple: the labels are the last tensor (1-d integers), the inputs
+    the tensors before it (one for images, ``(input_ids, token_type_ids, attention_mask)`` for text)."""
+    if len(data) < 2 or data[-1].dim() != 1 or data[-1].dtype.is_floating_point:
+        raise BadInputError(f"{field}: training needs (inputs..., integer labels) tensors, got "
                             f"{[(tuple(t.shape), str(t.dtype)) for t in data]}")
-    return data[0], data[1].long()
+    return tuple(data[:-1]), data[-1].long()
+
+
+def _load_xy(config: TrainConfig) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    return split_xy(load_data(config.train_data, "train_data"))
+
+
+def forward(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Logits of a batch. One input: ``model(x)``; three: TRAK's text_classification convention
+    ``model(input_ids=, token_type_ids=, attention_mask=)`` (``.logits`` of a Hugging Face output is
+    taken); otherwise ``model(*inputs)``."""
+    if len(inputs) == 1:
+        out = model(inputs[0])
+    elif len(inputs) == 3:
+        out = model(input_ids=inputs[0], token_type_ids=inputs[1], attention_mask=inputs[2])
+    else:
+        out = model(*inputs)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def new_model(config: TrainConfig, seed: int) -> torch.nn.Module:
+    """A fresh model from ``config.model`` with ``torch.manual_seed(seed)`` (under a process-wide lock:
+    the seed is global)."""
+    with _INIT_LOCK:
+        torch.manual_seed(seed)
+        model = load_object(config.model, "model")()
+    if not isinstance(model, torch.nn.Module):
+        raise BadInputError(f"model: {config.model!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def fit_model(config: TrainConfig, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor,
+              seed: int, *, alpha=None, what: str = "model", progress_stage: Optional[str] = "train") -> dict:
+    """The training recipe of ``config`` (optimizer, lr, momentum, weight decay, epochs, batch size; batch
+    order from ``seed``) applied to ``model`` on the given rows, in place. Returns the losses per step and
+    per epoch, the number of steps and the train accuracy (the model is left in eval mode)."""
+    if config.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                              weight_decay=config.weight_decay)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    gen = torch.Generator().manual_seed(seed)
+    device = labels.device
+    n = labels.shape[0]
+    losses: list[float] = []
+    epoch_loss: list[float] = []
+    step = 0
+    model.train()
+    for _epoch in range(config.epochs):
+        perm = torch.randperm(n, generator=gen).to(device)
+        total = 0.0
+        for s in range(0, n, config.batch_size):
+            idx = perm[s:s + config.batch_size]
+            x, y = tuple(t[idx] for t in inputs), labels[idx]
+            opt.zero_grad(set_to_none=True)
+            loss = _per_sample_ce(forward(model, x), y).mean()
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"{what}: non-finite loss at step {step}; lower lr")
+            loss.backward()
+            if alpha is not None and alpha.should_track(step):
+                with _ALPHA_LOCK:
+                    alpha.track(step, model, x[0], y)
+            opt.step()
+            value = loss.detach().item()
+            losses.append(value)
+            total += value * y.shape[0]
+            step += 1
+        epoch_loss.append(total / n)
+        if progress_stage:
+            progress.advance(progress_stage, 1)
+    if alpha is not None:
+        with _ALPHA_LOCK:
+            alpha.finish(model)
+    model.eval()
+    with torch.no_grad():
+        acc = float((forward(model, inputs).argmax(dim=1) == labels).float().mean())
+    return {"losses": losses, "epoch_loss": epoch_loss, "steps": step, "train_accuracy": acc}
+
+
+def train_on_rows(config: TrainConfig, seed: int, rows: Optional[np.ndarray] = None,
+                  data: Optional[tuple] = None) -> torch.nn.Module:
+    """A fresh model (seed ``seed``) trained with ``config``'s recipe on ``rows`` of the train data (all rows
+    when None) — what the train flow does for one checkpoint, without files; used by the evaluate flow's
+    counterfactual (subset) models. ``data`` (the train tuple) avoids reloading it."""
+    inputs, labels = split_xy(data if data is not None else load_data(config.train_data, "train_data"))
+    if rows is not None:
+        r = torch.as_tensor(np.asarray(rows), dtype=torch.long)
+        inputs, labels = tuple(t[r] for t in inputs), labels[r]
+    device = config.resolved_device()
+    model = new_model(config, seed).to(device)
+    fit_model(config, model, tuple(t.to(device) for t in inputs), labels.to(device), seed, progress_stage=None)
+    return model
 
 
 def write_manifest(config: TrainConfig, records: list[dict]) -> str:

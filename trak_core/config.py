@@ -206,7 +206,9 @@ class AttributeConfig(_Base):
                              "Kronecker projection) or 'noop' (no projection)")
     proj_type: Literal["rademacher", "normal"] = "rademacher"
     proj_seed: NonNegativeInt = 0
-    lambda_reg: NonNegativeFloat = Field(0.0, description="ridge term λ in (XᵀX + λI)⁻¹")
+    lambda_reg: Union[NonNegativeFloat, str] = Field(
+        0.0, description="ridge term λ in (XᵀX + λI)⁻¹: a number ≥ 0, or 'auto' / 'rel:<f>' (f × the mean "
+                         "eigenvalue of each checkpoint's XᵀX; 'auto' = trak_core.scoring.AUTO_DAMPING)")
     rescale_inverse: bool = Field(True, description="divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
     dtype: Literal["float16", "float32"] = Field("float16", description="storage dtype of gradients/features")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")
@@ -221,8 +223,9 @@ class AttributeConfig(_Base):
     report_targets: NonNegativeInt = Field(5, description="how many targets the report covers (0: no report)")
     report_dir: Optional[str] = Field(None, description="local folder for the report (markdown + PNGs); "
                                                         "none: Prefect artifacts only")
-    show: Optional[str] = Field(None, description="import path of a callable(input_row) -> 2-D array, to draw "
-                                                  "examples as images in the report")
+    show: Optional[str] = Field(None, description="import path of a callable(input_row) -> 2-D array (drawn as "
+                                                  "an image) or str (drawn as text, e.g. examples.text:decode) "
+                                                  "for the report")
     storage_options: Optional[dict[str, Any]] = Field(None, description="fsspec options of a remote store")
 
     _checkpoint_paths: list[str] = PrivateAttr(default_factory=list)
@@ -231,6 +234,23 @@ class AttributeConfig(_Base):
     @classmethod
     def _import_paths(cls, v, info):
         return _check_import_path(v, info.field_name, must_be_callable=info.field_name == "model")
+
+    @field_validator("lambda_reg")
+    @classmethod
+    def _lambda_reg(cls, v):
+        from .scoring import check_lambda
+
+        if isinstance(v, str):
+            text = v.strip().lower()
+            try:
+                v = float(text)  # a number given as text (e.g. from a command line)
+            except ValueError:
+                v = text
+        try:
+            check_lambda(v)
+        except ValueError as e:
+            raise BadInputError(f"lambda_reg: {e}") from None
+        return v
 
     @field_validator("show")
     @classmethod
@@ -399,6 +419,98 @@ class TrainConfig(_Base):
 
     def model_seeds(self) -> list[int]:
         return list(self.seeds) if self.seeds is not None else list(range(self.num_models))
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class EvaluateConfig(_Base):
+    """Parameters of the ``evaluate`` flow: the counterfactual LDS of an experiment's scores.
+
+    The experiment is ``attribute`` (its store, exp_name, model, data and task); with ``run_attribute`` the
+    attribute flow runs first (it skips what the store already holds). The ground truth is
+    ``num_subsets`` models trained with the recipe below on random subsets of ``subset_fraction`` of the
+    train rows (``seeds_per_subset`` inits each, margins averaged), and their margins on the targets.
+    It is cached under ``cache_dir``, keyed by the data (import paths and content fingerprints), the model,
+    the recipe, the fraction and the seeds; a re-run trains nothing, and a larger ``num_subsets`` trains
+    only the new subsets.
+    """
+
+    attribute: AttributeConfig = Field(description="the experiment to evaluate (an AttributeConfig, or the path "
+                                                   "of its YAML file)")
+    run_attribute: bool = Field(True, description="run the attribute flow first (it skips complete work)")
+    num_subsets: PositiveInt = Field(32, description="M: counterfactual models (random train subsets)")
+    subset_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="each subset holds this fraction of the rows")
+    seeds_per_subset: PositiveInt = Field(1, description="models (inits) per subset; their margins are averaged")
+    subset_seed: NonNegativeInt = Field(0, description="seed of the subset draws")
+    model_seed: NonNegativeInt = Field(1000, description="model (s, r) is initialized with seed "
+                                                         "model_seed + s * seeds_per_subset + r")
+    recipe_from: Optional[str] = Field(None, description="a train-flow manifest.json or TrainConfig YAML whose "
+                                                         "recipe (epochs, batch_size, optimizer, lr, momentum, "
+                                                         "weight_decay) the subset models use; fields set here win")
+    epochs: PositiveInt = 10
+    batch_size: PositiveInt = 64
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.1, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: NonNegativeFloat = 0.0
+    cache_dir: str = Field("trakflow_lds_cache", description="folder of the ground truth (margins of the subset "
+                                                             "models), reused across runs")
+    report_dir: Optional[str] = Field(None, description="folder for the LDS report (markdown + histogram PNG)")
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    task_runner: Literal["thread", "process"] = Field("thread", description="where the subset models train")
+    max_workers: PositiveInt = Field(2, description="subset models trained concurrently")
+
+    @field_validator("attribute", mode="before")
+    @classmethod
+    def _attribute(cls, v):
+        if isinstance(v, (str, os.PathLike)):
+            return AttributeConfig.from_yaml(v)
+        return v
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_dir(cls, v):
+        check_store_location(v, "cache_dir")
+        return v
+
+    @field_validator("report_dir")
+    @classmethod
+    def _report_dir(cls, v):
+        if v is not None:
+            check_store_location(v, "report_dir")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe(cls, data):
+        """Fill the recipe fields not given from ``recipe_from`` (a train manifest or TrainConfig YAML)."""
+        if not isinstance(data, dict) or not data.get("recipe_from"):
+            return data
+        src = str(data["recipe_from"])
+        path = Path(src)
+        try:
+            raw = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise BadInputError(f"recipe_from: {src!r} does not exist") from None
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            raise BadInputError(f"recipe_from: cannot read {src!r} ({type(e).__name__}: {e})") from None
+        recipe = raw.get("config", raw) if isinstance(raw, dict) else None
+        if not isinstance(recipe, dict) or "epochs" not in recipe:
+            raise BadInputError(f"recipe_from: {src!r} is neither a train-flow manifest nor a TrainConfig YAML")
+        out = dict(data)
+        for key in ("epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay"):
+            if key in recipe and key not in out:
+                out[key] = recipe[key]
+        return out
+
+    def recipe(self) -> dict:
+        """The training recipe of the subset models."""
+        return {k: getattr(self, k) for k in ("epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay")}
 
     def resolved_device(self) -> str:
         if self.device != "auto":
