@@ -252,7 +252,7 @@ def planted_checkpoints():
     return sds
 
 
-@pytest.mark.parametrize("lambda_reg", [0.0, "rel:0.1"])
+@pytest.mark.parametrize("lambda_reg", [0.0, "rel:0.1", "auto"])
 def test_planted_duplicate_is_top_proponent_and_mislabeled_copy_top_opponent(planted_checkpoints, lambda_reg):
     from torch import nn
 
@@ -279,3 +279,21 @@ def test_planted_duplicate_is_top_proponent_and_mislabeled_copy_top_opponent(pla
     assert opp1[0] == MISLABELED, f"top opponents of target 1: {opp1}"
     # and they are not the top of the opposite list: the duplicate supports, the mislabeled copy opposes
     assert scores[DUP, 0] > 0 > scores[MISLABELED, 1]
+
+
+# ---------------------------------------------------------------------------- damping settings in the config
+def test_attribute_config_lambda_reg_settings(tmp_path):
+    from trak_core.config import AttributeConfig
+    from trak_core.scoring import AUTO_DAMPING, resolve_lambda
+
+    ck = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
+    base = _eval_dict(tmp_path, ck)["attribute"]
+    base.pop("lambda_reg")
+    assert AttributeConfig.model_validate(base).lambda_reg == "auto"  # the measured default
+    for given, want in (("REL:0.3", "rel:0.3"), ("2", 2.0), (0, 0.0), (" auto ", "auto")):
+        assert AttributeConfig.model_validate({**base, "lambda_reg": given}).lambda_reg == want
+    for bad in ("-1", "rel:-1", "rel:x", "big"):
+        with pytest.raises(Exception, match="lambda_reg"):
+            AttributeConfig.model_validate({**base, "lambda_reg": bad})
+    xtx = torch.diag(torch.tensor([4.0, 2.0, 0.0], dtype=torch.float64))
+    assert resolve_lambda("auto", xtx) == pytest.approx(AUTO_DAMPING * 2.0)

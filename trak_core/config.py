@@ -207,7 +207,7 @@ class AttributeConfig(_Base):
     proj_type: Literal["rademacher", "normal"] = "rademacher"
     proj_seed: NonNegativeInt = 0
     lambda_reg: Union[NonNegativeFloat, str] = Field(
-        0.0, description="ridge term λ in (XᵀX + λI)⁻¹: a number ≥ 0, or 'auto' / 'rel:<f>' (f × the mean "
+        "auto", description="ridge term λ in (XᵀX + λI)⁻¹: a number ≥ 0, or 'auto' / 'rel:<f>' (f × the mean "
                          "eigenvalue of each checkpoint's XᵀX; 'auto' = trak_core.scoring.AUTO_DAMPING)")
     rescale_inverse: bool = Field(True, description="divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
     dtype: Literal["float16", "float32"] = Field("float16", description="storage dtype of gradients/features")

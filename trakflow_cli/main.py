@@ -244,6 +244,7 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: Optional[str
         console.print(f"training the demo's {train_cfg.num_models} checkpoints in {train_cfg.out_dir}")
         _run_flow(train, train_cfg)
     attr.update(exp_name="digits-heldout", target_data="examples.digits:heldout_data", report_targets=5)
+    report = Path(demo_dir).absolute() / "report"
     if lambda_reg is not None:
         try:
             value = float(lambda_reg)
@@ -251,10 +252,12 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: Optional[str
             value = lambda_reg.strip().lower()  # 'auto' / 'rel:<f>', validated by the config
         if value != attr["lambda_reg"]:
             tag = "".join(ch if ch.isalnum() or ch == "." else "-" for ch in str(value))
-            attr.update(store=str(Path(demo_dir).absolute() / f"store-lambda-{tag}.zarr"), lambda_reg=value)
+            report = Path(demo_dir).absolute() / f"report-lambda-{tag}"
+            attr.update(store=str(Path(demo_dir).absolute() / f"store-lambda-{tag}.zarr"), lambda_reg=value,
+                        report_dir=str(report))
     return EvaluateConfig(attribute=attr, recipe_from=str(Path(train_cfg.out_dir) / "manifest.json"),
                           num_subsets=subsets, cache_dir=str(Path(demo_dir).absolute() / "lds_cache"),
-                          report_dir=str(Path(demo_dir).absolute() / "report"))
+                          report_dir=str(report))
 
 
 @app.command()
