@@ -12,7 +12,7 @@ from trak_core.config import AttributeConfig
 
 from flows.featurize import featurize
 from flows.finalize import finalize
-from flows.runners import make_task_runner
+from flows.runners import run_lock, stage_runners
 from flows.score import score
 
 
@@ -20,18 +20,18 @@ from flows.score import score
 def attribute(config: AttributeConfig) -> dict:
     """TRAK scores of every train example for every target, stored in ``config.store`` under
     ``config.exp_name``; the same numbers as trak_core.TRAKer on the same inputs. Re-running skips what
-    the store already holds."""
+    the store already holds. Holds the store's run lock; the stages run on ``config.task_runner``."""
     t0 = time.perf_counter()
     log = get_run_logger()
-    plan = plan_attribution(config)
-    log.info("plan: %d train rows in %d shards, %d targets, %d checkpoints, grad_dim=%d → proj_dim=%d, store %s",
-             plan["train_set_size"], plan["num_shards"], plan["num_targets"], len(plan["models"]),
-             plan["grad_dim"], plan["proj_dim"], plan["store"])
-    runner = make_task_runner(config)
-    f = featurize.with_options(task_runner=runner)(config, plan)
-    fi = finalize.with_options(task_runner=make_task_runner(config))(config, plan)
-    sc = score.with_options(task_runner=make_task_runner(config))(config, plan)
-    rep = report_top_k(config) if config.report_targets else None
+    with run_lock(config), stage_runners(config) as runner:
+        plan = plan_attribution(config)
+        log.info("plan: %d train rows in %d shards, %d targets, %d checkpoints, grad_dim=%d → proj_dim=%d, store %s",
+                 plan["train_set_size"], plan["num_shards"], plan["num_targets"], len(plan["models"]),
+                 plan["grad_dim"], plan["proj_dim"], plan["store"])
+        f = featurize.with_options(task_runner=runner())(config, plan)
+        fi = finalize.with_options(task_runner=runner())(config, plan)
+        sc = score.with_options(task_runner=runner())(config, plan)
+        rep = report_top_k(config) if config.report_targets else None
     if rep and rep.get("label_agreement") is not None:
         log.info("fraction of top-%d proponents sharing the target's label: %.2f", config.top_k,
                  rep["label_agreement"])

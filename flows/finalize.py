@@ -12,14 +12,15 @@ from tasks.attribution import finalize_checkpoint, plan_attribution
 from tasks.common import summarize
 from trak_core.config import AttributeConfig
 
-from flows.runners import gather
+from flows.runners import gather, run_lock
 
 
 @flow(name="finalize", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)
 def finalize(config: AttributeConfig, plan: Optional[dict] = None) -> dict:
-    plan = plan or plan_attribution(config)
-    progress.start("finalize", len(plan["models"]))
-    manifests = gather([finalize_checkpoint.submit(config, m["model_id"]) for m in plan["models"]])
+    with run_lock(config):
+        plan = plan or plan_attribution(config)
+        progress.start("finalize", len(plan["models"]))
+        manifests = gather([finalize_checkpoint.submit(config, m["model_id"]) for m in plan["models"]])
     out = summarize(manifests)
     log = get_run_logger()
     for m in manifests:

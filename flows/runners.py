@@ -1,18 +1,276 @@
-"""Task runners selected by the config (``task_runner``: "thread" for now)."""
+"""Task runners selected by the config, and the run lock every flow holds on its store.
+
+``task_runner`` in the config picks where the tasks of a flow run:
+
+* ``thread`` (default): Prefect's ``ThreadPoolTaskRunner(max_workers)`` in the flow's process.
+* ``process``: Prefect's ``ProcessPoolTaskRunner``. With ``gpus: ["0", "1", ...]`` it starts one worker
+  process per entry and each worker sees only its GPU (``CUDA_VISIBLE_DEVICES`` is set in the worker
+  before it imports torch, and the parent's value is not forwarded to the tasks); without ``gpus``,
+  ``max_workers`` processes.
+* ``dask``: prefect-dask's ``DaskTaskRunner``: the scheduler at ``dask_address`` (an existing cluster,
+  e.g. many nodes), or a ``distributed.LocalCluster`` of ``dask_n_workers`` worker processes
+  (``dask_threads_per_worker`` threads each; with ``gpus``, one worker per GPU pinned with
+  ``CUDA_VISIBLE_DEVICES``). The ``attribute`` flow starts that local cluster once and its three
+  stages share it.
+
+Workers of one run write disjoint, chunk-aligned parts of the store and take no lock. The parent flow
+holds the store's run lock (:func:`run_lock`) for the whole run, so a second run on the same store is
+refused with :class:`~trak_core.errors.StoreLockedError` instead of racing it.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
+import socket
+import threading
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from prefect import task
 from prefect.futures import wait
-from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
+
+from trak_core.store import TrakStore
+
+GPU_ENV = "CUDA_VISIBLE_DEVICES"
+#: set in each pinned worker to the GPU it was given (what ``CUDA_VISIBLE_DEVICES`` was set to)
+WORKER_GPU_ENV = "TRAKFLOW_WORKER_GPU"
 
 
-def make_task_runner(config):
-    if config.task_runner == "thread":
-        return ThreadPoolTaskRunner(max_workers=config.max_workers)
-    raise ValueError(f"task_runner: unknown task runner {config.task_runner!r}")  # pragma: no cover
+# ---------------------------------------------------------------------------------------------- process pool
+def _pin_gpu(devices: Any) -> None:
+    """Process-pool initializer: take one GPU from the queue and make it the only one this worker sees."""
+    import queue
+
+    try:
+        gpu = devices.get(timeout=120)
+    except queue.Empty:  # pragma: no cover - more workers than GPUs cannot happen (max_workers = len(gpus))
+        raise RuntimeError("trakflow: no GPU left for this worker process") from None
+    os.environ[GPU_ENV] = gpu
+    os.environ[WORKER_GPU_ENV] = gpu
+
+
+class GPUProcessPoolTaskRunner(ProcessPoolTaskRunner):
+    """Prefect's process pool with one worker process per GPU, each seeing only its own GPU.
+
+    ``GPUProcessPoolTaskRunner(gpus=["0", "1"])`` starts (on demand) two worker processes; the first
+    gets ``CUDA_VISIBLE_DEVICES=0``, the second ``1``, so ``device="cuda"`` (``cuda:0`` in the worker)
+    is a different GPU in each. Without ``gpus`` it is a plain ``ProcessPoolTaskRunner(max_workers)``.
+    """
+
+    def __init__(self, gpus: Optional[Sequence[str]] = None, max_workers: Optional[int] = None):
+        self.gpus = [str(g) for g in gpus] if gpus else None
+        super().__init__(max_workers=len(self.gpus) if self.gpus else max_workers)
+
+    def duplicate(self) -> "GPUProcessPoolTaskRunner":
+        return type(self)(gpus=self.gpus, max_workers=None if self.gpus else self._max_workers)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, GPUProcessPoolTaskRunner) and other.gpus == self.gpus
+                and other._max_workers == self._max_workers)
+
+    def __enter__(self):
+        if self.gpus:
+            devices = multiprocessing.get_context("spawn").Queue()
+            for g in self.gpus:
+                devices.put(g)
+            self._initializer, self._initargs = _pin_gpu, (devices,)
+        return super().__enter__()
+
+    def _resolve_futures_and_submit(self, *args, env: dict[str, str], **kwargs):
+        # Prefect copies the parent's environment into the worker before each task; a parent
+        # CUDA_VISIBLE_DEVICES would undo the worker's pinning.
+        if self.gpus:
+            env = {k: v for k, v in env.items() if k != GPU_ENV}
+        return super()._resolve_futures_and_submit(*args, env=env, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- dask
+def start_local_cluster(n_workers: int = 2, threads_per_worker: int = 1, gpus: Optional[Sequence[str]] = None,
+                        **kwargs):
+    """A ``distributed.LocalCluster`` of worker processes (a nanny each). With ``gpus``, one worker per
+    entry, started with ``CUDA_VISIBLE_DEVICES`` set to it. Use it as a context manager."""
+    from distributed import LocalCluster
+
+    kwargs.setdefault("dashboard_address", ":0")
+    kwargs.setdefault("processes", True)
+    if not gpus:
+        return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, **kwargs)
+    cluster = LocalCluster(n_workers=0, threads_per_worker=threads_per_worker, **kwargs)
+    try:
+        base = cluster.new_spec
+        for g in gpus:
+            opts = dict(base["options"])
+            opts["env"] = {**(opts.get("env") or {}), GPU_ENV: str(g), WORKER_GPU_ENV: str(g)}
+            cluster.worker_spec[f"gpu-{g}"] = {"cls": base["cls"], "options": opts}
+        cluster.scale(len(gpus))
+        cluster.wait_for_workers(len(gpus), timeout=300)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def _dask_runner(config, address: Optional[str] = None):
+    from prefect_dask import DaskTaskRunner
+
+    address = address or getattr(config, "dask_address", None)
+    if address:
+        return DaskTaskRunner(address=address)
+    gpus = getattr(config, "gpus", None)
+    n = getattr(config, "dask_n_workers", 2)
+    t = getattr(config, "dask_threads_per_worker", 1)
+    if gpus:
+        from functools import partial
+
+        return DaskTaskRunner(cluster_class=partial(start_local_cluster, gpus=list(gpus)),
+                              cluster_kwargs={"threads_per_worker": t})
+    return DaskTaskRunner(cluster_class="distributed.LocalCluster",
+                          cluster_kwargs={"n_workers": n, "processes": True, "threads_per_worker": t,
+                                          "dashboard_address": ":0"})
+
+
+# ---------------------------------------------------------------------------------------------- selection
+def make_task_runner(config) -> TaskRunner:
+    """The task runner the config asks for (``task_runner``: thread | process | dask).
+
+    Works for any config with a ``task_runner`` field (AttributeConfig, TrainConfig); the process/dask
+    fields default when a config lacks them."""
+    kind = getattr(config, "task_runner", "thread")
+    max_workers = getattr(config, "max_workers", 2)
+    if kind == "thread":
+        return ThreadPoolTaskRunner(max_workers=max_workers)
+    if kind == "process":
+        return GPUProcessPoolTaskRunner(gpus=getattr(config, "gpus", None), max_workers=max_workers)
+    if kind == "dask":
+        return _dask_runner(config)
+    raise ValueError(f"task_runner: unknown task runner {kind!r}")  # pragma: no cover (the config refuses it)
+
+
+@contextlib.contextmanager
+def stage_runners(config) -> Iterator[Callable[[], TaskRunner]]:
+    """Yield a factory of task runners for the stages (subflows) of one run.
+
+    For ``dask`` without ``dask_address`` the local cluster is started here, once, and every stage
+    connects to it (instead of each stage starting and stopping its own cluster)."""
+    if getattr(config, "task_runner", "thread") == "dask" and not getattr(config, "dask_address", None):
+        with start_local_cluster(getattr(config, "dask_n_workers", 2), getattr(config, "dask_threads_per_worker", 1),
+                                 getattr(config, "gpus", None)) as cluster:
+            address = cluster.scheduler_address
+            yield lambda: _dask_runner(config, address)
+    else:
+        yield lambda: make_task_runner(config)
 
 
 def gather(futures) -> list:
     """Wait for all futures, then return their results (raising the first failure)."""
     wait(futures)
     return [f.result() for f in futures]
+
+
+@task(name="worker-info", cache_policy=None, persist_result=False)
+def worker_info(tag: Any = None) -> dict:
+    """Where a task runs: host, pid and the GPU(s) it sees (to check a runner's device pinning)."""
+    return {"tag": tag, "host": socket.gethostname(), "pid": os.getpid(), GPU_ENV: os.environ.get(GPU_ENV),
+            WORKER_GPU_ENV: os.environ.get(WORKER_GPU_ENV)}
+
+
+# ---------------------------------------------------------------------------------------------- run lock
+_held_lock = threading.Lock()
+_held: dict[str, list] = {}  # location -> [root flow run id, depth, run name] of the run holding it here
+
+
+def _local_dir(location: str) -> Optional[str]:
+    loc = str(location)
+    if loc.startswith("file://"):
+        from urllib.parse import urlparse
+
+        return os.path.abspath(urlparse(loc).path)
+    return None if "://" in loc else os.path.abspath(loc)
+
+
+def _current_run() -> tuple[str, str]:
+    """(root flow run id, "flow/run-name") of the calling flow run (a thread id outside flows)."""
+    try:
+        from prefect.runtime import flow_run
+
+        run_id, name, flow = flow_run.id, flow_run.name, flow_run.flow_name
+        if run_id:
+            root = flow_run.root_flow_run_id or run_id
+            return str(root), f"{flow}/{name}" if flow else str(name)
+    except Exception:  # pragma: no cover
+        pass
+    return f"thread-{threading.get_ident()}", f"pid-{os.getpid()}"
+
+
+@contextlib.contextmanager
+def run_lock(config, run: Optional[str] = None) -> Iterator[None]:
+    """Hold ``config.store``'s run lock around a flow's work (plan included).
+
+    A second live run on the store (another process, another machine, or another flow run in this
+    process) gets :class:`~trak_core.errors.StoreLockedError` naming the holder; a lock left by a dead
+    process of this host (a crash) is stale and taken over. Subflows of the holding run (``attribute`` →
+    ``featurize``) re-enter it. For a new local store the folder is created to hold the lock file and
+    removed again if the run fails before writing anything into it, so bad input leaves no trace."""
+    from trak_core.errors import StoreLockedError
+
+    location = str(config.store)
+    root, name = _current_run()
+    name = run or name
+    with _held_lock:
+        held = _held.get(location)
+        if held is not None and held[0] == root:
+            held[1] += 1
+        elif held is not None:
+            raise StoreLockedError(
+                f"store {location} is in use by run {held[2]} in this process (pid {os.getpid()}); two runs on "
+                "one store are refused. Wait for it to finish.")
+    if held is not None:
+        try:
+            yield
+        finally:
+            with _held_lock:
+                held[1] -= 1
+        return
+    created: list[str] = []
+    path = _local_dir(location)
+    if path is not None:
+        probe = path
+        while not os.path.exists(probe):
+            created.append(probe)
+            probe = os.path.dirname(probe)
+        os.makedirs(path, exist_ok=True)
+    # the lock needs only the location (the store itself may not exist yet: the plan creates it)
+    handle = TrakStore(location, None, None)  # type: ignore[arg-type]
+    try:
+        with _held_lock:
+            if location in _held:  # another flow run of this process won the race
+                raise StoreLockedError(f"store {location} is in use by run {_held[location][2]} in this process")
+            _held[location] = [root, 1, name]
+        try:
+            handle.acquire_lock(name)
+        except BaseException:
+            with _held_lock:
+                _held.pop(location, None)
+            raise
+    except BaseException:
+        _remove_empty(created)
+        raise
+    try:
+        yield
+    finally:
+        try:
+            handle.release_lock()
+        finally:
+            with _held_lock:
+                _held.pop(location, None)
+            _remove_empty(created)
+
+
+def _remove_empty(created: list[str]) -> None:
+    for d in created:  # deepest first
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
