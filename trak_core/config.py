@@ -217,8 +217,19 @@ class AttributeConfig(_Base):
                                                                 "when it divides shard_size, else shard_size")
     grad_wrt: Optional[list[str]] = Field(None, description="parameter names to take gradients for (all: null)")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="'auto' = cuda when available")
-    task_runner: Literal["thread"] = Field("thread", description="Prefect task runner")
-    max_workers: PositiveInt = Field(2, description="concurrent tasks of the thread runner")
+    task_runner: Literal["thread", "process", "dask"] = Field(
+        "thread", description="where tasks run: 'thread' (threads of the flow's process), 'process' (a process "
+                              "pool; one process per GPU with gpus), 'dask' (prefect-dask: dask_address, or a "
+                              "local cluster of dask_n_workers processes)")
+    max_workers: PositiveInt = Field(2, description="concurrent tasks of the thread runner; processes of the "
+                                                    "process runner without gpus")
+    gpus: Optional[list[str]] = Field(None, description="process runner / local Dask cluster: one worker process "
+                                                        "per entry, with CUDA_VISIBLE_DEVICES set to it "
+                                                        "(e.g. ['0', '1', '2', '3'])")
+    dask_address: Optional[str] = Field(None, description="scheduler address of an existing Dask cluster "
+                                                          "(tcp://host:8786); none: start a local cluster")
+    dask_n_workers: PositiveInt = Field(2, description="worker processes of the local Dask cluster")
+    dask_threads_per_worker: PositiveInt = Field(1, description="threads per worker of the local Dask cluster")
     top_k: PositiveInt = Field(5, description="proponents/opponents reported per target")
     report_targets: NonNegativeInt = Field(5, description="how many targets the report covers (0: no report)")
     report_dir: Optional[str] = Field(None, description="local folder for the report (markdown + PNGs); "
@@ -229,6 +240,33 @@ class AttributeConfig(_Base):
     storage_options: Optional[dict[str, Any]] = Field(None, description="fsspec options of a remote store")
 
     _checkpoint_paths: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _task_runner_fields(self):
+        if self.gpus is not None:
+            if not self.gpus or any(not str(g).strip() or "," in str(g) for g in self.gpus):
+                raise BadInputError(f"gpus: one GPU (index or UUID, no commas) per entry, got {self.gpus!r}")
+            if len(set(self.gpus)) != len(self.gpus):
+                raise BadInputError(f"gpus: a GPU is listed twice in {self.gpus!r}")
+            if self.task_runner == "thread":
+                raise BadInputError("gpus: needs task_runner 'process' or 'dask' (one worker process per GPU); "
+                                    "the thread runner shares one process")
+            if self.dask_address:
+                raise BadInputError("gpus: the workers of an existing Dask cluster (dask_address) are pinned when "
+                                    "they are started (CUDA_VISIBLE_DEVICES=i dask worker ...); remove gpus")
+        if self.dask_address is not None:
+            if self.task_runner != "dask":
+                raise BadInputError(f"dask_address: needs task_runner 'dask', not {self.task_runner!r}")
+            import re
+
+            if not re.fullmatch(r"([a-z][a-z0-9+.-]*://)?[^\s/]+:\d+", self.dask_address.strip()):
+                raise BadInputError(f"dask_address: {self.dask_address!r} is not a scheduler address like "
+                                    "'tcp://10.0.0.5:8786'")
+        if self.task_runner != "thread" and str(self.store).startswith("memory://"):
+            raise BadInputError(f"store: {self.store!r} lives in the memory of one process; the workers of the "
+                                f"{self.task_runner!r} runner would each see their own empty store. Use a path, a "
+                                "file:// URL or shared storage (s3://...), or task_runner 'thread'")
+        return self
 
     @field_validator("model", "train_data", "target_data")
     @classmethod
