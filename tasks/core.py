@@ -16,6 +16,9 @@ Every step first reads the store and returns ``skipped=True`` when its output is
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import threading
 import time
 import warnings
 from typing import Optional
@@ -39,6 +42,23 @@ PIPELINE_ATTR = "trakflow_pipeline"
 
 
 # ---------------------------------------------------------------------------- helpers
+_crash_lock = threading.Lock()
+_crash_counts: dict[str, int] = {}
+#: test hooks: SIGKILL this process right after its N-th featurized shard / scored block is complete
+CRASH_ENV = {"featurize": "TRAKFLOW_TEST_KILL_AFTER_SHARDS", "score": "TRAKFLOW_TEST_KILL_AFTER_SCORE_BLOCKS"}
+
+
+def _crash_point(stage: str) -> None:
+    """Simulate a crash (SIGKILL, no cleanup) at a deterministic point, for the resume tests."""
+    limit = os.environ.get(CRASH_ENV[stage])
+    if not limit:
+        return
+    with _crash_lock:
+        _crash_counts[stage] = _crash_counts.get(stage, 0) + 1
+        if _crash_counts[stage] >= int(limit):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _lambda_setting(value):
     """A lambda_reg setting in comparable form: a float, or a normalized 'auto' / 'rel:<f>' string."""
     if value is None:
@@ -206,6 +226,7 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
     x, q = np.concatenate(xs), np.concatenate(qs)
     store.write_train_rows(model_id, slice(a, b), x, q)
     store.write_partial(model_id, shard, shard_partial(store, model_id, shard, rows=x))
+    _crash_point("featurize")
     return manifest("featurize", t0, False, model_id=model_id, shard=shard, rows=[a, b])
 
 
@@ -273,5 +294,6 @@ def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -
         progress.advance("score", b - a)
         return manifest("score", t0, True, rows=[a, b])
     score_rows(store, exp, model_ids, a, b, load_targets(store, exp, model_ids))
+    _crash_point("score")
     progress.advance("score", b - a)
     return manifest("score", t0, False, rows=[a, b])

@@ -397,6 +397,32 @@ def show(store: str = typer.Argument(..., help="store path or URL, or the YAML f
 
 
 @app.command()
+def unlock(store: str = typer.Argument(..., help="store path or URL"),
+           yes: bool = typer.Option(False, "--yes", "-y", help="remove the lock even if its holder may be alive")) -> None:
+    """Remove a store's run lock left by a run that is gone (a crashed machine, a killed job).
+
+    A lock of a dead process on this host is taken over by the next run anyway; this is for locks of
+    another host, which trakflow cannot check. Removing the lock of a live run lets two runs write one
+    store: make sure it is gone."""
+    import socket
+
+    from trak_core.store import TrakStore
+
+    handle = TrakStore(store, None, None)  # the lock needs only the location
+    holder = handle.lock_holder()
+    if holder is None:
+        console.print(f"store {store} is not locked")
+        return
+    who = (f"run {holder.get('run') or '?'} (pid {holder.get('pid')} on {holder.get('host')}, since "
+           f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(float(holder.get('since', 0))))})")
+    if not yes and TrakStore._holder_alive(holder) and holder.get("host") == socket.gethostname():
+        _fail(f"store {store} is locked by {who}, which is still running on this host; stop it first "
+              "(or pass --yes)")
+    handle.force_unlock()
+    console.print(f"removed the lock of {who} from {store}")
+
+
+@app.command()
 def serve(verbose: bool = typer.Option(True, help="show Prefect's logs")) -> None:
     """Register the deployments (one on a cron schedule) and serve them until interrupted."""
     _prefect_env(verbose)
