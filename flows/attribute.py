@@ -12,7 +12,7 @@ from trak_core.config import AttributeConfig
 
 from flows.featurize import featurize
 from flows.finalize import finalize
-from flows.runners import run_lock, stage_runners
+from flows.runners import run_lock, stage_runners, worker_api
 from flows.score import score
 
 
@@ -23,7 +23,7 @@ def attribute(config: AttributeConfig) -> dict:
     the store already holds. Holds the store's run lock; the stages run on ``config.task_runner``."""
     t0 = time.perf_counter()
     log = get_run_logger()
-    with run_lock(config), stage_runners(config) as runner:
+    with run_lock(config), worker_api(config), stage_runners(config) as runner:
         plan = plan_attribution(config)
         log.info("plan: %d train rows in %d shards, %d targets, %d checkpoints, grad_dim=%d → proj_dim=%d, store %s",
                  plan["train_set_size"], plan["num_shards"], plan["num_targets"], len(plan["models"]),

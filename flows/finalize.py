@@ -12,15 +12,16 @@ from tasks.attribution import finalize_checkpoint, plan_attribution
 from tasks.common import summarize
 from trak_core.config import AttributeConfig
 
-from flows.runners import gather, run_lock
+from flows.runners import gather, run_lock, worker_api
 
 
 @flow(name="finalize", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)
 def finalize(config: AttributeConfig, plan: Optional[dict] = None) -> dict:
-    with run_lock(config):
+    with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
         progress.start("finalize", len(plan["models"]))
-        manifests = gather([finalize_checkpoint.submit(config, m["model_id"]) for m in plan["models"]])
+        manifests = gather([finalize_checkpoint.submit(config, m["model_id"]) for m in plan["models"]],
+                           "finalize", lambda m: 1)
     out = summarize(manifests)
     log = get_run_logger()
     for m in manifests:

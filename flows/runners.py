@@ -93,6 +93,7 @@ def start_local_cluster(n_workers: int = 2, threads_per_worker: int = 1, gpus: O
     entry, started with ``CUDA_VISIBLE_DEVICES`` set to it. Use it as a context manager."""
     from distributed import LocalCluster
 
+    _quiet_distributed()
     kwargs.setdefault("dashboard_address", ":0")
     kwargs.setdefault("processes", True)
     if not gpus:
@@ -115,6 +116,7 @@ def start_local_cluster(n_workers: int = 2, threads_per_worker: int = 1, gpus: O
 def _dask_runner(config, address: Optional[str] = None):
     from prefect_dask import DaskTaskRunner
 
+    _quiet_distributed()
     address = address or getattr(config, "dask_address", None)
     if address:
         return DaskTaskRunner(address=address)
@@ -148,23 +150,109 @@ def make_task_runner(config) -> TaskRunner:
     raise ValueError(f"task_runner: unknown task runner {kind!r}")  # pragma: no cover (the config refuses it)
 
 
+def check_dask_scheduler(address: str, timeout: float = 10.0) -> None:
+    """Fail fast (before anything is written) when the scheduler at ``address`` cannot be reached."""
+    from distributed import Client
+
+    from trak_core.errors import BadInputError
+
+    try:
+        with Client(address, timeout=timeout, set_as_default=False) as client:
+            n = len(client.scheduler_info().get("workers", {}))
+    except OSError as e:  # distributed raises OSError (incl. TimeoutError) for an unreachable scheduler
+        raise BadInputError(f"dask_address: cannot reach a Dask scheduler at {address!r} within {timeout:g} s "
+                            f"({type(e).__name__}: {e})") from None
+    if n == 0:  # not an error: workers may join later (adaptive clusters); tasks wait for them
+        import logging
+
+        logging.getLogger("trakflow").warning("the Dask scheduler at %s has no workers yet", address)
+
+
 @contextlib.contextmanager
 def stage_runners(config) -> Iterator[Callable[[], TaskRunner]]:
     """Yield a factory of task runners for the stages (subflows) of one run.
 
-    For ``dask`` without ``dask_address`` the local cluster is started here, once, and every stage
-    connects to it (instead of each stage starting and stopping its own cluster)."""
-    if getattr(config, "task_runner", "thread") == "dask" and not getattr(config, "dask_address", None):
-        with start_local_cluster(getattr(config, "dask_n_workers", 2), getattr(config, "dask_threads_per_worker", 1),
-                                 getattr(config, "gpus", None)) as cluster:
-            address = cluster.scheduler_address
-            yield lambda: _dask_runner(config, address)
-    else:
+    For ``dask`` without ``dask_address`` the local cluster is started on the first call, once, and
+    every stage connects to it (instead of each stage starting and stopping its own cluster); it is
+    closed when the block ends. With ``dask_address`` the scheduler is checked here, before any work."""
+    if getattr(config, "task_runner", "thread") != "dask":
         yield lambda: make_task_runner(config)
+        return
+    if getattr(config, "dask_address", None):
+        check_dask_scheduler(config.dask_address)
+        yield lambda: _dask_runner(config)
+        return
+    with contextlib.ExitStack() as stack:
+        address: list[str] = []
+
+        def runner() -> TaskRunner:
+            if not address:
+                cluster = stack.enter_context(start_local_cluster(
+                    getattr(config, "dask_n_workers", 2), getattr(config, "dask_threads_per_worker", 1),
+                    getattr(config, "gpus", None)))
+                address.append(cluster.scheduler_address)
+            return _dask_runner(config, address[0])
+
+        yield runner
 
 
-def gather(futures) -> list:
-    """Wait for all futures, then return their results (raising the first failure)."""
+@contextlib.contextmanager
+def worker_api(config) -> Iterator[None]:
+    """Make task runs in other processes report to this flow's Prefect server.
+
+    Without ``PREFECT_API_URL`` Prefect runs an ephemeral server in the flow's process; a process-pool
+    or Dask worker would start one more server of its own per process (slow, and they all write the
+    same SQLite file). For the ``process`` and ``dask`` runners this starts (or reuses) the flow's
+    ephemeral server and hands its URL to the tasks' context. With a real server (``PREFECT_API_URL``
+    set, e.g. for a multi-node cluster) it does nothing."""
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    settings = get_current_settings()
+    if getattr(config, "task_runner", "thread") == "thread" or settings.api.url or not settings.server.ephemeral.enabled:
+        yield
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # the same instance the flow's own client started
+    server.start()
+    with temporary_settings({PREFECT_API_URL: server.api_url}):
+        yield
+
+
+def _quiet_distributed() -> None:
+    """Dask's own loggers follow Prefect's logging level (the CLI hides INFO unless -v)."""
+    import logging
+
+    from prefect.settings import get_current_settings
+
+    level = logging.getLevelName(str(get_current_settings().logging.level).upper())
+    if isinstance(level, int) and level > logging.INFO:
+        logging.getLogger("distributed").setLevel(level)
+
+
+def _tasks_run_here() -> bool:
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    return ctx is None or isinstance(getattr(ctx, "task_runner", None), ThreadPoolTaskRunner)
+
+
+def gather(futures, stage: Optional[str] = None, amount: Optional[Callable[[dict], float]] = None) -> list:
+    """Wait for all futures, then return their results (raising the first failure).
+
+    With ``stage`` and ``amount(manifest)``: when the tasks run in other processes (process or Dask
+    runner), whose progress events stay there, advance this process's progress bars as they complete."""
+    if stage is not None and amount is not None and not _tasks_run_here():
+        from prefect.futures import as_completed
+
+        from tasks import progress
+
+        for f in as_completed(futures):
+            try:
+                m = f.result()
+            except BaseException:
+                continue  # raised below, in order
+            progress.advance(stage, amount(m))
     wait(futures)
     return [f.result() for f in futures]
 

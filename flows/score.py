@@ -12,19 +12,20 @@ from tasks.attribution import featurize_targets, plan_attribution, prepare_score
 from tasks.common import summarize
 from trak_core.config import AttributeConfig
 
-from flows.runners import gather, run_lock
+from flows.runners import gather, run_lock, worker_api
 
 
 @flow(name="score", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)
 def score(config: AttributeConfig, plan: Optional[dict] = None) -> dict:
-    with run_lock(config):
+    with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
         progress.start("targets", len(plan["models"]))
         targets = gather([featurize_targets.submit(config, m["model_id"], m["checkpoint"])
-                          for m in plan["models"]])
+                          for m in plan["models"]], "targets", lambda m: 1)
         prep = prepare_scores(config, [m["model_id"] for m in plan["models"]])
         progress.start("score", plan["train_set_size"])
-        blocks = gather([score_block.submit(config, prep["model_ids"], a, b) for a, b in prep["blocks"]])
+        blocks = gather([score_block.submit(config, prep["model_ids"], a, b) for a, b in prep["blocks"]],
+                        "score", lambda m: m["rows"][1] - m["rows"][0])
     t, s = summarize(targets), summarize(blocks)
     get_run_logger().info("score: targets %d/%d computed, score blocks %d/%d computed, checkpoints combined: %s",
                           t["computed"], t["tasks"], s["computed"], s["tasks"], prep["model_ids"])
