@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from trak_core.config import AttributeConfig, file_fingerprint
-from trak_core.errors import BadInputError, StateError, StoreMismatchError
+from trak_core.errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
 from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
 from trak_core.projectors import make_projector
@@ -121,6 +121,17 @@ def _check_batch(task, data: tuple, rows: int, field: str) -> None:
         raise _prefixed(field, e) from None
 
 
+def _check_finite(data: tuple, field: str) -> None:
+    """NaN/inf anywhere in the inputs is refused by the plan (before anything is written), naming rows."""
+    for i, t in enumerate(data):
+        if t.is_floating_point() or t.is_complex():
+            bad = (~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)).nonzero().reshape(-1).tolist()
+            if bad:
+                more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
+                raise BadInputError(f"{field}: NaN or inf in tensor {i} at example indices {bad[:20]}{more}; "
+                                    "nothing was written")
+
+
 # ---------------------------------------------------------------------------- plan
 def make_plan(config: AttributeConfig) -> dict:
     """Check everything that can be checked without computing gradients, then create the store's arrays.
@@ -135,6 +146,8 @@ def make_plan(config: AttributeConfig) -> dict:
     targets = cached_data(config.target_data, "target_data")
     _check_batch(task, train, config.batch_size, "train_data")
     _check_batch(task, targets, config.batch_size, "target_data")
+    _check_finite(train, "train_data")
+    _check_finite(targets, "target_data")
     n, m = int(train[0].shape[0]), int(targets[0].shape[0])
     meta = build_metadata(config, n, model, task)
     if config.projector != "noop" and meta.proj_dim >= n and config.lambda_reg == 0:
@@ -147,6 +160,9 @@ def make_plan(config: AttributeConfig) -> dict:
             model.load_state_dict(sd)
         except RuntimeError as e:
             raise BadInputError(f"checkpoints[{i}]: {path} does not fit the model {config.model!r}: {e}") from None
+        bad = [k for k, v in sd.items() if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise BadInputError(f"checkpoints[{i}]: {path} has NaN or inf in {bad[:5]}; nothing was written")
         records.append({"path": path, "sha256": file_fingerprint(path)})
     train_sha, target_sha = data_fingerprint(train), data_fingerprint(targets)
 
@@ -219,7 +235,12 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
     xs, qs = [], []
     for s in range(a, b, config.batch_size):
         e = min(s + config.batch_size, b)
-        x, q = feat.featurize([t[s:e] for t in data], model_id, range(s, e))
+        try:
+            x, q = feat.featurize([t[s:e] for t in data], model_id, range(s, e))
+        except NonFiniteGradientError:
+            raise  # names the example indices already
+        except BadInputError as err:  # e.g. a label out of range: say which rows
+            raise BadInputError(f"train_data rows {s}..{e - 1} (model_id={model_id}): {err}") from None
         xs.append(x)
         qs.append(q)
         progress.advance("featurize", e - s)

@@ -21,7 +21,7 @@ import yaml
 
 from examples import tiny
 from trak_core.config import AttributeConfig
-from trak_core.errors import BadInputError, NonFiniteGradientError, StoreLockedError
+from trak_core.errors import BadInputError, StoreLockedError
 from trak_core.featurize import Featurizer
 from trak_core.store import TrakStore
 
@@ -42,11 +42,19 @@ def config(store, ckpts, **over) -> AttributeConfig:
     return AttributeConfig.model_validate(cfg)
 
 
+def bad_label_train_data():
+    """tiny's train data with label 7 (3 classes) in row 20 (shard 1): passes the plan (which cannot know
+    the number of classes without the model's outputs), fails inside featurize-shard."""
+    x, y = tiny.train_data()
+    y = y.clone()
+    y[20] = 7
+    return x, y
+
+
 def nan_train_data():
-    """tiny's train data with a NaN in row 20 (shard 1): passes the plan, fails inside featurize-shard."""
     x, y = tiny.train_data()
     x = x.clone()
-    x[20, 0] = float("nan")
+    x[[20, 41], 3] = float("nan")
     return x, y
 
 
@@ -307,7 +315,7 @@ def test_bad_input_in_a_task_is_not_retried_and_reaches_the_caller(ref, tmp_path
     from flows import featurize
 
     _, ckpts, _, _ = ref
-    cfg = config(tmp_path / "nan.zarr", ckpts[:1], train_data="test_scaleout:nan_train_data")
+    cfg = config(tmp_path / "label.zarr", ckpts[:1], train_data="test_scaleout:bad_label_train_data")
     calls = []
     orig = Featurizer.featurize
 
@@ -318,7 +326,7 @@ def test_bad_input_in_a_task_is_not_retried_and_reaches_the_caller(ref, tmp_path
     monkeypatch.setattr(Featurizer, "featurize", counting)
     state = featurize(cfg, return_state=True)
     assert state.is_failed()
-    with pytest.raises(NonFiniteGradientError, match=r"model_id=0 .*indices \[20\]"):
+    with pytest.raises(BadInputError, match=r"train_data rows 16..23 \(model_id=0\): labels out of range .*7"):
         state.result()
     assert calls.count(16) == 1  # not retried
     runs = _task_runs(state.state_details.flow_run_id, SHARDS)
@@ -326,6 +334,24 @@ def test_bad_input_in_a_task_is_not_retried_and_reaches_the_caller(ref, tmp_path
     store = TrakStore.open(cfg.store)
     assert not store.featurized_mask(0)[16:32].any()  # the shard with the bad row is not marked
     assert store.lock_holder() is None  # a failed run releases its lock
+
+
+def test_non_finite_inputs_and_checkpoints_are_refused_by_the_plan(ref, tmp_path):
+    """NaN anywhere in the data or a checkpoint fails before anything is written (not in a task)."""
+    from flows import attribute
+
+    _, ckpts, _, _ = ref
+    sd = torch.load(ckpts[1], weights_only=True)
+    sd["2.bias"][1] = float("inf")
+    torch.save(sd, tmp_path / "inf.pt")
+    cases = [(dict(train_data="test_scaleout:nan_train_data"), r"train_data: NaN or inf .* indices \[20, 41\]"),
+             (dict(checkpoints=[ckpts[0], str(tmp_path / "inf.pt")]), r"checkpoints\[1\]: .*inf.pt has NaN or inf "
+                                                                       r"in \['2.bias'\]")]
+    for over, msg in cases:
+        cfg = config(tmp_path / "s.zarr", ckpts, **over)
+        with pytest.raises(BadInputError, match=msg):
+            attribute(cfg)
+        assert not os.path.exists(cfg.store)
 
 
 # ---------------------------------------------------------------------------------------------- lock, fsspec
