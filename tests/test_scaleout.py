@@ -213,6 +213,43 @@ def test_process_runner_one_worker_per_gpu(ref, tmp_path, monkeypatch):
         np.testing.assert_array_equal(got.model(mid).xtx_partials[:], want.model(mid).xtx_partials[:])
 
 
+def test_gpu_tag_concurrency_limit_caps_featurize_tasks(ref, tmp_path, monkeypatch):
+    """`prefect concurrency-limit create trakflow-gpu 1`: featurize tasks (tagged) never overlap, even
+    with two threads."""
+    from prefect.client.orchestration import get_client
+
+    import tasks.core as core
+    from flows import featurize
+    from tasks.common import GPU_TAG
+
+    _, ckpts, _, _ = ref
+    intervals, orig = [], core.featurize_shard
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        out = orig(*a, **k)
+        intervals.append((t0, time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(core, "featurize_shard", timed)
+
+    async def limit(create: bool):
+        async with get_client() as client:
+            if create:
+                await client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=1)
+            else:
+                await client.delete_concurrency_limit_by_tag(tag=GPU_TAG)
+
+    asyncio.run(limit(True))
+    try:
+        featurize(config(tmp_path / "limited.zarr", ckpts[:1], max_workers=2))
+    finally:
+        asyncio.run(limit(False))
+    intervals.sort()
+    assert len(intervals) == SHARDS
+    assert all(b[0] >= a[1] for a, b in zip(intervals, intervals[1:])), intervals
+
+
 # ---------------------------------------------------------------------------------------------- resume
 def test_sigkill_during_featurize_then_resume(ref, tmp_path):
     """The flow process is SIGKILLed after its 3rd complete shard; the rerun skips the complete shards,
