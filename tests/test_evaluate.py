@@ -30,6 +30,14 @@ from trak_core.store import TrakStore
 RECIPE = dict(epochs=40, batch_size=64, optimizer="adam", lr=0.05, momentum=0.0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _restore_global_rng():
+    """Leave torch's global RNG as found: training seeds it (torch.manual_seed), and later tests that draw
+    unseeded must not depend on whether this module ran."""
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
 # ---------------------------------------------------------------------------- pure LDS
 def test_lds_per_target_equals_scipy_spearman():
     rng = np.random.default_rng(0)

@@ -16,6 +16,14 @@ from examples import text
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _restore_global_rng():
+    """Leave torch's global RNG as found: training seeds it (torch.manual_seed), and later tests that draw
+    unseeded must not depend on whether this module ran."""
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory, prefect_harness):
     """2 checkpoints of the text example (the train flow, text's full-batch Adam recipe), then the attribute
