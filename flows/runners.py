@@ -204,10 +204,19 @@ def worker_api(config) -> Iterator[None]:
     or Dask worker would start one more server of its own per process (slow, and they all write the
     same SQLite file). For the ``process`` and ``dask`` runners this starts (or reuses) the flow's
     ephemeral server and hands its URL to the tasks' context. With a real server (``PREFECT_API_URL``
-    set, e.g. for a multi-node cluster) it does nothing."""
+    set, e.g. for a multi-node cluster) it does nothing. An existing cluster (``dask_address``) needs a
+    real server: its long-lived workers keep Prefect clients of the first server they saw."""
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     settings = get_current_settings()
+    if getattr(config, "dask_address", None) and not settings.api.url:
+        from trak_core.errors import BadInputError
+
+        raise BadInputError(
+            "dask_address: the workers of an existing Dask cluster outlive this run and must report to a Prefect "
+            "server they can reach, but PREFECT_API_URL is not set (this run would use a throw-away local "
+            "server). Start one (`prefect server start --host 0.0.0.0`) and set "
+            "PREFECT_API_URL=http://<that host>:4200/api here and on the workers.")
     if getattr(config, "task_runner", "thread") == "thread" or settings.api.url or not settings.server.ephemeral.enabled:
         yield
         return

@@ -134,6 +134,22 @@ def test_config_task_runner_fields(ref):
     assert not os.path.exists(tmp / "s")
 
 
+def test_existing_dask_cluster_checks(ref):
+    """dask_address: an unreachable scheduler and a missing Prefect server fail before any work."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.runners import check_dask_scheduler, worker_api
+
+    tmp, ckpts, _, _ = ref
+    with pytest.raises(BadInputError, match="dask_address: cannot reach a Dask scheduler"):
+        check_dask_scheduler("tcp://127.0.0.1:1", timeout=0.5)
+    cfg = config(tmp / "s", ckpts, task_runner="dask", dask_address="tcp://127.0.0.1:1")
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        with pytest.raises(BadInputError, match="PREFECT_API_URL is not set"):
+            with worker_api(cfg):
+                pass
+
+
 def test_dask_local_cluster_two_worker_processes_equal_scores(ref, tmp_path, monkeypatch):
     """task_runner: dask — a LocalCluster of 2 worker processes (shared by the three stages), a file://
     store; the scores equal the thread runner's bit for bit, and no gradient is computed in this process."""
