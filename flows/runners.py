@@ -174,12 +174,11 @@ def stage_runners(config) -> Iterator[Callable[[], TaskRunner]]:
 
     For ``dask`` without ``dask_address`` the local cluster is started on the first call, once, and
     every stage connects to it (instead of each stage starting and stopping its own cluster); it is
-    closed when the block ends. With ``dask_address`` the scheduler is checked here, before any work."""
+    closed when the block ends."""
     if getattr(config, "task_runner", "thread") != "dask":
         yield lambda: make_task_runner(config)
         return
-    if getattr(config, "dask_address", None):
-        check_dask_scheduler(config.dask_address)
+    if getattr(config, "dask_address", None):  # checked by worker_api, entered before
         yield lambda: _dask_runner(config)
         return
     with contextlib.ExitStack() as stack:
@@ -205,7 +204,8 @@ def worker_api(config) -> Iterator[None]:
     same SQLite file). For the ``process`` and ``dask`` runners this starts (or reuses) the flow's
     ephemeral server and hands its URL to the tasks' context. With a real server (``PREFECT_API_URL``
     set, e.g. for a multi-node cluster) it does nothing. An existing cluster (``dask_address``) needs a
-    real server: its long-lived workers keep Prefect clients of the first server they saw."""
+    real server (its long-lived workers keep Prefect clients of the first server they saw), and its
+    scheduler must answer: both are checked here, before the flow writes anything."""
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     settings = get_current_settings()
@@ -217,6 +217,8 @@ def worker_api(config) -> Iterator[None]:
             "server they can reach, but PREFECT_API_URL is not set (this run would use a throw-away local "
             "server). Start one (`prefect server start --host 0.0.0.0`) and set "
             "PREFECT_API_URL=http://<that host>:4200/api here and on the workers.")
+    if getattr(config, "dask_address", None):
+        check_dask_scheduler(config.dask_address)  # before the plan writes anything
     if getattr(config, "task_runner", "thread") == "thread" or settings.api.url or not settings.server.ephemeral.enabled:
         yield
         return
