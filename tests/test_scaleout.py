@@ -296,15 +296,15 @@ def test_sigkill_during_featurize_then_resume(ref, tmp_path):
 def test_sigkill_during_scoring_then_resume(ref, tmp_path):
     """Killed after the 2nd scored row block: the rerun recomputes nothing upstream, skips the scored
     blocks, and the scores equal the uninterrupted run's bit for bit."""
-    from flows import attribute, featurize, finalize
+    from flows import attribute
 
     _, ckpts, _, expected = ref
     cfg = config(tmp_path / "killed.zarr", ckpts)
-    featurize(cfg)
-    finalize(cfg)
     proc = run_cli_killed(tmp_path, cfg, {"TRAKFLOW_TEST_KILL_AFTER_SCORE_BLOCKS": "2"})
     assert proc.returncode == -9, proc.stderr[-3000:]
-    done = TrakStore.open(cfg.store).experiment("tiny")["scores_done"][:].reshape(SHARDS, SHARD)
+    store = TrakStore.open(cfg.store)
+    assert all(store.is_finalized(mid) and store.targets_complete("tiny", mid) for mid in range(MODELS))
+    done = store.experiment("tiny")["scores_done"][:].reshape(SHARDS, SHARD)
     assert set(done.min(axis=1)) <= {0, 1} and (done.min(axis=1) == done.max(axis=1)).all()  # whole blocks
     blocks_done = {b for b in range(SHARDS) if done[b].all()}
     assert 2 <= len(blocks_done) < SHARDS
@@ -341,6 +341,7 @@ def _task_runs(flow_run_id, expect: int):
 
 def test_transient_failure_is_retried(ref, tmp_path, monkeypatch):
     from flows import featurize
+    from tasks.attribution import featurize_shard
 
     _, ckpts, _, _ = ref
     cfg = config(tmp_path / "retry.zarr", ckpts[:1])
@@ -354,6 +355,7 @@ def test_transient_failure_is_retried(ref, tmp_path, monkeypatch):
         return orig(self, batch, model_id, inds)
 
     monkeypatch.setattr(Featurizer, "featurize", flaky)
+    monkeypatch.setattr(featurize_shard, "retry_delay_seconds", 0)  # (2 s in production)
     state = featurize(cfg, return_state=True)
     assert state.is_completed()
     assert state.result()["computed"] == SHARDS
