@@ -463,9 +463,9 @@ def report(res: dict, a) -> str:
                 "LDS: for each target, Spearman correlation over the half-subset models between the subset-sum of "
                 "TRAK scores and the model's margin on the target; mean over targets. λ is relative: "
                 "lambda_reg = λ · projector.scale (E‖Px‖²/‖x‖²: proj_dim for the projections, 1 for noop), "
-                "so one λ is the same damping for every kind. Damping matters more than the projector here: the "
-                "demo's `lambda_reg=1e-2` at proj_dim 512 is λ ≈ 2e-5 (no damping); λ ≈ 0.1–1 (lambda_reg ≈ "
-                "50–500 at proj_dim 512) gives the best LDS for every kind.", "",
+                "so one λ is the same damping for every kind. Damping matters more than the projector here: "
+                "λ ≈ 0.1–1 (lambda_reg ≈ 50–500 at proj_dim 512) gives the best LDS for every kind on this "
+                "recipe (see also the damping section of issue 7).", "",
                 "SJLT's c: c=1 (CountSketch) and c=4 give the same LDS here and the same featurization speed "
                 "(the per-example gradient dominates, not the sparse product); c=4 stays the default because "
                 "the variance of a c-sparse sketch grows with how concentrated the gradient is (∝ ‖x‖₄⁴/(c‖x‖₂⁴)), "
