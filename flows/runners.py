@@ -23,11 +23,9 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import socket
 import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from prefect import task
 from prefect.futures import wait
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
@@ -266,13 +264,6 @@ def gather(futures, stage: Optional[str] = None, amount: Optional[Callable[[dict
             progress.advance(stage, amount(m))
     wait(futures)
     return [f.result() for f in futures]
-
-
-@task(name="worker-info", cache_policy=None, persist_result=False)
-def worker_info(tag: Any = None) -> dict:
-    """Where a task runs: host, pid and the GPU(s) it sees (to check a runner's device pinning)."""
-    return {"tag": tag, "host": socket.gethostname(), "pid": os.getpid(), GPU_ENV: os.environ.get(GPU_ENV),
-            WORKER_GPU_ENV: os.environ.get(WORKER_GPU_ENV)}
 
 
 # ---------------------------------------------------------------------------------------------- run lock

@@ -184,6 +184,17 @@ def test_dask_local_cluster_two_worker_processes_equal_scores(ref, tmp_path, mon
     np.testing.assert_array_equal(scores_of(cfg.store), expected)
 
 
+def test_local_dask_cluster_pins_one_gpu_per_worker():
+    from distributed import Client
+
+    from flows.runners import GPU_ENV, start_local_cluster
+
+    with start_local_cluster(gpus=["0", "1"]) as cluster, Client(cluster) as client:
+        seen = client.run(lambda: os.environ.get(GPU_ENV))
+        names = {w["name"] for w in client.scheduler_info()["workers"].values()}
+    assert sorted(seen.values()) == ["0", "1"] and names == {"gpu-0", "gpu-1"}
+
+
 def rendezvous(folder: str, peers: int) -> dict:
     """Check in, then wait until `peers` distinct processes have checked in (so every worker runs one)."""
     from flows.runners import GPU_ENV
