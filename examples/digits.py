@@ -65,16 +65,17 @@ def as_image(row) -> np.ndarray:
 
 
 def demo_configs(demo_dir: str | Path = "trakflow_demo", num_models: int = 3, epochs: int = 4,
-                 proj_dim: int = 512, lambda_reg: float = 1.0):
+                 proj_dim: int = 512, lambda_reg: float | str = "auto"):
     """(TrainConfig, AttributeConfig dict) of the demo; the attribute config is returned as a dict because
     its validation needs the checkpoints to exist, which the train flow makes first.
 
     Why these numbers: TRAK weighs each train example by Q = 1 - p(correct class), so a model trained to
     ~100 % train accuracy gives nearly all weight to its few misfit examples, and those then top every
     target's proponents whatever its class. Four epochs at lr 0.01 (about 90 % train accuracy) keep Q
-    spread out; lambda_reg = 1 is about 1 % of XᵀX's mean eigenvalue here. Measured on 50 held-out
-    digits with 3 checkpoints: 0.93 of the top-5 proponents share the target's label (0.29 after 15
-    epochs at lr 0.05, 99.6 % train accuracy)."""
+    spread out. Measured on 50 held-out digits with 3 checkpoints (lambda_reg 1.0, dense): 0.93 of the
+    top-5 proponents share the target's label (0.29 after 15 epochs at lr 0.05, 99.6 % train accuracy).
+    lambda_reg "auto" (0.3 × the mean eigenvalue of XᵀX) raises the demo's LDS from 0.156 (λ = 1.0) to
+    0.274 (benchmarks/RESULTS.md, "Damping and LDS")."""
     from trak_core.config import TrainConfig
 
     demo_dir = Path(demo_dir).absolute()

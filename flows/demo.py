@@ -16,7 +16,7 @@ from flows.train import train
 
 @flow(name="digits-demo", validate_parameters=True)
 def digits_demo(demo_dir: str = "trakflow_demo", num_models: int = 3, epochs: int = 4, proj_dim: int = 512,
-                lambda_reg: float = 1.0) -> dict:
+                lambda_reg: float | str = "auto") -> dict:
     """scikit-learn's digits, a 64→32→10 MLP: ``num_models`` checkpoints (trained only when absent),
     then the attribute flow on 5 held-out digits. Returns the train result (or None) and the attribution."""
     from examples.digits import demo_configs

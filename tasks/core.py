@@ -98,10 +98,9 @@ def build_metadata(config: AttributeConfig, train_set_size: int, model: torch.nn
     except BadInputError as e:
         raise _prefixed("grad_wrt", e) from None
     spec = build_projector(config, grad_dim, "cpu", model).spec()
-    return StoreMetadata(train_set_size=train_set_size, grad_dim=grad_dim, proj_dim=spec["proj_dim"],
-                         projector=spec["kind"], proj_type=spec["proj_type"], proj_seed=spec["seed"],
-                         dtype=config.dtype, chunk_rows=config.effective_chunk_rows, shard_rows=config.shard_size,
-                         task=type(task).__name__)
+    return StoreMetadata.from_projector(spec, train_set_size=train_set_size, dtype=config.dtype,
+                                        chunk_rows=config.effective_chunk_rows, shard_rows=config.shard_size,
+                                        task=type(task).__name__)
 
 
 def build_featurizer(config: AttributeConfig, checkpoint: str, grad_dim: Optional[int] = None) -> Featurizer:

@@ -192,3 +192,35 @@ def test_store_under_a_file_is_refused(tmp_path):
         check_writable(str(blocker / "sub" / "store"))
     check_writable(str(tmp_path / "new" / "store"))  # creatable: fine, and nothing left behind
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_reopen_with_other_projector_parameters_is_refused(tmp_path):
+    from trak_core.sjlt import SJLTProjector
+
+    base = dict(model=make_model(), task="image_classification", train_set_size=40, save_dir=str(tmp_path / "s"),
+                device="cpu", logging_level=logging.ERROR)
+    trak_core.TRAKer(projector=SJLTProjector(51, 16, 0, c=4), **base)
+    with pytest.raises(StoreMismatchError, match="projector_params"):
+        trak_core.TRAKer(projector=SJLTProjector(51, 16, 0, c=2), **base)
+
+
+def test_default_projector_is_factored_also_for_non_linear_parameters(tmp_path):
+    tr = new_traker(tmp_path)
+    assert tr.projector.spec()["kind"] == "factored"
+
+    class Bag(torch.nn.Module):  # an embedding: not a Linear/Conv layer, so it goes to the dense block
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 3)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1))
+
+    other = trak_core.TRAKer(model=Bag(), task="image_classification", train_set_size=8, proj_dim=12,
+                             save_dir=str(tmp_path / "o"), device="cpu", logging_level=logging.ERROR)
+    layout = other.projector.spec()["layout"]
+    assert [b[1] for b in layout] == ["linear", "other"]
+    other.load_checkpoint(Bag().state_dict(), model_id=0)
+    other.featurize((torch.randint(0, 5, (8, 4)), torch.randint(0, 3, (8,))), num_samples=8)
+    assert other.store.model(0).featurized[:].all()

@@ -202,8 +202,9 @@ class AttributeConfig(_Base):
     proj_dim: PositiveInt = Field(512, description="projection dimension; keep it well below the number of "
                                                   "train examples")
     projector: Literal["dense", "sjlt", "factored", "noop"] = Field(
-        "dense", description="'dense' (counter-RNG JL projection), 'sjlt' (sparse JL), 'factored' (per-layer "
-                             "Kronecker projection) or 'noop' (no projection)")
+        "factored", description="'factored' (per-layer Kronecker projection, the default: fastest, see "
+                                "benchmarks/RESULTS.md), 'dense' (counter-RNG JL projection), 'sjlt' (sparse JL) "
+                                "or 'noop' (no projection)")
     proj_type: Literal["rademacher", "normal"] = "rademacher"
     proj_seed: NonNegativeInt = 0
     lambda_reg: Union[NonNegativeFloat, str] = Field(

@@ -54,6 +54,9 @@ def _versions() -> dict:
     return {"trakflow": __version__, "torch": torch.__version__.split("+")[0], "zarr": zarr.__version__}
 
 
+_SPEC_KEYS = ("kind", "proj_type", "seed", "grad_dim", "proj_dim")
+
+
 class StoreMetadata(BaseModel):
     """What a store was created with. Every field but ``versions`` must match on reopen."""
 
@@ -66,6 +69,7 @@ class StoreMetadata(BaseModel):
     projector: str = "dense"
     proj_type: str = "rademacher"
     proj_seed: NonNegativeInt = 0
+    projector_params: dict = Field(default_factory=dict)  # kind-specific: SJLT's c, the factored layout
     dtype: Literal["float16", "float32"] = "float16"
     chunk_rows: PositiveInt = 1024
     shard_rows: PositiveInt = 8192
@@ -77,6 +81,14 @@ class StoreMetadata(BaseModel):
         if self.shard_rows % self.chunk_rows:
             raise ValueError(f"shard_rows={self.shard_rows} must be a multiple of chunk_rows={self.chunk_rows}")
         return self
+
+    @classmethod
+    def from_projector(cls, spec: dict, **fields) -> "StoreMetadata":
+        """Metadata for a projector ``spec()`` (kind-specific entries go to ``projector_params``)."""
+        params = {k: v for k, v in spec.items() if k not in _SPEC_KEYS}
+        return cls(grad_dim=spec["grad_dim"], proj_dim=spec["proj_dim"], projector=spec["kind"],
+                   proj_type=spec["proj_type"], proj_seed=spec["seed"],
+                   projector_params=json.loads(json.dumps(params)), **fields)
 
     @property
     def num_shards(self) -> int:

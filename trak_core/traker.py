@@ -6,8 +6,9 @@ Differences from traker 0.3.2, on purpose:
 * XᵀX is accumulated in float64 and inverted in float64 (traker: in the storage dtype / float32);
 * singular or badly conditioned XᵀX warns with the condition estimate and the remedy;
 * bad input raises a clear exception before anything is written (traker asserts or logs and goes on);
-* the default projector is our counter-RNG dense Rademacher projection on every device (same matrix on
-  CPU and GPU); pass ``projector=`` to choose another.
+* the default projector is the factored per-layer projection (about 40× traker's CPU featurization on a
+  400k-parameter MLP at a comparable LDS; dense Rademacher for models it cannot factor); the matrices come
+  from a counter-based RNG, the same on CPU and GPU. Pass ``projector=`` to choose another.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .errors import BadInputError, StateError
 from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from .modelout import AbstractModelOutput, resolve_task
-from .projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType
+from .projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
 from .reduce import finalize_model, finalize_scores
 from .scoring import check_lambda
 from .store import StoreMetadata, TrakStore
@@ -32,6 +33,18 @@ from .store import StoreMetadata, TrakStore
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_projector(model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None) -> AbstractProjector:
+    """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md, issue 5); the dense
+    Rademacher projection, with a one-line warning, for models it cannot factor."""
+    try:
+        return make_projector("factored", grad_dim, proj_dim, seed, "rademacher", device=device, model=model,
+                              grad_wrt=grad_wrt)
+    except BadInputError as e:
+        warnings.warn(f"TRAKer: using the dense projector (the default 'factored' does not apply: {e})",
+                      stacklevel=3)
+        return DenseProjector(grad_dim, proj_dim, seed, ProjectionType.rademacher, device)
 
 
 class TRAKer:
@@ -78,8 +91,8 @@ class TRAKer:
         if projector is None:
             if not isinstance(proj_dim, int) or proj_dim <= 0:
                 raise BadInputError(f"proj_dim must be a positive integer, got {proj_dim!r}")
-            projector = DenseProjector(self.num_params_for_grad, proj_dim, projector_seed,
-                                       ProjectionType.rademacher, self.device)
+            projector = default_projector(model, self.num_params_for_grad, proj_dim, projector_seed, self.device,
+                                          self.grad_wrt)
         elif isinstance(projector, NoOpProjector):
             projector.grad_dim = projector.proj_dim = self.num_params_for_grad
             projector.device = self.device
@@ -90,11 +103,9 @@ class TRAKer:
         self.proj_dim = projector.proj_dim
         self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
 
-        spec = projector.spec()
         shard_rows = shard_rows or max(chunk_rows, 8 * chunk_rows)
-        self.metadata = StoreMetadata(
-            train_set_size=self.train_set_size, grad_dim=self.num_params_for_grad, proj_dim=self.proj_dim,
-            projector=spec["kind"], proj_type=spec["proj_type"], proj_seed=spec["seed"],
+        self.metadata = StoreMetadata.from_projector(
+            projector.spec(), train_set_size=self.train_set_size,
             dtype="float16" if use_half_precision else "float32", chunk_rows=chunk_rows,
             shard_rows=shard_rows, task=type(self.task).__name__)
         self.save_dir = str(save_dir)

@@ -158,13 +158,21 @@ def _print_attribution(result: dict, config) -> None:
             console.print("report: " + ", ".join(rep["files"]))
 
 
+def _number_or_setting(value: str):
+    """A CLI lambda_reg: a number, or a setting such as 'auto' / 'rel:0.1' (validated by the config)."""
+    try:
+        return float(value)
+    except ValueError:
+        return value.strip().lower()
+
+
 # ---------------------------------------------------------------------------------------------- commands
 @app.command()
 def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="where checkpoints, store and report go"),
          models: int = typer.Option(3, min=1, help="checkpoints to train"),
          epochs: int = typer.Option(4, min=1, help="epochs per checkpoint"),
          proj_dim: int = typer.Option(512, min=1, help="projection dimension (< 1500 train digits)"),
-         lambda_reg: float = typer.Option(1.0, min=0.0, help="ridge term λ"),
+         lambda_reg: str = typer.Option("auto", help="ridge term λ: a number, 'auto' or 'rel:<f>'"),
          verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
     """Train digit classifiers (if absent), attribute 5 held-out digits to the 1,500 train digits, report."""
     _prefect_env(verbose)
@@ -179,7 +187,7 @@ def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="whe
     try:
         with _Bars(True):
             out = digits_demo(demo_dir=str(demo_dir), num_models=models, epochs=epochs, proj_dim=proj_dim,
-                              lambda_reg=lambda_reg)
+                              lambda_reg=_number_or_setting(lambda_reg))
     except _config_errors() as e:
         _fail(f"{type(e).__name__}: {e}", 1)
     if out["train"] is None:
