@@ -21,7 +21,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Optional
+
 
 import numpy as np
 import torch

@@ -29,7 +29,6 @@ import hashlib
 import importlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -132,9 +131,9 @@ def file_fingerprint(path: str) -> str:
 
 # ---------------------------------------------------------------------------- stores
 def check_store_location(location: str, field: str = "store") -> None:
-    """A local store must be a directory we can create files in (checked by creating and removing a
-    temporary directory in the nearest existing ancestor; nothing is left behind). URLs other than
-    ``file://`` are checked by their first write."""
+    """A local store must be a directory we can create files in (trak_core.store.check_writable: a probe
+    directory in the nearest existing ancestor, removed again). URLs other than ``file://`` are checked by
+    their first write. Errors name ``field``."""
     loc = str(location)
     if not loc:
         raise BadInputError(f"{field}: empty store location")
@@ -144,22 +143,6 @@ def check_store_location(location: str, field: str = "store") -> None:
         msg = str(e)
         msg = msg[len("store: "):] if msg.startswith("store: ") else msg
         raise BadInputError(f"{field}: {msg}") from None
-    if "://" in loc and not loc.startswith("file://"):
-        return
-    path = os.path.abspath(loc[len("file://"):] if loc.startswith("file://") else loc)
-    probe = path
-    while not os.path.lexists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        raise BadInputError(f"{field}: {path} cannot be created: {probe} exists and is not a directory")
-    try:
-        tmp = tempfile.mkdtemp(prefix=".trakflow-probe-", dir=probe)
-        os.rmdir(tmp)
-    except OSError as e:
-        raise BadInputError(f"{field}: {path} is not writable ({type(e).__name__}: {e})") from None
 
 
 # ---------------------------------------------------------------------------- configs
