@@ -276,7 +276,7 @@ def evaluate(config_file: Optional[Path] = typer.Argument(None, help="YAML file 
              fraction: Optional[float] = typer.Option(None, min=0.0, max=1.0, help="subset fraction (default 0.5)"),
              seeds_per_subset: Optional[int] = typer.Option(None, min=1, help="inits per subset, margins averaged"),
              lambda_reg: Optional[str] = typer.Option(None, help="demo only: lambda_reg to evaluate (number, 'auto', "
-                                                                "'rel:<f>'; default the demo's 1.0)"),
+                                                                "'rel:<f>'; default the demo's 'auto')"),
              verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
     """Counterfactual LDS of an experiment (the evaluate flow): attribute if needed, train M models on random
     subsets (cached), print the LDS. Without a config: the digits demo on its 297 held-out digits."""
