@@ -332,7 +332,7 @@ def run_lock(config, run: Optional[str] = None) -> Iterator[None]:
             probe = os.path.dirname(probe)
         os.makedirs(path, exist_ok=True)
     # the lock needs only the location (the store itself may not exist yet: the plan creates it)
-    handle = TrakStore(location, None, None)  # type: ignore[arg-type]
+    handle = TrakStore.lock_handle(location)
     try:
         with _held_lock:
             if location in _held:  # another flow run of this process won the race

@@ -457,10 +457,10 @@ def test_two_runs_in_one_process_and_nested_flows(ref, tmp_path):
     cfg = config(tmp_path / "new" / "s.zarr", ckpts)
     errors = []
     with run_lock(cfg, "first"):
-        assert TrakStore(cfg.store, None, None).lock_holder()["run"] == "first"
+        assert TrakStore.lock_handle(cfg.store).lock_holder()["run"] == "first"
         with run_lock(cfg):  # same thread = same run: re-entered, not released at exit
             pass
-        assert TrakStore(cfg.store, None, None).lock_holder()["run"] == "first"
+        assert TrakStore.lock_handle(cfg.store).lock_holder()["run"] == "first"
 
         def other():
             try:

@@ -164,9 +164,7 @@ class TrakStore:
     def exists(cls, location: str, storage_options: Optional[dict] = None) -> bool:
         try:
             g = _open_zarr(location, "r", storage_options)
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError if hasattr(zarr.errors, "GroupNotFoundError") else FileNotFoundError):
-            return False
-        except Exception:
+        except Exception:  # zarr raises several types for a missing or unreadable group
             return False
         return _META_KEY in g.attrs
 
@@ -215,6 +213,11 @@ class TrakStore:
     # ---------------------------------------------------------------- run lock
     LOCK_NAME = "trakflow.lock"
 
+    @classmethod
+    def lock_handle(cls, location: str) -> "TrakStore":
+        """A handle for the run lock alone: the store itself may not exist yet (a run locks first)."""
+        return cls(location, None, None)  # type: ignore[arg-type]
+
     def _fs_and_path(self):
         import fsspec
         from fsspec.core import url_to_fs
@@ -237,7 +240,8 @@ class TrakStore:
             return None
 
     @staticmethod
-    def _holder_alive(holder: dict) -> bool:
+    def holder_alive(holder: dict) -> bool:
+        """Whether a lock holder may still run (a holder on another host is assumed alive)."""
         if holder.get("host") != socket.gethostname():
             return True  # cannot tell for another machine: assume alive
         pid = int(holder.get("pid", -1))
@@ -262,7 +266,7 @@ class TrakStore:
         holder = self.lock_holder()
         if holder is not None and holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
             return holder  # re-entrant within one process
-        if holder is not None and not force and self._holder_alive(holder):
+        if holder is not None and not force and self.holder_alive(holder):
             raise StoreLockedError(
                 f"store {self.location} is in use by run {holder.get('run') or '?'} (pid {holder.get('pid')} on "
                 f"{holder.get('host')}); two runs on one store are refused. Wait for it, or if that run is "
@@ -368,7 +372,7 @@ class TrakStore:
         m = self.model(model_id)
         _write_rows(m.grads, rows, grads.astype(self.meta.np_dtype, copy=False))
         _write_rows(m.out_to_loss, rows, out_to_loss.astype(np.float32, copy=False))
-        _write_rows(m.featurized, rows, np.ones(_nrows(rows, grads), dtype=np.uint8))
+        _write_rows(m.featurized, rows, np.ones(grads.shape[0], dtype=np.uint8))
 
     def write_partial(self, model_id: int, shard: int, partial: np.ndarray) -> None:
         m = self.model(model_id)
@@ -430,7 +434,7 @@ class TrakStore:
     def write_target_rows(self, exp_name: str, model_id: int, rows, grads: np.ndarray) -> None:
         g = self.experiment(exp_name)["models"][str(int(model_id))]
         _write_rows(g["grads"], rows, grads.astype(self.meta.np_dtype, copy=False))
-        _write_rows(g["scored"], rows, np.ones(_nrows(rows, grads), dtype=np.uint8))
+        _write_rows(g["scored"], rows, np.ones(grads.shape[0], dtype=np.uint8))
 
     def init_scores(self, exp_name: str) -> tuple[zarr.Array, zarr.Array]:
         e = self.experiment(exp_name)
@@ -467,10 +471,6 @@ class TrakStore:
 def _check_model_id(model_id) -> None:
     if not isinstance(model_id, (int, np.integer)) or isinstance(model_id, bool) or model_id < 0:
         raise BadInputError(f"model_id must be a non-negative integer, got {model_id!r}")
-
-
-def _nrows(rows, data) -> int:
-    return data.shape[0]
 
 
 def _write_rows(arr: zarr.Array, rows, values: np.ndarray) -> None:

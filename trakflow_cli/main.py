@@ -416,14 +416,14 @@ def unlock(store: str = typer.Argument(..., help="store path or URL"),
 
     from trak_core.store import TrakStore
 
-    handle = TrakStore(store, None, None)  # the lock needs only the location
+    handle = TrakStore.lock_handle(store)
     holder = handle.lock_holder()
     if holder is None:
         console.print(f"store {store} is not locked")
         return
     who = (f"run {holder.get('run') or '?'} (pid {holder.get('pid')} on {holder.get('host')}, since "
            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(float(holder.get('since', 0))))})")
-    if not yes and TrakStore._holder_alive(holder) and holder.get("host") == socket.gethostname():
+    if not yes and TrakStore.holder_alive(holder) and holder.get("host") == socket.gethostname():
         _fail(f"store {store} is locked by {who}, which is still running on this host; stop it first "
               "(or pass --yes)")
     handle.force_unlock()
