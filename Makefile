@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.trakflow-installed
 
-.PHONY: all install demo test serve server clean-demo
+.PHONY: all install demo test lint format serve server clean-demo
 
 all: test
 
@@ -19,7 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[test,lint]'
 	$(BIN)/python -m pip install -q --no-deps traker==0.3.2
 	@touch $(STAMP)
 
@@ -28,6 +28,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# ruff (lint + format check) on the whole tree, mypy on trak_core; settings in pyproject.toml
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+# apply ruff's fixes and formatting
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 # local Prefect server (SQLite) with the UI on http://127.0.0.1:4200
 server: $(STAMP)
