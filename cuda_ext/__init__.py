@@ -9,13 +9,19 @@ computes what the CPU computes, same seed ⇒ same result up to float rounding, 
 * :class:`~cuda_ext.fast_jl_interop.FastJLProjector` — ``projector="fast_jl"`` (TRAK's kernel), optional.
 * :func:`load_extension` / :func:`unavailable_reason` — the build, and why it is not there.
 
-Nothing here is imported by trak_core at import time; without CUDA the projectors fall back to trak_core's
-CPU projectors with a one-line :class:`CudaFallbackWarning`. See docs/gpu.md.
+trak_core never imports this package. Importing it registers the GPU projectors in trak_core's projector
+registry (:func:`trak_core.projectors.register_projector`); the installed package declares the entry point
+``trakflow.projectors: cuda_ext``, so ``make_projector(kind, ..., device="cuda")`` imports it on first use.
+Without CUDA the projectors fall back to trak_core's CPU projectors with a one-line
+:class:`CudaFallbackWarning`. See docs/gpu.md.
 """
 
 from ._build import is_available, load_extension, source_digest, unavailable_reason
 from .projectors import (ALGOS, BACKENDS, CudaDenseProjector, CudaFallbackWarning, CudaProjector, CudaSJLTProjector,
-                         make_cuda_projector)
+                         make_cuda_projector, register_projectors)
+
+register_projectors()
 
 __all__ = ["CudaDenseProjector", "CudaSJLTProjector", "CudaProjector", "CudaFallbackWarning", "make_cuda_projector",
-           "load_extension", "unavailable_reason", "is_available", "source_digest", "ALGOS", "BACKENDS"]
+           "register_projectors", "load_extension", "unavailable_reason", "is_available", "source_digest", "ALGOS",
+           "BACKENDS"]

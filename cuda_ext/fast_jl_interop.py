@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from trak_core.errors import BadInputError
-from trak_core.projectors import AbstractProjector, ProjectionType, _check_dims, _proj_type
+from trak_core.projectors import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
 _LIMIT = 2**31 - 1
 _CHUNK_SEED_STEP = 7919  # seed offset of the coordinate chunks of a single example above 2**31 elements
@@ -46,8 +46,8 @@ class FastJLProjector(AbstractProjector):
                  proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cuda",
                  max_batch_size: int = 32, num_feature_tiles: int = 128, input_dtype: torch.dtype | None = None,
                  dtype: torch.dtype = torch.float32, *args, **kwargs) -> None:
-        _check_dims(grad_dim, proj_dim)
-        super().__init__(grad_dim, proj_dim, seed, _proj_type(proj_type), device)
+        check_dims(grad_dim, proj_dim)
+        super().__init__(grad_dim, proj_dim, seed, as_proj_type(proj_type), device)
         self.fast_jl = import_fast_jl()
         dev = torch.device(device)
         if dev.type != "cuda":

@@ -26,12 +26,13 @@ from torch import Tensor
 
 from trak_core import counter_rng
 from trak_core.errors import BadInputError
-from trak_core.projectors import AbstractProjector, DenseProjector, ProjectionType, _check_dims, _proj_type
+from trak_core.projectors import (AbstractProjector, DenseProjector, ProjectionType, as_proj_type, check_dims,
+                                  register_projector)
 
 from . import _build, torch_path
 
 __all__ = ["CudaFallbackWarning", "CudaDenseProjector", "CudaSJLTProjector", "CudaProjector", "make_cuda_projector",
-           "ALGOS", "BACKENDS"]
+           "register_projectors", "ALGOS", "BACKENDS"]
 
 ALGOS = ("auto", "fma", "tc1", "tc2", "tc3")
 BACKENDS = ("auto", "kernel", "torch", "cpu")
@@ -105,8 +106,8 @@ class _GpuProjectorBase(AbstractProjector):
     _cpu_target = "the CPU projector"
 
     def __init__(self, grad_dim, proj_dim, seed, proj_type, device, dtype, backend, model_id) -> None:
-        _check_dims(grad_dim, proj_dim)
-        super().__init__(grad_dim, proj_dim, seed, _proj_type(proj_type), device)
+        check_dims(grad_dim, proj_dim)
+        super().__init__(grad_dim, proj_dim, seed, as_proj_type(proj_type), device)
         if seed < 0:
             raise BadInputError(f"seed must be non-negative, got {seed}")
         self.dtype = dtype
@@ -279,8 +280,8 @@ class CudaSJLTProjector(_GpuProjectorBase):
                  proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cuda",
                  c: int = 4, dtype: torch.dtype = torch.float32, backend: str = "auto", model_id: int = 0,
                  *args, **kwargs) -> None:
-        if _proj_type(proj_type) != ProjectionType.rademacher:
-            raise BadInputError(f"SJLT entries are signs ±√(proj_dim/c); proj_type {_proj_type(proj_type).value!r} "
+        if as_proj_type(proj_type) != ProjectionType.rademacher:
+            raise BadInputError(f"SJLT entries are signs ±√(proj_dim/c); proj_type {as_proj_type(proj_type).value!r} "
                                 "is not defined for it (use 'rademacher')")
         if not isinstance(c, int) or isinstance(c, bool) or c <= 0 or c > proj_dim:
             raise BadInputError(f"SJLT: c (nonzeros per input coordinate) must be an integer in [1, proj_dim], "
@@ -354,3 +355,17 @@ def CudaProjector(grad_dim: int, proj_dim: int, seed: int = 0, proj_type="radema
                   kind: str = "dense", **kwargs) -> AbstractProjector:
     """``CudaProjector(..., kind="dense" | "sjlt" | "fast_jl")``: one entry point for the GPU projectors."""
     return make_cuda_projector(kind, grad_dim, proj_dim, seed, proj_type, device, **kwargs)
+
+
+def _make_fast_jl(grad_dim: int, proj_dim: int, seed: int = 0, proj_type="rademacher", device="cuda", **kwargs):
+    from .fast_jl_interop import FastJLProjector
+    return FastJLProjector(grad_dim, proj_dim, seed, proj_type, device, **kwargs)
+
+
+def register_projectors() -> None:
+    """Register the GPU projectors in trak_core's registry (done when cuda_ext is imported; idempotent):
+    ``"dense"`` and ``"sjlt"`` on CUDA devices, ``"fast_jl"`` on any device (it refuses non-CUDA devices
+    with a message that says what to use instead)."""
+    register_projector("dense", CudaDenseProjector, devices=("cuda",))
+    register_projector("sjlt", CudaSJLTProjector, devices=("cuda",))
+    register_projector("fast_jl", _make_fast_jl)

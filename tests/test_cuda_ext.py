@@ -224,6 +224,87 @@ def test_torch_path_equals_the_definition():
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_counter_rng_device_argument_is_the_same_definition():
+    """counter_rng is the only definition: ``device=`` names where it is computed, not what it computes."""
+    for fn in (counter_rng.rademacher_block, counter_rng.normal_block):
+        assert torch.equal(fn(3, 1, 5, 40, 70, device="cpu"), fn(3, 1, 5, 40, 70))
+        assert torch.equal(fn(3, 1, 5, 40, 70, device=torch.device("cpu")), fn(3, 1, 5, 40, 70))
+    a, b = counter_rng.sjlt_block(3, 1, 5, 40, 70, 4, device="cpu"), counter_rng.sjlt_block(3, 1, 5, 40, 70, 4)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch_path.rademacher_block is counter_rng.rademacher_block  # one definition, re-exported
+    assert torch_path.normal_block is counter_rng.normal_block
+    assert torch.equal(torch_path.dense_block("normal", 3, 1, 5, 40, 70), counter_rng.normal_block(3, 1, 5, 40, 70))
+
+
+@needs_cuda
+def test_counter_rng_on_the_gpu_equals_the_cpu():
+    """The integer part (signs, SJLT entries) is bit-identical on the GPU; normals as the device's libm rounds."""
+    for seed, mid, r0, r1, cols in ((3, 1, 5, 400, 70), (0, 2**33, 2**33, 2**33 + 40, 2049)):
+        assert torch.equal(counter_rng.rademacher_block(seed, mid, r0, r1, cols, device="cuda").cpu(),
+                           counter_rng.rademacher_block(seed, mid, r0, r1, cols))
+        got = counter_rng.sjlt_block(seed, mid, r0, r1, cols, 4, device="cuda")
+        want = counter_rng.sjlt_block(seed, mid, r0, r1, cols, 4)
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+        torch.testing.assert_close(counter_rng.normal_block(seed, mid, r0, r1, cols, device="cuda").cpu(),
+                                   counter_rng.normal_block(seed, mid, r0, r1, cols), rtol=2e-6, atol=2e-6)
+
+
+def test_cuda_ext_registers_into_trak_core():
+    """Importing cuda_ext registers the GPU projectors; trak_core finds them for CUDA devices only."""
+    from trak_core import projectors
+    assert projectors.find_projector("dense", "cuda").factory is CudaDenseProjector
+    assert projectors.find_projector("sjlt", "cuda:1").factory is CudaSJLTProjector
+    assert projectors.find_projector("dense", "cpu").factory is DenseProjector
+    assert "fast_jl" in projectors.registered_projectors("cuda")
+    cuda_ext.register_projectors()  # idempotent
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT), timeout=300)
+
+
+def test_trak_core_never_imports_cuda_ext():
+    """No import of cuda_ext in trak_core's source (function-local ones included), nor at run time on the CPU."""
+    import ast
+    for path in sorted((ROOT / "trak_core").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("cuda_ext"):
+                names = [node.value]  # importlib.import_module("cuda_ext") and the like
+            assert not [n for n in names if n.split(".")[0] == "cuda_ext"], f"{path.name}:{node.lineno} names cuda_ext"
+    res = _run_python("import sys, torch, trak_core\n"
+                      "from trak_core.projectors import make_projector\n"
+                      "for k in ('dense', 'sjlt', 'noop'): make_projector(k, 100, 16)\n"
+                      "make_projector('factored', 15, 8, model=torch.nn.Linear(4, 3))\n"
+                      "assert 'cuda_ext' not in sys.modules, 'cuda_ext imported'\n")
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def _plugin_declared() -> bool:
+    import importlib.metadata
+    return any(e.name == "cuda_ext" for e in importlib.metadata.entry_points(group="trakflow.projectors"))
+
+
+@pytest.mark.skipif(not _plugin_declared(), reason="trakflow is not installed (pip install -e .)")
+def test_cuda_devices_load_the_plugin_through_its_entry_point():
+    """A fresh process: make_projector(device='cuda') finds cuda_ext through the ``trakflow.projectors`` entry
+    point (the installed package declares it), without anyone importing cuda_ext by name."""
+    res = _run_python("import sys, warnings, importlib.metadata as md\n"
+                      "assert any(e.name == 'cuda_ext' for e in md.entry_points(group='trakflow.projectors'))\n"
+                      "from trak_core.projectors import make_projector\n"
+                      "assert 'cuda_ext' not in sys.modules\n"
+                      "warnings.simplefilter('ignore')\n"
+                      "p = make_projector('dense', 100, 16, device='cuda')\n"
+                      "assert type(p).__module__ == 'cuda_ext.projectors', type(p)\n"
+                      "print(type(p).__name__)\n")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "CudaDenseProjector"
+
+
 @pytest.mark.parametrize("kind", ["rademacher", "normal"])
 def test_torch_backend_equals_cpu_projector(kind):
     g = torch.randn(9, 1500, generator=torch.Generator().manual_seed(1))

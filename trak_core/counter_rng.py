@@ -2,8 +2,11 @@
 
 The projection matrices of trakflow are *defined* by this module: entry (i, j) of the matrix for
 ``(seed, model_id)`` is a pure function of those integers and the entry's index, so any row block can be
-generated independently, in any order, on any device (the CUDA kernels in ``cuda_ext/`` implement the
-same functions bit for bit for the integer part).
+generated independently, in any order, on any device: every generator takes ``device=`` (default CPU)
+and gives the same values there (the integer part — hash, signs, SJLT entries, the uniforms of the
+normals — bit for bit on every device). This module is the only definition of the matrices: the dense
+projectors, the factored projector's factors (:func:`rademacher_from_key` / :func:`normal_from_keys` under
+per-block keys) and the build-free GPU path use it; the CUDA kernels transcribe its integer part.
 
 The hash is Wellons' ``lowbias32`` integer mixer, applied twice per 64-bit counter with a per-(seed,
 model_id) key and a per-stream constant. All arithmetic is on 32-bit unsigned words; in torch we carry
@@ -19,7 +22,8 @@ import torch
 MASK32 = 0xFFFFFFFF
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B
-_GOLDEN = 0x9E3779B9
+GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: the step between derived keys
+_GOLDEN = GOLDEN
 _MODEL_SALT = 0x85EBCA6B
 
 # stream identifiers: one per use of randomness, so they never share a hash value
@@ -70,34 +74,72 @@ def hash_counter(counter: torch.Tensor, key: int) -> torch.Tensor:
     return mix32(h ^ hi ^ ((key * _M2) & MASK32))
 
 
-def rademacher_block(seed: int, model_id: int, row0: int, row1: int, cols: int,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows [row0, row1) of the grad_dim × cols Rademacher (±1) matrix.
+def _device(device) -> torch.device:
+    return torch.device("cpu") if device is None else torch.device(device)
 
-    Row i uses ceil(cols / 32) words; bit b of word w gives column 32 w + b (bit set ⇒ −1).
+
+def rademacher_from_key(key: int, row0: int, row1: int, cols: int, dtype: torch.dtype = torch.float32, *,
+                        device=None) -> torch.Tensor:
+    """Rows [row0, row1) of the rows × ``cols`` Rademacher (±1) matrix of the stream ``key``, on ``device``.
+
+    Row i uses ceil(cols / 32) words; bit b of word w (counter i·words + w) gives column 32 w + b (bit set ⇒
+    −1). Integer arithmetic only: the same bits on every device.
     """
+    dev = _device(device)
     words = (cols + 31) // 32
-    key = stream_key(seed, model_id, STREAM_SIGN_WORDS)
-    rows = torch.arange(row0, row1, dtype=torch.int64)
-    counter = rows[:, None] * words + torch.arange(words, dtype=torch.int64)[None, :]
+    rows = torch.arange(row0, row1, dtype=torch.int64, device=dev)
+    counter = rows[:, None] * words + torch.arange(words, dtype=torch.int64, device=dev)[None, :]
     h = hash_counter(counter, key)  # (r, words)
-    bits = (h[:, :, None] >> torch.arange(32, dtype=torch.int64)) & 1  # (r, words, 32)
+    bits = (h[:, :, None] >> torch.arange(32, dtype=torch.int64, device=dev)) & 1  # (r, words, 32)
     bits = bits.reshape(row1 - row0, words * 32)[:, :cols]
     return (1 - 2 * bits).to(dtype)
 
 
-def normal_block(seed: int, model_id: int, row0: int, row1: int, cols: int,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows [row0, row1) of the grad_dim × cols standard normal matrix (Box–Muller, float32)."""
-    k1 = stream_key(seed, model_id, STREAM_NORMAL_U1)
-    k2 = stream_key(seed, model_id, STREAM_NORMAL_U2)
-    rows = torch.arange(row0, row1, dtype=torch.int64)
-    counter = rows[:, None] * cols + torch.arange(cols, dtype=torch.int64)[None, :]
-    # u1 in (0, 1], u2 in [0, 1): 24-bit mantissas so that float32 represents them exactly
-    u1 = ((hash_counter(counter, k1) >> 8) + 1).to(torch.float32) * (1.0 / 16777216.0)
-    u2 = (hash_counter(counter, k2) >> 8).to(torch.float32) * (1.0 / 16777216.0)
+def normal_from_keys(key1: int, key2: int, row0: int, row1: int, cols: int, dtype: torch.dtype = torch.float32, *,
+                     device=None) -> torch.Tensor:
+    """Rows [row0, row1) of the rows × ``cols`` standard normal matrix of the streams (``key1``, ``key2``).
+
+    Entry (i, j) is Box–Muller (float32) of the two uniforms hashed from counter i·cols + j under the two
+    keys: u1 = ((h1 >> 8) + 1) / 2**24 ∈ (0, 1], u2 = (h2 >> 8) / 2**24 ∈ [0, 1) (24-bit mantissas, exact in
+    float32), z = √(−2 ln u1) · cos(2π u2). The uniforms are the same on every device; the result is
+    bit-identical wherever the device's float32 ``log``/``cos``/``sqrt`` round as the CPU's do (torch's CPU
+    and CUDA kernels may differ in the last ulp).
+    """
+    dev = _device(device)
+    rows = torch.arange(row0, row1, dtype=torch.int64, device=dev)
+    counter = rows[:, None] * cols + torch.arange(cols, dtype=torch.int64, device=dev)[None, :]
+    u1 = ((hash_counter(counter, key1) >> 8) + 1).to(torch.float32) * (1.0 / 16777216.0)
+    u2 = (hash_counter(counter, key2) >> 8).to(torch.float32) * (1.0 / 16777216.0)
     z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
     return z.to(dtype)
+
+
+def rademacher_block(seed: int, model_id: int, row0: int, row1: int, cols: int,
+                     dtype: torch.dtype = torch.float32, *, device=None) -> torch.Tensor:
+    """Rows [row0, row1) of the grad_dim × cols Rademacher (±1) matrix of (seed, model_id), on ``device``
+    (default CPU; the same values on every device)."""
+    key = stream_key(seed, model_id, STREAM_SIGN_WORDS)
+    return rademacher_from_key(key, row0, row1, cols, dtype, device=device)
+
+
+def normal_block(seed: int, model_id: int, row0: int, row1: int, cols: int,
+                 dtype: torch.dtype = torch.float32, *, device=None) -> torch.Tensor:
+    """Rows [row0, row1) of the grad_dim × cols standard normal matrix of (seed, model_id) (Box–Muller,
+    float32), on ``device`` (default CPU; see :func:`normal_from_keys` for the floating-point part)."""
+    k1 = stream_key(seed, model_id, STREAM_NORMAL_U1)
+    k2 = stream_key(seed, model_id, STREAM_NORMAL_U2)
+    return normal_from_keys(k1, k2, row0, row1, cols, dtype, device=device)
+
+
+def dense_block(kind: str, seed: int, model_id: int, row0: int, row1: int, cols: int,
+                dtype: torch.dtype = torch.float32, *, device=None) -> torch.Tensor:
+    """:func:`rademacher_block` (``kind="rademacher"``) or :func:`normal_block` (``kind="normal"``)."""
+    kind = getattr(kind, "value", kind)
+    if kind == "rademacher":
+        return rademacher_block(seed, model_id, row0, row1, cols, dtype, device=device)
+    if kind == "normal":
+        return normal_block(seed, model_id, row0, row1, cols, dtype, device=device)
+    raise ValueError(f"unknown dense matrix kind {kind!r}; use 'rademacher' or 'normal'")
 
 
 def uniform_ints(seed: int, model_id: int, stream: int, counter: torch.Tensor, high: int) -> torch.Tensor:
@@ -112,16 +154,19 @@ def random_signs(seed: int, model_id: int, stream: int, counter: torch.Tensor) -
     return 1 - 2 * (h >> 31)
 
 
-def sjlt_block(seed: int, model_id: int, row0: int, row1: int, proj_dim: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sjlt_block(seed: int, model_id: int, row0: int, row1: int, proj_dim: int, c: int,
+               device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse JL matrix's nonzeros for input coordinates [row0, row1).
 
     Coordinate i has ``c`` nonzeros: for r in [0, c), counter = i * c + r, column
     ``(hash(counter, key_row) * proj_dim) >> 32`` and sign ``1 - 2 * (hash(counter, key_sign) >> 31)``;
     the value is sign · √(proj_dim / c) (so E⟨Px, Py⟩ = proj_dim ⟨x, y⟩, as for the dense kinds).
-    Repeated columns of one coordinate add up. Returns (columns (r, c) int64, signs (r, c) int64).
+    Repeated columns of one coordinate add up. Returns (columns (r, c) int64, signs (r, c) int64) on
+    ``device`` (default CPU; integer arithmetic only: the same on every device).
     """
-    rows = torch.arange(row0, row1, dtype=torch.int64)
-    counter = rows[:, None] * c + torch.arange(c, dtype=torch.int64)[None, :]
+    dev = _device(device)
+    rows = torch.arange(row0, row1, dtype=torch.int64, device=dev)
+    counter = rows[:, None] * c + torch.arange(c, dtype=torch.int64, device=dev)[None, :]
     cols = uniform_ints(seed, model_id, STREAM_SJLT_ROW, counter, proj_dim)
     signs = random_signs(seed, model_id, STREAM_SJLT_SIGN, counter)
     return cols, signs

@@ -73,7 +73,7 @@ from torch import Tensor, nn
 from . import counter_rng
 from .errors import BadInputError
 from .gradients import grad_param_names, vectorize
-from .projectors import AbstractProjector, ProjectionType, _check_dims, _proj_type
+from .projectors import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
 FLAT = "__flat__"
 OTHER = "__other__"
@@ -94,26 +94,20 @@ def factor_key(seed: int, model_id: int, name: str, side: int, sub: int = 0) -> 
     """The 32-bit key of one factor stream (see the module docstring)."""
     base = counter_rng.stream_key(seed, model_id, counter_rng.STREAM_FACTOR)
     k = counter_rng.mix32_int(base ^ name_hash(name))
-    return counter_rng.mix32_int((k + (4 * side + sub + 1) * counter_rng._GOLDEN) & counter_rng.MASK32)
+    return counter_rng.mix32_int((k + (4 * side + sub + 1) * counter_rng.GOLDEN) & counter_rng.MASK32)
 
 
 def factor_matrix(seed: int, model_id: int, name: str, side: int, rows: int, cols: int,
-                  proj_type: ProjectionType) -> Tensor:
-    """rows × cols float32 factor of block ``name`` (±1 or standard normal entries)."""
-    r = torch.arange(rows, dtype=torch.int64)
-    if proj_type == ProjectionType.rademacher:
-        words = (cols + 31) // 32
-        counter = r[:, None] * words + torch.arange(words, dtype=torch.int64)[None, :]
-        h = counter_rng.hash_counter(counter, factor_key(seed, model_id, name, side, 0))
-        bits = (h[:, :, None] >> torch.arange(32, dtype=torch.int64)) & 1
-        bits = bits.reshape(rows, words * 32)[:, :cols]
-        return (1 - 2 * bits).to(torch.float32)
-    counter = r[:, None] * cols + torch.arange(cols, dtype=torch.int64)[None, :]
-    u1 = ((counter_rng.hash_counter(counter, factor_key(seed, model_id, name, side, 0)) >> 8) + 1).to(
-        torch.float32) * (1.0 / 16777216.0)
-    u2 = (counter_rng.hash_counter(counter, factor_key(seed, model_id, name, side, 1)) >> 8).to(
-        torch.float32) * (1.0 / 16777216.0)
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+                  proj_type: ProjectionType, device=None) -> Tensor:
+    """rows × cols float32 factor of block ``name`` (±1 or standard normal entries), on ``device``.
+
+    The dense matrices of :mod:`trak_core.counter_rng` under the block's keys (see the module docstring).
+    """
+    if as_proj_type(proj_type) == ProjectionType.rademacher:
+        return counter_rng.rademacher_from_key(factor_key(seed, model_id, name, side, 0), 0, rows, cols,
+                                               device=device)
+    return counter_rng.normal_from_keys(factor_key(seed, model_id, name, side, 0),
+                                        factor_key(seed, model_id, name, side, 1), 0, rows, cols, device=device)
 
 
 # ---------------------------------------------------------------------------- layout
@@ -293,8 +287,8 @@ class FactoredProjector(AbstractProjector):
                  proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cpu",
                  layout: Optional[Layout] = None, dtype: torch.dtype = torch.float32, model_id: int = 0,
                  *args, **kwargs) -> None:
-        _check_dims(grad_dim, proj_dim)
-        super().__init__(grad_dim, proj_dim, seed, _proj_type(proj_type), device)
+        check_dims(grad_dim, proj_dim)
+        super().__init__(grad_dim, proj_dim, seed, as_proj_type(proj_type), device)
         if layout is None:
             layout = flat_layout(grad_dim, proj_dim)
         if layout.grad_dim != grad_dim:
@@ -312,7 +306,7 @@ class FactoredProjector(AbstractProjector):
     def from_model(cls, model: nn.Module, proj_dim: int, seed: int = 0,
                    proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cpu",
                    grad_wrt: Optional[Iterable[str]] = None, other: str = "dense", **kwargs) -> "FactoredProjector":
-        _check_dims(proj_dim, proj_dim)
+        check_dims(proj_dim, proj_dim)
         layout = model_layout(model, proj_dim, grad_wrt, other)
         return cls(layout.grad_dim, proj_dim, seed, proj_type, device, layout=layout, **kwargs)
 

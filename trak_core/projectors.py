@@ -1,6 +1,6 @@
 """JL projections of per-example gradients: one contract, several implementations.
 
-Contract (checked for every implementation by ``tests/test_projector_contract.py``):
+Contract (checked for every implementation by :func:`trak_core.testing.check_projector`):
 
 * ``project(grads, model_id)`` takes (B, grad_dim) gradients, or a dict {name: (B, *shape)} whose
   flattened sizes add up to grad_dim, and returns (B, proj_dim) float32 (or the projector's dtype).
@@ -13,13 +13,22 @@ Contract (checked for every implementation by ``tests/test_projector_contract.py
 The dense matrix is defined by :mod:`trak_core.counter_rng`, generated in row blocks, cached when it
 fits ``cache_bytes``. A dict input is projected parameter by parameter (the "chunked path": the
 flattened (B, grad_dim) gradient is never materialized, so grad_dim may exceed memory for one matrix).
+
+Registry: :func:`make_projector` builds projectors by kind name and device type from factories registered
+with :func:`register_projector`. trak_core registers its own (``noop``, ``dense``, ``sjlt``, ``factored``,
+any device); other packages register theirs when imported, and are found through the entry point group
+``trakflow.projectors`` (loaded the first time a lookup needs a kind or device trak_core's own do not
+cover). trakflow's GPU projectors are such a plugin package: trak_core never imports them by name.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import warnings
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from enum import Enum
-from typing import Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -34,14 +43,16 @@ class ProjectionType(str, Enum):
     rademacher = "rademacher"
 
 
-def _proj_type(value) -> ProjectionType:
+def as_proj_type(value) -> ProjectionType:
+    """``value`` (a name or an enum member) as a :class:`ProjectionType`; :class:`BadInputError` otherwise."""
     try:
         return ProjectionType(value.value if isinstance(value, Enum) else value)
     except ValueError:
         raise BadInputError(f"unknown projection type {value!r}; use 'rademacher' or 'normal'") from None
 
 
-def _check_dims(grad_dim: int, proj_dim: int) -> None:
+def check_dims(grad_dim: int, proj_dim: int) -> None:
+    """Raise :class:`BadInputError` unless grad_dim and proj_dim are positive integers."""
     for name, v in (("grad_dim", grad_dim), ("proj_dim", proj_dim)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise BadInputError(f"{name} must be a positive integer, got {v!r}")
@@ -126,8 +137,8 @@ class DenseProjector(AbstractProjector):
                  proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cpu",
                  dtype: torch.dtype = torch.float32, block_rows: int | None = None,
                  cache_bytes: int = 512 * 2**20, model_id: int = 0, *args, **kwargs) -> None:
-        _check_dims(grad_dim, proj_dim)
-        super().__init__(grad_dim, proj_dim, seed, _proj_type(proj_type), device)
+        check_dims(grad_dim, proj_dim)
+        super().__init__(grad_dim, proj_dim, seed, as_proj_type(proj_type), device)
         self.dtype = dtype
         self.block_rows = block_rows or max(256, (64 * 2**20) // (4 * proj_dim))
         self.cache_bytes = cache_bytes
@@ -207,40 +218,159 @@ class BasicSingleBlockProjector(DenseProjector):
 from .factored import FactoredProjector  # noqa: E402
 from .sjlt import SJLTProjector  # noqa: E402
 
-PROJECTORS = {"noop": NoOpProjector, "dense": DenseProjector, "sjlt": SJLTProjector, "factored": FactoredProjector}
+# ---------------------------------------------------------------------------------------------- the registry
+ENTRY_POINT_GROUP = "trakflow.projectors"
+
+ProjectorFactory = Callable[..., AbstractProjector]
+
+
+@dataclass(frozen=True)
+class ProjectorEntry:
+    """A registered projector: ``factory(grad_dim, proj_dim, seed, proj_type, device, **kwargs)``.
+
+    ``devices``: the torch device types it serves (``("cuda",)``), or None for any device (used where no
+    entry names the device type). ``uses_model``: the factory takes ``model=`` and ``grad_wrt=`` (others
+    never see them).
+    """
+
+    kind: str
+    factory: ProjectorFactory
+    devices: Optional[tuple[str, ...]] = None
+    uses_model: bool = False
+
+
+_REGISTRY: dict[tuple[str, Optional[str]], ProjectorEntry] = {}
+_PLUGINS: dict[str, str] = {}  # entry point name -> "" (loaded) or the reason it failed
+_plugins_loaded = False
+
+
+def register_projector(kind: str, factory: ProjectorFactory, devices: Optional[Iterable[str]] = None, *,
+                       uses_model: bool = False, replace: bool = False) -> None:
+    """Register ``factory`` as the projector ``kind`` on the device types ``devices`` (None: any device).
+
+    The factory is called as ``factory(grad_dim, proj_dim, seed, proj_type, device, **kwargs)`` (with
+    ``model=`` and ``grad_wrt=`` when ``uses_model``). A (kind, device type) registered by another factory
+    is refused unless ``replace``; registering the same factory again is a no-op.
+    """
+    if not isinstance(kind, str) or not kind:
+        raise BadInputError(f"projector kind must be a non-empty string, got {kind!r}")
+    if not callable(factory):
+        raise BadInputError(f"projector factory for {kind!r} must be callable, got {type(factory).__name__}")
+    if isinstance(devices, str):
+        devices = [devices]
+    devs = None if devices is None else tuple(sorted({_device_type(d) for d in devices}))
+    entry = ProjectorEntry(kind, factory, devs, uses_model)
+    for dev in (devs or (None,)):
+        old = _REGISTRY.get((kind, dev))
+        if old is not None and old.factory is not factory and not replace:
+            where = "any device" if dev is None else f"device type {dev!r}"
+            raise BadInputError(f"projector {kind!r} for {where} is already registered "
+                                f"({getattr(old.factory, '__qualname__', old.factory)}); pass replace=True")
+    for dev in (devs or (None,)):
+        _REGISTRY[(kind, dev)] = entry
+
+
+def unregister_projector(kind: str, devices: Optional[Iterable[str]] = None) -> None:
+    """Remove the entries of ``kind`` (only those of ``devices`` when given; None removes them all)."""
+    if isinstance(devices, str):
+        devices = [devices]
+    types = None if devices is None else {_device_type(d) for d in devices}
+    for key in [k for k in _REGISTRY if k[0] == kind]:
+        if types is None or key[1] in types:
+            del _REGISTRY[key]
+
+
+def load_projector_plugins(reload: bool = False) -> dict[str, str]:
+    """Import the packages of the ``trakflow.projectors`` entry points (they register on import; an entry
+    point that names a callable is called). Returns {entry point name: "" or why it failed}; a failure
+    is a one-line :class:`RuntimeWarning`, never an error."""
+    global _plugins_loaded
+    if _plugins_loaded and not reload:
+        return dict(_PLUGINS)
+    _plugins_loaded = True
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+            if callable(obj) and not isinstance(obj, type):
+                obj()
+            _PLUGINS[ep.name] = ""
+        except Exception as e:  # a broken plugin must not break trak_core's own projectors
+            _PLUGINS[ep.name] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"trak_core: projector plugin {ep.name!r} ({ep.value}) failed to load: "
+                          f"{_PLUGINS[ep.name]}".replace("\n", " "), RuntimeWarning, stacklevel=3)
+    return dict(_PLUGINS)
+
+
+def _device_type(device) -> str:
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise BadInputError(f"unknown device {device!r}") from None
+
+
+def _find(kind: str, dev: str) -> Optional[ProjectorEntry]:
+    return _REGISTRY.get((kind, dev)) or _REGISTRY.get((kind, None))
+
+
+def find_projector(kind: str, device="cpu") -> ProjectorEntry:
+    """The entry that :func:`make_projector` uses for ``kind`` on ``device``: the one registered for the
+    device's type, else the one for any device. The entry point plugins are loaded first when neither
+    exists, or when the device is not a CPU and no entry names its type."""
+    kind = getattr(kind, "value", kind)
+    dev = _device_type(device)
+    if (kind, dev) not in _REGISTRY and (dev != "cpu" or _find(kind, dev) is None):
+        load_projector_plugins()
+    entry = _find(kind, dev)
+    if entry is None:
+        raise BadInputError(f"unknown projector {kind!r} for device {str(device)!r}; choose one of "
+                            f"{registered_projectors(device)}")
+    return entry
+
+
+def registered_projectors(device=None) -> list[str]:
+    """The kinds registered (for ``device``'s type, or any device, when given)."""
+    if device is None:
+        return sorted({k for k, _ in _REGISTRY})
+    dev = _device_type(device)
+    return sorted({k for k, d in _REGISTRY if d is None or d == dev})
+
+
+def _make_noop(grad_dim, proj_dim, seed=0, proj_type="rademacher", device="cpu", **kwargs) -> NoOpProjector:
+    return NoOpProjector(grad_dim=grad_dim, proj_dim=grad_dim, device=device)
+
+
+def _make_factored(grad_dim, proj_dim, seed=0, proj_type="rademacher", device="cpu", model=None, grad_wrt=None,
+                   **kwargs) -> FactoredProjector:
+    if model is None:
+        raise BadInputError("projector 'factored' needs the model (make_projector(..., model=model, "
+                            "grad_wrt=...)): its blocks are the model's layers")
+    p = FactoredProjector.from_model(model, proj_dim, seed, proj_type, device, grad_wrt=grad_wrt, **kwargs)
+    if p.grad_dim != grad_dim:
+        raise BadInputError(f"projector 'factored': the model has {p.grad_dim} gradient coordinates "
+                            f"(grad_wrt={grad_wrt!r}), not grad_dim={grad_dim}")
+    return p
+
+
+register_projector("noop", _make_noop)
+register_projector("dense", DenseProjector)
+register_projector("sjlt", SJLTProjector)
+register_projector("factored", _make_factored, uses_model=True)
 
 
 def make_projector(kind: str, grad_dim: int, proj_dim: int, seed: int = 0, proj_type: str = "rademacher",
                    device="cpu", **kwargs) -> AbstractProjector:
-    """Build a projector by kind name (the pipeline's entry point).
+    """Build a projector by kind name (the pipeline's entry point), from the registry.
 
     ``"factored"`` needs ``model=`` (and the ``grad_wrt`` used for the gradients): its blocks are the model's
-    layers; ``"sjlt"`` takes ``c=`` (nonzeros per input coordinate).
+    layers; ``"sjlt"`` takes ``c=`` (nonzeros per input coordinate). On a CUDA device ``"dense"`` and
+    ``"sjlt"`` are trakflow's GPU projectors and ``"fast_jl"`` TRAK's, where the GPU projector plugin is
+    installed (see :func:`find_projector`).
     """
-    if kind == "fast_jl" or (kind in ("dense", "sjlt") and str(device).startswith("cuda")):
-        try:  # the GPU kernels (cuda_ext/, optional): imported here only, never when trak_core is imported
-            import cuda_ext
-        except ImportError:
-            cuda_ext = None
-        if cuda_ext is not None:
-            kwargs.pop("model", None)
-            kwargs.pop("grad_wrt", None)
-            return cuda_ext.make_cuda_projector(kind, grad_dim, proj_dim, seed, proj_type, device, **kwargs)
-    if kind not in PROJECTORS:
-        raise BadInputError(f"unknown projector {kind!r}; choose one of {sorted(PROJECTORS)}")
-    if kind == "noop":
-        return NoOpProjector(grad_dim=grad_dim, proj_dim=grad_dim, device=device)
-    if kind == "factored":
-        model = kwargs.pop("model", None)
-        if model is None:
-            raise BadInputError("projector 'factored' needs the model (make_projector(..., model=model, "
-                                "grad_wrt=...)): its blocks are the model's layers")
-        grad_wrt = kwargs.pop("grad_wrt", None)
-        p = FactoredProjector.from_model(model, proj_dim, seed, proj_type, device, grad_wrt=grad_wrt, **kwargs)
-        if p.grad_dim != grad_dim:
-            raise BadInputError(f"projector 'factored': the model has {p.grad_dim} gradient coordinates "
-                                f"(grad_wrt={grad_wrt!r}), not grad_dim={grad_dim}")
-        return p
-    kwargs.pop("model", None)
-    kwargs.pop("grad_wrt", None)
-    return PROJECTORS[kind](grad_dim, proj_dim, seed, proj_type, device, **kwargs)
+    entry = find_projector(kind, device)
+    model, grad_wrt = kwargs.pop("model", None), kwargs.pop("grad_wrt", None)
+    if entry.uses_model:
+        kwargs.update(model=model, grad_wrt=grad_wrt)
+    return entry.factory(grad_dim, proj_dim, seed, proj_type, device, **kwargs)
+
+# traker 0.3.2 names (trak_core/compat.py): CudaProjector / ChunkedCudaProjector map to the dense projection, any device
+from .compat import ChunkedCudaProjector, CudaProjector  # noqa: E402,F401

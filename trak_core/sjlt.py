@@ -27,7 +27,7 @@ from torch import Tensor
 
 from . import counter_rng
 from .errors import BadInputError
-from .projectors import AbstractProjector, ProjectionType, _check_dims, _proj_type
+from .projectors import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
 DEFAULT_C = 4
 
@@ -54,8 +54,8 @@ class SJLTProjector(AbstractProjector):
                  proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cpu",
                  c: int = DEFAULT_C, dtype: torch.dtype = torch.float32, block_rows: int = 4096,
                  cache_bytes: int = 256 * 2**20, model_id: int = 0, *args, **kwargs) -> None:
-        _check_dims(grad_dim, proj_dim)
-        pt = _proj_type(proj_type)
+        check_dims(grad_dim, proj_dim)
+        pt = as_proj_type(proj_type)
         if pt != ProjectionType.rademacher:
             raise BadInputError(f"SJLT entries are signs ±√(proj_dim/c); proj_type {pt.value!r} is not defined "
                                 "for it (use 'rademacher')")
