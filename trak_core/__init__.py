@@ -27,3 +27,16 @@ __all__ = [
     "IterativeGradientComputer", "vectorize", "TrakStore", "StoreMetadata", "TrakError", "BadInputError",
     "NonFiniteGradientError", "StateError", "StoreMismatchError", "StoreLockedError", "IllConditionedWarning", "Alpha",
 ]
+
+# traker 0.3.2's remaining names (trak_core/compat.py, trak_core/utils.py) and the ``trak`` alias
+from .compat import (AbstractSaver, AbstractScoreComputer, BasicScoreComputer,  # noqa: E402
+                     BasicSingleBlockScoreComputer, ChunkedCudaProjector, CudaProjector, MmapSaver,
+                     install_trak_alias)
+from .errors import InputAssertionError, ModelIDException, StateAssertionError  # noqa: E402
+from .utils import test_install  # noqa: E402
+
+__all__ += [
+    "CudaProjector", "ChunkedCudaProjector", "AbstractSaver", "MmapSaver", "AbstractScoreComputer",
+    "BasicScoreComputer", "BasicSingleBlockScoreComputer", "install_trak_alias", "InputAssertionError",
+    "ModelIDException", "StateAssertionError", "test_install",
+]

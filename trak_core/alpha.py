@@ -12,6 +12,12 @@ we observe (noisily, from a mini-batch):
 * the directional derivative ``f' = uᵀ∇f`` (mini-batch mean of the per-sample values
   ``uᵀ∇ℓ_i``) and the unbiased variance of those per-sample values.
 
+Per-sample losses may have any shape ``[B, ...]`` whose leading dimension is the batch
+(e.g. ``MSELoss(reduction="none")`` on ``[B, k]`` targets), reduced as cockpit does: ``f``
+is the mean over all entries, its variance the unbiased variance over all entries (cockpit's
+``individual_losses.var()``), and sample ``i``'s loss ``ℓ_i`` is the mean of its entries
+(the per-sample gradients cockpit rescales from BackPACK are those of this mean).
+
 A parabola ``q(x) = c + b·x + a·x²`` is fitted to these four observations by weighted
 least squares, each observation weighted by the inverse of its variance.  With
 ``t = ||d||`` the step length and ``x̄ = -b / a`` the point where the parabola comes back
@@ -43,21 +49,25 @@ ever formed.
 Outcomes that are not a number
 ------------------------------
 Every tracked pair gets an entry in :meth:`Alpha.get_output`; its value is a finite
-``float`` or ``None``, never NaN.  ``None`` always comes with an :class:`AlphaWarning`
+``float``, the int ``-1`` (concave fit, as cockpit) or ``None``, never NaN.  ``None`` always comes with an :class:`AlphaWarning`
 and a ``reason`` in :meth:`Alpha.get_details`:
 
 * **zero step** (``d = 0``, e.g. ``lr = 0`` or a skipped update): the line through the
-  two points is undefined → ``None`` (reason ``"zero step"``).  Note that cockpit
-  returns ``-1`` in this case; we report it as undefined instead.
+  two points is undefined → ``None`` (reason ``"zero step"``).  cockpit 1.0.2 has no
+  value for it either: it divides by the step length, which gives NaN with plain SGD
+  (projections computed in torch) and raises ``ZeroDivisionError`` with any other
+  optimizer (projections computed in Python floats).
 * **batch of size 1** at either end: the unbiased variance is undefined → ``None``
-  (reason ``"batch size 1"``).  We do not substitute a made-up variance.
+  (reason ``"batch size 1"``; cockpit's variance of one sample is NaN, and so is its α).
+  We do not substitute a made-up variance.
 * **non-finite loss, directional derivative or step length** → ``None``
   (reason ``"non-finite ..."``).
 * **singular fit** (the weighted least-squares system has rank < 3) → ``None``.
 * **fitted minimiser exactly at the start point** (``b = 0``, ``a > 0``; α would be
   infinite) → ``None``.
-* **concave or linear fit** (``a ≤ 0``: no finite minimiser) → ``-1``, cockpit's
-  convention ("still going downhill").
+* **concave fit** (``a < 0``: no finite minimiser) → the int ``-1``, cockpit's
+  convention and type ("still going downhill").  A **linear fit** (``a == 0``, ``b ≠ 0``)
+  gives the float ``-1.0``, as cockpit's formula does there (``2t/∞ - 1``).
 * **zero variance** of the loss or of the directional derivative at a point (e.g.
   identical samples) → replaced by ``eps`` (default ``1e-10``) with a warning, as in
   cockpit.
@@ -186,9 +196,12 @@ def _alpha_with_reason(coeffs: np.ndarray | None, t: float) -> tuple[float | Non
     if coeffs is None:
         return None, "singular fit"
     _, b, a = (float(c) for c in coeffs)
-    if a <= 0.0:
-        # Concave (or linear) fit: no finite minimiser; cockpit logs -1.
-        return -1.0, "concave fit"
+    if a < 0.0:
+        # Concave fit: no finite minimiser; cockpit logs the int -1 (its comparisons are type-strict).
+        return -1, "concave fit"
+    if a == 0.0 and b != 0.0:
+        # Linear fit: cockpit's formula gives 2t / (-b/0) - 1 = -1.0, a float.
+        return -1.0, "linear fit"
     if b == 0.0:
         return None, "fitted minimum at the start point (alpha infinite)"
     x_bar = -b / a  # where q returns to q(0): twice the minimiser
@@ -201,9 +214,9 @@ def _alpha_with_reason(coeffs: np.ndarray | None, t: float) -> tuple[float | Non
 def alpha_from_coefficients(coeffs: np.ndarray | None, t: float) -> float | None:
     """α from fitted coefficients ``[c, b, a]`` and the step length ``t``.
 
-    ``-1`` for ``a ≤ 0`` (concave/linear fit), ``None`` if ``coeffs`` is ``None`` or the
-    fitted minimiser sits exactly at the start (``b == 0``), else ``2t/x̄ - 1`` with
-    ``x̄ = -b/a``.
+    The int ``-1`` for ``a < 0`` (concave fit), ``-1.0`` for ``a == 0, b ≠ 0`` (linear
+    fit), ``None`` if ``coeffs`` is ``None`` or the fitted minimiser sits exactly at the
+    start (``b == 0``), else ``2t/x̄ - 1`` with ``x̄ = -b/a``.
     """
     return _alpha_with_reason(coeffs, t)[0]
 
@@ -310,8 +323,11 @@ class Alpha:
 
     Args:
         loss_fn: ``loss_fn(outputs, targets)`` returning the **per-sample** losses, a
-            1-D tensor of shape ``[B]`` (e.g. ``F.cross_entropy(..., reduction="none")``).
-            The training loss is assumed to be their mean.
+            tensor whose leading dimension is the batch: ``[B]`` (e.g.
+            ``F.cross_entropy(..., reduction="none")``) or ``[B, ...]`` (e.g.
+            ``MSELoss(reduction="none")`` on ``[B, k]`` targets; reduced as cockpit does,
+            see the module docstring).  The training loss is assumed to be the mean of
+            all entries.
         track_schedule: callable ``global_step -> bool`` saying at which steps a pair
             ``(step, step + 1)`` starts, or an iterable of such steps.
         eps: variance used instead of an exactly zero variance (with a warning).
@@ -394,7 +410,8 @@ class Alpha:
 
     # ---------------------------------------------------------------- results
     def get_output(self) -> dict[int, float | None]:
-        """``{start_step: α}`` for every completed pair; values are floats or ``None``."""
+        """``{start_step: α}`` for every completed pair; values are floats, the int ``-1`` (concave
+        fit) or ``None``."""
         return dict(sorted(self._output.items()))
 
     def get_details(self) -> dict[int, dict[str, Any]]:
@@ -551,12 +568,14 @@ class Alpha:
         )
         del direction, snap
 
-        info["batch_size_start"] = int(losses0.numel())
-        info["batch_size_end"] = int(losses1.numel())
-        # Projections on the unit direction, statistics in float64.
-        proj0 = dd0.double() / t
-        proj1 = dd1.double() / t
-        l0, l1 = losses0.double(), losses1.double()
+        info["batch_size_start"] = int(losses0.shape[0])
+        info["batch_size_end"] = int(losses1.shape[0])
+        # Sample i's directional derivative is that of the mean of its loss entries (cockpit's per-sample
+        # gradient); projections on the unit direction, statistics in float64.
+        proj0 = dd0.double().reshape(dd0.shape[0], -1).mean(1) / t
+        proj1 = dd1.double().reshape(dd1.shape[0], -1).mean(1) / t
+        # The loss statistics run over all entries, as cockpit's individual_losses.mean() / .var().
+        l0, l1 = losses0.double().reshape(-1), losses1.double().reshape(-1)
         info["loss_start"], info["loss_end"] = float(l0.mean()), float(l1.mean())
         info["dderiv_start"], info["dderiv_end"] = float(proj0.mean()), float(proj1.mean())
 
@@ -566,7 +585,7 @@ class Alpha:
         if not all(bool(torch.isfinite(x).all()) for x in (proj0, proj1)):
             self._record(start, None, "non-finite directional derivative", info)
             return
-        if min(info["batch_size_start"], info["batch_size_end"]) < 2:
+        if min(info["batch_size_start"], info["batch_size_end"]) < 2:  # checked before .var() of one sample
             self._record(start, None, "batch size 1", info)
             return
 
@@ -602,10 +621,10 @@ class Alpha:
             # model nor the snapshot, and are legal inside the transform.
             state.update({n: b.clone() for n, b in buffers.items()})
             losses = loss_fn(functional_call(model, state, (inputs,)), targets)
-            if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+            if not isinstance(losses, torch.Tensor) or losses.dim() < 1:
                 raise ValueError(
-                    "loss_fn must return per-sample losses of shape [B], got "
-                    f"{getattr(losses, 'shape', type(losses))}"
+                    "loss_fn must return per-sample losses whose leading dimension is the batch "
+                    f"([B] or [B, ...], e.g. reduction='none'), got {getattr(losses, 'shape', type(losses))}"
                 )
             return losses
 

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import BadInputError, StateError
+from .compat import check_saver, score_computer_settings
+from .errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
 from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from .modelout import AbstractModelOutput, resolve_task
@@ -67,9 +68,11 @@ class TRAKer:
                  storage_options: Optional[dict] = None) -> None:
         self.logger = logging.getLogger("trakflow")
         self.logger.setLevel(logging_level)
-        if saver is not None or score_computer is not None:
-            warnings.warn("TRAKer: custom saver/score_computer classes are not used; trakflow's Zarr store "
-                          "and score computation replace them", stacklevel=2)
+        # traker's defaults (MmapSaver, BasicScoreComputer) are what our store and scoring do; any other
+        # saver / score computer is refused with what to use instead (trak_core/compat.py)
+        check_saver(saver)
+        if score_computer_settings(score_computer, lambda_reg).get("rescale_inverse") is False:
+            rescale_inverse = False
         if not isinstance(train_set_size, (int, np.integer)) or train_set_size <= 0:
             raise BadInputError(f"train_set_size must be a positive integer, got {train_set_size!r}")
         try:
@@ -93,6 +96,11 @@ class TRAKer:
                 raise BadInputError(f"proj_dim must be a positive integer, got {proj_dim!r}")
             projector = default_projector(model, self.num_params_for_grad, proj_dim, projector_seed, self.device,
                                           self.grad_wrt)
+        elif not hasattr(projector, "spec"):
+            raise BadInputError(f"TRAKer(projector={type(projector).__name__}): give one projector for the whole "
+                                "gradient (e.g. CudaProjector or BasicProjector with grad_dim = the number of "
+                                "parameters); trak_core projects the gradient parameter by parameter on its own, "
+                                "so ChunkedCudaProjector is not needed")
         elif isinstance(projector, NoOpProjector):
             projector.grad_dim = projector.proj_dim = self.num_params_for_grad
             projector.device = self.device
@@ -131,7 +139,8 @@ class TRAKer:
 
     def _resolve_inds(self, batch, inds, num_samples, attr: str, limit: int) -> np.ndarray:
         if (inds is None) == (num_samples is None):
-            raise BadInputError("exactly one of inds and num_samples must be given")
+            raise InputAssertionError("Exactly one of num_samples and inds should be specified "
+                                      f"(got inds={'None' if inds is None else 'given'}, num_samples={num_samples!r})")
         if num_samples is not None:
             start = getattr(self, attr)
             inds = np.arange(start, start + int(num_samples))
@@ -150,7 +159,8 @@ class TRAKer:
     def featurize(self, batch, inds=None, num_samples: Optional[int] = None) -> None:
         """Project the gradients of a batch of train examples and store them (rows ``inds``)."""
         if self.ckpt_loaded is None:
-            raise StateError("load a checkpoint with load_checkpoint(...) before featurizing")
+            raise StateAssertionError("Load a checkpoint using traker.load_checkpoint before featurizing "
+                                      "(call load_checkpoint(state_dict, model_id=...) first)")
         mid = self.current_model_id
         if self.store.is_finalized(mid):
             raise StateError(f"model_id={mid} is already finalized; featurizing it again would make its features "
@@ -174,7 +184,8 @@ class TRAKer:
         ids = list(model_ids) if model_ids is not None else self.store.model_ids()
         for mid in ids:
             if not self.store.has_model(mid):
-                raise BadInputError(f"model_id={mid} is not registered; load_checkpoint and featurize it first")
+                raise ModelIDException(f"Model ID {mid} not registered, not ready for finalizing: "
+                                       "load_checkpoint and featurize it first")
         for mid in ids:
             if self.store.is_finalized(mid):
                 self.logger.warning("model_id=%s already finalized, skipping", mid)
@@ -213,6 +224,10 @@ class TRAKer:
                         allow_skip: bool = False) -> np.ndarray:
         """Combine the checkpoints' scores: (n_train, n_targets) float32 array."""
         self._last_ind_target = 0
+        if model_ids is not None:
+            model_ids = list(model_ids)
+            if not model_ids:
+                raise InputAssertionError("No model IDs to finalize scores for (model_ids is empty)")
         self.store.experiment(exp_name)  # unknown experiment → clear error
         self.scores = finalize_scores(self.store, exp_name, model_ids, allow_skip)
         return self.scores
