@@ -1,4 +1,5 @@
-"""One contract, checked against every projector (scikit-learn's check_estimator, for projections)."""
+"""One contract, checked against every projector and every model output (scikit-learn's check_estimator):
+the checks live in trak_core.testing, so a user's own projector or model output runs the same suite."""
 
 import numpy as np
 import pytest
@@ -7,94 +8,257 @@ import torch
 from trak_core import counter_rng
 from trak_core.errors import BadInputError
 from trak_core.factored import FactoredProjector
+from trak_core.modelout import (CLIPModelOutput, ImageClassificationModelOutput,
+                                IterativeImageClassificationModelOutput, TextClassificationModelOutput)
+from trak_core.projectors import (AbstractProjector, BasicProjector, BasicSingleBlockProjector, DenseProjector,
+                                  NoOpProjector, find_projector, make_projector, register_projector,
+                                  registered_projectors, unregister_projector)
 from trak_core.sjlt import SJLTProjector
-from trak_core.projectors import (BasicProjector, BasicSingleBlockProjector, DenseProjector, NoOpProjector,
-                                  make_projector)
+from trak_core.testing import (ModelOutputCase, ProjectorCase, check_model_output, check_projector,
+                               check_projector_batch_split, check_projector_inner_products,
+                               check_projector_refuses_bad_input, iter_checks, parametrize_with_checks)
+from trak_fixtures import make_data, make_model
 
 GRAD_DIM, PROJ_DIM = 1000, 256
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
-FACTORIES = {
-    "dense-rademacher": lambda: DenseProjector(GRAD_DIM, PROJ_DIM, seed=3, proj_type="rademacher"),
-    "dense-normal": lambda: DenseProjector(GRAD_DIM, PROJ_DIM, seed=3, proj_type="normal"),
-    "dense-rademacher-nocache-smallblocks": lambda: DenseProjector(GRAD_DIM, PROJ_DIM, seed=3, block_rows=97,
-                                                                   cache_bytes=0),
-    "basic": lambda: BasicProjector(GRAD_DIM, PROJ_DIM, seed=3, proj_type="rademacher"),
-    "single-block-normal": lambda: BasicSingleBlockProjector(GRAD_DIM, PROJ_DIM, seed=3, proj_type="normal"),
-    "noop": lambda: NoOpProjector(grad_dim=GRAD_DIM, proj_dim=GRAD_DIM),
-    "sjlt-c4": lambda: SJLTProjector(GRAD_DIM, PROJ_DIM, seed=3),
-    "sjlt-c1-nocache-smallblocks": lambda: SJLTProjector(GRAD_DIM, PROJ_DIM, seed=3, c=1, block_rows=97,
-                                                         cache_bytes=0),
-    "factored-flat-rademacher": lambda: FactoredProjector(GRAD_DIM, PROJ_DIM, seed=3, proj_type="rademacher"),
-    "factored-flat-normal": lambda: FactoredProjector(GRAD_DIM, PROJ_DIM, seed=3, proj_type="normal"),
+
+def _mlp():
     # Linear(20, 30) + LayerNorm(30) (the dense "__other__" block) + Linear(30, 10): 630 + 60 + 310 = 1000
-    "factored-mlp-layers": lambda: FactoredProjector.from_model(
-        torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.LayerNorm(30), torch.nn.Linear(30, 10)),
-        PROJ_DIM, seed=3),
-}
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.LayerNorm(30), torch.nn.Linear(30, 10))
 
 
-def _grads(b, seed=0):
-    return torch.randn(b, GRAD_DIM, generator=torch.Generator().manual_seed(seed))
+def _cuda(cls_name, **kw):
+    def factory(seed=3):
+        from cuda_ext import projectors  # the GPU plugin (imported by the tests that use it, never by trak_core)
+        return getattr(projectors, cls_name)(GRAD_DIM, PROJ_DIM, seed=seed, **kw)
+    return factory
 
 
-@pytest.fixture(params=sorted(FACTORIES))
-def factory(request):
-    return FACTORIES[request.param]
+PROJECTORS = [
+    ProjectorCase(lambda seed=3: DenseProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="rademacher"),
+                  id="dense-rademacher"),
+    ProjectorCase(lambda seed=3: DenseProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="normal"), id="dense-normal"),
+    ProjectorCase(lambda seed=3: DenseProjector(GRAD_DIM, PROJ_DIM, seed=seed, block_rows=97, cache_bytes=0),
+                  id="dense-rademacher-nocache-smallblocks"),
+    ProjectorCase(lambda seed=3: BasicProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="rademacher"), id="basic"),
+    ProjectorCase(lambda seed=3: BasicSingleBlockProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="normal"),
+                  id="single-block-normal"),
+    ProjectorCase(lambda: NoOpProjector(grad_dim=GRAD_DIM, proj_dim=GRAD_DIM), id="noop"),
+    ProjectorCase(lambda seed=3: SJLTProjector(GRAD_DIM, PROJ_DIM, seed=seed), id="sjlt-c4"),
+    ProjectorCase(lambda seed=3: SJLTProjector(GRAD_DIM, PROJ_DIM, seed=seed, c=1, block_rows=97, cache_bytes=0),
+                  id="sjlt-c1-nocache-smallblocks"),
+    ProjectorCase(lambda seed=3: FactoredProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="rademacher"),
+                  id="factored-flat-rademacher"),
+    ProjectorCase(lambda seed=3: FactoredProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="normal"),
+                  id="factored-flat-normal"),
+    ProjectorCase(lambda seed=3: FactoredProjector.from_model(_mlp(), PROJ_DIM, seed=seed), id="factored-mlp-layers"),
+    ProjectorCase(lambda seed=3: make_projector("factored", GRAD_DIM, PROJ_DIM, seed, model=_mlp()),
+                  id="make_projector-factored"),
+    # cuda_ext's GPU projectors: the build-free torch path runs anywhere (here on the CPU) ...
+    ProjectorCase(_cuda("CudaDenseProjector", device="cpu", backend="torch"), id="cuda-dense-torchpath-on-cpu"),
+    ProjectorCase(_cuda("CudaDenseProjector", proj_type="normal", device="cpu", backend="torch"),
+                  id="cuda-dense-normal-torchpath-on-cpu"),
+    ProjectorCase(_cuda("CudaSJLTProjector", c=4, device="cpu", backend="torch"), id="cuda-sjlt-torchpath-on-cpu"),
+    # ... the kernels and the GPU torch path need a GPU
+    ProjectorCase(_cuda("CudaDenseProjector", device="cuda", backend="kernel", algo="fma"), id="cuda-dense-kernel-fma",
+                  marks=needs_cuda),
+    ProjectorCase(_cuda("CudaDenseProjector", device="cuda", backend="kernel", algo="tc3"), id="cuda-dense-kernel-tc3",
+                  marks=needs_cuda),
+    ProjectorCase(_cuda("CudaDenseProjector", proj_type="normal", device="cuda", backend="kernel"),
+                  id="cuda-dense-kernel-normal", marks=needs_cuda),
+    ProjectorCase(_cuda("CudaSJLTProjector", c=4, device="cuda", backend="kernel"), id="cuda-sjlt-kernel",
+                  marks=needs_cuda),
+    ProjectorCase(_cuda("CudaDenseProjector", device="cuda", backend="torch"), id="cuda-dense-torchpath",
+                  marks=needs_cuda),
+    ProjectorCase(_cuda("CudaSJLTProjector", c=2, device="cuda", backend="torch"), id="cuda-sjlt-torchpath",
+                  marks=needs_cuda),
+    # not here: fast_jl (TRAK's kernel, optional; its matrix is not ours), see tests/test_cuda_ext.py
+]
 
 
-def test_shape_and_dtype(factory):
-    p = factory()
-    out = p.project(_grads(5), model_id=0)
-    assert out.shape == (5, p.proj_dim)
-    assert out.dtype == torch.float32
+# ------------------------------------------------------------------------------------------ model outputs
+class TinyTextModel(torch.nn.Module):
+    def __init__(self, vocab=20, dim=6, classes=3):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.type_emb = torch.nn.Embedding(2, dim)
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, input_ids, token_type_ids, attention_mask):
+        h = self.emb(input_ids) + self.type_emb(token_type_ids)
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        return self.head((h * m).sum(1) / m.sum(1).clamp(min=1))
 
 
-def test_same_vector_in_any_batch_split(factory):
-    g = _grads(40)
-    p = factory()
-    whole = p.project(g, model_id=1)
-    parts = torch.cat([factory().project(g[a:b], model_id=1) for a, b in [(0, 1), (1, 17), (17, 40)]])
-    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-4)
-    # identical batches are bit-identical, also from a fresh instance (another process would be one)
-    assert torch.equal(factory().project(g, model_id=1), whole)
+class TinyCLIP(torch.nn.Module):
+    def __init__(self, d_img=5, d_txt=4, dim=3):
+        super().__init__()
+        self.img = torch.nn.Linear(d_img, dim)
+        self.txt = torch.nn.Linear(d_txt, dim)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, image, text):
+        return self.img(image), self.txt(text), self.logit_scale.exp()
 
 
-def test_dict_input_equals_flat_input(factory):
-    g = _grads(6)
-    d = {"a.weight": g[:, :600].reshape(6, 20, 30), "a.bias": g[:, 600:]}
-    p = factory()
-    torch.testing.assert_close(p.project(d, model_id=2), p.project(g, model_id=2), rtol=1e-5, atol=1e-4)
+def _margin_reference(logits, labels):
+    """log(p_y / (1 - p_y)) from plain logits."""
+    p = torch.softmax(logits, -1)[torch.arange(len(labels)), labels]
+    return torch.log(p) - torch.log1p(-p)
 
 
-def test_model_id_and_seed_change_the_matrix(factory):
-    p = factory()
-    if isinstance(p, NoOpProjector):
-        pytest.skip("the identity has no randomness")
-    g = _grads(4)
-    assert not torch.allclose(p.project(g, 0), p.project(g, 1))
-    other = type(p)(GRAD_DIM, PROJ_DIM, seed=4, proj_type=p.proj_type)
-    assert not torch.allclose(p.project(g, 0), other.project(g, 0))
+def _image_case(cls, case_id, **kw):
+    model = make_model().double()
+    x, y, _, _ = make_data(n=6)
+    return ModelOutputCase(cls(), model, (x.double(), y), id=case_id,
+                           reference=lambda m, b: _margin_reference(m(b[0]), b[1]),
+                           bad_batches=[(x.double(), -y - 1), (x.double(), y.double()), (x.double(), y[:, None])],
+                           **kw)
 
 
-def test_inner_products_preserved(factory):
-    """JL: ⟨Px, Py⟩ / scale ≈ ⟨x, y⟩ within a few 1/√k standard deviations."""
-    p = factory()
-    g = _grads(30, seed=5)
-    out = p.project(g, model_id=0).double()
-    ip = (out @ out.T) / p.scale
-    ref = g.double() @ g.double().T
-    norms = ref.diagonal().sqrt()
-    err = (ip - ref) / (norms[:, None] * norms[None, :])
-    assert float(err.abs().max()) < 6 / np.sqrt(p.proj_dim)
-    assert float(err.abs().mean()) < 1.5 / np.sqrt(p.proj_dim)
+def _text_case():
+    torch.manual_seed(0)
+    model = TinyTextModel().double()
+    ids, types = torch.randint(0, 20, (5, 4)), torch.randint(0, 2, (5, 4))
+    mask = torch.ones(5, 4, dtype=torch.long)
+    mask[:, 3] = 0
+    labels = torch.randint(0, 3, (5,))
+    return ModelOutputCase(TextClassificationModelOutput(), model, (ids, types, mask, labels), id="text",
+                           reference=lambda m, b: _margin_reference(m(*b[:3]), b[3]),
+                           bad_batches=[(ids, types[:, :3], mask, labels), (ids, types, mask)])
 
 
-def test_wrong_grad_dim_is_refused(factory):
-    p = factory()
-    with pytest.raises(BadInputError, match="grad_dim"):
-        p.project(torch.randn(3, GRAD_DIM + 1), model_id=0)
+def _clip_case():
+    torch.manual_seed(1)
+    model = TinyCLIP().double()
+    bank_img, bank_txt = torch.randn(9, 3).double(), torch.randn(9, 3).double()
+    img, txt = torch.randn(4, 5).double(), torch.randn(4, 4).double()
+
+    def reference(m, b):
+        ie, te, _ = m(*b)
+        a = -torch.logsumexp(-(ie[:, None, :] * (te[:, None, :] - bank_txt[None])).sum(-1), dim=1)
+        c = -torch.logsumexp(-(te[:, None, :] * (ie[:, None, :] - bank_img[None])).sum(-1), dim=1)
+        return a + c
+
+    return ModelOutputCase(CLIPModelOutput(simulated_batch_size=9), model, (img, txt), id="clip",
+                           reference=reference, bad_batches=[(img, txt, txt)],
+                           setup=lambda: CLIPModelOutput.set_embeddings(bank_img, bank_txt))
 
 
+MODEL_OUTPUTS = [
+    _image_case(ImageClassificationModelOutput, "image"),
+    _image_case(IterativeImageClassificationModelOutput, "image-iterative", batched_output=True),
+    _text_case(),
+    _clip_case(),
+]
+
+
+@parametrize_with_checks(PROJECTORS + MODEL_OUTPUTS)
+def test_contract(obj, check):
+    check(obj)
+
+
+def test_every_model_output_class_and_projector_kind_is_checked():
+    import trak_core.modelout as mo
+    classes = {c for c in vars(mo).values() if isinstance(c, type) and issubclass(c, mo.AbstractModelOutput)
+               and c is not mo.AbstractModelOutput}
+    assert classes == {type(c.model_output) for c in MODEL_OUTPUTS}
+    kinds = {c.make().kind for c in PROJECTORS if not c.marks and c.make().device != "cuda"}
+    assert set(registered_projectors("cpu")) - {"fast_jl"} <= kinds
+
+
+def test_ids_are_readable():
+    ids = [ident for _, _, ident, _ in iter_checks(PROJECTORS[:1] + MODEL_OUTPUTS[:1])]
+    assert "dense-rademacher-check_projector_batch_split" in ids and "image-check_model_output_reference" in ids
+
+
+def test_testing_module_imports_without_pytest():
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['pytest'] = None; import trak_core.testing as t; "
+            "from trak_core.projectors import DenseProjector; t.check_projector(DenseProjector(50, 16)); print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------ the suite can fail
+class BatchDependentProjector(DenseProjector):
+    """Broken: centres each batch (the vector of an example depends on the others)."""
+
+    def project(self, grads, model_id):
+        out = super().project(grads, model_id)
+        return out - out.mean(0, keepdim=True)
+
+
+class UnscaledProjector(DenseProjector):
+    """Broken: says scale = 1 while its entries have unit variance (inner products off by proj_dim)."""
+
+    @property
+    def scale(self):
+        return 1.0
+
+
+class NoInputCheckProjector(DenseProjector):
+    """Broken: pads or cuts any input instead of refusing it."""
+
+    def project(self, grads, model_id):
+        if isinstance(grads, dict):
+            return super().project(grads, model_id)
+        g = grads.reshape(-1, grads.shape[-1]) if grads.dim() != 2 else grads
+        g = torch.nn.functional.pad(g, (0, max(0, self.grad_dim - g.shape[1])))[:, :self.grad_dim]
+        return super().project(g, model_id)
+
+
+@pytest.mark.parametrize("broken, check", [
+    (BatchDependentProjector, check_projector_batch_split),
+    (UnscaledProjector, check_projector_inner_products),
+    (NoInputCheckProjector, check_projector_refuses_bad_input),
+], ids=["batch-dependent", "unscaled", "no-input-check"])
+def test_broken_projectors_fail_their_check(broken, check):
+    with pytest.raises(AssertionError, match=f"^{check.__name__}: "):
+        check(lambda seed=3: broken(GRAD_DIM, PROJ_DIM, seed=seed))
+    with pytest.raises(AssertionError, match=check.__name__):
+        check_projector(lambda seed=3: broken(GRAD_DIM, PROJ_DIM, seed=seed))
+
+
+class WeightIgnoringOutput(ImageClassificationModelOutput):
+    """Broken: calls the module (its own parameters) instead of functional_call with the given weights."""
+
+    @staticmethod
+    def get_output(model, weights, buffers, image, label):
+        return _margin_reference(model(image[None]), label.reshape(1))[0]
+
+
+class PermissiveOutput(ImageClassificationModelOutput):
+    """Broken: validates nothing."""
+
+    def validate_batch(self, batch):
+        pass
+
+
+@pytest.mark.parametrize("broken, check_name", [
+    (WeightIgnoringOutput, "check_model_output_uses_weights"),
+    (PermissiveOutput, "check_model_output_validate_batch"),
+], ids=["ignores-weights", "validates-nothing"])
+def test_broken_model_outputs_fail_their_check(broken, check_name):
+    model = make_model().double()
+    x, y, _, _ = make_data(n=4)
+    with pytest.raises(AssertionError, match=f"^{check_name}: "):
+        check_model_output(broken(), model, (x.double(), y))
+
+
+def test_an_exception_in_a_check_names_the_check():
+    class Crashing(DenseProjector):
+        def spec(self):
+            raise RuntimeError("boom")
+    with pytest.raises(AssertionError, match=r"^check_projector_spec: raised RuntimeError: boom"):
+        check_projector(lambda seed=3: Crashing(GRAD_DIM, PROJ_DIM, seed=seed))
+
+
+# ------------------------------------------------------------------------------------------ the definition
 def test_dense_entries_are_unit_variance_and_pure():
     for kind in ("rademacher", "normal"):
         p = DenseProjector(GRAD_DIM, PROJ_DIM, seed=11, proj_type=kind)
@@ -131,8 +295,40 @@ def test_64bit_counters():
     assert a.shape == (2, 64) and not torch.equal(a, b)
 
 
+# ------------------------------------------------------------------------------------------ the registry
 def test_make_projector_rejects_unknown_kind():
     with pytest.raises(BadInputError, match="unknown projector"):
         make_projector("fancy", 10, 5)
     with pytest.raises(BadInputError, match="proj_dim"):
         make_projector("dense", 10, 0)
+
+
+class HalfProjector(AbstractProjector):
+    """A user's projector: the first proj_dim coordinates, times √(grad_dim / proj_dim) (for tests only)."""
+
+    kind = "test-half"
+
+    def __init__(self, grad_dim, proj_dim, seed=0, proj_type="rademacher", device="cpu", **kwargs):
+        super().__init__(grad_dim, proj_dim, seed, proj_type, device)
+
+    def project(self, grads, model_id):
+        self._check_input(grads)
+        return grads[:, :self.proj_dim].to(torch.float32) * np.sqrt(self.grad_dim / self.proj_dim)
+
+
+def test_register_a_projector_and_build_it_by_name():
+    register_projector("test-half", HalfProjector)
+    try:
+        p = make_projector("test-half", 10, 4, model=object(), grad_wrt=["x"])  # model/grad_wrt not passed on
+        assert isinstance(p, HalfProjector) and "test-half" in registered_projectors("cpu")
+        register_projector("test-half", HalfProjector)  # the same factory again: a no-op
+        with pytest.raises(BadInputError, match="already registered"):
+            register_projector("test-half", lambda *a, **k: None)
+        register_projector("test-half", DenseProjector, devices=["cuda"])  # a device-specific entry wins there
+        assert find_projector("test-half", "cuda:0").factory is DenseProjector
+        assert find_projector("test-half", "cpu").factory is HalfProjector
+    finally:
+        unregister_projector("test-half")
+    assert "test-half" not in registered_projectors()
+    with pytest.raises(BadInputError, match="unknown projector 'test-half'"):
+        make_projector("test-half", 10, 4)
