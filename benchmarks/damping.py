@@ -33,9 +33,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from tasks.config import TrainConfig  # noqa: E402
 from tasks.trainer import forward, split_xy, train_on_rows  # noqa: E402
 from trak_core import TRAKer  # noqa: E402
-from trak_core.config import TrainConfig  # noqa: E402
 from trak_core.featurize import Featurizer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds, margins_from_logits, subset_masks  # noqa: E402
@@ -99,7 +99,7 @@ def target_margins(model, targets: tuple) -> np.ndarray:
 
 def featurize_all(setup: dict, states: list[dict], kind: str, proj_dim: int, batch: int = 250) -> list[dict]:
     """Per checkpoint: X (n, p), Q (n,), G (m, p) as the pipeline stores them (float32)."""
-    from trak_core.config import load_object
+    from tasks.config import load_object
 
     make = load_object(setup["model"])
     out = []
@@ -142,7 +142,7 @@ def scores_for(feats: list[dict], setting, rescale: bool = True) -> tuple[np.nda
 
 def traker_check(setup: dict, states: list[dict], proj_dim: int, setting, ours: np.ndarray) -> float:
     """max |ours − TRAKer| / max |TRAKer| for one setting (same projector, float32 store)."""
-    from trak_core.config import load_object
+    from tasks.config import load_object
 
     make = load_object(setup["model"])
     train, targets = setup["train"], setup["targets"]

@@ -230,7 +230,7 @@ def scoring_end_to_end(n=65536, p=2048, m=1024, ckpts=1, dtype="float16") -> dic
                 mod.features[a:b] = rng.standard_normal((b - a, p), dtype=np.float32).astype(dtype)
             mod.out_to_loss[:] = np.ones(n, dtype=np.float32)
             mod.finalized[:] = np.ones(n, dtype=np.uint8)
-            mod.group.attrs["finalize"] = {"lambda_reg": 0.0}
+            st.set_finalize_info(mid, {"lambda_reg": 0.0})
             st.init_experiment_model("bench", mid)
             st.write_target_rows("bench", mid, slice(0, m), rng.standard_normal((m, p), dtype=np.float32))
         t = time.perf_counter()

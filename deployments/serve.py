@@ -13,7 +13,8 @@ Deployments (``flow/deployment``):
 Trigger one from the UI (Deployments → Run), the CLI (``prefect deployment run 'attribute/digits'`` or
 ``trakflow trigger attribute/digits``) or Python (``prefect.deployments.run_deployment("attribute/digits")``).
 Relative paths in the parameters resolve against the serving process's working directory; set
-TRAKFLOW_DEMO_DIR to put the demo elsewhere.
+TRAKFLOW_DEMO_DIR to put the demo elsewhere. A run's tasks run on the runner its ``config`` asks for
+(``task_runner``, ``max_workers``, ``gpus``, ...: the flows' ``ConfigTaskRunner``), so the run form sets it.
 """
 
 from __future__ import annotations

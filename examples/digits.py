@@ -1,7 +1,7 @@
 """The embedded default: scikit-learn's handwritten digits (8×8 images shipped inside scikit-learn)
 and a small MLP (64 → 32 → 10, 2,410 parameters).
 
-Import paths for the pipeline config (see ``trak_core.config``)::
+Import paths for the pipeline config (see ``tasks.config``)::
 
     model:       examples.digits:make_model
     train_data:  examples.digits:train_data     # (1500, 64) float32 pixels, (1500,) int64 labels
@@ -76,7 +76,7 @@ def demo_configs(demo_dir: str | Path = "trakflow_demo", num_models: int = 3, ep
     top-5 proponents share the target's label (0.29 after 15 epochs at lr 0.05, 99.6 % train accuracy).
     lambda_reg "auto" (0.3 × the mean eigenvalue of XᵀX) raises the demo's LDS from 0.156 (λ = 1.0) to
     0.274 (benchmarks/RESULTS.md, "Damping and LDS")."""
-    from trak_core.config import TrainConfig
+    from tasks.config import TrainConfig
 
     demo_dir = Path(demo_dir).absolute()
     train = TrainConfig(model="examples.digits:make_model", train_data="examples.digits:train_data",

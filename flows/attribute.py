@@ -5,18 +5,17 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks.attribution import plan_attribution, report_top_k
-from trak_core.config import AttributeConfig
+from tasks.config import AttributeConfig
 
 from flows.featurize import featurize
 from flows.finalize import finalize
-from flows.runners import run_lock, stage_runners, worker_api
+from flows.runners import ConfigTaskRunner, run_lock, stage_runners, worker_api
 from flows.score import score
 
 
-@flow(name="attribute", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)
+@flow(name="attribute", task_runner=ConfigTaskRunner(), validate_parameters=True)
 def attribute(config: AttributeConfig) -> dict:
     """TRAK scores of every train example for every target, stored in ``config.store`` under
     ``config.exp_name``; the same numbers as trak_core.TRAKer on the same inputs. Re-running skips what
@@ -26,8 +25,8 @@ def attribute(config: AttributeConfig) -> dict:
     with run_lock(config), worker_api(config), stage_runners(config) as runner:
         plan = plan_attribution(config)
         log.info("plan: %d train rows in %d shards, %d targets, %d checkpoints, grad_dim=%d → proj_dim=%d, store %s",
-                 plan["train_set_size"], plan["num_shards"], plan["num_targets"], len(plan["models"]),
-                 plan["grad_dim"], plan["proj_dim"], plan["store"])
+                 plan.train_set_size, plan.num_shards, plan.num_targets, len(plan.models), plan.grad_dim,
+                 plan.proj_dim, plan.store)
         f = featurize.with_options(task_runner=runner())(config, plan)
         fi = finalize.with_options(task_runner=runner())(config, plan)
         sc = score.with_options(task_runner=runner())(config, plan)

@@ -6,11 +6,10 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
+from tasks.config import AttributeConfig
 from tasks.trainer import is_complete
-from trak_core.config import AttributeConfig
 
 from flows.attribute import attribute
-from flows.runners import make_task_runner
 from flows.train import train
 
 
@@ -29,9 +28,9 @@ def digits_demo(demo_dir: str = "trakflow_demo", num_models: int = 3, epochs: in
     if manifest.is_file() and all(is_complete(train_cfg.out_dir, i) for i in range(num_models)):
         log.info("checkpoints present in %s: not retraining", train_cfg.out_dir)
     else:
-        trained = train.with_options(task_runner=make_task_runner(train_cfg))(train_cfg)
+        trained = train(train_cfg)
     config = AttributeConfig.model_validate(attr)
     Path(demo_dir).mkdir(parents=True, exist_ok=True)
     (Path(demo_dir) / "attribute.yaml").write_text(config.to_yaml())
-    result = attribute.with_options(task_runner=make_task_runner(config))(config)
+    result = attribute(config)
     return {"train": trained, "attribute": result, "config": str(Path(demo_dir) / "attribute.yaml")}

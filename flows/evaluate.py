@@ -5,18 +5,17 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks import progress
-from tasks.common import summarize
+from tasks.config import EvaluateConfig
 from tasks.evaluate import assemble_truth_task, compute_lds_task, plan_truth_task, train_subset_model_task
-from trak_core.config import EvaluateConfig
+from tasks.plan import summarize
 
 from flows.attribute import attribute
-from flows.runners import gather, make_task_runner
+from flows.runners import ConfigTaskRunner, gather
 
 
-@flow(name="evaluate", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)
+@flow(name="evaluate", task_runner=ConfigTaskRunner(), validate_parameters=True)
 def evaluate(config: EvaluateConfig) -> dict:
     """LDS of ``config.attribute``'s experiment: the mean over targets of the Spearman correlation, over
     ``num_subsets`` random train subsets, between the summed scores of a subset and the target's margin
@@ -26,13 +25,13 @@ def evaluate(config: EvaluateConfig) -> dict:
     log = get_run_logger()
     attr = None
     if config.run_attribute:
-        attr = attribute.with_options(task_runner=make_task_runner(config.attribute))(config.attribute)
+        attr = attribute(config.attribute)
     plan = plan_truth_task(config)
-    log.info("ground truth %s: %d subset models, %d to train", plan["folder"], plan["models"], plan["to_train"])
-    progress.start("lds-train", len(plan["jobs"]))
-    trained = gather([train_subset_model_task.submit(config, plan["folder"], s, r) for s, r in plan["jobs"]])
+    log.info("ground truth %s: %d subset models, %d to train", plan.folder, plan.models, plan.to_train)
+    progress.start("lds-train", len(plan.jobs))
+    trained = gather([train_subset_model_task.submit(config, plan.folder, s, r) for s, r in plan.jobs])
     stats = summarize(trained) if trained else {"tasks": 0, "computed": 0, "skipped": 0, "seconds": 0.0}
-    truth = assemble_truth_task(config, plan["folder"])
+    truth = assemble_truth_task(config, plan.folder)
     result = compute_lds_task(config, truth, stats["computed"])
     log.info("LDS of experiment %r: %.4f [%.3f, %.3f] over %d targets, %d subsets (%d models trained now)",
              config.attribute.exp_name, result["lds"], *result["ci95"], result["num_targets"], result["num_subsets"],

@@ -5,26 +5,24 @@ from __future__ import annotations
 from typing import Optional
 
 from prefect import flow, get_run_logger
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks import progress
 from tasks.attribution import featurize_shard, plan_attribution
-from tasks.common import summarize
-from trak_core.config import AttributeConfig
+from tasks.config import AttributeConfig
+from tasks.plan import Plan, summarize
 
-from flows.runners import gather, run_lock, worker_api
+from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
 
 
-@flow(name="featurize", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)
-def featurize(config: AttributeConfig, plan: Optional[dict] = None) -> dict:
+@flow(name="featurize", task_runner=ConfigTaskRunner(), validate_parameters=True)
+def featurize(config: AttributeConfig, plan: Optional[Plan] = None) -> dict:
     """Projected train gradients X, weights Q and per-shard XᵀX partials for every checkpoint.
     ``plan`` (from the plan task) is computed when not given."""
     with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
-        progress.start("featurize", plan["train_set_size"] * len(plan["models"]))
-        futures = [featurize_shard.submit(config, m["model_id"], m["checkpoint"], s)
-                   for m in plan["models"] for s in range(plan["num_shards"])]
-        manifests = gather(futures, "featurize", lambda m: m["rows"][1] - m["rows"][0])
+        progress.start("featurize", plan.train_set_size * len(plan.models))
+        futures = [featurize_shard.submit(config, m.model_id, m.checkpoint, s) for m, s in plan.featurize_jobs()]
+        manifests = gather(futures, "featurize", lambda m: m.num_rows)
     out = summarize(manifests)
     get_run_logger().info("featurize: %d shard tasks, %d computed, %d skipped (complete in the store)",
                           out["tasks"], out["computed"], out["skipped"])

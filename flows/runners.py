@@ -1,5 +1,11 @@
 """Task runners selected by the config, and the run lock every flow holds on its store.
 
+Every flow is declared with ``@flow(task_runner=ConfigTaskRunner())``: its tasks run on the runner its
+``config`` parameter asks for (:func:`make_task_runner`), however the flow is started — called directly,
+from the CLI, a deployment (``deployments/serve.py``, ``deployments/prefect.yaml``) or as a subflow.
+``flow.with_options(task_runner=...)`` still overrides it (the attribute flow hands its stages one shared
+Dask cluster, :func:`stage_runners`).
+
 ``task_runner`` in the config picks where the tasks of a flow run:
 
 * ``thread`` (default): Prefect's ``ThreadPoolTaskRunner(max_workers)`` in the flow's process.
@@ -29,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from prefect.futures import wait
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
-from trak_core.store import TrakStore
+from trak_core.store import StoreLock
 
 GPU_ENV = "CUDA_VISIBLE_DEVICES"
 #: set in each pinned worker to the GPU it was given (what ``CUDA_VISIBLE_DEVICES`` was set to)
@@ -132,6 +138,60 @@ def _dask_runner(config, address: Optional[str] = None):
 
 
 # ---------------------------------------------------------------------------------------------- selection
+class ConfigTaskRunner(TaskRunner):
+    """The task runner the flow run's ``config`` parameter asks for (:func:`make_task_runner`).
+
+    Prefect enters a flow's task runner before the flow run's parameters are in its context, so the
+    runner is built (and entered) on the first submitted task, from the validated ``config`` of the flow
+    run that submits it, and exited with this one. A flow that submits no task starts none (an attribute
+    run on Dask starts no cluster of its own). Without a ``config`` parameter: Prefect's default thread pool.
+    """
+
+    def __init__(self, parameter: str = "config"):
+        super().__init__()
+        self.parameter = parameter
+        self._runner: Optional[TaskRunner] = None
+        self._lock = threading.Lock()
+
+    def duplicate(self) -> "ConfigTaskRunner":
+        return type(self)(self.parameter)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ConfigTaskRunner) and other.parameter == self.parameter
+
+    def __getstate__(self) -> dict:  # the flow (and this runner with it) is pickled to process/Dask workers
+        return {"parameter": self.parameter}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["parameter"])
+
+    @property
+    def runner(self) -> TaskRunner:
+        """The configured runner (built and entered on first use)."""
+        with self._lock:
+            if self._runner is None:
+                from prefect.context import FlowRunContext
+
+                ctx = FlowRunContext.get()
+                config = (ctx.parameters or {}).get(self.parameter) if ctx is not None else None
+                runner = make_task_runner(config) if config is not None else ThreadPoolTaskRunner()
+                runner.__enter__()
+                self._runner = runner
+            return self._runner
+
+    def submit(self, task, parameters, wait_for=None, dependencies=None):
+        return self.runner.submit(task, parameters, wait_for, dependencies)
+
+    def __exit__(self, *exc_info) -> None:
+        with self._lock:
+            runner, self._runner = self._runner, None
+        try:
+            if runner is not None:
+                runner.__exit__(*exc_info)
+        finally:
+            super().__exit__(*exc_info)
+
+
 def make_task_runner(config) -> TaskRunner:
     """The task runner the config asks for (``task_runner``: thread | process | dask).
 
@@ -243,7 +303,10 @@ def _tasks_run_here() -> bool:
     from prefect.context import FlowRunContext
 
     ctx = FlowRunContext.get()
-    return ctx is None or isinstance(getattr(ctx, "task_runner", None), ThreadPoolTaskRunner)
+    runner = getattr(ctx, "task_runner", None)
+    if isinstance(runner, ConfigTaskRunner):
+        runner = runner.runner
+    return ctx is None or isinstance(runner, ThreadPoolTaskRunner)
 
 
 def gather(futures, stage: Optional[str] = None, amount: Optional[Callable[[dict], float]] = None) -> list:
@@ -332,14 +395,14 @@ def run_lock(config, run: Optional[str] = None) -> Iterator[None]:
             probe = os.path.dirname(probe)
         os.makedirs(path, exist_ok=True)
     # the lock needs only the location (the store itself may not exist yet: the plan creates it)
-    handle = TrakStore.lock_handle(location)
+    lock = StoreLock(location, name)
     try:
         with _held_lock:
             if location in _held:  # another flow run of this process won the race
                 raise StoreLockedError(f"store {location} is in use by run {_held[location][2]} in this process")
             _held[location] = [root, 1, name]
         try:
-            handle.acquire_lock(name)
+            lock.acquire()
         except BaseException:
             with _held_lock:
                 _held.pop(location, None)
@@ -351,7 +414,7 @@ def run_lock(config, run: Optional[str] = None) -> Iterator[None]:
         yield
     finally:
         try:
-            handle.release_lock()
+            lock.release()
         finally:
             with _held_lock:
                 _held.pop(location, None)

@@ -4,18 +4,17 @@ manifest.json the attribute flow can take as ``checkpoints``."""
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks import progress
-from tasks.common import summarize
+from tasks.config import TrainConfig
+from tasks.plan import summarize
 from tasks.trainer import write_manifest
 from tasks.training import train_model
-from trak_core.config import TrainConfig
 
-from flows.runners import gather
+from flows.runners import ConfigTaskRunner, gather
 
 
-@flow(name="train", task_runner=ThreadPoolTaskRunner(max_workers=2), validate_parameters=True)
+@flow(name="train", task_runner=ConfigTaskRunner(), validate_parameters=True)
 def train(config: TrainConfig) -> dict:
     progress.start("train", config.num_models * config.epochs)
     records = gather([train_model.submit(config, i) for i in range(config.num_models)])

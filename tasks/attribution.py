@@ -11,10 +11,10 @@ from prefect import task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import NONE
 
-from trak_core.config import AttributeConfig
-
 from . import core, report
 from .common import GPU_TAG, should_retry
+from .config import AttributeConfig
+from .plan import FinalizeManifest, Plan, ScoreBlockManifest, ScorePlan, ShardManifest, TargetsManifest
 
 RETRIES = 2
 RETRY_DELAY_SECONDS = 2
@@ -31,33 +31,33 @@ _common = dict(cache_policy=NONE, persist_result=False, retries=RETRIES, retry_d
 
 
 @task(name="plan", cache_policy=NONE, persist_result=False)
-def plan_attribution(config: AttributeConfig) -> dict:
+def plan_attribution(config: AttributeConfig) -> Plan:
     """Validate model/data/checkpoints/store together, then create the store's arrays (one writer)."""
     return core.make_plan(config)
 
 
 @task(name="featurize-shard", task_run_name="featurize-m{model_id}-s{shard}", tags=[GPU_TAG], **_common)
-def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, shard: int) -> dict:
+def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, shard: int) -> ShardManifest:
     return core.featurize_shard(config, model_id, checkpoint, shard)
 
 
 @task(name="finalize-checkpoint", task_run_name="finalize-m{model_id}", **_common)
-def finalize_checkpoint(config: AttributeConfig, model_id: int) -> dict:
+def finalize_checkpoint(config: AttributeConfig, model_id: int) -> FinalizeManifest:
     return core.finalize_checkpoint(config, model_id)
 
 
 @task(name="featurize-targets", task_run_name="targets-m{model_id}", tags=[GPU_TAG], **_common)
-def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -> dict:
+def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -> TargetsManifest:
     return core.featurize_targets(config, model_id, checkpoint)
 
 
 @task(name="prepare-scores", cache_policy=NONE, persist_result=False)
-def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> dict:
+def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
     return core.prepare_scores(config, model_ids)
 
 
 @task(name="score-block", task_run_name="score-rows-{a}-{b}", **_common)
-def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -> dict:
+def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -> ScoreBlockManifest:
     return core.score_block(config, model_ids, a, b)
 
 

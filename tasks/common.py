@@ -1,16 +1,16 @@
-"""What every pipeline task shares: retry policy, tags, store access, cached data (no Prefect import)."""
+"""What every pipeline task shares: retry policy, tags, store access, cached data (no Prefect import).
+The plan and the manifests the tasks return are in tasks.plan."""
 
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any
 
 import torch
 
-from trak_core.config import AttributeConfig, load_data
 from trak_core.errors import BadInputError, StateError, StoreMismatchError
 from trak_core.store import TrakStore
+
+from .config import AttributeConfig, load_data
 
 #: tag of tasks that run model code on the device: `prefect concurrency-limit create trakflow-gpu 1`
 GPU_TAG = "trakflow-gpu"
@@ -66,14 +66,3 @@ def load_checkpoint(path: str, device: str = "cpu", field: str = "checkpoints") 
     if not isinstance(sd, dict):
         raise BadInputError(f"{field}: {path} holds a {type(sd).__name__}, not a state_dict")
     return sd
-
-
-def manifest(stage: str, t0: float, skipped: bool, **fields: Any) -> dict:
-    """The small dict a task returns (never arrays)."""
-    return {"stage": stage, **fields, "skipped": bool(skipped), "seconds": round(time.perf_counter() - t0, 4)}
-
-
-def summarize(manifests: list[dict]) -> dict:
-    return {"tasks": len(manifests), "computed": sum(not m["skipped"] for m in manifests),
-            "skipped": sum(bool(m["skipped"]) for m in manifests),
-            "seconds": round(sum(m["seconds"] for m in manifests), 3)}

@@ -16,77 +16,43 @@ Every step first reads the store and returns ``skipped=True`` when its output is
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
-import threading
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
-from trak_core.config import AttributeConfig, file_fingerprint
 from trak_core.errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
 from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
+from trak_core.lds import array_fingerprint
 from trak_core.projectors import make_projector
 from trak_core.reduce import (ensure_partial, finalize_model, load_targets, score_rows, shard_partial,
                               usable_models)
+from trak_core.scoring import parse_lambda_reg
 from trak_core.store import StoreMetadata, TrakStore
 
 from . import progress
-from .common import cached_data, load_checkpoint, manifest, open_store
-
-PIPELINE_ATTR = "trakflow_pipeline"
+from .common import cached_data, load_checkpoint, open_store
+from .config import AttributeConfig, file_fingerprint
+from .plan import (FinalizeManifest, Plan, PlannedModel, ScoreBlockManifest, ScorePlan, ShardManifest,
+                   TargetsManifest)
 
 
 # ---------------------------------------------------------------------------- helpers
-_crash_lock = threading.Lock()
-_crash_counts: dict[str, int] = {}
-#: test hooks: SIGKILL this process right after its N-th featurized shard / scored block is complete
-CRASH_ENV = {"featurize": "TRAKFLOW_TEST_KILL_AFTER_SHARDS", "score": "TRAKFLOW_TEST_KILL_AFTER_SCORE_BLOCKS"}
-
-
-def _crash_point(stage: str) -> None:
-    """Simulate a crash (SIGKILL, no cleanup) at a deterministic point, for the resume tests."""
-    limit = os.environ.get(CRASH_ENV[stage])
-    if not limit:
-        return
-    with _crash_lock:
-        _crash_counts[stage] = _crash_counts.get(stage, 0) + 1
-        if _crash_counts[stage] >= int(limit):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _lambda_setting(value):
-    """A lambda_reg setting in comparable form: a float, or a normalized 'auto' / 'rel:<f>' string."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return value.strip().lower()
-    return float(value)
-
-
 def _prefixed(field: str, e: Exception) -> BadInputError:
     msg = str(e)
     return BadInputError(msg if msg.startswith(field) else f"{field}: {msg}")
 
 
-def data_fingerprint(data: tuple) -> str:
-    h = hashlib.sha256()
-    for t in data:
-        a = t.detach().cpu().contiguous().numpy()
-        h.update(str((a.dtype, a.shape)).encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
-
-
 def build_projector(config: AttributeConfig, grad_dim: int, device: str, model: torch.nn.Module):
     """The projector of the config (``factored`` takes its blocks from the model's layers)."""
+    st = config.settings
     try:
-        return make_projector(config.projector, grad_dim, config.proj_dim, config.proj_seed, config.proj_type,
-                              device=device, model=model, grad_wrt=config.grad_wrt)
+        return make_projector(st.projector, grad_dim, st.proj_dim, st.proj_seed, st.proj_type, device=device,
+                              model=model, grad_wrt=st.grad_wrt)
     except BadInputError as e:
         raise _prefixed("projector", e) from None
 
@@ -132,13 +98,32 @@ def _check_finite(data: tuple, field: str) -> None:
 
 
 # ---------------------------------------------------------------------------- plan
-def make_plan(config: AttributeConfig) -> dict:
-    """Check everything that can be checked without computing gradients, then create the store's arrays.
+@dataclass(frozen=True)
+class CheckedInputs:
+    """What :func:`validate_inputs` established (nothing written yet)."""
 
-    Raises (BadInputError / StoreMismatchError, naming the field) before writing anything when the model,
-    data, task, checkpoints or an existing store do not fit together.
-    """
-    checkpoints = config.checkpoint_paths
+    meta: StoreMetadata
+    checkpoints: tuple[str, ...]
+    train: tuple
+    targets: tuple
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.targets[0].shape[0])
+
+
+@dataclass(frozen=True)
+class Fingerprints:
+    """Content fingerprints (sha256) the store records, so other inputs are refused on a rerun."""
+
+    train_data: str
+    target_data: str
+    checkpoints: tuple[dict, ...]  # {"path", "sha256"} per model_id
+
+
+def validate_inputs(config: AttributeConfig) -> CheckedInputs:
+    """Check everything that can be checked without computing gradients: model, task, data (batches, NaN/inf),
+    the projection against n, and that every checkpoint fits the model. Raises BadInputError naming the field."""
     model = config.build_model()
     task = config.build_task()
     train = cached_data(config.train_data, "train_data")
@@ -147,12 +132,12 @@ def make_plan(config: AttributeConfig) -> dict:
     _check_batch(task, targets, config.batch_size, "target_data")
     _check_finite(train, "train_data")
     _check_finite(targets, "target_data")
-    n, m = int(train[0].shape[0]), int(targets[0].shape[0])
+    n = int(train[0].shape[0])
     meta = build_metadata(config, n, model, task)
-    if config.projector != "noop" and meta.proj_dim >= n and config.lambda_reg == 0:
+    if config.projector != "noop" and meta.proj_dim >= n and config.settings.lambda_rule.setting == 0:
         raise BadInputError(f"proj_dim: {meta.proj_dim} ≥ number of train examples n={n} makes XᵀX singular "
                             "(scores would be noise); use a proj_dim well below n, or lambda_reg > 0")
-    records = []
+    checkpoints = config.checkpoint_paths
     for i, path in enumerate(checkpoints):
         sd = load_checkpoint(path, "cpu", field=f"checkpoints[{i}]")
         try:
@@ -162,62 +147,112 @@ def make_plan(config: AttributeConfig) -> dict:
         bad = [k for k, v in sd.items() if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
             raise BadInputError(f"checkpoints[{i}]: {path} has NaN or inf in {bad[:5]}; nothing was written")
-        records.append({"path": path, "sha256": file_fingerprint(path)})
-    train_sha, target_sha = data_fingerprint(train), data_fingerprint(targets)
+    return CheckedInputs(meta=meta, checkpoints=tuple(checkpoints), train=train, targets=targets)
 
-    existing = TrakStore.exists(config.store, config.storage_options)
-    if existing:  # refuse mismatches before writing anything
-        store = TrakStore.open(config.store, config.storage_options)
-        store.validate(meta)
-        have = store.root.attrs.get(PIPELINE_ATTR, {}).get("train_data_sha256")
-        if have is not None and have != train_sha:
-            raise StoreMismatchError(f"train_data: the store at {config.store} was featurized with different "
-                                     "train data (its fingerprint differs); use a new store")
-        for mid, rec in enumerate(records):
-            fin = store.finalize_info(mid) if store.has_model(mid) else None
-            if fin is not None:
-                for field, want, have in (
-                        ("lambda_reg", _lambda_setting(config.lambda_reg),
-                         _lambda_setting(fin.get("lambda_setting", fin.get("lambda_reg")))),
-                        ("rescale_inverse", config.rescale_inverse, fin.get("rescale"))):
-                    if have is not None and have != want:
-                        raise StoreMismatchError(
-                            f"{field}: model_id={mid} in {config.store} was finalized with {field}={have!r}, not "
-                            f"{want!r}; use a new store (or the same {field})")
-            if store.has_model(mid):
-                old = store.model(mid).group.attrs.get("checkpoint")
-                if old is not None and old.get("sha256") != rec["sha256"]:
+
+def fingerprint_inputs(inputs: CheckedInputs) -> Fingerprints:
+    return Fingerprints(train_data=array_fingerprint(inputs.train), target_data=array_fingerprint(inputs.targets),
+                        checkpoints=tuple({"path": p, "sha256": file_fingerprint(p)} for p in inputs.checkpoints))
+
+
+#: the pipeline record's fingerprint scheme (trak_core.lds.array_fingerprint); stores without it used the
+#: scheme below (dtype repr instead of dtype.str), still accepted so that their runs resume
+FINGERPRINT_SCHEME = "array_fingerprint"
+
+
+def _fingerprint_v0(data: tuple) -> str:
+    """The data fingerprint stores made before FINGERPRINT_SCHEME was recorded hold (read-only, for the check)."""
+    h = hashlib.sha256()
+    for t in data:
+        a = t.detach().cpu().contiguous().numpy()
+        h.update(str((a.dtype, a.shape)).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _same_data(recorded: Optional[str], data: tuple, fingerprint: str, scheme: Optional[str]) -> bool:
+    if recorded is None or recorded == fingerprint:
+        return True
+    return scheme is None and recorded == _fingerprint_v0(data)
+
+
+def check_against_store(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerprints) -> None:
+    """Refuse (StoreMismatchError / BadInputError, naming the field) an existing store made with other
+    settings, data, checkpoints, λ or targets, before anything is written. No store: nothing to check."""
+    if not TrakStore.exists(config.store, config.storage_options):
+        return
+    store = TrakStore.open(config.store, config.storage_options)
+    store.validate(inputs.meta)
+    record = store.pipeline_info()
+    scheme = record.get("fingerprint")
+    if not _same_data(record.get("train_data_sha256"), inputs.train, prints.train_data, scheme):
+        raise StoreMismatchError(f"train_data: the store at {config.store} was featurized with different "
+                                 "train data (its fingerprint differs); use a new store")
+    want_lambda = config.settings.lambda_rule.setting
+    for mid, rec in enumerate(prints.checkpoints):
+        if not store.has_model(mid):
+            continue
+        fin = store.finalize_info(mid)
+        if fin is not None:
+            had = fin.get("lambda_setting", fin.get("lambda_reg"))
+            for field, want, have in (
+                    ("lambda_reg", want_lambda, None if had is None else parse_lambda_reg(had).setting),
+                    ("rescale_inverse", config.rescale_inverse, fin.get("rescale"))):
+                if have is not None and have != want:
                     raise StoreMismatchError(
-                        f"checkpoints: model_id={mid} in {config.store} was featurized from {old.get('path')} "
-                        f"but checkpoint {mid} in sorted order is now {rec['path']} (different content); "
-                        "use a new store or the same checkpoints")
-        if config.exp_name in store.experiments():
-            e = store.experiment(config.exp_name)
-            if int(e.attrs.get("num_targets", -1)) != m or e.attrs.get("target_data_sha256", target_sha) != target_sha:
-                raise StoreMismatchError(f"exp_name: experiment {config.exp_name!r} in {config.store} was made "
-                                         "with other targets; choose a new exp_name")
-    store = TrakStore.create_or_open(config.store, meta, config.storage_options)
+                        f"{field}: model_id={mid} in {config.store} was finalized with {field}={have!r}, not "
+                        f"{want!r}; use a new store (or the same {field})")
+        old = store.checkpoint_record(mid)
+        if old is not None and old.get("sha256") != rec["sha256"]:
+            raise StoreMismatchError(
+                f"checkpoints: model_id={mid} in {config.store} was featurized from {old.get('path')} "
+                f"but checkpoint {mid} in sorted order is now {rec['path']} (different content); "
+                "use a new store or the same checkpoints")
+    if config.exp_name in store.experiments():
+        recorded = store.target_data_sha256(config.exp_name)
+        if (store.num_targets(config.exp_name) != inputs.num_targets
+                or not _same_data(recorded, inputs.targets, prints.target_data, scheme)):
+            raise StoreMismatchError(f"exp_name: experiment {config.exp_name!r} in {config.store} was made "
+                                     "with other targets; choose a new exp_name")
+
+
+def create_plan(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerprints) -> Plan:
+    """Create (or complete) the store's arrays and records, once, before any fan-out; return the plan."""
+    existing = TrakStore.exists(config.store, config.storage_options)
+    store = TrakStore.create_or_open(config.store, inputs.meta, config.storage_options)
     if not existing:
-        store.root.attrs[PIPELINE_ATTR] = {"train_data_sha256": train_sha}
-    for mid, rec in enumerate(records):
+        store.set_pipeline_info({"train_data_sha256": prints.train_data, "fingerprint": FINGERPRINT_SCHEME})
+    for mid, rec in enumerate(prints.checkpoints):
         store.init_model(mid)
-        g = store.model(mid).group
-        if g.attrs.get("checkpoint") is None:
-            g.attrs["checkpoint"] = rec
-    e = store.init_experiment(config.exp_name, m)
-    if e.attrs.get("target_data_sha256") is None:
-        e.attrs["target_data_sha256"] = target_sha
-    for mid in range(len(records)):
+        if store.checkpoint_record(mid) is None:
+            store.set_checkpoint_record(mid, rec)
+    store.init_experiment(config.exp_name, inputs.num_targets)
+    if store.target_data_sha256(config.exp_name) is None:
+        store.set_target_data_sha256(config.exp_name, prints.target_data)
+    for mid in range(len(prints.checkpoints)):
         store.init_experiment_model(config.exp_name, mid)
     store.init_scores(config.exp_name)
-    return {"store": config.store, "exp_name": config.exp_name, "train_set_size": n, "num_targets": m,
-            "grad_dim": meta.grad_dim, "proj_dim": meta.proj_dim, "shard_rows": meta.shard_rows,
-            "chunk_rows": meta.chunk_rows, "num_shards": meta.num_shards,
-            "models": [{"model_id": mid, "checkpoint": rec["path"]} for mid, rec in enumerate(records)]}
+    meta = inputs.meta
+    return Plan(store=config.store, exp_name=config.exp_name, train_set_size=meta.train_set_size,
+                num_targets=inputs.num_targets, grad_dim=meta.grad_dim, proj_dim=meta.proj_dim,
+                shard_rows=meta.shard_rows, chunk_rows=meta.chunk_rows, num_shards=meta.num_shards,
+                models=tuple(PlannedModel(model_id=mid, checkpoint=path) for mid, path in enumerate(inputs.checkpoints)))
+
+
+def make_plan(config: AttributeConfig) -> Plan:
+    """validate → fingerprint → check the existing store → create its arrays.
+
+    Raises (BadInputError / StoreMismatchError, naming the field) before writing anything when the model,
+    data, task, checkpoints or an existing store do not fit together.
+    """
+    inputs = validate_inputs(config)
+    prints = fingerprint_inputs(inputs)
+    check_against_store(config, inputs, prints)
+    return create_plan(config, inputs, prints)
 
 
 # ---------------------------------------------------------------------------- featurize
-def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, shard: int) -> dict:
+def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, shard: int) -> ShardManifest:
     """Projected gradients X and weights Q of one shard of train rows, then its XᵀX partial."""
     t0 = time.perf_counter()
     store = open_store(config)
@@ -226,7 +261,7 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
         if not store.partial_done(model_id, shard):
             ensure_partial(store, model_id, shard)
         progress.advance("featurize", b - a)
-        return manifest("featurize", t0, True, model_id=model_id, shard=shard, rows=[a, b])
+        return ShardManifest.timed(t0, True, model_id=model_id, shard=shard, rows=(a, b))
     if store.is_finalized(model_id):
         raise StateError(f"model_id={model_id} is finalized but rows {a}..{b - 1} are not featurized")
     feat = build_featurizer(config, checkpoint, store.meta.grad_dim)
@@ -246,37 +281,37 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
     x, q = np.concatenate(xs), np.concatenate(qs)
     store.write_train_rows(model_id, slice(a, b), x, q)
     store.write_partial(model_id, shard, shard_partial(store, model_id, shard, rows=x))
-    _crash_point("featurize")
-    return manifest("featurize", t0, False, model_id=model_id, shard=shard, rows=[a, b])
+    return ShardManifest.timed(t0, False, model_id=model_id, shard=shard, rows=(a, b))
 
 
 # ---------------------------------------------------------------------------- finalize
-def finalize_checkpoint(config: AttributeConfig, model_id: int) -> dict:
+def finalize_checkpoint(config: AttributeConfig, model_id: int) -> FinalizeManifest:
     """Σ shard partials (in shard order) → (XᵀX + λI)⁻¹ → features Φ of one checkpoint."""
     t0 = time.perf_counter()
     store = open_store(config)
     if store.is_finalized(model_id):
         progress.advance("finalize", 1)
-        return manifest("finalize", t0, True, model_id=model_id, info=store.finalize_info(model_id))
+        return FinalizeManifest.timed(t0, True, model_id=model_id, info=store.finalize_info(model_id))
+    st = config.settings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        info = finalize_model(store, model_id, config.lambda_reg, config.rescale_inverse)
+        info = finalize_model(store, model_id, st.lambda_reg, st.rescale_inverse)
     for w in caught:  # re-issue (the record hides them) and keep the text in the manifest
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     progress.advance("finalize", 1)
-    return manifest("finalize", t0, False, model_id=model_id, info=info,
-                    warnings=[str(w.message) for w in caught])
+    return FinalizeManifest.timed(t0, False, model_id=model_id, info=info,
+                                  warnings=tuple(str(w.message) for w in caught))
 
 
 # ---------------------------------------------------------------------------- targets and scores
-def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -> dict:
+def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -> TargetsManifest:
     """Projected gradients G of all targets of the experiment for one checkpoint."""
     t0 = time.perf_counter()
     store = open_store(config)
     exp = config.exp_name
     if store.targets_complete(exp, model_id):
         progress.advance("targets", 1)
-        return manifest("targets", t0, True, model_id=model_id, exp_name=exp)
+        return TargetsManifest.timed(t0, True, model_id=model_id, exp_name=exp)
     feat = build_featurizer(config, checkpoint, store.meta.grad_dim)
     data = cached_data(config.target_data, "target_data")
     m = store.num_targets(exp)
@@ -286,34 +321,28 @@ def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -
         gs.append(feat.target_features([t[s:e] for t in data], model_id, range(s, e)))
     store.write_target_rows(exp, model_id, slice(0, m), np.concatenate(gs))
     progress.advance("targets", 1)
-    return manifest("targets", t0, False, model_id=model_id, exp_name=exp)
+    return TargetsManifest.timed(t0, False, model_id=model_id, exp_name=exp)
 
 
-def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> dict:
+def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
     """Which checkpoints are combined, and score blocks (one per shard). Forgets rows scored with
     another combination of checkpoints. Call once, before fanning out score_block."""
     store = open_store(config)
     exp = config.exp_name
     used = usable_models(store, exp, model_ids)
-    store.init_scores(exp)
-    e = store.experiment(exp)
-    if [int(x) for x in e.attrs.get("scored_with", [])] != used:
-        e["scores_done"][:] = 0
-        e.attrs["scored_with"] = used
-    blocks = [list(store.meta.shard_range(s)) for s in range(store.meta.num_shards)]
-    return {"model_ids": used, "blocks": blocks}
+    store.begin_scores(exp, used)
+    blocks = tuple(store.meta.shard_range(s) for s in range(store.meta.num_shards))
+    return ScorePlan(model_ids=tuple(used), blocks=blocks)
 
 
-def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -> dict:
+def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -> ScoreBlockManifest:
     """Combined scores of train rows [a, b) against all targets."""
     t0 = time.perf_counter()
     store = open_store(config)
     exp = config.exp_name
-    e = store.experiment(exp)
-    if bool(e["scores_done"][a:b].all()):
+    if store.rows_scored(exp, a, b):
         progress.advance("score", b - a)
-        return manifest("score", t0, True, rows=[a, b])
+        return ScoreBlockManifest.timed(t0, True, rows=(a, b))
     score_rows(store, exp, model_ids, a, b, load_targets(store, exp, model_ids))
-    _crash_point("score")
     progress.advance("score", b - a)
-    return manifest("score", t0, False, rows=[a, b])
+    return ScoreBlockManifest.timed(t0, False, rows=(a, b))

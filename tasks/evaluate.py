@@ -22,21 +22,21 @@ import os
 import time
 from pathlib import Path
 
-
 import numpy as np
 import torch
 from prefect import task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import NONE
 
-from trak_core.config import EvaluateConfig, TrainConfig
 from trak_core.errors import BadInputError
 from trak_core.lds import array_fingerprint, bootstrap_ci, lds, margins_from_logits, subset_masks, truth_key
 from trak_core.store import TrakStore
 
 from . import progress
 from .attribution import RETRIES, RETRY_DELAY_SECONDS, retry_unless_bad_input
-from .common import GPU_TAG, cached_data, manifest
+from .common import GPU_TAG, cached_data
+from .config import EvaluateConfig, TrainConfig
+from .plan import SubsetModelManifest, TruthPlan
 from .report import artifact_key, data_url
 from .trainer import forward, split_xy, train_on_rows
 
@@ -72,7 +72,7 @@ def _model_file(folder: Path, s: int, r: int) -> Path:
     return folder / "models" / f"s{s:05d}_r{r}.npy"
 
 
-def plan_truth(config: EvaluateConfig) -> dict:
+def plan_truth(config: EvaluateConfig) -> TruthPlan:
     """The cache folder of this ground truth (created with identity.json) and the (s, r) models to train."""
     a = config.attribute
     for field, path in (("train_data", a.train_data), ("target_data", a.target_data)):
@@ -87,19 +87,18 @@ def plan_truth(config: EvaluateConfig) -> dict:
         tmp = idf.with_name(idf.name + ".tmp")
         tmp.write_text(json.dumps(ident, indent=1))
         os.replace(tmp, idf)
-    jobs = [[s, r] for s in range(config.num_subsets) for r in range(config.seeds_per_subset)]
-    todo = [j for j in jobs if not _model_file(folder, *j).is_file()]
-    return {"key": key, "folder": str(folder), "n": ident["n"], "m": ident["m"], "models": len(jobs),
-            "to_train": len(todo), "jobs": todo}
+    jobs = [(s, r) for s in range(config.num_subsets) for r in range(config.seeds_per_subset)]
+    todo = tuple(j for j in jobs if not _model_file(folder, *j).is_file())
+    return TruthPlan(key=key, folder=str(folder), n=ident["n"], m=ident["m"], models=len(jobs), jobs=todo)
 
 
-def train_subset_model(config: EvaluateConfig, folder: str, s: int, r: int) -> dict:
+def train_subset_model(config: EvaluateConfig, folder: str, s: int, r: int) -> SubsetModelManifest:
     """Train counterfactual model (s, r) on subset s; write its target margins. Skips a model already there."""
     t0 = time.perf_counter()
     out = _model_file(Path(folder), s, r)
     if out.is_file():
         progress.advance("lds-train", 1)
-        return manifest("lds-train", t0, True, subset=s, seed_index=r)
+        return SubsetModelManifest.timed(t0, True, subset=s, seed_index=r)
     a = config.attribute
     train = cached_data(a.train_data, "train_data")
     n = int(train[0].shape[0])
@@ -112,7 +111,7 @@ def train_subset_model(config: EvaluateConfig, folder: str, s: int, r: int) -> d
     np.save(tmp, margins)
     os.replace(tmp, out)
     progress.advance("lds-train", 1)
-    return manifest("lds-train", t0, False, subset=s, seed_index=r, seed=seed, rows=int(rows.size))
+    return SubsetModelManifest.timed(t0, False, subset=s, seed_index=r, seed=seed, rows=int(rows.size))
 
 
 def target_margins(model: torch.nn.Module, targets: tuple, device: str = "cpu", batch: int = 1024) -> np.ndarray:
@@ -155,7 +154,7 @@ def experiment_scores(config: EvaluateConfig) -> np.ndarray:
     if a.exp_name not in store.experiments():
         raise BadInputError(f"exp_name: no experiment {a.exp_name!r} in {a.store} (it has {store.experiments()}); "
                             "run the attribute flow first (run_attribute: true)")
-    done = store.experiment(a.exp_name)["scores_done"][:]
+    done = store.scores_done_mask(a.exp_name)
     if not done.all():
         raise BadInputError(f"exp_name: experiment {a.exp_name!r} in {a.store} is not fully scored "
                             f"({int(done.sum())}/{done.size} rows); run the attribute flow (run_attribute: true)")
@@ -245,14 +244,14 @@ def write_lds_report(config: EvaluateConfig, result: dict) -> tuple[str, bytes, 
 
 # ---------------------------------------------------------------------------- Prefect tasks
 @task(name="plan-lds", cache_policy=NONE, persist_result=False)
-def plan_truth_task(config: EvaluateConfig) -> dict:
+def plan_truth_task(config: EvaluateConfig) -> TruthPlan:
     return plan_truth(config)
 
 
 @task(name="train-subset-model", task_run_name="subset-{s}-seed-{r}", tags=[GPU_TAG], cache_policy=NONE,
       persist_result=False, retries=RETRIES, retry_delay_seconds=RETRY_DELAY_SECONDS,
       retry_condition_fn=retry_unless_bad_input)
-def train_subset_model_task(config: EvaluateConfig, folder: str, s: int, r: int) -> dict:
+def train_subset_model_task(config: EvaluateConfig, folder: str, s: int, r: int) -> SubsetModelManifest:
     return train_subset_model(config, folder, s, r)
 
 

@@ -14,10 +14,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from trak_core.config import AttributeConfig, load_object
 from trak_core.store import TrakStore
 
 from .common import cached_data
+from .config import AttributeConfig, load_object
 
 
 def labels_of(data: tuple) -> Optional[np.ndarray]:

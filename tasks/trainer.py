@@ -1,6 +1,6 @@
 """Training one checkpoint for TRAK (plain function; tasks/training.py wraps it as a Prefect task).
 
-Per model ``i`` of a :class:`~trak_core.config.TrainConfig` in ``out_dir``:
+Per model ``i`` of a :class:`~tasks.config.TrainConfig` in ``out_dir``:
 
 * ``model_{i:03d}.pt``       the state_dict (written atomically: tmp file, then rename);
 * ``model_{i:03d}.json``     its record (seed, subset, losses, accuracy, α per step); written last, so
@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trak_core.config import TrainConfig, load_data, load_object
 from trak_core.errors import BadInputError
 
 from . import progress
+from .config import TrainConfig, load_data, load_object
 
 _INIT_LOCK = threading.Lock()  # torch.manual_seed is process-global: seed + build under one lock
 # torch's forward-AD levels (torch.func.jvp, used by Alpha) are process-global, not per thread: two

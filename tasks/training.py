@@ -8,11 +8,11 @@ from prefect import task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import NONE
 
-from trak_core.config import TrainConfig
 
 from . import trainer
 from .attribution import RETRIES, RETRY_DELAY_SECONDS, retry_unless_bad_input
 from .common import GPU_TAG
+from .config import TrainConfig
 from .report import artifact_key, data_url
 
 

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from examples import tiny
-from trak_core.config import AttributeConfig, TrainConfig, check_store_location, load_object, resolve_checkpoints
+from tasks.config import AttributeConfig, TrainConfig, check_store_location, load_object, resolve_checkpoints
 from trak_core.errors import BadInputError
 
 

@@ -22,8 +22,8 @@ import yaml
 from scipy.stats import spearmanr
 
 from examples import tiny
+from tasks.config import EvaluateConfig
 from trak_core import lds as L
-from trak_core.config import EvaluateConfig
 from trak_core.errors import BadInputError
 from trak_core.store import TrakStore
 
@@ -91,7 +91,7 @@ def test_lds_refuses_mismatched_shapes():
 def _checkpoints(folder: Path) -> list[str]:
     """Two tiny models trained with RECIPE (the train flow's training code, no files but the state_dicts)."""
     from tasks.trainer import train_on_rows
-    from trak_core.config import TrainConfig
+    from tasks.config import TrainConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(model="examples.tiny:make_model", train_data="examples.tiny:train_data", out_dir=str(folder),
@@ -191,7 +191,7 @@ def test_larger_m_trains_only_new_subsets_and_recipe_changes_the_key(evaluated):
     assert Path(res["truth"]).parent == Path(first["truth"]).parent
     np.testing.assert_array_equal(np.load(res["truth"])["margins"][:10], np.load(first["truth"])["margins"])
     other = plan_truth(cfg.model_copy(update={"lr": 0.01}))
-    assert other["folder"] != str(Path(first["truth"]).parent) and other["to_train"] == 10
+    assert other.folder != str(Path(first["truth"]).parent) and other.to_train == 10
 
 
 def test_unscored_experiment_without_run_attribute_names_the_field(evaluated):
@@ -291,7 +291,7 @@ def test_planted_duplicate_is_top_proponent_and_mislabeled_copy_top_opponent(pla
 
 # ---------------------------------------------------------------------------- damping settings in the config
 def test_attribute_config_lambda_reg_settings(tmp_path):
-    from trak_core.config import AttributeConfig
+    from tasks.config import AttributeConfig
     from trak_core.scoring import AUTO_DAMPING, resolve_lambda
 
     ck = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from examples import tiny
+from tasks.config import AttributeConfig, TrainConfig
 from trak_core import TRAKer
-from trak_core.config import AttributeConfig, TrainConfig
 from trak_core.errors import BadInputError, StateError, StoreMismatchError
 from trak_core.featurize import Featurizer
 from trak_core.store import TrakStore
@@ -129,7 +129,7 @@ def test_second_run_recomputes_nothing(attributed, monkeypatch):
     assert calls == []
     for stage in ("featurize", "finalize"):
         assert again[stage]["computed"] == 0 and again[stage]["skipped"] == first[stage]["tasks"]
-        assert all(m["skipped"] for m in again[stage]["manifests"])
+        assert all(m.skipped for m in again[stage]["manifests"])
     assert again["score"]["computed"] == 0 and again["score"]["skipped"] == first["score"]["tasks"]
     after = file_mtimes(cfg.store)
     assert after == before, sorted(k for k in after if after[k] != before.get(k))
@@ -203,7 +203,7 @@ def test_featurize_skips_complete_shards_and_redoes_one(tmp_path):
     store.model(0).partial_done[2] = 0
     again = featurize(cfg)
     assert again["computed"] == 1 and again["skipped"] == N // SHARD - 1
-    assert [m["shard"] for m in again["manifests"] if not m["skipped"]] == [2]
+    assert [m.shard for m in again["manifests"] if not m.skipped] == [2]
     np.testing.assert_array_equal(TrakStore.open(cfg.store).model(0).grads[:], grads)
 
 
@@ -289,6 +289,34 @@ def test_task_options():
         assert type(t.cache_policy) is type(NONE)
 
 
+def test_flows_run_tasks_on_their_configs_runner(tmp_path):
+    """Every flow's tasks run on the runner its config asks for, however it is called (directly here):
+    ConfigTaskRunner builds it from the flow run's validated ``config`` on the first submitted task."""
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    import flows
+    from flows.runners import ConfigTaskRunner
+
+    for f in (flows.attribute, flows.featurize, flows.finalize, flows.score, flows.train, flows.evaluate):
+        assert isinstance(f.task_runner, ConfigTaskRunner), f.name
+
+    @task
+    def one() -> int:
+        return 1
+
+    @flow(task_runner=ConfigTaskRunner())
+    def probe(config: TrainConfig) -> tuple:
+        assert one.submit().result() == 1
+        runner = FlowRunContext.get().task_runner.runner
+        return type(runner).__name__, runner._max_workers
+
+    cfg = TrainConfig(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
+                      out_dir=str(tmp_path / "ck"), max_workers=3)
+    assert probe(cfg) == (ThreadPoolTaskRunner.__name__, 3)
+
+
 def test_train_flow_manifest_and_rerun(tmp_path):
     from flows import train
 
@@ -359,7 +387,7 @@ def test_prefect_yaml_entrypoints_resolve():
     assert spec["deployments"]
     from prefect import Flow
 
-    from trak_core.config import AttributeConfig, TrainConfig
+    from tasks.config import AttributeConfig, TrainConfig
 
     for dep in spec["deployments"]:
         path, fn = dep["entrypoint"].split(":")

@@ -29,7 +29,7 @@ def text_run(tmp_path_factory, prefect_harness):
     """2 checkpoints of the text example (the train flow, text's full-batch Adam recipe), then the attribute
     flow on its 1,200 sentences and 20 targets with a sentence report."""
     from flows import attribute, train
-    from trak_core.config import AttributeConfig, TrainConfig
+    from tasks.config import AttributeConfig, TrainConfig
 
     tmp = tmp_path_factory.mktemp("text")
     tc = TrainConfig(model="examples.text:make_model", train_data="examples.text:train_data", out_dir=str(tmp / "ck"),

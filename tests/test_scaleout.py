@@ -20,10 +20,10 @@ import torch
 import yaml
 
 from examples import tiny
-from trak_core.config import AttributeConfig
+from tasks.config import AttributeConfig
 from trak_core.errors import BadInputError, StoreLockedError
 from trak_core.featurize import Featurizer
-from trak_core.store import TrakStore
+from trak_core.store import StoreLock, TrakStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -88,12 +88,44 @@ def _api_url() -> str:
     return str(get_current_settings().api.url)
 
 
-def run_cli_killed(tmp: Path, cfg: AttributeConfig, env: dict) -> subprocess.CompletedProcess:
-    """`trakflow run cfg.yaml` in a subprocess against the test's Prefect server, with a crash hook."""
+#: run by the killed subprocess: wraps a step of tasks.core so that the process SIGKILLs itself (no cleanup)
+#: right after its N-th computed (not skipped) result, then runs `trakflow run <config>` (thread runner: the
+#: tasks call tasks.core in this process)
+CRASH_HOOK = """
+import os, signal, sys, threading
+
+import tasks.core as core
+from trakflow_cli.main import app
+
+step, limit, config = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+original, lock, done = getattr(core, step), threading.Lock(), [0]
+
+
+def crashing(*args, **kwargs):
+    out = original(*args, **kwargs)
+    if not out.skipped:
+        with lock:
+            done[0] += 1
+            if done[0] >= limit:
+                os.kill(os.getpid(), signal.SIGKILL)
+    return out
+
+
+setattr(core, step, crashing)
+app(["run", config])
+"""
+
+
+def run_cli_killed(tmp: Path, cfg: AttributeConfig, step: str, after: int) -> subprocess.CompletedProcess:
+    """`trakflow run cfg.yaml` in a subprocess against the test's Prefect server, killed (SIGKILL) right after
+    ``after`` computed calls of ``tasks.core.<step>`` (the hook is installed by the script, not the code)."""
     path = tmp / f"{Path(cfg.store).stem}.yaml"
     path.write_text(cfg.to_yaml())
-    full = {**os.environ, "PREFECT_API_URL": _api_url(), "PREFECT_LOGGING_LEVEL": "WARNING", **env}
-    return subprocess.run([sys.executable, "-m", "trakflow_cli.main", "run", str(path)], cwd=REPO, env=full,
+    hook = tmp / "crash_hook.py"
+    hook.write_text(CRASH_HOOK)
+    full = {**os.environ, "PREFECT_API_URL": _api_url(), "PREFECT_LOGGING_LEVEL": "WARNING",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, str(hook), step, str(after), str(path)], cwd=REPO, env=full,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -180,7 +212,7 @@ def test_dask_local_cluster_two_worker_processes_equal_scores(ref, tmp_path, mon
     used = {rec["worker"] for rec in plugin.buffer}
     assert len(used) == 2, used  # both worker processes ran tasks
     assert result["featurize"]["computed"] == MODELS * SHARDS
-    assert TrakStore.open(cfg.store).lock_holder() is None
+    assert TrakStore.open(cfg.store).lock.holder() is None
     np.testing.assert_array_equal(scores_of(cfg.store), expected)
 
 
@@ -226,14 +258,13 @@ def test_process_runner_one_worker_per_gpu(ref, tmp_path, monkeypatch):
     def pool_flow(config: AttributeConfig):
         plan = plan_attribution(config)
         seen = gather([probe.submit(str(meet), 2) for _ in range(2)])
-        shards = gather([featurize_shard.submit(config, m["model_id"], m["checkpoint"], s)
-                         for m in plan["models"] for s in range(plan["num_shards"])])
+        shards = gather([featurize_shard.submit(config, m.model_id, m.checkpoint, s) for m, s in plan.featurize_jobs()])
         return seen, shards
 
     seen, shards = pool_flow.with_options(task_runner=make_task_runner(cfg))(cfg)
     assert os.getpid() not in {s["pid"] for s in seen}
     assert sorted(s["gpu"] for s in seen) == ["0", "1"] and len({s["pid"] for s in seen}) == 2
-    assert sum(not m["skipped"] for m in shards) == MODELS * SHARDS
+    assert sum(not m.skipped for m in shards) == MODELS * SHARDS
     got, want = TrakStore.open(cfg.store, mode="r"), TrakStore.open(ref_cfg.store, mode="r")
     for mid in range(MODELS):
         np.testing.assert_array_equal(got.model(mid).grads[:], want.model(mid).grads[:])
@@ -285,22 +316,22 @@ def test_sigkill_during_featurize_then_resume(ref, tmp_path):
 
     _, ckpts, _, expected = ref
     cfg = config(tmp_path / "killed.zarr", ckpts)
-    proc = run_cli_killed(tmp_path, cfg, {"TRAKFLOW_TEST_KILL_AFTER_SHARDS": "3"})
+    proc = run_cli_killed(tmp_path, cfg, "featurize_shard", 3)
     assert proc.returncode == -9, proc.stderr[-3000:]
     store = TrakStore.open(cfg.store)
     complete = {(mid, s) for mid in range(MODELS) for s in range(SHARDS) if store.shard_featurized(mid, s)}
     assert 3 <= len(complete) < MODELS * SHARDS
     # (a shard of the other thread may be complete without its XᵀX partial: the rerun adds it, skipping the rows)
-    holder = store.lock_holder()
+    holder = store.lock.holder()
     assert holder is not None and holder["pid"] != os.getpid()  # left behind by the killed run
     assert not any(store.is_finalized(mid) for mid in range(MODELS))
 
     result = attribute(cfg)
 
-    skipped = {(m["model_id"], m["shard"]) for m in result["featurize"]["manifests"] if m["skipped"]}
+    skipped = {(m.model_id, m.shard) for m in result["featurize"]["manifests"] if m.skipped}
     assert skipped == complete
     assert result["featurize"]["computed"] == MODELS * SHARDS - len(complete)
-    assert store.lock_holder() is None
+    assert store.lock.holder() is None
     np.testing.assert_array_equal(scores_of(cfg.store), expected)
 
 
@@ -311,11 +342,11 @@ def test_sigkill_during_scoring_then_resume(ref, tmp_path):
 
     _, ckpts, _, expected = ref
     cfg = config(tmp_path / "killed.zarr", ckpts)
-    proc = run_cli_killed(tmp_path, cfg, {"TRAKFLOW_TEST_KILL_AFTER_SCORE_BLOCKS": "2"})
+    proc = run_cli_killed(tmp_path, cfg, "score_block", 2)
     assert proc.returncode == -9, proc.stderr[-3000:]
     store = TrakStore.open(cfg.store)
     assert all(store.is_finalized(mid) and store.targets_complete("tiny", mid) for mid in range(MODELS))
-    done = store.experiment("tiny")["scores_done"][:].reshape(SHARDS, SHARD)
+    done = store.experiment("tiny").scores_done[:].reshape(SHARDS, SHARD)
     assert set(done.min(axis=1)) <= {0, 1} and (done.min(axis=1) == done.max(axis=1)).all()  # whole blocks
     blocks_done = {b for b in range(SHARDS) if done[b].all()}
     assert 2 <= len(blocks_done) < SHARDS
@@ -327,7 +358,7 @@ def test_sigkill_during_scoring_then_resume(ref, tmp_path):
     assert result["featurize"]["computed"] == 0 and result["finalize"]["computed"] == 0
     assert result["score"]["targets"]["computed"] == 0  # the killed run completed the target gradients
     blocks = result["score"]["blocks"]["manifests"]
-    assert {m["rows"][0] // SHARD for m in blocks if m["skipped"]} == blocks_done
+    assert {m.rows[0] // SHARD for m in blocks if m.skipped} == blocks_done
     np.testing.assert_array_equal(scores_of(cfg.store), expected)
 
 
@@ -399,7 +430,7 @@ def test_bad_input_in_a_task_is_not_retried_and_reaches_the_caller(ref, tmp_path
     assert runs["featurize-m0-s1"].run_count == 1 and runs["featurize-m0-s1"].state.is_failed()
     store = TrakStore.open(cfg.store)
     assert not store.featurized_mask(0)[16:32].any()  # the shard with the bad row is not marked
-    assert store.lock_holder() is None  # a failed run releases its lock
+    assert store.lock.holder() is None  # a failed run releases its lock
 
 
 def test_non_finite_inputs_and_checkpoints_are_refused_by_the_plan(ref, tmp_path):
@@ -430,10 +461,10 @@ def test_second_run_on_a_locked_store_is_refused(ref):
         import sys
         from trak_core.store import TrakStore
         st = TrakStore.open({cfg.store!r})
-        st.acquire_lock("attribute/other-run")
+        st.lock.acquire("attribute/other-run")
         print("locked", flush=True)
         sys.stdin.readline()
-        st.release_lock()
+        st.lock.release()
         """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -446,7 +477,7 @@ def test_second_run_on_a_locked_store_is_refused(ref):
         assert holder.wait(timeout=60) == 0
     finally:
         holder.kill()
-    assert TrakStore.open(cfg.store).lock_holder() is None
+    assert TrakStore.open(cfg.store).lock.holder() is None
 
 
 def test_two_runs_in_one_process_and_nested_flows(ref, tmp_path):
@@ -457,10 +488,10 @@ def test_two_runs_in_one_process_and_nested_flows(ref, tmp_path):
     cfg = config(tmp_path / "new" / "s.zarr", ckpts)
     errors = []
     with run_lock(cfg, "first"):
-        assert TrakStore.lock_handle(cfg.store).lock_holder()["run"] == "first"
+        assert StoreLock(cfg.store).holder()["run"] == "first"
         with run_lock(cfg):  # same thread = same run: re-entered, not released at exit
             pass
-        assert TrakStore.lock_handle(cfg.store).lock_holder()["run"] == "first"
+        assert StoreLock(cfg.store).holder()["run"] == "first"
 
         def other():
             try:
@@ -488,7 +519,7 @@ def test_memory_fsspec_store(ref):
         result = attribute(cfg)
         assert result["featurize"]["computed"] == MODELS * SHARDS
         np.testing.assert_array_equal(scores_of(cfg.store), expected)
-        assert TrakStore.open(cfg.store).lock_holder() is None
+        assert TrakStore.open(cfg.store).lock.holder() is None
     finally:
         fsspec.filesystem("memory").rm("/trakflow-scaleout", recursive=True)
 
@@ -500,16 +531,16 @@ def test_unlock_command(tmp_path):
 
     loc = tmp_path / "s.zarr"
     loc.mkdir()
-    (loc / TrakStore.LOCK_NAME).write_text(json.dumps({"host": "gpu-node-7", "pid": 4242, "run": "attribute/lost",
+    (loc / StoreLock.NAME).write_text(json.dumps({"host": "gpu-node-7", "pid": 4242, "run": "attribute/lost",
                                                        "since": 0}))
     res = CliRunner().invoke(app, ["unlock", str(loc)])
     assert res.exit_code == 0, res.output
     assert "attribute/lost" in res.output and "gpu-node-7" in res.output
-    assert not (loc / TrakStore.LOCK_NAME).exists()
+    assert not (loc / StoreLock.NAME).exists()
     assert "not locked" in CliRunner().invoke(app, ["unlock", str(loc)]).output
     # a live holder on this host is not removed without --yes
-    (loc / TrakStore.LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run": "me"}))
+    (loc / StoreLock.NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run": "me"}))
     res = CliRunner().invoke(app, ["unlock", str(loc)])
-    assert res.exit_code != 0 and (loc / TrakStore.LOCK_NAME).exists()
+    assert res.exit_code != 0 and (loc / StoreLock.NAME).exists()
     assert CliRunner().invoke(app, ["unlock", str(loc), "--yes"]).exit_code == 0
-    assert not (loc / TrakStore.LOCK_NAME).exists()
+    assert not (loc / StoreLock.NAME).exists()

@@ -13,7 +13,7 @@ import torch
 
 from .errors import StateError
 from .scoring import (check_conditioning, combine_checkpoints, features_block, regularized_inverse,
-                      resolve_lambda, xtx_partial)
+                      parse_lambda_reg, xtx_partial)
 from .store import TrakStore
 
 
@@ -52,12 +52,13 @@ def require_featurized(store: TrakStore, model_id: int) -> None:
 
 
 def solve_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True) -> tuple[np.ndarray, dict]:
-    """(inverse (p, p) float64, info) for one model from its partials. ``lambda_reg``: see resolve_lambda."""
+    """(inverse (p, p) float64, info) for one model from its partials. ``lambda_reg``: see parse_lambda_reg."""
     xtx = torch.from_numpy(total_xtx(store, model_id))
-    lam = resolve_lambda(lambda_reg, xtx)
+    rule = parse_lambda_reg(lambda_reg)
+    lam = rule.resolve(xtx)
     cond = check_conditioning(xtx, lam, store.meta.train_set_size, model_id=model_id, stacklevel=3)
     inv = regularized_inverse(xtx, lam, rescale=rescale)
-    info = {"lambda_reg": lam, "lambda_setting": lambda_reg if isinstance(lambda_reg, str) else float(lambda_reg),
+    info = {"lambda_reg": lam, "lambda_setting": rule.setting,
             "rescale": bool(rescale), "condition": float(cond), "xtx_trace": float(torch.trace(xtx))}
     return inv.numpy(), info
 
@@ -66,9 +67,7 @@ def write_features_rows(store: TrakStore, model_id: int, inv: np.ndarray, a: int
     m = store.model(model_id)
     inv_t = torch.from_numpy(inv)
     x = torch.from_numpy(m.grads[a:b].astype(np.float32))
-    phi = features_block(x, inv_t).numpy()
-    m.features[a:b] = phi.astype(store.meta.np_dtype)
-    m.finalized[a:b] = 1
+    store.write_features_rows(model_id, a, b, features_block(x, inv_t).numpy())
 
 
 def finalize_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True,
@@ -89,7 +88,7 @@ def finalize_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: boo
             write_features_rows(store, model_id, inv, a, b)
         if progress:
             progress(b - a)
-    store.model(model_id).group.attrs["finalize"] = info
+    store.set_finalize_info(model_id, info)
     return info
 
 
@@ -127,7 +126,6 @@ def score_rows(store: TrakStore, exp_name: str, model_ids: list[int], a: int, b:
                targets: Optional[dict] = None) -> None:
     """Combined scores for train rows [a, b) written to the experiment's score array."""
     targets = targets if targets is not None else load_targets(store, exp_name, model_ids)
-    scores, done = store.init_scores(exp_name)
     acc = torch.zeros(b - a, store.num_targets(exp_name), dtype=torch.float32)
     qsum = np.zeros(b - a, dtype=np.float64)
     for mid in model_ids:
@@ -136,8 +134,7 @@ def score_rows(store: TrakStore, exp_name: str, model_ids: list[int], a: int, b:
         acc.addmm_(phi, targets[mid])  # acc += Φ_c Gᵀ_c, one GEMM per checkpoint
         qsum += m.out_to_loss[a:b].astype(np.float64)
     out = combine_checkpoints(acc.numpy(), qsum.astype(np.float32), len(model_ids))
-    scores[a:b] = out.astype(np.float32)
-    done[a:b] = 1
+    store.write_score_rows(exp_name, a, b, out)
 
 
 def finalize_scores(store: TrakStore, exp_name: str, model_ids: Optional[Iterable[int]] = None,
@@ -147,13 +144,11 @@ def finalize_scores(store: TrakStore, exp_name: str, model_ids: Optional[Iterabl
     targets = load_targets(store, exp_name, used)
     step = block_rows or store.meta.shard_rows
     n = store.meta.train_set_size
-    store.init_scores(exp_name)
-    e = store.experiment(exp_name)
-    e["scores_done"][:] = 0  # a new combination: recompute all rows
+    store.reset_scores(exp_name)  # a new combination: recompute all rows
     for a in range(0, n, step):
         b = min(a + step, n)
         score_rows(store, exp_name, used, a, b, targets)
         if progress:
             progress(b - a)
-    e.attrs["scored_with"] = [int(x) for x in used]
-    return e["scores"][:]
+    store.set_scored_with(exp_name, used)
+    return store.scores(exp_name)[:]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 import torch
@@ -31,14 +33,41 @@ CONDITION_WARN = 1e7
 AUTO_DAMPING = 0.3
 
 
-def resolve_lambda(lambda_reg, xtx: Tensor) -> float:
-    """The absolute λ for a ``lambda_reg`` setting: a number ≥ 0, ``"auto"``, or ``"rel:<f>"``.
+@dataclass(frozen=True)
+class LambdaRule:
+    """A parsed ``lambda_reg`` setting: an absolute λ, or ``factor`` × the mean eigenvalue of XᵀX.
+
+    ``setting`` is the normalized form, what a store records and compares: a float, ``"auto"`` or
+    ``"rel:<f>"`` (lower case, stripped)."""
+
+    setting: Union[float, str]
+    factor: float
+    relative: bool
+
+    def resolve(self, xtx: Tensor) -> float:
+        """The absolute λ for this XᵀX (trace / p is its mean eigenvalue)."""
+        if not self.relative:
+            return self.factor
+        return float(self.factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
+
+
+def parse_lambda_reg(lambda_reg: Union[float, int, str, LambdaRule]) -> LambdaRule:
+    """The one parser of a ``lambda_reg`` setting: a number ≥ 0 (also as text, e.g. from a command line),
+    ``"auto"`` (= ``rel:AUTO_DAMPING``) or ``"rel:<f>"`` with f ≥ 0. Raises ValueError naming lambda_reg.
 
     Relative settings scale with the mean eigenvalue of XᵀX (trace / p), so they do not depend on the
     gradient scale, the model size or proj_dim: ``"rel:0.1"`` adds 0.1 × the mean eigenvalue.
     """
+    if isinstance(lambda_reg, LambdaRule):
+        return lambda_reg
     if isinstance(lambda_reg, str):
         text = lambda_reg.strip().lower()
+        try:
+            number = float(text)  # a number given as text
+        except ValueError:
+            number = None
+        if number is not None:
+            return parse_lambda_reg(number)
         if text == "auto":
             factor = AUTO_DAMPING
         elif text.startswith("rel:"):
@@ -50,16 +79,26 @@ def resolve_lambda(lambda_reg, xtx: Tensor) -> float:
             raise ValueError(f"lambda_reg={lambda_reg!r}: use a number >= 0, 'auto' or 'rel:<factor>'")
         if not factor >= 0:
             raise ValueError(f"lambda_reg={lambda_reg!r}: the factor must be >= 0")
-        return float(factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
-    value = float(lambda_reg)
+        return LambdaRule(setting=text, factor=float(factor), relative=True)
+    if isinstance(lambda_reg, bool):
+        raise ValueError(f"lambda_reg must be a number >= 0, 'auto' or 'rel:<factor>', got {lambda_reg!r}")
+    try:
+        value = float(lambda_reg)
+    except (TypeError, ValueError):
+        raise ValueError(f"lambda_reg must be a number >= 0, 'auto' or 'rel:<factor>', got {lambda_reg!r}") from None
     if not value >= 0:
         raise ValueError(f"lambda_reg must be >= 0, got {lambda_reg!r}")
-    return value
+    return LambdaRule(setting=value, factor=value, relative=False)
+
+
+def resolve_lambda(lambda_reg, xtx: Tensor) -> float:
+    """The absolute λ for a ``lambda_reg`` setting (see :func:`parse_lambda_reg`) and this XᵀX."""
+    return parse_lambda_reg(lambda_reg).resolve(xtx)
 
 
 def check_lambda(lambda_reg) -> None:
     """Validate a lambda_reg setting without data (raises ValueError naming the problem)."""
-    resolve_lambda(lambda_reg, torch.eye(1, dtype=torch.float64))
+    parse_lambda_reg(lambda_reg)
 
 
 def xtx_partial(x_block: Tensor) -> Tensor:

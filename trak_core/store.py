@@ -2,7 +2,8 @@
 
 Layout (one group; a local path or any fsspec URL such as ``memory://x``, ``file:///x``, ``s3://b/x``)::
 
-    /                       attrs: {"trakflow": StoreMetadata}
+    /                       attrs: {"trakflow": StoreMetadata, "trakflow_pipeline": {...} (the pipeline's
+                                   record, e.g. train_data_sha256)}
     /models/<id>/grads          (n, p)  float16|float32   projected, normalized train gradients X
     /models/<id>/out_to_loss    (n,)    float32           Q
     /models/<id>/featurized     (n,)    uint8             row status: 1 once its grads and Q are written
@@ -10,8 +11,10 @@ Layout (one group; a local path or any fsspec URL such as ``memory://x``, ``file
     /models/<id>/partial_done   (S,)    uint8
     /models/<id>/features       (n, p)  float16|float32   Φ = X (XᵀX + λI)⁻¹
     /models/<id>/finalized      (n,)    uint8
-    /models/<id>                attrs: {"finalize": {...}} once all features are written
-    /experiments/<exp>          attrs: {"num_targets": m}
+    /models/<id>                attrs: {"checkpoint": {"path", "sha256"}} (pipeline), {"finalize": {...}} once
+                                all features are written
+    /experiments/<exp>          attrs: {"num_targets": m, "target_data_sha256": ... (pipeline),
+                                        "scored_with": [model ids the scores combine]}
     /experiments/<exp>/models/<id>/grads   (m, p)   target gradients G
     /experiments/<exp>/models/<id>/scored  (m,)     uint8
     /experiments/<exp>/scores   (n, m)  float32        final scores
@@ -21,6 +24,10 @@ All row arrays share ``chunk_rows`` so a writer that owns whole chunks owns thei
 loses data when two processes write the same chunk). A row's status is set only after its data is
 written, so a crash leaves unfinished rows visibly unfinished. Metadata is a pydantic model validated on
 reopen: a mismatch is refused naming the field, before anything is written.
+
+Every array and attribute above is read and written through this module (:class:`TrakStore`'s methods,
+:class:`ModelArrays`, :class:`TargetArrays`, :class:`ExperimentArrays`); the run lock file
+``trakflow.lock`` beside them is :class:`StoreLock`'s.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from .errors import BadInputError, StateError, StoreLockedError, StoreMismatchEr
 
 SCHEMA_VERSION = 1
 _META_KEY = "trakflow"
+_PIPELINE_KEY = "trakflow_pipeline"  # the pipeline's record (tasks/), kept beside the metadata
 
 
 def _versions() -> dict:
@@ -143,12 +151,217 @@ def _open_zarr(location: str, mode: str, storage_options: Optional[dict] = None)
     return zarr.open_group(store=str(location), mode=mode, zarr_format=3, **kw)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelArrays:
+    """The arrays of one checkpoint (``/models/<id>``)."""
+
     group: zarr.Group
 
-    def __getattr__(self, name):
-        return self.group[name]
+    @property
+    def grads(self) -> zarr.Array:
+        """(n, p) projected, normalized train gradients X."""
+        return self.group["grads"]
+
+    @property
+    def out_to_loss(self) -> zarr.Array:
+        """(n,) float32 Q."""
+        return self.group["out_to_loss"]
+
+    @property
+    def featurized(self) -> zarr.Array:
+        """(n,) uint8 row status: 1 once the row's grads and Q are written."""
+        return self.group["featurized"]
+
+    @property
+    def xtx_partials(self) -> zarr.Array:
+        """(S, p, p) float64 Xₛᵀ Xₛ of each shard."""
+        return self.group["xtx_partials"]
+
+    @property
+    def partial_done(self) -> zarr.Array:
+        """(S,) uint8 shard status of ``xtx_partials``."""
+        return self.group["partial_done"]
+
+    @property
+    def features(self) -> zarr.Array:
+        """(n, p) Φ = X (XᵀX + λI)⁻¹."""
+        return self.group["features"]
+
+    @property
+    def finalized(self) -> zarr.Array:
+        """(n,) uint8 row status of ``features``."""
+        return self.group["finalized"]
+
+
+@dataclass(frozen=True)
+class TargetArrays:
+    """The target gradients of one checkpoint in one experiment (``/experiments/<exp>/models/<id>``)."""
+
+    group: zarr.Group
+
+    @property
+    def grads(self) -> zarr.Array:
+        """(m, p) target gradients G."""
+        return self.group["grads"]
+
+    @property
+    def scored(self) -> zarr.Array:
+        """(m,) uint8 row status of ``grads``."""
+        return self.group["scored"]
+
+
+@dataclass(frozen=True)
+class ExperimentArrays:
+    """One experiment (``/experiments/<exp>``): its targets and its combined scores."""
+
+    group: zarr.Group
+
+    @property
+    def name(self) -> str:
+        return self.group.basename
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.group.attrs["num_targets"])
+
+    @property
+    def has_scores(self) -> bool:
+        return "scores" in self.group
+
+    @property
+    def scores(self) -> zarr.Array:
+        """(n, m) float32 combined scores."""
+        return self.group["scores"]
+
+    @property
+    def scores_done(self) -> zarr.Array:
+        """(n,) uint8 row status of ``scores``."""
+        return self.group["scores_done"]
+
+    def model_ids(self) -> list[int]:
+        return sorted(int(k) for k in self.group["models"].group_keys())
+
+    def has_model(self, model_id: int) -> bool:
+        return str(int(model_id)) in self.group["models"]
+
+    def model(self, model_id: int) -> TargetArrays:
+        return TargetArrays(self.group["models"][str(int(model_id))])
+
+
+# ---------------------------------------------------------------------------- run lock
+class StoreLock:
+    """The run lock of a store: a small JSON file ``trakflow.lock`` (host, pid, run, since) in its folder.
+
+    It needs only the location (a run locks before the plan creates the store). ``with
+    StoreLock(location, run): ...`` holds it for a block. A lock left by a dead process of this host (a
+    crash, SIGKILL) is stale and taken over, so a rerun resumes. Workers of one run (Dask, processes)
+    write disjoint chunks and need no lock.
+    """
+
+    NAME = "trakflow.lock"
+
+    def __init__(self, location: str, run: str = ""):
+        self.location = str(location)
+        self.run = run
+
+    def _fs_and_path(self):
+        import fsspec
+        from fsspec.core import url_to_fs
+
+        loc = self.location
+        if loc.startswith("file://"):
+            loc = urlparse(loc).path
+        if _is_url(loc):
+            fs, path = url_to_fs(loc)
+        else:
+            fs, path = fsspec.filesystem("file"), os.path.abspath(loc)
+        return fs, path.rstrip("/") + "/" + self.NAME
+
+    def holder(self) -> Optional[dict]:
+        """Who holds the lock (``{"host", "pid", "run", "since"}``), or None."""
+        fs, path = self._fs_and_path()
+        try:
+            with fs.open(path, "rb") as fh:
+                return json.loads(fh.read().decode() or "{}")
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def holder_alive(holder: dict) -> bool:
+        """Whether a lock holder may still run (a holder on another host is assumed alive)."""
+        if holder.get("host") != socket.gethostname():
+            return True  # cannot tell for another machine: assume alive
+        pid = int(holder.get("pid", -1))
+        if pid <= 0:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def acquire(self, run: Optional[str] = None, force: bool = False) -> dict:
+        """Take the lock or raise :class:`StoreLockedError` naming the live holder (re-entrant within one
+        process; a dead holder of this host is taken over; ``force`` takes it from a live one)."""
+        run = self.run if run is None else run
+        fs, path = self._fs_and_path()
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "run": run, "since": time.time()}
+        holder = self.holder()
+        if holder is not None and holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
+            return holder  # re-entrant within one process
+        if holder is not None and not force and self.holder_alive(holder):
+            raise StoreLockedError(
+                f"store {self.location} is in use by run {holder.get('run') or '?'} (pid {holder.get('pid')} on "
+                f"{holder.get('host')}); two runs on one store are refused. Wait for it, or if that run is "
+                f"gone, remove the lock with `trakflow unlock {self.location}`."
+            )
+        payload = json.dumps(me).encode()
+        if holder is None and not _is_url(self.location.replace("file://", "")):
+            try:  # atomic on local filesystems
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return self.acquire(run, force)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(payload)
+        else:
+            with fs.open(path, "wb") as fh:
+                fh.write(payload)
+        if self.holder() != me:  # lost a race on a non-atomic filesystem
+            raise StoreLockedError(f"store {self.location}: another run took the lock at the same time")
+        return me
+
+    def release(self) -> None:
+        """Remove the lock if this process holds it."""
+        fs, path = self._fs_and_path()
+        holder = self.holder()
+        if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+            fs.rm(path)
+
+    def force_unlock(self) -> Optional[dict]:
+        """Remove the lock whoever holds it; returns the previous holder (None: it was not locked)."""
+        fs, path = self._fs_and_path()
+        holder = self.holder()
+        if holder is not None:
+            fs.rm(path)
+        return holder
+
+    @contextlib.contextmanager
+    def held(self, run: Optional[str] = None, force: bool = False):
+        """``with lock.held(run_name): ...`` — hold the lock for the block."""
+        self.acquire(run, force)
+        try:
+            yield self
+        finally:
+            self.release()
+
+    def __enter__(self) -> "StoreLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 class TrakStore:
@@ -211,103 +424,10 @@ class TrakStore:
                 )
 
     # ---------------------------------------------------------------- run lock
-    LOCK_NAME = "trakflow.lock"
-
-    @classmethod
-    def lock_handle(cls, location: str) -> "TrakStore":
-        """A handle for the run lock alone: the store itself may not exist yet (a run locks first)."""
-        return cls(location, None, None)  # type: ignore[arg-type]
-
-    def _fs_and_path(self):
-        import fsspec
-        from fsspec.core import url_to_fs
-
-        loc = self.location
-        if loc.startswith("file://"):
-            loc = urlparse(loc).path
-        if _is_url(loc):
-            fs, path = url_to_fs(loc)
-        else:
-            fs, path = fsspec.filesystem("file"), os.path.abspath(loc)
-        return fs, path.rstrip("/") + "/" + self.LOCK_NAME
-
-    def lock_holder(self) -> Optional[dict]:
-        fs, path = self._fs_and_path()
-        try:
-            with fs.open(path, "rb") as fh:
-                return json.loads(fh.read().decode() or "{}")
-        except FileNotFoundError:
-            return None
-
-    @staticmethod
-    def holder_alive(holder: dict) -> bool:
-        """Whether a lock holder may still run (a holder on another host is assumed alive)."""
-        if holder.get("host") != socket.gethostname():
-            return True  # cannot tell for another machine: assume alive
-        pid = int(holder.get("pid", -1))
-        if pid <= 0:
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    def acquire_lock(self, run: str = "", force: bool = False) -> dict:
-        """Take the store's run lock or raise :class:`StoreLockedError` naming the live holder.
-
-        A lock left by a dead process of this host (a crash, SIGKILL) is stale and taken over, so a
-        rerun resumes. Workers of one run (Dask, processes) write disjoint chunks and need no lock.
-        """
-        fs, path = self._fs_and_path()
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "run": run, "since": time.time()}
-        holder = self.lock_holder()
-        if holder is not None and holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
-            return holder  # re-entrant within one process
-        if holder is not None and not force and self.holder_alive(holder):
-            raise StoreLockedError(
-                f"store {self.location} is in use by run {holder.get('run') or '?'} (pid {holder.get('pid')} on "
-                f"{holder.get('host')}); two runs on one store are refused. Wait for it, or if that run is "
-                f"gone, remove the lock with `trakflow unlock {self.location}`."
-            )
-        payload = json.dumps(me).encode()
-        if holder is None and not _is_url(self.location.replace("file://", "")):
-            try:  # atomic on local filesystems
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return self.acquire_lock(run, force)
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(payload)
-        else:
-            with fs.open(path, "wb") as fh:
-                fh.write(payload)
-        if self.lock_holder() != me:  # lost a race on a non-atomic filesystem
-            raise StoreLockedError(f"store {self.location}: another run took the lock at the same time")
-        return me
-
-    def release_lock(self) -> None:
-        fs, path = self._fs_and_path()
-        holder = self.lock_holder()
-        if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-            fs.rm(path)
-
-    def force_unlock(self) -> Optional[dict]:
-        fs, path = self._fs_and_path()
-        holder = self.lock_holder()
-        if holder is not None:
-            fs.rm(path)
-        return holder
-
-    @contextlib.contextmanager
-    def locked(self, run: str = "", force: bool = False):
-        """``with store.locked(run_name): ...`` — hold the run lock for the block."""
-        self.acquire_lock(run, force)
-        try:
-            yield self
-        finally:
-            self.release_lock()
+    @property
+    def lock(self) -> StoreLock:
+        """This store's run lock (``store.lock.acquire(run)``, ``with store.lock.held(run): ...``)."""
+        return StoreLock(self.location)
 
     # ---------------------------------------------------------------- helpers
     def _row_array(self, g: zarr.Group, name: str, dtype, width: Optional[int] = None, rows: Optional[int] = None):
@@ -317,6 +437,14 @@ class TrakStore:
         shape = (n,) if width is None else (n, width)
         chunks = (self.meta.chunk_rows,) if width is None else (self.meta.chunk_rows, width)
         return g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=None, fill_value=0)
+
+    # ---------------------------------------------------------------- the pipeline's record
+    def pipeline_info(self) -> dict:
+        """What the pipeline recorded when it created the store (e.g. ``train_data_sha256``); {} if none."""
+        return dict(self.root.attrs.get(_PIPELINE_KEY) or {})
+
+    def set_pipeline_info(self, info: dict) -> None:
+        self.root.attrs[_PIPELINE_KEY] = dict(info)
 
     # ---------------------------------------------------------------- models
     def model_ids(self) -> list[int]:
@@ -348,6 +476,13 @@ class TrakStore:
                                 f"(it has {self.model_ids()})")
         return ModelArrays(self.root["models"][str(int(model_id))])
 
+    def checkpoint_record(self, model_id: int) -> Optional[dict]:
+        """The checkpoint ``model_id`` was featurized from (``{"path", "sha256"}``), if recorded."""
+        return self.model(model_id).group.attrs.get("checkpoint")
+
+    def set_checkpoint_record(self, model_id: int, record: dict) -> None:
+        self.model(model_id).group.attrs["checkpoint"] = dict(record)
+
     def featurized_mask(self, model_id: int) -> np.ndarray:
         return self.model(model_id).featurized[:].astype(bool)
 
@@ -358,8 +493,16 @@ class TrakStore:
     def partial_done(self, model_id: int, shard: int) -> bool:
         return bool(self.model(model_id).partial_done[shard])
 
+    def num_partials_done(self, model_id: int) -> int:
+        return int(self.model(model_id).partial_done[:].sum())
+
     def finalize_info(self, model_id: int) -> Optional[dict]:
+        """What finalize recorded (λ, its setting, rescale, condition, ...); None until finalized."""
         return self.model(model_id).group.attrs.get("finalize")
+
+    def set_finalize_info(self, model_id: int, info: dict) -> None:
+        """Mark ``model_id`` finalized (call after all its features are written)."""
+        self.model(model_id).group.attrs["finalize"] = dict(info)
 
     def is_finalized(self, model_id: int) -> bool:
         return self.has_model(model_id) and self.finalize_info(model_id) is not None
@@ -379,11 +522,17 @@ class TrakStore:
         m.xtx_partials[shard] = partial
         m.partial_done[shard] = 1
 
+    def write_features_rows(self, model_id: int, a: int, b: int, features: np.ndarray) -> None:
+        """Write features Φ of rows [a, b) then mark them finalized."""
+        m = self.model(model_id)
+        m.features[a:b] = features.astype(self.meta.np_dtype, copy=False)
+        m.finalized[a:b] = 1
+
     # ---------------------------------------------------------------- experiments
     def experiments(self) -> list[str]:
         return sorted(self.root["experiments"].group_keys())
 
-    def init_experiment(self, exp_name: str, num_targets: int) -> zarr.Group:
+    def init_experiment(self, exp_name: str, num_targets: int) -> ExperimentArrays:
         if not isinstance(exp_name, str) or not exp_name or "/" in exp_name:
             raise BadInputError(f"exp_name must be a non-empty string without '/', got {exp_name!r}")
         if not isinstance(num_targets, (int, np.integer)) or num_targets <= 0:
@@ -394,60 +543,106 @@ class TrakStore:
             if have != int(num_targets):
                 raise StoreMismatchError(f"experiment {exp_name!r} exists with num_targets={have}, "
                                          f"not {num_targets}")
-            return exps[exp_name]
+            return ExperimentArrays(exps[exp_name])
         g = exps.require_group(exp_name)
         g.require_group("models")
         g.attrs["num_targets"] = int(num_targets)
-        return g
+        return ExperimentArrays(g)
 
-    def experiment(self, exp_name: str) -> zarr.Group:
+    def experiment(self, exp_name: str) -> ExperimentArrays:
         if exp_name not in self.root["experiments"]:
             raise BadInputError(f"unknown experiment {exp_name!r}; the store has {self.experiments()}")
-        return self.root["experiments"][exp_name]
+        return ExperimentArrays(self.root["experiments"][exp_name])
 
     def num_targets(self, exp_name: str) -> int:
-        return int(self.experiment(exp_name).attrs["num_targets"])
+        return self.experiment(exp_name).num_targets
 
-    def init_experiment_model(self, exp_name: str, model_id: int) -> zarr.Group:
+    def target_data_sha256(self, exp_name: str) -> Optional[str]:
+        """The fingerprint of the targets the pipeline recorded for ``exp_name`` (None if none)."""
+        return self.experiment(exp_name).group.attrs.get("target_data_sha256")
+
+    def set_target_data_sha256(self, exp_name: str, sha256: str) -> None:
+        self.experiment(exp_name).group.attrs["target_data_sha256"] = str(sha256)
+
+    def init_experiment_model(self, exp_name: str, model_id: int) -> TargetArrays:
         e = self.experiment(exp_name)
-        m = self.num_targets(exp_name)
-        g = e["models"].require_group(str(int(model_id)))
+        m = e.num_targets
+        g = e.group["models"].require_group(str(int(model_id)))
         self._row_array(g, "grads", self.meta.dtype, self.meta.proj_dim, rows=m)
         self._row_array(g, "scored", "uint8", rows=m)
-        return g
+        return TargetArrays(g)
 
     def experiment_model_ids(self, exp_name: str) -> list[int]:
-        return sorted(int(k) for k in self.experiment(exp_name)["models"].group_keys())
+        return self.experiment(exp_name).model_ids()
 
     def target_grads(self, exp_name: str, model_id: int) -> zarr.Array:
         e = self.experiment(exp_name)
-        if str(int(model_id)) not in e["models"]:
+        if not e.has_model(model_id):
             raise BadInputError(f"experiment {exp_name!r} has no target gradients for model_id={model_id}")
-        return e["models"][str(int(model_id))]["grads"]
+        return e.model(model_id).grads
 
     def targets_complete(self, exp_name: str, model_id: int) -> bool:
         e = self.experiment(exp_name)
-        if str(int(model_id)) not in e["models"]:
+        if not e.has_model(model_id):
             return False
-        return bool(e["models"][str(int(model_id))]["scored"][:].all())
+        return bool(e.model(model_id).scored[:].all())
 
     def write_target_rows(self, exp_name: str, model_id: int, rows, grads: np.ndarray) -> None:
-        g = self.experiment(exp_name)["models"][str(int(model_id))]
-        _write_rows(g["grads"], rows, grads.astype(self.meta.np_dtype, copy=False))
-        _write_rows(g["scored"], rows, np.ones(grads.shape[0], dtype=np.uint8))
+        t = self.experiment(exp_name).model(model_id)
+        _write_rows(t.grads, rows, grads.astype(self.meta.np_dtype, copy=False))
+        _write_rows(t.scored, rows, np.ones(grads.shape[0], dtype=np.uint8))
 
     def init_scores(self, exp_name: str) -> tuple[zarr.Array, zarr.Array]:
         e = self.experiment(exp_name)
-        m = self.num_targets(exp_name)
-        scores = self._row_array(e, "scores", "float32", m)
-        done = self._row_array(e, "scores_done", "uint8")
+        scores = self._row_array(e.group, "scores", "float32", e.num_targets)
+        done = self._row_array(e.group, "scores_done", "uint8")
         return scores, done
+
+    def scored_with(self, exp_name: str) -> Optional[list[int]]:
+        """The model ids the experiment's scores combine (None before any scoring)."""
+        ids = self.experiment(exp_name).group.attrs.get("scored_with")
+        return None if ids is None else [int(x) for x in ids]
+
+    def set_scored_with(self, exp_name: str, model_ids) -> None:
+        """Record which model ids the score rows marked done combine."""
+        self.experiment(exp_name).group.attrs["scored_with"] = [int(x) for x in model_ids]
+
+    def begin_scores(self, exp_name: str, model_ids) -> None:
+        """Create the score arrays and make their done rows refer to the combination ``model_ids``: when it
+        differs from the recorded one, every row is marked not done (rows of another combination are
+        forgotten), then the new combination is recorded."""
+        ids = [int(x) for x in model_ids]
+        self.init_scores(exp_name)
+        if self.scored_with(exp_name) != ids:
+            self.reset_scores(exp_name)
+            self.set_scored_with(exp_name, ids)
+
+    def reset_scores(self, exp_name: str) -> None:
+        """Mark every score row of the experiment not done."""
+        _, done = self.init_scores(exp_name)
+        done[:] = 0
+
+    def scores_done_mask(self, exp_name: str) -> np.ndarray:
+        """(n,) bool: which train rows have their scores written (all False before scoring)."""
+        e = self.experiment(exp_name)
+        if not e.has_scores:
+            return np.zeros(self.meta.train_set_size, dtype=bool)
+        return e.scores_done[:].astype(bool)
+
+    def rows_scored(self, exp_name: str, a: int, b: int) -> bool:
+        return bool(self.experiment(exp_name).scores_done[a:b].all())
+
+    def write_score_rows(self, exp_name: str, a: int, b: int, scores: np.ndarray) -> None:
+        """Write the combined scores of train rows [a, b) then mark them done."""
+        arr, done = self.init_scores(exp_name)
+        arr[a:b] = scores.astype(np.float32, copy=False)
+        done[a:b] = 1
 
     def scores(self, exp_name: str) -> zarr.Array:
         e = self.experiment(exp_name)
-        if "scores" not in e or not bool(e["scores_done"][:].all()):
+        if not e.has_scores or not bool(e.scores_done[:].all()):
             raise StateError(f"scores of experiment {exp_name!r} are not finalized yet")
-        return e["scores"]
+        return e.scores
 
     # ---------------------------------------------------------------- reporting
     def status(self) -> dict:
@@ -460,10 +655,9 @@ class TrakStore:
             out["models"][mid] = {"featurized": int(m.featurized[:].sum()), "of": n,
                                   "finalized": self.is_finalized(mid)}
         for exp in self.experiments():
-            e = self.experiment(exp)
             info = {"num_targets": self.num_targets(exp), "models": self.experiment_model_ids(exp)}
             info["scored_models"] = [mid for mid in info["models"] if self.targets_complete(exp, mid)]
-            info["scores_rows_done"] = int(e["scores_done"][:].sum()) if "scores_done" in e else 0
+            info["scores_rows_done"] = int(self.scores_done_mask(exp).sum())
             out["experiments"][exp] = info
         return out
 

@@ -95,11 +95,10 @@ def _load_config(cls, path: Path):
 
 
 def _run_flow(flow_fn, config, bars: bool = True):
-    from flows.runners import make_task_runner
-
+    """Run a flow on a config (its tasks run on the config's task runner: flows.runners.ConfigTaskRunner)."""
     try:
         with _Bars(bars):
-            return flow_fn.with_options(task_runner=make_task_runner(config))(config)
+            return flow_fn(config)
     except _config_errors() as e:
         _fail(f"{type(e).__name__}: {e}", 1)
 
@@ -197,7 +196,7 @@ def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="whe
             a = "" if r.get("alpha_mean") is None else f", mean α {r['alpha_mean']:.2f}"
             console.print(f"  model {r['index']}: loss {r['final_loss']:.3f}, train accuracy "
                           f"{r['train_accuracy']:.3f}{a}{' (kept)' if r['skipped'] else ''}")
-    from trak_core.config import AttributeConfig
+    from tasks.config import AttributeConfig
 
     _print_attribution(out["attribute"], AttributeConfig.from_yaml(out["config"]))
     console.print(f"config: {out['config']} (re-run with `trakflow run` on it)")
@@ -211,7 +210,7 @@ def run(config_file: Path = typer.Argument(..., help="YAML file of an AttributeC
     """Run the attribute flow (or one stage of it) on a YAML config."""
     _prefect_env(verbose)
     import flows
-    from trak_core.config import AttributeConfig
+    from tasks.config import AttributeConfig
 
     if flow not in ("attribute", "featurize", "finalize", "score"):
         _fail(f"--flow must be attribute, featurize, finalize or score, not {flow!r}")
@@ -229,7 +228,7 @@ def train_cmd(config_file: Path = typer.Argument(..., help="YAML file of a Train
     """Train N checkpoints (the train flow) and write their manifest.json."""
     _prefect_env(verbose)
     from flows import train
-    from trak_core.config import TrainConfig
+    from tasks.config import TrainConfig
 
     config = _load_config(TrainConfig, config_file)
     res = _run_flow(train, config)
@@ -244,7 +243,7 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: Optional[str
     from examples.digits import demo_configs
     from flows import train
     from tasks.trainer import is_complete
-    from trak_core.config import EvaluateConfig
+    from tasks.config import EvaluateConfig
 
     train_cfg, attr = demo_configs(demo_dir)
     if not (Path(train_cfg.out_dir) / "manifest.json").is_file() or not all(
@@ -283,7 +282,7 @@ def evaluate(config_file: Optional[Path] = typer.Argument(None, help="YAML file 
     _prefect_env(verbose)
     t0 = time.perf_counter()
     from flows import evaluate as evaluate_flow
-    from trak_core.config import EvaluateConfig
+    from tasks.config import EvaluateConfig
 
     try:
         if config_file is None:
@@ -330,7 +329,7 @@ def show(store: str = typer.Argument(..., help="store path or URL, or the YAML f
     if config_file is None and store.endswith((".yaml", ".yml")) and Path(store).is_file():
         config_file = Path(store)
     if config_file is not None:
-        from trak_core.config import AttributeConfig
+        from tasks.config import AttributeConfig
 
         config = _load_config(AttributeConfig, config_file)
         if store == str(config_file):
@@ -349,10 +348,9 @@ def show(store: str = typer.Argument(..., help="store path or URL, or the YAML f
         t.add_column(col)
     t.add_column("checkpoint", overflow="fold")
     for mid, info in status["models"].items():
-        m = st.model(mid)
-        parts = int(m.partial_done[:].sum())
+        parts = st.num_partials_done(mid)
         fin = st.finalize_info(mid) or {}
-        ck = (m.group.attrs.get("checkpoint") or {}).get("path", "")
+        ck = (st.checkpoint_record(mid) or {}).get("path", "")
         t.add_row(str(mid), f"{info['featurized']}/{info['of']}", f"{parts}/{st.meta.num_shards}",
                   "yes" if info["finalized"] else "no",
                   f"{fin['condition']:.3g}" if "condition" in fin else "", ck)
@@ -361,9 +359,9 @@ def show(store: str = typer.Argument(..., help="store path or URL, or the YAML f
     for col in ("experiment", "targets", "target grads complete", "score rows done", "combined checkpoints"):
         t.add_column(col)
     for name, info in status["experiments"].items():
-        with_ = st.experiment(name).attrs.get("scored_with")
+        with_ = st.scored_with(name)
         t.add_row(name, str(info["num_targets"]), f"{len(info['scored_models'])}/{len(info['models'])} checkpoints",
-                  f"{info['scores_rows_done']}/{meta['train_set_size']}", "" if with_ is None else str(list(with_)))
+                  f"{info['scores_rows_done']}/{meta['train_set_size']}", "" if with_ is None else str(with_))
     console.print(t)
     k = top_k or (config.top_k if config is not None else 5)
     if target is None and config is None:
@@ -388,7 +386,7 @@ def show(store: str = typer.Argument(..., help="store path or URL, or the YAML f
         _top_k_tables([row], k)
         return
     from tasks.report import add_texts, labels_of, top_k_table
-    from trak_core.config import load_data, load_object
+    from tasks.config import load_data, load_object
 
     train, targets = load_data(config.train_data, "train_data"), load_data(config.target_data, "target_data")
     if targets[0].shape[0] != scores.shape[1] or train[0].shape[0] != scores.shape[0]:
@@ -414,19 +412,19 @@ def unlock(store: str = typer.Argument(..., help="store path or URL"),
     store: make sure it is gone."""
     import socket
 
-    from trak_core.store import TrakStore
+    from trak_core.store import StoreLock
 
-    handle = TrakStore.lock_handle(store)
-    holder = handle.lock_holder()
+    lock = StoreLock(store)
+    holder = lock.holder()
     if holder is None:
         console.print(f"store {store} is not locked")
         return
     who = (f"run {holder.get('run') or '?'} (pid {holder.get('pid')} on {holder.get('host')}, since "
            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(float(holder.get('since', 0))))})")
-    if not yes and TrakStore.holder_alive(holder) and holder.get("host") == socket.gethostname():
+    if not yes and StoreLock.holder_alive(holder) and holder.get("host") == socket.gethostname():
         _fail(f"store {store} is locked by {who}, which is still running on this host; stop it first "
               "(or pass --yes)")
-    handle.force_unlock()
+    lock.force_unlock()
     console.print(f"removed the lock of {who} from {store}")
 
 

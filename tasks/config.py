@@ -1,4 +1,7 @@
-"""The pipeline's configuration: pydantic models that are the flows' parameters (no Prefect import here).
+"""The pipeline's configuration: pydantic models that are the flows' parameters and the UI's run form
+(no Prefect import here). The algorithm's own settings are trak_core's (:class:`trak_core.settings.TrakSettings`,
+which :attr:`AttributeConfig.settings` produces); this module adds where the inputs come from, where the
+store is, where the tasks run (``task_runner``, ``max_workers``, ``gpus``, Dask) and the report.
 
 Conventions
 -----------
@@ -36,8 +39,9 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, PrivateAttr,
                       field_validator, model_validator)
 
-from .errors import BadInputError
-from .store import check_writable
+from trak_core.errors import BadInputError
+from trak_core.settings import GradWrt, LambdaSetting, ProjectorKind, ProjType, StorageDtype, TrakSettings
+from trak_core.store import check_writable
 
 _GLOB_CHARS = set("*?[")
 TASK_NAMES = ("image_classification", "text_classification", "clip", "iterative_image_classification")
@@ -165,6 +169,23 @@ class _Base(BaseModel):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
+    def resolved_device(self) -> str:
+        """The config's ``device`` with ``"auto"`` resolved (cuda when available)."""
+        return resolve_device(self.device)
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _setting(name: str, description: str):
+    """A field of trak_core's TrakSettings (its default), described for the form."""
+    return Field(TrakSettings.model_fields[name].default, description=description)
+
 
 class AttributeConfig(_Base):
     """Parameters of the ``attribute`` flow (and of ``featurize``/``finalize``/``score``)."""
@@ -182,24 +203,23 @@ class AttributeConfig(_Base):
                     "('ckpts/manifest.json'); model_id = position in the sorted list")
     store: str = Field(description="Zarr store: local path or fsspec URL")
     exp_name: str = Field("default", description="experiment name (the targets' group in the store)")
-    proj_dim: PositiveInt = Field(512, description="projection dimension; keep it well below the number of "
-                                                  "train examples")
-    projector: Literal["dense", "sjlt", "factored", "noop"] = Field(
-        "factored", description="'factored' (per-layer Kronecker projection, the default: fastest, see "
-                                "benchmarks/RESULTS.md), 'dense' (counter-RNG JL projection), 'sjlt' (sparse JL) "
-                                "or 'noop' (no projection)")
-    proj_type: Literal["rademacher", "normal"] = "rademacher"
-    proj_seed: NonNegativeInt = 0
-    lambda_reg: Union[NonNegativeFloat, str] = Field(
-        "auto", description="ridge term λ in (XᵀX + λI)⁻¹: a number ≥ 0, or 'auto' / 'rel:<f>' (f × the mean "
-                         "eigenvalue of each checkpoint's XᵀX; 'auto' = trak_core.scoring.AUTO_DAMPING)")
-    rescale_inverse: bool = Field(True, description="divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
-    dtype: Literal["float16", "float32"] = Field("float16", description="storage dtype of gradients/features")
+    proj_dim: PositiveInt = _setting("proj_dim", "projection dimension; keep it well below the number of train "
+                                                 "examples")
+    projector: ProjectorKind = _setting(
+        "projector", "'factored' (per-layer Kronecker projection, the default: fastest, see benchmarks/RESULTS.md), "
+                     "'dense' (counter-RNG JL projection), 'sjlt' (sparse JL) or 'noop' (no projection)")
+    proj_type: ProjType = _setting("proj_type", "'rademacher' (±1) or 'normal' projection entries")
+    proj_seed: NonNegativeInt = _setting("proj_seed", "seed of the projection")
+    lambda_reg: LambdaSetting = _setting(
+        "lambda_reg", "ridge term λ in (XᵀX + λI)⁻¹: a number ≥ 0, or 'auto' / 'rel:<f>' (f × the mean eigenvalue "
+                      "of each checkpoint's XᵀX; 'auto' = trak_core.scoring.AUTO_DAMPING)")
+    rescale_inverse: bool = _setting("rescale_inverse", "divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
+    dtype: StorageDtype = _setting("dtype", "storage dtype of gradients/features")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")
     shard_size: PositiveInt = Field(4096, description="train rows per featurize task (a multiple of chunk_rows)")
     chunk_rows: Optional[PositiveInt] = Field(None, description="Zarr chunk rows; default min(1024, shard_size) "
                                                                 "when it divides shard_size, else shard_size")
-    grad_wrt: Optional[list[str]] = Field(None, description="parameter names to take gradients for (all: null)")
+    grad_wrt: GradWrt = _setting("grad_wrt", "parameter names to take gradients for (all: null)")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="'auto' = cuda when available")
     task_runner: Literal["thread", "process", "dask"] = Field(
         "thread", description="where tasks run: 'thread' (threads of the flow's process), 'process' (a process "
@@ -257,23 +277,6 @@ class AttributeConfig(_Base):
     def _import_paths(cls, v, info):
         return _check_import_path(v, info.field_name, must_be_callable=info.field_name == "model")
 
-    @field_validator("lambda_reg")
-    @classmethod
-    def _lambda_reg(cls, v):
-        from .scoring import check_lambda
-
-        if isinstance(v, str):
-            text = v.strip().lower()
-            try:
-                v = float(text)  # a number given as text (e.g. from a command line)
-            except ValueError:
-                v = text
-        try:
-            check_lambda(v)
-        except ValueError as e:
-            raise BadInputError(f"lambda_reg: {e}") from None
-        return v
-
     @field_validator("show")
     @classmethod
     def _show(cls, v, info):
@@ -287,7 +290,7 @@ class AttributeConfig(_Base):
         if ":" not in v:
             raise BadInputError(f"task: unknown task {v!r}; use one of {list(TASK_NAMES)} or an import path "
                                 "'pkg.mod:ModelOutput'")
-        from .modelout import AbstractModelOutput
+        from trak_core.modelout import AbstractModelOutput
 
         obj = load_object(v, "task")
         ok = isinstance(obj, AbstractModelOutput) or (isinstance(obj, type) and issubclass(obj, AbstractModelOutput))
@@ -300,13 +303,6 @@ class AttributeConfig(_Base):
     def _exp_name(cls, v):
         if not v or "/" in v:
             raise BadInputError(f"exp_name: must be a non-empty string without '/', got {v!r}")
-        return v
-
-    @field_validator("grad_wrt")
-    @classmethod
-    def _grad_wrt(cls, v):
-        if v is not None and not v:
-            raise BadInputError("grad_wrt: an empty list selects no parameter; use null for all parameters")
         return v
 
     @field_validator("store")
@@ -339,18 +335,16 @@ class AttributeConfig(_Base):
         return list(self._checkpoint_paths)
 
     @property
+    def settings(self) -> TrakSettings:
+        """The algorithm's settings of this config (what trak_core needs)."""
+        return TrakSettings(**{k: getattr(self, k) for k in TrakSettings.model_fields})
+
+    @property
     def effective_chunk_rows(self) -> int:
         if self.chunk_rows is not None:
             return self.chunk_rows
         c = min(1024, self.shard_size)
         return c if self.shard_size % c == 0 else self.shard_size
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def build_model(self):
         import torch
@@ -361,7 +355,7 @@ class AttributeConfig(_Base):
         return model
 
     def build_task(self):
-        from .modelout import TASK_TO_MODELOUT, AbstractModelOutput
+        from trak_core.modelout import TASK_TO_MODELOUT, AbstractModelOutput
 
         if self.task in TASK_TO_MODELOUT:
             return TASK_TO_MODELOUT[self.task]()
@@ -441,13 +435,6 @@ class TrainConfig(_Base):
 
     def model_seeds(self) -> list[int]:
         return list(self.seeds) if self.seeds is not None else list(range(self.num_models))
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class EvaluateConfig(_Base):
@@ -533,10 +520,3 @@ class EvaluateConfig(_Base):
     def recipe(self) -> dict:
         """The training recipe of the subset models."""
         return {k: getattr(self, k) for k in ("epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay")}
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"

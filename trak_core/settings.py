@@ -1,0 +1,63 @@
+"""The algorithm's own settings: projector, projection dimension/seed/type, the λ rule, rescaling of the
+inverse, storage dtype and which parameters to take gradients for. Nothing about where or how it runs
+(that is the pipeline's configuration, ``tasks.config``, whose ``AttributeConfig.settings`` produces one).
+
+The field types are defined once here and used by both :class:`TrakSettings` and the pipeline's config,
+so a setting is validated the same way wherever it is given.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+
+from .errors import BadInputError
+from .scoring import LambdaRule, parse_lambda_reg
+
+ProjectorKind = Literal["dense", "sjlt", "factored", "noop"]
+ProjType = Literal["rademacher", "normal"]
+StorageDtype = Literal["float16", "float32"]
+
+
+def normalize_lambda_reg(value: Union[float, str]) -> Union[float, str]:
+    """A lambda_reg setting in its normalized form (a float, ``"auto"`` or ``"rel:<f>"``); errors name it."""
+    try:
+        return parse_lambda_reg(value).setting
+    except ValueError as e:
+        raise BadInputError(f"lambda_reg: {e}") from None
+
+
+def check_grad_wrt(value: Optional[list[str]]) -> Optional[list[str]]:
+    if value is not None and not value:
+        raise BadInputError("grad_wrt: an empty list selects no parameter; use null for all parameters")
+    return value
+
+
+#: a number ≥ 0, ``"auto"`` or ``"rel:<f>"`` (see :func:`trak_core.scoring.parse_lambda_reg`)
+LambdaSetting = Annotated[Union[NonNegativeFloat, str], AfterValidator(normalize_lambda_reg)]
+#: parameter names to take gradients for; None: all parameters
+GradWrt = Annotated[Optional[list[str]], AfterValidator(check_grad_wrt)]
+
+
+class TrakSettings(BaseModel):
+    """What the algorithm needs to know, and nothing else (frozen)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    projector: ProjectorKind = Field("factored", description="JL projection kind")
+    proj_dim: PositiveInt = Field(512, description="projection dimension")
+    proj_type: ProjType = "rademacher"
+    proj_seed: NonNegativeInt = 0
+    lambda_reg: LambdaSetting = Field("auto", description="ridge term λ in (XᵀX + λI)⁻¹")
+    rescale_inverse: bool = Field(True, description="divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
+    dtype: StorageDtype = Field("float16", description="storage dtype of gradients/features")
+    grad_wrt: GradWrt = Field(None, description="parameter names to take gradients for (all: None)")
+
+    @property
+    def lambda_rule(self) -> LambdaRule:
+        return parse_lambda_reg(self.lambda_reg)
+
+
+__all__ = ["TrakSettings", "ProjectorKind", "ProjType", "StorageDtype", "LambdaSetting", "GradWrt",
+           "normalize_lambda_reg", "check_grad_wrt"]
