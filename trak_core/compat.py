@@ -294,13 +294,22 @@ def trak_modules() -> dict[str, types.ModuleType]:
     proj_mod = module("trak.projectors", "trak_core's projectors under traker's module name",
                       **{n: v for n, v in vars(projectors).items() if not n.startswith("_")})
     proj_mod.CudaProjector, proj_mod.ChunkedCudaProjector = CudaProjector, ChunkedCudaProjector
+    proj_mod.vectorize = utils.vectorize  # traker's projectors module re-exports trak.utils.vectorize
+    traker_mod = module("trak.traker", "trak_core's TRAKer under traker's module name (with the names traker's "
+                        "module imports)", **{n: v for n, v in vars(traker).items() if not n.startswith("_")})
+    traker_mod.__dict__.update(
+        TASK_TO_MODELOUT=modelout.TASK_TO_MODELOUT, BasicProjector=projectors.BasicProjector,
+        CudaProjector=CudaProjector, ChunkedCudaProjector=ChunkedCudaProjector, AbstractSaver=AbstractSaver,
+        MmapSaver=MmapSaver, ModelIDException=ModelIDException, AbstractScoreComputer=AbstractScoreComputer,
+        BasicScoreComputer=BasicScoreComputer, get_num_params=utils.get_num_params,
+        get_parameter_chunk_sizes=utils.get_parameter_chunk_sizes)
     top = module("trak", "trak_core under traker's package name (trak_core.compat.install_trak_alias)",
                  TRAKer=traker.TRAKer, test_install=utils.test_install, __version__=__version__,
                  VERSION=__version__)
     top.__path__ = []  # a package, so ``import trak.x`` looks the submodules up in sys.modules
     mods = {"trak": top, "trak.projectors": proj_mod, "trak.utils": utils, "trak.gradient_computers": grad_mod,
             "trak.modelout_functions": out_mod, "trak.score_computers": score_mod, "trak.savers": saver_mod,
-            "trak.traker": traker}
+            "trak.traker": traker_mod}
     for name, m in mods.items():
         if name != "trak":
             setattr(top, name.split(".", 1)[1], m)
