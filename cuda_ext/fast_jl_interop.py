@@ -17,8 +17,6 @@ it against a fresh torch and fails).
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 from torch import Tensor
 
@@ -43,7 +41,7 @@ class FastJLProjector(AbstractProjector):
     kind = "fast_jl"
 
     def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cuda",
+                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cuda",
                  max_batch_size: int = 32, num_feature_tiles: int = 128, input_dtype: torch.dtype | None = None,
                  dtype: torch.dtype = torch.float32, *args, **kwargs) -> None:
         check_dims(grad_dim, proj_dim)
@@ -72,7 +70,7 @@ class FastJLProjector(AbstractProjector):
     def _seed(self, model_id: int, chunk: int = 0) -> int:
         return (int(self.seed) + 10000 * int(model_id) + _CHUNK_SEED_STEP * chunk) & 0xFFFFFFFF
 
-    def project(self, grads: Union[dict, Tensor], model_id: int) -> Tensor:
+    def project(self, grads: dict | Tensor, model_id: int) -> Tensor:
         self._check_input(grads)
         if isinstance(grads, dict):
             x = torch.cat([g.reshape(g.shape[0], -1).to(self.device) for g in grads.values()], dim=1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import warnings
 from enum import Enum
-from typing import Union
 
 import torch
 from torch import Tensor
@@ -145,7 +144,7 @@ class CudaDenseProjector(_GpuProjectorBase):
     _cpu_target = "trak_core's CPU DenseProjector"
 
     def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cuda",
+                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cuda",
                  dtype: torch.dtype = torch.float32, algo: str = "auto", backend: str = "auto",
                  max_partial_bytes: int = 256 * 2**20, group_cols: int = 1 << 23, model_id: int = 0,
                  *args, **kwargs) -> None:
@@ -192,7 +191,7 @@ class CudaDenseProjector(_GpuProjectorBase):
         if group:
             yield group, width
 
-    def project(self, grads: Union[dict, Tensor], model_id: int) -> Tensor:
+    def project(self, grads: dict | Tensor, model_id: int) -> Tensor:
         self._check_input(grads)
         if self.backend == "cpu":
             return self._cpu.project(grads, model_id)
@@ -277,7 +276,7 @@ class CudaSJLTProjector(_GpuProjectorBase):
     _cpu_target = "trak_core's CPU SJLTProjector"
 
     def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cuda",
+                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cuda",
                  c: int = 4, dtype: torch.dtype = torch.float32, backend: str = "auto", model_id: int = 0,
                  *args, **kwargs) -> None:
         if as_proj_type(proj_type) != ProjectionType.rademacher:
@@ -313,7 +312,7 @@ class CudaSJLTProjector(_GpuProjectorBase):
             self._plan = (model_id, col_ptr, packed)
         return self._plan[1], self._plan[2]
 
-    def project(self, grads: Union[dict, Tensor], model_id: int) -> Tensor:
+    def project(self, grads: dict | Tensor, model_id: int) -> Tensor:
         self._check_input(grads)
         if self.backend == "cpu":
             return self._cpu.project(grads, model_id)

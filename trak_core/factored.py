@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Iterable, Optional, Sequence, Union
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -98,7 +98,7 @@ def factor_key(seed: int, model_id: int, name: str, side: int, sub: int = 0) -> 
 
 
 def factor_matrix(seed: int, model_id: int, name: str, side: int, rows: int, cols: int,
-                  proj_type: ProjectionType, device=None) -> Tensor:
+                  proj_type: str | ProjectionType, device=None) -> Tensor:
     """rows × cols float32 factor of block ``name`` (±1 or standard normal entries), on ``device``.
 
     The dense matrices of :mod:`trak_core.counter_rng` under the block's keys (see the module docstring).
@@ -189,7 +189,7 @@ def _factor(k: int, out_dim: int, in_dim: int) -> tuple[int, int]:
 def _with_split(blocks: list[Block], proj_dim: int) -> tuple:
     ks = _apportion([b.size for b in blocks], proj_dim)
     out = []
-    for b, k in zip(blocks, ks):
+    for b, k in zip(blocks, ks, strict=True):
         if b.kind == "other":
             out.append(Block(**{**asdict(b), "k": k, "k_out": 1, "k_in": k}))
         else:
@@ -209,7 +209,7 @@ def flat_layout(grad_dim: int, proj_dim: int) -> Layout:
     return Layout(blocks, (("<vector>", (grad_dim,)),), False)
 
 
-def _supported(mod: nn.Module) -> Optional[str]:
+def _supported(mod: nn.Module) -> str | None:
     if type(mod).__name__ == "NonDynamicallyQuantizableLinear":  # used by MultiheadAttention without forward
         return None
     if isinstance(mod, nn.Linear):
@@ -219,7 +219,7 @@ def _supported(mod: nn.Module) -> Optional[str]:
     return None
 
 
-def model_layout(model: nn.Module, proj_dim: int, grad_wrt: Optional[Iterable[str]] = None,
+def model_layout(model: nn.Module, proj_dim: int, grad_wrt: Iterable[str] | None = None,
                  other: str = "dense") -> Layout:
     """The per-layer layout of ``model``'s gradient (restricted to ``grad_wrt``), proj_dim split."""
     if other not in ("dense", "error"):
@@ -284,8 +284,8 @@ class FactoredProjector(AbstractProjector):
     kind = "factored"
 
     def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cpu",
-                 layout: Optional[Layout] = None, dtype: torch.dtype = torch.float32, model_id: int = 0,
+                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
+                 layout: Layout | None = None, dtype: torch.dtype = torch.float32, model_id: int = 0,
                  *args, **kwargs) -> None:
         check_dims(grad_dim, proj_dim)
         super().__init__(grad_dim, proj_dim, seed, as_proj_type(proj_type), device)
@@ -300,12 +300,12 @@ class FactoredProjector(AbstractProjector):
         self.dtype = dtype
         self.model_id = model_id
         self._offsets = layout.offsets()
-        self._factors: Optional[tuple[int, dict]] = None
+        self._factors: tuple[int, dict] | None = None
 
     @classmethod
     def from_model(cls, model: nn.Module, proj_dim: int, seed: int = 0,
-                   proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cpu",
-                   grad_wrt: Optional[Iterable[str]] = None, other: str = "dense", **kwargs) -> "FactoredProjector":
+                   proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
+                   grad_wrt: Iterable[str] | None = None, other: str = "dense", **kwargs) -> FactoredProjector:
         check_dims(proj_dim, proj_dim)
         layout = model_layout(model, proj_dim, grad_wrt, other)
         return cls(layout.grad_dim, proj_dim, seed, proj_type, device, layout=layout, **kwargs)
@@ -379,7 +379,7 @@ class FactoredProjector(AbstractProjector):
 
     # ------------------------------------------------------------------ the fast path
     def featurize_batch(self, model: nn.Module, task, weights: dict, buffers: dict, batch: Sequence[Tensor],
-                        model_id: int) -> Optional[Tensor]:
+                        model_id: int) -> Tensor | None:
         """Projected per-example gradients (B, proj_dim) of ``task.get_output`` without materializing them.
 
         Returns None when the layout is not bound to a model (the caller then projects materialized

@@ -28,7 +28,7 @@ import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -63,8 +63,8 @@ class AbstractProjector(ABC):
 
     kind: str = "abstract"
 
-    def __init__(self, grad_dim: int, proj_dim: int, seed: int, proj_type: Union[str, ProjectionType],
-                 device: Union[str, torch.device]) -> None:
+    def __init__(self, grad_dim: int, proj_dim: int, seed: int, proj_type: str | ProjectionType,
+                 device: str | torch.device) -> None:
         self.grad_dim = grad_dim
         self.proj_dim = proj_dim
         self.seed = seed
@@ -72,7 +72,7 @@ class AbstractProjector(ABC):
         self.device = device
 
     @abstractmethod
-    def project(self, grads: Union[dict, Tensor], model_id: int) -> Tensor:
+    def project(self, grads: dict | Tensor, model_id: int) -> Tensor:
         """Project a batch of gradients with the matrix of ``model_id``."""
 
     def free_memory(self) -> None:
@@ -111,7 +111,7 @@ class NoOpProjector(AbstractProjector):
     kind = "noop"
 
     def __init__(self, grad_dim: int = 0, proj_dim: int = 0, seed: int = 0,
-                 proj_type: Union[str, ProjectionType] = "na", device="cpu", *args, **kwargs) -> None:
+                 proj_type: str | ProjectionType = "na", device="cpu", *args, **kwargs) -> None:
         super().__init__(grad_dim, proj_dim, seed, proj_type, device)
 
     def project(self, grads, model_id: int) -> Tensor:
@@ -134,7 +134,7 @@ class DenseProjector(AbstractProjector):
     kind = "dense"
 
     def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cpu",
+                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
                  dtype: torch.dtype = torch.float32, block_rows: int | None = None,
                  cache_bytes: int = 512 * 2**20, model_id: int = 0, *args, **kwargs) -> None:
         check_dims(grad_dim, proj_dim)
@@ -198,7 +198,7 @@ class BasicProjector(DenseProjector):
     kind = "dense"
 
     def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cpu",
+                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
                  block_size: int = 100, dtype: torch.dtype = torch.float32, model_id: int = 0,
                  *args, **kwargs) -> None:
         super().__init__(grad_dim, proj_dim, seed, proj_type, device, dtype=dtype, model_id=model_id, **kwargs)
@@ -208,7 +208,7 @@ class BasicSingleBlockProjector(DenseProjector):
     """The same projection with the whole matrix materialized at once (no cache limit)."""
 
     def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cpu",
+                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
                  dtype: torch.dtype = torch.float32, model_id: int = 0, *args, **kwargs) -> None:
         super().__init__(grad_dim, proj_dim, seed, proj_type, device, dtype=dtype, model_id=model_id,
                          block_rows=grad_dim, cache_bytes=2**62)
@@ -235,16 +235,16 @@ class ProjectorEntry:
 
     kind: str
     factory: ProjectorFactory
-    devices: Optional[tuple[str, ...]] = None
+    devices: tuple[str, ...] | None = None
     uses_model: bool = False
 
 
-_REGISTRY: dict[tuple[str, Optional[str]], ProjectorEntry] = {}
+_REGISTRY: dict[tuple[str, str | None], ProjectorEntry] = {}
 _PLUGINS: dict[str, str] = {}  # entry point name -> "" (loaded) or the reason it failed
 _plugins_loaded = False
 
 
-def register_projector(kind: str, factory: ProjectorFactory, devices: Optional[Iterable[str]] = None, *,
+def register_projector(kind: str, factory: ProjectorFactory, devices: Iterable[str] | None = None, *,
                        uses_model: bool = False, replace: bool = False) -> None:
     """Register ``factory`` as the projector ``kind`` on the device types ``devices`` (None: any device).
 
@@ -270,7 +270,7 @@ def register_projector(kind: str, factory: ProjectorFactory, devices: Optional[I
         _REGISTRY[(kind, dev)] = entry
 
 
-def unregister_projector(kind: str, devices: Optional[Iterable[str]] = None) -> None:
+def unregister_projector(kind: str, devices: Iterable[str] | None = None) -> None:
     """Remove the entries of ``kind`` (only those of ``devices`` when given; None removes them all)."""
     if isinstance(devices, str):
         devices = [devices]
@@ -308,7 +308,7 @@ def _device_type(device) -> str:
         raise BadInputError(f"unknown device {device!r}") from None
 
 
-def _find(kind: str, dev: str) -> Optional[ProjectorEntry]:
+def _find(kind: str, dev: str) -> ProjectorEntry | None:
     return _REGISTRY.get((kind, dev)) or _REGISTRY.get((kind, None))
 
 

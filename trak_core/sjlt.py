@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Union
 
 import torch
 from torch import Tensor
@@ -51,7 +50,7 @@ class SJLTProjector(AbstractProjector):
     kind = "sjlt"
 
     def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: Union[str, ProjectionType] = ProjectionType.rademacher, device="cpu",
+                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
                  c: int = DEFAULT_C, dtype: torch.dtype = torch.float32, block_rows: int = 4096,
                  cache_bytes: int = 256 * 2**20, model_id: int = 0, *args, **kwargs) -> None:
         check_dims(grad_dim, proj_dim)

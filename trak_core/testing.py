@@ -52,8 +52,9 @@ import functools
 import inspect
 import json
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -74,12 +75,12 @@ class ProjectorCase:
     ``skipif`` without a GPU)."""
 
     factory: Any
-    id: Optional[str] = None
+    id: str | None = None
     rtol: float = 1e-5
     atol: float = 1e-4
     marks: Any = ()
 
-    def make(self, seed: Optional[int] = None) -> Optional[AbstractProjector]:
+    def make(self, seed: int | None = None) -> AbstractProjector | None:
         """A fresh projector (the instance itself when given one), reseeded when ``seed`` is given (None
         where it cannot be)."""
         f = self.factory
@@ -125,11 +126,11 @@ class ModelOutputCase:
     model_output: Any
     model: torch.nn.Module
     batch: Sequence[Tensor]
-    id: Optional[str] = None
-    reference: Optional[Callable[[torch.nn.Module, Sequence[Tensor]], Tensor]] = None
+    id: str | None = None
+    reference: Callable[[torch.nn.Module, Sequence[Tensor]], Tensor] | None = None
     bad_batches: Sequence[Sequence[Tensor]] = ()
     batched_output: bool = False
-    setup: Optional[Callable[[], None]] = None
+    setup: Callable[[], None] | None = None
     rtol: float = 1e-6
     atol: float = 1e-8
     marks: Any = ()
@@ -214,10 +215,10 @@ def check_projector_batch_split(obj) -> None:
     p = _projector(case)
     g = _grads(40, p.grad_dim)
     whole = _project(p, g, 1)
-    parts = torch.cat([_project(case.make(), g[a:b], 1) for a, b in [(0, 1), (1, 17), (17, 40)]])
+    parts = torch.cat([_project(_projector(case), g[a:b], 1) for a, b in [(0, 1), (1, 17), (17, 40)]])
     _close(parts, whole, case.rtol, case.atol, "the projection depends on the batch (batches 0:1, 1:17, 17:40 "
            "vs one batch of 40)")
-    again = _project(case.make(), g, 1)
+    again = _project(_projector(case), g, 1)
     assert torch.equal(again, whole), ("the same batch projected twice (a fresh instance) is not bit-identical: "
                                        f"max |diff| {float((again - whole).abs().max()):.3g}")
 
@@ -271,7 +272,8 @@ def check_projector_inner_products(obj) -> None:
     norms = ref.diagonal().sqrt()
     err = ((ip - ref) / (norms[:, None] * norms[None, :])).abs()
     k = math.sqrt(p.proj_dim)
-    assert float(err.max()) < 6 / k, f"max relative inner-product error {float(err.max()):.3g} ≥ 6/√proj_dim = {6 / k:.3g}"
+    assert float(err.max()) < 6 / k, (f"max relative inner-product error {float(err.max()):.3g} ≥ "
+                                      f"6/√proj_dim = {6 / k:.3g}")
     assert float(err.mean()) < 1.5 / k, (f"mean relative inner-product error {float(err.mean()):.3g} ≥ "
                                          f"1.5/√proj_dim = {1.5 / k:.3g} (is scale right?)")
 
@@ -303,12 +305,13 @@ def check_projector_spec(obj) -> None:
     spec = p.spec()
     missing = [k for k in ("kind", "proj_type", "seed", "grad_dim", "proj_dim") if k not in spec]
     assert not missing, f"spec() lacks {missing}: {spec}"
-    assert (spec["grad_dim"], spec["proj_dim"]) == (p.grad_dim, p.proj_dim), f"spec() disagrees with the projector: {spec}"
+    assert (spec["grad_dim"], spec["proj_dim"]) == (p.grad_dim, p.proj_dim), (
+        f"spec() disagrees with the projector: {spec}")
     try:
         json.dumps(spec)
     except TypeError as e:
         raise AssertionError(f"spec() is not JSON-serializable ({e}): {spec}") from None
-    assert case.make().spec() == spec, "a fresh instance has another spec()"
+    assert _projector(case).spec() == spec, "a fresh instance has another spec()"
 
 
 @_check
@@ -333,7 +336,7 @@ def projector_checks() -> tuple:
     return PROJECTOR_CHECKS
 
 
-def check_projector(projector_factory_or_instance, *, checks: Optional[Sequence[Callable]] = None,
+def check_projector(projector_factory_or_instance, *, checks: Sequence[Callable] | None = None,
                     rtol: float = 1e-5, atol: float = 1e-4) -> None:
     """Run every projector check (or ``checks``) on a projector, a factory of projectors (a callable,
     optionally taking ``seed=``) or a :class:`ProjectorCase`; the first failure raises AssertionError."""
@@ -386,7 +389,8 @@ def check_model_output_validate_batch(obj) -> None:
     except Exception as e:
         raise AssertionError(f"the good batch is refused: {type(e).__name__}: {e}") from e
     bad = [("a bare tensor instead of a sequence of tensors", batch[0]),
-           ("elements with different batch sizes", [batch[0][:-1], *batch[1:]] if len(batch) > 1 else [batch[0], batch[0][:-1]]),
+           ("elements with different batch sizes",
+            [batch[0][:-1], *batch[1:]] if len(batch) > 1 else [batch[0], batch[0][:-1]]),
            ("an empty batch (batch size 0)", [x[:0] for x in batch])]
     bad += [(f"bad_batches[{i}]", b) for i, b in enumerate(case.bad_batches)]
     for what, b in bad:
@@ -432,7 +436,8 @@ def check_model_output_uses_weights(obj) -> None:
         with torch.enable_grad():
             out = mo.get_output(model, None, None, *batch)
             grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
+        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                          for g, p in zip(grads, params, strict=True)])
     else:
         w, b = _state(model)
         sample = _example(batch, 0)
@@ -516,7 +521,7 @@ def model_output_checks() -> tuple:
 
 
 def check_model_output(model_output, model: torch.nn.Module, batch: Sequence[Tensor], *,
-                       checks: Optional[Sequence[Callable]] = None, **case_options) -> None:
+                       checks: Sequence[Callable] | None = None, **case_options) -> None:
     """Run every model output check (or ``checks``) on ``model_output`` with ``model`` and a good ``batch``
     (≥ 2 examples). ``case_options``: the other fields of :class:`ModelOutputCase` (``reference``,
     ``bad_batches``, ``batched_output``, ``setup``, ``rtol``, ``atol``)."""
@@ -531,6 +536,8 @@ def iter_checks(objects: Sequence[Any]) -> Iterator[tuple[Any, Callable, str, An
     factories, :class:`ProjectorCase`) get the projector checks, :class:`ModelOutputCase` the model
     output checks."""
     seen: dict[str, int] = {}
+    case: ProjectorCase | ModelOutputCase
+    checks: tuple
     for obj in objects:
         if isinstance(obj, ModelOutputCase):
             case, checks = obj, MODEL_OUTPUT_CHECKS
