@@ -496,3 +496,79 @@ def test_plots_write_png(tmp_path):
     for path in paths:
         data = path.read_bytes()
         assert len(data) > 1000 and data[:8] == PNG_MAGIC, path
+
+
+# ------------------------------------------------------------------ cockpit's types and loss shapes (issue 16)
+def test_concave_fit_is_the_int_minus_one_and_linear_the_float():
+    # cockpit returns the int -1 for a < 0 and compares outputs type-strictly (int vs float fails)
+    concave = fit_alpha(1.0, 0.0, -1.0, 0.0, -2.0, 0.1, 0.1, 0.1, 0.1)
+    assert concave == -1 and type(concave) is int
+    linear = alpha_from_coefficients(np.array([0.0, 1.0, 0.0]), 1.0)  # a == 0: cockpit's 2t/inf - 1
+    assert linear == -1.0 and type(linear) is float
+    regular = alpha_from_coefficients(np.array([1.0, -2.0, 1.0]), 0.5)  # (x-1)^2, half-way: -0.5
+    assert regular == pytest.approx(-0.5) and isinstance(regular, float)
+
+
+def test_tracked_concave_step_stores_the_int():
+    model = nn.Linear(1, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.fill_(0.3)
+
+    def concave_loss(out, y):
+        return -((out.squeeze(1) - y) ** 2)
+
+    x = torch.tensor([[1.0], [2.0], [-1.0], [0.5]], dtype=torch.float64)
+    y = torch.tensor([0.0, 1.0, 0.5, -1.0], dtype=torch.float64)
+    tracker = Alpha(concave_loss, [0])
+    train(model, torch.optim.SGD(model.parameters(), lr=0.05), [(x, y)] * 2, tracker, loss_fn=concave_loss)
+    assert tracker.get_output() == {0: -1} and type(tracker.get_output()[0]) is int
+
+
+def _mse_run(loss_fn, targets_shape, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Linear(3, targets_shape[1] if len(targets_shape) > 1 else 1).double()
+    g = torch.Generator().manual_seed(seed + 1)
+    data = [(torch.rand(4, 3, generator=g, dtype=torch.float64),
+             torch.rand(*targets_shape, generator=g, dtype=torch.float64)) for _ in range(3)]
+    tracker = Alpha(loss_fn, lambda s: True)
+    train(model, torch.optim.Adam(model.parameters(), lr=1e-2), data, tracker,
+          loss_fn=lambda o, t: loss_fn(o, t).reshape(-1))
+    return tracker
+
+
+def test_loss_of_shape_b_by_1_equals_the_squeezed_loss():
+    # cockpit's issue-5 problem: MSELoss(reduction="none") on [B, 1] targets gives [B, 1] losses
+    with_col = _mse_run(lambda o, t: nn.functional.mse_loss(o, t, reduction="none"), (4, 1))
+    squeezed = _mse_run(lambda o, t: nn.functional.mse_loss(o.squeeze(1), t.squeeze(1), reduction="none"), (4, 1))
+    out = with_col.get_output()
+    assert set(out) == {0, 1} and all(v is not None for v in out.values())
+    for k in out:
+        assert type(out[k]) is type(squeezed.get_output()[k])
+        assert out[k] == pytest.approx(squeezed.get_output()[k], rel=1e-12, abs=1e-12)
+    assert with_col.get_details()[0]["batch_size_start"] == 4
+
+
+def test_loss_of_shape_b_by_k_reduced_as_cockpit():
+    # cockpit: f and var(f) over all B*k entries; per-sample gradients of each sample's mean entry
+    tracker = _mse_run(lambda o, t: nn.functional.mse_loss(o, t, reduction="none"), (4, 3))
+    d = tracker.get_details()[0]
+    assert d["batch_size_start"] == 4
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3).double()
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.rand(4, 3, generator=g, dtype=torch.float64), torch.rand(4, 3, generator=g, dtype=torch.float64)
+    entries = nn.functional.mse_loss(model(x), t, reduction="none")
+    assert d["loss_start"] == pytest.approx(float(entries.mean()), rel=1e-12)
+    assert d["var_loss_start"] == pytest.approx(float(entries.reshape(-1).var()), rel=1e-12)
+    assert d["var_loss_start"] != pytest.approx(float(entries.mean(1).var()), rel=1e-3)
+
+
+def test_scalar_loss_is_refused():
+    tracker = Alpha(lambda o, t: per_sample_ce(o, t).mean(), lambda s: True)
+    model = nn.Linear(4, 3).double()
+    x, y = batches(1, 5)[0]
+    tracker.track(0, model, x, y)
+    with torch.no_grad():
+        model.weight.add_(0.1)
+    with pytest.raises(ValueError, match="leading dimension is the batch"):
+        tracker.track(1, model, x, y)
