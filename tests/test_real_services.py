@@ -1,0 +1,187 @@
+"""Every way a run starts, against the real services (marked ``services``; they run in ``make test``):
+
+* a schedule: a real ``prefect server start`` whose scheduler service creates the run of a served
+  deployment, which completes with the expected scores;
+* the work-pool route: ``prefect deploy`` + ``prefect worker start``, a run created through the API with
+  the JSON parameters the UI's form sends;
+* a real Dask cluster (``dask scheduler`` + two ``dask worker`` processes) through ``dask_address``, with
+  and without one worker SIGKILLed in the middle of featurization.
+
+Each compares the stored scores with a programmatic call of the attribute flow (thread runner) against the
+same server. Tiny data (examples.tiny); each process start costs seconds on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from examples import tiny
+from trak_core.store import TrakStore
+
+from services import REPO, dask_cluster, prefect_server, wait_for
+
+pytestmark = pytest.mark.services
+
+SHARD = 16
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def tiny_config(tmp: Path, ckpt_dir: Path, name: str, **over) -> dict:
+    """An attribute config as the UI's form sends it: plain JSON values."""
+    cfg = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
+               target_data="examples.tiny:target_data", checkpoints=str(ckpt_dir / "model_*.pt"),
+               store=str(tmp / f"{name}.zarr"), exp_name="tiny", projector="dense", proj_dim=16, lambda_reg=1e-3,
+               batch_size=8, shard_size=SHARD, chunk_rows=8, device="cpu", report_targets=0)
+    cfg.update(over)
+    return json.loads(json.dumps(cfg))
+
+
+def scores(cfg: dict) -> np.ndarray:
+    return TrakStore.open(cfg["store"], mode="r").scores(cfg["exp_name"])[:]
+
+
+def run_script(server, tmp: Path, cfg: dict, name: str) -> subprocess.CompletedProcess:
+    """A programmatic call of the attribute flow in a fresh process that reports to ``server``."""
+    cfg_file = tmp / f"{name}.json"
+    cfg_file.write_text(json.dumps(cfg))
+    code = ("import json, sys\nfrom flows import attribute\n"
+            "out = attribute(config=json.load(open(sys.argv[1])))\nprint('RESULT', out['store'])\n")
+    return subprocess.run([sys.executable, "-c", code, str(cfg_file)], env=server.env, cwd=REPO,
+                          capture_output=True, text=True, timeout=400)
+
+
+def flow_runs(server, deployment_name: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
+        return client.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment_name])))
+
+
+def wait_terminal(server, deployment_name: str, timeout: float, proc=None):
+    """The first flow run of the deployment once it is in a terminal state."""
+
+    def done():
+        runs = [r for r in flow_runs(server, deployment_name) if r.state_type and r.state_type.value in TERMINAL]
+        return runs[0] if runs else None
+
+    return wait_for(done, timeout, f"a finished run of deployment {deployment_name!r}", poll=1.0, proc=proc)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """One real Prefect server for the module, tiny checkpoints and the reference scores from a
+    programmatic run (thread runner) against that server."""
+    tmp = tmp_path_factory.mktemp("services")
+    ckpt_dir = tmp / "ck"
+    tiny.save_checkpoints(ckpt_dir, seeds=(0, 1))
+    with prefect_server(tmp / "prefect") as server:
+        ref_cfg = tiny_config(tmp, ckpt_dir, "reference")
+        res = run_script(server, tmp, ref_cfg, "reference")
+        assert res.returncode == 0, res.stderr[-3000:]
+        yield server, tmp, ckpt_dir, scores(ref_cfg)
+        assert "InvalidRequestError" not in server.read_log(), "the server's services logged SQLAlchemy errors"
+
+
+def test_schedule_fires_and_completes(setup):
+    """A served deployment with a schedule due in a few seconds: the server's scheduler creates the run
+    (auto_scheduled), the serving process runs it, and the store holds the reference scores."""
+    server, tmp, ckpt_dir, ref = setup
+    cfg = tiny_config(tmp, ckpt_dir, "scheduled")
+    (tmp / "scheduled.json").write_text(json.dumps(cfg))
+    script = tmp / "serve_scheduled.py"
+    script.write_text(textwrap.dedent("""
+        import json, sys
+        from datetime import datetime, timedelta, timezone
+        from prefect import serve
+        from prefect.schedules import Interval
+        from flows import attribute
+
+        cfg = json.load(open(sys.argv[1]))
+        first = datetime.now(timezone.utc) + timedelta(seconds=8)
+        serve(attribute.to_deployment(name="scheduled", parameters={"config": cfg},
+                                      schedule=Interval(timedelta(hours=1), anchor_date=first)))
+    """))
+    proc = server.spawn([sys.executable, str(script), str(tmp / "scheduled.json")], "serve-scheduled")
+    run = wait_terminal(server, "scheduled", timeout=240, proc=proc)
+    assert run.auto_scheduled, "the run was not created by the scheduler"
+    assert run.state_type.value == "COMPLETED", server.read_log("serve-scheduled")[-3000:]
+    np.testing.assert_array_equal(scores(cfg), ref)
+
+
+def test_work_pool_route_with_ui_parameters(setup):
+    """prefect deploy (a prefect.yaml) + prefect worker start; the run is created through the API with the
+    JSON parameters of the UI's form, and completes with the reference scores."""
+    server, tmp, ckpt_dir, ref = setup
+    cfg = tiny_config(tmp, ckpt_dir, "pool")
+    prefect_yaml = tmp / "prefect.yaml"
+    prefect_yaml.write_text(json.dumps({  # JSON is YAML
+        "name": "trakflow-test", "build": None, "push": None,
+        "pull": [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}],
+        "deployments": [{"name": "pool", "entrypoint": "flows/attribute.py:attribute", "parameters": {},
+                         "work_pool": {"name": "test-pool", "work_queue_name": "default"}}]}))
+    prefect = str(Path(sys.executable).parent / "prefect")
+    for cmd in ([prefect, "work-pool", "create", "test-pool", "--type", "process"],
+                [prefect, "--no-prompt", "deploy", "--prefect-file", str(prefect_yaml), "--all"]):
+        res = subprocess.run(cmd, env=server.env, cwd=REPO, capture_output=True, text=True, timeout=180)
+        assert res.returncode == 0, f"{cmd[1:3]}: {res.stdout[-2000:]}{res.stderr[-2000:]}"
+    worker = server.spawn([prefect, "worker", "start", "--pool", "test-pool", "--limit", "1"], "worker")
+
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}):
+        run_deployment("attribute/pool", parameters={"config": cfg}, timeout=0)
+    run = wait_terminal(server, "pool", timeout=240, proc=worker)
+    assert run.state_type.value == "COMPLETED", server.read_log("worker")[-3000:]
+    np.testing.assert_array_equal(scores(cfg), ref)
+
+
+def test_real_dask_cluster_and_worker_kill(setup):
+    """dask_address → a `dask scheduler` with two `dask worker` processes: identical scores; then one
+    worker SIGKILLed after the first featurized shard, and the run still completes with identical scores."""
+    server, tmp, ckpt_dir, ref = setup
+    with dask_cluster(tmp / "dask", server.env) as cluster:
+        cfg = tiny_config(tmp, ckpt_dir, "dask", task_runner="dask", dask_address=cluster.address)
+        res = run_script(server, tmp, cfg, "dask")
+        assert res.returncode == 0, res.stderr[-3000:]
+        np.testing.assert_array_equal(scores(cfg), ref)
+
+        # the same model, each forward pass slowed down, so the kill lands while shards are in flight
+        cfg = tiny_config(tmp, ckpt_dir, "dask_kill", task_runner="dask", dask_address=cluster.address,
+                          model="services:make_slow_tiny_model")
+        cfg_file = tmp / "dask_kill.json"
+        cfg_file.write_text(json.dumps(cfg))
+        code = "import json, sys\nfrom flows import attribute\nattribute(config=json.load(open(sys.argv[1])))\n"
+        run = subprocess.Popen([sys.executable, "-c", code, str(cfg_file)], env=server.env, cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        def first_shard_done():
+            try:
+                mask = TrakStore.open(cfg["store"], mode="r").featurized_mask(0)
+            except Exception:
+                return False
+            return bool(mask.any())
+
+        wait_for(first_shard_done, 240, "the first featurized shard", poll=0.2, proc=run)
+        victim = cluster.workers[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        status = TrakStore.open(cfg["store"], mode="r")
+        done = sum(int(status.featurized_mask(m).sum()) for m in (0, 1))
+        assert done < 2 * tiny.NUM_TRAIN, "featurization had finished before the kill"
+        out, _ = run.communicate(timeout=400)
+        assert victim.wait(10) == -signal.SIGKILL
+        assert run.returncode == 0, out[-3000:]
+        np.testing.assert_array_equal(scores(cfg), ref)
