@@ -233,10 +233,10 @@ def create_plan(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerpr
         store.init_experiment_model(config.exp_name, mid)
     store.init_scores(config.exp_name)
     meta = inputs.meta
+    models = tuple(PlannedModel(model_id=mid, checkpoint=path) for mid, path in enumerate(inputs.checkpoints))
     return Plan(store=config.store, exp_name=config.exp_name, train_set_size=meta.train_set_size,
                 num_targets=inputs.num_targets, grad_dim=meta.grad_dim, proj_dim=meta.proj_dim,
-                shard_rows=meta.shard_rows, chunk_rows=meta.chunk_rows, num_shards=meta.num_shards,
-                models=tuple(PlannedModel(model_id=mid, checkpoint=path) for mid, path in enumerate(inputs.checkpoints)))
+                shard_rows=meta.shard_rows, chunk_rows=meta.chunk_rows, num_shards=meta.num_shards, models=models)
 
 
 def make_plan(config: AttributeConfig) -> Plan:

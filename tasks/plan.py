@@ -152,5 +152,5 @@ def summarize(manifests: Sequence[Union[Manifest, Mapping[str, Any]]]) -> dict:
             "seconds": round(sum(get(m, "seconds") for m in manifests), 3)}
 
 
-__all__ = ["Plan", "PlannedModel", "ScorePlan", "TruthPlan", "Manifest", "ShardManifest", "FinalizeManifest", "TargetsManifest",
-           "ScoreBlockManifest", "SubsetModelManifest", "summarize"]
+__all__ = ["Plan", "PlannedModel", "ScorePlan", "TruthPlan", "Manifest", "ShardManifest", "FinalizeManifest",
+           "TargetsManifest", "ScoreBlockManifest", "SubsetModelManifest", "summarize"]
