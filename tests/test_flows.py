@@ -264,6 +264,25 @@ def test_other_checkpoint_for_same_model_id_is_refused(tmp_path):
         featurize(cfg)
 
 
+def test_plan_of_a_store_with_the_earlier_data_fingerprints(tmp_path):
+    """Stores made before the pipeline record named its fingerprint scheme hold the earlier form of the data
+    fingerprints: the plan still accepts their own data (a rerun resumes) and refuses other data."""
+    from tasks import core
+
+    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
+    cfg = config(tmp_path, paths)
+    plan = core.make_plan(cfg)
+    assert plan.model_ids == [0] and list(plan.shards()) == list(range(N // SHARD))
+    store = TrakStore.open(cfg.store)
+    assert store.pipeline_info()["fingerprint"] == core.FINGERPRINT_SCHEME
+    store.set_pipeline_info({"train_data_sha256": core._fingerprint_v0(tiny.train_data())})
+    store.set_target_data_sha256("tiny", core._fingerprint_v0(tiny.target_data()))
+    assert core.make_plan(cfg) == plan
+    store.set_pipeline_info({"train_data_sha256": "0" * 64})
+    with pytest.raises(StoreMismatchError, match="train_data"):
+        core.make_plan(cfg)
+
+
 def test_retry_condition():
     from prefect.states import Failed
 
