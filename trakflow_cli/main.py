@@ -157,14 +157,6 @@ def _print_attribution(result: dict, config) -> None:
             console.print("report: " + ", ".join(rep["files"]))
 
 
-def _number_or_setting(value: str):
-    """A CLI lambda_reg: a number, or a setting such as 'auto' / 'rel:0.1' (validated by the config)."""
-    try:
-        return float(value)
-    except ValueError:
-        return value.strip().lower()
-
-
 # ---------------------------------------------------------------------------------------------- commands
 @app.command()
 def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="where checkpoints, store and report go"),
@@ -179,6 +171,7 @@ def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="whe
     from examples.digits import demo_configs
     from flows import digits_demo
     from tasks.trainer import is_complete
+    from trak_core.settings import normalize_lambda_reg
 
     train_cfg, _ = demo_configs(demo_dir, num_models=models, epochs=epochs)
     if not all(is_complete(train_cfg.out_dir, i) for i in range(models)):
@@ -186,7 +179,7 @@ def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="whe
     try:
         with _Bars(True):
             out = digits_demo(demo_dir=str(demo_dir), num_models=models, epochs=epochs, proj_dim=proj_dim,
-                              lambda_reg=_number_or_setting(lambda_reg))
+                              lambda_reg=normalize_lambda_reg(lambda_reg))
     except _config_errors() as e:
         _fail(f"{type(e).__name__}: {e}", 1)
     if out["train"] is None:
@@ -242,8 +235,9 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: Optional[str
     gets its own store: a finalized store keeps its λ)."""
     from examples.digits import demo_configs
     from flows import train
-    from tasks.trainer import is_complete
     from tasks.config import EvaluateConfig
+    from tasks.trainer import is_complete
+    from trak_core.settings import normalize_lambda_reg
 
     train_cfg, attr = demo_configs(demo_dir)
     if not (Path(train_cfg.out_dir) / "manifest.json").is_file() or not all(
@@ -253,10 +247,7 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: Optional[str
     attr.update(exp_name="digits-heldout", target_data="examples.digits:heldout_data", report_targets=5)
     report = Path(demo_dir).absolute() / "report"
     if lambda_reg is not None:
-        try:
-            value = float(lambda_reg)
-        except ValueError:
-            value = lambda_reg.strip().lower()  # 'auto' / 'rel:<f>', validated by the config
+        value = normalize_lambda_reg(lambda_reg)  # a number, 'auto' or 'rel:<f>' (BadInputError naming it)
         if value != attr["lambda_reg"]:
             tag = "".join(ch if ch.isalnum() or ch == "." else "-" for ch in str(value))
             report = Path(demo_dir).absolute() / f"report-lambda-{tag}"
@@ -385,8 +376,8 @@ def show(store: str = typer.Argument(..., help="store path or URL, or the YAML f
                "opponents": [{"index": int(i), "score": float(scores[i, target])} for i in opp]}
         _top_k_tables([row], k)
         return
-    from tasks.report import add_texts, labels_of, top_k_table
     from tasks.config import load_data, load_object
+    from tasks.report import add_texts, labels_of, top_k_table
 
     train, targets = load_data(config.train_data, "train_data"), load_data(config.target_data, "target_data")
     if targets[0].shape[0] != scores.shape[1] or train[0].shape[0] != scores.shape[0]:
