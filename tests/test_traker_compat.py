@@ -15,10 +15,17 @@ import torch
 
 import trak_core
 import trak_core.utils as tc_utils
-from trak_core.compat import (BasicScoreComputer, BasicSingleBlockScoreComputer, ChunkedCudaProjector, CudaProjector,
-                              MmapSaver, install_trak_alias, trak_modules, uninstall_trak_alias)
-from trak_core.errors import (BadInputError, InputAssertionError, ModelIDException, StateAssertionError,
-                              StateError)
+from trak_core.compat import (
+    BasicScoreComputer,
+    BasicSingleBlockScoreComputer,
+    ChunkedCudaProjector,
+    CudaProjector,
+    MmapSaver,
+    install_trak_alias,
+    trak_modules,
+    uninstall_trak_alias,
+)
+from trak_core.errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
 from trak_core.projectors import DenseProjector
 
 trak = pytest.importorskip("trak")
@@ -132,7 +139,8 @@ def test_cuda_projector_on_cpu_equals_the_dense_projector():
     torch.testing.assert_close(cp.project({"w": g[:, :100].reshape(6, 10, 10), "b": g[:, 100:]}, 0), cp.project(g, 0))
     assert cp.num_sms >= 1 and cp.max_batch_size == 8
     # importable where traker has it
-    from trak_core.projectors import ChunkedCudaProjector as C2, CudaProjector as P2
+    from trak_core.projectors import ChunkedCudaProjector as C2
+    from trak_core.projectors import CudaProjector as P2
     assert P2 is CudaProjector and C2 is ChunkedCudaProjector
 
 
@@ -243,7 +251,8 @@ def test_trak_alias_resolves_to_trak_core(tmp_path):
         import trak as alias
         from trak.gradient_computers import IterativeGradientComputer
         from trak.modelout_functions import TASK_TO_MODELOUT
-        from trak.projectors import BasicProjector, CudaProjector as AliasCuda
+        from trak.projectors import BasicProjector
+        from trak.projectors import CudaProjector as AliasCuda
         from trak.savers import ModelIDException as AliasMIE
         from trak.traker import TRAKer
         from trak.utils import vectorize

@@ -49,8 +49,8 @@ ever formed.
 Outcomes that are not a number
 ------------------------------
 Every tracked pair gets an entry in :meth:`Alpha.get_output`; its value is a finite
-``float``, the int ``-1`` (concave fit, as cockpit) or ``None``, never NaN.  ``None`` always comes with an :class:`AlphaWarning`
-and a ``reason`` in :meth:`Alpha.get_details`:
+``float``, the int ``-1`` (concave fit, as cockpit) or ``None``, never NaN.  ``None``
+always comes with an :class:`AlphaWarning` and a ``reason`` in :meth:`Alpha.get_details`:
 
 * **zero step** (``d = 0``, e.g. ``lr = 0`` or a skipped update): the line through the
   two points is undefined → ``None`` (reason ``"zero step"``).  cockpit 1.0.2 has no

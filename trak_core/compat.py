@@ -19,7 +19,6 @@ import sys
 import types
 import warnings
 from abc import ABC, abstractmethod
-from typing import Union
 
 import torch
 from torch import Tensor
@@ -72,7 +71,7 @@ class CudaProjector(DenseProjector):
             if not isinstance(p, DenseProjector):
                 self._gpu = p
 
-    def project(self, grads: Union[dict, Tensor], model_id: int) -> Tensor:
+    def project(self, grads: dict | Tensor, model_id: int) -> Tensor:
         in_dtype = next(iter(grads.values())).dtype if isinstance(grads, dict) else grads.dtype
         out = self._gpu.project(grads, model_id) if self._gpu is not None else super().project(grads, model_id)
         return out.to(in_dtype) if in_dtype.is_floating_point else out

@@ -5,7 +5,10 @@ Differences from traker 0.3.2, on purpose:
 * the store is one Zarr group (``save_dir`` may be a path or an fsspec URL), validated on reopen;
 * XᵀX is accumulated in float64 and inverted in float64 (traker: in the storage dtype / float32);
 * singular or badly conditioned XᵀX warns with the condition estimate and the remedy;
-* bad input raises a clear exception before anything is written (traker asserts or logs and goes on);
+* bad input raises a clear exception before anything is written (traker asserts or logs and goes on); where
+  traker asserted, the exception is also an ``AssertionError`` carrying traker's message;
+* ``saver=`` / ``score_computer=``: traker's defaults (``MmapSaver``, ``BasicScoreComputer``) are accepted,
+  ``BasicSingleBlockScoreComputer`` means the plain inverse, other classes are refused (trak_core/compat.py);
 * the default projector is the factored per-layer projection (about 40× traker's CPU featurization on a
   400k-parameter MLP at a comparable LDS; dense Rademacher for models it cannot factor); the matrices come
   from a counter-based RNG, the same on CPU and GPU. Pass ``projector=`` to choose another.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
