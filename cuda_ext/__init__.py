@@ -13,15 +13,17 @@ trak_core never imports this package. Importing it registers the GPU projectors 
 registry (:func:`trak_core.projectors.register_projector`); the installed package declares the entry point
 ``trakflow.projectors: cuda_ext``, so ``make_projector(kind, ..., device="cuda")`` imports it on first use.
 Without CUDA the projectors fall back to trak_core's CPU projectors with a one-line
-:class:`CudaFallbackWarning`. See docs/gpu.md.
+:class:`CudaFallbackWarning`; kernels that fail their first-use self-check (:mod:`cuda_ext.selfcheck`) give
+way to the torch path with a one-line :class:`CudaSelfCheckWarning`. See docs/gpu.md.
 """
 
 from ._build import is_available, load_extension, source_digest, unavailable_reason
-from .projectors import (ALGOS, BACKENDS, CudaDenseProjector, CudaFallbackWarning, CudaProjector, CudaSJLTProjector,
-                         make_cuda_projector, register_projectors)
+from .projectors import (ALGOS, BACKENDS, CudaBackendError, CudaDenseProjector, CudaFallbackWarning, CudaProjector,
+                         CudaSelfCheckWarning, CudaSJLTProjector, make_cuda_projector, register_projectors)
 
 register_projectors()
 
-__all__ = ["CudaDenseProjector", "CudaSJLTProjector", "CudaProjector", "CudaFallbackWarning", "make_cuda_projector",
+__all__ = ["CudaDenseProjector", "CudaSJLTProjector", "CudaProjector", "CudaFallbackWarning", "CudaSelfCheckWarning",
+           "CudaBackendError", "make_cuda_projector",
            "register_projectors", "load_extension", "unavailable_reason", "is_available", "source_digest", "ALGOS",
            "BACKENDS"]

@@ -11,6 +11,9 @@ stores and as a benchmark baseline. This wrapper removes its usual constraints:
 * the result does not depend on the GPU's SM count: fast_jl's ``num_feature_tiles`` (traker passes the SM
   count, which changes the matrix) is pinned to a constant, 128 by default.
 
+No self-check (cuda_ext/selfcheck.py) applies: fast_jl's matrix comes from curand inside the package and has
+no device-independent definition to compare with (a JL-distortion test is statistics, not correctness).
+
 Install (CUDA machine): ``pip install fast_jl --no-build-isolation`` (with build isolation, pip ≥ 23 builds
 it against a fresh torch and fails).
 """
@@ -23,15 +26,22 @@ from torch import Tensor
 from trak_core.errors import BadInputError
 from trak_core.projectors import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
+from .projectors import CudaBackendError
+
 _LIMIT = 2**31 - 1
 _CHUNK_SEED_STEP = 7919  # seed offset of the coordinate chunks of a single example above 2**31 elements
+
+
+class FastJLMissingError(BadInputError, ModuleNotFoundError):
+    """``projector="fast_jl"`` where the fast_jl package is not installed: a bad input (never retried), and
+    the ``ModuleNotFoundError`` it was before."""
 
 
 def import_fast_jl():
     try:
         import fast_jl  # noqa: F401
     except ImportError as e:
-        raise ModuleNotFoundError(
+        raise FastJLMissingError(
             "projector='fast_jl' needs TRAK's CUDA projector, the fast_jl package: on a CUDA machine run "
             f"`pip install fast_jl --no-build-isolation` ({e})") from None
     return fast_jl
@@ -52,7 +62,7 @@ class FastJLProjector(AbstractProjector):
             raise BadInputError(f"projector='fast_jl' runs on CUDA only, got device={str(dev)!r}; "
                                 "use projector='dense' on the CPU")
         if not torch.cuda.is_available():
-            raise RuntimeError("projector='fast_jl' needs a CUDA device; none is visible")
+            raise CudaBackendError("projector='fast_jl' needs a CUDA device; none is visible")
         if max_batch_size not in (8, 16, 32):
             raise BadInputError(f"max_batch_size must be 8, 16 or 32, got {max_batch_size!r}")
         self.device = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())

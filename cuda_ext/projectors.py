@@ -11,7 +11,10 @@ Three backends, chosen at construction:
 
 ``backend="auto"`` (default) takes the first that works for ``device`` and, when it cannot give the GPU
 path asked for, says why in a one-line :class:`CudaFallbackWarning`: no CUDA (→ the CPU projector), or the
-kernels failed to build (→ the torch GPU path).
+kernels failed to build (→ the torch GPU path). Before its first kernel projection in a process, each
+projector checks its kernel against the torch path on a small probe (:mod:`cuda_ext.selfcheck`); on a
+mismatch or an error it uses the torch path (one :class:`CudaSelfCheckWarning` line), or raises
+:class:`CudaBackendError` where ``backend="kernel"`` was asked for.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from trak_core.errors import BadInputError
 from trak_core.projectors import (AbstractProjector, DenseProjector, ProjectionType, as_proj_type, check_dims,
                                   register_projector)
 
-from . import _build, torch_path
+from . import _build, selfcheck, torch_path
+from .selfcheck import CudaFallbackWarning, CudaSelfCheckWarning
 
-__all__ = ["CudaFallbackWarning", "CudaDenseProjector", "CudaSJLTProjector", "CudaProjector", "make_cuda_projector",
-           "register_projectors", "ALGOS", "BACKENDS"]
+__all__ = ["CudaFallbackWarning", "CudaSelfCheckWarning", "CudaBackendError", "CudaDenseProjector",
+           "CudaSJLTProjector", "CudaProjector", "make_cuda_projector", "register_projectors", "ALGOS", "BACKENDS"]
 
 ALGOS = ("auto", "fma", "tc1", "tc2", "tc3")
 BACKENDS = ("auto", "kernel", "torch", "cpu")
@@ -39,8 +43,10 @@ _ALGO_CODE = {"fma": 0, "tc1": 1, "tc2": 2, "tc3": 3}
 _KIND_CODE = {ProjectionType.rademacher: 0, ProjectionType.normal: 1}
 
 
-class CudaFallbackWarning(UserWarning):
-    """A GPU projector runs on a slower path than asked for; the message says why."""
+class CudaBackendError(BadInputError, RuntimeError):
+    """The backend asked for (``backend="kernel"``, ``projector="fast_jl"``) cannot run here: no CUDA, the
+    kernels did not build or failed their self-check. A :class:`~trak_core.errors.BadInputError` (retrying
+    cannot help; the pipeline does not retry it), and a ``RuntimeError`` as it was before."""
 
 
 def _fallback(owner: str, target: str, reason: str) -> None:
@@ -64,14 +70,14 @@ def _resolve_backend(owner: str, device, backend: str) -> tuple[str, torch.devic
     no_cuda = _build.cuda_unavailable_reason()
     if no_cuda is not None:
         if backend == "kernel":
-            raise RuntimeError(f"{owner}: backend='kernel' needs CUDA: {no_cuda}")
+            raise CudaBackendError(f"{owner}: backend='kernel' needs CUDA: {no_cuda}")
         return "cpu", torch.device("cpu"), no_cuda
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if _build.load_extension() is None:
         reason = _build.unavailable_reason() or "the CUDA kernels are unavailable"
         if backend == "kernel":
-            raise RuntimeError(f"{owner}: backend='kernel' is unavailable: {reason}")
+            raise CudaBackendError(f"{owner}: backend='kernel' is unavailable: {reason}")
         return "torch", dev, reason
     return "kernel", dev, None
 
@@ -113,11 +119,36 @@ class _GpuProjectorBase(AbstractProjector):
         self.model_id = model_id
         owner = type(self).__name__
         self.requested_device = device
+        self.requested_backend = backend
         self.backend, self._device, self.fallback_reason = _resolve_backend(owner, device, backend)
         self.device = self._device
+        self._self_checked = False
         if self.fallback_reason is not None:
             target = self._cpu_target if self.backend == "cpu" else "the pure-torch GPU path"
             _fallback(owner, target, self.fallback_reason)
+
+    def _check_label(self) -> str:
+        """The algorithm part of the self-check's cache key (and of its warning)."""
+        raise NotImplementedError
+
+    def _self_check(self, model_id: int) -> str | None:
+        """Run the kernel against the torch path on the probes (see :mod:`cuda_ext.selfcheck`)."""
+        raise NotImplementedError
+
+    def _ensure_checked(self, model_id: int) -> None:
+        """Before the first kernel projection: the (cached) self-check; on failure, the torch path."""
+        if self._self_checked:
+            return
+        owner = type(self).__name__
+        reason = selfcheck.checked_once(owner, self._device, self._check_label(),
+                                        lambda: self._self_check(model_id))
+        self._self_checked = True
+        if reason is None:
+            return
+        if self.requested_backend == "kernel":
+            raise CudaBackendError(f"{owner}: backend='kernel' failed its self-check: {reason}")
+        self.backend = "torch"
+        self.fallback_reason = f"failed its self-check ({reason})"
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self._device).cuda_stream
@@ -195,13 +226,15 @@ class CudaDenseProjector(_GpuProjectorBase):
         self._check_input(grads)
         if self.backend == "cpu":
             return self._cpu.project(grads, model_id)
+        if self.backend == "kernel":
+            self._ensure_checked(model_id)  # may switch to the torch path
         pieces = _pieces(grads)
         batch = pieces[0].shape[0]
         out = torch.zeros(batch, self.proj_dim, dtype=torch.float32, device=self._device)
         if batch == 0:
             return self._finish(out)
-        kind = self.proj_type.value
         if self.backend == "torch":
+            kind = self.proj_type.value
             offset = 0
             for p in pieces:
                 if p.shape[1]:
@@ -209,6 +242,10 @@ class CudaDenseProjector(_GpuProjectorBase):
                                              row0=offset, out=out)
                 offset += p.shape[1]
             return self._finish(out)
+        return self._finish(self._kernel_project(pieces, model_id, out))
+
+    def _kernel_project(self, pieces: list[Tensor], model_id: int, out: Tensor) -> Tensor:
+        """``out += concat(pieces) @ R`` with the CUDA kernel (out: (B, proj_dim) float32 on the device)."""
         ext = _build.load_extension()
         key_a, key_b = self._keys(model_id)
         with torch.cuda.device(self._device):
@@ -222,7 +259,25 @@ class CudaDenseProjector(_GpuProjectorBase):
                 ext.dense_project(x, out, offset, key_a, key_b, _KIND_CODE[self.proj_type], _ALGO_CODE[self.algo],
                                   _build.KSPLIT, self.max_partial_bytes, stream)
                 offset += width
-        return self._finish(out)
+        return out
+
+    def _check_label(self) -> str:
+        return f"algo={self.algo}, {self.proj_type.value}"
+
+    def _self_check(self, model_id: int) -> str | None:
+        kind = self.proj_type.value
+        # integer inputs make ±1 sums exact in any order; normal entries are not integers: float probe only
+        probes = selfcheck.make_probes(self._device, selfcheck.TOLERANCE[self.algo],
+                                       exact=self.proj_type == ProjectionType.rademacher)
+
+        def candidate(x: Tensor) -> Tensor:
+            out = torch.zeros(x.shape[0], self.proj_dim, dtype=torch.float32, device=self._device)
+            return self._kernel_project([x], model_id, out)
+
+        def reference(x: Tensor) -> Tensor:
+            return torch_path.dense_project(x, kind, self.seed, model_id, self.proj_dim, dtype=torch.float64)
+
+        return selfcheck.self_check(candidate, reference, probes)
 
     def generate(self, model_id: int, row0: int, row1: int) -> Tensor:
         """Rows [row0, row1) of the matrix, generated on this projector's device (float32)."""
@@ -316,6 +371,8 @@ class CudaSJLTProjector(_GpuProjectorBase):
         self._check_input(grads)
         if self.backend == "cpu":
             return self._cpu.project(grads, model_id)
+        if self.backend == "kernel":
+            self._ensure_checked(model_id)  # may switch to the torch path
         x = _flat_on(grads, self._device)
         batch = x.shape[0]
         if batch == 0:
@@ -323,8 +380,13 @@ class CudaSJLTProjector(_GpuProjectorBase):
         if self.backend == "torch":
             out = torch_path.sjlt_project(x, self.seed, model_id, self.proj_dim, self.c)
             return self._finish(out * self.value_scale)
-        ext = _build.load_extension()
         col_ptr, packed = self.plan(model_id)
+        return self._finish(self._kernel_gather(x, col_ptr, packed))
+
+    def _kernel_gather(self, x: Tensor, col_ptr: Tensor, packed: Tensor) -> Tensor:
+        """``value_scale · SJLT(x)`` with the CUDA gather kernel over the CSR plan (x: (B, K) on the device)."""
+        ext = _build.load_extension()
+        batch = x.shape[0]
         bt = 1
         while bt < min(batch, 32):
             bt *= 2
@@ -332,7 +394,23 @@ class CudaSJLTProjector(_GpuProjectorBase):
         with torch.cuda.device(self._device):
             xt = x.t().contiguous()
             ext.sjlt_project(xt, col_ptr, packed, out, self.value_scale, bt, self._stream())
-        return self._finish(out)
+        return out
+
+    def _check_label(self) -> str:
+        return "gather"
+
+    def _self_check(self, model_id: int) -> str | None:
+        probes = selfcheck.make_probes(self._device, selfcheck.TOLERANCE["sjlt"], exact=True)
+        width = probes[0].x.shape[1]
+        col_ptr, packed = torch_path.sjlt_plan(self.seed, model_id, width, self.proj_dim, self.c, self._device)
+
+        def candidate(x: Tensor) -> Tensor:
+            return self._kernel_gather(x, col_ptr, packed)
+
+        def reference(x: Tensor) -> Tensor:
+            return torch_path.sjlt_reference(x, self.seed, model_id, self.proj_dim, self.c, dtype=torch.float64)
+
+        return selfcheck.self_check(candidate, reference, probes)
 
 
 def make_cuda_projector(kind: str, grad_dim: int, proj_dim: int, seed: int = 0, proj_type="rademacher",

@@ -36,16 +36,18 @@ def dense_block(kind: str, seed: int, model_id: int, row0: int, row1: int, cols:
 
 
 def dense_project(x: Tensor, kind: str, seed: int, model_id: int, proj_dim: int, row0: int = 0,
-                  out: Tensor | None = None, block_elems: int = 1 << 24) -> Tensor:
-    """``out += x @ R[row0 : row0 + K]`` with R generated block-wise on x's device (float32)."""
+                  out: Tensor | None = None, block_elems: int = 1 << 24,
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+    """``out += x @ R[row0 : row0 + K]`` with R generated block-wise on x's device, accumulated in ``out``'s
+    dtype (float32 by default; the self-check's reference uses float64)."""
     batch, width = x.shape
     if out is None:
-        out = torch.zeros(batch, proj_dim, dtype=torch.float32, device=x.device)
+        out = torch.zeros(batch, proj_dim, dtype=dtype, device=x.device)
     step = max(1, block_elems // proj_dim)
     for r0 in range(0, width, step):
         r1 = min(r0 + step, width)
         blk = dense_block(kind, seed, model_id, row0 + r0, row0 + r1, proj_dim, x.device)
-        out.addmm_(x[:, r0:r1].to(torch.float32), blk)
+        out.addmm_(x[:, r0:r1].to(out.dtype), blk.to(out.dtype))
     return out
 
 

@@ -45,6 +45,7 @@ import cuda_ext  # noqa: E402
 from cuda_ext import _build, torch_path  # noqa: E402
 from cuda_ext.projectors import CudaDenseProjector, CudaFallbackWarning, CudaSJLTProjector  # noqa: E402
 from trak_core import counter_rng  # noqa: E402
+from trak_core.errors import BadInputError  # noqa: E402
 from trak_core.projectors import DenseProjector  # noqa: E402
 
 HERE = ROOT / "cuda_ext"
@@ -391,6 +392,254 @@ def test_fast_jl_is_optional_with_a_clear_error():
         cuda_ext.make_cuda_projector("fast_jl", 1000, 512, device="cuda")
 
 
+# ---------------------------------------------------------------------- the kernels' self-check (CPU)
+from cuda_ext import selfcheck  # noqa: E402
+from cuda_ext.projectors import CudaBackendError, CudaSelfCheckWarning  # noqa: E402
+
+
+@pytest.fixture
+def fresh_self_check():
+    """An empty cache of self-check decisions before and after the test."""
+    selfcheck.clear_cache()
+    yield selfcheck
+    selfcheck.clear_cache()
+
+
+def _dense_ref(kind="rademacher", seed=3, mid=2, proj_dim=16):
+    return lambda x: torch_path.dense_project(x, kind, seed, mid, proj_dim, dtype=torch.float64)
+
+
+def _dense_f32(kind="rademacher", seed=3, mid=2, proj_dim=16):
+    """A correct candidate with float32 accumulation in another order than the reference's."""
+    return lambda x: torch_path.dense_project(x, kind, seed, mid, proj_dim, block_elems=1 << 12)
+
+
+def _self_check_warnings(rec) -> list[str]:
+    return [str(w.message) for w in rec if issubclass(w.category, CudaSelfCheckWarning)]
+
+
+def test_self_check_probes_cross_the_kernels_block_boundaries():
+    probes = selfcheck.make_probes("cpu", 1e-4)
+    assert [p.name for p in probes] == ["integer", "float"]
+    rows, cols = probes[0].x.shape
+    assert rows > 32 and cols > 2 * _build.KSPLIT and cols % 32 and cols % 64  # batch tile, split-K, k-steps
+    assert probes[0].x.dtype == torch.float32 and probes[0].x.abs().max() <= selfcheck.PROBE_INT_MAX
+    assert selfcheck.PROBE_INT_MAX * cols < 2**24  # every partial sum of the integer probe is exact in float32
+    assert [p.name for p in selfcheck.make_probes("cpu", 1e-4, exact=False)] == ["float"]
+    assert torch.equal(selfcheck.make_probes("cpu", 1e-4)[1].x, probes[1].x)  # fixed inputs
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "normal"])
+def test_self_check_passes_a_correct_float32_candidate(kind):
+    """Another float32 accumulation order is no mismatch: the integer probe is exact in any order, the float
+    probe's error (~1e-6) is far below the tolerance."""
+    probes = selfcheck.make_probes("cpu", selfcheck.TOLERANCE["fma"], exact=kind == "rademacher")
+    assert selfcheck.self_check(_dense_f32(kind), _dense_ref(kind), probes) is None
+
+
+def test_self_check_passes_the_sjlt_gather_emulation():
+    proj_dim, c = 40, 3
+    probes = selfcheck.make_probes("cpu", selfcheck.TOLERANCE["sjlt"])
+    col_ptr, packed = torch_path.sjlt_plan(3, 2, probes[0].x.shape[1], proj_dim, c)
+    scale = math.sqrt(proj_dim / c)
+    cand = lambda x: torch_path.sjlt_project_from_plan(x, col_ptr, packed, proj_dim, scale)  # noqa: E731
+    ref = lambda x: torch_path.sjlt_reference(x, 3, 2, proj_dim, c)  # noqa: E731
+    assert selfcheck.self_check(cand, ref, probes) is None
+    bad = packed.clone()
+    bad[int(col_ptr[5])] ^= 1  # one flipped sign in column 5
+    wrong = lambda x: torch_path.sjlt_project_from_plan(x, col_ptr, bad, proj_dim, scale)  # noqa: E731
+    reason = selfcheck.self_check(wrong, ref, probes)
+    assert reason is not None and "differ from the exact result" in reason and "integer input" in reason
+
+
+def _flip_one_sign(candidate, row=40000, col=5):
+    """The candidate with the matrix entry (row, col) negated: a one-entry kernel bug in the second split."""
+    def wrong(x):
+        out = candidate(x).clone()
+        r = torch_path.dense_block("rademacher", 3, 2, row, row + 1, 16)[0, col]
+        out[:, col] -= 2 * x[:, row] * r
+        return out
+    return wrong
+
+
+def test_self_check_names_each_kind_of_failure():
+    small = selfcheck.make_probes("cpu", 1e-4, rows=5, cols=300)
+    ref, good = _dense_ref(), _dense_f32()
+    assert selfcheck.self_check(good, ref, small) is None
+    # one wrong sign: the exact integer probe sees it
+    reason = selfcheck.self_check(_flip_one_sign(good), ref, selfcheck.make_probes("cpu", 1e-4))
+    assert re.fullmatch(r"\d+ of \d+ entries differ from the exact result \(max \|diff\| [\d.e+-]+\) "
+                        r"on a 33×70001 integer input", reason), reason
+    # a small numerical error (float probe only: a normal matrix has no exact probe)
+    nudged = lambda x: good(x) * (1 + 3e-4)  # noqa: E731
+    reason = selfcheck.self_check(nudged, ref, selfcheck.make_probes("cpu", 1e-4, exact=False, rows=5, cols=300))
+    assert re.fullmatch(r"max rel err 3\.0e-04 > 1e-04 on a 5×300 float input", reason), reason
+    assert "integer input" in selfcheck.self_check(nudged, ref, small)  # the exact probe catches it first
+    # dropped last split (coordinates ≥ 2 × 32768)
+    dropped = lambda x: good(torch.cat([x[:, :2 * _build.KSPLIT], 0 * x[:, 2 * _build.KSPLIT:]], 1))  # noqa: E731
+    assert "differ" in selfcheck.self_check(dropped, ref, selfcheck.make_probes("cpu", 1e-4))
+    # non-finite, wrong shape, exceptions on either side
+    nan = lambda x: good(x) * float("nan")  # noqa: E731
+    assert selfcheck.self_check(nan, ref, small) == "80 non-finite outputs on a 5×300 integer input"
+    assert "returned shape (5, 15), expected (5, 16)" in selfcheck.self_check(lambda x: good(x)[:, :15], ref, small)
+
+    def boom(x):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+    reason = selfcheck.self_check(boom, ref, small)
+    assert reason == ("the kernel raised RuntimeError: CUDA error: an illegal memory access was encountered "
+                      "CUDA kernel errors ... on a 5×300 integer input")
+    assert selfcheck.self_check(good, boom, small).startswith("the reference (torch path) raised RuntimeError")
+
+
+def test_checked_once_warns_once_and_caches_per_process_device_class_algo(fresh_self_check):
+    calls = []
+
+    def failing():
+        calls.append(1)
+        return "max rel err 3e-02 > 1e-04 on a 33×70001 float input"
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert selfcheck.checked_once("CudaDenseProjector", "cuda:0", "algo=tc3, rademacher", failing)
+        assert selfcheck.checked_once("CudaDenseProjector", "cuda:1", "algo=tc3, rademacher", failing)
+        assert selfcheck.checked_once("CudaDenseProjector", "cuda:0", "algo=fma, rademacher", lambda: None) is None
+        assert selfcheck.checked_once("CudaDenseProjector", "cuda:0", "algo=fma, rademacher", failing) is None
+
+        def raising():
+            raise MemoryError("out of memory")
+        assert selfcheck.checked_once("CudaSJLTProjector", "cuda:0", "gather", raising) == \
+            "the check raised MemoryError: out of memory"
+    assert len(calls) == 2  # once per (device, class, algo)
+    msgs = _self_check_warnings(rec)
+    assert msgs == [
+        "cuda_ext: CudaDenseProjector (algo=tc3, rademacher) failed its self-check (max rel err 3e-02 > 1e-04 on "
+        "a 33×70001 float input); using the torch path",
+        "cuda_ext: CudaDenseProjector (algo=tc3, rademacher) failed its self-check (max rel err 3e-02 > 1e-04 on "
+        "a 33×70001 float input); using the torch path",
+        "cuda_ext: CudaSJLTProjector (gather) failed its self-check (the check raised MemoryError: out of memory); "
+        "using the torch path"]
+    assert issubclass(CudaSelfCheckWarning, CudaFallbackWarning)
+
+
+def _as_kernel_backend(p, monkeypatch):
+    """Make a CPU-built projector behave as if its kernels had built (the kernel itself is monkeypatched)."""
+    monkeypatch.setattr(p, "backend", "kernel")
+    return p
+
+
+def test_a_wrong_dense_kernel_falls_back_to_the_torch_path(fresh_self_check, monkeypatch):
+    """A deliberately wrong kernel (one sign) on first use: the torch path, one warning line, and the decision
+    is cached: a second projector neither re-runs the wrong kernel nor warns again."""
+    calls = []
+
+    def wrong_kernel(self, pieces, model_id, out):
+        calls.append(pieces[0].shape)
+        x = torch.cat(pieces, 1)
+        out += torch_path.dense_project(x, "rademacher", self.seed, model_id, self.proj_dim)
+        out[:, 3] = -out[:, 3]
+        return out
+    monkeypatch.setattr(CudaDenseProjector, "_kernel_project", wrong_kernel)
+    g = torch.randn(6, 1000, generator=torch.Generator().manual_seed(4))
+    want = DenseProjector(1000, 16, seed=3).project(g, 2)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        p = _as_kernel_backend(CudaDenseProjector(1000, 16, seed=3, device="cpu", backend="torch", algo="fma"),
+                               monkeypatch)
+        out = p.project(g, model_id=2)
+        assert p.backend == "torch" and p.fallback_reason.startswith("failed its self-check (")
+        assert torch.equal(out, want) or _rel_err(out, want) < 1e-6
+        assert len(calls) == 1 and tuple(calls[0]) == (33, 70001)  # the probe, not the user's batch
+        q = _as_kernel_backend(CudaDenseProjector(1000, 16, seed=9, device="cpu", backend="torch", algo="fma"),
+                               monkeypatch)
+        assert _rel_err(q.project(g, model_id=0), DenseProjector(1000, 16, seed=9).project(g, 0)) < 1e-6
+        assert q.backend == "torch" and len(calls) == 1  # cached: not checked again
+        p.project(g, model_id=2)
+        assert len(calls) == 1
+    msgs = _self_check_warnings(rec)
+    assert len(msgs) == 1 and "\n" not in msgs[0], msgs
+    assert re.fullmatch(r"cuda_ext: CudaDenseProjector \(algo=fma, rademacher\) failed its self-check \(\d+ of "
+                        r"\d+ entries differ from the exact result \(max \|diff\| [\d.e+-]+\) on a 33×70001 "
+                        r"integer input\); using the torch path", msgs[0]), msgs[0]
+    # another algorithm is another kernel: checked (and here failing) on its own
+    with pytest.warns(CudaSelfCheckWarning, match=r"\(algo=tc3, rademacher\)"):
+        _as_kernel_backend(CudaDenseProjector(1000, 16, seed=3, device="cpu", backend="torch", algo="tc3"),
+                           monkeypatch).project(g, 2)
+    assert len(calls) == 2
+
+
+def test_a_correct_dense_kernel_passes_and_is_used(fresh_self_check, monkeypatch):
+    used = []
+
+    def kernel(self, pieces, model_id, out):  # right, with float32 accumulation in its own order
+        used.append(tuple(pieces[0].shape))
+        offset = 0
+        for piece in pieces:
+            torch_path.dense_project(piece, self.proj_type.value, self.seed, model_id, self.proj_dim, row0=offset,
+                                     out=out, block_elems=1 << 12)
+            offset += piece.shape[1]
+        return out
+    monkeypatch.setattr(CudaDenseProjector, "_kernel_project", kernel)
+    g = torch.randn(6, 1000, generator=torch.Generator().manual_seed(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CudaSelfCheckWarning)
+        for kind in ("rademacher", "normal"):
+            p = _as_kernel_backend(CudaDenseProjector(1000, 16, seed=3, proj_type=kind, device="cpu",
+                                                      backend="torch", algo="fma"), monkeypatch)
+            out = p.project(g, model_id=2)
+            assert p.backend == "kernel" and p.fallback_reason is None
+            assert _rel_err(out, DenseProjector(1000, 16, seed=3, proj_type=kind).project(g, 2)) < 1e-6
+    # per kind: the probe (33×70001, twice for Rademacher, once for normal), then the batches
+    assert used == [(33, 70001), (33, 70001), (6, 1000), (33, 70001), (6, 1000)]
+
+
+def test_a_raising_kernel_falls_back_and_backend_kernel_raises(fresh_self_check, monkeypatch):
+    def crashing(self, *args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(CudaDenseProjector, "_kernel_project", crashing)
+    g = torch.randn(3, 500, generator=torch.Generator().manual_seed(5))
+    with pytest.warns(CudaSelfCheckWarning, match=r"failed its self-check \(the kernel raised RuntimeError: CUDA "
+                                                  r"error: an illegal memory access was encountered on a 33×70001 "
+                                                  r"integer input\); using the torch path"):
+        p = _as_kernel_backend(CudaDenseProjector(500, 8, seed=1, device="cpu", backend="torch", algo="fma"),
+                               monkeypatch)
+        out = p.project(g, 0)
+    assert p.backend == "torch" and _rel_err(out, DenseProjector(500, 8, seed=1).project(g, 0)) < 1e-6
+    # backend="kernel" asked for explicitly: an error instead of the fallback (from the cached decision)
+    k = _as_kernel_backend(CudaDenseProjector(500, 8, seed=1, device="cpu", backend="torch", algo="fma"), monkeypatch)
+    monkeypatch.setattr(k, "requested_backend", "kernel")
+    with pytest.raises(CudaBackendError, match="backend='kernel' failed its self-check: the kernel raised") as ei:
+        k.project(g, 0)
+    assert isinstance(ei.value, RuntimeError) and isinstance(ei.value, BadInputError)
+
+
+def test_a_wrong_sjlt_kernel_falls_back_to_the_torch_path(fresh_self_check, monkeypatch):
+    def wrong_gather(self, x, col_ptr, packed):
+        bad = packed.clone()
+        bad[-1] ^= 1  # the last entry of the last column: one flipped sign
+        return torch_path.sjlt_project_from_plan(x, col_ptr, bad, self.proj_dim, self.value_scale)
+
+    def right_gather(self, x, col_ptr, packed):
+        return torch_path.sjlt_project_from_plan(x, col_ptr, packed, self.proj_dim, self.value_scale)
+    g = torch.randn(4, 800, generator=torch.Generator().manual_seed(6))
+    want = torch_path.sjlt_reference(g, 2, 1, 32, 2)
+    monkeypatch.setattr(CudaSJLTProjector, "_kernel_gather", right_gather)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CudaSelfCheckWarning)
+        s = _as_kernel_backend(CudaSJLTProjector(800, 32, seed=2, device="cpu", c=2, backend="torch"), monkeypatch)
+        assert _rel_err(s.project(g, 1), want) < 1e-6 and s.backend == "kernel"
+    selfcheck.clear_cache()
+    monkeypatch.setattr(CudaSJLTProjector, "_kernel_gather", wrong_gather)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        s = _as_kernel_backend(CudaSJLTProjector(800, 32, seed=2, device="cpu", c=2, backend="torch"), monkeypatch)
+        out = s.project(g, 1)
+        _as_kernel_backend(CudaSJLTProjector(800, 32, seed=5, device="cpu", c=4, backend="torch"),
+                           monkeypatch).project(g, 1)
+    msgs = _self_check_warnings(rec)
+    assert len(msgs) == 1 and msgs[0].startswith("cuda_ext: CudaSJLTProjector (gather) failed its self-check ("), msgs
+    assert s.backend == "torch" and _rel_err(out, want) < 1e-6
+
+
 # ====================================================================== GPU
 cuda = pytest.mark.cuda
 
@@ -612,3 +861,43 @@ def test_fast_jl_interop():
         norms = ref.diagonal().sqrt()
         assert float(((ip - ref) / (norms[:, None] * norms[None, :])).abs().max()) < 6 / math.sqrt(proj_dim)
         assert torch.equal(p.project(x, model_id=1), out)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("what", ["fma", "tc3", "tc2", "tc1", "normal", "sjlt"])
+def test_real_kernels_pass_their_self_check(ext, what, fresh_self_check):
+    """On the GPU: each real kernel passes its first-use self-check (no warning, the kernel backend kept),
+    the decision is cached, and a re-run of the check on other parameters passes too."""
+    if what.startswith("tc") and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("tensor-core path needs sm_80+")
+    x = _x(5, 3000, seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CudaSelfCheckWarning)
+        if what == "sjlt":
+            p = CudaSJLTProjector(3000, 1000, seed=4, c=4)
+        else:
+            p = CudaDenseProjector(3000, 1000, seed=4, proj_type="normal" if what == "normal" else "rademacher",
+                                   algo="fma" if what == "normal" else what)
+        p.project(x, model_id=1)
+    assert p.backend == "kernel" and p.fallback_reason is None
+    assert list(selfcheck._decisions.values()) == [None]
+    other = (CudaSJLTProjector(3000, 2047, seed=2**40, c=1) if what == "sjlt" else
+             CudaDenseProjector(3000, 31, seed=2**40, proj_type=p.proj_type, algo=p.algo))
+    assert other._self_check(model_id=2**33 + 1) is None
+
+
+@cuda
+@needs_cuda
+def test_a_wrong_kernel_on_the_gpu_falls_back_to_the_gpu_torch_path(ext, fresh_self_check, monkeypatch):
+    real = CudaDenseProjector._kernel_project
+
+    def off_by_one_split(self, pieces, model_id, out):  # drops everything after the first split
+        return real(self, [p[:, :_build.KSPLIT] for p in pieces], model_id, out)
+    monkeypatch.setattr(CudaDenseProjector, "_kernel_project", off_by_one_split)
+    x = _x(5, 3000, seed=2)
+    with pytest.warns(CudaSelfCheckWarning, match="failed its self-check .*33×70001 integer input"):
+        p = CudaDenseProjector(3000, 300, seed=1, algo="fma")
+        out = p.project(x, 0)
+    assert p.backend == "torch" and out.is_cuda
+    assert _rel_err(out, _exact_dense(x, "rademacher", 1, 0, 300)) < 2e-6
