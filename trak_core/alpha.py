@@ -85,6 +85,8 @@ import numpy as np
 import torch
 from torch.func import functional_call, jvp
 
+from .errors import BadInputError
+
 __all__ = [
     "Alpha",
     "AlphaWarning",
@@ -134,9 +136,9 @@ def _fit(
     if not all(math.isfinite(float(v)) for v in values):
         return None, "non-finite input to the fit"
     if t < 0:
-        raise ValueError(f"step length t must be >= 0, got {t}")
+        raise BadInputError(f"step length t must be >= 0, got {t}")
     if min(var_loss0, var_loss1, var_dd0, var_dd1) < 0:
-        raise ValueError("variances must be >= 0")
+        raise BadInputError("variances must be >= 0")
     var_f = _patch_variances([float(var_loss0), float(var_loss1)], "the loss", eps)
     var_df = _patch_variances(
         [float(var_dd0), float(var_dd1)], "the directional derivative", eps
@@ -381,7 +383,7 @@ class Alpha:
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable")
         if not eps > 0:
-            raise ValueError(f"eps must be > 0, got {eps}")
+            raise BadInputError(f"eps must be > 0, got {eps}")
         self.loss_fn = loss_fn
         self._schedule = _schedule_fn(track_schedule)
         self.eps = float(eps)
@@ -446,7 +448,7 @@ class Alpha:
         """
         global_step = int(global_step)
         if self._last_step is not None and global_step <= self._last_step:
-            raise ValueError(
+            raise BadInputError(
                 f"global_step must increase between track calls: got {global_step} "
                 f"after {self._last_step}"
             )
@@ -535,12 +537,12 @@ class Alpha:
         if current.keys() != snap.params.keys() or any(
             current[n].shape != snap.params[n].shape for n in current
         ):
-            raise ValueError(
+            raise BadInputError(
                 f"model parameters changed names/shapes between steps {start} and {end_step}"
             )
         trainable = [n for n, p in current.items() if p.requires_grad]
         if not trainable:
-            raise ValueError("model has no parameter with requires_grad=True")
+            raise BadInputError("model has no parameter with requires_grad=True")
 
         with torch.no_grad():
             direction = {n: current[n].detach() - snap.params[n] for n in trainable}
@@ -622,7 +624,7 @@ class Alpha:
             state.update({n: b.clone() for n, b in buffers.items()})
             losses = loss_fn(functional_call(model, state, (inputs,)), targets)
             if not isinstance(losses, torch.Tensor) or losses.dim() < 1:
-                raise ValueError(
+                raise BadInputError(
                     "loss_fn must return per-sample losses whose leading dimension is the batch "
                     f"([B] or [B, ...], e.g. reduction='none'), got {getattr(losses, 'shape', type(losses))}"
                 )

@@ -22,6 +22,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from .errors import BadInputError
+
 __all__ = ["plot_alpha_trace", "plot_alpha_gauge"]
 
 
@@ -93,7 +95,7 @@ def plot_alpha_gauge(
     ``Alpha.get_output()``) is read in step order.
     """
     if not 0 < last_fraction <= 1:
-        raise ValueError(f"last_fraction must be in (0, 1], got {last_fraction}")
+        raise BadInputError(f"last_fraction must be in (0, 1], got {last_fraction}")
     if isinstance(alpha_values, Mapping):
         alpha_values = [v for _, v in sorted(alpha_values.items())]
     values = _finite(alpha_values)

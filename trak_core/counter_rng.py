@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from .errors import BadInputError
+
 MASK32 = 0xFFFFFFFF
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B
@@ -58,7 +60,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 def stream_key(seed: int, model_id: int, stream: int) -> int:
     """The 32-bit key of one random stream of one (seed, model_id)."""
     if seed < 0 or model_id < 0:
-        raise ValueError(f"seed and model_id must be non-negative, got seed={seed}, model_id={model_id}")
+        raise BadInputError(f"seed and model_id must be non-negative, got seed={seed}, model_id={model_id}")
     k = mix32_int((seed & MASK32) ^ _GOLDEN)
     k = mix32_int(k ^ ((seed >> 32) & MASK32))
     k = mix32_int(k ^ (model_id & MASK32) ^ _MODEL_SALT)
@@ -139,7 +141,7 @@ def dense_block(kind: str, seed: int, model_id: int, row0: int, row1: int, cols:
         return rademacher_block(seed, model_id, row0, row1, cols, dtype, device=device)
     if kind == "normal":
         return normal_block(seed, model_id, row0, row1, cols, dtype, device=device)
-    raise ValueError(f"unknown dense matrix kind {kind!r}; use 'rademacher' or 'normal'")
+    raise BadInputError(f"unknown dense matrix kind {kind!r}; use 'rademacher' or 'normal'")
 
 
 def uniform_ints(seed: int, model_id: int, stream: int, counter: torch.Tensor, high: int) -> torch.Tensor:

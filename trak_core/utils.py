@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .errors import BadInputError
+
 __all__ = [
     "test_install", "parameters_to_vector", "get_num_params", "is_not_buffer", "vectorize", "get_output_memory",
     "get_free_memory", "get_matrix_mult_standard", "get_matrix_mult_blockwise", "get_matrix_mult",
@@ -86,13 +88,13 @@ def vectorize(g, arr=None, device="cuda") -> Tensor:
     1-D entries count as one column each, as in traker."""
     values = list(g.values())
     if not values:
-        raise ValueError("vectorize: empty gradient dict")
+        raise BadInputError("vectorize: empty gradient dict")
     first = values[0]
     batch = first.shape[0]
     cols = []
     for v in values:
         if v.shape[0] != batch:
-            raise ValueError(f"vectorize: batch sizes differ ({v.shape[0]} vs {batch})")
+            raise BadInputError(f"vectorize: batch sizes differ ({v.shape[0]} vs {batch})")
         cols.append(v.detach().reshape(batch, -1))
     width = sum(c.shape[1] for c in cols)
     if arr is None:
