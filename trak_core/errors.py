@@ -52,5 +52,10 @@ class StoreLockedError(TrakError, RuntimeError):
     """Another live run holds the store's lock."""
 
 
+class LockLostError(StoreLockedError, StateError):
+    """The run's lock was removed or taken by another run while it was writing: it stops before committing
+    more row flags (also a :class:`StateError`, so a task is not retried)."""
+
+
 class IllConditionedWarning(UserWarning):
     """XᵀX (+ λI) is singular or badly conditioned: scores would be dominated by round-off."""

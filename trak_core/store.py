@@ -33,12 +33,14 @@ Every array and attribute above is read and written through this module (:class:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
 import socket
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Literal, Optional
 from urllib.parse import urlparse
@@ -47,7 +49,7 @@ import numpy as np
 import zarr
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, NonNegativeInt, model_validator
 
-from .errors import BadInputError, StateError, StoreLockedError, StoreMismatchError
+from .errors import BadInputError, LockLostError, StateError, StoreLockedError, StoreMismatchError
 
 SCHEMA_VERSION = 1
 _META_KEY = "trakflow"
@@ -250,15 +252,31 @@ class ExperimentArrays:
 
 # ---------------------------------------------------------------------------- run lock
 class StoreLock:
-    """The run lock of a store: a small JSON file ``trakflow.lock`` (host, pid, run, since) in its folder.
+    """The run lock of a store: a small JSON file ``trakflow.lock`` (host, pid, run, since, token) in its folder.
 
     It needs only the location (a run locks before the plan creates the store). ``with
     StoreLock(location, run): ...`` holds it for a block. A lock left by a dead process of this host (a
     crash, SIGKILL) is stale and taken over, so a rerun resumes. Workers of one run (Dask, processes)
-    write disjoint chunks and need no lock.
+    write disjoint chunks and need no lock; the store checks before each commit of row flags that the lock
+    it was opened under is still in place (:meth:`TrakStore.check_lock`).
+
+    On a local filesystem every step is atomic, so of N processes racing for one lock exactly one wins:
+
+    * a free lock is created by writing the payload to a private temporary file and hard-linking it to
+      ``trakflow.lock`` (``link`` fails when the name exists; readers never see a half-written lock);
+    * a stale lock is taken over by compare-and-swap: the racers that read the same stale content ``H``
+      race to create ``trakflow.lock.takeover-<sha256(H)>`` with ``O_CREAT | O_EXCL``; the one that
+      creates it re-reads the lock, and only if it still holds ``H`` renames its own payload over it
+      (``os.replace``), then removes the claim file. The others see the new, live holder and are refused.
+
+    On fsspec object stores (``s3://``, ``memory://``, ...) there is no such primitive: the lock is
+    written, then read back (best effort; two racers can both pass in a narrow window). The per-commit
+    check then stops the run whose lock was overwritten before it commits more rows.
     """
 
     NAME = "trakflow.lock"
+    _CLAIM = ".takeover-"
+    _ATTEMPTS = 200  # rounds of read → create/swap before giving up (a loser waits for the winner to install)
 
     def __init__(self, location: str, run: str = ""):
         self.location = str(location)
@@ -277,19 +295,63 @@ class StoreLock:
             fs, path = fsspec.filesystem("file"), os.path.abspath(loc)
         return fs, path.rstrip("/") + "/" + self.NAME
 
-    def holder(self) -> Optional[dict]:
-        """Who holds the lock (``{"host", "pid", "run", "since"}``), or None."""
-        fs, path = self._fs_and_path()
+    def _local_path(self) -> str | None:
+        """The lock file's path on a local filesystem (None for other fsspec stores)."""
+        loc = self.location
+        if loc.startswith("file://"):
+            loc = urlparse(loc).path
+        if _is_url(loc):
+            return None
+        return os.path.abspath(loc).rstrip("/") + "/" + self.NAME
+
+    def read_raw(self) -> bytes | None:
+        """The lock file's bytes (None: there is no lock)."""
+        local = self._local_path()
         try:
+            if local is not None:
+                with open(local, "rb") as fh:
+                    return fh.read()
+            fs, path = self._fs_and_path()
             with fs.open(path, "rb") as fh:
-                return json.loads(fh.read().decode() or "{}")
+                return fh.read()
         except FileNotFoundError:
             return None
 
+    def fingerprint(self) -> str | None:
+        """sha256 of the lock file's bytes (None: no lock). Any change of holder changes it."""
+        raw = self.read_raw()
+        return None if raw is None else hashlib.sha256(raw).hexdigest()
+
+    def _parse(self, raw: bytes) -> dict:
+        """The holder recorded in ``raw``; a torn (empty, truncated, not JSON) lock file gives
+        ``{"torn": True, ...}`` with ``run`` saying so."""
+        try:
+            holder = json.loads(raw.decode())
+            if isinstance(holder, dict) and "pid" in holder and "host" in holder:
+                return holder
+        except (UnicodeDecodeError, ValueError):
+            pass
+        what = "empty" if not raw.strip() else f"not a lock record ({raw[:40]!r})"
+        return {"torn": True, "host": None, "pid": None, "run": f"<torn lock file: {what}>", "since": 0}
+
+    def holder(self) -> Optional[dict]:
+        """Who holds the lock (``{"host", "pid", "run", "since", "token"}``), None if nobody; a torn lock file
+        (empty or unreadable: a crash while it was written, or damage) gives a dict with ``"torn": True``."""
+        raw = self.read_raw()
+        return None if raw is None else self._parse(raw)
+
+    def _torn_error(self, holder: dict) -> StoreLockedError:
+        _, path = self._fs_and_path()
+        return StoreLockedError(
+            f"store {self.location}: its lock file {path} is {holder['run'][len('<torn lock file: '):-1]} "
+            "(torn: a run crashed while writing it, or the file was damaged), so the run holding the store "
+            f"cannot be identified. If no run uses this store, remove the lock with `trakflow unlock "
+            f"{self.location}`.")
+
     @staticmethod
     def holder_alive(holder: dict) -> bool:
-        """Whether a lock holder may still run (a holder on another host is assumed alive)."""
-        if holder.get("host") != socket.gethostname():
+        """Whether a lock holder may still run (a holder on another host, or a torn lock, is assumed alive)."""
+        if holder.get("torn") or holder.get("host") != socket.gethostname():
             return True  # cannot tell for another machine: assume alive
         pid = int(holder.get("pid", -1))
         if pid <= 0:
@@ -302,49 +364,141 @@ class StoreLock:
             return True
         return True
 
-    def acquire(self, run: Optional[str] = None, force: bool = False) -> dict:
-        """Take the lock or raise :class:`StoreLockedError` naming the live holder (re-entrant within one
-        process; a dead holder of this host is taken over; ``force`` takes it from a live one)."""
-        run = self.run if run is None else run
-        fs, path = self._fs_and_path()
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "run": run, "since": time.time()}
-        holder = self.holder()
-        if holder is not None and holder.get("host") == me["host"] and holder.get("pid") == me["pid"]:
-            return holder  # re-entrant within one process
-        if holder is not None and not force and self.holder_alive(holder):
-            raise StoreLockedError(
-                f"store {self.location} is in use by run {holder.get('run') or '?'} (pid {holder.get('pid')} on "
-                f"{holder.get('host')}); two runs on one store are refused. Wait for it, or if that run is "
-                f"gone, remove the lock with `trakflow unlock {self.location}`."
-            )
-        payload = json.dumps(me).encode()
-        if holder is None and not _is_url(self.location.replace("file://", "")):
-            try:  # atomic on local filesystems
+    @staticmethod
+    def _is_me(holder: dict) -> bool:
+        return holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid()
+
+    def _locked_error(self, holder: dict) -> StoreLockedError:
+        return StoreLockedError(
+            f"store {self.location} is in use by run {holder.get('run') or '?'} (pid {holder.get('pid')} on "
+            f"{holder.get('host')}); two runs on one store are refused. Wait for it, or if that run is "
+            f"gone, remove the lock with `trakflow unlock {self.location}`."
+        )
+
+    # local, atomic steps
+    def _write_private(self, path: str, payload: bytes) -> str:
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "xb") as fh:
+            fh.write(payload)
+        return tmp
+
+    def _create_local(self, path: str, payload: bytes) -> bool:
+        """Create the lock atomically with its content; False when it exists already."""
+        tmp = self._write_private(path, payload)
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # a filesystem without hard links: exclusive create, then write
+            try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                return self.acquire(run, force)
+                return False
             with os.fdopen(fd, "wb") as fh:
                 fh.write(payload)
-        else:
-            with fs.open(path, "wb") as fh:
+            return True
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def _swap_local(self, path: str, seen: bytes, payload: bytes) -> bool | None:
+        """Replace the lock holding ``seen`` by ``payload`` if it still holds ``seen`` (compare-and-swap).
+        False: another process changed or is taking over the lock; None: a takeover claim on ``seen`` was
+        left by a process that died in the middle of it."""
+        claim = path + self._CLAIM + hashlib.sha256(seen).hexdigest()[:32]
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                with open(claim, "rb") as fh:
+                    other = json.loads(fh.read().decode() or "{}")
+            except (OSError, ValueError):
+                return False
+            return None if other and not self.holder_alive(other) else False
+        try:
+            with os.fdopen(fd, "wb") as fh:
                 fh.write(payload)
-        if self.holder() != me:  # lost a race on a non-atomic filesystem
+            if self.read_raw() != seen:
+                return False  # installed or released by someone else meanwhile
+            tmp = self._write_private(path, payload)
+            os.replace(tmp, path)
+            return True
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(claim)
+
+    def acquire(self, run: Optional[str] = None, force: bool = False) -> dict:
+        """Take the lock or raise :class:`StoreLockedError` naming the live holder (re-entrant within one
+        process; a dead holder of this host is taken over atomically; ``force`` takes it from a live one;
+        a torn lock file is refused with what to do)."""
+        run = self.run if run is None else run
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "run": run, "since": time.time(),
+              "token": uuid.uuid4().hex}
+        payload = json.dumps(me).encode()
+        local = self._local_path()
+        orphan_claim = False
+        for _ in range(self._ATTEMPTS):
+            raw = self.read_raw()
+            if raw is None:
+                if local is not None:
+                    if self._create_local(local, payload):
+                        return me
+                    continue  # another process created it: look at it
+                return self._write_remote(payload, me)
+            holder = self._parse(raw)
+            if holder.get("torn"):
+                if not force:
+                    raise self._torn_error(holder)
+            elif self._is_me(holder):
+                return holder  # re-entrant within one process
+            elif not force and self.holder_alive(holder):
+                raise self._locked_error(holder)
+            if local is None:
+                return self._write_remote(payload, me)
+            won = self._swap_local(local, raw, payload)
+            if won:
+                return me
+            orphan_claim = won is None
+            time.sleep(0.005)  # another process is taking it over: give it time to install its lock
+        _, path = self._fs_and_path()
+        why = (f"a takeover claim {path}{self._CLAIM}* was left by a process that died while taking over the "
+               "lock" if orphan_claim else "other processes kept changing the lock")
+        raise StoreLockedError(f"store {self.location}: could not take the lock ({why}). If no run uses this store, "
+                               f"remove the lock with `trakflow unlock {self.location}`.")
+
+    def _write_remote(self, payload: bytes, me: dict) -> dict:
+        fs, path = self._fs_and_path()
+        with fs.open(path, "wb") as fh:
+            fh.write(payload)
+        if self.read_raw() != payload:  # lost a race on a store without an atomic primitive
             raise StoreLockedError(f"store {self.location}: another run took the lock at the same time")
         return me
 
     def release(self) -> None:
         """Remove the lock if this process holds it."""
-        fs, path = self._fs_and_path()
         holder = self.holder()
-        if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-            fs.rm(path)
+        if holder is not None and not holder.get("torn") and self._is_me(holder):
+            fs, path = self._fs_and_path()
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(path)
 
     def force_unlock(self) -> Optional[dict]:
-        """Remove the lock whoever holds it; returns the previous holder (None: it was not locked)."""
+        """Remove the lock whoever holds it (and takeover claims left beside it); returns the previous holder
+        (None: it was not locked; ``"torn": True`` for a torn lock file)."""
         fs, path = self._fs_and_path()
         holder = self.holder()
         if holder is not None:
-            fs.rm(path)
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(path)
+        local = self._local_path()
+        if local is not None:
+            folder, base = os.path.split(local)
+            with contextlib.suppress(OSError):
+                for name in os.listdir(folder):
+                    if name.startswith(base + self._CLAIM):
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(folder, name))
         return holder
 
     @contextlib.contextmanager
@@ -371,6 +525,8 @@ class TrakStore:
         self.location = str(location)
         self.root = group
         self.meta = meta
+        # the run lock this store was opened under (None: no lock); row flags are committed only while it holds
+        self._lock_seen = StoreLock(self.location).fingerprint()
 
     # ---------------------------------------------------------------- open / create
     @classmethod
@@ -428,6 +584,26 @@ class TrakStore:
     def lock(self) -> StoreLock:
         """This store's run lock (``store.lock.acquire(run)``, ``with store.lock.held(run): ...``)."""
         return StoreLock(self.location)
+
+    def check_lock(self) -> None:
+        """Raise :class:`LockLostError` when the run lock present when this store was opened has since been
+        removed or taken by another run (one small read; nothing when the store was opened unlocked). Called
+        before every commit of row flags, so a run that lost its lock stops before marking more rows done."""
+        if self._lock_seen is None:
+            return
+        lock = StoreLock(self.location)
+        raw = lock.read_raw()
+        if raw is not None and hashlib.sha256(raw).hexdigest() == self._lock_seen:
+            return
+        if raw is None:
+            what = "was removed (e.g. `trakflow unlock`)"
+        else:
+            h = lock._parse(raw)
+            what = f"is now held by run {h.get('run') or '?'} (pid {h.get('pid')} on {h.get('host')})"
+        raise LockLostError(
+            f"store {self.location}: the run lock this run was writing under {what}; stopping before committing "
+            "more rows (rows already marked done are complete). Make sure only one run uses the store, then "
+            "rerun: it resumes from the rows marked done.")
 
     # ---------------------------------------------------------------- helpers
     def _row_array(self, g: zarr.Group, name: str, dtype, width: Optional[int] = None, rows: Optional[int] = None):
@@ -502,6 +678,7 @@ class TrakStore:
 
     def set_finalize_info(self, model_id: int, info: dict) -> None:
         """Mark ``model_id`` finalized (call after all its features are written)."""
+        self.check_lock()
         self.model(model_id).group.attrs["finalize"] = dict(info)
 
     def is_finalized(self, model_id: int) -> bool:
@@ -515,17 +692,20 @@ class TrakStore:
         m = self.model(model_id)
         _write_rows(m.grads, rows, grads.astype(self.meta.np_dtype, copy=False))
         _write_rows(m.out_to_loss, rows, out_to_loss.astype(np.float32, copy=False))
+        self.check_lock()
         _write_rows(m.featurized, rows, np.ones(grads.shape[0], dtype=np.uint8))
 
     def write_partial(self, model_id: int, shard: int, partial: np.ndarray) -> None:
         m = self.model(model_id)
         m.xtx_partials[shard] = partial
+        self.check_lock()
         m.partial_done[shard] = 1
 
     def write_features_rows(self, model_id: int, a: int, b: int, features: np.ndarray) -> None:
         """Write features Φ of rows [a, b) then mark them finalized."""
         m = self.model(model_id)
         m.features[a:b] = features.astype(self.meta.np_dtype, copy=False)
+        self.check_lock()
         m.finalized[a:b] = 1
 
     # ---------------------------------------------------------------- experiments
@@ -590,6 +770,7 @@ class TrakStore:
     def write_target_rows(self, exp_name: str, model_id: int, rows, grads: np.ndarray) -> None:
         t = self.experiment(exp_name).model(model_id)
         _write_rows(t.grads, rows, grads.astype(self.meta.np_dtype, copy=False))
+        self.check_lock()
         _write_rows(t.scored, rows, np.ones(grads.shape[0], dtype=np.uint8))
 
     def init_scores(self, exp_name: str) -> tuple[zarr.Array, zarr.Array]:
@@ -636,6 +817,7 @@ class TrakStore:
         """Write the combined scores of train rows [a, b) then mark them done."""
         arr, done = self.init_scores(exp_name)
         arr[a:b] = scores.astype(np.float32, copy=False)
+        self.check_lock()
         done[a:b] = 1
 
     def scores(self, exp_name: str) -> zarr.Array:

@@ -410,6 +410,10 @@ def unlock(store: str = typer.Argument(..., help="store path or URL"),
     if holder is None:
         console.print(f"store {store} is not locked")
         return
+    if holder.get("torn"):  # empty or unreadable: no holder to check
+        lock.force_unlock()
+        console.print(f"removed a torn lock file ({holder['run'][1:-1]}) from {store}", markup=False)
+        return
     who = (f"run {holder.get('run') or '?'} (pid {holder.get('pid')} on {holder.get('host')}, since "
            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(float(holder.get('since', 0))))})")
     if not yes and StoreLock.holder_alive(holder) and holder.get("host") == socket.gethostname():
