@@ -7,15 +7,16 @@ import threading
 
 import torch
 
-from trak_core.errors import BadInputError, StateError, StoreMismatchError
+from trak_core.errors import BadInputError, StateError, StoreDamageError, StoreMismatchError
 from trak_core.store import TrakStore
 
 from .config import AttributeConfig, load_data
 
 #: tag of tasks that run model code on the device: `prefect concurrency-limit create trakflow-gpu 1`
 GPU_TAG = "trakflow-gpu"
-#: errors that a retry cannot fix (bad config/data, wrong order, mismatching store)
-NOT_RETRIED: tuple[type[BaseException], ...] = (BadInputError, StateError, StoreMismatchError)
+#: errors that a retry cannot fix (bad config/data, wrong order, mismatching or damaged store: a chunk that fails
+#: its checksum fails again)
+NOT_RETRIED: tuple[type[BaseException], ...] = (BadInputError, StateError, StoreMismatchError, StoreDamageError)
 
 
 def should_retry(exc: BaseException | None) -> bool:

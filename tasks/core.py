@@ -33,6 +33,7 @@ from trak_core.reduce import (ensure_partial, finalize_model, load_targets, scor
                               usable_models)
 from trak_core.scoring import parse_lambda_reg
 from trak_core.store import StoreMetadata, TrakStore
+from trak_core.verify import repair_store, verify_store
 
 from . import progress
 from .common import cached_data, load_checkpoint, open_store
@@ -192,6 +193,8 @@ def check_against_store(config: AttributeConfig, inputs: CheckedInputs, prints: 
     for mid, rec in enumerate(prints.checkpoints):
         if not store.has_model(mid):
             continue
+        # λ and rescale were recorded when the model was planned: features may be partly written with them
+        store.check_feature_settings(mid, want_lambda, config.rescale_inverse)
         fin = store.finalize_info(mid)
         if fin is not None:
             had = fin.get("lambda_setting", fin.get("lambda_reg"))
@@ -226,17 +229,31 @@ def create_plan(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerpr
         store.init_model(mid)
         if store.checkpoint_record(mid) is None:
             store.set_checkpoint_record(mid, rec)
+        store.record_feature_settings(mid, config.settings.lambda_rule.setting, config.rescale_inverse)
     store.init_experiment(config.exp_name, inputs.num_targets)
     if store.target_data_sha256(config.exp_name) is None:
         store.set_target_data_sha256(config.exp_name, prints.target_data)
     for mid in range(len(prints.checkpoints)):
         store.init_experiment_model(config.exp_name, mid)
     store.init_scores(config.exp_name)
+    check_chunks(store)
     meta = inputs.meta
     models = tuple(PlannedModel(model_id=mid, checkpoint=path) for mid, path in enumerate(inputs.checkpoints))
     return Plan(store=config.store, exp_name=config.exp_name, train_set_size=meta.train_set_size,
                 num_targets=inputs.num_targets, grad_dim=meta.grad_dim, proj_dim=meta.proj_dim,
                 shard_rows=meta.shard_rows, chunk_rows=meta.chunk_rows, num_shards=meta.num_shards, models=models)
+
+
+def check_chunks(store: TrakStore) -> None:
+    """The cheap part of ``trakflow verify`` (one listing per array, no chunk read), before any step skips work:
+    a chunk of rows marked done that has vanished is unflagged with what depends on it (one warning naming the
+    arrays and chunks), so this run recomputes those rows instead of reading zeros. Chunks that fail their
+    checksum are found when read (StoreDamageError, not retried) or by ``trakflow verify``."""
+    report = verify_store(store, read_chunks=False)
+    if report.ok:
+        return
+    done = repair_store(store, report)
+    warnings.warn(f"{report.summary()}; recomputing: {'; '.join(done.actions)}", stacklevel=2)
 
 
 def make_plan(config: AttributeConfig) -> Plan:

@@ -48,6 +48,13 @@ class ModelIDException(BadInputError):
     yet featurized ``model_id``. Also a :class:`BadInputError`."""
 
 
+class StoreDamageError(StateError):
+    """The store is damaged: a chunk of rows marked written is missing or fails its crc32c checksum, an
+    array's zarr.json differs from the store's metadata, or arrays lie where the root metadata is missing.
+    The message names the array and the chunk. Never retried (a :class:`StateError`): ``trakflow verify STORE
+    --repair`` unflags the damaged rows, and a rerun recomputes them."""
+
+
 class StoreLockedError(TrakError, RuntimeError):
     """Another live run holds the store's lock."""
 

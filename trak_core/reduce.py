@@ -15,6 +15,7 @@ from .errors import StateError
 from .scoring import (check_conditioning, combine_checkpoints, features_block, regularized_inverse,
                       parse_lambda_reg, xtx_partial)
 from .store import TrakStore
+from .verify import require_present
 
 
 def shard_partial(store: TrakStore, model_id: int, shard: int, rows: Optional[np.ndarray] = None) -> np.ndarray:
@@ -75,7 +76,14 @@ def finalize_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: boo
     """Partials → XᵀX → (XᵀX + λI)⁻¹ → features, streaming over rows. Idempotent."""
     if store.is_finalized(model_id):
         return store.finalize_info(model_id)
+    # what determines the features is recorded before the first row is written: a rerun after a crash with
+    # another λ or rescale is refused naming the field, never finalized with two settings
+    store.record_feature_settings(model_id, parse_lambda_reg(lambda_reg).setting, rescale)
     require_featurized(store, model_id)
+    m = store.model(model_id)
+    rows = np.arange(store.meta.train_set_size)
+    require_present(store, [(m.grads, rows), (m.out_to_loss, rows),
+                            (m.xtx_partials, np.flatnonzero(m.partial_done[:]))])
     for s in range(store.meta.num_shards):
         ensure_partial(store, model_id, s)
     inv, info = solve_model(store, model_id, lambda_reg, rescale)
@@ -113,6 +121,11 @@ def usable_models(store: TrakStore, exp_name: str, model_ids: Optional[Iterable[
         used.append(mid)
     if not used:
         raise StateError(f"no usable checkpoint for experiment {exp_name!r}")
+    rows, targets = np.arange(store.meta.train_set_size), np.arange(store.num_targets(exp_name))
+    for mid in used:  # a chunk lost after its rows were marked done is damage, never read back as zeros
+        m = store.model(mid)
+        require_present(store, [(m.features, rows), (m.out_to_loss, rows),
+                                (store.target_grads(exp_name, mid), targets)])
     return used
 
 

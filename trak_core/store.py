@@ -20,6 +20,13 @@ Layout (one group; a local path or any fsspec URL such as ``memory://x``, ``file
     /experiments/<exp>/scores   (n, m)  float32        final scores
     /experiments/<exp>/scores_done (n,) uint8
 
+Every array's chunks are encoded ``bytes`` then zarr v3's ``crc32c`` codec (a checksum of each chunk,
+checked by zarr on every read; no sharding: a chunk is the unit written, listed and verified). Each array's
+zarr.json (shape, dtype, chunks, codecs) is checked on open against what the root metadata implies
+(:meth:`TrakStore.array_spec`); a chunk that fails its checksum raises :class:`StoreDamageError` naming the
+array and the chunk (:class:`StoredArray`); trak_core.verify finds missing and corrupt chunks of rows marked
+written, and repairs by unflagging them.
+
 All row arrays share ``chunk_rows`` so a writer that owns whole chunks owns their status too (zarr 3.1
 loses data when two processes write the same chunk). A row's status is set only after its data is
 written, so a crash leaves unfinished rows visibly unfinished. Metadata is a pydantic model validated on
@@ -47,11 +54,12 @@ from urllib.parse import urlparse
 
 import numpy as np
 import zarr
+from zarr.codecs import Crc32cCodec
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, NonNegativeInt, model_validator
 
-from .errors import BadInputError, LockLostError, StateError, StoreLockedError, StoreMismatchError
+from .errors import BadInputError, LockLostError, StateError, StoreDamageError, StoreLockedError, StoreMismatchError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: every chunk carries a crc32c checksum (1: no checksums; refused on reopen)
 _META_KEY = "trakflow"
 _PIPELINE_KEY = "trakflow_pipeline"  # the pipeline's record (tasks/), kept beside the metadata
 
@@ -153,6 +161,168 @@ def _open_zarr(location: str, mode: str, storage_options: Optional[dict] = None)
     return zarr.open_group(store=str(location), mode=mode, zarr_format=3, **kw)
 
 
+# ---------------------------------------------------------------------------- arrays and their checks
+#: the codec names of every array: raw little-endian bytes, then a crc32c checksum per chunk
+CODEC_NAMES = ("bytes", "crc32c")
+
+
+def _codecs() -> list:
+    """The bytes→bytes codecs of every array (after zarr's default ``bytes`` serializer)."""
+    return [Crc32cCodec()]
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """What one array of the store must be (its zarr.json), derived from the root metadata."""
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: str
+
+    def problem(self, arr: zarr.Array) -> str | None:
+        """What in ``arr``'s own metadata differs from this spec (None: it matches)."""
+        codecs = tuple(c.to_dict()["name"] for c in arr.metadata.codecs)
+        for field, want, have in (("shape", self.shape, tuple(arr.shape)), ("dtype", self.dtype, str(arr.dtype)),
+                                  ("chunks", self.chunks, tuple(arr.chunks)), ("codecs", CODEC_NAMES, codecs)):
+            if want != have:
+                return (f"array {arr.path}: its zarr.json says {field}={have}, but the store's metadata (root "
+                        f"zarr.json) implies {field}={want}")
+        return None
+
+
+def chunk_rows_of(arr: zarr.Array, coords: tuple[int, ...]) -> tuple[int, int]:
+    """The rows [a, b) (indices along axis 0) chunk ``coords`` of ``arr`` holds."""
+    step = arr.chunks[0]
+    return coords[0] * step, min((coords[0] + 1) * step, arr.shape[0])
+
+
+def chunk_key(arr: zarr.Array, coords: tuple[int, ...]) -> str:
+    """The key of chunk ``coords`` relative to the array (e.g. ``c/1/0``)."""
+    return arr.metadata.encode_chunk_key(tuple(coords))
+
+
+def chunk_coords_of_rows(arr: zarr.Array, rows: np.ndarray) -> list[tuple[int, ...]]:
+    """The chunks (coordinates) holding the given axis-0 indices (all chunks along the other axes)."""
+    import itertools
+
+    firsts = sorted({int(r) // arr.chunks[0] for r in np.asarray(rows).reshape(-1)})
+    rest = [range(math.ceil(s / c)) for s, c in zip(arr.shape[1:], arr.chunks[1:], strict=True)]
+    return [(i, *other) for i in firsts for other in itertools.product(*rest)]
+
+
+def stored_chunk_keys(arr: zarr.Array) -> set[str]:
+    """The chunk keys (relative to the array) present in the store: one listing, no chunk is read."""
+    from zarr.core.sync import sync
+
+    prefix = arr.path.rstrip("/") + "/"
+
+    async def _list() -> list[str]:
+        return [k async for k in arr.store.list_prefix(prefix)]
+
+    return {k[len(prefix):] for k in sync(_list())} - {"zarr.json"}
+
+
+def _decode_problem(e: BaseException) -> str:
+    text = str(e)
+    if "checksum" in text.lower():
+        return "fails its crc32c checksum"
+    return f"cannot be decoded ({type(e).__name__}: {text[:120]})"
+
+
+def read_chunk(arr: zarr.Array, coords: tuple[int, ...]) -> str | None:
+    """Read (decode) one chunk; what is wrong with it, or None when it decodes (zarr checks its crc32c)."""
+    try:
+        arr.get_block_selection(tuple(coords))
+    except Exception as e:  # zarr/numcodecs raise several types for an undecodable chunk
+        return _decode_problem(e)
+    return None
+
+
+def find_corrupt_chunk(arr: zarr.Array) -> tuple[tuple[int, ...], str] | None:
+    """The first stored chunk of ``arr`` that does not decode, and why (None: all decode)."""
+    import itertools
+
+    present = stored_chunk_keys(arr)
+    for coords in itertools.product(*(range(math.ceil(s / c)) for s, c in zip(arr.shape, arr.chunks, strict=True))):
+        if chunk_key(arr, coords) in present:
+            problem = read_chunk(arr, coords)
+            if problem is not None:
+                return coords, problem
+    return None
+
+
+def damaged_chunk_error(arr: zarr.Array, coords: tuple[int, ...], problem: str) -> StoreDamageError:
+    a, b = chunk_rows_of(arr, coords)
+    unit = "shards" if arr.path.endswith(("xtx_partials", "partial_done")) else "rows"
+    loc = str(arr.store)
+    return StoreDamageError(
+        f"store {loc}: array {arr.path}, chunk {chunk_key(arr, coords)} ({unit} {a}..{b - 1}) {problem} (damaged "
+        f"on disk). Run `trakflow verify {loc} --repair`, then rerun to recompute those {unit}.")
+
+
+class StoredArray:
+    """An array of the store: zarr's array (every chunk written, zeros too, so a missing chunk is damage), whose
+    reads and writes raise :class:`StoreDamageError` naming the array and the chunk when a chunk does not decode
+    (fails its crc32c checksum: flipped bits, truncation), instead of zarr's or numcodecs' own exception.
+    Everything else is the zarr array's (``shape``, ``path``, ``get_block_selection``, ...)."""
+
+    def __init__(self, array: zarr.Array):
+        self.array = array
+
+    def __getattr__(self, name: str):
+        return getattr(self.array, name)
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self[...], dtype=dtype)
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except (KeyboardInterrupt, SystemExit, MemoryError, IndexError, TypeError):
+            raise
+        except Exception as e:
+            if isinstance(e, (BadInputError, StateError)):
+                raise
+            found = find_corrupt_chunk(self.array)
+            if found is None:
+                raise
+            raise damaged_chunk_error(self.array, *found) from None
+
+    def __getitem__(self, selection):
+        return self._guard(self.array.__getitem__, selection)
+
+    def __setitem__(self, selection, value) -> None:  # a partial-chunk write reads the chunk first
+        self._guard(self.array.__setitem__, selection, value)
+
+    @property
+    def oindex(self) -> _GuardedIndex:
+        return _GuardedIndex(self, self.array.oindex)
+
+
+class _GuardedIndex:
+    def __init__(self, owner: StoredArray, index):
+        self.owner, self.index = owner, index
+
+    def __getitem__(self, selection):
+        return self.owner._guard(self.index.__getitem__, selection)
+
+    def __setitem__(self, selection, value) -> None:
+        self.owner._guard(self.index.__setitem__, selection, value)
+
+
+def _stored(group: zarr.Group, name: str) -> StoredArray:
+    try:
+        arr = group[name]
+    except KeyError:
+        path = f"{group.path}/{name}".strip("/")
+        raise StoreDamageError(f"store {group.store}: array {path} is missing (its zarr.json is gone). Run "
+                               f"`trakflow verify {group.store} --repair`, then rerun to recompute it.") from None
+    return StoredArray(arr.with_config({"write_empty_chunks": True}))
+
+
 @dataclass(frozen=True)
 class ModelArrays:
     """The arrays of one checkpoint (``/models/<id>``)."""
@@ -162,37 +332,37 @@ class ModelArrays:
     @property
     def grads(self) -> zarr.Array:
         """(n, p) projected, normalized train gradients X."""
-        return self.group["grads"]
+        return _stored(self.group, "grads")
 
     @property
     def out_to_loss(self) -> zarr.Array:
         """(n,) float32 Q."""
-        return self.group["out_to_loss"]
+        return _stored(self.group, "out_to_loss")
 
     @property
     def featurized(self) -> zarr.Array:
         """(n,) uint8 row status: 1 once the row's grads and Q are written."""
-        return self.group["featurized"]
+        return _stored(self.group, "featurized")
 
     @property
     def xtx_partials(self) -> zarr.Array:
         """(S, p, p) float64 Xₛᵀ Xₛ of each shard."""
-        return self.group["xtx_partials"]
+        return _stored(self.group, "xtx_partials")
 
     @property
     def partial_done(self) -> zarr.Array:
         """(S,) uint8 shard status of ``xtx_partials``."""
-        return self.group["partial_done"]
+        return _stored(self.group, "partial_done")
 
     @property
     def features(self) -> zarr.Array:
         """(n, p) Φ = X (XᵀX + λI)⁻¹."""
-        return self.group["features"]
+        return _stored(self.group, "features")
 
     @property
     def finalized(self) -> zarr.Array:
         """(n,) uint8 row status of ``features``."""
-        return self.group["finalized"]
+        return _stored(self.group, "finalized")
 
 
 @dataclass(frozen=True)
@@ -204,12 +374,12 @@ class TargetArrays:
     @property
     def grads(self) -> zarr.Array:
         """(m, p) target gradients G."""
-        return self.group["grads"]
+        return _stored(self.group, "grads")
 
     @property
     def scored(self) -> zarr.Array:
         """(m,) uint8 row status of ``grads``."""
-        return self.group["scored"]
+        return _stored(self.group, "scored")
 
 
 @dataclass(frozen=True)
@@ -233,12 +403,12 @@ class ExperimentArrays:
     @property
     def scores(self) -> zarr.Array:
         """(n, m) float32 combined scores."""
-        return self.group["scores"]
+        return _stored(self.group, "scores")
 
     @property
     def scores_done(self) -> zarr.Array:
         """(n,) uint8 row status of ``scores``."""
-        return self.group["scores_done"]
+        return _stored(self.group, "scores_done")
 
     def model_ids(self) -> list[int]:
         return sorted(int(k) for k in self.group["models"].group_keys())
@@ -538,16 +708,29 @@ class TrakStore:
         return _META_KEY in g.attrs
 
     @classmethod
-    def open(cls, location: str, storage_options: Optional[dict] = None, mode: str = "r+") -> "TrakStore":
-        """Open an existing store (error if there is none)."""
+    def open(cls, location: str, storage_options: Optional[dict] = None, mode: str = "r+",
+             check_arrays: bool = True) -> "TrakStore":
+        """Open an existing store (error if there is none). ``check_arrays``: check every array's zarr.json
+        against the root metadata (:class:`StoreDamageError` naming the array); trak_core.verify opens without
+        it and reports those itself."""
         try:
             g = _open_zarr(location, "r" if mode == "r" else "r+", storage_options)
         except Exception as e:  # zarr raises several types for a missing group
+            _refuse_orphan_arrays(location, storage_options)
             raise BadInputError(f"store: no trakflow store at {location} ({type(e).__name__}: {e})") from None
         if _META_KEY not in g.attrs:
+            _refuse_orphan_arrays(location, storage_options)
             raise BadInputError(f"store: {location} is a Zarr group but not a trakflow store (no metadata)")
         meta = StoreMetadata.model_validate(g.attrs[_META_KEY])
-        return cls(location, g, meta)
+        store = cls(location, g, meta)
+        if check_arrays:
+            problems = store.array_problems()
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise StoreDamageError(f"store {location}: {problems[0]}{more}. The array's metadata was edited or "
+                                       f"damaged: run `trakflow verify {location} --repair` (it recreates the array "
+                                       "and unflags its rows), then rerun.")
+        return store
 
     @classmethod
     def create_or_open(cls, location: str, meta: StoreMetadata, storage_options: Optional[dict] = None,
@@ -559,6 +742,7 @@ class TrakStore:
             store = cls.open(location, storage_options)
             store.validate(meta)
             return store
+        _refuse_orphan_arrays(location, storage_options)
         check_writable(location)
         g = _open_zarr(location, "a", storage_options)
         g.require_group("models")
@@ -609,10 +793,152 @@ class TrakStore:
     def _row_array(self, g: zarr.Group, name: str, dtype, width: Optional[int] = None, rows: Optional[int] = None):
         n = rows if rows is not None else self.meta.train_set_size
         if name in g:
-            return g[name]
+            return _stored(g, name)
         shape = (n,) if width is None else (n, width)
         chunks = (self.meta.chunk_rows,) if width is None else (self.meta.chunk_rows, width)
-        return g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=None, fill_value=0)
+        g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=_codecs(), fill_value=0)
+        return _stored(g, name)
+
+    def array_spec(self, path: str) -> ArraySpec | None:
+        """What the array at ``path`` (e.g. ``models/0/grads``) must be, from the root metadata; None for a path
+        that is not one of the store's arrays."""
+        m = self.meta
+        n, p, cr, s = m.train_set_size, m.proj_dim, m.chunk_rows, m.num_shards
+        parts = path.strip("/").split("/")
+
+        def rows(k: int, width: int | None, dtype: str) -> ArraySpec:
+            return ArraySpec((k,) if width is None else (k, width), (cr,) if width is None else (cr, width), dtype)
+
+        if len(parts) == 3 and parts[0] == "models":
+            return {"grads": rows(n, p, m.dtype), "features": rows(n, p, m.dtype),
+                    "out_to_loss": rows(n, None, "float32"), "featurized": rows(n, None, "uint8"),
+                    "finalized": rows(n, None, "uint8"), "xtx_partials": ArraySpec((s, p, p), (1, p, p), "float64"),
+                    "partial_done": ArraySpec((s,), (1,), "uint8")}.get(parts[2])
+        if len(parts) in (3, 5) and parts[0] == "experiments":
+            try:
+                t = int(self.root["experiments"][parts[1]].attrs["num_targets"])
+            except (KeyError, TypeError, ValueError):
+                return None
+            if len(parts) == 3:
+                return {"scores": rows(n, t, "float32"), "scores_done": rows(n, None, "uint8")}.get(parts[2])
+            if parts[2] == "models":
+                return {"grads": rows(t, p, m.dtype), "scored": rows(t, None, "uint8")}.get(parts[4])
+        return None
+
+    def array_groups(self) -> list[zarr.Group]:
+        """The groups holding the store's arrays: each model's, each experiment's and its models'."""
+        out = [self.root["models"][k] for k in sorted(self.root["models"].group_keys(), key=_natural)]
+        for e in sorted(self.root["experiments"].group_keys()):
+            eg = self.root["experiments"][e]
+            out.append(eg)
+            if "models" in eg:
+                out += [eg["models"][k] for k in sorted(eg["models"].group_keys(), key=_natural)]
+        return out
+
+    def array_problems(self) -> list[str]:
+        """Each array whose zarr.json cannot be read or differs from :meth:`array_spec` (one line each)."""
+        problems = []
+        for g in self.array_groups():
+            for name in sorted(g.array_keys()):
+                path = f"{g.path}/{name}"
+                try:
+                    arr = g[name]
+                except Exception as e:  # an unreadable zarr.json
+                    problems.append(f"array {path}: its zarr.json cannot be read ({type(e).__name__}: {e})")
+                    continue
+                spec = self.array_spec(path)
+                problem = spec.problem(arr) if spec is not None else None
+                if problem:
+                    problems.append(problem)
+        return problems
+
+    def raw_array(self, path: str) -> zarr.Array | None:
+        """The zarr array at ``path`` as it is on disk (no checks; None if absent)."""
+        try:
+            node = self.root[path]
+        except Exception:
+            return None
+        return node if isinstance(node, zarr.Array) else None
+
+    def delete_chunk(self, arr: zarr.Array, coords: tuple[int, ...]) -> None:
+        """Remove one chunk (a damaged one, before its rows are unflagged and recomputed)."""
+        from zarr.core.sync import sync
+
+        sync(arr.store.delete(f"{arr.path}/{chunk_key(arr, coords)}"))
+
+    def delete_array(self, path: str) -> None:
+        """Remove an array (its zarr.json and chunks); the plan (init_model, ...) creates it again."""
+        from zarr.core.sync import sync
+
+        async def _delete() -> None:
+            await self.root.store.delete_dir(path.strip("/"))
+
+        sync(_delete())
+
+    # ---------------------------------------------------------------- what determines the features
+    def feature_settings(self, model_id: int) -> dict | None:
+        """The settings the features of ``model_id`` are (to be) computed with: ``{"lambda_reg": <setting>,
+        "rescale_inverse": bool}``, recorded when the model is planned (None: not recorded)."""
+        return self.model(model_id).group.attrs.get("feature_settings")
+
+    def check_feature_settings(self, model_id: int, lambda_setting, rescale_inverse: bool) -> None:
+        """Refuse (:class:`StoreMismatchError` naming the field) settings other than the recorded ones."""
+        have = self.feature_settings(model_id) if self.has_model(model_id) else None
+        if have is None:
+            return
+        for field, want in (("lambda_reg", lambda_setting), ("rescale_inverse", bool(rescale_inverse))):
+            if field in have and have[field] != want:
+                raise StoreMismatchError(
+                    f"{field}: model_id={model_id} in {self.location} was planned with {field}={have[field]!r} "
+                    f"(its features are computed with it; some may be written already), not {want!r}; use a new "
+                    f"store (or the same {field})")
+
+    def record_feature_settings(self, model_id: int, lambda_setting, rescale_inverse: bool) -> None:
+        """Record the settings that determine the features of ``model_id`` (first call), or refuse others."""
+        self.check_feature_settings(model_id, lambda_setting, rescale_inverse)
+        if self.feature_settings(model_id) is None:
+            self.model(model_id).group.attrs["feature_settings"] = {"lambda_reg": lambda_setting,
+                                                                    "rescale_inverse": bool(rescale_inverse)}
+
+    # ---------------------------------------------------------------- unflagging (repair, start over)
+    def clear_finalize_info(self, model_id: int) -> None:
+        """Mark ``model_id`` not finalized (its rows not marked finalized are computed by the next finalize)."""
+        attrs = self.model(model_id).group.attrs
+        if "finalize" in attrs:
+            del attrs["finalize"]
+
+    def unflag_train_rows(self, model_id: int, rows: np.ndarray, what: str = "grads") -> None:
+        """Mark train ``rows`` of ``model_id`` not done, and what depends on them: ``what="grads"`` unflags
+        featurized rows, their shards' XᵀX partials, their features (and the finalize record), and their scores
+        in every experiment that combines the model; ``what="features"`` the last two only."""
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        if not rows.size:
+            return
+        m = self.model(model_id)
+        if what == "grads":
+            m.featurized.oindex[rows] = 0
+            m.partial_done.oindex[np.unique(rows // self.meta.shard_rows)] = 0
+        m.finalized.oindex[rows] = 0
+        self.clear_finalize_info(model_id)
+        for exp in self.experiments():
+            if model_id in (self.scored_with(exp) or []) and self.experiment(exp).has_scores:
+                self.experiment(exp).scores_done.oindex[rows] = 0
+
+    def reset_model(self, model_id: int) -> None:
+        """Start ``model_id`` over (``TRAKer(load_from_save_dir=False)``): every row, partial, feature and the
+        records of the model marked not done, and its target gradients and the scores combining it too."""
+        m = self.init_model(model_id)
+        for flags in (m.featurized, m.finalized, m.partial_done):
+            flags[:] = 0
+        for key in ("finalize", "feature_settings", "checkpoint"):
+            if key in m.group.attrs:
+                del m.group.attrs[key]
+        for exp in self.experiments():
+            e = self.experiment(exp)
+            if e.has_model(model_id):
+                e.model(model_id).scored[:] = 0
+            if model_id in (self.scored_with(exp) or []) and e.has_scores:
+                e.scores_done[:] = 0
 
     # ---------------------------------------------------------------- the pipeline's record
     def pipeline_info(self) -> dict:
@@ -641,9 +967,10 @@ class TrakStore:
         self._row_array(g, "finalized", "uint8")
         if "xtx_partials" not in g:
             g.create_array("xtx_partials", shape=(m.num_shards, m.proj_dim, m.proj_dim),
-                           chunks=(1, m.proj_dim, m.proj_dim), dtype="float64", compressors=None, fill_value=0)
+                           chunks=(1, m.proj_dim, m.proj_dim), dtype="float64", compressors=_codecs(), fill_value=0)
+        if "partial_done" not in g:
             g.create_array("partial_done", shape=(m.num_shards,), chunks=(1,), dtype="uint8",
-                           compressors=None, fill_value=0)
+                           compressors=_codecs(), fill_value=0)
         return ModelArrays(g)
 
     def model(self, model_id: int) -> ModelArrays:
@@ -842,6 +1169,35 @@ class TrakStore:
             info["scores_rows_done"] = int(self.scores_done_mask(exp).sum())
             out["experiments"][exp] = info
         return out
+
+
+def _natural(key: str):
+    return (0, int(key)) if key.isdigit() else (1, key)
+
+
+def _refuse_orphan_arrays(location: str, storage_options: dict | None = None) -> None:
+    """Refuse (:class:`StoreDamageError`) a location that holds a store's arrays but no root metadata (its
+    root zarr.json deleted or rewritten): creating a store there would adopt arrays made with other settings."""
+    loc = str(location)
+    if loc.startswith("file://"):
+        loc = urlparse(loc).path
+    try:
+        if _is_url(loc):
+            from fsspec.core import url_to_fs
+
+            fs, path = url_to_fs(loc, **(storage_options or {}))
+            names = [n.rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)]
+        else:
+            names = os.listdir(loc)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    found = sorted(n for n in names if n in ("models", "experiments"))
+    if found:
+        raise StoreDamageError(
+            f"store {location}: it holds a store's arrays ({', '.join(n + '/' for n in found)}) but no root metadata "
+            "(its root zarr.json is missing or has no trakflow metadata), so the settings its arrays were made "
+            "with cannot be checked; refusing to create a store over them. Restore the root zarr.json (e.g. from a "
+            "backup), or use a new store location.")
 
 
 def _check_model_id(model_id) -> None:

@@ -130,11 +130,17 @@ class TRAKer:
         self._last_ind = 0
         self._last_ind_target = 0
         self.scores = None
+        self._started_over: set[int] = set()  # model ids this instance started over (load_from_save_dir=False)
 
     # ------------------------------------------------------------------ featurizing
     def load_checkpoint(self, checkpoint: dict, model_id: int, _allow_featurizing_already_registered=False) -> None:
         """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
         self.store.init_model(model_id)
+        if not self.load_from_save_dir and model_id not in self._started_over:
+            # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here,
+            # never reusing gradients (or features, targets, scores) of another checkpoint
+            self.store.reset_model(model_id)
+            self._started_over.add(model_id)
         self.featurizer.load_state(checkpoint)
         self.ckpt_loaded = model_id
         self.current_model_id = model_id
