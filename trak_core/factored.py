@@ -408,11 +408,8 @@ class FactoredProjector(AbstractProjector):
                 ctx["z"] = zs
                 return task.get_output(model, {**fixed, **other_w}, buffers, *sample)
 
-            zs = {b.name: torch.zeros(b.k_out, b.k_in, device=self.device, dtype=self.dtype) for b in layers}
-            other_w = {n: weights[n] for n in other_names}
-            per_example = torch.func.vmap(torch.func.grad(out_fn, argnums=(0, 1)),
-                                          in_dims=(None, None, *([0] * len(batch))), randomness="different")
-            gz, go = per_example(zs, other_w, *batch)
+            gz, go = _per_example_grads(out_fn, layers, {n: weights[n] for n in other_names}, batch, self.device,
+                                        self.dtype)
         finally:
             for h in handles:
                 h.remove()
@@ -431,6 +428,43 @@ class FactoredProjector(AbstractProjector):
             else:
                 outs.append(gz[b.name].reshape(bsz, -1)[:, :b.k] * w)
         return torch.cat(outs, dim=1)
+
+
+def _per_example_grads(out_fn, layers: list, other_w: dict, batch: Sequence[Tensor], device,
+                       dtype) -> tuple[dict, dict]:
+    """(∂f_b/∂Z_b per layer, ∂f_b/∂w per "__other__" parameter w), each (B, ...), for every example b.
+
+    Without ``torch.func.grad``: vmap runs the forward of each example with its own zero Z_b and its own
+    copy of the other parameters (broadcast views of one tensor, so vmap's per-example semantics hold: no
+    example sees another's), then ONE reverse pass of Σ_b f_b gives all per-example gradients at once,
+    since f_b depends on example b's Z_b and weights only. The same numbers as ``vmap(grad(f))`` up to
+    rounding, without the double-backward bookkeeping of ``grad`` inside ``vmap`` and without
+    ``torch.func.grad``'s first-use cost (it imports torch._dynamo: about a second per process)."""
+    bsz = batch[0].shape[0]
+    # nn.MultiheadAttention / nn.TransformerEncoderLayer take a fused inference kernel without a derivative when
+    # no argument reports requires_grad (vmap's per-example views do not): off while we differentiate
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        return _per_example_grads_impl(out_fn, layers, other_w, batch, device, dtype, bsz)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
+def _per_example_grads_impl(out_fn, layers, other_w, batch, device, dtype, bsz) -> tuple[dict, dict]:
+    with torch.enable_grad():
+        zl = {b.name: torch.zeros(b.k_out, b.k_in, device=device, dtype=dtype, requires_grad=True) for b in layers}
+        wl = {n: w.detach().requires_grad_(True) for n, w in other_w.items()}
+        zb = {n: z.expand(bsz, *z.shape) for n, z in zl.items()}
+        wb = {n: w.expand(bsz, *w.shape) for n, w in wl.items()}
+        out = torch.func.vmap(out_fn, in_dims=(0, 0, *([0] * len(batch))), randomness="different")(zb, wb, *batch)
+        inputs = [*zb.values(), *wb.values()]
+        grads = (torch.autograd.grad(out.sum(), inputs, allow_unused=True) if out.requires_grad
+                 else [None] * len(inputs))  # nothing differentiable was used: the caller reports the layers
+    leaves = [*zl.values(), *wl.values()]
+    full = [torch.zeros(bsz, *leaf.shape, device=leaf.device, dtype=leaf.dtype) if g is None else g
+            for g, leaf in zip(grads, leaves, strict=True)]
+    return dict(zip(zl, full[:len(zl)], strict=True)), dict(zip(wl, full[len(zl):], strict=True))
 
 
 def _make_hook(b: Block, factors, ctx: dict):

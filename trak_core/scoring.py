@@ -120,16 +120,21 @@ def condition_number(mat: Tensor) -> tuple[float, Tensor]:
 
 
 def check_conditioning(xtx: Tensor, lambda_reg: float, n_rows: int, *, model_id=None,
-                       stacklevel: int = 2) -> float:
+                       stacklevel: int = 2, cond: float | None = None) -> float:
     """Warn (:class:`IllConditionedWarning`) when XᵀX + λI is singular or badly conditioned.
 
-    Returns the condition estimate. traker 0.3.2 silently returns noise in these cases.
+    Returns the condition estimate. traker 0.3.2 silently returns noise in these cases. ``cond``: a
+    condition estimate computed by the caller (e.g. from its Cholesky factor); without it the exact
+    condition number is computed here (a symmetric eigendecomposition, O(p³)).
     """
     p = xtx.shape[0]
     reg = xtx.to(torch.float64) + lambda_reg * torch.eye(p, dtype=torch.float64, device=xtx.device)
-    cond, ev = condition_number(reg)
+    if cond is None:
+        cond, ev = condition_number(reg)
+        mean_eig = float(ev.clamp(min=0).mean())
+    else:
+        mean_eig = max(float(torch.trace(reg)) / p, 0.0)
     who = f" for model_id={model_id}" if model_id is not None else ""
-    mean_eig = float(ev.clamp(min=0).mean())
     remedy = (f"set lambda_reg > 0 (e.g. {1e-3 * mean_eig:.3g}, 1e-3 × the mean eigenvalue of XᵀX) "
               f"or use a proj_dim well below the number of train examples")
     if p >= n_rows and lambda_reg == 0:
