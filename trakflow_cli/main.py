@@ -450,6 +450,11 @@ def trigger(deployment: str = typer.Argument("attribute/digits-on-demand", help=
         raise typer.Exit(1)
 
 
+from trakflow_cli.verify import verify as _verify  # noqa: E402  (trakflow verify STORE [--repair])
+
+app.command("verify")(_verify)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -1,0 +1,312 @@
+"""Fault injection (issue 12): a small store (examples.tiny) damaged on disk between runs, as an interrupted
+rsync, a partial copy or bit rot does. Every case ends in a clear error naming the array and the chunk, or in a
+recomputation giving the undamaged scores (bit for bit) — never in other scores with exit code 0.
+
+One clean reference run (module fixture) is copied per case (shutil.copytree). The pipeline is driven through
+tasks.core's steps, in the order the flows call them (one case through the attribute flow for the retry
+policy), and through TRAKer. Layout: 64 train rows, chunk_rows 8 (chunk c/1/0 holds rows 8..15), shards of 16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from examples import tiny
+from tasks import core
+from tasks.common import should_retry
+from tasks.config import AttributeConfig
+from trak_core.errors import StoreDamageError, StoreMismatchError
+from trak_core.store import TrakStore
+from trak_core.traker import TRAKer
+from trak_core.verify import repair_store, verify_location, verify_store
+
+SHARD, CHUNK = 16, 8
+
+
+def config(store, ckpts, **over) -> AttributeConfig:
+    cfg = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
+               target_data="examples.tiny:target_data", checkpoints=ckpts, store=str(store), exp_name="tiny",
+               proj_dim=16, lambda_reg=1e-3, batch_size=8, shard_size=SHARD, chunk_rows=CHUNK, device="cpu",
+               dtype="float32", report_targets=0)
+    cfg.update(over)
+    return AttributeConfig.model_validate(cfg)
+
+
+def run_steps(cfg: AttributeConfig, upto: str = "score"):
+    """The attribute DAG as the flows call tasks.core: plan → featurize → finalize → targets → scores."""
+    plan = core.make_plan(cfg)
+    for m, s in plan.featurize_jobs():
+        core.featurize_shard(cfg, m.model_id, m.checkpoint, s)
+    if upto == "featurize":
+        return None
+    for mid in plan.model_ids:
+        core.finalize_checkpoint(cfg, mid)
+    if upto == "finalize":
+        return None
+    for m in plan.models:
+        core.featurize_targets(cfg, m.model_id, m.checkpoint)
+    sp = core.prepare_scores(cfg, plan.model_ids)
+    for a, b in sp.blocks:
+        core.score_block(cfg, list(sp.model_ids), a, b)
+    return TrakStore.open(cfg.store, mode="r").scores(cfg.exp_name)[:]
+
+
+def traker_run(save_dir, ckpts, lambda_reg=1e-3, stages=("featurize", "finalize", "score"), **kw):
+    x, y = tiny.train_data()
+    xt, yt = tiny.target_data()
+    model = tiny.make_model()
+    t = TRAKer(model, "image_classification", tiny.NUM_TRAIN, save_dir=str(save_dir), device="cpu", proj_dim=16,
+               lambda_reg=lambda_reg, use_half_precision=False, chunk_rows=CHUNK, shard_rows=SHARD, **kw)
+    if "featurize" in stages:
+        for mid, path in enumerate(ckpts):
+            t.load_checkpoint(torch.load(path, weights_only=True), model_id=mid)
+            for s in range(0, tiny.NUM_TRAIN, 8):
+                t.featurize([x[s:s + 8], y[s:s + 8]], num_samples=8)
+    if "finalize" in stages:
+        t.finalize_features()
+    if "score" in stages:
+        for mid, path in enumerate(ckpts):
+            t.start_scoring_checkpoint("tiny", torch.load(path, weights_only=True), model_id=mid,
+                                       num_targets=tiny.NUM_TARGETS)
+            t.score([xt, yt], num_samples=tiny.NUM_TARGETS)
+        return t.finalize_scores("tiny")
+    return t
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """Clean runs to copy: the pipeline's store after featurize, after finalize and complete; TRAKer's."""
+    tmp = tmp_path_factory.mktemp("damage")
+    ckpts = tiny.save_checkpoints(tmp / "ck", seeds=(0, 1))
+    stores = {}
+    for upto in ("featurize", "finalize", "score"):
+        cfg = config(tmp / f"{upto}.zarr", ckpts)
+        stores[upto] = run_steps(cfg, upto)
+    traker_scores = traker_run(tmp / "traker.zarr", ckpts)
+    return {"tmp": tmp, "ckpts": ckpts, "scores": stores["score"], "traker": traker_scores}
+
+
+def copy(clean, which: str, dest: Path) -> Path:
+    shutil.copytree(clean["tmp"] / f"{which}.zarr", dest)
+    return dest
+
+
+def flip_byte(path: Path, offset: int = 5) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def assert_recomputed(cfg, clean) -> list[str]:
+    """A rerun warns that it recomputes and gives the undamaged scores; returns the warnings' text."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scores = run_steps(cfg)
+    np.testing.assert_array_equal(scores, clean["scores"])
+    assert verify_location(cfg.store).ok
+    return [str(w.message) for w in caught]
+
+
+# ---------------------------------------------------------------------------------------------- missing chunks
+@pytest.mark.parametrize("array", ["grads", "out_to_loss"])
+def test_deleted_train_chunk_before_finalize_is_recomputed(clean, tmp_path, array):
+    store = copy(clean, "featurize", tmp_path / "s.zarr")
+    key = "c/1/0" if array == "grads" else "c/1"
+    os.remove(store / "models" / "0" / array / key)
+    cfg = config(store, clean["ckpts"])
+    msgs = assert_recomputed(cfg, clean)
+    assert any(f"array models/0/{array}, chunk {key} (rows 8..15): is missing" in m for m in msgs), msgs
+
+
+def test_deleted_xtx_partial_between_featurize_and_finalize_is_recomputed(clean, tmp_path):
+    store = copy(clean, "featurize", tmp_path / "s.zarr")
+    os.remove(store / "models" / "1" / "xtx_partials" / "c" / "2" / "0" / "0")
+    msgs = assert_recomputed(config(store, clean["ckpts"]), clean)
+    assert any("array models/1/xtx_partials, chunk c/2/0/0 (shards 2..2): is missing" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("path,chunk", [("models/0/features", "c/1/0"), ("experiments/tiny/scores", "c/3/0"),
+                                        ("experiments/tiny/models/1/grads", "c/0/0")])
+def test_deleted_chunk_after_the_run_is_recomputed(clean, tmp_path, path, chunk):
+    store = copy(clean, "score", tmp_path / "s.zarr")
+    os.remove(store / path / chunk)
+    cfg = config(store, clean["ckpts"])
+    assert core.up_to_date(cfg) is None if hasattr(core, "up_to_date") else True  # a no-op run does not skip it
+    msgs = assert_recomputed(cfg, clean)
+    assert any(f"array {path}, chunk {chunk}" in m for m in msgs), msgs
+
+
+def test_deleted_chunk_through_traker_names_array_and_chunk(clean, tmp_path):
+    save = tmp_path / "t.zarr"
+    t = traker_run(save, clean["ckpts"], stages=("featurize",))
+    os.remove(save / "models" / "0" / "grads" / "c" / "1" / "0")
+    with pytest.raises(StoreDamageError, match=r"array models/0/grads, chunk c/1/0 \(rows 8\.\.15\): is missing"):
+        t.finalize_features()
+    repair_store(t.store, verify_store(t.store))  # = trakflow verify --repair
+    np.testing.assert_array_equal(traker_run(save, clean["ckpts"]), clean["traker"])
+
+
+# ---------------------------------------------------------------------------------------------- corrupt chunks
+def test_flipped_byte_in_features_is_an_error_then_repaired(clean, tmp_path):
+    store = copy(clean, "finalize", tmp_path / "s.zarr")
+    flip_byte(store / "models" / "0" / "features" / "c" / "1" / "0")
+    cfg = config(store, clean["ckpts"])
+    with pytest.raises(StoreDamageError, match=r"array models/0/features, chunk c/1/0 \(rows 8\.\.15\) fails its "
+                                               r"crc32c checksum") as e:
+        run_steps(cfg)
+    assert not should_retry(e.value)
+    report = verify_location(cfg.store)
+    assert [(d.array, d.chunk, d.kind) for d in report.damage] == [("models/0/features", "c/1/0", "corrupt")]
+    repair_store(TrakStore.open(cfg.store), report)
+    np.testing.assert_array_equal(run_steps(cfg), clean["scores"])
+
+
+def test_flipped_byte_through_traker(clean, tmp_path):
+    save = tmp_path / "t.zarr"
+    shutil.copytree(clean["tmp"] / "traker.zarr", save)
+    flip_byte(save / "models" / "1" / "features" / "c" / "2" / "0")
+    t = traker_run(save, clean["ckpts"], stages=())
+    with pytest.raises(StoreDamageError, match=r"array models/1/features, chunk c/2/0 \(rows 16\.\.23\) fails"):
+        t.finalize_scores("tiny")
+
+
+def test_truncated_chunk_is_a_clear_error_not_retried(clean, tmp_path, monkeypatch, prefect_harness):
+    """Through the attribute flow: the score task fails once (no retry) with the array and chunk named."""
+    from flows import attribute
+
+    store = copy(clean, "finalize", tmp_path / "s.zarr")
+    chunk = store / "models" / "1" / "features" / "c" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:17])
+    calls = []
+    original = core.score_block
+    monkeypatch.setattr(core, "score_block", lambda *a, **k: calls.append(a[2:]) or original(*a, **k))
+    with pytest.raises(StoreDamageError, match=r"array models/1/features, chunk c/0/0 \(rows 0\.\.7\) fails its "
+                                               r"crc32c checksum"):
+        attribute(config(store, clean["ckpts"]))
+    assert sorted(calls).count((0, 16)) == 1, calls  # the failing block ran once: not retried
+
+
+# ---------------------------------------------------------------------------------------------- metadata
+def test_dtype_edited_in_array_zarr_json_is_refused(clean, tmp_path):
+    store = copy(clean, "score", tmp_path / "s.zarr")
+    meta_path = store / "models" / "0" / "features" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["data_type"] == "float32"
+    meta["data_type"] = "int32"
+    meta_path.write_text(json.dumps(meta))
+    cfg = config(store, clean["ckpts"])
+    with pytest.raises(StoreDamageError, match=r"array models/0/features: its zarr.json says dtype=int32, but the "
+                                               r"store's metadata \(root zarr.json\) implies dtype=float32"):
+        run_steps(cfg)
+    with pytest.raises(StoreDamageError, match="models/0/features"):
+        TrakStore.open(cfg.store, mode="r").scores("tiny")  # `trakflow show` reads nothing either
+    repair_store(TrakStore.open(cfg.store, check_arrays=False), verify_location(cfg.store))
+    np.testing.assert_array_equal(run_steps(cfg), clean["scores"])
+
+
+@pytest.mark.parametrize("seed", [1, 0])
+def test_root_metadata_deleted_is_refused_never_reinitialized(clean, tmp_path, seed):
+    store = copy(clean, "score", tmp_path / "s.zarr")
+    os.remove(store / "zarr.json")
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    with pytest.raises(StoreDamageError, match=r"holds a store's arrays \(experiments/, models/\) but no root "
+                                               "metadata"):
+        run_steps(config(store, clean["ckpts"], proj_seed=seed))
+    with pytest.raises(StoreDamageError, match="no root metadata"):
+        traker_run(store, clean["ckpts"], stages=())
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before  # nothing written
+
+
+# ---------------------------------------------------------------------------------------------- settings
+def test_crash_during_finalize_then_other_lambda_is_refused(clean, tmp_path, monkeypatch):
+    import trak_core.reduce as reduce
+
+    store = copy(clean, "featurize", tmp_path / "s.zarr")
+    cfg = config(store, clean["ckpts"])
+    original, calls = reduce.write_features_rows, []
+
+    def crash_after_one_block(*a, **k):
+        if calls:
+            raise KeyboardInterrupt("crash during finalize")
+        calls.append(a)
+        return original(*a, **k)
+
+    monkeypatch.setattr(reduce, "write_features_rows", crash_after_one_block)
+    with pytest.raises(KeyboardInterrupt):
+        core.finalize_checkpoint(cfg, 0)
+    monkeypatch.setattr(reduce, "write_features_rows", original)
+    assert TrakStore.open(cfg.store).model(0).finalized[:].sum() == SHARD  # one block of rows written with λ=1e-3
+    with pytest.raises(StoreMismatchError, match=r"lambda_reg: model_id=0 .* was planned with lambda_reg=0.001"):
+        run_steps(config(store, clean["ckpts"], lambda_reg=1e-2))
+    with pytest.raises(StoreMismatchError, match="rescale_inverse: model_id=0"):
+        run_steps(config(store, clean["ckpts"], rescale_inverse=False))
+    np.testing.assert_array_equal(run_steps(cfg), clean["scores"])  # the same λ resumes
+
+
+def test_traker_crash_during_finalize_then_other_lambda_is_refused(clean, tmp_path, monkeypatch):
+    import trak_core.reduce as reduce
+
+    save = tmp_path / "t.zarr"
+    t = traker_run(save, clean["ckpts"], stages=("featurize",))
+    original = reduce.write_features_rows
+    monkeypatch.setattr(reduce, "write_features_rows", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        t.finalize_features()
+    monkeypatch.setattr(reduce, "write_features_rows", original)
+    t2 = traker_run(save, clean["ckpts"], lambda_reg=0.5, stages=())
+    with pytest.raises(StoreMismatchError, match="lambda_reg: model_id=0"):
+        t2.finalize_features()
+
+
+def test_traker_load_from_save_dir_false_does_not_reuse_old_gradients(clean, tmp_path):
+    """save_dir holds gradients (and features, scores) of other checkpoints; load_from_save_dir=False starts
+    over, as traker does: the scores equal a clean run on the new checkpoints."""
+    save = tmp_path / "t.zarr"
+    other = tiny.save_checkpoints(tmp_path / "other", seeds=(7, 8))
+    traker_run(save, other)
+    np.testing.assert_array_equal(traker_run(save, clean["ckpts"], load_from_save_dir=False), clean["traker"])
+
+
+# ---------------------------------------------------------------------------------------------- verify CLI
+def test_verify_cli_table_exit_codes_and_repair(clean, tmp_path):
+    from trakflow_cli.main import app
+
+    store = copy(clean, "score", tmp_path / "s.zarr")
+    runner = CliRunner()
+    ok = runner.invoke(app, ["verify", str(store)])
+    assert ok.exit_code == 0 and "intact" in ok.output
+    os.remove(store / "models" / "0" / "grads" / "c" / "2" / "0")
+    flip_byte(store / "experiments" / "tiny" / "scores" / "c" / "5" / "0")
+    bad = runner.invoke(app, ["verify", str(store)], terminal_width=200)
+    assert bad.exit_code == 1, bad.output
+    for text in ("models/0/grads", "c/2/0", "rows 16..23", "missing", "experiments/tiny/scores", "c/5/0",
+                 "corrupt: fails its crc32c"):
+        assert text in bad.output, bad.output
+    fixed = runner.invoke(app, ["verify", str(store), "--repair"], terminal_width=200)
+    assert fixed.exit_code == 0 and "repaired" in fixed.output, fixed.output
+    st = TrakStore.open(str(store), mode="r")
+    assert not st.model(0).featurized[16:24].any() and st.model(0).featurized[:16].all()
+    assert st.finalize_info(0) is None and st.is_finalized(1)
+    assert not st.experiment("tiny").scores_done[16:24].any() and not st.experiment("tiny").scores_done[40:48].any()
+    assert runner.invoke(app, ["verify", str(store)]).exit_code == 0
+    np.testing.assert_array_equal(run_steps(config(store, clean["ckpts"])), clean["scores"])
+
+
+def test_corrupt_flag_chunk_is_found_by_the_plan_and_recomputed(clean, tmp_path):
+    """A flag chunk is read whole by the plan's check: one that fails its checksum is removed (its rows then
+    read as not done) and the rows are recomputed."""
+    store = copy(clean, "score", tmp_path / "s.zarr")
+    flip_byte(store / "models" / "0" / "featurized" / "c" / "1", offset=2)
+    report = verify_location(str(store), read_chunks=False)
+    assert [(d.array, d.chunk, d.kind) for d in report.damage] == [("models/0/featurized", "c/1", "corrupt")]
+    msgs = assert_recomputed(config(store, clean["ckpts"]), clean)
+    assert any("array models/0/featurized, chunk c/1 (rows 8..15): fails its crc32c checksum" in m for m in msgs)
