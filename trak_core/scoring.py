@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import IllConditionedWarning
+from .errors import BadInputError, IllConditionedWarning
 
 # above this condition number of (XᵀX + λI) the float32 features are dominated by round-off
 CONDITION_WARN = 1e7
@@ -74,20 +74,20 @@ def parse_lambda_reg(lambda_reg: Union[float, int, str, LambdaRule]) -> LambdaRu
             try:
                 factor = float(text[4:])
             except ValueError:
-                raise ValueError(f"lambda_reg={lambda_reg!r}: expected 'rel:<number>'") from None
+                raise BadInputError(f"lambda_reg={lambda_reg!r}: expected 'rel:<number>'") from None
         else:
-            raise ValueError(f"lambda_reg={lambda_reg!r}: use a number >= 0, 'auto' or 'rel:<factor>'")
+            raise BadInputError(f"lambda_reg={lambda_reg!r}: use a number >= 0, 'auto' or 'rel:<factor>'")
         if not factor >= 0:
-            raise ValueError(f"lambda_reg={lambda_reg!r}: the factor must be >= 0")
+            raise BadInputError(f"lambda_reg={lambda_reg!r}: the factor must be >= 0")
         return LambdaRule(setting=text, factor=float(factor), relative=True)
     if isinstance(lambda_reg, bool):
-        raise ValueError(f"lambda_reg must be a number >= 0, 'auto' or 'rel:<factor>', got {lambda_reg!r}")
+        raise BadInputError(f"lambda_reg must be a number >= 0, 'auto' or 'rel:<factor>', got {lambda_reg!r}")
     try:
         value = float(lambda_reg)
     except (TypeError, ValueError):
-        raise ValueError(f"lambda_reg must be a number >= 0, 'auto' or 'rel:<factor>', got {lambda_reg!r}") from None
+        raise BadInputError(f"lambda_reg must be a number >= 0, 'auto' or 'rel:<factor>', got {lambda_reg!r}") from None
     if not value >= 0:
-        raise ValueError(f"lambda_reg must be >= 0, got {lambda_reg!r}")
+        raise BadInputError(f"lambda_reg must be >= 0, got {lambda_reg!r}")
     return LambdaRule(setting=value, factor=value, relative=False)
 
 
