@@ -30,8 +30,10 @@ from __future__ import annotations
 import glob as _glob
 import hashlib
 import importlib
+import inspect
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -41,37 +43,84 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativ
 
 from trak_core.errors import BadInputError
 from trak_core.settings import GradWrt, LambdaSetting, ProjectorKind, ProjType, StorageDtype, TrakSettings
-from trak_core.store import check_writable
+from trak_core.store import check_exp_name, check_writable
 
 _GLOB_CHARS = set("*?[")
 TASK_NAMES = ("image_classification", "text_classification", "clip", "iterative_image_classification")
 
 
 # ---------------------------------------------------------------------------- import paths
-def load_object(path: str, field: str = "import path") -> Any:
-    """Resolve ``"package.module:attr"`` (``attr`` may be dotted). Errors name ``field``."""
+#: environment variable: comma-separated import roots (top-level packages or dotted prefixes) that config import
+#: paths may name, e.g. "examples,mypkg"; unset: any module (a config is code: see README "Security")
+IMPORT_ROOTS_ENV = "TRAKFLOW_IMPORT_ROOTS"
+_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_ATTR_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _parse_roots(value: str | list[str] | None) -> list[str] | None:
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    roots = [str(r).strip() for r in items if str(r).strip()]
+    bad = [r for r in roots if not _MODULE_RE.fullmatch(r)]
+    if bad:
+        raise BadInputError(f"import_roots: {bad} are not module names (e.g. 'examples', 'mypkg.models')")
+    return roots
+
+
+def env_import_roots() -> list[str] | None:
+    """The deployment's allow-list (``TRAKFLOW_IMPORT_ROOTS``), None when unset (any module)."""
+    value = os.environ.get(IMPORT_ROOTS_ENV)
+    return None if value is None or not value.strip() else _parse_roots(value)
+
+
+def _under(module: str, root: str) -> bool:
+    return module == root or module.startswith(root + ".")
+
+
+def check_import_root(module_name: str, path: str, field: str, roots: list[str] | None = None) -> None:
+    """Refuse, before importing it, a module outside the allow-list: ``TRAKFLOW_IMPORT_ROOTS`` (the
+    deployment's; a config cannot widen it) and ``roots`` (a config's own ``import_roots``, which can only
+    narrow it)."""
+    for allowed, source in ((env_import_roots(), f"the environment's {IMPORT_ROOTS_ENV}"), (roots, "import_roots")):
+        if allowed is not None and not any(_under(module_name, r) for r in allowed):
+            raise BadInputError(f"{field}: {path!r} imports module {module_name!r}, which is outside the allowed "
+                                f"import roots {allowed} ({source}); nothing was imported")
+
+
+def load_object(path: str, field: str = "import path", roots: list[str] | None = None) -> Any:
+    """Resolve ``"package.module:attr"``: import the module (if it is under the allowed import roots) and take
+    one attribute of it. Nothing is called and no attribute chain is followed (``"os:environ.clear"`` is
+    refused). Errors name ``field``."""
+    form = f"{field}: {path!r} is not an import path of the form 'package.module:attr' (one attribute name)"
     if not isinstance(path, str) or path.count(":") != 1:
-        raise BadInputError(f"{field}: {path!r} is not an import path of the form 'package.module:attr'")
+        raise BadInputError(form)
     module_name, attr = path.split(":")
-    if not module_name or not attr:
-        raise BadInputError(f"{field}: {path!r} is not an import path of the form 'package.module:attr'")
+    if not _MODULE_RE.fullmatch(module_name) or not _ATTR_RE.fullmatch(attr):
+        raise BadInputError(form)
+    if attr.startswith("__"):
+        raise BadInputError(f"{field}: {path!r} names a dunder attribute; name a public callable or value")
+    check_import_root(module_name, path, field, roots)
     try:
-        obj = importlib.import_module(module_name)
+        module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or whatever the module raises on import
         raise BadInputError(f"{field}: cannot import module {module_name!r} of {path!r} "
                             f"({type(e).__name__}: {e})") from None
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise BadInputError(f"{field}: module {module_name!r} has no attribute {attr!r} ({path!r})") from None
-    return obj
+    try:
+        return inspect.getattr_static(module, attr)
+    except AttributeError:
+        pass
+    try:  # a module-level __getattr__ (PEP 562)
+        return getattr(module, attr)
+    except AttributeError:
+        raise BadInputError(f"{field}: module {module_name!r} has no attribute {attr!r} ({path!r})") from None
 
 
-def _check_import_path(value: Optional[str], field: str, must_be_callable: bool = True) -> Optional[str]:
+def _check_import_path(value: str | None, field: str, must_be_callable: bool = True,
+                       roots: list[str] | None = None) -> str | None:
     if value is None:
         return value
-    obj = load_object(value, field)
+    obj = load_object(value, field, roots)
     if must_be_callable and not callable(obj):
         raise BadInputError(f"{field}: {value!r} resolves to a {type(obj).__name__}, which is not callable")
     return value
@@ -190,6 +239,10 @@ def _setting(name: str, description: str):
 class AttributeConfig(_Base):
     """Parameters of the ``attribute`` flow (and of ``featurize``/``finalize``/``score``)."""
 
+    import_roots: list[str] | None = Field(
+        None, description="modules the import paths below may name (top-level packages or dotted prefixes, e.g. "
+                          "['examples', 'mypkg']); null: any module, or the deployment's TRAKFLOW_IMPORT_ROOTS, "
+                          "which this can only narrow. Import paths are code: see README 'Security'")
     model: str = Field(description="import path 'pkg.mod:factory' of a zero-argument callable returning the "
                                    "torch.nn.Module the checkpoints belong to")
     train_data: str = Field(description="import path of a zero-argument callable returning a tuple of tensors "
@@ -217,8 +270,9 @@ class AttributeConfig(_Base):
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients/features")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")
     shard_size: PositiveInt = Field(4096, description="train rows per featurize task (a multiple of chunk_rows)")
-    chunk_rows: Optional[PositiveInt] = Field(None, description="Zarr chunk rows; default min(1024, shard_size) "
-                                                                "when it divides shard_size, else shard_size")
+    chunk_rows: Optional[PositiveInt] = Field(None, description="Zarr chunk rows; default: as many rows as fit in "
+                                                                "32 MiB (at most 1024 and the number of train "
+                                                                "examples) dividing shard_size")
     grad_wrt: GradWrt = _setting("grad_wrt", "parameter names to take gradients for (all: null)")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="'auto' = cuda when available")
     task_runner: Literal["thread", "process", "dask"] = Field(
@@ -272,19 +326,25 @@ class AttributeConfig(_Base):
                                 "file:// URL or shared storage (s3://...), or task_runner 'thread'")
         return self
 
+    @field_validator("import_roots")
+    @classmethod
+    def _import_roots(cls, v):
+        return _parse_roots(v)
+
     @field_validator("model", "train_data", "target_data")
     @classmethod
     def _import_paths(cls, v, info):
-        return _check_import_path(v, info.field_name, must_be_callable=info.field_name == "model")
+        return _check_import_path(v, info.field_name, must_be_callable=info.field_name == "model",
+                                  roots=info.data.get("import_roots"))
 
     @field_validator("show")
     @classmethod
     def _show(cls, v, info):
-        return _check_import_path(v, info.field_name)
+        return _check_import_path(v, info.field_name, roots=info.data.get("import_roots"))
 
     @field_validator("task")
     @classmethod
-    def _task(cls, v):
+    def _task(cls, v, info):
         if v in TASK_NAMES:
             return v
         if ":" not in v:
@@ -292,7 +352,7 @@ class AttributeConfig(_Base):
                                 "'pkg.mod:ModelOutput'")
         from trak_core.modelout import AbstractModelOutput
 
-        obj = load_object(v, "task")
+        obj = load_object(v, "task", info.data.get("import_roots"))
         ok = isinstance(obj, AbstractModelOutput) or (isinstance(obj, type) and issubclass(obj, AbstractModelOutput))
         if not ok:
             raise BadInputError(f"task: {v!r} is not an AbstractModelOutput subclass or instance")
@@ -301,8 +361,7 @@ class AttributeConfig(_Base):
     @field_validator("exp_name")
     @classmethod
     def _exp_name(cls, v):
-        if not v or "/" in v:
-            raise BadInputError(f"exp_name: must be a non-empty string without '/', got {v!r}")
+        check_exp_name(v, "exp_name")
         return v
 
     @field_validator("store")
@@ -317,6 +376,16 @@ class AttributeConfig(_Base):
         if v is not None:
             check_store_location(v, "report_dir")
         return v
+
+    @model_validator(mode="after")
+    def _device_available(self):
+        if self.device == "cuda" and not self.dask_address:  # an existing cluster's workers may have GPUs
+            import torch
+
+            if not torch.cuda.is_available():
+                raise BadInputError("device: 'cuda' but CUDA is not available in this process "
+                                    "(torch.cuda.is_available() is False); use 'cpu' or 'auto'")
+        return self
 
     @model_validator(mode="after")
     def _cross_fields(self):
@@ -341,6 +410,8 @@ class AttributeConfig(_Base):
 
     @property
     def effective_chunk_rows(self) -> int:
+        """``chunk_rows``, or the most rows a chunk may have (the store also bounds a chunk in bytes:
+        trak_core.store.choose_chunk_rows, recorded in its metadata)."""
         if self.chunk_rows is not None:
             return self.chunk_rows
         c = min(1024, self.shard_size)
@@ -349,7 +420,7 @@ class AttributeConfig(_Base):
     def build_model(self):
         import torch
 
-        model = load_object(self.model, "model")()
+        model = load_object(self.model, "model", self.import_roots)()
         if not isinstance(model, torch.nn.Module):
             raise BadInputError(f"model: {self.model!r} returned a {type(model).__name__}, not a torch.nn.Module")
         return model
@@ -359,21 +430,21 @@ class AttributeConfig(_Base):
 
         if self.task in TASK_TO_MODELOUT:
             return TASK_TO_MODELOUT[self.task]()
-        obj = load_object(self.task, "task")
+        obj = load_object(self.task, "task", self.import_roots)
         return obj if isinstance(obj, AbstractModelOutput) else obj()
 
     def load_train(self) -> tuple:
-        return load_data(self.train_data, "train_data")
+        return load_data(self.train_data, "train_data", self.import_roots)
 
     def load_targets(self) -> tuple:
-        return load_data(self.target_data, "target_data")
+        return load_data(self.target_data, "target_data", self.import_roots)
 
 
-def load_data(path: str, field: str) -> tuple:
+def load_data(path: str, field: str, roots: list[str] | None = None) -> tuple:
     """Call the data import path and check the convention (a tuple of tensors with equal rows)."""
     import torch
 
-    obj = load_object(path, field)
+    obj = load_object(path, field, roots)
     data = obj() if callable(obj) else obj
     if isinstance(data, list):
         data = tuple(data)

@@ -28,6 +28,7 @@ from trak_core.errors import BadInputError, NonFiniteGradientError, StateError, 
 from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
 from trak_core.lds import array_fingerprint
+from trak_core.memory import check_task_memory, estimate_task_memory
 from trak_core.projectors import make_projector
 from trak_core.reduce import (ensure_partial, finalize_model, load_targets, score_rows, shard_partial,
                               usable_models)
@@ -66,7 +67,7 @@ def build_metadata(config: AttributeConfig, train_set_size: int, model: torch.nn
         raise _prefixed("grad_wrt", e) from None
     spec = build_projector(config, grad_dim, "cpu", model).spec()
     return StoreMetadata.from_projector(spec, train_set_size=train_set_size, dtype=config.dtype,
-                                        chunk_rows=config.effective_chunk_rows, shard_rows=config.shard_size,
+                                        chunk_rows=config.chunk_rows, shard_rows=config.shard_size,
                                         task=type(task).__name__)
 
 
@@ -96,6 +97,19 @@ def _check_finite(data: tuple, field: str) -> None:
                 more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
                 raise BadInputError(f"{field}: NaN or inf in tensor {i} at example indices {bad[:20]}{more}; "
                                     "nothing was written")
+
+
+def check_memory(config: AttributeConfig, meta: StoreMetadata, model: torch.nn.Module, num_targets: int) -> None:
+    """Refuse, before the store is created, a proj_dim / shard_size / batch_size / chunk setting whose task
+    cannot fit in the available memory (trak_core.memory; BadInputError naming the field and the estimate)."""
+    params = list(model.parameters())
+    itemsize = meta.np_dtype.itemsize
+    check_task_memory(estimate_task_memory(
+        train_set_size=meta.train_set_size, grad_dim=meta.grad_dim, proj_dim=meta.proj_dim,
+        num_params=sum(p.numel() for p in params), batch_size=config.batch_size, shard_rows=meta.shard_rows,
+        dtype_bytes=itemsize, chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
+        model_bytes=max((p.element_size() for p in params), default=4), num_targets=num_targets),
+        projector=config.projector)
 
 
 # ---------------------------------------------------------------------------- plan
@@ -135,9 +149,14 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     _check_finite(targets, "target_data")
     n = int(train[0].shape[0])
     meta = build_metadata(config, n, model, task)
-    if config.projector != "noop" and meta.proj_dim >= n and config.settings.lambda_rule.setting == 0:
+    if meta.proj_dim >= n and config.settings.lambda_rule.setting == 0:
+        if config.projector == "noop":
+            raise BadInputError(f"projector: 'noop' keeps all {meta.proj_dim} gradient dimensions, ≥ the number of "
+                                f"train examples n={n}: XᵀX is singular with lambda_reg=0 (scores would be noise); "
+                                "give an absolute lambda_reg > 0, or a projection with proj_dim well below n")
         raise BadInputError(f"proj_dim: {meta.proj_dim} ≥ number of train examples n={n} makes XᵀX singular "
                             "(scores would be noise); use a proj_dim well below n, or lambda_reg > 0")
+    check_memory(config, meta, model, int(targets[0].shape[0]))
     checkpoints = config.checkpoint_paths
     for i, path in enumerate(checkpoints):
         sd = load_checkpoint(path, "cpu", field=f"checkpoints[{i}]")

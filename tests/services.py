@@ -64,9 +64,14 @@ def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
     getattr(proc, "_log", None) and proc._log.close()  # type: ignore[attr-defined]
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, auth_string: str | None = None) -> bool:
+    req = urllib.request.Request(url)
+    if auth_string:
+        import base64
+
+        req.add_header("Authorization", "Basic " + base64.b64encode(auth_string.encode()).decode())
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(req, timeout=2) as r:
             return r.status == 200
     except OSError:
         return False
@@ -108,19 +113,26 @@ def prefect_env(home: Path, api_url: str | None = None) -> dict:
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path, scheduler_loop_seconds: float = 2.0, timeout: float = 120.0) -> Iterator[PrefectServer]:
+def prefect_server(home: Path, scheduler_loop_seconds: float = 2.0, timeout: float = 120.0,
+                   auth_string: str | None = None) -> Iterator[PrefectServer]:
     """`prefect server start` on a free port with its own SQLite database under ``home``; the scheduler
-    service polls every ``scheduler_loop_seconds`` so a schedule fires within seconds."""
+    service polls every ``scheduler_loop_seconds`` so a schedule fires within seconds. With ``auth_string``
+    ("user:password") the server requires it (PREFECT_SERVER_API_AUTH_STRING) and ``server.env`` carries it
+    for clients (PREFECT_API_AUTH_STRING); drop that variable to act as a client without it."""
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = prefect_env(home)
     env.update(PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS=str(scheduler_loop_seconds),
                PREFECT_SERVER_API_HOST="127.0.0.1")
+    if auth_string:
+        env["PREFECT_SERVER_API_AUTH_STRING"] = auth_string
     log = home / "server.log"
     proc = start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], log, env)
     server = PrefectServer(home, port, proc, log, prefect_env(home, f"http://127.0.0.1:{port}/api"))
+    if auth_string:
+        server.env["PREFECT_API_AUTH_STRING"] = auth_string
     try:
-        wait_for(lambda: _healthy(f"{server.api_url}/health"), timeout, "prefect server", proc=proc)
+        wait_for(lambda: _healthy(f"{server.api_url}/health", auth_string), timeout, "prefect server", proc=proc)
         yield server
     finally:
         for p in reversed(server.children):

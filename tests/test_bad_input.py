@@ -224,3 +224,66 @@ def test_default_projector_is_factored_also_for_non_linear_parameters(tmp_path):
     other.load_checkpoint(Bag().state_dict(), model_id=0)
     other.featurize((torch.randint(0, 5, (8, 4)), torch.randint(0, 3, (8,))), num_samples=8)
     assert other.store.model(0).featurized[:].all()
+
+
+# ---------------------------------------------------------------------------- issue 12, item 5
+def test_empty_save_dir_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for save_dir in ("", "   ", None):
+        with pytest.raises(BadInputError, match="save_dir must be a non-empty path"):
+            trak_core.TRAKer(model=make_model(), task="image_classification", train_set_size=10, save_dir=save_dir,
+                             device="cpu", proj_dim=4)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_refused_at_construction(tmp_path):
+    for device in ("cuda", "cuda:0", torch.device("cuda"), "gpu"):
+        with pytest.raises(BadInputError, match="CUDA is not available|is not a torch device"):
+            trak_core.TRAKer(model=make_model(), device=device, proj_dim=4, **_kw(tmp_path))
+    assert not (tmp_path / "store").exists()
+
+
+def _kw(tmp_path, **kw):
+    return dict(task="image_classification", train_set_size=40, save_dir=str(tmp_path / "store"),
+                logging_level=logging.ERROR, chunk_rows=8, **kw)
+
+
+def test_unsafe_exp_name_is_refused_before_writing(loaded):
+    tr, store, (x, y) = loaded
+    before = snapshot(store)
+    for name in ("..", "a/b", "new\\sub", ".x"):
+        with pytest.raises(BadInputError, match="not a safe experiment name"):
+            tr.store.init_experiment(name, 4)
+    assert snapshot(store) == before
+
+
+@pytest.mark.parametrize("kind", ["dense", "sjlt", "factored", "noop"])
+def test_float64_model_and_inputs_work_with_every_projector(tmp_path, kind):
+    """A float64 model on float64 inputs featurizes with each projector, and gives the features of the same
+    model in float32 (up to float32 rounding)."""
+    from trak_core.projectors import make_projector
+
+    x, y, _, _ = make_data(n=40)
+    out = {}
+    for dt in (torch.float32, torch.float64):
+        model = make_model(1).to(dt)
+        g = sum(p.numel() for p in model.parameters())
+        proj = make_projector(kind, g, 8 if kind != "noop" else g, 0, "rademacher", device="cpu", model=model)
+        tr = trak_core.TRAKer(model=model, device="cpu", projector=proj, use_half_precision=False,
+                              **_kw(tmp_path / str(dt)))
+        tr.load_checkpoint(model.state_dict(), model_id=0)
+        tr.featurize((x.to(dt), y), num_samples=40)
+        out[dt] = tr.store.model(0).grads[:]
+    np.testing.assert_allclose(out[torch.float64], out[torch.float32], rtol=1e-3, atol=1e-5)
+
+
+def test_float64_inputs_to_a_float32_model_get_a_clear_error(tmp_path):
+    x, y, _, _ = make_data(n=40)
+    tr = new_traker(tmp_path, projector=None)
+    tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
+    before = snapshot(tmp_path / "store")
+    with pytest.raises(BadInputError, match=r"floating tensors are torch.float64 but the model's parameters are "
+                                            r"torch.float32: cast the inputs"):
+        tr.featurize((x[:8].double(), y[:8]), num_samples=8)
+    assert snapshot(tmp_path / "store") == before

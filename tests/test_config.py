@@ -172,3 +172,133 @@ def test_example_yaml_files_name_real_fields():
     assert set(attr) <= set(AttributeConfig.model_fields)
     train = TrainConfig.from_yaml(root / "digits_train.yaml")  # validates; writes nothing
     assert train.num_models == 3 and train.model_seeds() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------- issue 12, items 5 and 7
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "new\\sub", "../up", "a..b", ".hidden", "-x", "", "x y",
+                                  "x" * 129])
+def test_unsafe_exp_name_is_refused(tmp_path, ckpts, name):
+    cfg = good(tmp_path, ckpts, exp_name=name)
+    msg = fails_naming("exp_name", cfg)
+    assert "not a safe experiment name" in msg
+    assert not os.path.exists(cfg["store"])
+
+
+def test_safe_exp_names_pass(tmp_path, ckpts):
+    for name in ("default", "tiny", "run-2.v1", "A_b"):
+        assert AttributeConfig.model_validate(good(tmp_path, ckpts, exp_name=name)).exp_name == name
+
+
+def test_validation_calls_nothing_and_follows_no_attribute_chain(tmp_path, ckpts, monkeypatch):
+    """`model: "os:environ.clear"` used to pass validation and empty the environment."""
+    monkeypatch.setenv("TRAKFLOW_CANARY", "alive")
+    for value in ("os:environ.clear", "os:environ.clear()", "builtins:__import__", "os.path:join.__call__"):
+        fails_naming("model", good(tmp_path, ckpts, model=value))
+    assert os.environ.get("TRAKFLOW_CANARY") == "alive"
+    with pytest.raises(BadInputError, match="one attribute name"):
+        load_object("os:environ.clear", "model")
+    # a zero-argument factory is resolved, not called: the validation of a config does not build the model
+    calls = []
+    orig = tiny.make_model
+
+    def spy():
+        calls.append(1)
+        return orig()
+
+    monkeypatch.setattr(tiny, "make_model", spy)
+    cfg = AttributeConfig.model_validate(good(tmp_path, ckpts))
+    assert calls == []
+    cfg.build_model()  # running the config calls it
+    assert calls == [1]
+
+
+def test_import_roots_from_the_environment(tmp_path, ckpts, monkeypatch):
+    monkeypatch.setenv("TRAKFLOW_IMPORT_ROOTS", "examples")
+    AttributeConfig.model_validate(good(tmp_path, ckpts))  # inside the allow-list
+    import sys
+    sys.modules.pop("json.tool", None)
+    msg = fails_naming("model", good(tmp_path, ckpts, model="json.tool:main"))
+    assert "outside the allowed import roots ['examples']" in msg and "TRAKFLOW_IMPORT_ROOTS" in msg
+    assert "json.tool" not in sys.modules  # refused before import
+    fails_naming("task", good(tmp_path, ckpts, task="trak_core.modelout:ImageClassificationModelOutput"))
+    # a config cannot widen the deployment's list
+    fails_naming("model", good(tmp_path, ckpts, model="json:dumps", import_roots=["examples", "json"]))
+    monkeypatch.setenv("TRAKFLOW_IMPORT_ROOTS", "examples.tin")  # a prefix of a name is not its root
+    fails_naming("model", good(tmp_path, ckpts))
+
+
+def test_import_roots_field_narrows(tmp_path, ckpts, monkeypatch):
+    monkeypatch.delenv("TRAKFLOW_IMPORT_ROOTS", raising=False)
+    cfg = AttributeConfig.model_validate(good(tmp_path, ckpts, import_roots=["examples.tiny"]))
+    assert cfg.import_roots == ["examples.tiny"]
+    msg = fails_naming("train_data", good(tmp_path, ckpts, import_roots=["examples.other"]))
+    assert "import_roots" in msg
+    fails_naming("import_roots", good(tmp_path, ckpts, import_roots=["not a module"]))
+
+
+def test_flow_parameter_validation_enforces_the_allow_list(tmp_path, ckpts, monkeypatch):
+    """A run triggered over the API arrives as JSON parameters that Prefect validates into AttributeConfig in the
+    worker's process: the worker's TRAKFLOW_IMPORT_ROOTS applies."""
+    from prefect.utilities.callables import parameters_to_args_kwargs  # noqa: F401 - prefect is importable
+
+    from flows.attribute import attribute
+
+    monkeypatch.setenv("TRAKFLOW_IMPORT_ROOTS", "examples")
+    params = {"config": good(tmp_path, ckpts, model="os:getcwd")}
+    with pytest.raises(Exception, match="outside the allowed import roots"):
+        attribute.validate_parameters(params)
+    ok = attribute.validate_parameters({"config": good(tmp_path, ckpts)})
+    assert isinstance(ok["config"], AttributeConfig)
+
+
+def _plan_fails(tmp_path, ckpts, field: str, match: str, **over):
+    from tasks.core import make_plan
+
+    cfg = AttributeConfig.model_validate(good(tmp_path, ckpts, **over))
+    with pytest.raises(BadInputError, match=match) as ei:
+        make_plan(cfg)
+    assert str(ei.value).startswith(f"{field}:"), str(ei.value)
+    assert not os.path.exists(cfg.store)  # nothing written
+    return str(ei.value)
+
+
+def test_memory_estimate_refuses_a_proj_dim_that_cannot_fit(tmp_path, ckpts):
+    msg = _plan_fails(tmp_path, ckpts, "proj_dim", r"featurize task would need about .* is available",
+                      proj_dim=1_000_000_000, projector="dense", chunk_rows=None, lambda_reg=1e-3)
+    assert "XᵀX partial" in msg and "Nothing was written" in msg
+
+
+def test_memory_estimate_names_the_largest_buffer(tmp_path, ckpts, monkeypatch):
+    monkeypatch.setenv("TRAKFLOW_MEMORY_LIMIT", str(4 << 10))  # a 4 KiB worker
+    _plan_fails(tmp_path, ckpts, "batch_size", r"would need about .*per-example gradients .* 4\.0 KiB is available",
+                lambda_reg=1e-3)
+
+
+def test_memory_estimate_terms():
+    from trak_core.memory import check_task_memory, estimate_task_memory
+
+    est = estimate_task_memory(train_set_size=100_000, grad_dim=10_000_000, proj_dim=512, num_params=10_000_000,
+                               batch_size=4096, shard_rows=4096, dtype_bytes=2, chunk_bytes=32 << 20)
+    with pytest.raises(BadInputError, match=r"^batch_size: a featurize task .*per-example gradients"):
+        check_task_memory(est, available=100 << 30)
+    est = estimate_task_memory(train_set_size=1_000_000, grad_dim=1000, proj_dim=100_000, num_params=1000,
+                               batch_size=8, shard_rows=1_000_000, dtype_bytes=2, chunk_bytes=32 << 20)
+    with pytest.raises(BadInputError, match=r"^shard_size: "):
+        check_task_memory(est, available=100 << 30)
+    est = estimate_task_memory(train_set_size=100, grad_dim=11_700_000, proj_dim=11_700_000, num_params=11_700_000,
+                               batch_size=8, shard_rows=100, dtype_bytes=2, chunk_bytes=32 << 20)
+    with pytest.raises(BadInputError, match=r"^projector: .*'noop' keeps every gradient dimension"):
+        check_task_memory(est, available=100 << 30, projector="noop")
+
+
+def test_noop_projector_with_proj_dim_at_least_n_and_zero_lambda_is_refused(tmp_path, ckpts):
+    _plan_fails(tmp_path, ckpts, "projector", r"'noop' keeps all \d+ gradient dimensions, ≥ .* lambda_reg=0",
+                projector="noop", lambda_reg=0.0)
+
+
+def test_cuda_device_without_cuda_is_refused_by_the_plan(tmp_path, ckpts):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    fails_naming("device", good(tmp_path, ckpts, device="cuda"))

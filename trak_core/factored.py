@@ -393,6 +393,9 @@ class FactoredProjector(AbstractProjector):
                 raise BadInputError(f"factored projector: its layout expects parameter {n!r} with shape {shape}, "
                                     f"the model has {got}; build the projector from this model")
         facs = self.factors(model_id)
+        wdt = next((w.dtype for w in weights.values() if w.is_floating_point()), self.dtype)
+        if wdt != self.dtype:  # e.g. a float64 model: the factors follow the model's dtype
+            facs = {k: tuple(t.to(wdt) if torch.is_tensor(t) else t for t in f) for k, f in facs.items()}
         layers = [b for b in self.layout.blocks if b.kind in ("linear", "conv")]
         other = next((b for b in self.layout.blocks if b.kind == "other"), None)
         other_names = list(other.params) if other is not None else []
@@ -409,7 +412,7 @@ class FactoredProjector(AbstractProjector):
                 return task.get_output(model, {**fixed, **other_w}, buffers, *sample)
 
             gz, go = _per_example_grads(out_fn, layers, {n: weights[n] for n in other_names}, batch, self.device,
-                                        self.dtype)
+                                        wdt)
         finally:
             for h in handles:
                 h.remove()
@@ -423,7 +426,7 @@ class FactoredProjector(AbstractProjector):
         for b in self.layout.blocks:
             p_in, _, w = facs[b.name]
             if b.kind == "other":
-                g = torch.cat([go[n].reshape(bsz, -1) for n in b.params], dim=1).to(self.dtype)
+                g = torch.cat([go[n].reshape(bsz, -1) for n in b.params], dim=1).to(wdt)
                 outs.append((g @ p_in) * w)
             else:
                 outs.append(gz[b.name].reshape(bsz, -1)[:, :b.k] * w)

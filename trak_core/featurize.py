@@ -85,8 +85,12 @@ class Featurizer:
         batch = self._to_device(batch)
         b = batch[0].shape[0]
         indices = list(range(b)) if indices is None else [int(i) for i in indices]
-        q = self.out_to_loss(batch, model_id, indices)
-        x = self.project_batch(batch, model_id, indices)
+        try:
+            q = self.out_to_loss(batch, model_id, indices)
+            x = self.project_batch(batch, model_id, indices)
+        except RuntimeError as e:
+            self._dtype_mismatch(batch, e)
+            raise
         return x.cpu().numpy(), q.cpu().numpy()
 
     def target_features(self, batch: Sequence[Tensor], model_id: int,
@@ -96,5 +100,19 @@ class Featurizer:
         batch = self._to_device(batch)
         b = batch[0].shape[0]
         indices = list(range(b)) if indices is None else [int(i) for i in indices]
-        self.out_to_loss(batch, model_id, indices)  # label range and finiteness checks
-        return self.project_batch(batch, model_id, indices).cpu().numpy()
+        try:
+            self.out_to_loss(batch, model_id, indices)  # label range and finiteness checks
+            return self.project_batch(batch, model_id, indices).cpu().numpy()
+        except RuntimeError as e:
+            self._dtype_mismatch(batch, e)
+            raise
+
+    def _dtype_mismatch(self, batch: Sequence[Tensor], e: RuntimeError) -> None:
+        """A dtype error of the model's forward on inputs of another floating dtype (float64 inputs, float32
+        model) becomes a BadInputError saying what to cast."""
+        model_dt = sorted({str(p.dtype) for p in self.model.parameters() if p.is_floating_point()})
+        in_dt = sorted({str(t.dtype) for t in batch if t.is_floating_point()})
+        if "dtype" in str(e).lower() and in_dt and model_dt and in_dt != model_dt:
+            raise BadInputError(f"the batch's floating tensors are {', '.join(in_dt)} but the model's parameters are "
+                                f"{', '.join(model_dt)}: cast the inputs (x.to({model_dt[0]})) or the model (e.g. "
+                                f"model.to({in_dt[0]})) so that they match ({e})") from None

@@ -44,6 +44,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import socket
 import tempfile
 import time
@@ -62,6 +63,37 @@ from .errors import BadInputError, LockLostError, StateError, StoreDamageError, 
 SCHEMA_VERSION = 2  # 2: every chunk carries a crc32c checksum (1: no checksums; refused on reopen)
 _META_KEY = "trakflow"
 _PIPELINE_KEY = "trakflow_pipeline"  # the pipeline's record (tasks/), kept beside the metadata
+
+
+#: a chunk of a row array holds at most this many bytes by default (recorded per store as ``chunk_bytes``): a large
+#: proj_dim (NoOpProjector: proj_dim = the number of parameters) gets few rows per chunk, a very wide row its
+#: columns split, so writing one chunk never allocates more than this (zarr materializes whole chunks)
+CHUNK_TARGET_BYTES = 32 << 20
+#: at most this many rows per chunk (and never more than the array has)
+MAX_CHUNK_ROWS = 1024
+
+
+def choose_chunk_rows(row_bytes: int, rows: int, multiple_of: int | None = None,
+                      target_bytes: int = CHUNK_TARGET_BYTES, max_rows: int = MAX_CHUNK_ROWS) -> int:
+    """Rows per chunk for rows of ``row_bytes`` bytes: as many as fit in ``target_bytes`` (at least 1), at most
+    ``max_rows`` and ``rows``; with ``multiple_of`` (the shard rows) the largest divisor of it within those
+    bounds, so that a shard is whole chunks (one writer per chunk)."""
+    bound = max(1, min(int(max_rows), int(rows), int(target_bytes) // max(1, int(row_bytes))))
+    if multiple_of is None:
+        return bound
+    return next(d for d in range(min(bound, int(multiple_of)), 0, -1) if multiple_of % d == 0)
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+def check_exp_name(name, field: str = "exp_name") -> None:
+    """An experiment name is one folder of the store: letters, digits, ``_``, ``-``, ``.`` (at most 128, not
+    starting with ``.`` or ``-``, no ``..``); separators, backslashes and ``..`` are refused."""
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or ".." in name:
+        raise BadInputError(f"{field}: {name!r} is not a safe experiment name (it names a folder of the store): use "
+                            "1-128 letters, digits, '_', '-' or '.', not starting with '.' or '-', without '..', "
+                            "'/' or '\\'")
 
 
 def _versions() -> dict:
@@ -89,13 +121,19 @@ class StoreMetadata(BaseModel):
     proj_seed: NonNegativeInt = 0
     projector_params: dict = Field(default_factory=dict)  # kind-specific: SJLT's c, the factored layout
     dtype: Literal["float16", "float32"] = "float16"
-    chunk_rows: PositiveInt = 1024
-    shard_rows: PositiveInt = 8192
+    chunk_rows: PositiveInt | None = None  # None: chosen by bytes (choose_chunk_rows), dividing shard_rows
+    shard_rows: PositiveInt | None = None  # None: 8 chunks
+    chunk_bytes: PositiveInt = CHUNK_TARGET_BYTES  # the most bytes a chunk of a row array holds (row_chunks)
     task: str = ""
     versions: dict[str, str] = Field(default_factory=_versions)
 
     @model_validator(mode="after")
     def _shards_whole_chunks(self):
+        if self.chunk_rows is None:
+            self.chunk_rows = choose_chunk_rows(self.proj_dim * self.np_dtype.itemsize, self.train_set_size,
+                                                self.shard_rows, self.chunk_bytes)
+        if self.shard_rows is None:
+            self.shard_rows = 8 * self.chunk_rows
         if self.shard_rows % self.chunk_rows:
             raise ValueError(f"shard_rows={self.shard_rows} must be a multiple of chunk_rows={self.chunk_rows}")
         return self
@@ -120,6 +158,16 @@ class StoreMetadata(BaseModel):
     @property
     def np_dtype(self):
         return np.dtype(self.dtype)
+
+    def row_chunks(self, width: int | None, itemsize: int) -> tuple[int, ...]:
+        """The chunk shape of a row array of ``width`` columns (None: 1-D) of ``itemsize``-byte entries:
+        ``chunk_rows`` rows (a writer of whole shards owns whole chunks), and as many columns as keep the chunk
+        within ``chunk_bytes`` (all of them unless one row is wider than that, or the array is a wide one such
+        as the scores of many targets)."""
+        if width is None:
+            return (self.chunk_rows,)
+        cols = max(1, self.chunk_bytes // (self.chunk_rows * int(itemsize)))
+        return (self.chunk_rows, min(int(width), cols))
 
 
 def _is_url(location: str) -> bool:
@@ -795,7 +843,7 @@ class TrakStore:
         if name in g:
             return _stored(g, name)
         shape = (n,) if width is None else (n, width)
-        chunks = (self.meta.chunk_rows,) if width is None else (self.meta.chunk_rows, width)
+        chunks = self.meta.row_chunks(width, np.dtype(dtype).itemsize)
         g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=_codecs(), fill_value=0)
         return _stored(g, name)
 
@@ -803,11 +851,12 @@ class TrakStore:
         """What the array at ``path`` (e.g. ``models/0/grads``) must be, from the root metadata; None for a path
         that is not one of the store's arrays."""
         m = self.meta
-        n, p, cr, s = m.train_set_size, m.proj_dim, m.chunk_rows, m.num_shards
+        n, p, s = m.train_set_size, m.proj_dim, m.num_shards
         parts = path.strip("/").split("/")
 
         def rows(k: int, width: int | None, dtype: str) -> ArraySpec:
-            return ArraySpec((k,) if width is None else (k, width), (cr,) if width is None else (cr, width), dtype)
+            return ArraySpec((k,) if width is None else (k, width), m.row_chunks(width, np.dtype(dtype).itemsize),
+                             dtype)
 
         if len(parts) == 3 and parts[0] == "models":
             return {"grads": rows(n, p, m.dtype), "features": rows(n, p, m.dtype),
@@ -1040,8 +1089,7 @@ class TrakStore:
         return sorted(self.root["experiments"].group_keys())
 
     def init_experiment(self, exp_name: str, num_targets: int) -> ExperimentArrays:
-        if not isinstance(exp_name, str) or not exp_name or "/" in exp_name:
-            raise BadInputError(f"exp_name must be a non-empty string without '/', got {exp_name!r}")
+        check_exp_name(exp_name)
         if not isinstance(num_targets, (int, np.integer)) or num_targets <= 0:
             raise BadInputError(f"num_targets must be a positive integer, got {num_targets!r}")
         exps = self.root["experiments"]

@@ -17,6 +17,7 @@ Differences from traker 0.3.2, on purpose:
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Iterable, Optional, Union
 
@@ -39,6 +40,22 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device) -> str:
+    """``device`` as a string, refused (BadInputError) when torch cannot use it here, e.g. ``"cuda"`` in a
+    process without CUDA, before anything is created."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise BadInputError(f"device={device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BadInputError(f"device={device!r}: CUDA is not available in this process "
+                                "(torch.cuda.is_available() is False); use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise BadInputError(f"device={device!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
+    return str(device)
+
+
 def default_projector(model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None) -> AbstractProjector:
     """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md, issue 5); the dense
     Rademacher projection, with a one-line warning, for models it cannot factor."""
@@ -56,7 +73,8 @@ class TRAKer:
 
     ``lambda_reg`` may also be ``"auto"`` or ``"rel:<f>"``: damping relative to the mean eigenvalue of
     XᵀX (see :func:`trak_core.scoring.resolve_lambda`). Extra keyword arguments: ``rescale_inverse`` (traker's division of (XᵀX+λI)⁻¹ by its mean |entry|;
-    default True for parity), ``chunk_rows``/``shard_rows`` (store layout), ``storage_options`` (fsspec).
+    default True for parity), ``chunk_rows``/``shard_rows`` (store layout; by default a chunk holds at most
+    32 MiB and 1,024 rows, a shard 8 chunks: trak_core.store.choose_chunk_rows), ``storage_options`` (fsspec).
     """
 
     def __init__(self, model: torch.nn.Module, task: Union[AbstractModelOutput, str], train_set_size: int,
@@ -67,7 +85,7 @@ class TRAKer:
                  proj_dim: int = 2048, logging_level=logging.INFO, use_half_precision: bool = True,
                  proj_max_batch_size: int = 32, projector_seed: int = 0,
                  grad_wrt: Optional[Iterable[str]] = None, lambda_reg: float = 0.0, *,
-                 rescale_inverse: bool = True, chunk_rows: int = 1024, shard_rows: Optional[int] = None,
+                 rescale_inverse: bool = True, chunk_rows: int | None = None, shard_rows: Optional[int] = None,
                  storage_options: Optional[dict] = None) -> None:
         self.logger = logging.getLogger("trakflow")
         self.logger.setLevel(logging_level)
@@ -76,6 +94,8 @@ class TRAKer:
         check_saver(saver)
         if score_computer_settings(score_computer, lambda_reg).get("rescale_inverse") is False:
             rescale_inverse = False
+        if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir).strip():
+            raise BadInputError(f"save_dir must be a non-empty path or URL of the store, got {save_dir!r}")
         if not isinstance(train_set_size, (int, np.integer)) or train_set_size <= 0:
             raise BadInputError(f"train_set_size must be a positive integer, got {train_set_size!r}")
         try:
@@ -85,7 +105,7 @@ class TRAKer:
         self.model = model
         self.task = resolve_task(task)
         self.train_set_size = int(train_set_size)
-        self.device = str(device) if device is not None else default_device()
+        self.device = check_device(device) if device is not None else default_device()
         self.dtype = torch.float16 if use_half_precision else torch.float32
         self.grad_wrt = list(grad_wrt) if grad_wrt is not None else None
         self.lambda_reg = lambda_reg if isinstance(lambda_reg, str) else float(lambda_reg)
@@ -114,7 +134,6 @@ class TRAKer:
         self.proj_dim = projector.proj_dim
         self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
 
-        shard_rows = shard_rows or max(chunk_rows, 8 * chunk_rows)
         self.metadata = StoreMetadata.from_projector(
             projector.spec(), train_set_size=self.train_set_size,
             dtype="float16" if use_half_precision else "float32", chunk_rows=chunk_rows,
