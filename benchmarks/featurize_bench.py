@@ -1,21 +1,31 @@
-"""Featurization, scoring and memory of trakflow side by side with traker 0.3.2 on this CPU, in one run.
+"""Featurize + finalize side by side: the floor, traker 0.3.2 (default and fastest CPU configurations) and
+trakflow's projectors, cold (first use in a fresh process) and warm (steady state), in one run.
 
-    .venv/bin/python benchmarks/featurize_bench.py            # writes its section of benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/featurize_bench.py --repeats 2      # writes its section of benchmarks/RESULTS.md
 
-What it measures (every featurization row in a fresh subprocess, one after the other):
+Each row times, through each library's own ``TRAKer``: construction (store creation) + load_checkpoint +
+featurize of N examples in batches + finalize_features (XᵀX, its inverse, the features Φ), float32
+store. Every row runs in a fresh process: its first pass there is **cold** (imports already done,
+everything else — torch.func set-up, projection matrices, store creation, BLAS/OpenMP start-up — paid on
+first use), then ``--warm-runs`` more passes with a new TRAKer and a new store each (**warm**, best kept).
+``--repeats`` fresh processes per row, interleaved in time across rows, best kept.
 
-* featurization throughput (examples/s) of N examples at proj_dim 2048, batch 256, float32 store, through
-  each library's own ``TRAKer`` (load_checkpoint + featurize calls, store writes included), for a ~10k- and
-  a ~400k-parameter MLP and a small conv net: traker 0.3.2 with its default CPU projector (BasicProjector,
-  normal entries, regenerated block by block for every batch) against trakflow with the dense, SJLT and
-  factored projectors;
-* scoring throughput: the Φ Gᵀ block product (``trak_core.scoring.scores_block``) and the whole streaming
-  ``reduce.finalize_scores`` over a float16 store, in GFLOP/s against the measured float32 matmul peak
-  (best of ``torch.matmul`` on square matrices);
-* peak RSS of featurize / finalize / score against n (``benchmarks/memory_flat.py``);
-* the LDS of dense vs SJLT vs factored projection on the demo setup (``benchmarks/lds.py``).
+Rows:
+* **floor**: a plain training pass over the same N examples (forward + backward + SGD step per batch) plus
+  finalize's unavoidable linear algebra in float32 on an N × p matrix: XᵀX, the Cholesky factorization and
+  inverse of the p × p matrix, Φ = X A — timed in the same process, warm, best of 3;
+* **traker-default**: traker 0.3.2 with its CPU defaults (``BasicProjector``, normal entries, the matrix
+  regenerated in blocks for every batch);
+* **traker-fastest**: traker with ``BasicSingleBlockProjector`` (Rademacher), the whole grad_dim × p matrix
+  generated once — inside the cold pass — and kept for the warm passes;
+* trakflow with ``factored`` (the default), ``sjlt``, ``dense``.
 
-Numbers are ratios from one run on one machine; other processes may share the cores.
+Models: a 400k-parameter MLP, a small conv net, and a transformer-style text classifier (token +
+position embeddings, two ``nn.TransformerEncoderLayer`` blocks, a linear head).
+
+The older sections (scoring against the matmul peak, peak RSS against n, LDS of the projectors) are
+regenerated with ``--scoring``, ``--mem-sizes ...`` and ``--lds`` into their own block of RESULTS.md.
+Numbers are from one machine; other processes may share its cores (the report prints the load).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import logging
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -38,95 +49,197 @@ if ROOT not in sys.path:
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 START, END = "<!-- featurize_bench:start -->", "<!-- featurize_bench:end -->"
+XSTART, XEND = "<!-- featurize_bench_extra:start -->", "<!-- featurize_bench_extra:end -->"
 
 
 # ---------------------------------------------------------------------------- models and data
 def make_model(name: str):
+    """(model, input shape, input kind) — seeded, in eval mode."""
     import torch
     from torch import nn
 
     torch.manual_seed(0)
     if name == "mlp10k":
-        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)), (64,)
-    if name == "mlp400k":
-        return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10)), (784,)
-    if name == "convnet":
-        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                             nn.Flatten(), nn.Linear(32 * 8 * 8, 10)), (3, 32, 32)
-    raise ValueError(name)
+        model, shape, kind = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)), (64,), "float"
+    elif name == "mlp400k":
+        model, shape, kind = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10)), (784,), "float"
+    elif name == "convnet":
+        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                              nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+        shape, kind = (3, 32, 32), "float"
+    elif name == "transformer":
+        model, shape, kind = _transformer_class()(), (TRANSFORMER["SEQ"],), "tokens"
+    else:
+        raise ValueError(name)
+    return model.eval(), shape, kind
+
+
+TRANSFORMER = {"VOCAB": 1000, "DIM": 64, "HEADS": 4, "FF": 256, "LAYERS": 2, "SEQ": 32, "CLASSES": 10}
+
+
+def _transformer_class():
+    import torch
+    from torch import nn
+
+    class _TinyTransformer(nn.Module):
+        """Token + position embeddings → 2 × nn.TransformerEncoderLayer (4 heads) → mean over tokens → linear."""
+
+        VOCAB, DIM, HEADS, FF, LAYERS, SEQ, CLASSES = TRANSFORMER.values()
+
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(self.VOCAB, self.DIM)
+            self.pos = nn.Parameter(0.02 * torch.randn(self.SEQ, self.DIM))
+            self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(self.DIM, self.HEADS, self.FF, dropout=0.0,
+                                                                    batch_first=True)
+                                         for _ in range(self.LAYERS)])
+            self.head = nn.Linear(self.DIM, self.CLASSES)
+
+        def forward(self, ids):
+            h = self.tok(ids) + self.pos[:ids.shape[-1]]
+            for blk in self.blocks:
+                h = blk(h)
+            return self.head(h.mean(dim=-2))
+
+    return _TinyTransformer
 
 
 MODEL_LABEL = {"mlp10k": "MLP 64-128-10", "mlp400k": "MLP 784-512-10",
-               "convnet": "ConvNet 3×32×32 (2 conv + linear)"}
+               "convnet": "ConvNet 3×32×32 (2 conv + linear)",
+               "transformer": "Transformer text classifier (embeddings + 2 encoder layers + head)"}
+IMPL_LABEL = {"floor": "**floor** (training pass + float32 XᵀX, Cholesky inverse, X·A)",
+              "traker": "traker 0.3.2, default (BasicProjector, normal, regenerated per batch)",
+              "traker-fastest": "traker 0.3.2, fastest (BasicSingleBlockProjector, matrix kept)",
+              "factored": "trakflow — factored (default)", "sjlt": "trakflow — sjlt", "dense": "trakflow — dense"}
 
 
-def make_projector(kind: str, model, grad_dim: int, proj_dim: int):
+def make_data(shape, kind, n):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    if kind == "tokens":
+        x = torch.randint(0, TRANSFORMER["VOCAB"], (n, *shape), generator=g)
+    else:
+        x = torch.randn(n, *shape, generator=g)
+    return x, torch.randint(0, 10, (n,), generator=g)
+
+
+def make_projector(kind: str, model, grad_dim: int, proj_dim: int, device="cpu"):
     from trak_core.factored import FactoredProjector
     from trak_core.projectors import DenseProjector
     from trak_core.sjlt import SJLTProjector
 
     if kind == "dense":
-        return DenseProjector(grad_dim, proj_dim, 0, "rademacher")
-    if kind == "dense-cached":  # the whole matrix cached (generated once per model_id)
-        return DenseProjector(grad_dim, proj_dim, 0, "rademacher", cache_bytes=8 * 2**30)
+        return DenseProjector(grad_dim, proj_dim, 0, "rademacher", device)
     if kind.startswith("sjlt"):
         c = int(kind.split("-c")[1]) if "-c" in kind else 4
-        return SJLTProjector(grad_dim, proj_dim, 0, c=c)
+        return SJLTProjector(grad_dim, proj_dim, 0, c=c, device=device)
     if kind == "factored":
-        return FactoredProjector.from_model(model, proj_dim, 0)
+        return FactoredProjector.from_model(model, proj_dim, 0, device=device)
     raise ValueError(kind)
 
 
-def worker(spec: dict) -> dict:
-    """One featurization measurement (run in a fresh process)."""
-    import numpy as np
+# ---------------------------------------------------------------------------- one row, in a fresh process
+def floor_worker(spec: dict) -> dict:
+    """A training pass + finalize's float32 linear algebra, warm, best of ``reps``."""
     import torch
 
-    warnings.simplefilter("ignore")
-    model, shape = make_model(spec["model"])
-    model.eval()
+    dev = spec.get("device", "cpu")
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    model, shape, kind = make_model(spec["model"])
+    model.train().to(dev)
     n, bs, p = spec["n"], spec["batch"], spec["proj_dim"]
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, *shape, generator=g)
-    y = torch.randint(0, 10, (n,), generator=g)
-    grad_dim = sum(q.numel() for q in model.parameters())
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with tempfile.TemporaryDirectory() as tmp:
-        if spec["impl"] == "traker":
-            import trak
-
-            tr = trak.TRAKer(model=model, task="image_classification", train_set_size=n,
-                             save_dir=os.path.join(tmp, "t"), device="cpu", proj_dim=p,
-                             use_half_precision=False, logging_level=logging.ERROR)
-            kind = f"{type(tr.projector).__name__} ({tr.projector.proj_type})"
-        else:
-            import trak_core
-
-            proj = make_projector(spec["impl"], model, grad_dim, p)
-            tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=n,
-                                  save_dir=os.path.join(tmp, "o"), device="cpu", projector=proj,
-                                  use_half_precision=False, logging_level=logging.ERROR)
-            kind = spec["impl"]
-        t0 = time.perf_counter()
-        tr.load_checkpoint(model.state_dict(), model_id=0)
-        marks = []
+    x, y = (v.to(dev) for v in make_data(shape, kind, n))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    xg = torch.randn(n, p, generator=torch.Generator().manual_seed(2)).to(dev)
+    train, linalg = [], []
+    for _ in range(spec.get("reps", 3) + 1):  # the first of each is a warm-up
+        t = time.perf_counter()
         for a in range(0, n, bs):
-            b = min(a + bs, n)
-            tr.featurize((x[a:b], y[a:b]), num_samples=b - a)
-            marks.append((b, time.perf_counter()))
-        seconds = time.perf_counter() - t0
-        # steady state: the batches after the first (which pays one-time costs: matrices, tracing)
-        steady = (n - marks[0][0]) / (marks[-1][1] - marks[0][1]) if len(marks) > 1 else None
-        if spec["impl"] == "traker":
-            rows = np.asarray(tr.saver.current_store["grads"][:n], dtype=np.float32)
-        else:
-            rows = tr.store.model(0).grads[:n].astype(np.float32)
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x[a:a + bs]), y[a:a + bs]).backward()
+            opt.step()
+        sync()
+        train.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        xtx = xg.T @ xg
+        xtx.diagonal().add_(1e-3 * float(xtx.diagonal().mean()))  # n = p: keep it positive definite
+        chol = torch.linalg.cholesky(xtx)
+        a_inv = torch.cholesky_inverse(chol)
+        phi = xg @ a_inv
+        sync()
+        linalg.append(time.perf_counter() - t)
+        assert torch.isfinite(phi).all()
+    tr, la = min(train[1:]), min(linalg[1:])
+    return {**spec, "grad_dim": sum(q.numel() for q in model.parameters()), "train_s": tr, "linalg_s": la,
+            "warm_s": tr + la, "cold_s": None}
+
+
+def worker(spec: dict) -> dict:
+    """Cold pass, then ``warm_runs`` warm passes, of one library/projector (in a fresh process)."""
+    import numpy as np
+
+    if spec["impl"] == "floor":
+        return floor_worker(spec)
+    warnings.simplefilter("ignore")
+    dev = spec.get("device", "cpu")
+    model, shape, kind = make_model(spec["model"])
+    model.to(dev)
+    n, bs, p = spec["n"], spec["batch"], spec["proj_dim"]
+    x, y = make_data(shape, kind, n)  # batches go to the device inside each library's featurize
+    grad_dim = sum(q.numel() for q in model.parameters())
+    kept = {}
+    passes = []
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(1 + spec["warm_runs"]):
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            if spec["impl"].startswith("traker"):
+                import trak
+
+                kw = {}
+                if spec["impl"] == "traker-fastest":
+                    from trak.projectors import BasicSingleBlockProjector, ProjectionType
+
+                    if "proj" not in kept:  # generated once (in the cold pass), then kept
+                        kept["proj"] = BasicSingleBlockProjector(grad_dim, p, 0, ProjectionType.rademacher, dev)
+                        # traker frees the matrix after finalize (and never regenerates it for the same
+                        # model_id): keep it, as this configuration means
+                        kept["proj"].free_memory = lambda: None
+                    kw["projector"] = kept["proj"]
+                tr = trak.TRAKer(model=model, task="image_classification", train_set_size=n,
+                                 save_dir=os.path.join(tmp, "t"), device=dev, proj_dim=p,
+                                 use_half_precision=False, logging_level=logging.ERROR, **kw)
+                label = type(tr.projector).__name__
+            else:
+                import trak_core
+
+                kw = {} if spec["impl"] == "factored" else {"projector": make_projector(spec["impl"], model,
+                                                                                         grad_dim, p, dev)}
+                tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=n,
+                                      save_dir=os.path.join(tmp, "o"), device=dev, proj_dim=p,
+                                      use_half_precision=False, logging_level=logging.ERROR, **kw)
+                label = type(tr.projector).__name__
+            t1 = time.perf_counter()
+            tr.load_checkpoint(model.state_dict(), model_id=0)
+            for a in range(0, n, bs):
+                b = min(a + bs, n)
+                tr.featurize((x[a:b], y[a:b]), num_samples=b - a)
+            t2 = time.perf_counter()
+            tr.finalize_features()
+            t3 = time.perf_counter()
+            if spec["impl"].startswith("traker"):
+                feats = np.asarray(tr.saver.current_store["features"][:n], dtype=np.float32)
+            else:
+                feats = tr.store.model(0).features[:n].astype(np.float32)
+            passes.append({"init_s": t1 - t0, "featurize_s": t2 - t1, "finalize_s": t3 - t2, "total_s": t3 - t0,
+                           "finite": bool(np.isfinite(feats).all())})
+    warm = min(passes[1:], key=lambda r: r["total_s"]) if len(passes) > 1 else None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {**spec, "projector": kind, "grad_dim": grad_dim, "seconds": seconds, "examples_per_s": n / seconds,
-            "steady_examples_per_s": steady,
-            "peak_rss_mib": peak / 1024, "baseline_rss_mib": base / 1024,
-            "finite": bool(np.isfinite(rows).all()), "rows_nonzero": bool((np.abs(rows).sum(1) > 0).all())}
+    return {**spec, "projector": label, "grad_dim": grad_dim, "passes": passes, "cold": passes[0], "warm": warm,
+            "cold_s": passes[0]["total_s"], "warm_s": warm["total_s"] if warm else None,
+            "peak_rss_mib": peak / 1024, "baseline_rss_mib": base / 1024}
 
 
 def run_worker(spec: dict, timeout: int = 900) -> dict:
@@ -271,23 +384,37 @@ def machine() -> dict:
             "traker": getattr(trak, "__version__", "0.3.2"), "python": platform.python_version()}
 
 
-def feat_table(rows: list[dict]) -> str:
-    lines = ["| model | params | library / projector | examples | seconds | examples/s | × traker | "
-             "steady-state examples/s (after batch 1) | × traker | peak RSS |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for model in ("mlp10k", "mlp400k", "convnet"):
+def _fmt_s(v) -> str:
+    return "—" if v is None else f"{v:.2f}"
+
+
+def feat_table(rows: list[dict], models: list) -> str:
+    """Cold and warm seconds per row, the stage split of the warm pass, × the floor and traker's fastest."""
+    lines = ["| model | params | library / projector | examples | cold s | warm s | warm: init / featurize / "
+             "finalize s | cold / warm | warm × floor | × traker-fastest (warm) | × traker-fastest (cold) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for model in models:
         sel = [r for r in rows if r["model"] == model]
         if not sel:
             continue
-        base = next((r for r in sel if r["impl"] == "traker"), None)
+        floor = next((r for r in sel if r["impl"] == "floor"), None)
+        fast = next((r for r in sel if r["impl"] == "traker-fastest"), None)
         for r in sel:
-            who = f"traker 0.3.2 — {r['projector']}" if r["impl"] == "traker" else f"trakflow — {r['impl']}"
-            ratio = "1.0" if r is base else (f"{r['examples_per_s'] / base['examples_per_s']:.1f}" if base else "—")
-            st, bst = r.get("steady_examples_per_s"), (base or {}).get("steady_examples_per_s")
-            sratio = "1.0" if r is base else (f"{st / bst:.1f}" if st and bst else "—")
-            lines.append(f"| {MODEL_LABEL[model]} | {r['grad_dim']:,} | {who} | {r['n']} | {r['seconds']:.2f} | "
-                         f"{r['examples_per_s']:,.0f} | {ratio} | {f'{st:,.0f}' if st else '—'} | {sratio} | "
-                         f"{r['peak_rss_mib']:,.0f} MiB |")
+            w, c = r.get("warm_s"), r.get("cold_s")
+            if r["impl"] == "floor":
+                split = f"train {r['train_s']:.3f} + linalg {r['linalg_s']:.3f}"
+            else:
+                ww = r.get("warm") or {}
+                split = " / ".join(f"{ww[k]:.2f}" for k in ("init_s", "featurize_s", "finalize_s")) if ww else "—"
+            cw = f"{c / w:.2f}" if c and w else "—"
+            xf = f"{w / floor['warm_s']:.1f}" if (floor and w) else "—"
+            rw = f"{fast['warm_s'] / w:.1f}×" if (fast and w and fast.get("warm_s")) else "—"
+            if r["impl"] == "traker" and not w and fast and c and fast.get("warm_s"):
+                rw = f"{fast['warm_s'] / c:.2f}× (cold)"
+            rc = f"{fast['cold_s'] / c:.1f}×" if (fast and c and fast.get("cold_s")) else "—"
+            n = f"{r['n']:,}"
+            lines.append(f"| {MODEL_LABEL[model]} | {r['grad_dim']:,} | {IMPL_LABEL.get(r['impl'], r['impl'])} | {n} | "
+                         f"{_fmt_s(c)} | {_fmt_s(w)} | {split} | {cw} | {xf} | {rw} | {rc} |")
     return "\n".join(lines)
 
 
@@ -310,16 +437,19 @@ def score_table(rows: list[dict], peak: dict) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: str, body: str) -> None:
+def write_section(path: str, body: str, start: str = START, end: str = END) -> None:
     old = open(path).read() if os.path.exists(path) else "# trakflow benchmarks\n"
-    block = f"{START}\n{body.rstrip()}\n{END}\n"
-    if START in old and END in old:
-        a, b = old.index(START), old.index(END) + len(END)
+    block = f"{start}\n{body.rstrip()}\n{end}\n"
+    if start in old and end in old:
+        a, b = old.index(start), old.index(end) + len(end)
         new = old[:a] + block.rstrip("\n") + old[b:]
     else:
         new = old.rstrip("\n") + "\n\n" + block
     with open(path, "w") as fh:
         fh.write(new if new.endswith("\n") else new + "\n")
+
+
+DEFAULT_IMPLS = ["floor", "traker", "traker-fastest", "factored", "sjlt", "dense"]
 
 
 def main() -> None:
@@ -328,18 +458,25 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2048, help="examples featurized per row")
     ap.add_argument("--proj-dim", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=2, help="runs per featurization row (interleaved; fastest kept)")
-    ap.add_argument("--models", nargs="+", default=["mlp10k", "mlp400k", "convnet"])
-    ap.add_argument("--impls", nargs="+", default=["traker", "dense", "sjlt", "factored"])
-    ap.add_argument("--dense-400k-n", type=int, default=256,
-                    help="examples for the dense rows of the 400k MLP (its matrix is regenerated per batch)")
-    ap.add_argument("--sjlt-c", type=int, nargs="*", default=[1, 8], help="extra SJLT c values (400k MLP)")
-    ap.add_argument("--mem-sizes", type=int, nargs="*", default=[50_000, 200_000])
+    ap.add_argument("--device", default="cpu", help="cuda: on a GPU (the floor, traker and trakflow alike)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="fresh processes per row, interleaved in time across rows; the best cold and warm kept")
+    ap.add_argument("--warm-runs", type=int, default=2, help="warm passes after the cold one, in each process")
+    ap.add_argument("--slow-repeats", type=int, default=1,
+                    help="processes for traker's default row (minutes per pass on the larger models)")
+    ap.add_argument("--slow-warm-runs", type=int, default=0,
+                    help="warm passes of traker's default row (it regenerates its matrix per batch: cold ≈ warm)")
+    ap.add_argument("--models", nargs="+", default=["mlp400k", "convnet", "transformer"])
+    ap.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS)
+    ap.add_argument("--skip", nargs="*", default=["mlp400k:dense", "transformer:dense"],
+                    help="model:impl pairs left out (dense regenerates a grad_dim × p matrix per batch there)")
+    ap.add_argument("--mem-sizes", type=int, nargs="*", default=[])
     ap.add_argument("--mem-proj-dim", type=int, default=512)
-    ap.add_argument("--lds", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--scoring", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--lds", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--scoring", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--lds-lambdas", type=float, nargs="+", default=[0.1, 1.0])
     ap.add_argument("--default", default="factored", help="the projector named as default in the report")
+    ap.add_argument("--note", default="", help="a sentence added to the report (e.g. about the machine's load)")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--json", default=os.path.join(HERE, "featurize_bench.json"))
     a = ap.parse_args()
@@ -351,62 +488,61 @@ def main() -> None:
         print(json.dumps(out))
         return
 
-    command = "`.venv/bin/python benchmarks/featurize_bench.py " + " ".join(sys.argv[1:]) + "`"
-    command = command.replace(" `", "`")
+    command = "`" + shlex.join([".venv/bin/python", "benchmarks/featurize_bench.py", *sys.argv[1:]]) + "`"
     t_all = time.perf_counter()
     res = {"featurize": [], "command": command}
     log = lambda *x: print(*x, flush=True)  # noqa: E731
 
-    # 1. featurization, side by side: every row `--repeats` times, the repetitions interleaved in time
-    #    (rep 1 of all rows of a model, then rep 2, ...), the fastest kept — a load spike from other jobs on
-    #    these shared cores then has to hit every repetition of a row to show up
-    for model in a.models:
-        specs = []
-        for impl in a.impls:
-            n = a.n
-            if impl.startswith("dense") and model == "mlp400k":
-                n = min(n, a.dense_400k_n)
-            specs.append({"model": model, "impl": impl, "n": n, "batch": a.batch, "proj_dim": a.proj_dim})
-        if model == "mlp400k":
-            specs += [{"model": model, "impl": f"sjlt-c{c}", "n": min(a.n, 1024), "batch": a.batch,
-                       "proj_dim": a.proj_dim} for c in a.sjlt_c]
-        runs: dict = {}
-        for rep in range(a.repeats):
-            for spec in specs:
-                if rep and spec["impl"].startswith("dense") and model == "mlp400k":
-                    continue  # one batch with a regenerated 3 GiB matrix: once is enough
-                r = run_worker(spec)
-                runs.setdefault(spec["impl"], []).append(r)
-                log(json.dumps(r))
+    # 1. featurize + finalize, side by side: every row in `--repeats` fresh processes, the repetitions
+    #    interleaved in time (rep 1 of every row of every model, then rep 2, ...): a load spike from other
+    #    jobs on shared cores has to hit every repetition of a row to show up; best cold and best warm kept
+    specs = [{"model": m, "impl": i, "n": a.n, "batch": a.batch, "proj_dim": a.proj_dim, "warm_runs": a.warm_runs,
+              "device": a.device}
+             for m in a.models for i in a.impls if f"{m}:{i}" not in a.skip]
+    runs: dict = {}
+    for rep in range(a.repeats):
         for spec in specs:
-            rs = runs[spec["impl"]]
-            best = dict(min(rs, key=lambda r: r["seconds"]))
-            best["all_seconds"] = [r["seconds"] for r in rs]
-            best["load_avg"] = [v for r in rs for v in r["load_avg"]]
-            res["featurize"].append(best)
+            if spec["impl"] == "traker" and rep >= a.slow_repeats:
+                continue
+            wspec = dict(spec, warm_runs=a.slow_warm_runs) if spec["impl"] == "traker" else spec
+            r = run_worker(wspec, timeout=1800)
+            runs.setdefault((spec["model"], spec["impl"]), []).append(r)
+            log(json.dumps({k: r.get(k) for k in ("model", "impl", "cold_s", "warm_s", "train_s", "linalg_s",
+                                                  "load_avg")}))
+    for spec in specs:
+        rs = runs[(spec["model"], spec["impl"])]
+        best = dict(rs[0])
+        colds = [r["cold_s"] for r in rs if r.get("cold_s") is not None]
+        best["cold_s"] = min(colds) if colds else None
+        wbest = min(rs, key=lambda r: r["warm_s"] if r.get("warm_s") is not None else float("inf"))
+        for k in ("warm_s", "warm", "train_s", "linalg_s"):
+            if k in wbest:
+                best[k] = wbest[k]
+        best["all_cold_s"], best["all_warm_s"] = colds, [r.get("warm_s") for r in rs]
+        best["load_avg"] = [v for r in rs for v in r["load_avg"]]
+        best["processes"] = len(rs)
+        res["featurize"].append(best)
+    res["machine"] = run_worker({"section": "machine"})["machine"]
+    res["featurize_seconds"] = time.perf_counter() - t_all
 
-    # 2. scoring against the matmul peak (one process)
-    sc = run_worker({"section": "scoring"} if a.scoring else {"section": "machine"})
-    res.update(sc)
-    log(res["machine"], res.get("peak"))
-    for r in res.get("scoring", []):
-        log(r)
-
+    # 2. the older sections, on request
+    if a.scoring:
+        res.update(run_worker({"section": "scoring"}))
     with tempfile.TemporaryDirectory() as tmp:
-        # 3. peak RSS against n (benchmarks/memory_flat.py, each phase in a fresh process)
         if a.mem_sizes:
             res["memory"] = run_script([os.path.join(HERE, "memory_flat.py"), "--sizes", *map(str, a.mem_sizes),
                                         "--proj-dim", str(a.mem_proj_dim)], os.path.join(tmp, "mem.json"))
-            log(res["memory"])
-        # 4. LDS (benchmarks/lds.py)
         if a.lds:
             res["lds"] = run_script([os.path.join(HERE, "lds.py"), "--lambdas", *map(str, a.lds_lambdas),
-                                     "--kinds", "dense", "sjlt", "factored", "sjlt-c1", "sjlt-c8"], os.path.join(tmp, "lds.json"))
-            log(res["lds"]["table"])
+                                     "--kinds", "dense", "sjlt", "factored", "sjlt-c1", "sjlt-c8"],
+                                    os.path.join(tmp, "lds.json"))
     res["total_seconds"] = time.perf_counter() - t_all
     with open(a.json, "w") as fh:
         json.dump(res, fh, indent=1, default=str)
     write_section(a.out, report(res, a))
+    if a.scoring or a.mem_sizes or a.lds:
+        write_section(a.out, report_extra(res, a), XSTART, XEND)
+    log(report(res, a))
     log(f"wrote {a.out} ({res['total_seconds']:.0f} s)")
 
 
@@ -414,44 +550,52 @@ def report(res: dict, a) -> str:
     m = res["machine"]
     feats = res["featurize"]
     by = {(r["model"], r["impl"]): r for r in feats}
-    out = ["## Featurization, scoring and memory on CPU (issue 5)", "",
-           f"Produced by {res['command']} in one run ({res['total_seconds'] / 60:.1f} min) on "
+    out = ["## Featurize + finalize: the floor, traker 0.3.2 (default and fastest), trakflow — cold and warm "
+           "(issue 15)", "",
+           f"Produced by {res['command']} in one run ({res['featurize_seconds'] / 60:.1f} min) on "
            f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads), traker {m['traker']}, "
-           f"Python {m['python']}. All rows ran one after the other in the same run, each featurization in a fresh "
-           "process: compare **ratios**; absolute numbers move with the machine's load (other jobs may share "
-           "these cores).", ""]
-    t = by.get(("mlp400k", "traker"))
-    d = by.get(("mlp400k", a.default))
-    if t and d:
-        out += [f"**Headline:** featurizing {d['n']} examples of the {d['grad_dim']:,}-parameter MLP at proj_dim "
-                f"{d['proj_dim']}: traker 0.3.2 {t['examples_per_s']:,.0f} examples/s ({t['seconds']:.1f} s), "
-                f"trakflow's default projector (`{a.default}`) {d['examples_per_s']:,.0f} examples/s "
-                f"({d['seconds']:.2f} s) — **{d['examples_per_s'] / t['examples_per_s']:.0f}× traker**.", ""]
-    out += ["### Featurization throughput (proj_dim %d, batch %d, float32 store)" % (a.proj_dim, a.batch), "",
-            feat_table(feats), "",
-            "Load average (1 min) around the featurization rows: %s." % _load_range(feats), "",
-            f"Each row is the fastest of {a.repeats} runs, each in a fresh process, the runs of all rows of a model "
-            "interleaved in time (the dense 400k row: one run). "
-            "Each library featurizes through its own `TRAKer` (load_checkpoint + featurize, store writes "
-            "included; both pay torch.func's ~1.5 s first-call cost in their first batch, hence the "
-            "steady-state columns); the model is in eval mode, inputs are random (the cost does not depend on them). "
-            "traker runs its default CPU path (`BasicProjector`, normal entries, regenerated in 100-column "
-            "blocks for every batch), with `use_half_precision=False` (its float16 path is slower on CPU). "
-            "`dense` is trakflow's counter-RNG Rademacher matrix: for the 400k MLP it exceeds the default "
-            "512 MiB cache and is regenerated for every batch (measured on fewer examples, same per-batch "
-            "cost). `sjlt` = SJLT with c=4 unless named `sjlt-cN`; `factored` = per-layer Kronecker projection "
-            "by the fast path (no per-example gradient is materialized).", ""]
+           f"Python {m['python']}. Load average (1 min) during the run: {_load_range(feats)}. "
+           + (a.note + " " if a.note else "") + "Compare **ratios** within the table.", ""]
+    f, t, d = by.get(("mlp400k", "floor")), by.get(("mlp400k", "traker-fastest")), by.get(("mlp400k", a.default))
+    if f and t and d and d.get("warm_s"):
+        out += [f"**Headline (400k-parameter MLP, {d['n']:,} examples, proj_dim {d['proj_dim']}, batch "
+                f"{d['batch']}):** trakflow's default (`{a.default}`) featurizes + finalizes in "
+                f"{d['warm_s']:.2f} s warm / {d['cold_s']:.2f} s cold; traker 0.3.2's fastest CPU configuration "
+                f"takes {t['warm_s']:.1f} s warm / {t['cold_s']:.1f} s cold — **{t['warm_s'] / d['warm_s']:.0f}× "
+                f"faster warm, {t['cold_s'] / d['cold_s']:.0f}× cold**. The floor is {f['warm_s']:.2f} s: we are "
+                f"at **{d['warm_s'] / f['warm_s']:.1f}× the floor** warm, cold/warm = "
+                f"{d['cold_s'] / d['warm_s']:.2f}.", ""]
+    out += [feat_table(feats, a.models), "",
+            f"Each row: the best of {a.repeats} fresh process(es) (traker's default: {a.slow_repeats}), the "
+            "processes of all rows interleaved in time. *cold* = the first pass in a fresh process (after "
+            "`import torch, trak_core/trak`): TRAKer construction with its store, load_checkpoint, featurize "
+            f"in batches of {a.batch}, finalize_features; *warm* = the best of the next {a.warm_runs} passes in "
+            "that process, each with a new TRAKer and a new store (traker's default: "
+            f"{a.slow_warm_runs}; it regenerates its matrix for every batch, so cold ≈ warm). traker-fastest "
+            "generates its grad_dim × proj_dim matrix once, in the cold pass, and keeps it (its free_memory() "
+            "after finalize is disabled: traker never regenerates it for the same model_id). *× floor* = warm "
+            "seconds / the floor's; *× traker-fastest* = its seconds / the row's. Both libraries run their "
+            "defaults otherwise: float32 store (`use_half_precision=False`), `lambda_reg=0` (with n = proj_dim "
+            "XᵀX is rank-deficient: trakflow warns, traker does not; the cost is the same), the model in eval "
+            "mode, random inputs. The floor: a training pass over the same examples (forward, backward, SGD "
+            "step per batch) + float32 XᵀX, Cholesky, Cholesky inverse and Φ = X·A on an n × proj_dim matrix, "
+            "best of 3 warm. Rows left out: " + (", ".join(a.skip) or "none") + " (dense regenerates a "
+            "grad_dim × proj_dim matrix for every batch there: minutes per pass).", ""]
+    tf = by.get(("transformer", "factored"))
+    if tf:
+        out += ["The transformer's `factored` layout: its `nn.Linear` layers (the feed-forward layers and the "
+                "head) are factored; the embeddings, the position table, the LayerNorms and "
+                "`nn.MultiheadAttention`'s `in_proj_weight`/`out_proj` (used through "
+                "`F.multi_head_attention_forward`, not through a module's forward) fall into the dense "
+                "`__other__` block, whose per-example gradients are materialized and projected by a dense "
+                "matrix with its share of proj_dim (∝ its size).", ""]
+    return "\n".join(out)
+
+
+def report_extra(res: dict, a) -> str:
+    out = [f"## Scoring, memory and LDS (issue 5 sections of featurize_bench.py; {res['command']})", ""]
     if res.get("scoring"):
-        out += ["### Scoring throughput against the matmul peak", "", score_table(res["scoring"], res["peak"]), "",
-                "Scoring is Φ Gᵀ over blocks of train rows: the kernel (`trak_core.scoring.scores_block`) is one "
-                "float32 GEMM per block, and the issue's bar (≥ 70% of the measured matmul peak) is about it. Because "
-                "other jobs share these cores, the last column times a 4096² matmul right before each block product "
-                "and reports the median ratio — the load-robust number; the column before it divides the best block "
-                "time by the best square matmul seen anywhere in the run. The `reduce.finalize_scores` rows are the "
-                "whole streaming scoring through the store: they add reading the float16 features from Zarr, "
-                "converting them to float32, combining checkpoints and writing the float32 scores, none of which "
-                "overlaps with the GEMM yet (reading the next block in a thread while multiplying this one, and "
-                "combining in place, are the obvious next steps in `reduce.score_rows`).", ""]
+        out += ["### Scoring throughput against the matmul peak", "", score_table(res["scoring"], res["peak"]), ""]
     if res.get("memory"):
         import memory_flat
 
@@ -459,18 +603,8 @@ def report(res: dict, a) -> str:
                 memory_flat.table(res["memory"], a.mem_sizes, a.mem_proj_dim, 100), ""]
     if res.get("lds"):
         out += ["### Attribution quality: LDS of dense vs SJLT vs factored (`benchmarks/lds.py`)", "",
-                res["lds"]["table"], "",
-                "LDS: for each target, Spearman correlation over the half-subset models between the subset-sum of "
-                "TRAK scores and the model's margin on the target; mean over targets. λ is relative: "
-                "lambda_reg = λ · projector.scale (E‖Px‖²/‖x‖²: proj_dim for the projections, 1 for noop), "
-                "so one λ is the same damping for every kind. Damping matters more than the projector here: "
-                "λ ≈ 0.1–1 (lambda_reg ≈ 50–500 at proj_dim 512) gives the best LDS for every kind on this "
-                "recipe (see also the damping section of issue 7).", "",
-                "SJLT's c: c=1 (CountSketch) and c=4 give the same LDS here and the same featurization speed "
-                "(the per-example gradient dominates, not the sparse product); c=4 stays the default because "
-                "the variance of a c-sparse sketch grows with how concentrated the gradient is (∝ ‖x‖₄⁴/(c‖x‖₂⁴)), "
-                "while c=8 doubles the sparse work (its LDS is in the table above).", ""]
-    out += decision(res, a)
+                res["lds"]["table"], ""]
+        out += decision(res, a)
     return "\n".join(out)
 
 
@@ -482,13 +616,13 @@ def _lds_rows(res: dict) -> dict:
 def decision(res: dict, a) -> list:
     """The default-projector decision by the issue's criteria, and the README trade-off table."""
     by = {(r["model"], r["impl"]): r for r in res["featurize"]}
-    t = by.get(("mlp400k", "traker"))
+    t = by.get(("mlp400k", "traker-fastest"))
     lrows = _lds_rows(res)
     lams = sorted({lam for _, lam in lrows})
     out = ["### Default projector: the decision", "",
-           "Criteria (issue 5): featurization ≥ 20× traker's throughput on the 400k-parameter MLP at proj_dim "
-           "2048 (all examples, first batch included), and an LDS no more than 0.02 below dense projection at "
-           "every damping λ tried (same proj_dim; an LDS above dense passes).", "",
+           "Criteria (issue 5, against traker's fastest configuration since issue 15): featurize + finalize "
+           "≥ 20× faster than traker on the 400k-parameter MLP at proj_dim 2048 (warm), and an LDS no more "
+           "than 0.02 below dense projection at every damping λ tried (same proj_dim; an LDS above dense passes).", "",
            "| projector | × traker (400k MLP) | " + " | ".join(f"LDS − dense (λ={lam:g})" for lam in lams)
            + " | meets both |", "|---|---|" + "---|" * len(lams) + "---|"]
     passing = []
@@ -496,7 +630,7 @@ def decision(res: dict, a) -> list:
         r = by.get(("mlp400k", kind))
         if not (r and t):
             continue
-        speed = r["examples_per_s"] / t["examples_per_s"]
+        speed = t["warm_s"] / r["warm_s"]
         diffs = [lrows.get((kind, lam), {}).get("diff_vs_dense") for lam in lams]
         ok = speed >= 20 and all(d is not None and d >= -0.02 for d in diffs)
         if ok:
@@ -513,12 +647,12 @@ def decision(res: dict, a) -> list:
 def tradeoff(res: dict, lams: list) -> list:
     """The README trade-off table (markdown), from this run's numbers."""
     by = {(r["model"], r["impl"]): r for r in res["featurize"]}
-    t = by.get(("mlp400k", "traker"))
+    t = by.get(("mlp400k", "traker-fastest"))
     lrows = _lds_rows(res)
 
     def speed(kind):
         r = by.get(("mlp400k", kind))
-        return f"{r['examples_per_s'] / t['examples_per_s']:.1f}×" if (r and t) else "—"
+        return f"{t['warm_s'] / r['warm_s']:.1f}×" if (r and t and r.get("warm_s")) else "—"
 
     def lds(kind):
         vals = [lrows.get((kind, lam)) for lam in lams]
