@@ -28,8 +28,9 @@ def attribute(config: AttributeConfig) -> dict:
                  plan.train_set_size, plan.num_shards, plan.num_targets, len(plan.models), plan.grad_dim,
                  plan.proj_dim, plan.store)
         f = featurize.with_options(task_runner=runner())(config, plan)
-        fi = finalize.with_options(task_runner=runner())(config, plan)
-        sc = score.with_options(task_runner=runner())(config, plan)
+        # upstream=: the previous stage's result, so the UI's graph draws featurize → finalize → score
+        fi = finalize.with_options(task_runner=runner())(config, plan, upstream=f)
+        sc = score.with_options(task_runner=runner())(config, plan, upstream=fi)
         rep = report_top_k(config) if config.report_targets else None
     if rep and rep.get("label_agreement") is not None:
         log.info("fraction of top-%d proponents sharing the target's label: %.2f", config.top_k,

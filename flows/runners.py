@@ -20,8 +20,11 @@ Dask cluster, :func:`stage_runners`).
   stages share it.
 
 Workers of one run write disjoint, chunk-aligned parts of the store and take no lock. The parent flow
-holds the store's run lock (:func:`run_lock`) for the whole run, so a second run on the same store is
-refused with :class:`~trak_core.errors.StoreLockedError` instead of racing it.
+holds the store's run lock (:func:`run_lock`) for the whole run. Against a Prefect server a second run on
+the same store first waits its turn in the store's queue (:func:`store_queue`, a global concurrency limit
+of one slot named after the store); the lock stays as the last line of defence and refuses a second run
+with :class:`~trak_core.errors.StoreLockedError` where no queue exists (Prefect's per-process ephemeral
+server).
 """
 
 from __future__ import annotations
@@ -357,6 +360,69 @@ def _current_run() -> tuple[str, str]:
     return f"thread-{threading.get_ident()}", f"pid-{os.getpid()}"
 
 
+#: seconds a queue slot outlives a run that died without releasing it (the lease is renewed while it runs)
+QUEUE_LEASE_SECONDS = 60
+
+
+def queue_name(location: str) -> str:
+    from tasks.common import store_identity
+
+    return f"trakflow-store-{store_identity(location)}"
+
+
+@contextlib.contextmanager
+def store_queue(location: str) -> Iterator[None]:
+    """Wait for the store's turn: one slot of a Prefect global concurrency limit named after the store
+    (created on first use). Two runs on one store — a UI click during a scheduled run, two triggers —
+    then run one after the other instead of the second failing. Only with a real server
+    (``PREFECT_API_URL``): Prefect's ephemeral server belongs to one process, so there is nothing to queue
+    behind and the store lock decides. Outside a flow run (a plain ``run_lock`` call) there is no queue."""
+    from prefect.context import FlowRunContext
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url or FlowRunContext.get() is None:  # no server, or not in a flow run
+        yield
+        return
+    from prefect import get_run_logger
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    name = queue_name(location)
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        except ObjectAlreadyExists:
+            pass
+        try:
+            busy = client.read_global_concurrency_limit_by_name(name).active_slots
+        except ObjectNotFound:  # pragma: no cover - deleted in between; concurrency() below says so
+            busy = 0
+        if busy and _crashed_holder(location):
+            # the slot's run died without releasing it (its lock file names a dead process of this host):
+            # start the queue afresh rather than wait for the lease to expire
+            client.delete_global_concurrency_limit_by_name(name)
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            busy = 0
+    if busy:
+        get_run_logger().info("store %s is in use by another run: queued (global concurrency limit %r)",
+                              location, name)
+    with concurrency(name, occupy=1, strict=True, lease_duration=QUEUE_LEASE_SECONDS):
+        yield
+
+
+def _crashed_holder(location: str) -> bool:
+    """The store's lock file names a process of this host that is gone (a crashed run)."""
+    import socket
+
+    try:
+        holder = StoreLock(location).holder()
+    except Exception:  # a torn lock file: the lock itself reports it
+        return False
+    return bool(holder) and holder.get("host") == socket.gethostname() and not StoreLock.holder_alive(holder)
+
+
 @contextlib.contextmanager
 def run_lock(config, run: Optional[str] = None) -> Iterator[None]:
     """Hold ``config.store``'s run lock around a flow's work (plan included).
@@ -365,9 +431,8 @@ def run_lock(config, run: Optional[str] = None) -> Iterator[None]:
     process) gets :class:`~trak_core.errors.StoreLockedError` naming the holder; a lock left by a dead
     process of this host (a crash) is stale and taken over. Subflows of the holding run (``attribute`` →
     ``featurize``) re-enter it. For a new local store the folder is created to hold the lock file and
-    removed again if the run fails before writing anything into it, so bad input leaves no trace."""
-    from trak_core.errors import StoreLockedError
-
+    removed again if the run fails before writing anything into it, so bad input leaves no trace. Against
+    a real Prefect server the outermost holder first waits in the store's queue (:func:`store_queue`)."""
     location = str(config.store)
     root, name = _current_run()
     name = run or name
@@ -375,10 +440,8 @@ def run_lock(config, run: Optional[str] = None) -> Iterator[None]:
         held = _held.get(location)
         if held is not None and held[0] == root:
             held[1] += 1
-        elif held is not None:
-            raise StoreLockedError(
-                f"store {location} is in use by run {held[2]} in this process (pid {os.getpid()}); two runs on "
-                "one store are refused. Wait for it to finish.")
+        else:
+            held = None
     if held is not None:
         try:
             yield
@@ -386,6 +449,16 @@ def run_lock(config, run: Optional[str] = None) -> Iterator[None]:
             with _held_lock:
                 held[1] -= 1
         return
+    with store_queue(location):
+        with _locked(location, root, name):
+            yield
+
+
+@contextlib.contextmanager
+def _locked(location: str, root: str, name: str) -> Iterator[None]:
+    """The outermost holder's part of :func:`run_lock`: take the store's lock file."""
+    from trak_core.errors import StoreLockedError
+
     created: list[str] = []
     path = _local_dir(location)
     if path is not None:
@@ -398,8 +471,10 @@ def run_lock(config, run: Optional[str] = None) -> Iterator[None]:
     lock = StoreLock(location, name)
     try:
         with _held_lock:
-            if location in _held:  # another flow run of this process won the race
-                raise StoreLockedError(f"store {location} is in use by run {_held[location][2]} in this process")
+            if location in _held:  # another flow run of this process holds it
+                raise StoreLockedError(
+                    f"store {location} is in use by run {_held[location][2]} in this process (pid {os.getpid()}); "
+                    "two runs on one store are refused. Wait for it to finish.")
             _held[location] = [root, 1, name]
         try:
             lock.acquire()

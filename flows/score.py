@@ -15,7 +15,9 @@ from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
 
 
 @flow(name="score", task_runner=ConfigTaskRunner(), validate_parameters=True)
-def score(config: AttributeConfig, plan: Optional[Plan] = None) -> dict:
+def score(config: AttributeConfig, plan: Optional[Plan] = None, upstream: Optional[dict] = None) -> dict:
+    """``upstream``: the finalize stage's summary when run inside ``attribute``; not read — passing it draws
+    the edge finalize → this stage in the UI's flow-run graph."""
     with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
         progress.start("targets", len(plan.models))

@@ -3,6 +3,8 @@ The plan and the manifests the tasks return are in tasks.plan."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import threading
 
 import torch
@@ -17,6 +19,17 @@ GPU_TAG = "trakflow-gpu"
 #: errors that a retry cannot fix (bad config/data, wrong order, mismatching or damaged store: a chunk that fails
 #: its checksum fails again)
 NOT_RETRIED: tuple[type[BaseException], ...] = (BadInputError, StateError, StoreMismatchError, StoreDamageError)
+
+
+def store_identity(location: str) -> str:
+    """A short, stable name of a store (its absolute path or URL hashed): names the Prefect objects that
+    belong to one store — its queue (a global concurrency limit) and its artifacts' keys."""
+    loc = str(location)
+    if loc.startswith("file://"):
+        loc = loc[len("file://"):]
+    if "://" not in loc:
+        loc = os.path.realpath(loc)
+    return hashlib.sha256(loc.encode()).hexdigest()[:10]
 
 
 def should_retry(exc: BaseException | None) -> bool:

@@ -37,7 +37,7 @@ from .attribution import RETRIES, RETRY_DELAY_SECONDS, retry_unless_bad_input
 from .common import GPU_TAG, cached_data
 from .config import EvaluateConfig, TrainConfig
 from .plan import SubsetModelManifest, TruthPlan
-from .report import artifact_key, data_url
+from .report import data_url, store_artifact_key
 from .trainer import forward, split_xy, train_on_rows
 
 MARGIN = "log(p_y/(1-p_y)) of the target's label"
@@ -265,9 +265,9 @@ def compute_lds_task(config: EvaluateConfig, truth_path: str, trained: int = 0) 
     result = compute_lds(config, truth_path, trained)
     md, png, files = write_lds_report(config, result)
     exp = config.attribute.exp_name
-    create_markdown_artifact(markdown=md, key=artifact_key("trakflow", exp, "lds"),
+    create_markdown_artifact(markdown=md, key=store_artifact_key(config.attribute.store, exp, "lds"),
                              description=f"LDS of experiment {exp}")
-    create_image_artifact(image_url=data_url(png), key=artifact_key("trakflow", exp, "lds", "per-target"),
+    create_image_artifact(image_url=data_url(png), key=store_artifact_key(config.attribute.store, exp, "lds", "per-target"),
                           description=f"per-target Spearman correlations, experiment {exp}")
     return {**result, "files": files}
 

@@ -265,6 +265,14 @@ def data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
+def store_artifact_key(location: str, *parts) -> str:
+    """The key of an artifact that belongs to one store (or checkpoint folder): ``trakflow-<identity>-...``,
+    so two stores reporting to one Prefect server never overwrite each other's latest artifact."""
+    from .common import store_identity
+
+    return artifact_key("trakflow", store_identity(location), *parts)
+
+
 def artifact_key(*parts) -> str:
     """Prefect artifact keys: lowercase letters, digits and dashes."""
     raw = "-".join(str(p) for p in parts).lower()
@@ -275,4 +283,5 @@ def artifact_key(*parts) -> str:
 
 
 __all__ = ["build_report", "top_k", "top_k_table", "markdown_table", "labels_of", "data_url", "artifact_key",
+           "store_artifact_key",
            "target_png", "target_text_png", "score_histogram_png", "score_stats", "add_texts", "is_text"]

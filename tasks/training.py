@@ -13,7 +13,7 @@ from . import trainer
 from .attribution import RETRIES, RETRY_DELAY_SECONDS, retry_unless_bad_input
 from .common import GPU_TAG
 from .config import TrainConfig
-from .report import artifact_key, data_url
+from .report import data_url, store_artifact_key
 
 
 @task(name="train-model", task_run_name="train-model-{index}", tags=[GPU_TAG], cache_policy=NONE,
@@ -30,12 +30,12 @@ def train_model(config: TrainConfig, index: int) -> dict:
              f"| train accuracy | {rec['train_accuracy']:.3f} |"]
     if rec.get("alpha_mean") is not None:
         lines.append(f"| α mean / median | {rec['alpha_mean']:.3f} / {rec['alpha_median']:.3f} |")
-    create_markdown_artifact(markdown="\n".join(lines) + "\n", key=artifact_key("trakflow-train-model", index),
+    create_markdown_artifact(markdown="\n".join(lines) + "\n", key=store_artifact_key(config.out_dir, "train-model", index),
                              description=f"training summary of model {index}")
     for name, file in rec["plots"].items():
         path = out / file
         if path.is_file():
             create_image_artifact(image_url=data_url(path.read_bytes()),
-                                  key=artifact_key("trakflow-train-model", index, name),
+                                  key=store_artifact_key(config.out_dir, "train-model", index, name),
                                   description=f"{name} of model {index} ({path})")
     return rec

@@ -162,16 +162,21 @@ def test_report_files_and_artifacts(attributed):
     for j in (0, 1):
         assert (Path(cfg.report_dir) / f"tiny_target_{j}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    from tasks.common import store_identity
+
+    prefix = f"trakflow-{store_identity(cfg.store)}-tiny"  # keys carry the store's identity
+
     async def read():
         async with get_client() as client:
             return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["trakflow-tiny-top-k",
-                                                                            "trakflow-tiny-target-0"])))
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="trakflow-")))
 
     arts = {a.key: a for a in asyncio.run(read())}
-    assert arts["trakflow-tiny-top-k"].type == "markdown"
-    assert "top proponents" in arts["trakflow-tiny-top-k"].data
-    assert arts["trakflow-tiny-target-0"].type == "image"
+    assert arts[f"{prefix}-top-k"].type == "markdown"
+    assert "top proponents" in arts[f"{prefix}-top-k"].data
+    assert arts[f"{prefix}-target-0"].type == "image"
+    assert store_identity(cfg.store) != store_identity(str(tmp / "other.zarr"))
+    assert store_identity(cfg.store) == store_identity("file://" + os.path.abspath(cfg.store))
 
 
 def test_prefect_api_read_endpoint():

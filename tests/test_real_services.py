@@ -80,6 +80,19 @@ def wait_terminal(server, deployment_name: str, timeout: float, proc=None):
     return wait_for(done, timeout, f"a finished run of deployment {deployment_name!r}", poll=1.0, proc=proc)
 
 
+def trakflow(server, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "trakflow"), *args], env=server.env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def bad_label_train_data():
+    """tiny's train data with label 7 (3 classes) in row 20: passes validation, fails inside a task."""
+    x, y = tiny.train_data()
+    y = y.clone()
+    y[20] = 7
+    return x, y
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """One real Prefect server for the module, tiny checkpoints and the reference scores from a
@@ -185,3 +198,100 @@ def test_real_dask_cluster_and_worker_kill(setup):
         assert victim.wait(10) == -signal.SIGKILL
         assert run.returncode == 0, out[-3000:]
         np.testing.assert_array_equal(scores(cfg), ref)
+
+
+@pytest.fixture(scope="module")
+def served(setup):
+    """The attribute flow served as deployment 'attribute/served' (no schedule), like `trakflow serve`."""
+    server, tmp, _, _ = setup
+    script = tmp / "serve_plain.py"
+    script.write_text("from prefect import serve\nfrom flows import attribute\n"
+                      "serve(attribute.to_deployment(name='served'))\n")
+    proc = server.spawn([sys.executable, str(script)], "serve-plain")
+    wait_for(lambda: "attribute/served" in _names(server), 120, "deployment attribute/served", poll=1.0, proc=proc)
+    return proc
+
+
+def _names(server) -> list[str]:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from trakflow_cli.main import _deployment_names
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}):
+        return _deployment_names()
+
+
+def _logs(server, flow_run_id) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
+        return "\n".join(x.message for x in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[flow_run_id]))))
+
+
+def test_busy_store_queues(setup, served):
+    """Two runs on one store at once (a UI click during a scheduled run): the second waits in the store's
+    queue (a global concurrency limit) instead of failing on the lock; both complete, scores as reference."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    server, tmp, ckpt_dir, ref = setup
+    cfg = tiny_config(tmp, ckpt_dir, "queued")
+    with temporary_settings({PREFECT_API_URL: server.api_url}):
+        runs = [run_deployment("attribute/served", parameters={"config": cfg}, timeout=0) for _ in range(2)]
+
+    def finished():
+        states = [r.state_type.value for r in flow_runs(server, "served") if r.id in {x.id for x in runs}]
+        return len(states) == 2 and all(s in TERMINAL for s in states) and states
+
+    states = wait_for(finished, 300, "both queued runs", poll=1.0, proc=served)
+    assert states == ["COMPLETED", "COMPLETED"], server.read_log("serve-plain")[-3000:]
+    assert any("queued" in _logs(server, r.id) for r in runs), "no run waited in the store's queue"
+    np.testing.assert_array_equal(scores(cfg), ref)
+
+
+def test_trigger_cli(setup, served):
+    """`trakflow trigger`: a wrong name lists the deployments; a bad config is refused locally (no run is
+    created); --wait prints a failed run's cause on one `error:` line and exits 1."""
+    server, tmp, ckpt_dir, _ = setup
+    res = trakflow(server, "trigger", "attribute/nope")
+    assert res.returncode == 2 and "available:" in res.stderr and "attribute/served" in res.stderr, res.stderr
+
+    before = len(flow_runs(server, "served"))
+    bad = tmp / "typo.yaml"
+    bad.write_text(json.dumps({**tiny_config(tmp, ckpt_dir, "typo"), "projdim": 3}))
+    res = trakflow(server, "trigger", "attribute/served", "--config", str(bad))
+    assert res.returncode == 2 and "projdim" in res.stderr, res.stderr
+    assert len(flow_runs(server, "served")) == before
+
+    failing = tmp / "failing.yaml"
+    failing.write_text(json.dumps(tiny_config(tmp, ckpt_dir, "failing",
+                                              train_data="test_real_services:bad_label_train_data")))
+    res = trakflow(server, "trigger", "attribute/served", "--config", str(failing), "--wait")
+    assert res.returncode == 1, res.stdout + res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "BadInputError" in errors[0] and "rows 16..23" in errors[0], res.stderr
+
+
+def test_flow_run_graph_shows_stage_order(setup):
+    """The UI's flow-run graph (the server's graph-v2 endpoint) draws plan → featurize → finalize → score."""
+    import httpx
+
+    server = setup[0]
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["attribute"])))
+    run = next(r for r in runs if r.parent_task_run_id is None and r.state_type.value == "COMPLETED")
+    graph = httpx.get(f"{server.api_url}/flow_runs/{run.id}/graph-v2", timeout=30).json()
+    nodes = [n[1] if isinstance(n, list) else n for n in graph["nodes"]]
+    by_label = {n["label"].split(" ")[0].split("-")[0]: n for n in nodes}
+    ids = {k: n["id"] for k, n in by_label.items()}
+    parents = {k: {p["id"] for p in n["parents"]} for k, n in by_label.items()}
+    assert ids["featurize"] in parents["finalize"], by_label.keys()
+    assert ids["finalize"] in parents["score"]
+    assert ids["plan"] in parents["featurize"]

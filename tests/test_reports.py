@@ -90,12 +90,15 @@ def test_text_report_artifacts(text_run):
     async def keys():
         async with get_client() as client:
             arts = await client.read_artifacts(artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(like_="trakflow-text-")))
+                key=ArtifactFilterKey(like_="trakflow-")))
         return {a.key: a for a in arts}
 
+    from tasks.common import store_identity
+
+    p = f"trakflow-{store_identity(text_run[2].store)}-text"
     arts = asyncio.run(keys())
-    assert {"trakflow-text-top-k", "trakflow-text-score-histogram", "trakflow-text-target-0"} <= set(arts)
-    assert text.decode(text.target_data()[0][0]) in arts["trakflow-text-top-k"].data
+    assert {f"{p}-top-k", f"{p}-score-histogram", f"{p}-target-0"} <= set(arts)
+    assert text.decode(text.target_data()[0][0]) in arts[f"{p}-top-k"].data
 
 
 def test_show_prints_the_report_table_with_text(text_run):
