@@ -16,9 +16,11 @@ Every step first reads the store and returns ``skipped=True`` when its output is
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -256,6 +258,10 @@ def create_plan(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerpr
         store.init_experiment_model(config.exp_name, mid)
     store.init_scores(config.exp_name)
     check_chunks(store)
+    return _plan_of(config, inputs)
+
+
+def _plan_of(config: AttributeConfig, inputs: CheckedInputs) -> Plan:
     meta = inputs.meta
     models = tuple(PlannedModel(model_id=mid, checkpoint=path) for mid, path in enumerate(inputs.checkpoints))
     return Plan(store=config.store, exp_name=config.exp_name, train_set_size=meta.train_set_size,
@@ -382,3 +388,30 @@ def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -
     score_rows(store, exp, model_ids, a, b, load_targets(store, exp, model_ids))
     progress.advance("score", b - a)
     return ScoreBlockManifest.timed(t0, False, rows=(a, b))
+
+
+# ---------------------------------------------------------------------------- nothing to do?
+def up_to_date(config: AttributeConfig) -> Optional[Plan]:
+    """The plan when the store already holds everything ``config`` asks for — every checkpoint finalized,
+    every target gradient written, every score row combined from all checkpoints, the report's table on
+    disk — else None. Runs the plan's checks first (a store that does not match the config still raises,
+    naming the field) and writes nothing: the CLI answers a no-op run without starting Prefect."""
+    if not TrakStore.exists(config.store, config.storage_options):
+        return None
+    inputs = validate_inputs(config)
+    prints = fingerprint_inputs(inputs)
+    check_against_store(config, inputs, prints)
+    store = TrakStore.open(config.store, config.storage_options, mode="r")
+    exp, model_ids = config.exp_name, list(range(len(inputs.checkpoints)))
+    if exp not in store.experiments() or store.scored_with(exp) != model_ids:
+        return None
+    for mid in model_ids:
+        if not (store.has_model(mid) and store.is_finalized(mid) and store.targets_complete(exp, mid)):
+            return None
+    if not bool(store.scores_done_mask(exp).all()):
+        return None
+    if not verify_store(store, read_chunks=False).ok:  # a chunk gone since: the plan recomputes it
+        return None
+    if config.report_targets and config.report_dir and not (Path(config.report_dir) / f"{exp}_top_k.md").exists():
+        return None
+    return _plan_of(config, inputs)

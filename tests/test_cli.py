@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,8 @@ from typer.testing import CliRunner
 from examples import tiny
 from trak_core import TRAKer
 from trakflow_cli.main import app
+
+REPO = Path(__file__).resolve().parent.parent
 
 runner = CliRunner()
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
@@ -120,10 +124,25 @@ def test_run_attribute(tmp_path):
     assert res.exit_code == 0, res.output
     assert "featurize 8 computed / 0 skipped" in res.output
     assert "fraction of top-3 proponents sharing the target's label" in res.output
-    again = invoke("run", path)
-    assert again.exit_code == 0 and "featurize 0 computed / 8 skipped" in again.output
+    again = invoke("run", path)  # complete store: answered without starting a flow
+    assert again.exit_code == 0 and "complete" in again.output and "nothing to run" in again.output
+    forced = invoke("run", path, "--always-run")
+    assert forced.exit_code == 0 and "featurize 0 computed / 8 skipped" in forced.output
     shown = invoke("show", tmp_path / "store.zarr", "--target", 0)
     assert shown.exit_code == 0 and "experiment default" in shown.output
+
+    # a fresh process, as a user runs it: the no-op run, a typo and show never import Prefect
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(Path(path).read_text() + "projdim: 3\n")
+    code = ("import sys\nfrom trakflow_cli.main import app\ntry:\n    app(sys.argv[1:])\n"
+            "except SystemExit as e:\n    print('EXIT', e.code, 'prefect' in sys.modules)\n")
+    for args, want in (([str(path)], "nothing to run"), ([str(typo)], "projdim")):
+        res = subprocess.run([sys.executable, "-c", code, "run", *args], capture_output=True, text=True, cwd=REPO)
+        assert want in res.stdout + res.stderr, res.stdout + res.stderr
+        assert res.stdout.strip().splitlines()[-1] in ("EXIT 0 False", "EXIT 2 False"), res.stdout
+    res = subprocess.run([sys.executable, "-c", code, "show", str(tmp_path / "store.zarr")], capture_output=True,
+                         text=True, cwd=REPO)
+    assert res.stdout.strip().splitlines()[-1] == "EXIT 0 False", res.stdout + res.stderr
 
 
 @pytest.mark.usefixtures("prefect_harness")

@@ -1,7 +1,13 @@
-"""The ``trakflow`` command line: demo, run, train, show, serve, trigger.
+"""The ``trakflow`` command line: demo, run, train, evaluate, show, verify, unlock, serve, trigger.
 
-Flows run in this process against the Prefect API in PREFECT_API_URL, or, when that is unset, against
-Prefect's ephemeral local server (started and stopped by Prefect itself: nothing to start by hand).
+Flows run in this process against the Prefect API in PREFECT_API_URL, or, when that is unset, a Prefect
+server answering on this machine, or Prefect's ephemeral local server (started and stopped by Prefect
+itself: nothing to start by hand).
+
+The import paths in a config ("mypkg.models:make_model") name modules of the installed packages or of
+the working directory, as with ``python -m``: the working directory is searched last, so it never
+shadows an installed module. The repository's ``examples`` (the digits demo) are found that way when
+``trakflow`` runs from the repository root.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+if os.getcwd() not in sys.path and "" not in sys.path:
+    sys.path.append(os.getcwd())
+
 app = typer.Typer(help="TRAK data attribution as a Prefect pipeline.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
 console = Console()
@@ -33,12 +42,30 @@ STAGES = {
 }
 
 
-def _prefect_env(verbose: bool) -> None:
-    """Quiet defaults, set before Prefect is imported (an explicit environment wins)."""
+def _prefect_env(verbose: bool, reuse_local_server: bool = False) -> None:
+    """Quiet defaults, set before Prefect is imported (an explicit environment wins). With
+    ``reuse_local_server`` and no PREFECT_API_URL, a Prefect server already answering on this machine
+    (`prefect server start`, port PREFECT_SERVER_API_PORT or 4200) is used instead of starting Prefect's
+    ephemeral one: the run shows in its UI and skips the server's start-up and shutdown."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "true")
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    if reuse_local_server and not os.environ.get("PREFECT_API_URL"):
+        url = f"http://127.0.0.1:{os.environ.get('PREFECT_SERVER_API_PORT', '4200')}/api"
+        if _answers(url + "/health"):
+            os.environ["PREFECT_API_URL"] = url
+            err_console.print(f"[dim]using the Prefect server at {url} (set PREFECT_API_URL to choose another)[/]")
+
+
+def _answers(url: str, timeout: float = 0.3) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (OSError, ValueError):
+        return False
 
 
 class _Bars:
@@ -199,15 +226,34 @@ def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="whe
 @app.command()
 def run(config_file: Path = typer.Argument(..., help="YAML file of an AttributeConfig", exists=False),
         flow: str = typer.Option("attribute", help="attribute | featurize | finalize | score"),
+        always_run: bool = typer.Option(False, "--always-run", help="run the flow even when the store is complete"),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
-    """Run the attribute flow (or one stage of it) on a YAML config."""
-    _prefect_env(verbose)
-    import flows
+    """Run the attribute flow (or one stage of it) on a YAML config.
+
+    The config is checked before Prefect is imported. When the store already holds everything the config
+    asks for, nothing is started: the plan's checks run (a mismatching store is still refused) and the
+    store's state is printed. A Prefect server already running on this machine is reused."""
     from tasks.config import AttributeConfig
 
     if flow not in ("attribute", "featurize", "finalize", "score"):
         _fail(f"--flow must be attribute, featurize, finalize or score, not {flow!r}")
     config = _load_config(AttributeConfig, config_file)
+    if flow == "attribute" and not always_run:
+        from tasks.core import up_to_date
+
+        try:
+            plan = up_to_date(config)
+        except _config_errors() as e:
+            _fail(f"{type(e).__name__}: {e}", 1)
+        if plan is not None:
+            console.print(f"store [bold]{plan.store}[/], experiment [bold]{plan.exp_name}[/]: complete "
+                          f"({plan.train_set_size} train rows × {plan.num_targets} targets, {len(plan.models)} "
+                          "checkpoints) — nothing to run. Top-k: `trakflow show CONFIG`; `--always-run` runs "
+                          "the flow anyway.")
+            return
+    _prefect_env(verbose, reuse_local_server=True)
+    import flows
+
     result = _run_flow(getattr(flows, flow), config)
     if flow == "attribute":
         _print_attribution(result, config)
@@ -219,11 +265,12 @@ def run(config_file: Path = typer.Argument(..., help="YAML file of an AttributeC
 def train_cmd(config_file: Path = typer.Argument(..., help="YAML file of a TrainConfig"),
               verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
     """Train N checkpoints (the train flow) and write their manifest.json."""
-    _prefect_env(verbose)
-    from flows import train
     from tasks.config import TrainConfig
 
     config = _load_config(TrainConfig, config_file)
+    _prefect_env(verbose, reuse_local_server=True)
+    from flows import train
+
     res = _run_flow(train, config)
     console.print(f"{res['tasks']} models ({res['computed']} trained, {res['skipped']} kept); "
                   f"manifest: {res['manifest']}")
@@ -432,22 +479,59 @@ def serve(verbose: bool = typer.Option(True, help="show Prefect's logs")) -> Non
     main()
 
 
-@app.command()
-def trigger(deployment: str = typer.Argument("attribute/digits-on-demand", help="'flow-name/deployment-name'"),
-            config_file: Optional[Path] = typer.Option(None, "--config", help="YAML config overriding the default"),
-            wait: bool = typer.Option(False, help="wait for the run to finish")) -> None:
-    """Start a run of a served deployment (like the UI's Run button or `prefect deployment run`)."""
-    _prefect_env(True)
-    import yaml
-    from prefect.deployments import run_deployment
+#: the config class each flow's deployments take as their ``config`` parameter
+_FLOW_CONFIGS = {"attribute": "AttributeConfig", "featurize": "AttributeConfig", "finalize": "AttributeConfig",
+                 "score": "AttributeConfig", "train": "TrainConfig", "evaluate": "EvaluateConfig"}
 
+
+def _deployment_names() -> list[str]:
+    """'flow/deployment' of every deployment the server knows."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        flows_by_id = {f.id: f.name for f in client.read_flows()}
+        return sorted(f"{flows_by_id.get(d.flow_id, '?')}/{d.name}" for d in client.read_deployments())
+
+
+def _failure_line(state) -> str:
+    """The failed run's cause in one line (Prefect's state message, without its boilerplate)."""
+    msg = (getattr(state, "message", None) or "").strip()
+    for prefix in ("Flow run encountered an exception: ", "Task run encountered an exception "):
+        msg = msg.replace(prefix, "")
+    return msg.splitlines()[0] if msg else f"the run ended {state.name if state else 'without a state'}"
+
+
+@app.command()
+def trigger(deployment: str = typer.Argument("attribute/digits", help="'flow-name/deployment-name'"),
+            config_file: Optional[Path] = typer.Option(None, "--config", help="YAML config replacing the deployment's"),
+            wait: bool = typer.Option(False, help="wait for the run to finish; exit 1 with its error if it fails"),
+            verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
+    """Start a run of a deployment on the server in PREFECT_API_URL (like the UI's Run button).
+
+    A --config is validated here, against the config class of the deployment's flow, before it is sent."""
     params = None
+    flow_name = deployment.split("/", 1)[0]
     if config_file is not None:
-        params = {"config": yaml.safe_load(config_file.read_text())}
-    fr = run_deployment(deployment, parameters=params, timeout=None if wait else 0)
+        import tasks.config
+
+        cls = getattr(tasks.config, _FLOW_CONFIGS.get(flow_name, ""), None)
+        if cls is None:
+            _fail(f"--config: deployments of flow {flow_name!r} take no config (flows with one: "
+                  f"{', '.join(sorted(_FLOW_CONFIGS))})")
+        params = {"config": _load_config(cls, config_file).model_dump(mode="json", exclude_unset=True)}
+    _prefect_env(verbose)
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        fr = run_deployment(deployment, parameters=params, timeout=None if wait else 0)
+    except ObjectNotFound:
+        names = _deployment_names()
+        _fail(f"no deployment {deployment!r} on {os.environ.get('PREFECT_API_URL') or 'the ephemeral server'}; "
+              + (f"available: {', '.join(names)}" if names else "none is registered (start `trakflow serve`)"))
     console.print(f"flow run {fr.name} ({fr.id}): {fr.state.name if fr.state else 'scheduled'}")
     if wait and fr.state and not fr.state.is_completed():
-        raise typer.Exit(1)
+        _fail(_failure_line(fr.state), 1)
 
 
 from trakflow_cli.verify import verify as _verify  # noqa: E402  (trakflow verify STORE [--repair])
