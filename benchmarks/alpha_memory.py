@@ -173,8 +173,15 @@ class CockpitLikeAlpha:
                 proj.append(dots.double() / t)
             l0, l1 = losses0.double(), losses.double()
             self.output[k] = fit_alpha(
-                t, float(l0.mean()), float(l1.mean()), float(proj[0].mean()), float(proj[1].mean()),
-                float(l0.var()), float(l1.var()), float(proj[0].var()), float(proj[1].var()),
+                t,
+                float(l0.mean()),
+                float(l1.mean()),
+                float(proj[0].mean()),
+                float(proj[1].mean()),
+                float(l0.var()),
+                float(l1.var()),
+                float(proj[0].var()),
+                float(proj[1].var()),
             )
             del grads0, d, proj
         theta = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -282,14 +289,14 @@ def main() -> None:
 
     results = {}
     for mode in ("none", "jvp", "cockpit"):
-        proc = subprocess.run(
-            [sys.executable, __file__, "--mode", mode], capture_output=True, text=True, check=True
-        )
+        proc = subprocess.run([sys.executable, __file__, "--mode", mode], capture_output=True, text=True, check=True)
         results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     r = results["jvp"]
     per_sample_mb = r["num_params"] * r["batch"] * 4 / 2**20
-    print(f"model: {r['num_params']:,} params (float32), batch {r['batch']}, {N_STEPS} steps, "
-          f"alpha tracked every step; one point's per-sample gradients = {per_sample_mb:.0f} MiB")
+    print(
+        f"model: {r['num_params']:,} params (float32), batch {r['batch']}, {N_STEPS} steps, "
+        f"alpha tracked every step; one point's per-sample gradients = {per_sample_mb:.0f} MiB"
+    )
     print(f"{'mode':8s} {'peak RSS +MiB':>14s} {'probe peak MiB':>15s} {'held MiB':>9s} {'median ms/track':>16s}")
     for mode, r in results.items():
         probe = "-" if r["probe_peak_mb"] is None else f"{r['probe_peak_mb']:.1f}"

@@ -52,13 +52,32 @@ def main() -> None:
         tmp = Path(d)
         env = prefect_env(tmp / "home")
         env["PYTHONPATH"] = f"{repo}{os.pathsep}{repo / 'tests'}"
-        subprocess.run([sys.executable, "-c", "import sys; from examples import tiny; "
-                        "tiny.save_checkpoints(sys.argv[1], seeds=(0, 1))", str(tmp / "ck")],
-                       env=env, cwd=repo, check=True)
-        cfg = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
-                   target_data="examples.tiny:target_data", checkpoints=str(tmp / "ck" / "model_*.pt"),
-                   store=str(tmp / "store.zarr"), exp_name="tiny", proj_dim=16, lambda_reg=1e-3, batch_size=8,
-                   shard_size=16, chunk_rows=8, device="cpu", report_targets=0)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from examples import tiny; tiny.save_checkpoints(sys.argv[1], seeds=(0, 1))",
+                str(tmp / "ck"),
+            ],
+            env=env,
+            cwd=repo,
+            check=True,
+        )
+        cfg = dict(
+            model="examples.tiny:make_model",
+            train_data="examples.tiny:train_data",
+            target_data="examples.tiny:target_data",
+            checkpoints=str(tmp / "ck" / "model_*.pt"),
+            store=str(tmp / "store.zarr"),
+            exp_name="tiny",
+            proj_dim=16,
+            lambda_reg=1e-3,
+            batch_size=8,
+            shard_size=16,
+            chunk_rows=8,
+            device="cpu",
+            report_targets=0,
+        )
         (tmp / "cfg.yaml").write_text(json.dumps(cfg))
         (tmp / "typo.yaml").write_text(json.dumps({**cfg, "projdim": 16}))
         timed(trakflow + ["run", str(tmp / "cfg.yaml")], env, repo, 1)  # fill the store
@@ -69,10 +88,15 @@ def main() -> None:
         }
         with prefect_server(tmp / "server") as server:
             senv = {**env, "PREFECT_API_URL": server.api_url}
-            rows["no-op run, running server"] = timed(trakflow + ["run", str(tmp / "cfg.yaml")], senv, repo,
-                                                      args.repeats)
-    out = {"repo": str(repo), "repeats": args.repeats, "load": os.getloadavg()[0],
-           "seconds": {k: round(v, 2) for k, v in rows.items()}}
+            rows["no-op run, running server"] = timed(
+                trakflow + ["run", str(tmp / "cfg.yaml")], senv, repo, args.repeats
+            )
+    out = {
+        "repo": str(repo),
+        "repeats": args.repeats,
+        "load": os.getloadavg()[0],
+        "seconds": {k: round(v, 2) for k, v in rows.items()},
+    }
     print(f"| case | seconds (median of {args.repeats}) |\n|---|---|")
     for k, v in rows.items():
         print(f"| {k} | {v:.2f} |")

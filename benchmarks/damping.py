@@ -40,11 +40,33 @@ from trak_core.featurize import Featurizer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds, margins_from_logits, subset_masks  # noqa: E402
 from trak_core.projectors import make_projector  # noqa: E402
-from trak_core.scoring import (combine_checkpoints, features_block, regularized_inverse, resolve_lambda,  # noqa: E402
-                               scores_block, xtx_partial)
+from trak_core.scoring import (  # noqa: E402
+    combine_checkpoints,
+    features_block,
+    regularized_inverse,
+    resolve_lambda,
+    scores_block,
+    xtx_partial,
+)
 
-SETTINGS = [0.0, 1e-2, 1e-1, 1.0, 10.0, 100.0, "rel:0.001", "rel:0.01", "rel:0.03", "rel:0.1", "rel:0.3", "rel:0.5",
-            "rel:1", "rel:2", "rel:3", "rel:10"]
+SETTINGS = [
+    0.0,
+    1e-2,
+    1e-1,
+    1.0,
+    10.0,
+    100.0,
+    "rel:0.001",
+    "rel:0.01",
+    "rel:0.03",
+    "rel:0.1",
+    "rel:0.3",
+    "rel:0.5",
+    "rel:1",
+    "rel:2",
+    "rel:3",
+    "rel:10",
+]
 
 HIGHLIGHT = ("auto", "rel:0.1", "rel:0.3", "rel:1")  # settings whose paired difference to λ=0 the table lists
 
@@ -60,9 +82,15 @@ def digits_setup(num_targets: int, long: bool = False) -> dict:
     recipe = dict(epochs=4, batch_size=64, optimizer="sgd", lr=0.01, momentum=0.9)  # the demo's (digits.demo_configs)
     if long:
         recipe.update(epochs=15, lr=0.05)
-    return {"name": "digits (15 epochs)" if long else "digits (demo)", "model": "examples.digits:make_model", "train_data": "examples.digits:train_data",
-            "task": "image_classification", "train": (x, y), "targets": (hx[:num_targets], hy[:num_targets]),
-            "recipe": recipe}
+    return {
+        "name": "digits (15 epochs)" if long else "digits (demo)",
+        "model": "examples.digits:make_model",
+        "train_data": "examples.digits:train_data",
+        "task": "image_classification",
+        "train": (x, y),
+        "targets": (hx[:num_targets], hy[:num_targets]),
+        "recipe": recipe,
+    }
 
 
 def text_heldout(num: int) -> tuple:
@@ -71,7 +99,7 @@ def text_heldout(num: int) -> tuple:
     from examples import text
 
     rng = np.random.default_rng(text.SEED)
-    pairs = [text._sentence(rng) for _ in range(text.NUM_TRAIN + num)][text.NUM_TRAIN:]
+    pairs = [text._sentence(rng) for _ in range(text.NUM_TRAIN + num)][text.NUM_TRAIN :]
     ids, types, mask = text.encode([p[0] for p in pairs])
     return ids, types, mask, torch.tensor([p[1] for p in pairs], dtype=torch.long)
 
@@ -80,15 +108,27 @@ def text_setup(num_targets: int) -> dict:
     from examples import text
 
     recipe = dict(epochs=60, batch_size=text.NUM_TRAIN, optimizer="adam", lr=0.05, momentum=0.0)  # text.train_model's
-    return {"name": "text (embedding bag)", "model": "examples.text:make_model", "train_data": "examples.text:train_data",
-            "task": "text_classification", "train": text.train_data(), "targets": text_heldout(num_targets),
-            "recipe": recipe}
+    return {
+        "name": "text (embedding bag)",
+        "model": "examples.text:make_model",
+        "train_data": "examples.text:train_data",
+        "task": "text_classification",
+        "train": text.train_data(),
+        "targets": text_heldout(num_targets),
+        "recipe": recipe,
+    }
 
 
 # ---------------------------------------------------------------------------- pieces
 def recipe_config(setup: dict, out_dir: str) -> TrainConfig:
-    return TrainConfig(model=setup["model"], train_data=setup["train_data"], out_dir=out_dir, alpha_every=0,
-                       device="cpu", **setup["recipe"])
+    return TrainConfig(
+        model=setup["model"],
+        train_data=setup["train_data"],
+        out_dir=out_dir,
+        alpha_every=0,
+        device="cpu",
+        **setup["recipe"],
+    )
 
 
 def target_margins(model, targets: tuple) -> np.ndarray:
@@ -113,7 +153,7 @@ def featurize_all(setup: dict, states: list[dict], kind: str, proj_dim: int, bat
         n = train[0].shape[0]
         xs, qs = [], []
         for a in range(0, n, batch):
-            x, q = feat.featurize([t[a:a + batch] for t in train], mid, range(a, min(a + batch, n)))
+            x, q = feat.featurize([t[a : a + batch] for t in train], mid, range(a, min(a + batch, n)))
             xs.append(x)
             qs.append(q)
         g = feat.target_features(list(targets), mid)
@@ -149,12 +189,22 @@ def traker_check(setup: dict, states: list[dict], proj_dim: int, setting, ours: 
     n = train[0].shape[0]
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tr = TRAKer(make(), setup["task"], n, save_dir=os.path.join(tmp, "s.zarr"), device="cpu", proj_dim=proj_dim,
-                    lambda_reg=setting, use_half_precision=False, chunk_rows=250, logging_level=40)
+        tr = TRAKer(
+            make(),
+            setup["task"],
+            n,
+            save_dir=os.path.join(tmp, "s.zarr"),
+            device="cpu",
+            proj_dim=proj_dim,
+            lambda_reg=setting,
+            use_half_precision=False,
+            chunk_rows=250,
+            logging_level=40,
+        )
         for mid, sd in enumerate(states):
             tr.load_checkpoint(sd, mid)
             for a in range(0, n, 250):
-                tr.featurize([t[a:a + 250] for t in train], inds=np.arange(a, min(a + 250, n)))
+                tr.featurize([t[a : a + 250] for t in train], inds=np.arange(a, min(a + 250, n)))
         tr.finalize_features()
         for mid, sd in enumerate(states):
             tr.start_scoring_checkpoint("x", sd, mid, targets[0].shape[0])
@@ -163,16 +213,26 @@ def traker_check(setup: dict, states: list[dict], proj_dim: int, setting, ours: 
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
-def run_setup(setup: dict, num_subsets: int, seeds_per_subset: int, num_ckpts: int, proj_dims, settings,
-              with_noop: bool, log=print) -> dict:
+def run_setup(
+    setup: dict,
+    num_subsets: int,
+    seeds_per_subset: int,
+    num_ckpts: int,
+    proj_dims,
+    settings,
+    with_noop: bool,
+    log=print,
+) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = recipe_config(setup, tmp)
     train = setup["train"]
     n = train[0].shape[0]
     ckpts = [train_on_rows(cfg, seed, None, train) for seed in range(num_ckpts)]
-    acc = [float((forward(m, split_xy(setup["targets"])[0]).argmax(1) == setup["targets"][-1]).float().mean())
-           for m in ckpts]
+    acc = [
+        float((forward(m, split_xy(setup["targets"])[0]).argmax(1) == setup["targets"][-1]).float().mean())
+        for m in ckpts
+    ]
     states = [m.state_dict() for m in ckpts]
     masks = subset_masks(n, num_subsets, 0.5, seed=2024)
     margins = np.zeros((num_subsets, setup["targets"][0].shape[0]))
@@ -181,8 +241,10 @@ def run_setup(setup: dict, num_subsets: int, seeds_per_subset: int, num_ckpts: i
             model = train_on_rows(cfg, 1000 + s * seeds_per_subset + r, np.flatnonzero(masks[s]), train)
             margins[s] += target_margins(model, setup["targets"]) / seeds_per_subset
     train_s = time.perf_counter() - t0
-    log(f"{setup['name']}: {num_ckpts} checkpoints (target accuracy {np.mean(acc):.3f}) and "
-        f"{num_subsets}×{seeds_per_subset} subset models trained in {train_s:.1f} s")
+    log(
+        f"{setup['name']}: {num_ckpts} checkpoints (target accuracy {np.mean(acc):.3f}) and "
+        f"{num_subsets}×{seeds_per_subset} subset models trained in {train_s:.1f} s"
+    )
     rows = []
     kinds = [("dense", p) for p in proj_dims] + ([("noop", None)] if with_noop else [])
     for kind, p in kinds:
@@ -190,24 +252,44 @@ def run_setup(setup: dict, num_subsets: int, seeds_per_subset: int, num_ckpts: i
         feats = featurize_all(setup, states, kind, p or 1)
         pdim = feats[0]["X"].shape[1]
         mean_eig = float(np.mean([np.trace(xtx_partial(torch.from_numpy(f["X"])).numpy()) / pdim for f in feats]))
-        log(f"  {kind} (proj_dim {pdim}): featurized in {time.perf_counter() - t:.1f} s; mean eigenvalue of XᵀX "
-            f"{mean_eig:.4g}")
+        log(
+            f"  {kind} (proj_dim {pdim}): featurized in {time.perf_counter() - t:.1f} s; mean eigenvalue of XᵀX "
+            f"{mean_eig:.4g}"
+        )
         for setting in settings:
             sc, lams = scores_for(feats, setting)
             value, per = lds(sc, masks, margins)
             lo, hi = bootstrap_ci(per)
-            row = {"setup": setup["name"], "projector": kind, "proj_dim": pdim, "lambda_reg": setting,
-                   "lambda_abs": float(np.mean(lams)), "lds": value, "ci95": [lo, hi],
-                   "per_target": [float(v) for v in per]}
+            row = {
+                "setup": setup["name"],
+                "projector": kind,
+                "proj_dim": pdim,
+                "lambda_reg": setting,
+                "lambda_abs": float(np.mean(lams)),
+                "lds": value,
+                "ci95": [lo, hi],
+                "per_target": [float(v) for v in per],
+            }
             rows.append(row)
             log(f"    lambda_reg={setting!s:>10} (λ≈{np.mean(lams):.3g}): LDS {value:.3f} [{lo:.3f}, {hi:.3f}]")
     p0 = proj_dims[0]
-    check = traker_check(setup, states, p0, "rel:0.1", scores_for(featurize_all(setup, states, "dense", p0), "rel:0.1")[0])
+    check = traker_check(
+        setup, states, p0, "rel:0.1", scores_for(featurize_all(setup, states, "dense", p0), "rel:0.1")[0]
+    )
     log(f"  check: our formula vs trak_core.TRAKer (rel:0.1): max rel. difference {check:.2e}")
-    return {"setup": setup["name"], "n": n, "num_targets": int(setup["targets"][0].shape[0]),
-            "num_subsets": num_subsets, "seeds_per_subset": seeds_per_subset, "num_ckpts": num_ckpts,
-            "recipe": setup["recipe"], "target_accuracy": float(np.mean(acc)), "train_seconds": train_s,
-            "traker_check": check, "rows": rows}
+    return {
+        "setup": setup["name"],
+        "n": n,
+        "num_targets": int(setup["targets"][0].shape[0]),
+        "num_subsets": num_subsets,
+        "seeds_per_subset": seeds_per_subset,
+        "num_ckpts": num_ckpts,
+        "recipe": setup["recipe"],
+        "target_accuracy": float(np.mean(acc)),
+        "train_seconds": train_s,
+        "traker_check": check,
+        "rows": rows,
+    }
 
 
 def paired_diff(a: list[float], b: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float, float]:
@@ -239,7 +321,9 @@ def table(results: list[dict]) -> str:
             key = (res["setup"], r["projector"], r["proj_dim"])
             if key not in cols:
                 cols.append(key)
-    by = {(res["setup"], r["projector"], r["proj_dim"], str(r["lambda_reg"])): r for res in results for r in res["rows"]}
+    by = {
+        (res["setup"], r["projector"], r["proj_dim"], str(r["lambda_reg"])): r for res in results for r in res["rows"]
+    }
     settings = []
     for res in results:
         for r in res["rows"]:
@@ -255,20 +339,27 @@ def table(results: list[dict]) -> str:
         lines.append(f"| {st} | " + " | ".join(cells) + " |")
     lines.append("")
     for res in results:
-        lines.append(f"- {res['setup']}: n={res['n']}, {res['num_targets']} held-out targets, {res['num_ckpts']} "
-                     f"checkpoints (target accuracy {res['target_accuracy']:.3f}), {res['num_subsets']} half subsets × "
-                     f"{res['seeds_per_subset']} seeds, recipe {res['recipe']}; formula vs TRAKer max rel. diff "
-                     f"{res['traker_check']:.1e}.")
+        lines.append(
+            f"- {res['setup']}: n={res['n']}, {res['num_targets']} held-out targets, {res['num_ckpts']} "
+            f"checkpoints (target accuracy {res['target_accuracy']:.3f}), {res['num_subsets']} half subsets × "
+            f"{res['seeds_per_subset']} seeds, recipe {res['recipe']}; formula vs TRAKer max rel. diff "
+            f"{res['traker_check']:.1e}."
+        )
         for r in res["rows"]:
             zero = by.get((res["setup"], r["projector"], r["proj_dim"], "0.0"))
             if zero is not None and str(r["lambda_reg"]) in HIGHLIGHT:
                 d, lo, hi = paired_diff(r["per_target"], zero["per_target"])
-                lines.append(f"  - {r['projector']} {r['proj_dim']}, {r['lambda_reg']} − λ=0: {d:+.3f} "
-                             f"[95% CI {lo:+.3f}, {hi:+.3f}] (paired over targets)")
+                lines.append(
+                    f"  - {r['projector']} {r['proj_dim']}, {r['lambda_reg']} − λ=0: {d:+.3f} "
+                    f"[95% CI {lo:+.3f}, {hi:+.3f}] (paired over targets)"
+                )
     best, worst = choose_auto(results)
     lines.append("")
-    lines.append("Worst ratio LDS / best LDS of its column over the dense columns, per relative setting: "
-                 + ", ".join(f"{k} {v:.2f}" for k, v in worst.items()) + f". Highest: **{best}**.")
+    lines.append(
+        "Worst ratio LDS / best LDS of its column over the dense columns, per relative setting: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in worst.items())
+        + f". Highest: **{best}**."
+    )
     return "\n".join(lines)
 
 
@@ -287,13 +378,19 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.quick:
         a.subsets, a.seeds_per_subset, a.targets = 30, 1, 50
-    settings = SETTINGS if a.settings is None else [s if (s == "auto" or s.startswith("rel:")) else float(s)
-                                                    for s in a.settings]
+    settings = (
+        SETTINGS
+        if a.settings is None
+        else [s if (s == "auto" or s.startswith("rel:")) else float(s) for s in a.settings]
+    )
     torch.set_num_threads(1)
     results = []
     for name in a.setups:
-        setup = {"digits": lambda: digits_setup(a.targets), "digits-long": lambda: digits_setup(a.targets, True),
-                 "text": lambda: text_setup(a.targets)}[name]()
+        setup = {
+            "digits": lambda: digits_setup(a.targets),
+            "digits-long": lambda: digits_setup(a.targets, True),
+            "text": lambda: text_setup(a.targets),
+        }[name]()
         results.append(run_setup(setup, a.subsets, a.seeds_per_subset, a.ckpts, a.proj_dims, settings, not a.no_noop))
     out = table(results)
     print(out)

@@ -64,9 +64,16 @@ def make_model(name: str):
     elif name == "mlp400k":
         model, shape, kind = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10)), (784,), "float"
     elif name == "convnet":
-        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                              nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                              nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+        model = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 8 * 8, 10),
+        )
         shape, kind = (3, 32, 32), "float"
     elif name == "transformer":
         model, shape, kind = _transformer_class()(), (TRANSFORMER["SEQ"],), "tokens"
@@ -91,13 +98,16 @@ def _transformer_class():
             super().__init__()
             self.tok = nn.Embedding(self.VOCAB, self.DIM)
             self.pos = nn.Parameter(0.02 * torch.randn(self.SEQ, self.DIM))
-            self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(self.DIM, self.HEADS, self.FF, dropout=0.0,
-                                                                    batch_first=True)
-                                         for _ in range(self.LAYERS)])
+            self.blocks = nn.ModuleList(
+                [
+                    nn.TransformerEncoderLayer(self.DIM, self.HEADS, self.FF, dropout=0.0, batch_first=True)
+                    for _ in range(self.LAYERS)
+                ]
+            )
             self.head = nn.Linear(self.DIM, self.CLASSES)
 
         def forward(self, ids):
-            h = self.tok(ids) + self.pos[:ids.shape[-1]]
+            h = self.tok(ids) + self.pos[: ids.shape[-1]]
             for blk in self.blocks:
                 h = blk(h)
             return self.head(h.mean(dim=-2))
@@ -105,13 +115,20 @@ def _transformer_class():
     return _TinyTransformer
 
 
-MODEL_LABEL = {"mlp10k": "MLP 64-128-10", "mlp400k": "MLP 784-512-10",
-               "convnet": "ConvNet 3×32×32 (2 conv + linear)",
-               "transformer": "Transformer text classifier (embeddings + 2 encoder layers + head)"}
-IMPL_LABEL = {"floor": "**floor** (training pass + float32 XᵀX, Cholesky inverse, X·A)",
-              "traker": "traker 0.3.2, default (BasicProjector, normal, regenerated per batch)",
-              "traker-fastest": "traker 0.3.2, fastest (BasicSingleBlockProjector, matrix kept)",
-              "factored": "trakflow — factored (default)", "sjlt": "trakflow — sjlt", "dense": "trakflow — dense"}
+MODEL_LABEL = {
+    "mlp10k": "MLP 64-128-10",
+    "mlp400k": "MLP 784-512-10",
+    "convnet": "ConvNet 3×32×32 (2 conv + linear)",
+    "transformer": "Transformer text classifier (embeddings + 2 encoder layers + head)",
+}
+IMPL_LABEL = {
+    "floor": "**floor** (training pass + float32 XᵀX, Cholesky inverse, X·A)",
+    "traker": "traker 0.3.2, default (BasicProjector, normal, regenerated per batch)",
+    "traker-fastest": "traker 0.3.2, fastest (BasicSingleBlockProjector, matrix kept)",
+    "factored": "trakflow — factored (default)",
+    "sjlt": "trakflow — sjlt",
+    "dense": "trakflow — dense",
+}
 
 
 def make_data(shape, kind, n):
@@ -158,7 +175,7 @@ def floor_worker(spec: dict) -> dict:
         t = time.perf_counter()
         for a in range(0, n, bs):
             opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(model(x[a:a + bs]), y[a:a + bs]).backward()
+            torch.nn.functional.cross_entropy(model(x[a : a + bs]), y[a : a + bs]).backward()
             opt.step()
         sync()
         train.append(time.perf_counter() - t)
@@ -172,8 +189,14 @@ def floor_worker(spec: dict) -> dict:
         linalg.append(time.perf_counter() - t)
         assert torch.isfinite(phi).all()
     tr, la = min(train[1:]), min(linalg[1:])
-    return {**spec, "grad_dim": sum(q.numel() for q in model.parameters()), "train_s": tr, "linalg_s": la,
-            "warm_s": tr + la, "cold_s": None}
+    return {
+        **spec,
+        "grad_dim": sum(q.numel() for q in model.parameters()),
+        "train_s": tr,
+        "linalg_s": la,
+        "warm_s": tr + la,
+        "cold_s": None,
+    }
 
 
 def worker(spec: dict) -> dict:
@@ -208,18 +231,37 @@ def worker(spec: dict) -> dict:
                         # model_id): keep it, as this configuration means
                         kept["proj"].free_memory = lambda: None
                     kw["projector"] = kept["proj"]
-                tr = trak.TRAKer(model=model, task="image_classification", train_set_size=n,
-                                 save_dir=os.path.join(tmp, "t"), device=dev, proj_dim=p,
-                                 use_half_precision=False, logging_level=logging.ERROR, **kw)
+                tr = trak.TRAKer(
+                    model=model,
+                    task="image_classification",
+                    train_set_size=n,
+                    save_dir=os.path.join(tmp, "t"),
+                    device=dev,
+                    proj_dim=p,
+                    use_half_precision=False,
+                    logging_level=logging.ERROR,
+                    **kw,
+                )
                 label = type(tr.projector).__name__
             else:
                 import trak_core
 
-                kw = {} if spec["impl"] == "factored" else {"projector": make_projector(spec["impl"], model,
-                                                                                         grad_dim, p, dev)}
-                tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=n,
-                                      save_dir=os.path.join(tmp, "o"), device=dev, proj_dim=p,
-                                      use_half_precision=False, logging_level=logging.ERROR, **kw)
+                kw = (
+                    {}
+                    if spec["impl"] == "factored"
+                    else {"projector": make_projector(spec["impl"], model, grad_dim, p, dev)}
+                )
+                tr = trak_core.TRAKer(
+                    model=model,
+                    task="image_classification",
+                    train_set_size=n,
+                    save_dir=os.path.join(tmp, "o"),
+                    device=dev,
+                    proj_dim=p,
+                    use_half_precision=False,
+                    logging_level=logging.ERROR,
+                    **kw,
+                )
                 label = type(tr.projector).__name__
             t1 = time.perf_counter()
             tr.load_checkpoint(model.state_dict(), model_id=0)
@@ -233,21 +275,41 @@ def worker(spec: dict) -> dict:
                 feats = np.asarray(tr.saver.current_store["features"][:n], dtype=np.float32)
             else:
                 feats = tr.store.model(0).features[:n].astype(np.float32)
-            passes.append({"init_s": t1 - t0, "featurize_s": t2 - t1, "finalize_s": t3 - t2, "total_s": t3 - t0,
-                           "finite": bool(np.isfinite(feats).all())})
+            passes.append(
+                {
+                    "init_s": t1 - t0,
+                    "featurize_s": t2 - t1,
+                    "finalize_s": t3 - t2,
+                    "total_s": t3 - t0,
+                    "finite": bool(np.isfinite(feats).all()),
+                }
+            )
     warm = min(passes[1:], key=lambda r: r["total_s"]) if len(passes) > 1 else None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {**spec, "projector": label, "grad_dim": grad_dim, "passes": passes, "cold": passes[0], "warm": warm,
-            "cold_s": passes[0]["total_s"], "warm_s": warm["total_s"] if warm else None,
-            "peak_rss_mib": peak / 1024, "baseline_rss_mib": base / 1024}
+    return {
+        **spec,
+        "projector": label,
+        "grad_dim": grad_dim,
+        "passes": passes,
+        "cold": passes[0],
+        "warm": warm,
+        "cold_s": passes[0]["total_s"],
+        "warm_s": warm["total_s"] if warm else None,
+        "peak_rss_mib": peak / 1024,
+        "baseline_rss_mib": base / 1024,
+    }
 
 
 def run_worker(spec: dict, timeout: int = 900) -> dict:
     """Run one measurement in a fresh interpreter (this parent process never imports torch, so the
     children's peak RSS — inherited through fork — is theirs)."""
     load0 = os.getloadavg()[0]
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
-                         capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"worker {spec} failed:\n{out.stderr[-3000:]}")
     res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -257,8 +319,7 @@ def run_worker(spec: dict, timeout: int = 900) -> dict:
 
 
 def run_script(args: list, json_path: str, timeout: int = 1800) -> dict:
-    out = subprocess.run([sys.executable, *args, "--json", json_path], capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run([sys.executable, *args, "--json", json_path], capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"{args} failed:\n{out.stderr[-3000:]}")
     with open(json_path) as fh:
@@ -278,7 +339,7 @@ def matmul_peak(sizes=(2048, 4096, 6144), reps=4) -> dict:
             t = time.perf_counter()
             torch.matmul(a, b)
             ts.append(time.perf_counter() - t)
-        best[s] = 2 * s ** 3 / min(ts) / 1e9
+        best[s] = 2 * s**3 / min(ts) / 1e9
     return {"per_size_gflops": best, "peak_gflops": max(best.values())}
 
 
@@ -317,9 +378,18 @@ def scoring_kernel(rows=8192, p=2048, targets=(256, 1024, 4096), reps=5, square=
             fr.append(gf / ref)
             ts.append(dt)
             refs.append(ref)
-        out.append({"what": "scores_block (Φ block @ Gᵀ)", "rows": rows, "p": p, "m": m, "seconds": min(ts),
-                    "gflops": 2 * rows * p * m / min(ts) / 1e9, "interleaved_fraction": statistics.median(fr),
-                    "interleaved_ref_gflops": statistics.median(refs)})
+        out.append(
+            {
+                "what": "scores_block (Φ block @ Gᵀ)",
+                "rows": rows,
+                "p": p,
+                "m": m,
+                "seconds": min(ts),
+                "gflops": 2 * rows * p * m / min(ts) / 1e9,
+                "interleaved_fraction": statistics.median(fr),
+                "interleaved_ref_gflops": statistics.median(refs),
+            }
+        )
     return out
 
 
@@ -332,8 +402,9 @@ def scoring_end_to_end(n=65536, p=2048, m=1024, ckpts=1, dtype="float16") -> dic
 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        meta = StoreMetadata(train_set_size=n, grad_dim=10 * p, proj_dim=p, dtype=dtype, chunk_rows=1024,
-                             shard_rows=8192)
+        meta = StoreMetadata(
+            train_set_size=n, grad_dim=10 * p, proj_dim=p, dtype=dtype, chunk_rows=1024, shard_rows=8192
+        )
         st = TrakStore.create_or_open(os.path.join(tmp, "s"), meta)
         st.init_experiment("bench", m)
         for mid in range(ckpts):
@@ -350,9 +421,16 @@ def scoring_end_to_end(n=65536, p=2048, m=1024, ckpts=1, dtype="float16") -> dic
         s = finalize_scores(st, "bench")
         dt = time.perf_counter() - t
         assert s.shape == (n, m)
-    return {"what": f"reduce.finalize_scores, {ckpts} checkpoint{'s' if ckpts > 1 else ''} ({dtype} store, "
-                    "Zarr reads + score writes)", "rows": n, "p": p, "m": m, "ckpts": ckpts,
-            "seconds": dt, "gflops": 2 * n * p * m * ckpts / dt / 1e9}
+    return {
+        "what": f"reduce.finalize_scores, {ckpts} checkpoint{'s' if ckpts > 1 else ''} ({dtype} store, "
+        "Zarr reads + score writes)",
+        "rows": n,
+        "p": p,
+        "m": m,
+        "ckpts": ckpts,
+        "seconds": dt,
+        "gflops": 2 * n * p * m * ckpts / dt / 1e9,
+    }
 
 
 def scoring_worker() -> dict:
@@ -361,8 +439,7 @@ def scoring_worker() -> dict:
     rows = scoring_kernel() + [scoring_end_to_end(ckpts=1), scoring_end_to_end(ckpts=4)]
     peak1 = matmul_peak()
     per = {s: max(peak0["per_size_gflops"][s], peak1["per_size_gflops"][s]) for s in peak0["per_size_gflops"]}
-    return {"machine": machine(), "peak": {"per_size_gflops": per, "peak_gflops": max(per.values())},
-            "scoring": rows}
+    return {"machine": machine(), "peak": {"per_size_gflops": per, "peak_gflops": max(per.values())}, "scoring": rows}
 
 
 # ---------------------------------------------------------------------------- report
@@ -380,8 +457,14 @@ def machine() -> dict:
         pass
     import trak  # noqa: F401
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "traker": getattr(trak, "__version__", "0.3.2"), "python": platform.python_version()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "traker": getattr(trak, "__version__", "0.3.2"),
+        "python": platform.python_version(),
+    }
 
 
 def _fmt_s(v) -> str:
@@ -390,9 +473,11 @@ def _fmt_s(v) -> str:
 
 def feat_table(rows: list[dict], models: list) -> str:
     """Cold and warm seconds per row, the stage split of the warm pass, × the floor and traker's fastest."""
-    lines = ["| model | params | library / projector | examples | cold s | warm s | warm: init / featurize / "
-             "finalize s | cold / warm | warm × floor | × traker-fastest (warm) | × traker-fastest (cold) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | params | library / projector | examples | cold s | warm s | warm: init / featurize / "
+        "finalize s | cold / warm | warm × floor | × traker-fastest (warm) | × traker-fastest (cold) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for model in models:
         sel = [r for r in rows if r["model"] == model]
         if not sel:
@@ -413,8 +498,10 @@ def feat_table(rows: list[dict], models: list) -> str:
                 rw = f"{fast['warm_s'] / c:.2f}× (cold)"
             rc = f"{fast['cold_s'] / c:.1f}×" if (fast and c and fast.get("cold_s")) else "—"
             n = f"{r['n']:,}"
-            lines.append(f"| {MODEL_LABEL[model]} | {r['grad_dim']:,} | {IMPL_LABEL.get(r['impl'], r['impl'])} | {n} | "
-                         f"{_fmt_s(c)} | {_fmt_s(w)} | {split} | {cw} | {xf} | {rw} | {rc} |")
+            lines.append(
+                f"| {MODEL_LABEL[model]} | {r['grad_dim']:,} | {IMPL_LABEL.get(r['impl'], r['impl'])} | {n} | "
+                f"{_fmt_s(c)} | {_fmt_s(w)} | {split} | {cw} | {xf} | {rw} | {rc} |"
+            )
     return "\n".join(lines)
 
 
@@ -424,16 +511,23 @@ def _load_range(rows: list) -> str:
 
 
 def score_table(rows: list[dict], peak: dict) -> str:
-    lines = ["| operation | rows × p × targets | seconds (best) | GFLOP/s (best) | % of the run's matmul peak | "
-             "% of a 4096² matmul timed just before (median of 5, interleaved) |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| operation | rows × p × targets | seconds (best) | GFLOP/s (best) | % of the run's matmul peak | "
+        "% of a 4096² matmul timed just before (median of 5, interleaved) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         inter = f"{100 * r['interleaved_fraction']:.0f}%" if "interleaved_fraction" in r else "—"
-        lines.append(f"| {r['what']} | {r['rows']:,} × {r['p']} × {r['m']} | {r['seconds']:.3f} | {r['gflops']:.1f} | "
-                     f"{100 * r['gflops'] / peak['peak_gflops']:.0f}% | {inter} |")
+        lines.append(
+            f"| {r['what']} | {r['rows']:,} × {r['p']} × {r['m']} | {r['seconds']:.3f} | {r['gflops']:.1f} | "
+            f"{100 * r['gflops'] / peak['peak_gflops']:.0f}% | {inter} |"
+        )
     sizes = ", ".join(f"{s}: {g:.1f}" for s, g in peak["per_size_gflops"].items())
     lines.append("")
-    lines.append(f"Measured float32 matmul peak: **{peak['peak_gflops']:.1f} GFLOP/s** (best of torch.matmul on "
-                 f"square n×n, GFLOP/s per n — {sizes}).")
+    lines.append(
+        f"Measured float32 matmul peak: **{peak['peak_gflops']:.1f} GFLOP/s** (best of torch.matmul on "
+        f"square n×n, GFLOP/s per n — {sizes})."
+    )
     return "\n".join(lines)
 
 
@@ -459,17 +553,33 @@ def main() -> None:
     ap.add_argument("--proj-dim", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--device", default="cpu", help="cuda: on a GPU (the floor, traker and trakflow alike)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="fresh processes per row, interleaved in time across rows; the best cold and warm kept")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="fresh processes per row, interleaved in time across rows; the best cold and warm kept",
+    )
     ap.add_argument("--warm-runs", type=int, default=2, help="warm passes after the cold one, in each process")
-    ap.add_argument("--slow-repeats", type=int, default=1,
-                    help="processes for traker's default row (minutes per pass on the larger models)")
-    ap.add_argument("--slow-warm-runs", type=int, default=0,
-                    help="warm passes of traker's default row (it regenerates its matrix per batch: cold ≈ warm)")
+    ap.add_argument(
+        "--slow-repeats",
+        type=int,
+        default=1,
+        help="processes for traker's default row (minutes per pass on the larger models)",
+    )
+    ap.add_argument(
+        "--slow-warm-runs",
+        type=int,
+        default=0,
+        help="warm passes of traker's default row (it regenerates its matrix per batch: cold ≈ warm)",
+    )
     ap.add_argument("--models", nargs="+", default=["mlp400k", "convnet", "transformer"])
     ap.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS)
-    ap.add_argument("--skip", nargs="*", default=["mlp400k:dense", "transformer:dense"],
-                    help="model:impl pairs left out (dense regenerates a grad_dim × p matrix per batch there)")
+    ap.add_argument(
+        "--skip",
+        nargs="*",
+        default=["mlp400k:dense", "transformer:dense"],
+        help="model:impl pairs left out (dense regenerates a grad_dim × p matrix per batch there)",
+    )
     ap.add_argument("--mem-sizes", type=int, nargs="*", default=[])
     ap.add_argument("--mem-proj-dim", type=int, default=512)
     ap.add_argument("--lds", action=argparse.BooleanOptionalAction, default=False)
@@ -483,8 +593,13 @@ def main() -> None:
     if a.worker:
         spec = json.loads(a.worker)
         section = spec.get("section")
-        out = scoring_worker() if section == "scoring" else {"machine": machine()} if section == "machine" \
+        out = (
+            scoring_worker()
+            if section == "scoring"
+            else {"machine": machine()}
+            if section == "machine"
             else worker(spec)
+        )
         print(json.dumps(out))
         return
 
@@ -496,9 +611,20 @@ def main() -> None:
     # 1. featurize + finalize, side by side: every row in `--repeats` fresh processes, the repetitions
     #    interleaved in time (rep 1 of every row of every model, then rep 2, ...): a load spike from other
     #    jobs on shared cores has to hit every repetition of a row to show up; best cold and best warm kept
-    specs = [{"model": m, "impl": i, "n": a.n, "batch": a.batch, "proj_dim": a.proj_dim, "warm_runs": a.warm_runs,
-              "device": a.device}
-             for m in a.models for i in a.impls if f"{m}:{i}" not in a.skip]
+    specs = [
+        {
+            "model": m,
+            "impl": i,
+            "n": a.n,
+            "batch": a.batch,
+            "proj_dim": a.proj_dim,
+            "warm_runs": a.warm_runs,
+            "device": a.device,
+        }
+        for m in a.models
+        for i in a.impls
+        if f"{m}:{i}" not in a.skip
+    ]
     runs: dict = {}
     for rep in range(a.repeats):
         for spec in specs:
@@ -507,8 +633,11 @@ def main() -> None:
             wspec = dict(spec, warm_runs=a.slow_warm_runs) if spec["impl"] == "traker" else spec
             r = run_worker(wspec, timeout=1800)
             runs.setdefault((spec["model"], spec["impl"]), []).append(r)
-            log(json.dumps({k: r.get(k) for k in ("model", "impl", "cold_s", "warm_s", "train_s", "linalg_s",
-                                                  "load_avg")}))
+            log(
+                json.dumps(
+                    {k: r.get(k) for k in ("model", "impl", "cold_s", "warm_s", "train_s", "linalg_s", "load_avg")}
+                )
+            )
     for spec in specs:
         rs = runs[(spec["model"], spec["impl"])]
         best = dict(rs[0])
@@ -530,12 +659,31 @@ def main() -> None:
         res.update(run_worker({"section": "scoring"}))
     with tempfile.TemporaryDirectory() as tmp:
         if a.mem_sizes:
-            res["memory"] = run_script([os.path.join(HERE, "memory_flat.py"), "--sizes", *map(str, a.mem_sizes),
-                                        "--proj-dim", str(a.mem_proj_dim)], os.path.join(tmp, "mem.json"))
+            res["memory"] = run_script(
+                [
+                    os.path.join(HERE, "memory_flat.py"),
+                    "--sizes",
+                    *map(str, a.mem_sizes),
+                    "--proj-dim",
+                    str(a.mem_proj_dim),
+                ],
+                os.path.join(tmp, "mem.json"),
+            )
         if a.lds:
-            res["lds"] = run_script([os.path.join(HERE, "lds.py"), "--lambdas", *map(str, a.lds_lambdas),
-                                     "--kinds", "dense", "sjlt", "factored", "sjlt-c1", "sjlt-c8"],
-                                    os.path.join(tmp, "lds.json"))
+            res["lds"] = run_script(
+                [
+                    os.path.join(HERE, "lds.py"),
+                    "--lambdas",
+                    *map(str, a.lds_lambdas),
+                    "--kinds",
+                    "dense",
+                    "sjlt",
+                    "factored",
+                    "sjlt-c1",
+                    "sjlt-c8",
+                ],
+                os.path.join(tmp, "lds.json"),
+            )
     res["total_seconds"] = time.perf_counter() - t_all
     with open(a.json, "w") as fh:
         json.dump(res, fh, indent=1, default=str)
@@ -550,45 +698,59 @@ def report(res: dict, a) -> str:
     m = res["machine"]
     feats = res["featurize"]
     by = {(r["model"], r["impl"]): r for r in feats}
-    out = ["## Featurize + finalize: the floor, traker 0.3.2 (default and fastest), trakflow — cold and warm "
-           "(issue 15)", "",
-           f"Produced by {res['command']} in one run ({res['featurize_seconds'] / 60:.1f} min) on "
-           f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads), traker {m['traker']}, "
-           f"Python {m['python']}. Load average (1 min) during the run: {_load_range(feats)}. "
-           + (a.note + " " if a.note else "") + "Compare **ratios** within the table.", ""]
+    out = [
+        "## Featurize + finalize: the floor, traker 0.3.2 (default and fastest), trakflow — cold and warm (issue 15)",
+        "",
+        f"Produced by {res['command']} in one run ({res['featurize_seconds'] / 60:.1f} min) on "
+        f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads), traker {m['traker']}, "
+        f"Python {m['python']}. Load average (1 min) during the run: {_load_range(feats)}. "
+        + (a.note + " " if a.note else "")
+        + "Compare **ratios** within the table.",
+        "",
+    ]
     f, t, d = by.get(("mlp400k", "floor")), by.get(("mlp400k", "traker-fastest")), by.get(("mlp400k", a.default))
     if f and t and d and d.get("warm_s"):
-        out += [f"**Headline (400k-parameter MLP, {d['n']:,} examples, proj_dim {d['proj_dim']}, batch "
-                f"{d['batch']}):** trakflow's default (`{a.default}`) featurizes + finalizes in "
-                f"{d['warm_s']:.2f} s warm / {d['cold_s']:.2f} s cold; traker 0.3.2's fastest CPU configuration "
-                f"takes {t['warm_s']:.1f} s warm / {t['cold_s']:.1f} s cold — **{t['warm_s'] / d['warm_s']:.0f}× "
-                f"faster warm, {t['cold_s'] / d['cold_s']:.0f}× cold**. The floor is {f['warm_s']:.2f} s: we are "
-                f"at **{d['warm_s'] / f['warm_s']:.1f}× the floor** warm, cold/warm = "
-                f"{d['cold_s'] / d['warm_s']:.2f}.", ""]
-    out += [feat_table(feats, a.models), "",
-            f"Each row: the best of {a.repeats} fresh process(es) (traker's default: {a.slow_repeats}), the "
-            "processes of all rows interleaved in time. *cold* = the first pass in a fresh process (after "
-            "`import torch, trak_core/trak`): TRAKer construction with its store, load_checkpoint, featurize "
-            f"in batches of {a.batch}, finalize_features; *warm* = the best of the next {a.warm_runs} passes in "
-            "that process, each with a new TRAKer and a new store (traker's default: "
-            f"{a.slow_warm_runs}; it regenerates its matrix for every batch, so cold ≈ warm). traker-fastest "
-            "generates its grad_dim × proj_dim matrix once, in the cold pass, and keeps it (its free_memory() "
-            "after finalize is disabled: traker never regenerates it for the same model_id). *× floor* = warm "
-            "seconds / the floor's; *× traker-fastest* = its seconds / the row's. Both libraries run their "
-            "defaults otherwise: float32 store (`use_half_precision=False`), `lambda_reg=0` (with n = proj_dim "
-            "XᵀX is rank-deficient: trakflow warns, traker does not; the cost is the same), the model in eval "
-            "mode, random inputs. The floor: a training pass over the same examples (forward, backward, SGD "
-            "step per batch) + float32 XᵀX, Cholesky, Cholesky inverse and Φ = X·A on an n × proj_dim matrix, "
-            "best of 3 warm. Rows left out: " + (", ".join(a.skip) or "none") + " (dense regenerates a "
-            "grad_dim × proj_dim matrix for every batch there: minutes per pass).", ""]
+        out += [
+            f"**Headline (400k-parameter MLP, {d['n']:,} examples, proj_dim {d['proj_dim']}, batch "
+            f"{d['batch']}):** trakflow's default (`{a.default}`) featurizes + finalizes in "
+            f"{d['warm_s']:.2f} s warm / {d['cold_s']:.2f} s cold; traker 0.3.2's fastest CPU configuration "
+            f"takes {t['warm_s']:.1f} s warm / {t['cold_s']:.1f} s cold — **{t['warm_s'] / d['warm_s']:.0f}× "
+            f"faster warm, {t['cold_s'] / d['cold_s']:.0f}× cold**. The floor is {f['warm_s']:.2f} s: we are "
+            f"at **{d['warm_s'] / f['warm_s']:.1f}× the floor** warm, cold/warm = "
+            f"{d['cold_s'] / d['warm_s']:.2f}.",
+            "",
+        ]
+    out += [
+        feat_table(feats, a.models),
+        "",
+        f"Each row: the best of {a.repeats} fresh process(es) (traker's default: {a.slow_repeats}), the "
+        "processes of all rows interleaved in time. *cold* = the first pass in a fresh process (after "
+        "`import torch, trak_core/trak`): TRAKer construction with its store, load_checkpoint, featurize "
+        f"in batches of {a.batch}, finalize_features; *warm* = the best of the next {a.warm_runs} passes in "
+        "that process, each with a new TRAKer and a new store (traker's default: "
+        f"{a.slow_warm_runs}; it regenerates its matrix for every batch, so cold ≈ warm). traker-fastest "
+        "generates its grad_dim × proj_dim matrix once, in the cold pass, and keeps it (its free_memory() "
+        "after finalize is disabled: traker never regenerates it for the same model_id). *× floor* = warm "
+        "seconds / the floor's; *× traker-fastest* = its seconds / the row's. Both libraries run their "
+        "defaults otherwise: float32 store (`use_half_precision=False`), `lambda_reg=0` (with n = proj_dim "
+        "XᵀX is rank-deficient: trakflow warns, traker does not; the cost is the same), the model in eval "
+        "mode, random inputs. The floor: a training pass over the same examples (forward, backward, SGD "
+        "step per batch) + float32 XᵀX, Cholesky, Cholesky inverse and Φ = X·A on an n × proj_dim matrix, "
+        "best of 3 warm. Rows left out: " + (", ".join(a.skip) or "none") + " (dense regenerates a "
+        "grad_dim × proj_dim matrix for every batch there: minutes per pass).",
+        "",
+    ]
     tf = by.get(("transformer", "factored"))
     if tf:
-        out += ["The transformer's `factored` layout: its `nn.Linear` layers (the feed-forward layers and the "
-                "head) are factored; the embeddings, the position table, the LayerNorms and "
-                "`nn.MultiheadAttention`'s `in_proj_weight`/`out_proj` (used through "
-                "`F.multi_head_attention_forward`, not through a module's forward) fall into the dense "
-                "`__other__` block, whose per-example gradients are materialized and projected by a dense "
-                "matrix with its share of proj_dim (∝ its size).", ""]
+        out += [
+            "The transformer's `factored` layout: its `nn.Linear` layers (the feed-forward layers and the "
+            "head) are factored; the embeddings, the position table, the LayerNorms and "
+            "`nn.MultiheadAttention`'s `in_proj_weight`/`out_proj` (used through "
+            "`F.multi_head_attention_forward`, not through a module's forward) fall into the dense "
+            "`__other__` block, whose per-example gradients are materialized and projected by a dense "
+            "matrix with its share of proj_dim (∝ its size).",
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -599,11 +761,19 @@ def report_extra(res: dict, a) -> str:
     if res.get("memory"):
         import memory_flat
 
-        out += ["### Peak RSS against n (featurize, finalize, score; `benchmarks/memory_flat.py`)", "",
-                memory_flat.table(res["memory"], a.mem_sizes, a.mem_proj_dim, 100), ""]
+        out += [
+            "### Peak RSS against n (featurize, finalize, score; `benchmarks/memory_flat.py`)",
+            "",
+            memory_flat.table(res["memory"], a.mem_sizes, a.mem_proj_dim, 100),
+            "",
+        ]
     if res.get("lds"):
-        out += ["### Attribution quality: LDS of dense vs SJLT vs factored (`benchmarks/lds.py`)", "",
-                res["lds"]["table"], ""]
+        out += [
+            "### Attribution quality: LDS of dense vs SJLT vs factored (`benchmarks/lds.py`)",
+            "",
+            res["lds"]["table"],
+            "",
+        ]
         out += decision(res, a)
     return "\n".join(out)
 
@@ -619,12 +789,18 @@ def decision(res: dict, a) -> list:
     t = by.get(("mlp400k", "traker-fastest"))
     lrows = _lds_rows(res)
     lams = sorted({lam for _, lam in lrows})
-    out = ["### Default projector: the decision", "",
-           "Criteria (issue 5, against traker's fastest configuration since issue 15): featurize + finalize "
-           "≥ 20× faster than traker on the 400k-parameter MLP at proj_dim 2048 (warm), and an LDS no more "
-           "than 0.02 below dense projection at every damping λ tried (same proj_dim; an LDS above dense passes).", "",
-           "| projector | × traker (400k MLP) | " + " | ".join(f"LDS − dense (λ={lam:g})" for lam in lams)
-           + " | meets both |", "|---|---|" + "---|" * len(lams) + "---|"]
+    out = [
+        "### Default projector: the decision",
+        "",
+        "Criteria (issue 5, against traker's fastest configuration since issue 15): featurize + finalize "
+        "≥ 20× faster than traker on the 400k-parameter MLP at proj_dim 2048 (warm), and an LDS no more "
+        "than 0.02 below dense projection at every damping λ tried (same proj_dim; an LDS above dense passes).",
+        "",
+        "| projector | × traker (400k MLP) | "
+        + " | ".join(f"LDS − dense (λ={lam:g})" for lam in lams)
+        + " | meets both |",
+        "|---|---|" + "---|" * len(lams) + "---|",
+    ]
     passing = []
     for kind in ("factored", "sjlt"):
         r = by.get(("mlp400k", kind))
@@ -638,8 +814,13 @@ def decision(res: dict, a) -> list:
         cells = " | ".join("—" if d is None else f"{d:+.3f}" for d in diffs)
         out.append(f"| {kind} | {speed:.0f}× | {cells} | {'yes' if ok else 'no'} |")
     chosen = max(passing)[1] if passing else None
-    out += ["", f"**Default: `{chosen}`** — the fastest projector that meets both criteria in this run." if chosen
-            else "**No projector met both criteria in this run** — the default stays `dense`.", ""]
+    out += [
+        "",
+        f"**Default: `{chosen}`** — the fastest projector that meets both criteria in this run."
+        if chosen
+        else "**No projector met both criteria in this run** — the default stays `dense`.",
+        "",
+    ]
     out += tradeoff(res, lams)
     return out
 
@@ -659,20 +840,24 @@ def tradeoff(res: dict, lams: list) -> list:
         return " / ".join("—" if v is None else f"{v['lds_mean']:.3f}" for v in vals)
 
     lam_txt = " / ".join(f"{lam:g}" for lam in lams)
-    return ["### Trade-off table (snippet for the README)", "",
-            f"| projector | matrix | featurization work per example | × traker, 400k MLP | LDS on digits, "
-            f"proj_dim 512 (λ = {lam_txt}) | use it for |",
-            "|---|---|---|---|---|---|",
-            f"| `dense` | grad_dim × proj_dim, ±1 (or N(0,1)) | per-example gradient + grad_dim·proj_dim MACs; the "
-            f"matrix is regenerated per batch beyond the 512 MiB cache | {speed('dense')} | {lds('dense')} | the "
-            "reference; small models |",
-            f"| `sjlt` | c = 4 nonzeros ±√(proj_dim/c) per coordinate | per-example gradient + grad_dim·c "
-            f"(sparse) | {speed('sjlt')} | {lds('sjlt')} | any layer type; the same quality as dense |",
-            f"| `factored` | per layer P_out ⊗ P_in (Kronecker, LoGra-style) | one forward + backward, "
-            f"(d_in + d_out)·√k per position; no per-example gradient | {speed('factored')} | {lds('factored')} | "
-            "Linear/Conv models (other parameters: a small dense block); the default |",
-            f"| `noop` | identity | per-example gradient | — | {lds('noop (exact gradients)')} (proj_dim = grad_dim) "
-            "| tiny models, checks |", ""]
+    return [
+        "### Trade-off table (snippet for the README)",
+        "",
+        f"| projector | matrix | featurization work per example | × traker, 400k MLP | LDS on digits, "
+        f"proj_dim 512 (λ = {lam_txt}) | use it for |",
+        "|---|---|---|---|---|---|",
+        f"| `dense` | grad_dim × proj_dim, ±1 (or N(0,1)) | per-example gradient + grad_dim·proj_dim MACs; the "
+        f"matrix is regenerated per batch beyond the 512 MiB cache | {speed('dense')} | {lds('dense')} | the "
+        "reference; small models |",
+        f"| `sjlt` | c = 4 nonzeros ±√(proj_dim/c) per coordinate | per-example gradient + grad_dim·c "
+        f"(sparse) | {speed('sjlt')} | {lds('sjlt')} | any layer type; the same quality as dense |",
+        f"| `factored` | per layer P_out ⊗ P_in (Kronecker, LoGra-style) | one forward + backward, "
+        f"(d_in + d_out)·√k per position; no per-example gradient | {speed('factored')} | {lds('factored')} | "
+        "Linear/Conv models (other parameters: a small dense block); the default |",
+        f"| `noop` | identity | per-example gradient | — | {lds('noop (exact gradients)')} (proj_dim = grad_dim) "
+        "| tiny models, checks |",
+        "",
+    ]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
@@ -90,8 +89,13 @@ def sh(cmd: str) -> str:
 
 def environment() -> dict:
     if DEV == "cpu":
-        props = types.SimpleNamespace(name=f"CPU smoke run ({platform.processor() or platform.machine()})", major=0,
-                                      minor=0, multi_processor_count=os.cpu_count(), total_memory=0)
+        props = types.SimpleNamespace(
+            name=f"CPU smoke run ({platform.processor() or platform.machine()})",
+            major=0,
+            minor=0,
+            multi_processor_count=os.cpu_count(),
+            total_memory=0,
+        )
     else:
         props = torch.cuda.get_device_properties(0)
     env = {
@@ -108,8 +112,10 @@ def environment() -> dict:
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
     }
     try:
-        import fast_jl  # noqa: F401
         from importlib.metadata import version
+
+        import fast_jl  # noqa: F401
+
         env["fast_jl"] = version("fast_jl")
     except Exception as e:
         env["fast_jl"] = f"not available ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
@@ -162,33 +168,55 @@ def correctness(args) -> str:
     rows = []
     algos = ["fma"] + (["tc3", "tc2", "tc1"] if tc_available() else [])
     shapes = ((1000, 1000, 1), (4097, 2047, 7), (70001, 512, 33), (33000, 100, 100), (100_000, 2048, 32))
-    for grad_dim, proj_dim, batch in (shapes[:2] if DEV == "cpu" else shapes):
+    for grad_dim, proj_dim, batch in shapes[:2] if DEV == "cpu" else shapes:
         x = torch.randn(batch, grad_dim, generator=torch.Generator().manual_seed(grad_dim))
         for kind in ("rademacher", "normal"):
             mat = DenseProjector(grad_dim, proj_dim, seed=1, proj_type=kind).matrix(3).double()
             exact = x.double() @ mat
             del mat
             cpu = DenseProjector(grad_dim, proj_dim, seed=1, proj_type=kind).project(x, 3)
-            rows.append([f"{grad_dim}×{proj_dim}, B={batch}", f"dense {kind}", "CPU float32 (trak_core)",
-                         f"{rel_err(cpu, exact):.1e}", "—"])
-            for algo in (algos if kind == "rademacher" else ["fma"]):
+            rows.append(
+                [
+                    f"{grad_dim}×{proj_dim}, B={batch}",
+                    f"dense {kind}",
+                    "CPU float32 (trak_core)",
+                    f"{rel_err(cpu, exact):.1e}",
+                    "—",
+                ]
+            )
+            for algo in algos if kind == "rademacher" else ["fma"]:
                 p = dense(grad_dim, proj_dim, seed=1, proj_type=kind, algo=algo)
                 out = p.project(x.to(DEV), 3)
                 same = torch.equal(out, p.project(x.to(DEV), 3))
-                rows.append([f"{grad_dim}×{proj_dim}, B={batch}", f"dense {kind}", f"kernel {algo}",
-                             f"{rel_err(out, exact):.1e}", "yes" if same else "NO"])
+                rows.append(
+                    [
+                        f"{grad_dim}×{proj_dim}, B={batch}",
+                        f"dense {kind}",
+                        f"kernel {algo}",
+                        f"{rel_err(out, exact):.1e}",
+                        "yes" if same else "NO",
+                    ]
+                )
         for c in (1, 4):
             exact = torch_path.sjlt_reference(x, 1, 3, proj_dim, c)
             p = sjlt(grad_dim, proj_dim, seed=1, c=c)
             out = p.project(x.to(DEV), 3)
             same = torch.equal(out, p.project(x.to(DEV), 3))
-            rows.append([f"{grad_dim}×{proj_dim}, B={batch}", f"sjlt c={c}", "kernel", f"{rel_err(out, exact):.1e}",
-                         "yes" if same else "NO"])
+            rows.append(
+                [
+                    f"{grad_dim}×{proj_dim}, B={batch}",
+                    f"sjlt c={c}",
+                    "kernel",
+                    f"{rel_err(out, exact):.1e}",
+                    "yes" if same else "NO",
+                ]
+            )
         log(f"correctness {grad_dim}x{proj_dim} B={batch} done")
     if not args.skip_big:
         rows += correctness_big(algos, *((32, 70_000_000, 2048) if DEV == "cuda" else (4, 3000, 64)))
-    return md_table(["shape (grad_dim×proj_dim, batch)", "matrix", "path", "max rel. error vs exact",
-                     "2 runs bit-identical"], rows)
+    return md_table(
+        ["shape (grad_dim×proj_dim, batch)", "matrix", "path", "max rel. error vs exact", "2 runs bit-identical"], rows
+    )
 
 
 def correctness_big(algos, batch, grad_dim, proj_dim) -> list[list]:
@@ -196,8 +224,14 @@ def correctness_big(algos, batch, grad_dim, proj_dim) -> list[list]:
     if free_bytes() < 12 * 2**30:
         return [[f"{grad_dim}×{proj_dim}, B={batch}", "—", "skipped", "needs 12 GB free", "—"]]
     x = torch.zeros(batch, grad_dim, dtype=torch.float16, device=DEV)
-    spots = [(0, 0, 1.0), (0, grad_dim - 1, -2.0), (batch - 1, grad_dim - 1, 0.5), (batch - 1, 1234, 3.0),
-             (batch // 2, grad_dim // 3 + 7, -1.5), (batch - 2, grad_dim // 2, 2.5)]
+    spots = [
+        (0, 0, 1.0),
+        (0, grad_dim - 1, -2.0),
+        (batch - 1, grad_dim - 1, 0.5),
+        (batch - 1, 1234, 3.0),
+        (batch // 2, grad_dim // 3 + 7, -1.5),
+        (batch - 2, grad_dim // 2, 2.5),
+    ]
     for b, i, v in spots:
         x[b, i] = v
     label = f"{grad_dim:,}×{proj_dim}, B={batch} (B·K = {batch * grad_dim / 2**31:.2f}·2³¹), fp16, sparse x"
@@ -220,9 +254,15 @@ def correctness_big(algos, batch, grad_dim, proj_dim) -> list[list]:
             p = dense(grad_dim, proj_dim, seed=1, algo=what)
         out = p.project(x if DEV == "cuda" else x.float(), 0)
         same = torch.equal(out, p.project(x if DEV == "cuda" else x.float(), 0))
-        rows.append([label, "sjlt c=2" if what == "sjlt" else f"dense {'normal' if what == 'normal' else 'rademacher'}",
-                     f"kernel {'fma' if what == 'normal' else '' if what == 'sjlt' else what}".strip(),
-                     f"{rel_err(out, exact):.1e}", "yes" if same else "NO"])
+        rows.append(
+            [
+                label,
+                "sjlt c=2" if what == "sjlt" else f"dense {'normal' if what == 'normal' else 'rademacher'}",
+                f"kernel {'fma' if what == 'normal' else '' if what == 'sjlt' else what}".strip(),
+                f"{rel_err(out, exact):.1e}",
+                "yes" if same else "NO",
+            ]
+        )
         del p
         empty_cache()
         log(f"big correctness {what} done")
@@ -231,8 +271,15 @@ def correctness_big(algos, batch, grad_dim, proj_dim) -> list[list]:
     ref = torch_path.dense_project(xd, "rademacher", 1, 0, 64)
     for algo in algos:
         out = dense(grad_dim, 64, seed=1, algo=algo).project(xd if DEV == "cuda" else xd.float(), 0)
-        rows.append([f"{grad_dim:,}×64, B={batch}, fp16, dense x", "dense rademacher", f"kernel {algo} vs torch path",
-                     f"{rel_err(out, ref):.1e}", "—"])
+        rows.append(
+            [
+                f"{grad_dim:,}×64, B={batch}, fp16, dense x",
+                "dense rademacher",
+                f"kernel {algo} vs torch path",
+                f"{rel_err(out, ref):.1e}",
+                "—",
+            ]
+        )
     del x, xd
     empty_cache()
     return rows
@@ -246,8 +293,17 @@ def throughput(args, env) -> tuple[str, list[dict]]:
 
     def record(name, batch, dtype, t, note=""):
         flops = 2.0 * batch * grad_dim * proj_dim
-        results.append({"impl": name, "batch": batch, "input": str(dtype).replace("torch.", ""), "ms": t * 1e3,
-                        "examples_per_s": batch / t, "tflops": flops / t / 1e12, "note": note})
+        results.append(
+            {
+                "impl": name,
+                "batch": batch,
+                "input": str(dtype).replace("torch.", ""),
+                "ms": t * 1e3,
+                "examples_per_s": batch / t,
+                "tflops": flops / t / 1e12,
+                "note": note,
+            }
+        )
         log(f"{name:28s} B={batch:4d} {str(dtype):14s} {t * 1e3:10.2f} ms  {note}")
 
     for batch in args.batches:
@@ -259,15 +315,22 @@ def throughput(args, env) -> tuple[str, list[dict]]:
             for x in (x32, x16):
                 record(f"cuda_ext dense {algo}", batch, x.dtype, cuda_time(lambda: p.project(x, 0), args.reps))
         p = dense(grad_dim, proj_dim, seed=0, proj_type="normal")
-        record("cuda_ext dense normal fma", batch, x32.dtype, cuda_time(lambda: p.project(x32, 0), max(1, args.reps // 2)))
+        record(
+            "cuda_ext dense normal fma", batch, x32.dtype, cuda_time(lambda: p.project(x32, 0), max(1, args.reps // 2))
+        )
         for c in (1, 4):
             s = sjlt(grad_dim, proj_dim, seed=0, c=c)
             t0 = time.perf_counter()
             s.plan(0)
             sync()
             plan_s = time.perf_counter() - t0
-            record(f"cuda_ext sjlt c={c}", batch, x32.dtype, cuda_time(lambda: s.project(x32, 0), args.reps),
-                   f"plan built once per model: {plan_s * 1e3:.0f} ms")
+            record(
+                f"cuda_ext sjlt c={c}",
+                batch,
+                x32.dtype,
+                cuda_time(lambda: s.project(x32, 0), args.reps),
+                f"plan built once per model: {plan_s * 1e3:.0f} ms",
+            )
             del s
         # build-free torch path (one timed run: it regenerates the whole matrix)
         if not args.skip_torch_path and batch == args.batches[0]:
@@ -276,17 +339,31 @@ def throughput(args, env) -> tuple[str, list[dict]]:
         # fast_jl
         try:
             import fast_jl
+
             fn = getattr(fast_jl, f"project_rademacher_{min(32, 8 if batch <= 8 else 16 if batch <= 16 else 32)}")
             sms = env["sm_count"]
             for x in (x16, x32):
-                record("fast_jl rademacher", batch, x.dtype,
-                       cuda_time(lambda: fn(x, proj_dim, 0, sms), args.reps), f"num_feature_tiles={sms}")
+                record(
+                    "fast_jl rademacher",
+                    batch,
+                    x.dtype,
+                    cuda_time(lambda: fn(x, proj_dim, 0, sms), args.reps),
+                    f"num_feature_tiles={sms}",
+                )
         except ImportError:
             pass
         except Exception as e:  # report, do not stop the run
-            results.append({"impl": "fast_jl rademacher", "batch": batch, "input": "-", "ms": float("nan"),
-                            "examples_per_s": float("nan"), "tflops": float("nan"),
-                            "note": f"failed: {str(e).splitlines()[0][:150]}"})
+            results.append(
+                {
+                    "impl": "fast_jl rademacher",
+                    "batch": batch,
+                    "input": "-",
+                    "ms": float("nan"),
+                    "examples_per_s": float("nan"),
+                    "tflops": float("nan"),
+                    "note": f"failed: {str(e).splitlines()[0][:150]}",
+                }
+            )
         del x16
         # cuBLAS with a materialized matrix (generated by our kernel), on a row slice, scaled to grad_dim
         for mdt in (torch.float32, torch.bfloat16):
@@ -296,7 +373,7 @@ def throughput(args, env) -> tuple[str, list[dict]]:
             mat = torch.empty(rows, proj_dim, dtype=mdt, device=DEV)
             step = 1 << 18
             for r0 in range(0, rows, step):
-                mat[r0:min(r0 + step, rows)] = gen.generate(0, r0, min(r0 + step, rows)).to(mdt)
+                mat[r0 : min(r0 + step, rows)] = gen.generate(0, r0, min(r0 + step, rows)).to(mdt)
             xs = x32[:, :rows].to(mdt).contiguous()
             prev = torch.backends.cuda.matmul.allow_tf32
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -314,10 +391,31 @@ def throughput(args, env) -> tuple[str, list[dict]]:
     for r in results:
         ref = fj.get(r["batch"])
         speed = f"{ref / r['ms']:.2f}×" if ref and r["ms"] == r["ms"] else "—"
-        rows.append([r["impl"], r["batch"], r["input"], f"{r['ms']:.2f}", f"{r['examples_per_s']:,.0f}",
-                     f"{r['tflops']:.1f}", speed, r["note"]])
-    table = md_table(["implementation", "batch", "input", "ms / batch", "examples/s", "eff. TFLOP/s",
-                      "vs fast_jl (fp16 input)", "note"], rows)
+        rows.append(
+            [
+                r["impl"],
+                r["batch"],
+                r["input"],
+                f"{r['ms']:.2f}",
+                f"{r['examples_per_s']:,.0f}",
+                f"{r['tflops']:.1f}",
+                speed,
+                r["note"],
+            ]
+        )
+    table = md_table(
+        [
+            "implementation",
+            "batch",
+            "input",
+            "ms / batch",
+            "examples/s",
+            "eff. TFLOP/s",
+            "vs fast_jl (fp16 input)",
+            "note",
+        ],
+        rows,
+    )
     return table, results
 
 
@@ -333,8 +431,11 @@ def main() -> None:
     ap.add_argument("--skip-torch-path", action="store_true")
     ap.add_argument("--out", help="write the markdown report here too")
     ap.add_argument("--json", help="write the raw throughput numbers here")
-    ap.add_argument("--smoke-cpu", action="store_true",
-                    help="run every code path at toy sizes on the CPU (torch backend): checks the script, measures nothing")
+    ap.add_argument(
+        "--smoke-cpu",
+        action="store_true",
+        help="run every code path at toy sizes on the CPU (torch backend): checks the script, measures nothing",
+    )
     args = ap.parse_args()
 
     global DEV, BACKEND
@@ -342,9 +443,15 @@ def main() -> None:
         DEV, BACKEND = "cpu", "torch"
         args.grad_dim, args.proj_dim, args.batches, args.reps = 5000, 256, [3, 8], 1
         env = environment()
-        parts = ["# gpu_bench smoke run on the CPU (torch backend; no measurement)", "",
-                 md_table(["key", "value"], [[k, v] for k, v in env.items()]), "",
-                 correctness(args), "", throughput(args, env)[0]]
+        parts = [
+            "# gpu_bench smoke run on the CPU (torch backend; no measurement)",
+            "",
+            md_table(["key", "value"], [[k, v] for k, v in env.items()]),
+            "",
+            correctness(args),
+            "",
+            throughput(args, env)[0],
+        ]
         print("\n".join(parts))
         return
     if not torch.cuda.is_available():
@@ -359,8 +466,14 @@ def main() -> None:
     env["extension_load_s"] = round(build_s, 1)
     log(json.dumps(env, indent=1))
 
-    parts = ["# GPU projection benchmark (cuda_ext)", "", "## Environment", "",
-             md_table(["key", "value"], [[k, v] for k, v in env.items()]), ""]
+    parts = [
+        "# GPU projection benchmark (cuda_ext)",
+        "",
+        "## Environment",
+        "",
+        md_table(["key", "value"], [[k, v] for k, v in env.items()]),
+        "",
+    ]
     if not args.skip_correctness:
         parts += ["## Correctness against the CPU definition", "", correctness(args), ""]
     table, results = throughput(args, env)

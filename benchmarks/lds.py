@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import tempfile
@@ -46,7 +45,9 @@ from trak_core.sjlt import SJLTProjector  # noqa: E402
 def _mlp_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     layers = list(model)
     lin = [m for m in layers if isinstance(m, torch.nn.Linear)]
-    ok = all(isinstance(m, (torch.nn.Linear, torch.nn.ReLU)) for m in layers) and isinstance(layers[-1], torch.nn.Linear)
+    ok = all(isinstance(m, (torch.nn.Linear, torch.nn.ReLU)) for m in layers) and isinstance(
+        layers[-1], torch.nn.Linear
+    )
     if not ok:
         raise ValueError("the stacked trainer handles Sequential(Linear, ReLU, ..., Linear) models")
     return [(m.out_features, m.in_features) for m in lin]
@@ -63,8 +64,16 @@ def _forward(params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def train_stacked(x: torch.Tensor, y: torch.Tensor, subsets: torch.Tensor, seeds: list[int], epochs: int = 15,
-                  batch: int = 64, lr: float = 0.05, momentum: float = 0.9) -> list[dict]:
+def train_stacked(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    subsets: torch.Tensor,
+    seeds: list[int],
+    epochs: int = 15,
+    batch: int = 64,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+) -> list[dict]:
     """Train one model per row of ``subsets`` ((M, s) train indices, equal sizes) from make_model() with
     torch.manual_seed(seed) init; returns their state_dicts."""
     _mlp_shapes(digits.make_model())  # refuse other architectures
@@ -81,10 +90,16 @@ def train_stacked(x: torch.Tensor, y: torch.Tensor, subsets: torch.Tensor, seeds
         perm = torch.argsort(torch.rand(m, s, generator=gen), dim=1)
         order = torch.gather(subsets, 1, perm)
         for a in range(0, s, batch):
-            idx = order[:, a:a + batch]
+            idx = order[:, a : a + batch]
             logits = _forward(params, x[idx])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[idx].reshape(-1),
-                                                     reduction="none").reshape(m, -1).mean(1).sum()
+            loss = (
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), y[idx].reshape(-1), reduction="none"
+                )
+                .reshape(m, -1)
+                .mean(1)
+                .sum()
+            )
             grads = torch.autograd.grad(loss, params)
             with torch.no_grad():
                 for p, g, v in zip(params, grads, bufs):
@@ -126,14 +141,22 @@ def _scale(projector, grad_dim: int) -> float:
 def trak_scores(projector, ckpts: list[dict], x, y, xt, yt, lambda_reg: float, batch: int = 500) -> np.ndarray:
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tr = trak_core.TRAKer(model=digits.make_model(), task="image_classification", train_set_size=len(x),
-                              save_dir=os.path.join(tmp, "store"), device="cpu", projector=projector,
-                              lambda_reg=lambda_reg, use_half_precision=False, logging_level=logging.ERROR,
-                              chunk_rows=500)
+        tr = trak_core.TRAKer(
+            model=digits.make_model(),
+            task="image_classification",
+            train_set_size=len(x),
+            save_dir=os.path.join(tmp, "store"),
+            device="cpu",
+            projector=projector,
+            lambda_reg=lambda_reg,
+            use_half_precision=False,
+            logging_level=logging.ERROR,
+            chunk_rows=500,
+        )
         for mid, sd in enumerate(ckpts):
             tr.load_checkpoint(sd, model_id=mid)
             for a in range(0, len(x), batch):
-                tr.featurize((x[a:a + batch], y[a:a + batch]), num_samples=min(batch, len(x) - a))
+                tr.featurize((x[a : a + batch], y[a : a + batch]), num_samples=min(batch, len(x) - a))
         tr.finalize_features()
         for mid, sd in enumerate(ckpts):
             tr.start_scoring_checkpoint("lds", sd, mid, num_targets=len(xt))
@@ -154,7 +177,7 @@ def lds_per_target(scores: np.ndarray, masks: np.ndarray, true_margins: np.ndarr
     rp, rt = _ranks(pred), _ranks(true_margins)
     rp = rp - rp.mean(0)
     rt = rt - rt.mean(0)
-    den = np.sqrt((rp ** 2).sum(0) * (rt ** 2).sum(0))
+    den = np.sqrt((rp**2).sum(0) * (rt**2).sum(0))
     return np.where(den > 0, (rp * rt).sum(0) / np.where(den > 0, den, 1), 0.0)
 
 
@@ -168,9 +191,18 @@ def bootstrap_diff(a: np.ndarray, b: np.ndarray, reps: int = 2000, seed: int = 0
 
 
 # ---------------------------------------------------------------------------- the experiment
-def run(num_subsets: int = 100, num_ckpts: int = 5, num_targets: int = 200, proj_dims=(512,),
-        kinds=("dense", "sjlt", "factored"), proj_seeds=(0, 1, 2), lambdas=(1e-2,), c: int = 4,
-        with_noop: bool = True, log=print) -> dict:
+def run(
+    num_subsets: int = 100,
+    num_ckpts: int = 5,
+    num_targets: int = 200,
+    proj_dims=(512,),
+    kinds=("dense", "sjlt", "factored"),
+    proj_seeds=(0, 1, 2),
+    lambdas=(1e-2,),
+    c: int = 4,
+    with_noop: bool = True,
+    log=print,
+) -> dict:
     torch.manual_seed(0)
     x, y = digits.train_data()
     hx, hy = digits.heldout_data()
@@ -193,12 +225,25 @@ def run(num_subsets: int = 100, num_ckpts: int = 5, num_targets: int = 200, proj
         m1.load_state_dict(sub_states[0])
         acc_sub = float((m1(xt).argmax(1) == yt).float().mean())
     train_s = time.perf_counter() - t0
-    log(f"trained {num_subsets} subset models + {num_ckpts} checkpoints in {train_s:.1f} s; "
-        f"target accuracy: checkpoint 0 {acc:.3f}, subset model 0 {acc_sub:.3f}")
+    log(
+        f"trained {num_subsets} subset models + {num_ckpts} checkpoints in {train_s:.1f} s; "
+        f"target accuracy: checkpoint 0 {acc:.3f}, subset model 0 {acc_sub:.3f}"
+    )
     grad_dim = sum(p.numel() for p in digits.make_model().parameters())
-    results = {"setup": {"num_subsets": num_subsets, "num_ckpts": num_ckpts, "num_targets": int(len(xt)),
-                         "train_size": n, "grad_dim": grad_dim, "sjlt_c": c, "target_accuracy": acc,
-                         "subset_model_accuracy": acc_sub, "train_seconds": train_s}, "rows": []}
+    results = {
+        "setup": {
+            "num_subsets": num_subsets,
+            "num_ckpts": num_ckpts,
+            "num_targets": int(len(xt)),
+            "train_size": n,
+            "grad_dim": grad_dim,
+            "sjlt_c": c,
+            "target_accuracy": acc,
+            "subset_model_accuracy": acc_sub,
+            "train_seconds": train_s,
+        },
+        "rows": [],
+    }
     per_target = {}
     for lam in lambdas:
         runs = [("noop", grad_dim, 0)] if with_noop else []
@@ -209,8 +254,14 @@ def run(num_subsets: int = 100, num_ckpts: int = 5, num_targets: int = 200, proj
             sc = trak_scores(proj, ckpts, x, y, xt, yt, lam * _scale(proj, grad_dim))
             lt = lds_per_target(sc, masks, true)
             per_target[(kind, p, s, lam)] = lt
-            row = {"kind": kind, "proj_dim": p, "seed": s, "lambda_reg": lam, "lds": float(lt.mean()),
-                   "seconds": time.perf_counter() - t}
+            row = {
+                "kind": kind,
+                "proj_dim": p,
+                "seed": s,
+                "lambda_reg": lam,
+                "lds": float(lt.mean()),
+                "seconds": time.perf_counter() - t,
+            }
             results["rows"].append(row)
             log(json.dumps(row))
     # summary: mean ± std over projector seeds, paired bootstrap of the difference to dense (seeds pooled)
@@ -218,16 +269,32 @@ def run(num_subsets: int = 100, num_ckpts: int = 5, num_targets: int = 200, proj
     for lam in lambdas:
         if with_noop:
             lt = per_target[("noop", grad_dim, 0, lam)]
-            summary.append({"kind": "noop (exact gradients)", "proj_dim": grad_dim, "lambda_reg": lam,
-                            "lds_mean": float(lt.mean()), "lds_std_seeds": 0.0, "diff_vs_dense": None})
+            summary.append(
+                {
+                    "kind": "noop (exact gradients)",
+                    "proj_dim": grad_dim,
+                    "lambda_reg": lam,
+                    "lds_mean": float(lt.mean()),
+                    "lds_std_seeds": 0.0,
+                    "diff_vs_dense": None,
+                }
+            )
         for p in proj_dims:
-            dense = np.mean([per_target[("dense", p, s, lam)] for s in proj_seeds], axis=0) \
-                if "dense" in kinds else None
+            dense = (
+                np.mean([per_target[("dense", p, s, lam)] for s in proj_seeds], axis=0) if "dense" in kinds else None
+            )
             for kind in kinds:
                 vals = [per_target[(kind, p, s, lam)] for s in proj_seeds]
                 means = [float(v.mean()) for v in vals]
-                row = {"kind": kind, "proj_dim": p, "lambda_reg": lam, "lds_mean": float(np.mean(means)),
-                       "lds_std_seeds": float(np.std(means)), "diff_vs_dense": None, "diff_ci95": None}
+                row = {
+                    "kind": kind,
+                    "proj_dim": p,
+                    "lambda_reg": lam,
+                    "lds_mean": float(np.mean(means)),
+                    "lds_std_seeds": float(np.std(means)),
+                    "diff_vs_dense": None,
+                    "diff_ci95": None,
+                }
                 if dense is not None and kind != "dense":
                     avg = np.mean(vals, axis=0)
                     row["diff_vs_dense"] = float(avg.mean() - dense.mean())
@@ -239,26 +306,39 @@ def run(num_subsets: int = 100, num_ckpts: int = 5, num_targets: int = 200, proj
 
 def table(results: dict) -> str:
     st = results["setup"]
-    lines = ["| projector | proj_dim | λ (lambda_reg = λ·proj_dim) | LDS (mean over projector seeds) | std over seeds | "
-             "LDS − dense [95% CI, paired bootstrap over targets] |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| projector | proj_dim | λ (lambda_reg = λ·proj_dim) | LDS (mean over projector seeds) | std over seeds | "
+        "LDS − dense [95% CI, paired bootstrap over targets] |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results["summary"]:
-        d = "—" if r.get("diff_vs_dense") is None else \
-            f"{r['diff_vs_dense']:+.3f} [{r['diff_ci95'][0]:+.3f}, {r['diff_ci95'][1]:+.3f}]"
-        lines.append(f"| {r['kind']} | {r['proj_dim']} | {r['lambda_reg']:g} | {r['lds_mean']:.3f} | "
-                     f"{r['lds_std_seeds']:.3f} | {d} |")
+        d = (
+            "—"
+            if r.get("diff_vs_dense") is None
+            else f"{r['diff_vs_dense']:+.3f} [{r['diff_ci95'][0]:+.3f}, {r['diff_ci95'][1]:+.3f}]"
+        )
+        lines.append(
+            f"| {r['kind']} | {r['proj_dim']} | {r['lambda_reg']:g} | {r['lds_mean']:.3f} | "
+            f"{r['lds_std_seeds']:.3f} | {d} |"
+        )
     best = {}
     for r in results["summary"]:
         if r["kind"] not in best or r["lds_mean"] > best[r["kind"]]["lds_mean"]:
             best[r["kind"]] = r
     if len({r["lambda_reg"] for r in results["summary"]}) > 1:
         lines.append("")
-        lines.append("Best λ of each kind: " + "; ".join(f"{k} λ={r['lambda_reg']:g} (LDS {r['lds_mean']:.3f})"
-                                                        for k, r in best.items()) + ".")
+        lines.append(
+            "Best λ of each kind: "
+            + "; ".join(f"{k} λ={r['lambda_reg']:g} (LDS {r['lds_mean']:.3f})" for k, r in best.items())
+            + "."
+        )
     lines.append("")
-    lines.append(f"{st['train_size']} train digits, {st['num_targets']} held-out targets, {st['num_ckpts']} "
-                 f"checkpoints (target accuracy {st['target_accuracy']:.3f}), {st['num_subsets']} half-subset "
-                 f"models (accuracy {st['subset_model_accuracy']:.3f}), grad_dim {st['grad_dim']}, SJLT c="
-                 f"{st['sjlt_c']}.")
+    lines.append(
+        f"{st['train_size']} train digits, {st['num_targets']} held-out targets, {st['num_ckpts']} "
+        f"checkpoints (target accuracy {st['target_accuracy']:.3f}), {st['num_subsets']} half-subset "
+        f"models (accuracy {st['subset_model_accuracy']:.3f}), grad_dim {st['grad_dim']}, SJLT c="
+        f"{st['sjlt_c']}."
+    )
     return "\n".join(lines)
 
 
@@ -279,8 +359,17 @@ if __name__ == "__main__":
     if a.quick:
         a.subsets, a.ckpts, a.seeds = 30, 2, [0]
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    res = run(a.subsets, a.ckpts, a.targets, tuple(a.proj_dims), tuple(a.kinds), tuple(a.seeds),
-              tuple(a.lambdas), a.c, not a.no_noop)
+    res = run(
+        a.subsets,
+        a.ckpts,
+        a.targets,
+        tuple(a.proj_dims),
+        tuple(a.kinds),
+        tuple(a.seeds),
+        tuple(a.lambdas),
+        a.c,
+        not a.no_noop,
+    )
     res["table"] = table(res)
     print(res["table"])
     if a.json:

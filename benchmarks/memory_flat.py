@@ -11,11 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 
 PHASE_CODE = r"""
 import json, logging, resource, sys, time, warnings
@@ -57,16 +55,22 @@ def run(sizes, proj_dim, targets, batch):
         with tempfile.TemporaryDirectory() as tmp:
             store = os.path.join(tmp, "store")
             for phase in ("featurize", "finalize", "score"):
-                out = subprocess.run([sys.executable, "-c", PHASE_CODE, phase, store, str(n), str(proj_dim),
-                                      str(targets), str(batch)], capture_output=True, text=True, check=True)
+                out = subprocess.run(
+                    [sys.executable, "-c", PHASE_CODE, phase, store, str(n), str(proj_dim), str(targets), str(batch)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(rows[-1], flush=True)
     return rows
 
 
 def table(rows, sizes, proj_dim, targets) -> str:
-    lines = [f"| phase | " + " | ".join(f"n={n:,}" for n in sizes) + f" | ratio (n={sizes[-1]:,} / n={sizes[0]:,}) |",
-             "|---|" + "---|" * (len(sizes) + 1)]
+    lines = [
+        "| phase | " + " | ".join(f"n={n:,}" for n in sizes) + f" | ratio (n={sizes[-1]:,} / n={sizes[0]:,}) |",
+        "|---|" + "---|" * (len(sizes) + 1),
+    ]
     for phase in ("featurize", "finalize", "score"):
         vals = [r for r in rows if r["phase"] == phase]
         cells = [f"{r['peak_rss_mib']:.0f} MiB ({r['seconds']:.1f} s)" for r in vals]
@@ -74,9 +78,11 @@ def table(rows, sizes, proj_dim, targets) -> str:
         lines.append(f"| {phase} | " + " | ".join(cells) + f" | {ratio:.2f} |")
     store_mib = {n: n * proj_dim * 2 * 2 / 2**20 for n in sizes}
     lines.append("")
-    lines.append(f"proj_dim={proj_dim}, {targets} targets, float16 store; the grads + features arrays alone are "
-                 + ", ".join(f"{store_mib[n]:.0f} MiB at n={n:,}" for n in sizes)
-                 + ". Peak RSS includes the interpreter with torch and zarr loaded.")
+    lines.append(
+        f"proj_dim={proj_dim}, {targets} targets, float16 store; the grads + features arrays alone are "
+        + ", ".join(f"{store_mib[n]:.0f} MiB at n={n:,}" for n in sizes)
+        + ". Peak RSS includes the interpreter with torch and zarr loaded."
+    )
     return "\n".join(lines)
 
 

@@ -65,18 +65,28 @@ NOT_RUN = {  # file -> why it is not run (for both)
 }
 # test_class tests that build a TRAKer with the default projector on CUDA: for traker that is fast_jl
 TRAKER_DEFAULT_PROJECTOR_CUDA = [
-    "test_featurize", "test_max_batch_size", "test_forgot_loading_ckpt", "test_finalize_features",
-    "test_finalize_features_multiple_ftr", "test_finalize_features_multiple_ftr_and_id", "test_score",
-    "test_score_finalize", "test_score_finalize_some_model_ids", "test_score_finalize_split",
-    "test_score_finalize_full_precision", "test_grad_wrt_last_layer_cuda",
+    "test_featurize",
+    "test_max_batch_size",
+    "test_forgot_loading_ckpt",
+    "test_finalize_features",
+    "test_finalize_features_multiple_ftr",
+    "test_finalize_features_multiple_ftr_and_id",
+    "test_score",
+    "test_score_finalize",
+    "test_score_finalize_some_model_ids",
+    "test_score_finalize_split",
+    "test_score_finalize_full_precision",
+    "test_grad_wrt_last_layer_cuda",
 ]
 # identity projection on ResNet-18 (11.7M-wide rows): trak_core's store sizes its row chunks in rows, not
 # bytes, until the chunk sizing of issue 16 (item 1) lands, and asks for 22-45 GiB here
 NOOP_RESNET = ["test_class_featurize_noop", "test_iterative_gradient_computer"]
-NOOP_REASON = ("expected to fail until the store sizes chunks in bytes (issue 16, item 1): NoOpProjector on "
-               "ResNet-18 asks for 22-45 GiB; run with --run-noop to try")
+NOOP_REASON = (
+    "expected to fail until the store sizes chunks in bytes (issue 16, item 1): NoOpProjector on "
+    "ResNet-18 asks for 22-45 GiB; run with --run-noop to try"
+)
 
-CONFTEST = '''\
+CONFTEST = """\
 import json, os, pytest
 
 SIDE = os.environ["PEER_SUITE_SIDE"]
@@ -107,7 +117,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xfail(run=False, reason=reason))
         elif kind == "xfail":
             item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
-'''
+"""
 
 RESNET18 = '''\
 """A ResNet-18 for traker's tests when torchvision is absent (same layers and parameter names)."""
@@ -166,8 +176,19 @@ def resnet18(weights=None, num_classes=1000, **kwargs):
 
 # --------------------------------------------------------------------------------------------- traker suite
 def download_sdist(dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           f"traker=={TRAKER_VERSION}", "-d", str(dest), "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        f"traker=={TRAKER_VERSION}",
+        "-d",
+        str(dest),
+        "-q",
+    ]
     subprocess.run(cmd, check=True)
     (sdist,) = dest.glob(f"traker-{TRAKER_VERSION}.tar.gz")
     return sdist
@@ -178,8 +199,9 @@ def adapt_source(name: str, src: str, grad_scale: int, proj_scale: int) -> str:
     src = src.replace('"cuda:0"', '"cpu"').replace('device="cuda"', 'device="cpu"').replace(".cuda()", ".cpu()")
     if name.startswith("test_jl"):
         # the 2**32 chunk limit scales with grad_dim, so every case keeps its number of chunks
-        src = src.replace("np.iinfo(np.uint32).max // batch_size",
-                          f"(np.iinfo(np.uint32).max // {grad_scale}) // batch_size")
+        src = src.replace(
+            "np.iinfo(np.uint32).max // batch_size", f"(np.iinfo(np.uint32).max // {grad_scale}) // batch_size"
+        )
 
         def shape(m):  # (batch, grad_dim) tuples with a large grad_dim
             b, d = m.group(1), int(m.group(2).replace("_", ""))
@@ -208,6 +230,7 @@ def write_suite(sdist: Path, dest: Path, grad_scale: int, proj_scale: int) -> Pa
     (suite / "conftest.py").write_text(CONFTEST.replace("{{}}", "{}"))
     (suite / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
     import importlib.util
+
     if importlib.util.find_spec("torchvision") is None:
         (suite / "torchvision").mkdir()
         (suite / "torchvision" / "__init__.py").write_text("from . import models  # stand-in\n")
@@ -219,8 +242,11 @@ def marks_for(side: str, run_noop: bool) -> dict:
     marks = {}
     if side == "traker":
         for t in TRAKER_DEFAULT_PROJECTOR_CUDA:
-            marks[t] = ("skip", "needs CUDA: traker's default projector is fast_jl; its CPU fallback regenerates "
-                                "an 11.7M x 2048 matrix per batch")
+            marks[t] = (
+                "skip",
+                "needs CUDA: traker's default projector is fast_jl; its CPU fallback regenerates "
+                "an 11.7M x 2048 matrix per batch",
+            )
     elif not run_noop:
         for t in NOOP_RESNET:
             marks[t] = ("xfail-norun", NOOP_REASON)
@@ -229,18 +255,31 @@ def marks_for(side: str, run_noop: bool) -> dict:
 
 def run_side(suite: Path, side: str, files: list[str], run_noop: bool, timeout: float, mem_gib: float) -> dict:
     xml = suite / f"junit-{side}.xml"
-    env = dict(os.environ, PEER_SUITE_SIDE=side, PEER_SUITE_MARKS=json.dumps(marks_for(side, run_noop)),
-               PYTHONPATH=os.pathsep.join([str(suite), str(ROOT)]), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(
+        os.environ,
+        PEER_SUITE_SIDE=side,
+        PEER_SUITE_MARKS=json.dumps(marks_for(side, run_noop)),
+        PYTHONPATH=os.pathsep.join([str(suite), str(ROOT)]),
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     cmd = [sys.executable, "-m", "pytest", "-q", "-rN", f"--junitxml={xml}", *[f"tests/{f}" for f in files]]
 
     def limit():  # a runaway allocation fails the test instead of taking the machine down
         import resource
+
         cap = int(mem_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=suite, env=env, timeout=timeout, capture_output=True, text=True,
-                          preexec_fn=limit if mem_gib > 0 else None)
+    proc = subprocess.run(
+        cmd,
+        cwd=suite,
+        env=env,
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+        preexec_fn=limit if mem_gib > 0 else None,
+    )
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
     print(f"[{side}] pytest exit {proc.returncode} in {time.time() - t0:.0f} s: {tail[0]}", flush=True)
     return parse_junit(xml)
@@ -314,6 +353,7 @@ def import_cockpit():
     """cockpit 1.0.2 imports pkg_resources (gone from recent setuptools) and, for its plotter, pandas and
     seaborn; stand-ins for those let its quantities import without them."""
     import types
+
     try:
         import pkg_resources  # noqa: F401
     except ImportError:
@@ -335,16 +375,19 @@ def import_cockpit():
     from backpack import extend
     from cockpit import Cockpit
     from cockpit.quantities import Alpha
+
     return Cockpit, Alpha, extend
 
 
 def toy_model():
     import torch.nn as nn
+
     return nn.Sequential(nn.Flatten(), nn.Linear(25, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3))
 
 
 def toy_batches(batch_size, n):
     import torch
+
     out = []
     for _ in range(n):
         xs, ys = [], []
@@ -357,6 +400,7 @@ def toy_batches(batch_size, n):
 
 def linear_batches(n_samples, d_in, d_out, n):
     import torch
+
     return [(torch.rand(n_samples, d_in), torch.rand(n_samples, d_out)) for _ in range(n)]
 
 
@@ -364,20 +408,40 @@ def cockpit_problems():
     """Cockpit's Alpha test problems (facts from its test settings; the data and training code are ours)."""
     import torch
     import torch.nn as nn
+
     ce = (lambda: nn.CrossEntropyLoss(reduction="mean"), lambda: nn.CrossEntropyLoss(reduction="none"))
     mse = (lambda: nn.MSELoss(reduction="mean"), lambda: nn.MSELoss(reduction="none"))
     sgd = lambda ps, lr=0.01: torch.optim.SGD(ps, lr=lr)  # noqa: E731
     return [
         dict(name="toy CE, SGD(lr=0.01), B=5", model=toy_model, data=lambda: toy_batches(5, 5), loss=ce, opt=sgd),
-        dict(name="toy CE, Adam(lr=0.01), B=4", model=toy_model, data=lambda: toy_batches(4, 5), loss=ce,
-             opt=lambda ps: torch.optim.Adam(ps, lr=0.01)),
-        dict(name="issue 5: MSE on [B,1], Adam(lr=1e-3), B=2",
-             model=lambda: nn.Sequential(nn.Flatten(), nn.Linear(3, 1)), data=lambda: linear_batches(2, 3, 1, 5),
-             loss=mse, opt=lambda ps: torch.optim.Adam(ps, lr=1e-3)),
-        dict(name="MSE on [B,1], SGD(lr=0.01), B=4", model=lambda: nn.Sequential(nn.Flatten(), nn.Linear(3, 1)),
-             data=lambda: linear_batches(4, 3, 1, 5), loss=mse, opt=sgd),
-        dict(name="MSE on [B,3], Adam(lr=1e-3), B=4 (ours)", model=lambda: nn.Sequential(nn.Linear(3, 3)),
-             data=lambda: linear_batches(4, 3, 3, 5), loss=mse, opt=lambda ps: torch.optim.Adam(ps, lr=1e-3)),
+        dict(
+            name="toy CE, Adam(lr=0.01), B=4",
+            model=toy_model,
+            data=lambda: toy_batches(4, 5),
+            loss=ce,
+            opt=lambda ps: torch.optim.Adam(ps, lr=0.01),
+        ),
+        dict(
+            name="issue 5: MSE on [B,1], Adam(lr=1e-3), B=2",
+            model=lambda: nn.Sequential(nn.Flatten(), nn.Linear(3, 1)),
+            data=lambda: linear_batches(2, 3, 1, 5),
+            loss=mse,
+            opt=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        ),
+        dict(
+            name="MSE on [B,1], SGD(lr=0.01), B=4",
+            model=lambda: nn.Sequential(nn.Flatten(), nn.Linear(3, 1)),
+            data=lambda: linear_batches(4, 3, 1, 5),
+            loss=mse,
+            opt=sgd,
+        ),
+        dict(
+            name="MSE on [B,3], Adam(lr=1e-3), B=4 (ours)",
+            model=lambda: nn.Sequential(nn.Linear(3, 3)),
+            data=lambda: linear_batches(4, 3, 3, 5),
+            loss=mse,
+            opt=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        ),
     ]
 
 
@@ -397,8 +461,7 @@ def run_cockpit_alpha(problem, schedule, model0, batches, Cockpit, CAlpha, exten
         opt.zero_grad()
         out = m(x)
         loss, losses = loss_fn(out, y), ind_fn(out, y)
-        with ck(step, info={"batch_size": x.shape[0], "individual_losses": losses, "loss": loss,
-                            "optimizer": opt}):
+        with ck(step, info={"batch_size": x.shape[0], "individual_losses": losses, "loss": loss, "optimizer": opt}):
             loss.backward(create_graph=ck.create_graph(step))
         opt.step()
     return q.get_output()
@@ -408,6 +471,7 @@ def run_ours_alpha(problem, schedule, model0, batches):
     import warnings
 
     from trak_core import Alpha
+
     m = copy.deepcopy(model0)
     ind_fn = problem["loss"][1]()
     a = Alpha(lambda out, y: ind_fn(out, y), track_schedule=schedule)
@@ -447,14 +511,18 @@ def zero_step_behaviour(Cockpit, CAlpha, extend) -> list[tuple[str, str, str]]:
     import torch
 
     rows = []
-    for opt_name, make in (("SGD(lr=0)", lambda ps: torch.optim.SGD(ps, lr=0.0)),
-                           ("Adam(lr=0)", lambda ps: torch.optim.Adam(ps, lr=0.0))):
+    for opt_name, make in (
+        ("SGD(lr=0)", lambda ps: torch.optim.SGD(ps, lr=0.0)),
+        ("Adam(lr=0)", lambda ps: torch.optim.Adam(ps, lr=0.0)),
+    ):
         torch.manual_seed(0)
-        problem = dict(loss=(lambda: torch.nn.CrossEntropyLoss(), lambda: torch.nn.CrossEntropyLoss(
-            reduction="none")), opt=make)
+        problem = dict(
+            loss=(lambda: torch.nn.CrossEntropyLoss(), lambda: torch.nn.CrossEntropyLoss(reduction="none")), opt=make
+        )
         model0, batches = toy_model(), toy_batches(5, 2)
         try:
             import warnings
+
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 theirs = repr(run_cockpit_alpha(problem, lambda s: s == 0, model0, batches, Cockpit, CAlpha, extend))
@@ -467,13 +535,17 @@ def zero_step_behaviour(Cockpit, CAlpha, extend) -> list[tuple[str, str, str]]:
 
 def run_cockpit(args) -> tuple[list, list]:
     import torch
+
     try:
         Cockpit, CAlpha, extend = import_cockpit()
     except ImportError as e:
-        print(f"cockpit comparison skipped: {e} (pip install --no-deps cockpit-for-pytorch==1.0.2 "
-              "backpack-for-pytorch einops unfoldnd json-tricks)")
+        print(
+            f"cockpit comparison skipped: {e} (pip install --no-deps cockpit-for-pytorch==1.0.2 "
+            "backpack-for-pytorch einops unfoldnd json-tricks)"
+        )
         return [], []
     import warnings
+
     rows = []
     for problem in cockpit_problems():
         for sname, schedule in SCHEDULES.items():

@@ -18,12 +18,34 @@ way to the torch path with a one-line :class:`CudaSelfCheckWarning`. See docs/gp
 """
 
 from ._build import is_available, load_extension, source_digest, unavailable_reason
-from .projectors import (ALGOS, BACKENDS, CudaBackendError, CudaDenseProjector, CudaFallbackWarning, CudaProjector,
-                         CudaSelfCheckWarning, CudaSJLTProjector, make_cuda_projector, register_projectors)
+from .projectors import (
+    ALGOS,
+    BACKENDS,
+    CudaBackendError,
+    CudaDenseProjector,
+    CudaFallbackWarning,
+    CudaProjector,
+    CudaSelfCheckWarning,
+    CudaSJLTProjector,
+    make_cuda_projector,
+    register_projectors,
+)
 
 register_projectors()
 
-__all__ = ["CudaDenseProjector", "CudaSJLTProjector", "CudaProjector", "CudaFallbackWarning", "CudaSelfCheckWarning",
-           "CudaBackendError", "make_cuda_projector",
-           "register_projectors", "load_extension", "unavailable_reason", "is_available", "source_digest", "ALGOS",
-           "BACKENDS"]
+__all__ = [
+    "CudaDenseProjector",
+    "CudaSJLTProjector",
+    "CudaProjector",
+    "CudaFallbackWarning",
+    "CudaSelfCheckWarning",
+    "CudaBackendError",
+    "make_cuda_projector",
+    "register_projectors",
+    "load_extension",
+    "unavailable_reason",
+    "is_available",
+    "source_digest",
+    "ALGOS",
+    "BACKENDS",
+]

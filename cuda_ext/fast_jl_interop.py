@@ -43,24 +43,36 @@ def import_fast_jl():
     except ImportError as e:
         raise FastJLMissingError(
             "projector='fast_jl' needs TRAK's CUDA projector, the fast_jl package: on a CUDA machine run "
-            f"`pip install fast_jl --no-build-isolation` ({e})") from None
+            f"`pip install fast_jl --no-build-isolation` ({e})"
+        ) from None
     return fast_jl
 
 
 class FastJLProjector(AbstractProjector):
     kind = "fast_jl"
 
-    def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cuda",
-                 max_batch_size: int = 32, num_feature_tiles: int = 128, input_dtype: torch.dtype | None = None,
-                 dtype: torch.dtype = torch.float32, *args, **kwargs) -> None:
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int = 0,
+        proj_type: str | ProjectionType = ProjectionType.rademacher,
+        device="cuda",
+        max_batch_size: int = 32,
+        num_feature_tiles: int = 128,
+        input_dtype: torch.dtype | None = None,
+        dtype: torch.dtype = torch.float32,
+        *args,
+        **kwargs,
+    ) -> None:
         check_dims(grad_dim, proj_dim)
         super().__init__(grad_dim, proj_dim, seed, as_proj_type(proj_type), device)
         self.fast_jl = import_fast_jl()
         dev = torch.device(device)
         if dev.type != "cuda":
-            raise BadInputError(f"projector='fast_jl' runs on CUDA only, got device={str(dev)!r}; "
-                                "use projector='dense' on the CPU")
+            raise BadInputError(
+                f"projector='fast_jl' runs on CUDA only, got device={str(dev)!r}; use projector='dense' on the CPU"
+            )
         if not torch.cuda.is_available():
             raise CudaBackendError("projector='fast_jl' needs a CUDA device; none is visible")
         if max_batch_size not in (8, 16, 32):
@@ -98,7 +110,8 @@ class FastJLProjector(AbstractProjector):
                 for b0 in range(0, batch, rows):
                     b1 = min(b0 + rows, batch)
                     xb = x[b0:b1, k0:k1].contiguous()
-                    out[b0:b1] += self._fn(b1 - b0)(xb, self.padded_dim, self._seed(model_id, ci),
-                                                    self.num_feature_tiles)
-        out = out[:, :self.proj_dim]
+                    out[b0:b1] += self._fn(b1 - b0)(
+                        xb, self.padded_dim, self._seed(model_id, ci), self.num_feature_tiles
+                    )
+        out = out[:, : self.proj_dim]
         return out if self.dtype == torch.float32 else out.to(self.dtype)

@@ -28,14 +28,30 @@ from torch import Tensor
 
 from trak_core import counter_rng
 from trak_core.errors import BadInputError
-from trak_core.projectors import (AbstractProjector, DenseProjector, ProjectionType, as_proj_type, check_dims,
-                                  register_projector)
+from trak_core.projectors import (
+    AbstractProjector,
+    DenseProjector,
+    ProjectionType,
+    as_proj_type,
+    check_dims,
+    register_projector,
+)
 
 from . import _build, selfcheck, torch_path
 from .selfcheck import CudaFallbackWarning, CudaSelfCheckWarning
 
-__all__ = ["CudaFallbackWarning", "CudaSelfCheckWarning", "CudaBackendError", "CudaDenseProjector",
-           "CudaSJLTProjector", "CudaProjector", "make_cuda_projector", "register_projectors", "ALGOS", "BACKENDS"]
+__all__ = [
+    "CudaFallbackWarning",
+    "CudaSelfCheckWarning",
+    "CudaBackendError",
+    "CudaDenseProjector",
+    "CudaSJLTProjector",
+    "CudaProjector",
+    "make_cuda_projector",
+    "register_projectors",
+    "ALGOS",
+    "BACKENDS",
+]
 
 ALGOS = ("auto", "fma", "tc1", "tc2", "tc3")
 BACKENDS = ("auto", "kernel", "torch", "cpu")
@@ -140,8 +156,7 @@ class _GpuProjectorBase(AbstractProjector):
         if self._self_checked:
             return
         owner = type(self).__name__
-        reason = selfcheck.checked_once(owner, self._device, self._check_label(),
-                                        lambda: self._self_check(model_id))
+        reason = selfcheck.checked_once(owner, self._device, self._check_label(), lambda: self._self_check(model_id))
         self._self_checked = True
         if reason is None:
             return
@@ -174,25 +189,39 @@ class CudaDenseProjector(_GpuProjectorBase):
     kind = "dense"
     _cpu_target = "trak_core's CPU DenseProjector"
 
-    def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cuda",
-                 dtype: torch.dtype = torch.float32, algo: str = "auto", backend: str = "auto",
-                 max_partial_bytes: int = 256 * 2**20, group_cols: int = 1 << 23, model_id: int = 0,
-                 *args, **kwargs) -> None:
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int = 0,
+        proj_type: str | ProjectionType = ProjectionType.rademacher,
+        device="cuda",
+        dtype: torch.dtype = torch.float32,
+        algo: str = "auto",
+        backend: str = "auto",
+        max_partial_bytes: int = 256 * 2**20,
+        group_cols: int = 1 << 23,
+        model_id: int = 0,
+        *args,
+        **kwargs,
+    ) -> None:
         if algo not in ALGOS:
             raise BadInputError(f"algo must be one of {ALGOS}, got {algo!r}")
         super().__init__(grad_dim, proj_dim, seed, proj_type, device, dtype, backend, model_id)
         if algo.startswith("tc") and self.proj_type != ProjectionType.rademacher:
-            raise BadInputError(f"algo={algo!r} (tensor cores) exists for Rademacher matrices only; "
-                                "use algo='fma' or 'auto' for proj_type='normal'")
+            raise BadInputError(
+                f"algo={algo!r} (tensor cores) exists for Rademacher matrices only; "
+                "use algo='fma' or 'auto' for proj_type='normal'"
+            )
         self.max_partial_bytes = int(max_partial_bytes)
         self.group_cols = int(group_cols)
         self._cpu: DenseProjector | None = None
         self.algo = algo
         if self.backend == "cpu":
             cpu_kwargs = {k: v for k, v in kwargs.items() if k in ("block_rows", "cache_bytes")}
-            self._cpu = DenseProjector(grad_dim, proj_dim, seed, self.proj_type, "cpu", dtype=dtype,
-                                       model_id=model_id, **cpu_kwargs)
+            self._cpu = DenseProjector(
+                grad_dim, proj_dim, seed, self.proj_type, "cpu", dtype=dtype, model_id=model_id, **cpu_kwargs
+            )
         elif self.backend == "kernel":
             with torch.cuda.device(self._device):
                 cc = int(_build.load_extension().device_cc())
@@ -207,8 +236,10 @@ class CudaDenseProjector(_GpuProjectorBase):
     def _keys(self, model_id: int) -> tuple[int, int]:
         if self.proj_type == ProjectionType.rademacher:
             return counter_rng.stream_key(self.seed, model_id, counter_rng.STREAM_SIGN_WORDS), 0
-        return (counter_rng.stream_key(self.seed, model_id, counter_rng.STREAM_NORMAL_U1),
-                counter_rng.stream_key(self.seed, model_id, counter_rng.STREAM_NORMAL_U2))
+        return (
+            counter_rng.stream_key(self.seed, model_id, counter_rng.STREAM_NORMAL_U1),
+            counter_rng.stream_key(self.seed, model_id, counter_rng.STREAM_NORMAL_U2),
+        )
 
     def _groups(self, pieces: list[Tensor]):
         group, width = [], 0
@@ -238,8 +269,9 @@ class CudaDenseProjector(_GpuProjectorBase):
             offset = 0
             for p in pieces:
                 if p.shape[1]:
-                    torch_path.dense_project(p.to(self._device), kind, self.seed, model_id, self.proj_dim,
-                                             row0=offset, out=out)
+                    torch_path.dense_project(
+                        p.to(self._device), kind, self.seed, model_id, self.proj_dim, row0=offset, out=out
+                    )
                 offset += p.shape[1]
             return self._finish(out)
         return self._finish(self._kernel_project(pieces, model_id, out))
@@ -256,8 +288,18 @@ class CudaDenseProjector(_GpuProjectorBase):
                     continue
                 parts = [_as_kernel_input(p, self._device) for p in group if p.shape[1] > 0]
                 x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-                ext.dense_project(x, out, offset, key_a, key_b, _KIND_CODE[self.proj_type], _ALGO_CODE[self.algo],
-                                  _build.KSPLIT, self.max_partial_bytes, stream)
+                ext.dense_project(
+                    x,
+                    out,
+                    offset,
+                    key_a,
+                    key_b,
+                    _KIND_CODE[self.proj_type],
+                    _ALGO_CODE[self.algo],
+                    _build.KSPLIT,
+                    self.max_partial_bytes,
+                    stream,
+                )
                 offset += width
         return out
 
@@ -267,8 +309,9 @@ class CudaDenseProjector(_GpuProjectorBase):
     def _self_check(self, model_id: int) -> str | None:
         kind = self.proj_type.value
         # integer inputs make ±1 sums exact in any order; normal entries are not integers: float probe only
-        probes = selfcheck.make_probes(self._device, selfcheck.TOLERANCE[self.algo],
-                                       exact=self.proj_type == ProjectionType.rademacher)
+        probes = selfcheck.make_probes(
+            self._device, selfcheck.TOLERANCE[self.algo], exact=self.proj_type == ProjectionType.rademacher
+        )
 
         def candidate(x: Tensor) -> Tensor:
             out = torch.zeros(x.shape[0], self.proj_dim, dtype=torch.float32, device=self._device)
@@ -288,8 +331,9 @@ class CudaDenseProjector(_GpuProjectorBase):
             with torch.cuda.device(self._device):
                 ext.dense_block(row0, out, key_a, key_b, _KIND_CODE[self.proj_type], self._stream())
             return out
-        return torch_path.dense_block(self.proj_type.value, self.seed, model_id, row0, row1, self.proj_dim,
-                                      self._device)
+        return torch_path.dense_block(
+            self.proj_type.value, self.seed, model_id, row0, row1, self.proj_dim, self._device
+        )
 
 
 def _cpu_sjlt_class():
@@ -330,16 +374,29 @@ class CudaSJLTProjector(_GpuProjectorBase):
     kind = "sjlt"
     _cpu_target = "trak_core's CPU SJLTProjector"
 
-    def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cuda",
-                 c: int = 4, dtype: torch.dtype = torch.float32, backend: str = "auto", model_id: int = 0,
-                 *args, **kwargs) -> None:
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int = 0,
+        proj_type: str | ProjectionType = ProjectionType.rademacher,
+        device="cuda",
+        c: int = 4,
+        dtype: torch.dtype = torch.float32,
+        backend: str = "auto",
+        model_id: int = 0,
+        *args,
+        **kwargs,
+    ) -> None:
         if as_proj_type(proj_type) != ProjectionType.rademacher:
-            raise BadInputError(f"SJLT entries are signs ±√(proj_dim/c); proj_type {as_proj_type(proj_type).value!r} "
-                                "is not defined for it (use 'rademacher')")
+            raise BadInputError(
+                f"SJLT entries are signs ±√(proj_dim/c); proj_type {as_proj_type(proj_type).value!r} "
+                "is not defined for it (use 'rademacher')"
+            )
         if not isinstance(c, int) or isinstance(c, bool) or c <= 0 or c > proj_dim:
-            raise BadInputError(f"SJLT: c (nonzeros per input coordinate) must be an integer in [1, proj_dim], "
-                                f"got {c!r}")
+            raise BadInputError(
+                f"SJLT: c (nonzeros per input coordinate) must be an integer in [1, proj_dim], got {c!r}"
+            )
         super().__init__(grad_dim, proj_dim, seed, proj_type, device, dtype, backend, model_id)
         self.c = c
         self.value_scale = math.sqrt(proj_dim / c)
@@ -362,8 +419,9 @@ class CudaSJLTProjector(_GpuProjectorBase):
         """(col_ptr, packed) of ``model_id`` on this projector's device (cached for the last model_id)."""
         if self._plan is None or self._plan[0] != model_id:
             self._plan = None
-            col_ptr, packed = torch_path.sjlt_plan(self.seed, model_id, self.grad_dim, self.proj_dim, self.c,
-                                                   self._device)
+            col_ptr, packed = torch_path.sjlt_plan(
+                self.seed, model_id, self.grad_dim, self.proj_dim, self.c, self._device
+            )
             self._plan = (model_id, col_ptr, packed)
         return self._plan[1], self._plan[2]
 
@@ -413,8 +471,9 @@ class CudaSJLTProjector(_GpuProjectorBase):
         return selfcheck.self_check(candidate, reference, probes)
 
 
-def make_cuda_projector(kind: str, grad_dim: int, proj_dim: int, seed: int = 0, proj_type="rademacher",
-                        device="cuda", **kwargs) -> AbstractProjector:
+def make_cuda_projector(
+    kind: str, grad_dim: int, proj_dim: int, seed: int = 0, proj_type="rademacher", device="cuda", **kwargs
+) -> AbstractProjector:
     """A GPU projector by kind: ``"dense"``, ``"sjlt"`` or ``"fast_jl"`` (TRAK's CUDA projector, if installed)."""
     if isinstance(kind, Enum):
         kind = kind.value
@@ -424,18 +483,21 @@ def make_cuda_projector(kind: str, grad_dim: int, proj_dim: int, seed: int = 0, 
         return CudaSJLTProjector(grad_dim, proj_dim, seed, proj_type, device, **kwargs)
     if kind == "fast_jl":
         from .fast_jl_interop import FastJLProjector
+
         return FastJLProjector(grad_dim, proj_dim, seed, proj_type, device, **kwargs)
     raise BadInputError(f"unknown GPU projector {kind!r}; choose 'dense', 'sjlt' or 'fast_jl'")
 
 
-def CudaProjector(grad_dim: int, proj_dim: int, seed: int = 0, proj_type="rademacher", device="cuda",
-                  kind: str = "dense", **kwargs) -> AbstractProjector:
+def CudaProjector(
+    grad_dim: int, proj_dim: int, seed: int = 0, proj_type="rademacher", device="cuda", kind: str = "dense", **kwargs
+) -> AbstractProjector:
     """``CudaProjector(..., kind="dense" | "sjlt" | "fast_jl")``: one entry point for the GPU projectors."""
     return make_cuda_projector(kind, grad_dim, proj_dim, seed, proj_type, device, **kwargs)
 
 
 def _make_fast_jl(grad_dim: int, proj_dim: int, seed: int = 0, proj_type="rademacher", device="cuda", **kwargs):
     from .fast_jl_interop import FastJLProjector
+
     return FastJLProjector(grad_dim, proj_dim, seed, proj_type, device, **kwargs)
 
 

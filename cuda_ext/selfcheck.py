@@ -42,15 +42,30 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["CudaFallbackWarning", "CudaSelfCheckWarning", "Probe", "make_probes", "self_check", "checked_once",
-           "clear_cache", "PROBE_ROWS", "PROBE_COLS", "TOLERANCE", "EXACT_REL"]
+__all__ = [
+    "CudaFallbackWarning",
+    "CudaSelfCheckWarning",
+    "Probe",
+    "make_probes",
+    "self_check",
+    "checked_once",
+    "clear_cache",
+    "PROBE_ROWS",
+    "PROBE_COLS",
+    "TOLERANCE",
+    "EXACT_REL",
+]
 
 PROBE_ROWS = 33  # > one 32-row batch tile
 PROBE_COLS = 70_001  # > 2 × 32,768 (three split-K splits), odd: ragged 32/64-coordinate steps
 PROBE_INT_MAX = 8  # |integer probe entries| ≤ 8: every partial sum ≤ 8 · 70,001 < 2**24, exact in float32
 EXACT_REL = 2.0**-21  # per entry, integer probe: the final float32 rounding(s) of scale · sum, nothing else
 TOLERANCE = {  # max |out - ref| / max |ref| on the float probe
-    "fma": 1e-4, "tc3": 1e-4, "tc2": 2e-4, "tc1": 2e-2, "sjlt": 1e-4,
+    "fma": 1e-4,
+    "tc3": 1e-4,
+    "tc2": 2e-4,
+    "tc1": 2e-2,
+    "sjlt": 1e-4,
 }
 
 
@@ -70,8 +85,7 @@ class Probe:
     tol: float
 
 
-def make_probes(device, tol: float, exact: bool = True, rows: int = PROBE_ROWS,
-                cols: int = PROBE_COLS) -> list[Probe]:
+def make_probes(device, tol: float, exact: bool = True, rows: int = PROBE_ROWS, cols: int = PROBE_COLS) -> list[Probe]:
     """The probe inputs (fixed, seeded; float32 on ``device``): the integer probe when ``exact``, then the
     float probe."""
     g = torch.Generator().manual_seed(0x7EA11)
@@ -89,8 +103,9 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
-def self_check(candidate: Callable[[Tensor], Tensor], reference: Callable[[Tensor], Tensor],
-               probes: list[Probe]) -> str | None:
+def self_check(
+    candidate: Callable[[Tensor], Tensor], reference: Callable[[Tensor], Tensor], probes: list[Probe]
+) -> str | None:
     """None when ``candidate`` agrees with ``reference`` on every probe, else why not (one line).
 
     ``reference`` should accumulate in float64; both get the same float32 probe tensor.
@@ -118,8 +133,10 @@ def self_check(candidate: Callable[[Tensor], Tensor], reference: Callable[[Tenso
         if p.exact:
             bad = diff > p.tol * ref64.abs()
             if bool(bad.any()):
-                return (f"{int(bad.sum())} of {bad.numel()} entries differ from the exact result "
-                        f"(max |diff| {float(diff.max()):.3g}) {where}")
+                return (
+                    f"{int(bad.sum())} of {bad.numel()} entries differ from the exact result "
+                    f"(max |diff| {float(diff.max()):.3g}) {where}"
+                )
         else:
             err = float(diff.max() / ref64.abs().max().clamp_min(1e-30))
             if not err <= p.tol:
@@ -152,6 +169,9 @@ def checked_once(owner: str, device, algo: Hashable, run: Callable[[], str | Non
         _decisions[key] = reason
     if reason is not None:
         label = owner if algo in (None, "") else f"{owner} ({algo})"
-        warnings.warn(f"cuda_ext: {label} failed its self-check ({reason}); using the torch path",
-                      CudaSelfCheckWarning, stacklevel=4)
+        warnings.warn(
+            f"cuda_ext: {label} failed its self-check ({reason}); using the torch path",
+            CudaSelfCheckWarning,
+            stacklevel=4,
+        )
     return reason

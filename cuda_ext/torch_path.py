@@ -18,8 +18,18 @@ from torch import Tensor
 
 from trak_core import counter_rng
 
-__all__ = ["rademacher_block", "normal_block", "dense_block", "dense_project", "sjlt_entries", "sjlt_plan",
-           "sjlt_project_from_plan", "sjlt_dense_block", "sjlt_project", "sjlt_reference"]
+__all__ = [
+    "rademacher_block",
+    "normal_block",
+    "dense_block",
+    "dense_project",
+    "sjlt_entries",
+    "sjlt_plan",
+    "sjlt_project_from_plan",
+    "sjlt_dense_block",
+    "sjlt_project",
+    "sjlt_reference",
+]
 
 KIND_RADEMACHER = "rademacher"
 KIND_NORMAL = "normal"
@@ -35,9 +45,17 @@ def dense_block(kind: str, seed: int, model_id: int, row0: int, row1: int, cols:
     return counter_rng.dense_block(kind, seed, model_id, row0, row1, cols, device=device)
 
 
-def dense_project(x: Tensor, kind: str, seed: int, model_id: int, proj_dim: int, row0: int = 0,
-                  out: Tensor | None = None, block_elems: int = 1 << 24,
-                  dtype: torch.dtype = torch.float32) -> Tensor:
+def dense_project(
+    x: Tensor,
+    kind: str,
+    seed: int,
+    model_id: int,
+    proj_dim: int,
+    row0: int = 0,
+    out: Tensor | None = None,
+    block_elems: int = 1 << 24,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """``out += x @ R[row0 : row0 + K]`` with R generated block-wise on x's device, accumulated in ``out``'s
     dtype (float32 by default; the self-check's reference uses float64)."""
     batch, width = x.shape
@@ -52,14 +70,16 @@ def dense_project(x: Tensor, kind: str, seed: int, model_id: int, proj_dim: int,
 
 
 # ------------------------------------------------------------------------------------------------ SJLT
-def sjlt_entries(seed: int, model_id: int, row0: int, row1: int, proj_dim: int, c: int,
-                 device=None) -> tuple[Tensor, Tensor]:
+def sjlt_entries(
+    seed: int, model_id: int, row0: int, row1: int, proj_dim: int, c: int, device=None
+) -> tuple[Tensor, Tensor]:
     """(columns (r, c) int64, signs (r, c) int64) on ``device`` (``counter_rng.sjlt_block``)."""
     return counter_rng.sjlt_block(seed, model_id, row0, row1, proj_dim, c, device=device)
 
 
-def sjlt_plan(seed: int, model_id: int, grad_dim: int, proj_dim: int, c: int, device=None,
-              chunk_rows: int = 1 << 22) -> tuple[Tensor, Tensor]:
+def sjlt_plan(
+    seed: int, model_id: int, grad_dim: int, proj_dim: int, c: int, device=None, chunk_rows: int = 1 << 22
+) -> tuple[Tensor, Tensor]:
     """The CSR of the transposed sign matrix: (col_ptr (proj_dim + 1,), packed (grad_dim·c,)) int64.
 
     ``packed = i * 2 + (sign < 0)``, sorted by (column, i): the gather of column j visits its coordinates in
@@ -72,8 +92,8 @@ def sjlt_plan(seed: int, model_id: int, grad_dim: int, proj_dim: int, c: int, de
     for r0 in range(0, grad_dim, chunk_rows):
         r1 = min(r0 + chunk_rows, grad_dim)
         cc, ss = sjlt_entries(seed, model_id, r0, r1, proj_dim, c, device)
-        cols[r0 * c:r1 * c] = cc.reshape(-1).to(torch.int32)
-        neg[r0 * c:r1 * c] = ss.reshape(-1) < 0
+        cols[r0 * c : r1 * c] = cc.reshape(-1).to(torch.int32)
+        neg[r0 * c : r1 * c] = ss.reshape(-1) < 0
     col_ptr = torch.zeros(proj_dim + 1, dtype=torch.int64, device=device)
     col_ptr[1:] = torch.bincount(cols, minlength=proj_dim).cumsum(0)
     order = torch.sort(cols, stable=True).indices  # flat index i*c + r, increasing within a column
@@ -101,8 +121,16 @@ def sjlt_dense_block(seed: int, model_id: int, row0: int, row1: int, proj_dim: i
     return blk
 
 
-def sjlt_project(x: Tensor, seed: int, model_id: int, proj_dim: int, c: int, row0: int = 0,
-                 out: Tensor | None = None, block_elems: int = 1 << 24) -> Tensor:
+def sjlt_project(
+    x: Tensor,
+    seed: int,
+    model_id: int,
+    proj_dim: int,
+    c: int,
+    row0: int = 0,
+    out: Tensor | None = None,
+    block_elems: int = 1 << 24,
+) -> Tensor:
     """``out += (x @ S[row0 : row0 + K]) / √(proj_dim / c)`` with dense blocks of S on x's device.
 
     The caller multiplies by √(proj_dim / c) once at the end (as the kernel does).
@@ -113,13 +141,22 @@ def sjlt_project(x: Tensor, seed: int, model_id: int, proj_dim: int, c: int, row
     step = max(1, block_elems // proj_dim)
     for r0 in range(0, width, step):
         r1 = min(r0 + step, width)
-        out.addmm_(x[:, r0:r1].to(torch.float32),
-                   sjlt_dense_block(seed, model_id, row0 + r0, row0 + r1, proj_dim, c, x.device))
+        out.addmm_(
+            x[:, r0:r1].to(torch.float32), sjlt_dense_block(seed, model_id, row0 + r0, row0 + r1, proj_dim, c, x.device)
+        )
     return out
 
 
-def sjlt_reference(x: Tensor, seed: int, model_id: int, proj_dim: int, c: int, row0: int = 0,
-                   block_rows: int = 1 << 16, dtype: torch.dtype = torch.float64) -> Tensor:
+def sjlt_reference(
+    x: Tensor,
+    seed: int,
+    model_id: int,
+    proj_dim: int,
+    c: int,
+    row0: int = 0,
+    block_rows: int = 1 << 16,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
     """A direct transcription of the definition (``counter_rng.sjlt_block``, scatter-add), in ``dtype``."""
     batch, width = x.shape
     out = torch.zeros(batch, proj_dim, dtype=dtype, device=x.device)

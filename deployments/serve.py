@@ -34,13 +34,25 @@ def build_deployments(demo_dir: str | None = None) -> list:
     train_cfg, attr = demo_configs(demo_dir)
     common = dict(tags=["trakflow"], entrypoint_type=EntrypointType.MODULE_PATH)  # flows.x.y: no file loading
     return [
-        digits_demo.to_deployment(name="nightly", cron=NIGHTLY_CRON, parameters={"demo_dir": demo_dir},
-                                  description="digits demo end to end: train checkpoints if absent, attribute",
-                                  **common),
-        attribute.to_deployment(name="digits", parameters={"config": attr},
-                                description="TRAK attribution (config pre-filled with the digits demo)", **common),
-        train.to_deployment(name="digits", parameters={"config": train_cfg.model_dump(mode="json")},
-                            description="train the digits checkpoints (skips complete ones)", **common),
+        digits_demo.to_deployment(
+            name="nightly",
+            cron=NIGHTLY_CRON,
+            parameters={"demo_dir": demo_dir},
+            description="digits demo end to end: train checkpoints if absent, attribute",
+            **common,
+        ),
+        attribute.to_deployment(
+            name="digits",
+            parameters={"config": attr},
+            description="TRAK attribution (config pre-filled with the digits demo)",
+            **common,
+        ),
+        train.to_deployment(
+            name="digits",
+            parameters={"config": train_cfg.model_dump(mode="json")},
+            description="train the digits checkpoints (skips complete ones)",
+            **common,
+        ),
     ]
 
 

@@ -64,8 +64,13 @@ def as_image(row) -> np.ndarray:
     return np.asarray(row, dtype=np.float32).reshape(8, 8)
 
 
-def demo_configs(demo_dir: str | Path = "trakflow_demo", num_models: int = 3, epochs: int = 4,
-                 proj_dim: int = 512, lambda_reg: float | str = "auto"):
+def demo_configs(
+    demo_dir: str | Path = "trakflow_demo",
+    num_models: int = 3,
+    epochs: int = 4,
+    proj_dim: int = 512,
+    lambda_reg: float | str = "auto",
+):
     """(TrainConfig, AttributeConfig dict) of the demo; the attribute config is returned as a dict because
     its validation needs the checkpoints to exist, which the train flow makes first.
 
@@ -79,15 +84,38 @@ def demo_configs(demo_dir: str | Path = "trakflow_demo", num_models: int = 3, ep
     from tasks.config import TrainConfig
 
     demo_dir = Path(demo_dir).absolute()
-    train = TrainConfig(model="examples.digits:make_model", train_data="examples.digits:train_data",
-                        out_dir=str(demo_dir / "checkpoints"), num_models=num_models, epochs=epochs,
-                        batch_size=64, optimizer="sgd", lr=0.01, momentum=0.9, subset_fraction=1.0,
-                        alpha_every=2, device="cpu")
-    attribute = dict(model="examples.digits:make_model", train_data="examples.digits:train_data",
-                     target_data="examples.digits:target_data", task="image_classification",
-                     checkpoints=str(demo_dir / "checkpoints" / "manifest.json"),
-                     store=str(demo_dir / "store.zarr"), exp_name="digits", proj_dim=proj_dim,
-                     lambda_reg=lambda_reg, dtype="float32", batch_size=100, shard_size=500, chunk_rows=100,
-                     device="cpu", top_k=5, report_targets=NUM_TARGETS, report_dir=str(demo_dir / "report"),
-                     show="examples.digits:as_image")
+    train = TrainConfig(
+        model="examples.digits:make_model",
+        train_data="examples.digits:train_data",
+        out_dir=str(demo_dir / "checkpoints"),
+        num_models=num_models,
+        epochs=epochs,
+        batch_size=64,
+        optimizer="sgd",
+        lr=0.01,
+        momentum=0.9,
+        subset_fraction=1.0,
+        alpha_every=2,
+        device="cpu",
+    )
+    attribute = dict(
+        model="examples.digits:make_model",
+        train_data="examples.digits:train_data",
+        target_data="examples.digits:target_data",
+        task="image_classification",
+        checkpoints=str(demo_dir / "checkpoints" / "manifest.json"),
+        store=str(demo_dir / "store.zarr"),
+        exp_name="digits",
+        proj_dim=proj_dim,
+        lambda_reg=lambda_reg,
+        dtype="float32",
+        batch_size=100,
+        shard_size=500,
+        chunk_rows=100,
+        device="cpu",
+        top_k=5,
+        report_targets=NUM_TARGETS,
+        report_dir=str(demo_dir / "report"),
+        show="examples.digits:as_image",
+    )
     return train, attribute

@@ -25,13 +25,59 @@ import torch
 from torch import nn
 
 PAD, CLS, NOT = 0, 1, 2
-POSITIVE = ["good", "great", "excellent", "happy", "love", "wonderful", "nice", "fine", "superb", "enjoyable",
-            "pleasant", "brilliant"]
-NEGATIVE = ["bad", "awful", "terrible", "sad", "hate", "poor", "boring", "ugly", "horrible", "dull", "weak",
-            "annoying"]
-NEUTRAL = ["the", "a", "movie", "book", "plot", "was", "is", "it", "this", "that", "actor", "story", "and",
-           "with", "very", "quite", "scene", "ending", "music", "of", "in", "on", "for", "to", "my", "friend",
-           "said", "we", "saw", "read", "today", "again", "really", "some", "parts", "overall"]
+POSITIVE = [
+    "good",
+    "great",
+    "excellent",
+    "happy",
+    "love",
+    "wonderful",
+    "nice",
+    "fine",
+    "superb",
+    "enjoyable",
+    "pleasant",
+    "brilliant",
+]
+NEGATIVE = ["bad", "awful", "terrible", "sad", "hate", "poor", "boring", "ugly", "horrible", "dull", "weak", "annoying"]
+NEUTRAL = [
+    "the",
+    "a",
+    "movie",
+    "book",
+    "plot",
+    "was",
+    "is",
+    "it",
+    "this",
+    "that",
+    "actor",
+    "story",
+    "and",
+    "with",
+    "very",
+    "quite",
+    "scene",
+    "ending",
+    "music",
+    "of",
+    "in",
+    "on",
+    "for",
+    "to",
+    "my",
+    "friend",
+    "said",
+    "we",
+    "saw",
+    "read",
+    "today",
+    "again",
+    "really",
+    "some",
+    "parts",
+    "overall",
+]
 VOCAB = ["[PAD]", "[CLS]", "not"] + POSITIVE + NEGATIVE + NEUTRAL
 INDEX = {w: i for i, w in enumerate(VOCAB)}
 SEQ_LEN = 16
@@ -84,7 +130,7 @@ def train_data():
 
 
 def target_data():
-    return tuple(t[NUM_TRAIN:NUM_TRAIN + NUM_TARGETS] for t in _dataset())
+    return tuple(t[NUM_TRAIN : NUM_TRAIN + NUM_TARGETS] for t in _dataset())
 
 
 def decode(row) -> str:

@@ -6,22 +6,27 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
+from flows.attribute import attribute
+from flows.train import train
 from tasks.config import AttributeConfig
 from tasks.trainer import is_complete
 
-from flows.attribute import attribute
-from flows.train import train
-
 
 @flow(name="digits-demo", validate_parameters=True)
-def digits_demo(demo_dir: str = "trakflow_demo", num_models: int = 3, epochs: int = 4, proj_dim: int = 512,
-                lambda_reg: float | str = "auto") -> dict:
+def digits_demo(
+    demo_dir: str = "trakflow_demo",
+    num_models: int = 3,
+    epochs: int = 4,
+    proj_dim: int = 512,
+    lambda_reg: float | str = "auto",
+) -> dict:
     """scikit-learn's digits, a 64→32→10 MLP: ``num_models`` checkpoints (trained only when absent),
     then the attribute flow on 5 held-out digits. Returns the train result (or None) and the attribution."""
     from examples.digits import demo_configs
 
-    train_cfg, attr = demo_configs(demo_dir, num_models=num_models, epochs=epochs, proj_dim=proj_dim,
-                                   lambda_reg=lambda_reg)
+    train_cfg, attr = demo_configs(
+        demo_dir, num_models=num_models, epochs=epochs, proj_dim=proj_dim, lambda_reg=lambda_reg
+    )
     log = get_run_logger()
     trained = None
     manifest = Path(train_cfg.out_dir) / "manifest.json"

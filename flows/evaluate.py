@@ -6,13 +6,12 @@ import time
 
 from prefect import flow, get_run_logger
 
+from flows.attribute import attribute
+from flows.runners import ConfigTaskRunner, gather
 from tasks import progress
 from tasks.config import EvaluateConfig
 from tasks.evaluate import assemble_truth_task, compute_lds_task, plan_truth_task, train_subset_model_task
 from tasks.plan import summarize
-
-from flows.attribute import attribute
-from flows.runners import ConfigTaskRunner, gather
 
 
 @flow(name="evaluate", task_runner=ConfigTaskRunner(), validate_parameters=True)
@@ -33,7 +32,13 @@ def evaluate(config: EvaluateConfig) -> dict:
     stats = summarize(trained) if trained else {"tasks": 0, "computed": 0, "skipped": 0, "seconds": 0.0}
     truth = assemble_truth_task(config, plan.folder)
     result = compute_lds_task(config, truth, stats["computed"])
-    log.info("LDS of experiment %r: %.4f [%.3f, %.3f] over %d targets, %d subsets (%d models trained now)",
-             config.attribute.exp_name, result["lds"], *result["ci95"], result["num_targets"], result["num_subsets"],
-             stats["computed"])
+    log.info(
+        "LDS of experiment %r: %.4f [%.3f, %.3f] over %d targets, %d subsets (%d models trained now)",
+        config.attribute.exp_name,
+        result["lds"],
+        *result["ci95"],
+        result["num_targets"],
+        result["num_subsets"],
+        stats["computed"],
+    )
     return {**result, "attribute": attr, "train": stats, "seconds": round(time.perf_counter() - t0, 3)}

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from prefect import flow, get_run_logger
 
+from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
 from tasks import progress
 from tasks.attribution import featurize_shard, plan_attribution
 from tasks.config import AttributeConfig
 from tasks.plan import Plan, summarize
 
-from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
-
 
 @flow(name="featurize", task_runner=ConfigTaskRunner(), validate_parameters=True)
-def featurize(config: AttributeConfig, plan: Optional[Plan] = None) -> dict:
+def featurize(config: AttributeConfig, plan: Plan | None = None) -> dict:
     """Projected train gradients X, weights Q and per-shard XᵀX partials for every checkpoint.
     ``plan`` (from the plan task) is computed when not given."""
     with run_lock(config), worker_api(config):
@@ -24,6 +21,10 @@ def featurize(config: AttributeConfig, plan: Optional[Plan] = None) -> dict:
         futures = [featurize_shard.submit(config, m.model_id, m.checkpoint, s) for m, s in plan.featurize_jobs()]
         manifests = gather(futures, "featurize", lambda m: m.num_rows)
     out = summarize(manifests)
-    get_run_logger().info("featurize: %d shard tasks, %d computed, %d skipped (complete in the store)",
-                          out["tasks"], out["computed"], out["skipped"])
+    get_run_logger().info(
+        "featurize: %d shard tasks, %d computed, %d skipped (complete in the store)",
+        out["tasks"],
+        out["computed"],
+        out["skipped"],
+    )
     return {**out, "manifests": manifests}

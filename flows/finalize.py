@@ -2,33 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from prefect import flow, get_run_logger
 
+from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
 from tasks import progress
 from tasks.attribution import finalize_checkpoint, plan_attribution
 from tasks.config import AttributeConfig
 from tasks.plan import Plan, summarize
 
-from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
-
 
 @flow(name="finalize", task_runner=ConfigTaskRunner(), validate_parameters=True)
-def finalize(config: AttributeConfig, plan: Optional[Plan] = None, upstream: Optional[dict] = None) -> dict:
+def finalize(config: AttributeConfig, plan: Plan | None = None, upstream: dict | None = None) -> dict:
     """``upstream``: the featurize stage's summary when run inside ``attribute``; not read — passing it draws
     the edge featurize → this stage in the UI's flow-run graph."""
     with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
         progress.start("finalize", len(plan.models))
-        manifests = gather([finalize_checkpoint.submit(config, mid) for mid in plan.model_ids], "finalize",
-                           lambda m: 1)
+        manifests = gather([finalize_checkpoint.submit(config, mid) for mid in plan.model_ids], "finalize", lambda m: 1)
     out = summarize(manifests)
     log = get_run_logger()
     for m in manifests:
         info = m.info or {}
-        log.info("model_id=%s: condition number of XᵀX+λI %.3g (lambda_reg=%s)%s", m.model_id,
-                 info.get("condition", float("nan")), info.get("lambda_reg"), " [skipped]" if m.skipped else "")
+        log.info(
+            "model_id=%s: condition number of XᵀX+λI %.3g (lambda_reg=%s)%s",
+            m.model_id,
+            info.get("condition", float("nan")),
+            info.get("lambda_reg"),
+            " [skipped]" if m.skipped else "",
+        )
         for w in m.warnings:
             log.warning(w)
     return {**out, "manifests": manifests}

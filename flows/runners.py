@@ -33,7 +33,8 @@ import contextlib
 import multiprocessing
 import os
 import threading
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prefect.futures import wait
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
@@ -66,16 +67,19 @@ class GPUProcessPoolTaskRunner(ProcessPoolTaskRunner):
     is a different GPU in each. Without ``gpus`` it is a plain ``ProcessPoolTaskRunner(max_workers)``.
     """
 
-    def __init__(self, gpus: Optional[Sequence[str]] = None, max_workers: Optional[int] = None):
+    def __init__(self, gpus: Sequence[str] | None = None, max_workers: int | None = None):
         self.gpus = [str(g) for g in gpus] if gpus else None
         super().__init__(max_workers=len(self.gpus) if self.gpus else max_workers)
 
-    def duplicate(self) -> "GPUProcessPoolTaskRunner":
+    def duplicate(self) -> GPUProcessPoolTaskRunner:
         return type(self)(gpus=self.gpus, max_workers=None if self.gpus else self._max_workers)
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, GPUProcessPoolTaskRunner) and other.gpus == self.gpus
-                and other._max_workers == self._max_workers)
+        return (
+            isinstance(other, GPUProcessPoolTaskRunner)
+            and other.gpus == self.gpus
+            and other._max_workers == self._max_workers
+        )
 
     def __enter__(self):
         if self.gpus:
@@ -94,8 +98,7 @@ class GPUProcessPoolTaskRunner(ProcessPoolTaskRunner):
 
 
 # ---------------------------------------------------------------------------------------------- dask
-def start_local_cluster(n_workers: int = 2, threads_per_worker: int = 1, gpus: Optional[Sequence[str]] = None,
-                        **kwargs):
+def start_local_cluster(n_workers: int = 2, threads_per_worker: int = 1, gpus: Sequence[str] | None = None, **kwargs):
     """A ``distributed.LocalCluster`` of worker processes (a nanny each). With ``gpus``, one worker per
     entry, started with ``CUDA_VISIBLE_DEVICES`` set to it. Use it as a context manager."""
     from distributed import LocalCluster
@@ -120,7 +123,7 @@ def start_local_cluster(n_workers: int = 2, threads_per_worker: int = 1, gpus: O
     return cluster
 
 
-def _dask_runner(config, address: Optional[str] = None):
+def _dask_runner(config, address: str | None = None):
     from prefect_dask import DaskTaskRunner
 
     _quiet_distributed()
@@ -133,11 +136,13 @@ def _dask_runner(config, address: Optional[str] = None):
     if gpus:
         from functools import partial
 
-        return DaskTaskRunner(cluster_class=partial(start_local_cluster, gpus=list(gpus)),
-                              cluster_kwargs={"threads_per_worker": t})
-    return DaskTaskRunner(cluster_class="distributed.LocalCluster",
-                          cluster_kwargs={"n_workers": n, "processes": True, "threads_per_worker": t,
-                                          "dashboard_address": ":0"})
+        return DaskTaskRunner(
+            cluster_class=partial(start_local_cluster, gpus=list(gpus)), cluster_kwargs={"threads_per_worker": t}
+        )
+    return DaskTaskRunner(
+        cluster_class="distributed.LocalCluster",
+        cluster_kwargs={"n_workers": n, "processes": True, "threads_per_worker": t, "dashboard_address": ":0"},
+    )
 
 
 # ---------------------------------------------------------------------------------------------- selection
@@ -153,10 +158,10 @@ class ConfigTaskRunner(TaskRunner):
     def __init__(self, parameter: str = "config"):
         super().__init__()
         self.parameter = parameter
-        self._runner: Optional[TaskRunner] = None
+        self._runner: TaskRunner | None = None
         self._lock = threading.Lock()
 
-    def duplicate(self) -> "ConfigTaskRunner":
+    def duplicate(self) -> ConfigTaskRunner:
         return type(self)(self.parameter)
 
     def __eq__(self, other: object) -> bool:
@@ -221,8 +226,9 @@ def check_dask_scheduler(address: str, timeout: float = 10.0) -> None:
         with Client(address, timeout=timeout, set_as_default=False) as client:
             n = len(client.scheduler_info().get("workers", {}))
     except OSError as e:  # distributed raises OSError (incl. TimeoutError) for an unreachable scheduler
-        raise BadInputError(f"dask_address: cannot reach a Dask scheduler at {address!r} within {timeout:g} s "
-                            f"({type(e).__name__}: {e})") from None
+        raise BadInputError(
+            f"dask_address: cannot reach a Dask scheduler at {address!r} within {timeout:g} s ({type(e).__name__}: {e})"
+        ) from None
     if n == 0:  # not an error: workers may join later (adaptive clusters); tasks wait for them
         import logging
 
@@ -247,9 +253,13 @@ def stage_runners(config) -> Iterator[Callable[[], TaskRunner]]:
 
         def runner() -> TaskRunner:
             if not address:
-                cluster = stack.enter_context(start_local_cluster(
-                    getattr(config, "dask_n_workers", 2), getattr(config, "dask_threads_per_worker", 1),
-                    getattr(config, "gpus", None)))
+                cluster = stack.enter_context(
+                    start_local_cluster(
+                        getattr(config, "dask_n_workers", 2),
+                        getattr(config, "dask_threads_per_worker", 1),
+                        getattr(config, "gpus", None),
+                    )
+                )
                 address.append(cluster.scheduler_address)
             return _dask_runner(config, address[0])
 
@@ -277,10 +287,15 @@ def worker_api(config) -> Iterator[None]:
             "dask_address: the workers of an existing Dask cluster outlive this run and must report to a Prefect "
             "server they can reach, but PREFECT_API_URL is not set (this run would use a throw-away local "
             "server). Start one (`prefect server start --host 0.0.0.0`) and set "
-            "PREFECT_API_URL=http://<that host>:4200/api here and on the workers.")
+            "PREFECT_API_URL=http://<that host>:4200/api here and on the workers."
+        )
     if getattr(config, "dask_address", None):
         check_dask_scheduler(config.dask_address)  # before the plan writes anything
-    if getattr(config, "task_runner", "thread") == "thread" or settings.api.url or not settings.server.ephemeral.enabled:
+    if (
+        getattr(config, "task_runner", "thread") == "thread"
+        or settings.api.url
+        or not settings.server.ephemeral.enabled
+    ):
         yield
         return
     from prefect.server.api.server import SubprocessASGIServer
@@ -312,7 +327,7 @@ def _tasks_run_here() -> bool:
     return ctx is None or isinstance(runner, ThreadPoolTaskRunner)
 
 
-def gather(futures, stage: Optional[str] = None, amount: Optional[Callable[[dict], float]] = None) -> list:
+def gather(futures, stage: str | None = None, amount: Callable[[dict], float] | None = None) -> list:
     """Wait for all futures, then return their results (raising the first failure).
 
     With ``stage`` and ``amount(manifest)``: when the tasks run in other processes (process or Dask
@@ -337,7 +352,7 @@ _held_lock = threading.Lock()
 _held: dict[str, list] = {}  # location -> [root flow run id, depth, run name] of the run holding it here
 
 
-def _local_dir(location: str) -> Optional[str]:
+def _local_dir(location: str) -> str | None:
     loc = str(location)
     if loc.startswith("file://"):
         from urllib.parse import urlparse
@@ -406,8 +421,7 @@ def store_queue(location: str) -> Iterator[None]:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
             busy = 0
     if busy:
-        get_run_logger().info("store %s is in use by another run: queued (global concurrency limit %r)",
-                              location, name)
+        get_run_logger().info("store %s is in use by another run: queued (global concurrency limit %r)", location, name)
     with concurrency(name, occupy=1, strict=True, lease_duration=QUEUE_LEASE_SECONDS):
         yield
 
@@ -424,7 +438,7 @@ def _crashed_holder(location: str) -> bool:
 
 
 @contextlib.contextmanager
-def run_lock(config, run: Optional[str] = None) -> Iterator[None]:
+def run_lock(config, run: str | None = None) -> Iterator[None]:
     """Hold ``config.store``'s run lock around a flow's work (plan included).
 
     A second live run on the store (another process, another machine, or another flow run in this
@@ -474,7 +488,8 @@ def _locked(location: str, root: str, name: str) -> Iterator[None]:
             if location in _held:  # another flow run of this process holds it
                 raise StoreLockedError(
                     f"store {location} is in use by run {_held[location][2]} in this process (pid {os.getpid()}); "
-                    "two runs on one store are refused. Wait for it to finish.")
+                    "two runs on one store are refused. Wait for it to finish."
+                )
             _held[location] = [root, 1, name]
         try:
             lock.acquire()

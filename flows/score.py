@@ -2,35 +2,45 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from prefect import flow, get_run_logger
 
+from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
 from tasks import progress
 from tasks.attribution import featurize_targets, plan_attribution, prepare_scores, score_block
 from tasks.config import AttributeConfig
 from tasks.plan import Plan, summarize
 
-from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
-
 
 @flow(name="score", task_runner=ConfigTaskRunner(), validate_parameters=True)
-def score(config: AttributeConfig, plan: Optional[Plan] = None, upstream: Optional[dict] = None) -> dict:
+def score(config: AttributeConfig, plan: Plan | None = None, upstream: dict | None = None) -> dict:
     """``upstream``: the finalize stage's summary when run inside ``attribute``; not read — passing it draws
     the edge finalize → this stage in the UI's flow-run graph."""
     with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
         progress.start("targets", len(plan.models))
-        targets = gather([featurize_targets.submit(config, m.model_id, m.checkpoint) for m in plan.models],
-                         "targets", lambda m: 1)
+        targets = gather(
+            [featurize_targets.submit(config, m.model_id, m.checkpoint) for m in plan.models], "targets", lambda m: 1
+        )
         prep = prepare_scores(config, plan.model_ids)
         model_ids = list(prep.model_ids)
         progress.start("score", plan.train_set_size)
-        blocks = gather([score_block.submit(config, model_ids, a, b) for a, b in prep.blocks], "score",
-                        lambda m: m.num_rows)
+        blocks = gather(
+            [score_block.submit(config, model_ids, a, b) for a, b in prep.blocks], "score", lambda m: m.num_rows
+        )
     t, s = summarize(targets), summarize(blocks)
-    get_run_logger().info("score: targets %d/%d computed, score blocks %d/%d computed, checkpoints combined: %s",
-                          t["computed"], t["tasks"], s["computed"], s["tasks"], model_ids)
-    return {"targets": {**t, "manifests": targets}, "blocks": {**s, "manifests": blocks},
-            "model_ids": model_ids, "computed": t["computed"] + s["computed"],
-            "skipped": t["skipped"] + s["skipped"], "tasks": t["tasks"] + s["tasks"]}
+    get_run_logger().info(
+        "score: targets %d/%d computed, score blocks %d/%d computed, checkpoints combined: %s",
+        t["computed"],
+        t["tasks"],
+        s["computed"],
+        s["tasks"],
+        model_ids,
+    )
+    return {
+        "targets": {**t, "manifests": targets},
+        "blocks": {**s, "manifests": blocks},
+        "model_ids": model_ids,
+        "computed": t["computed"] + s["computed"],
+        "skipped": t["skipped"] + s["skipped"],
+        "tasks": t["tasks"] + s["tasks"],
+    }

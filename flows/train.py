@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
+from flows.runners import ConfigTaskRunner, gather
 from tasks import progress
 from tasks.config import TrainConfig
 from tasks.plan import summarize
 from tasks.trainer import write_manifest
 from tasks.training import train_model
-
-from flows.runners import ConfigTaskRunner, gather
 
 
 @flow(name="train", task_runner=ConfigTaskRunner(), validate_parameters=True)
@@ -20,6 +19,11 @@ def train(config: TrainConfig) -> dict:
     records = gather([train_model.submit(config, i) for i in range(config.num_models)])
     manifest = write_manifest(config, records)
     out = summarize(records)
-    get_run_logger().info("train: %d models (%d trained, %d already there); manifest %s", out["tasks"],
-                          out["computed"], out["skipped"], manifest)
+    get_run_logger().info(
+        "train: %d models (%d trained, %d already there); manifest %s",
+        out["tasks"],
+        out["computed"],
+        out["skipped"],
+        manifest,
+    )
     return {**out, "manifest": manifest, "models": records}

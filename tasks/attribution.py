@@ -26,8 +26,13 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
     return should_retry(exc)
 
 
-_common = dict(cache_policy=NONE, persist_result=False, retries=RETRIES, retry_delay_seconds=RETRY_DELAY_SECONDS,
-               retry_condition_fn=retry_unless_bad_input)
+_common = dict(
+    cache_policy=NONE,
+    persist_result=False,
+    retries=RETRIES,
+    retry_delay_seconds=RETRY_DELAY_SECONDS,
+    retry_condition_fn=retry_unless_bad_input,
+)
 
 
 @task(name="plan", cache_policy=NONE, persist_result=False)
@@ -67,13 +72,22 @@ def report_top_k(config: AttributeConfig) -> dict:
     one image per target)."""
     summary, pngs = report.build_report(config)
     exp = config.exp_name
-    create_markdown_artifact(markdown=summary["markdown"], key=report.store_artifact_key(config.store, exp, "top-k"),
-                             description=f"top-{config.top_k} proponents/opponents, experiment {exp}")
+    create_markdown_artifact(
+        markdown=summary["markdown"],
+        key=report.store_artifact_key(config.store, exp, "top-k"),
+        description=f"top-{config.top_k} proponents/opponents, experiment {exp}",
+    )
     for j, png in pngs.items():
-        create_image_artifact(image_url=report.data_url(png), key=report.store_artifact_key(config.store, exp, "target", j),
-                              description=f"target {j} and its top proponents (top row) / opponents (bottom row)"
-                              if not summary.get("text") else f"target {j} and its top proponents / opponents (text)")
-    create_image_artifact(image_url=report.data_url(summary["histogram_png"]),
-                          key=report.store_artifact_key(config.store, exp, "score-histogram"),
-                          description=f"histogram of all scores of experiment {exp}")
+        create_image_artifact(
+            image_url=report.data_url(png),
+            key=report.store_artifact_key(config.store, exp, "target", j),
+            description=f"target {j} and its top proponents (top row) / opponents (bottom row)"
+            if not summary.get("text")
+            else f"target {j} and its top proponents / opponents (text)",
+        )
+    create_image_artifact(
+        image_url=report.data_url(summary["histogram_png"]),
+        key=report.store_artifact_key(config.store, exp, "score-histogram"),
+        description=f"histogram of all scores of experiment {exp}",
+    )
     return {k: v for k, v in summary.items() if k not in ("markdown", "histogram_png")}

@@ -26,7 +26,7 @@ def store_identity(location: str) -> str:
     belong to one store — its queue (a global concurrency limit) and its artifacts' keys."""
     loc = str(location)
     if loc.startswith("file://"):
-        loc = loc[len("file://"):]
+        loc = loc[len("file://") :]
     if "://" not in loc:
         loc = os.path.realpath(loc)
     return hashlib.sha256(loc.encode()).hexdigest()[:10]
@@ -75,8 +75,9 @@ def load_checkpoint(path: str, device: str = "cpu", field: str = "checkpoints") 
     except FileNotFoundError:
         raise BadInputError(f"{field}: checkpoint {path} does not exist") from None
     except Exception as e:
-        raise BadInputError(f"{field}: cannot load checkpoint {path} as a state_dict "
-                            f"({type(e).__name__}: {e})") from None
+        raise BadInputError(
+            f"{field}: cannot load checkpoint {path} as a state_dict ({type(e).__name__}: {e})"
+        ) from None
     if not isinstance(sd, dict):
         raise BadInputError(f"{field}: {path} holds a {type(sd).__name__}, not a state_dict")
     return sd

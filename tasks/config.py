@@ -35,11 +35,20 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, PrivateAttr,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from trak_core.errors import BadInputError
 from trak_core.settings import GradWrt, LambdaSetting, ProjectorKind, ProjType, StorageDtype, TrakSettings
@@ -84,8 +93,10 @@ def check_import_root(module_name: str, path: str, field: str, roots: list[str] 
     narrow it)."""
     for allowed, source in ((env_import_roots(), f"the environment's {IMPORT_ROOTS_ENV}"), (roots, "import_roots")):
         if allowed is not None and not any(_under(module_name, r) for r in allowed):
-            raise BadInputError(f"{field}: {path!r} imports module {module_name!r}, which is outside the allowed "
-                                f"import roots {allowed} ({source}); nothing was imported")
+            raise BadInputError(
+                f"{field}: {path!r} imports module {module_name!r}, which is outside the allowed "
+                f"import roots {allowed} ({source}); nothing was imported"
+            )
 
 
 def load_object(path: str, field: str = "import path", roots: list[str] | None = None) -> Any:
@@ -104,8 +115,9 @@ def load_object(path: str, field: str = "import path", roots: list[str] | None =
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or whatever the module raises on import
-        raise BadInputError(f"{field}: cannot import module {module_name!r} of {path!r} "
-                            f"({type(e).__name__}: {e})") from None
+        raise BadInputError(
+            f"{field}: cannot import module {module_name!r} of {path!r} ({type(e).__name__}: {e})"
+        ) from None
     try:
         return inspect.getattr_static(module, attr)
     except AttributeError:
@@ -116,8 +128,9 @@ def load_object(path: str, field: str = "import path", roots: list[str] | None =
         raise BadInputError(f"{field}: module {module_name!r} has no attribute {attr!r} ({path!r})") from None
 
 
-def _check_import_path(value: str | None, field: str, must_be_callable: bool = True,
-                       roots: list[str] | None = None) -> str | None:
+def _check_import_path(
+    value: str | None, field: str, must_be_callable: bool = True, roots: list[str] | None = None
+) -> str | None:
     if value is None:
         return value
     obj = load_object(value, field, roots)
@@ -148,7 +161,7 @@ def read_manifest(path: str | os.PathLike, field: str = "checkpoints") -> list[s
     return out
 
 
-def resolve_checkpoints(spec: Union[str, list[str]], field: str = "checkpoints") -> list[str]:
+def resolve_checkpoints(spec: str | list[str], field: str = "checkpoints") -> list[str]:
     """Absolute, sorted checkpoint paths from a list, a glob or a manifest; every file must exist."""
     if isinstance(spec, str):
         if spec.endswith(".json"):
@@ -165,8 +178,10 @@ def resolve_checkpoints(spec: Union[str, list[str]], field: str = "checkpoints")
         raise BadInputError(f"{field}: no checkpoint given")
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
-        raise BadInputError(f"{field}: checkpoint file(s) not found: {missing[:5]}"
-                            + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
+        raise BadInputError(
+            f"{field}: checkpoint file(s) not found: {missing[:5]}"
+            + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        )
     out = sorted(os.path.abspath(p) for p in paths)
     if len(set(out)) != len(out):
         raise BadInputError(f"{field}: the same checkpoint is listed twice")
@@ -194,7 +209,7 @@ def check_store_location(location: str, field: str = "store") -> None:
         check_writable(loc)
     except BadInputError as e:
         msg = str(e)
-        msg = msg[len("store: "):] if msg.startswith("store: ") else msg
+        msg = msg[len("store: ") :] if msg.startswith("store: ") else msg
         raise BadInputError(f"{field}: {msg}") from None
 
 
@@ -240,62 +255,91 @@ class AttributeConfig(_Base):
     """Parameters of the ``attribute`` flow (and of ``featurize``/``finalize``/``score``)."""
 
     import_roots: list[str] | None = Field(
-        None, description="modules the import paths below may name (top-level packages or dotted prefixes, e.g. "
-                          "['examples', 'mypkg']); null: any module, or the deployment's TRAKFLOW_IMPORT_ROOTS, "
-                          "which this can only narrow. Import paths are code: see README 'Security'")
-    model: str = Field(description="import path 'pkg.mod:factory' of a zero-argument callable returning the "
-                                   "torch.nn.Module the checkpoints belong to")
-    train_data: str = Field(description="import path of a zero-argument callable returning a tuple of tensors "
-                                        "(e.g. (inputs, labels)) holding the train examples, one per row")
+        None,
+        description="modules the import paths below may name (top-level packages or dotted prefixes, e.g. "
+        "['examples', 'mypkg']); null: any module, or the deployment's TRAKFLOW_IMPORT_ROOTS, "
+        "which this can only narrow. Import paths are code: see README 'Security'",
+    )
+    model: str = Field(
+        description="import path 'pkg.mod:factory' of a zero-argument callable returning the "
+        "torch.nn.Module the checkpoints belong to"
+    )
+    train_data: str = Field(
+        description="import path of a zero-argument callable returning a tuple of tensors "
+        "(e.g. (inputs, labels)) holding the train examples, one per row"
+    )
     target_data: str = Field(description="import path like train_data, for the targets to attribute")
-    task: str = Field("image_classification",
-                      description="model output function: one of " + ", ".join(TASK_NAMES)
-                                  + ", or an import path to an AbstractModelOutput subclass or instance")
-    checkpoints: Union[list[str], str] = Field(
+    task: str = Field(
+        "image_classification",
+        description="model output function: one of "
+        + ", ".join(TASK_NAMES)
+        + ", or an import path to an AbstractModelOutput subclass or instance",
+    )
+    checkpoints: list[str] | str = Field(
         description="state_dict files: a list of paths, a glob ('ckpts/*.pt') or a train-flow manifest "
-                    "('ckpts/manifest.json'); model_id = position in the sorted list")
+        "('ckpts/manifest.json'); model_id = position in the sorted list"
+    )
     store: str = Field(description="Zarr store: local path or fsspec URL")
     exp_name: str = Field("default", description="experiment name (the targets' group in the store)")
-    proj_dim: PositiveInt = _setting("proj_dim", "projection dimension; keep it well below the number of train "
-                                                 "examples")
+    proj_dim: PositiveInt = _setting(
+        "proj_dim", "projection dimension; keep it well below the number of train examples"
+    )
     projector: ProjectorKind = _setting(
-        "projector", "'factored' (per-layer Kronecker projection, the default: fastest, see benchmarks/RESULTS.md), "
-                     "'dense' (counter-RNG JL projection), 'sjlt' (sparse JL) or 'noop' (no projection)")
+        "projector",
+        "'factored' (per-layer Kronecker projection, the default: fastest, see benchmarks/RESULTS.md), "
+        "'dense' (counter-RNG JL projection), 'sjlt' (sparse JL) or 'noop' (no projection)",
+    )
     proj_type: ProjType = _setting("proj_type", "'rademacher' (±1) or 'normal' projection entries")
     proj_seed: NonNegativeInt = _setting("proj_seed", "seed of the projection")
     lambda_reg: LambdaSetting = _setting(
-        "lambda_reg", "ridge term λ in (XᵀX + λI)⁻¹: a number ≥ 0, or 'auto' / 'rel:<f>' (f × the mean eigenvalue "
-                      "of each checkpoint's XᵀX; 'auto' = trak_core.scoring.AUTO_DAMPING)")
+        "lambda_reg",
+        "ridge term λ in (XᵀX + λI)⁻¹: a number ≥ 0, or 'auto' / 'rel:<f>' (f × the mean eigenvalue "
+        "of each checkpoint's XᵀX; 'auto' = trak_core.scoring.AUTO_DAMPING)",
+    )
     rescale_inverse: bool = _setting("rescale_inverse", "divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients/features")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")
     shard_size: PositiveInt = Field(4096, description="train rows per featurize task (a multiple of chunk_rows)")
-    chunk_rows: Optional[PositiveInt] = Field(None, description="Zarr chunk rows; default: as many rows as fit in "
-                                                                "32 MiB (at most 1024 and the number of train "
-                                                                "examples) dividing shard_size")
+    chunk_rows: PositiveInt | None = Field(
+        None,
+        description="Zarr chunk rows; default: as many rows as fit in "
+        "32 MiB (at most 1024 and the number of train "
+        "examples) dividing shard_size",
+    )
     grad_wrt: GradWrt = _setting("grad_wrt", "parameter names to take gradients for (all: null)")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="'auto' = cuda when available")
     task_runner: Literal["thread", "process", "dask"] = Field(
-        "thread", description="where tasks run: 'thread' (threads of the flow's process), 'process' (a process "
-                              "pool; one process per GPU with gpus), 'dask' (prefect-dask: dask_address, or a "
-                              "local cluster of dask_n_workers processes)")
-    max_workers: PositiveInt = Field(2, description="concurrent tasks of the thread runner; processes of the "
-                                                    "process runner without gpus")
-    gpus: Optional[list[str]] = Field(None, description="process runner / local Dask cluster: one worker process "
-                                                        "per entry, with CUDA_VISIBLE_DEVICES set to it "
-                                                        "(e.g. ['0', '1', '2', '3'])")
-    dask_address: Optional[str] = Field(None, description="scheduler address of an existing Dask cluster "
-                                                          "(tcp://host:8786); none: start a local cluster")
+        "thread",
+        description="where tasks run: 'thread' (threads of the flow's process), 'process' (a process "
+        "pool; one process per GPU with gpus), 'dask' (prefect-dask: dask_address, or a "
+        "local cluster of dask_n_workers processes)",
+    )
+    max_workers: PositiveInt = Field(
+        2, description="concurrent tasks of the thread runner; processes of the process runner without gpus"
+    )
+    gpus: list[str] | None = Field(
+        None,
+        description="process runner / local Dask cluster: one worker process "
+        "per entry, with CUDA_VISIBLE_DEVICES set to it "
+        "(e.g. ['0', '1', '2', '3'])",
+    )
+    dask_address: str | None = Field(
+        None, description="scheduler address of an existing Dask cluster (tcp://host:8786); none: start a local cluster"
+    )
     dask_n_workers: PositiveInt = Field(2, description="worker processes of the local Dask cluster")
     dask_threads_per_worker: PositiveInt = Field(1, description="threads per worker of the local Dask cluster")
     top_k: PositiveInt = Field(5, description="proponents/opponents reported per target")
     report_targets: NonNegativeInt = Field(5, description="how many targets the report covers (0: no report)")
-    report_dir: Optional[str] = Field(None, description="local folder for the report (markdown + PNGs); "
-                                                        "none: Prefect artifacts only")
-    show: Optional[str] = Field(None, description="import path of a callable(input_row) -> 2-D array (drawn as "
-                                                  "an image) or str (drawn as text, e.g. examples.text:decode) "
-                                                  "for the report")
-    storage_options: Optional[dict[str, Any]] = Field(None, description="fsspec options of a remote store")
+    report_dir: str | None = Field(
+        None, description="local folder for the report (markdown + PNGs); none: Prefect artifacts only"
+    )
+    show: str | None = Field(
+        None,
+        description="import path of a callable(input_row) -> 2-D array (drawn as "
+        "an image) or str (drawn as text, e.g. examples.text:decode) "
+        "for the report",
+    )
+    storage_options: dict[str, Any] | None = Field(None, description="fsspec options of a remote store")
 
     _checkpoint_paths: list[str] = PrivateAttr(default_factory=list)
 
@@ -307,23 +351,30 @@ class AttributeConfig(_Base):
             if len(set(self.gpus)) != len(self.gpus):
                 raise BadInputError(f"gpus: a GPU is listed twice in {self.gpus!r}")
             if self.task_runner == "thread":
-                raise BadInputError("gpus: needs task_runner 'process' or 'dask' (one worker process per GPU); "
-                                    "the thread runner shares one process")
+                raise BadInputError(
+                    "gpus: needs task_runner 'process' or 'dask' (one worker process per GPU); "
+                    "the thread runner shares one process"
+                )
             if self.dask_address:
-                raise BadInputError("gpus: the workers of an existing Dask cluster (dask_address) are pinned when "
-                                    "they are started (CUDA_VISIBLE_DEVICES=i dask worker ...); remove gpus")
+                raise BadInputError(
+                    "gpus: the workers of an existing Dask cluster (dask_address) are pinned when "
+                    "they are started (CUDA_VISIBLE_DEVICES=i dask worker ...); remove gpus"
+                )
         if self.dask_address is not None:
             if self.task_runner != "dask":
                 raise BadInputError(f"dask_address: needs task_runner 'dask', not {self.task_runner!r}")
             import re
 
             if not re.fullmatch(r"([a-z][a-z0-9+.-]*://)?[^\s/]+:\d+", self.dask_address.strip()):
-                raise BadInputError(f"dask_address: {self.dask_address!r} is not a scheduler address like "
-                                    "'tcp://10.0.0.5:8786'")
+                raise BadInputError(
+                    f"dask_address: {self.dask_address!r} is not a scheduler address like 'tcp://10.0.0.5:8786'"
+                )
         if self.task_runner != "thread" and str(self.store).startswith("memory://"):
-            raise BadInputError(f"store: {self.store!r} lives in the memory of one process; the workers of the "
-                                f"{self.task_runner!r} runner would each see their own empty store. Use a path, a "
-                                "file:// URL or shared storage (s3://...), or task_runner 'thread'")
+            raise BadInputError(
+                f"store: {self.store!r} lives in the memory of one process; the workers of the "
+                f"{self.task_runner!r} runner would each see their own empty store. Use a path, a "
+                "file:// URL or shared storage (s3://...), or task_runner 'thread'"
+            )
         return self
 
     @field_validator("import_roots")
@@ -334,8 +385,9 @@ class AttributeConfig(_Base):
     @field_validator("model", "train_data", "target_data")
     @classmethod
     def _import_paths(cls, v, info):
-        return _check_import_path(v, info.field_name, must_be_callable=info.field_name == "model",
-                                  roots=info.data.get("import_roots"))
+        return _check_import_path(
+            v, info.field_name, must_be_callable=info.field_name == "model", roots=info.data.get("import_roots")
+        )
 
     @field_validator("show")
     @classmethod
@@ -348,8 +400,9 @@ class AttributeConfig(_Base):
         if v in TASK_NAMES:
             return v
         if ":" not in v:
-            raise BadInputError(f"task: unknown task {v!r}; use one of {list(TASK_NAMES)} or an import path "
-                                "'pkg.mod:ModelOutput'")
+            raise BadInputError(
+                f"task: unknown task {v!r}; use one of {list(TASK_NAMES)} or an import path 'pkg.mod:ModelOutput'"
+            )
         from trak_core.modelout import AbstractModelOutput
 
         obj = load_object(v, "task", info.data.get("import_roots"))
@@ -383,15 +436,19 @@ class AttributeConfig(_Base):
             import torch
 
             if not torch.cuda.is_available():
-                raise BadInputError("device: 'cuda' but CUDA is not available in this process "
-                                    "(torch.cuda.is_available() is False); use 'cpu' or 'auto'")
+                raise BadInputError(
+                    "device: 'cuda' but CUDA is not available in this process "
+                    "(torch.cuda.is_available() is False); use 'cpu' or 'auto'"
+                )
         return self
 
     @model_validator(mode="after")
     def _cross_fields(self):
         if self.chunk_rows is not None and self.shard_size % self.chunk_rows:
-            raise BadInputError(f"chunk_rows: {self.chunk_rows} must divide shard_size={self.shard_size} "
-                                "(each featurize task must own whole chunks)")
+            raise BadInputError(
+                f"chunk_rows: {self.chunk_rows} must divide shard_size={self.shard_size} "
+                "(each featurize task must own whole chunks)"
+            )
         self._checkpoint_paths = resolve_checkpoints(self.checkpoints, "checkpoints")
         return self
 
@@ -449,12 +506,15 @@ def load_data(path: str, field: str, roots: list[str] | None = None) -> tuple:
     if isinstance(data, list):
         data = tuple(data)
     if not isinstance(data, tuple) or not data or not all(isinstance(t, torch.Tensor) for t in data):
-        raise BadInputError(f"{field}: {path!r} must return a non-empty tuple of tensors (e.g. (inputs, labels)), "
-                            f"got {type(data).__name__}")
+        raise BadInputError(
+            f"{field}: {path!r} must return a non-empty tuple of tensors (e.g. (inputs, labels)), "
+            f"got {type(data).__name__}"
+        )
     rows = {t.shape[0] if t.dim() else None for t in data}
     if len(rows) != 1 or None in rows:
-        raise BadInputError(f"{field}: the tensors returned by {path!r} have different numbers of rows "
-                            f"{[tuple(t.shape) for t in data]}")
+        raise BadInputError(
+            f"{field}: the tensors returned by {path!r} have different numbers of rows {[tuple(t.shape) for t in data]}"
+        )
     if next(iter(rows)) == 0:
         raise BadInputError(f"{field}: {path!r} returned no rows")
     return data
@@ -467,9 +527,10 @@ class TrainConfig(_Base):
     train_data: str = Field(description="import path of a callable returning (inputs, labels) tensors")
     out_dir: str = Field(description="folder for model_XXX.pt, their JSON records, plots and manifest.json")
     num_models: PositiveInt = Field(3, description="how many checkpoints to train")
-    seeds: Optional[list[NonNegativeInt]] = Field(None, description="one seed per model (default 0..N-1)")
-    subset_fraction: float = Field(1.0, gt=0.0, le=1.0,
-                                   description="each model trains on a random subset of this fraction of rows")
+    seeds: list[NonNegativeInt] | None = Field(None, description="one seed per model (default 0..N-1)")
+    subset_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="each model trains on a random subset of this fraction of rows"
+    )
     epochs: PositiveInt = 10
     batch_size: PositiveInt = 64
     optimizer: Literal["sgd", "adam"] = "sgd"
@@ -520,27 +581,34 @@ class EvaluateConfig(_Base):
     only the new subsets.
     """
 
-    attribute: AttributeConfig = Field(description="the experiment to evaluate (an AttributeConfig, or the path "
-                                                   "of its YAML file)")
+    attribute: AttributeConfig = Field(
+        description="the experiment to evaluate (an AttributeConfig, or the path of its YAML file)"
+    )
     run_attribute: bool = Field(True, description="run the attribute flow first (it skips complete work)")
     num_subsets: PositiveInt = Field(32, description="M: counterfactual models (random train subsets)")
     subset_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="each subset holds this fraction of the rows")
     seeds_per_subset: PositiveInt = Field(1, description="models (inits) per subset; their margins are averaged")
     subset_seed: NonNegativeInt = Field(0, description="seed of the subset draws")
-    model_seed: NonNegativeInt = Field(1000, description="model (s, r) is initialized with seed "
-                                                         "model_seed + s * seeds_per_subset + r")
-    recipe_from: Optional[str] = Field(None, description="a train-flow manifest.json or TrainConfig YAML whose "
-                                                         "recipe (epochs, batch_size, optimizer, lr, momentum, "
-                                                         "weight_decay) the subset models use; fields set here win")
+    model_seed: NonNegativeInt = Field(
+        1000, description="model (s, r) is initialized with seed model_seed + s * seeds_per_subset + r"
+    )
+    recipe_from: str | None = Field(
+        None,
+        description="a train-flow manifest.json or TrainConfig YAML whose "
+        "recipe (epochs, batch_size, optimizer, lr, momentum, "
+        "weight_decay) the subset models use; fields set here win",
+    )
     epochs: PositiveInt = 10
     batch_size: PositiveInt = 64
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.1, gt=0.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: NonNegativeFloat = 0.0
-    cache_dir: str = Field("trakflow_lds_cache", description="folder of the ground truth (margins of the subset "
-                                                             "models), reused across runs")
-    report_dir: Optional[str] = Field(None, description="folder for the LDS report (markdown + histogram PNG)")
+    cache_dir: str = Field(
+        "trakflow_lds_cache",
+        description="folder of the ground truth (margins of the subset models), reused across runs",
+    )
+    report_dir: str | None = Field(None, description="folder for the LDS report (markdown + histogram PNG)")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     task_runner: Literal["thread", "process"] = Field("thread", description="where the subset models train")
     max_workers: PositiveInt = Field(2, description="subset models trained concurrently")

@@ -1,7 +1,7 @@
 """The configuration reference in docs/pipeline.md, generated from the pydantic models (so it cannot drift):
 
-    python -m tasks.config_docs            # rewrite the block between the markers in docs/pipeline.md
-    python -m tasks.config_docs --check    # exit 1 when the block is stale (tests/test_docs.py runs it)
+python -m tasks.config_docs            # rewrite the block between the markers in docs/pipeline.md
+python -m tasks.config_docs --check    # exit 1 when the block is stale (tests/test_docs.py runs it)
 """
 
 from __future__ import annotations
@@ -43,8 +43,14 @@ def _default(field) -> str:
 
 
 def model_table(model: type[BaseModel]) -> str:
-    lines = [f"### `{model.__name__}`", "", (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "), "",
-             "| field | type | default | meaning |", "|---|---|---|---|"]
+    lines = [
+        f"### `{model.__name__}`",
+        "",
+        (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "),
+        "",
+        "| field | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
     for name, field in model.model_fields.items():
         desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
         lines.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | {desc} |")

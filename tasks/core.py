@@ -21,7 +21,6 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -32,8 +31,7 @@ from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
 from trak_core.lds import array_fingerprint
 from trak_core.memory import check_task_memory, estimate_task_memory
 from trak_core.projectors import make_projector
-from trak_core.reduce import (ensure_partial, finalize_model, load_targets, score_rows, shard_partial,
-                              usable_models)
+from trak_core.reduce import ensure_partial, finalize_model, load_targets, score_rows, shard_partial, usable_models
 from trak_core.scoring import parse_lambda_reg
 from trak_core.store import StoreMetadata, TrakStore
 from trak_core.verify import repair_store, verify_store
@@ -41,8 +39,7 @@ from trak_core.verify import repair_store, verify_store
 from . import progress
 from .common import cached_data, load_checkpoint, open_store
 from .config import AttributeConfig, file_fingerprint
-from .plan import (FinalizeManifest, Plan, PlannedModel, ScoreBlockManifest, ScorePlan, ShardManifest,
-                   TargetsManifest)
+from .plan import FinalizeManifest, Plan, PlannedModel, ScoreBlockManifest, ScorePlan, ShardManifest, TargetsManifest
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -55,8 +52,16 @@ def build_projector(config: AttributeConfig, grad_dim: int, device: str, model: 
     """The projector of the config (``factored`` takes its blocks from the model's layers)."""
     st = config.settings
     try:
-        return make_projector(st.projector, grad_dim, st.proj_dim, st.proj_seed, st.proj_type, device=device,
-                              model=model, grad_wrt=st.grad_wrt)
+        return make_projector(
+            st.projector,
+            grad_dim,
+            st.proj_dim,
+            st.proj_seed,
+            st.proj_type,
+            device=device,
+            model=model,
+            grad_wrt=st.grad_wrt,
+        )
     except BadInputError as e:
         raise _prefixed("projector", e) from None
 
@@ -68,17 +73,28 @@ def build_metadata(config: AttributeConfig, train_set_size: int, model: torch.nn
     except BadInputError as e:
         raise _prefixed("grad_wrt", e) from None
     spec = build_projector(config, grad_dim, "cpu", model).spec()
-    return StoreMetadata.from_projector(spec, train_set_size=train_set_size, dtype=config.dtype,
-                                        chunk_rows=config.chunk_rows, shard_rows=config.shard_size,
-                                        task=type(task).__name__)
+    return StoreMetadata.from_projector(
+        spec,
+        train_set_size=train_set_size,
+        dtype=config.dtype,
+        chunk_rows=config.chunk_rows,
+        shard_rows=config.shard_size,
+        task=type(task).__name__,
+    )
 
 
-def build_featurizer(config: AttributeConfig, checkpoint: str, grad_dim: Optional[int] = None) -> Featurizer:
+def build_featurizer(config: AttributeConfig, checkpoint: str, grad_dim: int | None = None) -> Featurizer:
     device = config.resolved_device()
     model = config.build_model().to(device)
     grad_dim = grad_dim or grad_dim_of(model, config.grad_wrt)
-    feat = Featurizer(model, config.build_task(), build_projector(config, grad_dim, device, model),
-                      FunctionalGradientComputer, config.grad_wrt, device)
+    feat = Featurizer(
+        model,
+        config.build_task(),
+        build_projector(config, grad_dim, device, model),
+        FunctionalGradientComputer,
+        config.grad_wrt,
+        device,
+    )
     feat.load_state(load_checkpoint(checkpoint, device))
     return feat
 
@@ -97,8 +113,9 @@ def _check_finite(data: tuple, field: str) -> None:
             bad = (~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)).nonzero().reshape(-1).tolist()
             if bad:
                 more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
-                raise BadInputError(f"{field}: NaN or inf in tensor {i} at example indices {bad[:20]}{more}; "
-                                    "nothing was written")
+                raise BadInputError(
+                    f"{field}: NaN or inf in tensor {i} at example indices {bad[:20]}{more}; nothing was written"
+                )
 
 
 def check_memory(config: AttributeConfig, meta: StoreMetadata, model: torch.nn.Module, num_targets: int) -> None:
@@ -106,12 +123,21 @@ def check_memory(config: AttributeConfig, meta: StoreMetadata, model: torch.nn.M
     cannot fit in the available memory (trak_core.memory; BadInputError naming the field and the estimate)."""
     params = list(model.parameters())
     itemsize = meta.np_dtype.itemsize
-    check_task_memory(estimate_task_memory(
-        train_set_size=meta.train_set_size, grad_dim=meta.grad_dim, proj_dim=meta.proj_dim,
-        num_params=sum(p.numel() for p in params), batch_size=config.batch_size, shard_rows=meta.shard_rows,
-        dtype_bytes=itemsize, chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
-        model_bytes=max((p.element_size() for p in params), default=4), num_targets=num_targets),
-        projector=config.projector)
+    check_task_memory(
+        estimate_task_memory(
+            train_set_size=meta.train_set_size,
+            grad_dim=meta.grad_dim,
+            proj_dim=meta.proj_dim,
+            num_params=sum(p.numel() for p in params),
+            batch_size=config.batch_size,
+            shard_rows=meta.shard_rows,
+            dtype_bytes=itemsize,
+            chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
+            model_bytes=max((p.element_size() for p in params), default=4),
+            num_targets=num_targets,
+        ),
+        projector=config.projector,
+    )
 
 
 # ---------------------------------------------------------------------------- plan
@@ -153,11 +179,15 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     meta = build_metadata(config, n, model, task)
     if meta.proj_dim >= n and config.settings.lambda_rule.setting == 0:
         if config.projector == "noop":
-            raise BadInputError(f"projector: 'noop' keeps all {meta.proj_dim} gradient dimensions, ≥ the number of "
-                                f"train examples n={n}: XᵀX is singular with lambda_reg=0 (scores would be noise); "
-                                "give an absolute lambda_reg > 0, or a projection with proj_dim well below n")
-        raise BadInputError(f"proj_dim: {meta.proj_dim} ≥ number of train examples n={n} makes XᵀX singular "
-                            "(scores would be noise); use a proj_dim well below n, or lambda_reg > 0")
+            raise BadInputError(
+                f"projector: 'noop' keeps all {meta.proj_dim} gradient dimensions, ≥ the number of "
+                f"train examples n={n}: XᵀX is singular with lambda_reg=0 (scores would be noise); "
+                "give an absolute lambda_reg > 0, or a projection with proj_dim well below n"
+            )
+        raise BadInputError(
+            f"proj_dim: {meta.proj_dim} ≥ number of train examples n={n} makes XᵀX singular "
+            "(scores would be noise); use a proj_dim well below n, or lambda_reg > 0"
+        )
     check_memory(config, meta, model, int(targets[0].shape[0]))
     checkpoints = config.checkpoint_paths
     for i, path in enumerate(checkpoints):
@@ -173,8 +203,11 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
 
 
 def fingerprint_inputs(inputs: CheckedInputs) -> Fingerprints:
-    return Fingerprints(train_data=array_fingerprint(inputs.train), target_data=array_fingerprint(inputs.targets),
-                        checkpoints=tuple({"path": p, "sha256": file_fingerprint(p)} for p in inputs.checkpoints))
+    return Fingerprints(
+        train_data=array_fingerprint(inputs.train),
+        target_data=array_fingerprint(inputs.targets),
+        checkpoints=tuple({"path": p, "sha256": file_fingerprint(p)} for p in inputs.checkpoints),
+    )
 
 
 #: the pipeline record's fingerprint scheme (trak_core.lds.array_fingerprint); stores without it used the
@@ -192,7 +225,7 @@ def _fingerprint_v0(data: tuple) -> str:
     return h.hexdigest()
 
 
-def _same_data(recorded: Optional[str], data: tuple, fingerprint: str, scheme: Optional[str]) -> bool:
+def _same_data(recorded: str | None, data: tuple, fingerprint: str, scheme: str | None) -> bool:
     if recorded is None or recorded == fingerprint:
         return True
     return scheme is None and recorded == _fingerprint_v0(data)
@@ -208,8 +241,10 @@ def check_against_store(config: AttributeConfig, inputs: CheckedInputs, prints: 
     record = store.pipeline_info()
     scheme = record.get("fingerprint")
     if not _same_data(record.get("train_data_sha256"), inputs.train, prints.train_data, scheme):
-        raise StoreMismatchError(f"train_data: the store at {config.store} was featurized with different "
-                                 "train data (its fingerprint differs); use a new store")
+        raise StoreMismatchError(
+            f"train_data: the store at {config.store} was featurized with different "
+            "train data (its fingerprint differs); use a new store"
+        )
     want_lambda = config.settings.lambda_rule.setting
     for mid, rec in enumerate(prints.checkpoints):
         if not store.has_model(mid):
@@ -220,24 +255,30 @@ def check_against_store(config: AttributeConfig, inputs: CheckedInputs, prints: 
         if fin is not None:
             had = fin.get("lambda_setting", fin.get("lambda_reg"))
             for field, want, have in (
-                    ("lambda_reg", want_lambda, None if had is None else parse_lambda_reg(had).setting),
-                    ("rescale_inverse", config.rescale_inverse, fin.get("rescale"))):
+                ("lambda_reg", want_lambda, None if had is None else parse_lambda_reg(had).setting),
+                ("rescale_inverse", config.rescale_inverse, fin.get("rescale")),
+            ):
                 if have is not None and have != want:
                     raise StoreMismatchError(
                         f"{field}: model_id={mid} in {config.store} was finalized with {field}={have!r}, not "
-                        f"{want!r}; use a new store (or the same {field})")
+                        f"{want!r}; use a new store (or the same {field})"
+                    )
         old = store.checkpoint_record(mid)
         if old is not None and old.get("sha256") != rec["sha256"]:
             raise StoreMismatchError(
                 f"checkpoints: model_id={mid} in {config.store} was featurized from {old.get('path')} "
                 f"but checkpoint {mid} in sorted order is now {rec['path']} (different content); "
-                "use a new store or the same checkpoints")
+                "use a new store or the same checkpoints"
+            )
     if config.exp_name in store.experiments():
         recorded = store.target_data_sha256(config.exp_name)
-        if (store.num_targets(config.exp_name) != inputs.num_targets
-                or not _same_data(recorded, inputs.targets, prints.target_data, scheme)):
-            raise StoreMismatchError(f"exp_name: experiment {config.exp_name!r} in {config.store} was made "
-                                     "with other targets; choose a new exp_name")
+        if store.num_targets(config.exp_name) != inputs.num_targets or not _same_data(
+            recorded, inputs.targets, prints.target_data, scheme
+        ):
+            raise StoreMismatchError(
+                f"exp_name: experiment {config.exp_name!r} in {config.store} was made "
+                "with other targets; choose a new exp_name"
+            )
 
 
 def create_plan(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerprints) -> Plan:
@@ -264,9 +305,18 @@ def create_plan(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerpr
 def _plan_of(config: AttributeConfig, inputs: CheckedInputs) -> Plan:
     meta = inputs.meta
     models = tuple(PlannedModel(model_id=mid, checkpoint=path) for mid, path in enumerate(inputs.checkpoints))
-    return Plan(store=config.store, exp_name=config.exp_name, train_set_size=meta.train_set_size,
-                num_targets=inputs.num_targets, grad_dim=meta.grad_dim, proj_dim=meta.proj_dim,
-                shard_rows=meta.shard_rows, chunk_rows=meta.chunk_rows, num_shards=meta.num_shards, models=models)
+    return Plan(
+        store=config.store,
+        exp_name=config.exp_name,
+        train_set_size=meta.train_set_size,
+        num_targets=inputs.num_targets,
+        grad_dim=meta.grad_dim,
+        proj_dim=meta.proj_dim,
+        shard_rows=meta.shard_rows,
+        chunk_rows=meta.chunk_rows,
+        num_shards=meta.num_shards,
+        models=models,
+    )
 
 
 def check_chunks(store: TrakStore) -> None:
@@ -341,8 +391,9 @@ def finalize_checkpoint(config: AttributeConfig, model_id: int) -> FinalizeManif
     for w in caught:  # re-issue (the record hides them) and keep the text in the manifest
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     progress.advance("finalize", 1)
-    return FinalizeManifest.timed(t0, False, model_id=model_id, info=info,
-                                  warnings=tuple(str(w.message) for w in caught))
+    return FinalizeManifest.timed(
+        t0, False, model_id=model_id, info=info, warnings=tuple(str(w.message) for w in caught)
+    )
 
 
 # ---------------------------------------------------------------------------- targets and scores
@@ -391,7 +442,7 @@ def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -
 
 
 # ---------------------------------------------------------------------------- nothing to do?
-def up_to_date(config: AttributeConfig) -> Optional[Plan]:
+def up_to_date(config: AttributeConfig) -> Plan | None:
     """The plan when the store already holds everything ``config`` asks for — every checkpoint finalized,
     every target gradient written, every score row combined from all checkpoints, the report's table on
     disk — else None. Runs the plan's checks first (a store that does not match the config still raises,

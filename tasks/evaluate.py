@@ -47,8 +47,14 @@ MARGIN = "log(p_y/(1-p_y)) of the target's label"
 def recipe_config(config: EvaluateConfig) -> TrainConfig:
     """The TrainConfig the subset models are trained with (the train flow's recipe fields)."""
     a = config.attribute
-    return TrainConfig(model=a.model, train_data=a.train_data, out_dir=config.cache_dir, alpha_every=0,
-                       device=config.device, **config.recipe())
+    return TrainConfig(
+        model=a.model,
+        train_data=a.train_data,
+        out_dir=config.cache_dir,
+        alpha_every=0,
+        device=config.device,
+        **config.recipe(),
+    )
 
 
 def truth_identity(config: EvaluateConfig) -> dict:
@@ -56,12 +62,23 @@ def truth_identity(config: EvaluateConfig) -> dict:
     a = config.attribute
     train = cached_data(a.train_data, "train_data")
     targets = cached_data(a.target_data, "target_data")
-    return {"kind": "trakflow-lds-truth", "version": 1, "model": a.model,
-            "train_data": a.train_data, "train_sha256": array_fingerprint(train), "n": int(train[0].shape[0]),
-            "target_data": a.target_data, "target_sha256": array_fingerprint(targets),
-            "m": int(targets[0].shape[0]), "recipe": config.recipe(), "subset_fraction": config.subset_fraction,
-            "subset_seed": config.subset_seed, "model_seed": config.model_seed,
-            "seeds_per_subset": config.seeds_per_subset, "margin": MARGIN}
+    return {
+        "kind": "trakflow-lds-truth",
+        "version": 1,
+        "model": a.model,
+        "train_data": a.train_data,
+        "train_sha256": array_fingerprint(train),
+        "n": int(train[0].shape[0]),
+        "target_data": a.target_data,
+        "target_sha256": array_fingerprint(targets),
+        "m": int(targets[0].shape[0]),
+        "recipe": config.recipe(),
+        "subset_fraction": config.subset_fraction,
+        "subset_seed": config.subset_seed,
+        "model_seed": config.model_seed,
+        "seeds_per_subset": config.seeds_per_subset,
+        "margin": MARGIN,
+    }
 
 
 def model_seed(config: EvaluateConfig, s: int, r: int) -> int:
@@ -120,8 +137,8 @@ def target_margins(model: torch.nn.Module, targets: tuple, device: str = "cpu", 
     out = []
     with torch.no_grad():
         for a in range(0, labels.shape[0], batch):
-            logits = forward(model, tuple(t[a:a + batch].to(device) for t in inputs))
-            out.append(margins_from_logits(logits.cpu(), labels[a:a + batch]))
+            logits = forward(model, tuple(t[a : a + batch].to(device) for t in inputs))
+            out.append(margins_from_logits(logits.cpu(), labels[a : a + batch]))
     return np.concatenate(out)
 
 
@@ -135,8 +152,12 @@ def assemble_truth(config: EvaluateConfig, folder: str) -> str:
     a = config.attribute
     n = int(cached_data(a.train_data, "train_data")[0].shape[0])
     masks = subset_masks(n, config.num_subsets, config.subset_fraction, config.subset_seed)
-    per_seed = np.stack([np.stack([np.load(_model_file(folder_p, s, r)) for r in range(config.seeds_per_subset)])
-                         for s in range(config.num_subsets)])
+    per_seed = np.stack(
+        [
+            np.stack([np.load(_model_file(folder_p, s, r)) for r in range(config.seeds_per_subset)])
+            for s in range(config.num_subsets)
+        ]
+    )
     tmp = folder_p / f".truth_M{config.num_subsets}.{os.getpid()}.tmp.npz"
     np.savez(tmp, masks=masks, margins=per_seed.mean(axis=1), per_seed=per_seed)
     os.replace(tmp, path)
@@ -152,12 +173,16 @@ def experiment_scores(config: EvaluateConfig) -> np.ndarray:
     a = config.attribute
     store = TrakStore.open(a.store, a.storage_options, mode="r")
     if a.exp_name not in store.experiments():
-        raise BadInputError(f"exp_name: no experiment {a.exp_name!r} in {a.store} (it has {store.experiments()}); "
-                            "run the attribute flow first (run_attribute: true)")
+        raise BadInputError(
+            f"exp_name: no experiment {a.exp_name!r} in {a.store} (it has {store.experiments()}); "
+            "run the attribute flow first (run_attribute: true)"
+        )
     done = store.scores_done_mask(a.exp_name)
     if not done.all():
-        raise BadInputError(f"exp_name: experiment {a.exp_name!r} in {a.store} is not fully scored "
-                            f"({int(done.sum())}/{done.size} rows); run the attribute flow (run_attribute: true)")
+        raise BadInputError(
+            f"exp_name: experiment {a.exp_name!r} in {a.store} is not fully scored "
+            f"({int(done.sum())}/{done.size} rows); run the attribute flow (run_attribute: true)"
+        )
     return np.asarray(store.scores(a.exp_name)[:], dtype=np.float64)
 
 
@@ -168,19 +193,35 @@ def compute_lds(config: EvaluateConfig, truth_path: str, trained: int = 0) -> di
     scores = experiment_scores(config)
     truth = load_truth(truth_path)
     if scores.shape != (truth["masks"].shape[1], truth["margins"].shape[1]):
-        raise BadInputError(f"scores {scores.shape} of experiment {a.exp_name!r} do not match the ground truth "
-                            f"(n={truth['masks'].shape[1]}, m={truth['margins'].shape[1]})")
+        raise BadInputError(
+            f"scores {scores.shape} of experiment {a.exp_name!r} do not match the ground truth "
+            f"(n={truth['masks'].shape[1]}, m={truth['margins'].shape[1]})"
+        )
     value, per = lds(scores, truth["masks"], truth["margins"])
     lo, hi = bootstrap_ci(per)
     store = TrakStore.open(a.store, a.storage_options, mode="r")
     fin = [store.finalize_info(mid) or {} for mid in store.model_ids()]
-    result = {"lds": value, "ci95": [lo, hi], "per_target": [None if not np.isfinite(v) else float(v) for v in per],
-              "num_targets": int(per.size), "num_subsets": int(truth["masks"].shape[0]),
-              "seeds_per_subset": int(truth["per_seed"].shape[1]), "subset_fraction": config.subset_fraction,
-              "store": a.store, "exp_name": a.exp_name, "truth": truth_path, "trained": int(trained),
-              "settings": {"proj_dim": a.proj_dim, "projector": a.projector, "lambda_reg": a.lambda_reg,
-                           "lambda_abs": [f.get("lambda_reg") for f in fin], "checkpoints": len(fin),
-                           "recipe": config.recipe()}}
+    result = {
+        "lds": value,
+        "ci95": [lo, hi],
+        "per_target": [None if not np.isfinite(v) else float(v) for v in per],
+        "num_targets": int(per.size),
+        "num_subsets": int(truth["masks"].shape[0]),
+        "seeds_per_subset": int(truth["per_seed"].shape[1]),
+        "subset_fraction": config.subset_fraction,
+        "store": a.store,
+        "exp_name": a.exp_name,
+        "truth": truth_path,
+        "trained": int(trained),
+        "settings": {
+            "proj_dim": a.proj_dim,
+            "projector": a.projector,
+            "lambda_reg": a.lambda_reg,
+            "lambda_abs": [f.get("lambda_reg") for f in fin],
+            "checkpoints": len(fin),
+            "recipe": config.recipe(),
+        },
+    }
     out = Path(truth_path).parent / f"lds_{_safe(a.exp_name)}.json"
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=1))
@@ -194,18 +235,23 @@ def _safe(name: str) -> str:
 
 def lds_markdown(result: dict) -> str:
     s = result["settings"]
-    lines = [f"## LDS of experiment {result['exp_name']!r}", "",
-             f"**LDS = {result['lds']:.3f}** (95% bootstrap interval over targets "
-             f"[{result['ci95'][0]:.3f}, {result['ci95'][1]:.3f}])", "",
-             "| what | value |", "|---|---|",
-             f"| store | `{result['store']}` |",
-             f"| targets | {result['num_targets']} |",
-             f"| counterfactual models | {result['num_subsets']} subsets × {result['seeds_per_subset']} seeds, "
-             f"fraction {result['subset_fraction']} ({result['trained']} trained in this run) |",
-             f"| subset recipe | {s['recipe']} |",
-             f"| TRAK | {s['checkpoints']} checkpoints, projector {s['projector']}, proj_dim {s['proj_dim']}, "
-             f"lambda_reg {s['lambda_reg']} (λ = {', '.join(f'{x:.3g}' for x in s['lambda_abs'] if x is not None)}) |",
-             f"| ground truth | `{result['truth']}` |"]
+    lines = [
+        f"## LDS of experiment {result['exp_name']!r}",
+        "",
+        f"**LDS = {result['lds']:.3f}** (95% bootstrap interval over targets "
+        f"[{result['ci95'][0]:.3f}, {result['ci95'][1]:.3f}])",
+        "",
+        "| what | value |",
+        "|---|---|",
+        f"| store | `{result['store']}` |",
+        f"| targets | {result['num_targets']} |",
+        f"| counterfactual models | {result['num_subsets']} subsets × {result['seeds_per_subset']} seeds, "
+        f"fraction {result['subset_fraction']} ({result['trained']} trained in this run) |",
+        f"| subset recipe | {s['recipe']} |",
+        f"| TRAK | {s['checkpoints']} checkpoints, projector {s['projector']}, proj_dim {s['proj_dim']}, "
+        f"lambda_reg {s['lambda_reg']} (λ = {', '.join(f'{x:.3g}' for x in s['lambda_abs'] if x is not None)}) |",
+        f"| ground truth | `{result['truth']}` |",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -248,9 +294,16 @@ def plan_truth_task(config: EvaluateConfig) -> TruthPlan:
     return plan_truth(config)
 
 
-@task(name="train-subset-model", task_run_name="subset-{s}-seed-{r}", tags=[GPU_TAG], cache_policy=NONE,
-      persist_result=False, retries=RETRIES, retry_delay_seconds=RETRY_DELAY_SECONDS,
-      retry_condition_fn=retry_unless_bad_input)
+@task(
+    name="train-subset-model",
+    task_run_name="subset-{s}-seed-{r}",
+    tags=[GPU_TAG],
+    cache_policy=NONE,
+    persist_result=False,
+    retries=RETRIES,
+    retry_delay_seconds=RETRY_DELAY_SECONDS,
+    retry_condition_fn=retry_unless_bad_input,
+)
 def train_subset_model_task(config: EvaluateConfig, folder: str, s: int, r: int) -> SubsetModelManifest:
     return train_subset_model(config, folder, s, r)
 
@@ -265,12 +318,26 @@ def compute_lds_task(config: EvaluateConfig, truth_path: str, trained: int = 0) 
     result = compute_lds(config, truth_path, trained)
     md, png, files = write_lds_report(config, result)
     exp = config.attribute.exp_name
-    create_markdown_artifact(markdown=md, key=store_artifact_key(config.attribute.store, exp, "lds"),
-                             description=f"LDS of experiment {exp}")
-    create_image_artifact(image_url=data_url(png), key=store_artifact_key(config.attribute.store, exp, "lds", "per-target"),
-                          description=f"per-target Spearman correlations, experiment {exp}")
+    create_markdown_artifact(
+        markdown=md, key=store_artifact_key(config.attribute.store, exp, "lds"), description=f"LDS of experiment {exp}"
+    )
+    create_image_artifact(
+        image_url=data_url(png),
+        key=store_artifact_key(config.attribute.store, exp, "lds", "per-target"),
+        description=f"per-target Spearman correlations, experiment {exp}",
+    )
     return {**result, "files": files}
 
 
-__all__ = ["recipe_config", "truth_identity", "plan_truth", "train_subset_model", "target_margins",
-           "assemble_truth", "load_truth", "compute_lds", "lds_markdown", "write_lds_report"]
+__all__ = [
+    "recipe_config",
+    "truth_identity",
+    "plan_truth",
+    "train_subset_model",
+    "target_margins",
+    "assemble_truth",
+    "load_truth",
+    "compute_lds",
+    "lds_markdown",
+    "write_lds_report",
+]

@@ -13,7 +13,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt
 
@@ -114,7 +115,7 @@ class FinalizeManifest(Manifest):
 
     stage: Literal["finalize"] = "finalize"
     model_id: NonNegativeInt
-    info: Optional[dict[str, Any]] = None
+    info: dict[str, Any] | None = None
     warnings: tuple[str, ...] = ()
 
 
@@ -138,19 +139,34 @@ class SubsetModelManifest(Manifest):
     stage: Literal["lds-train"] = "lds-train"
     subset: NonNegativeInt
     seed_index: NonNegativeInt
-    seed: Optional[int] = None
-    rows: Optional[int] = None
+    seed: int | None = None
+    rows: int | None = None
 
 
-def summarize(manifests: Sequence[Union[Manifest, Mapping[str, Any]]]) -> dict:
+def summarize(manifests: Sequence[Manifest | Mapping[str, Any]]) -> dict:
     """Counts and summed seconds of a stage's manifests (or of the train flow's records, which are dicts)."""
+
     def get(m, key):
         return getattr(m, key) if isinstance(m, Manifest) else m[key]
 
-    return {"tasks": len(manifests), "computed": sum(not get(m, "skipped") for m in manifests),
-            "skipped": sum(bool(get(m, "skipped")) for m in manifests),
-            "seconds": round(sum(get(m, "seconds") for m in manifests), 3)}
+    return {
+        "tasks": len(manifests),
+        "computed": sum(not get(m, "skipped") for m in manifests),
+        "skipped": sum(bool(get(m, "skipped")) for m in manifests),
+        "seconds": round(sum(get(m, "seconds") for m in manifests), 3),
+    }
 
 
-__all__ = ["Plan", "PlannedModel", "ScorePlan", "TruthPlan", "Manifest", "ShardManifest", "FinalizeManifest",
-           "TargetsManifest", "ScoreBlockManifest", "SubsetModelManifest", "summarize"]
+__all__ = [
+    "Plan",
+    "PlannedModel",
+    "ScorePlan",
+    "TruthPlan",
+    "Manifest",
+    "ShardManifest",
+    "FinalizeManifest",
+    "TargetsManifest",
+    "ScoreBlockManifest",
+    "SubsetModelManifest",
+    "summarize",
+]

@@ -4,7 +4,7 @@ progress bars). No listener: no cost. Events from other processes (e.g. Dask wor
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 # listener(kind, stage, amount): kind "start" (amount = total) or "advance" (amount = increment)
 Listener = Callable[[str, str, float], None]

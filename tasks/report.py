@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -20,7 +19,7 @@ from .common import cached_data
 from .config import AttributeConfig, load_object
 
 
-def labels_of(data: tuple) -> Optional[np.ndarray]:
+def labels_of(data: tuple) -> np.ndarray | None:
     """The last tensor of a data tuple when it looks like class labels (1-d integers)."""
     y = data[-1]
     if len(data) >= 2 and isinstance(y, torch.Tensor) and y.dim() == 1 and not y.dtype.is_floating_point:
@@ -38,15 +37,24 @@ def top_k(scores: np.ndarray, target: int, k: int) -> tuple[np.ndarray, np.ndarr
     return pro, opp
 
 
-def top_k_table(store: TrakStore, exp_name: str, targets: list[int], k: int,
-                train_labels: Optional[np.ndarray] = None, target_labels: Optional[np.ndarray] = None) -> list[dict]:
+def top_k_table(
+    store: TrakStore,
+    exp_name: str,
+    targets: list[int],
+    k: int,
+    train_labels: np.ndarray | None = None,
+    target_labels: np.ndarray | None = None,
+) -> list[dict]:
     scores = store.scores(exp_name)[:]
     rows = []
     for j in targets:
         pro, opp = top_k(scores, j, k)
-        row = {"target": int(j), "label": None if target_labels is None else int(target_labels[j]),
-               "proponents": [_entry(i, scores[i, j], train_labels) for i in pro],
-               "opponents": [_entry(i, scores[i, j], train_labels) for i in opp]}
+        row = {
+            "target": int(j),
+            "label": None if target_labels is None else int(target_labels[j]),
+            "proponents": [_entry(i, scores[i, j], train_labels) for i in pro],
+            "opponents": [_entry(i, scores[i, j], train_labels) for i in opp],
+        }
         if train_labels is not None and target_labels is not None and len(pro):
             row["label_agreement"] = float(np.mean(train_labels[pro] == target_labels[j]))
         rows.append(row)
@@ -64,12 +72,16 @@ def _fmt(e: dict) -> str:
 
 def markdown_table(rows: list[dict], title: str = "") -> str:
     lines = [f"## {title}", ""] if title else []
-    lines += ["| target | label | top proponents (train index, label, score) | top opponents |",
-              "|---:|---:|---|---|"]
+    lines += ["| target | label | top proponents (train index, label, score) | top opponents |", "|---:|---:|---|---|"]
     for r in rows:
         lab = "" if r["label"] is None else str(r["label"])
-        lines.append(f"| {r['target']} | {lab} | " + ", ".join(_fmt(e) for e in r["proponents"]) + " | "
-                     + ", ".join(_fmt(e) for e in r["opponents"]) + " |")
+        lines.append(
+            f"| {r['target']} | {lab} | "
+            + ", ".join(_fmt(e) for e in r["proponents"])
+            + " | "
+            + ", ".join(_fmt(e) for e in r["opponents"])
+            + " |"
+        )
     agree = [r["label_agreement"] for r in rows if "label_agreement" in r]
     if agree:
         lines += ["", f"Fraction of top proponents sharing the target's label: **{np.mean(agree):.2f}**"]
@@ -77,8 +89,13 @@ def markdown_table(rows: list[dict], title: str = "") -> str:
         if r.get("text") is None:
             continue
         lab = "" if r["label"] is None else f" (label {r['label']})"
-        lines += ["", f"### target {r['target']}{lab}: {_md(r['text'])}", "",
-                  "| rank | proponent | score | text | opponent | score | text |", "|---:|---|---:|---|---|---:|---|"]
+        lines += [
+            "",
+            f"### target {r['target']}{lab}: {_md(r['text'])}",
+            "",
+            "| rank | proponent | score | text | opponent | score | text |",
+            "|---:|---|---:|---|---|---:|---|",
+        ]
         for i in range(max(len(r["proponents"]), len(r["opponents"]))):
             cells = [str(i + 1)]
             for key in ("proponents", "opponents"):
@@ -133,8 +150,15 @@ def target_png(row: dict, show, train: tuple, targets: tuple) -> bytes:
     lab = "" if row["label"] is None else f"\nlabel {row['label']}"
     draw(axes[0, 0], show(targets[0][row["target"]].cpu().numpy()), f"target {row['target']}{lab}")
     axes[1, 0].axis("off")
-    axes[1, 0].text(0.5, 0.75, "top: proponents\nbottom: opponents", ha="center", va="center", fontsize=7,
-                    transform=axes[1, 0].transAxes)
+    axes[1, 0].text(
+        0.5,
+        0.75,
+        "top: proponents\nbottom: opponents",
+        ha="center",
+        va="center",
+        fontsize=7,
+        transform=axes[1, 0].transAxes,
+    )
     for r, key, color in ((0, "proponents", "tab:green"), (1, "opponents", "tab:red")):
         for c in range(k):
             ax = axes[r, c + 1]
@@ -176,8 +200,17 @@ def target_text_png(row: dict, width: int = 110) -> bytes:
     fig = Figure(figsize=(0.075 * width + 0.5, height))
     FigureCanvasAgg(fig)
     for i, (text, color, weight) in enumerate(lines):
-        fig.text(0.02, 1 - (0.15 + 0.24 * (i + 0.5)) / height, text, color=color or "black", fontsize=9,
-                 fontweight=weight, family="monospace", va="center", ha="left")
+        fig.text(
+            0.02,
+            1 - (0.15 + 0.24 * (i + 0.5)) / height,
+            text,
+            color=color or "black",
+            fontsize=9,
+            fontweight=weight,
+            family="monospace",
+            va="center",
+            ha="left",
+        )
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80)
     return buf.getvalue()
@@ -213,9 +246,17 @@ def score_stats(scores: np.ndarray) -> dict:
     v = v[np.isfinite(v)]
     if not v.size:
         return {}
-    return {"count": int(v.size), "mean": float(v.mean()), "std": float(v.std()), "min": float(v.min()),
-            "p01": float(np.percentile(v, 1)), "median": float(np.median(v)), "p99": float(np.percentile(v, 99)),
-            "max": float(v.max()), "positive_fraction": float((v > 0).mean())}
+    return {
+        "count": int(v.size),
+        "mean": float(v.mean()),
+        "std": float(v.std()),
+        "min": float(v.min()),
+        "p01": float(np.percentile(v, 1)),
+        "median": float(np.median(v)),
+        "p99": float(np.percentile(v, 99)),
+        "max": float(v.max()),
+        "positive_fraction": float((v > 0).mean()),
+    }
 
 
 def build_report(config: AttributeConfig) -> tuple[dict, dict[int, bytes]]:
@@ -232,11 +273,15 @@ def build_report(config: AttributeConfig) -> tuple[dict, dict[int, bytes]]:
     md = markdown_table(rows, f"TRAK attribution: experiment {exp!r}, store {config.store}")
     scores = store.scores(exp)[:]
     stats = score_stats(scores)
-    hist = score_histogram_png(scores, f"scores of experiment {exp!r} ({scores.shape[0]} train × {scores.shape[1]} targets)")
+    hist = score_histogram_png(
+        scores, f"scores of experiment {exp!r} ({scores.shape[0]} train × {scores.shape[1]} targets)"
+    )
     if stats:
-        md += (f"\nScores: mean {stats['mean']:+.3g}, std {stats['std']:.3g}, 1st/50th/99th percentile "
-               f"{stats['p01']:+.3g} / {stats['median']:+.3g} / {stats['p99']:+.3g}, range [{stats['min']:+.3g}, "
-               f"{stats['max']:+.3g}], {100 * stats['positive_fraction']:.1f} % positive.\n")
+        md += (
+            f"\nScores: mean {stats['mean']:+.3g}, std {stats['std']:.3g}, 1st/50th/99th percentile "
+            f"{stats['p01']:+.3g} / {stats['median']:+.3g} / {stats['p99']:+.3g}, range [{stats['min']:+.3g}, "
+            f"{stats['max']:+.3g}], {100 * stats['positive_fraction']:.1f} % positive.\n"
+        )
     pngs: dict[int, bytes] = {}
     if show is not None:
         for r in rows:
@@ -254,8 +299,16 @@ def build_report(config: AttributeConfig) -> tuple[dict, dict[int, bytes]]:
         (out / f"{exp}_score_histogram.png").write_bytes(hist)
         files.append(str(out / f"{exp}_score_histogram.png"))
     agree = [r["label_agreement"] for r in rows if "label_agreement" in r]
-    summary = {"exp_name": exp, "rows": rows, "markdown": md, "files": files, "text": text, "score_stats": stats,
-               "histogram_png": hist, "label_agreement": float(np.mean(agree)) if agree else None}
+    summary = {
+        "exp_name": exp,
+        "rows": rows,
+        "markdown": md,
+        "files": files,
+        "text": text,
+        "score_stats": stats,
+        "histogram_png": hist,
+        "label_agreement": float(np.mean(agree)) if agree else None,
+    }
     return summary, pngs
 
 
@@ -282,6 +335,19 @@ def artifact_key(*parts) -> str:
     return key.strip("-")
 
 
-__all__ = ["build_report", "top_k", "top_k_table", "markdown_table", "labels_of", "data_url", "artifact_key",
-           "store_artifact_key",
-           "target_png", "target_text_png", "score_histogram_png", "score_stats", "add_texts", "is_text"]
+__all__ = [
+    "build_report",
+    "top_k",
+    "top_k_table",
+    "markdown_table",
+    "labels_of",
+    "data_url",
+    "artifact_key",
+    "store_artifact_key",
+    "target_png",
+    "target_text_png",
+    "score_histogram_png",
+    "score_stats",
+    "add_texts",
+    "is_text",
+]

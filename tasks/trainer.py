@@ -20,7 +20,6 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -120,23 +119,34 @@ def train_one(config: TrainConfig, index: int) -> dict:
 
     plots = {"loss": str(stem.with_name(stem.name + ".loss.png"))}
     _plot_loss(losses, Path(plots["loss"]), f"model {index} (seed {seed})")
-    alpha_out: Optional[dict] = None
+    alpha_out: dict | None = None
     if alpha is not None:
         from trak_core.alpha_plots import plot_alpha_gauge, plot_alpha_trace
 
         alpha_out = {int(k): (None if v is None else float(v)) for k, v in alpha.get_output().items()}
-        plots["alpha_trace"] = str(plot_alpha_trace(alpha_out, stem.with_name(stem.name + ".alpha_trace.png"),
-                                                    title=f"α, model {index}"))
-        plots["alpha_gauge"] = str(plot_alpha_gauge(alpha_out, stem.with_name(stem.name + ".alpha_gauge.png"),
-                                                    title=f"α gauge, model {index}"))
+        plots["alpha_trace"] = str(
+            plot_alpha_trace(alpha_out, stem.with_name(stem.name + ".alpha_trace.png"), title=f"α, model {index}")
+        )
+        plots["alpha_gauge"] = str(
+            plot_alpha_gauge(alpha_out, stem.with_name(stem.name + ".alpha_gauge.png"), title=f"α gauge, model {index}")
+        )
     finite = [v for v in (alpha_out or {}).values() if v is not None and math.isfinite(v)]
     record = {
-        "index": index, "path": ckpt.name, "seed": seed, "epochs": config.epochs, "steps": step,
-        "optimizer": config.optimizer, "lr": config.lr, "momentum": config.momentum,
-        "weight_decay": config.weight_decay, "batch_size": config.batch_size,
+        "index": index,
+        "path": ckpt.name,
+        "seed": seed,
+        "epochs": config.epochs,
+        "steps": step,
+        "optimizer": config.optimizer,
+        "lr": config.lr,
+        "momentum": config.momentum,
+        "weight_decay": config.weight_decay,
+        "batch_size": config.batch_size,
         "train_rows": int(labels.shape[0]),
         "subset": None if subset is None else stem.with_name(stem.name + ".subset.npy").name,
-        "epoch_loss": epoch_loss, "final_loss": epoch_loss[-1] if epoch_loss else None, "train_accuracy": acc,
+        "epoch_loss": epoch_loss,
+        "final_loss": epoch_loss[-1] if epoch_loss else None,
+        "train_accuracy": acc,
         "alpha": None if alpha_out is None else {str(k): v for k, v in alpha_out.items()},
         "alpha_mean": float(np.mean(finite)) if finite else None,
         "alpha_median": float(np.median(finite)) if finite else None,
@@ -147,8 +157,20 @@ def train_one(config: TrainConfig, index: int) -> dict:
 
 
 def _brief(record: dict) -> dict:
-    keep = ("index", "path", "seed", "epochs", "steps", "train_rows", "subset", "final_loss", "train_accuracy",
-            "alpha_mean", "alpha_median", "plots")
+    keep = (
+        "index",
+        "path",
+        "seed",
+        "epochs",
+        "steps",
+        "train_rows",
+        "subset",
+        "final_loss",
+        "train_accuracy",
+        "alpha_mean",
+        "alpha_median",
+        "plots",
+    )
     return {k: record.get(k) for k in keep}
 
 
@@ -156,8 +178,10 @@ def split_xy(data: tuple, field: str = "train_data") -> tuple[tuple[torch.Tensor
     """(inputs, integer labels) of a data tuple: the labels are the last tensor (1-d integers), the inputs
     the tensors before it (one for images, ``(input_ids, token_type_ids, attention_mask)`` for text)."""
     if len(data) < 2 or data[-1].dim() != 1 or data[-1].dtype.is_floating_point:
-        raise BadInputError(f"{field}: training needs (inputs..., integer labels) tensors, got "
-                            f"{[(tuple(t.shape), str(t.dtype)) for t in data]}")
+        raise BadInputError(
+            f"{field}: training needs (inputs..., integer labels) tensors, got "
+            f"{[(tuple(t.shape), str(t.dtype)) for t in data]}"
+        )
     return tuple(data[:-1]), data[-1].long()
 
 
@@ -189,14 +213,24 @@ def new_model(config: TrainConfig, seed: int) -> torch.nn.Module:
     return model
 
 
-def fit_model(config: TrainConfig, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor,
-              seed: int, *, alpha=None, what: str = "model", progress_stage: Optional[str] = "train") -> dict:
+def fit_model(
+    config: TrainConfig,
+    model: torch.nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    labels: torch.Tensor,
+    seed: int,
+    *,
+    alpha=None,
+    what: str = "model",
+    progress_stage: str | None = "train",
+) -> dict:
     """The training recipe of ``config`` (optimizer, lr, momentum, weight decay, epochs, batch size; batch
     order from ``seed``) applied to ``model`` on the given rows, in place. Returns the losses per step and
     per epoch, the number of steps and the train accuracy (the model is left in eval mode)."""
     if config.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                              weight_decay=config.weight_decay)
+        opt = torch.optim.SGD(
+            model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
     else:
         opt = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     gen = torch.Generator().manual_seed(seed)
@@ -210,7 +244,7 @@ def fit_model(config: TrainConfig, model: torch.nn.Module, inputs: tuple[torch.T
         perm = torch.randperm(n, generator=gen).to(device)
         total = 0.0
         for s in range(0, n, config.batch_size):
-            idx = perm[s:s + config.batch_size]
+            idx = perm[s : s + config.batch_size]
             x, y = tuple(t[idx] for t in inputs), labels[idx]
             opt.zero_grad(set_to_none=True)
             loss = _per_sample_ce(forward(model, x), y).mean()
@@ -237,8 +271,9 @@ def fit_model(config: TrainConfig, model: torch.nn.Module, inputs: tuple[torch.T
     return {"losses": losses, "epoch_loss": epoch_loss, "steps": step, "train_accuracy": acc}
 
 
-def train_on_rows(config: TrainConfig, seed: int, rows: Optional[np.ndarray] = None,
-                  data: Optional[tuple] = None) -> torch.nn.Module:
+def train_on_rows(
+    config: TrainConfig, seed: int, rows: np.ndarray | None = None, data: tuple | None = None
+) -> torch.nn.Module:
     """A fresh model (seed ``seed``) trained with ``config``'s recipe on ``rows`` of the train data (all rows
     when None) — what the train flow does for one checkpoint, without files; used by the evaluate flow's
     counterfactual (subset) models. ``data`` (the train tuple) avoids reloading it."""
@@ -256,8 +291,11 @@ def write_manifest(config: TrainConfig, records: list[dict]) -> str:
     """manifest.json: the checkpoints (paths relative to the manifest) and the config that made them."""
     out = Path(config.out_dir)
     records = sorted(records, key=lambda r: r["index"])
-    body = {"kind": "trakflow-checkpoints", "config": config.model_dump(mode="json"),
-            "checkpoints": [{k: v for k, v in r.items() if k not in ("skipped", "seconds")} for r in records]}
+    body = {
+        "kind": "trakflow-checkpoints",
+        "config": config.model_dump(mode="json"),
+        "checkpoints": [{k: v for k, v in r.items() if k not in ("skipped", "seconds")} for r in records],
+    }
     path = out / "manifest.json"
     _atomic_write_text(path, json.dumps(body, indent=1))
     return str(path)

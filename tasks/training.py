@@ -8,7 +8,6 @@ from prefect import task
 from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from prefect.cache_policies import NONE
 
-
 from . import trainer
 from .attribution import RETRIES, RETRY_DELAY_SECONDS, retry_unless_bad_input
 from .common import GPU_TAG
@@ -16,26 +15,45 @@ from .config import TrainConfig
 from .report import data_url, store_artifact_key
 
 
-@task(name="train-model", task_run_name="train-model-{index}", tags=[GPU_TAG], cache_policy=NONE,
-      persist_result=False, retries=RETRIES, retry_delay_seconds=RETRY_DELAY_SECONDS,
-      retry_condition_fn=retry_unless_bad_input)
+@task(
+    name="train-model",
+    task_run_name="train-model-{index}",
+    tags=[GPU_TAG],
+    cache_policy=NONE,
+    persist_result=False,
+    retries=RETRIES,
+    retry_delay_seconds=RETRY_DELAY_SECONDS,
+    retry_condition_fn=retry_unless_bad_input,
+)
 def train_model(config: TrainConfig, index: int) -> dict:
     rec = trainer.train_one(config, index)
     if rec["skipped"]:
         return rec
     out = Path(config.out_dir)
-    lines = [f"### model {index} (seed {rec['seed']})", "", "| what | value |", "|---|---|",
-             f"| checkpoint | `{out / rec['path']}` |", f"| epochs / steps | {rec['epochs']} / {rec['steps']} |",
-             f"| train rows | {rec['train_rows']} |", f"| final loss | {rec['final_loss']:.4f} |",
-             f"| train accuracy | {rec['train_accuracy']:.3f} |"]
+    lines = [
+        f"### model {index} (seed {rec['seed']})",
+        "",
+        "| what | value |",
+        "|---|---|",
+        f"| checkpoint | `{out / rec['path']}` |",
+        f"| epochs / steps | {rec['epochs']} / {rec['steps']} |",
+        f"| train rows | {rec['train_rows']} |",
+        f"| final loss | {rec['final_loss']:.4f} |",
+        f"| train accuracy | {rec['train_accuracy']:.3f} |",
+    ]
     if rec.get("alpha_mean") is not None:
         lines.append(f"| α mean / median | {rec['alpha_mean']:.3f} / {rec['alpha_median']:.3f} |")
-    create_markdown_artifact(markdown="\n".join(lines) + "\n", key=store_artifact_key(config.out_dir, "train-model", index),
-                             description=f"training summary of model {index}")
+    create_markdown_artifact(
+        markdown="\n".join(lines) + "\n",
+        key=store_artifact_key(config.out_dir, "train-model", index),
+        description=f"training summary of model {index}",
+    )
     for name, file in rec["plots"].items():
         path = out / file
         if path.is_file():
-            create_image_artifact(image_url=data_url(path.read_bytes()),
-                                  key=store_artifact_key(config.out_dir, "train-model", index, name),
-                                  description=f"{name} of model {index} ({path})")
+            create_image_artifact(
+                image_url=data_url(path.read_bytes()),
+                key=store_artifact_key(config.out_dir, "train-model", index, name),
+                description=f"{name} of model {index} ({path})",
+            )
     return rec

@@ -105,16 +105,21 @@ class PrefectServer:
 
 def prefect_env(home: Path, api_url: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="INFO",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]))
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_LOGGING_LEVEL="INFO",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]),
+    )
     if api_url:
         env["PREFECT_API_URL"] = api_url
     return env
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path, scheduler_loop_seconds: float = 2.0, timeout: float = 120.0,
-                   auth_string: str | None = None) -> Iterator[PrefectServer]:
+def prefect_server(
+    home: Path, scheduler_loop_seconds: float = 2.0, timeout: float = 120.0, auth_string: str | None = None
+) -> Iterator[PrefectServer]:
     """`prefect server start` on a free port with its own SQLite database under ``home``; the scheduler
     service polls every ``scheduler_loop_seconds`` so a schedule fires within seconds. With ``auth_string``
     ("user:password") the server requires it (PREFECT_SERVER_API_AUTH_STRING) and ``server.env`` carries it
@@ -122,8 +127,9 @@ def prefect_server(home: Path, scheduler_loop_seconds: float = 2.0, timeout: flo
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = prefect_env(home)
-    env.update(PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS=str(scheduler_loop_seconds),
-               PREFECT_SERVER_API_HOST="127.0.0.1")
+    env.update(
+        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS=str(scheduler_loop_seconds), PREFECT_SERVER_API_HOST="127.0.0.1"
+    )
     if auth_string:
         env["PREFECT_SERVER_API_AUTH_STRING"] = auth_string
     log = home / "server.log"
@@ -170,8 +176,20 @@ def dask_cluster(home: Path, env: dict, n_workers: int = 2, timeout: float = 90.
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     dash = free_port()
-    sched = start([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port),
-                   "--dashboard-address", f"127.0.0.1:{dash}"], home / "scheduler.log", env)
+    sched = start(
+        [
+            str(BIN / "dask"),
+            "scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dashboard-address",
+            f"127.0.0.1:{dash}",
+        ],
+        home / "scheduler.log",
+        env,
+    )
     workers: list[subprocess.Popen] = []
     try:
         from distributed import Client
@@ -185,9 +203,28 @@ def dask_cluster(home: Path, env: dict, n_workers: int = 2, timeout: float = 90.
 
         wait_for(lambda: up(0), timeout, "dask scheduler", poll=1.0, proc=sched)
         for i in range(n_workers):
-            workers.append(start([str(BIN / "dask"), "worker", address, "--nthreads", "1", "--no-nanny",
-                                  "--name", f"w{i}", "--host", "127.0.0.1", "--dashboard-address", ":0",
-                                  "--local-directory", str(home / f"w{i}")], home / f"worker{i}.log", env))
+            workers.append(
+                start(
+                    [
+                        str(BIN / "dask"),
+                        "worker",
+                        address,
+                        "--nthreads",
+                        "1",
+                        "--no-nanny",
+                        "--name",
+                        f"w{i}",
+                        "--host",
+                        "127.0.0.1",
+                        "--dashboard-address",
+                        ":0",
+                        "--local-directory",
+                        str(home / f"w{i}"),
+                    ],
+                    home / f"worker{i}.log",
+                    env,
+                )
+            )
         wait_for(lambda: up(n_workers), timeout, f"{n_workers} dask workers", poll=1.0)
         yield DaskCluster(address, sched, workers)
     finally:

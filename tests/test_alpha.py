@@ -528,11 +528,21 @@ def _mse_run(loss_fn, targets_shape, seed=0):
     torch.manual_seed(seed)
     model = nn.Linear(3, targets_shape[1] if len(targets_shape) > 1 else 1).double()
     g = torch.Generator().manual_seed(seed + 1)
-    data = [(torch.rand(4, 3, generator=g, dtype=torch.float64),
-             torch.rand(*targets_shape, generator=g, dtype=torch.float64)) for _ in range(3)]
+    data = [
+        (
+            torch.rand(4, 3, generator=g, dtype=torch.float64),
+            torch.rand(*targets_shape, generator=g, dtype=torch.float64),
+        )
+        for _ in range(3)
+    ]
     tracker = Alpha(loss_fn, lambda s: True)
-    train(model, torch.optim.Adam(model.parameters(), lr=1e-2), data, tracker,
-          loss_fn=lambda o, t: loss_fn(o, t).reshape(-1))
+    train(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        data,
+        tracker,
+        loss_fn=lambda o, t: loss_fn(o, t).reshape(-1),
+    )
     return tracker
 
 

@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from trak_fixtures import make_data, make_model
 
 import trak_core
 from trak_core.errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
-from trak_fixtures import make_data, make_model
 
 
 def snapshot(path) -> dict:
@@ -25,9 +25,16 @@ def snapshot(path) -> dict:
 
 def new_traker(tmp_path, n=40, **kw):
     kw.setdefault("proj_dim", 16)
-    return trak_core.TRAKer(model=make_model(), task="image_classification", train_set_size=n,
-                            save_dir=str(tmp_path / "store"), device="cpu", logging_level=logging.ERROR,
-                            chunk_rows=8, **kw)
+    return trak_core.TRAKer(
+        model=make_model(),
+        task="image_classification",
+        train_set_size=n,
+        save_dir=str(tmp_path / "store"),
+        device="cpu",
+        logging_level=logging.ERROR,
+        chunk_rows=8,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -169,8 +176,9 @@ def test_constructor_arguments(tmp_path):
     with pytest.raises(BadInputError, match="grad_wrt names parameters the model does not have: \\['nope'\\]"):
         new_traker(tmp_path, grad_wrt=["nope"])
     with pytest.raises(BadInputError, match="unknown task"):
-        trak_core.TRAKer(model=make_model(), task="regression", train_set_size=4, save_dir=str(tmp_path / "t"),
-                         device="cpu")
+        trak_core.TRAKer(
+            model=make_model(), task="regression", train_set_size=4, save_dir=str(tmp_path / "t"), device="cpu"
+        )
     assert not (tmp_path / "store").exists() and not (tmp_path / "t").exists()
 
 
@@ -178,8 +186,14 @@ def test_unwritable_store_location(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     with pytest.raises(BadInputError, match="not a directory|not writable"):
-        trak_core.TRAKer(model=make_model(), task="image_classification", train_set_size=4,
-                         save_dir=str(blocker), device="cpu", proj_dim=4)
+        trak_core.TRAKer(
+            model=make_model(),
+            task="image_classification",
+            train_set_size=4,
+            save_dir=str(blocker),
+            device="cpu",
+            proj_dim=4,
+        )
     assert blocker.read_text() == "x"
 
 
@@ -197,8 +211,14 @@ def test_store_under_a_file_is_refused(tmp_path):
 def test_reopen_with_other_projector_parameters_is_refused(tmp_path):
     from trak_core.sjlt import SJLTProjector
 
-    base = dict(model=make_model(), task="image_classification", train_set_size=40, save_dir=str(tmp_path / "s"),
-                device="cpu", logging_level=logging.ERROR)
+    base = dict(
+        model=make_model(),
+        task="image_classification",
+        train_set_size=40,
+        save_dir=str(tmp_path / "s"),
+        device="cpu",
+        logging_level=logging.ERROR,
+    )
     trak_core.TRAKer(projector=SJLTProjector(51, 16, 0, c=4), **base)
     with pytest.raises(StoreMismatchError, match="projector_params"):
         trak_core.TRAKer(projector=SJLTProjector(51, 16, 0, c=2), **base)
@@ -217,8 +237,15 @@ def test_default_projector_is_factored_also_for_non_linear_parameters(tmp_path):
         def forward(self, ids):
             return self.head(self.emb(ids).mean(1))
 
-    other = trak_core.TRAKer(model=Bag(), task="image_classification", train_set_size=8, proj_dim=12,
-                             save_dir=str(tmp_path / "o"), device="cpu", logging_level=logging.ERROR)
+    other = trak_core.TRAKer(
+        model=Bag(),
+        task="image_classification",
+        train_set_size=8,
+        proj_dim=12,
+        save_dir=str(tmp_path / "o"),
+        device="cpu",
+        logging_level=logging.ERROR,
+    )
     layout = other.projector.spec()["layout"]
     assert [b[1] for b in layout] == ["linear", "other"]
     other.load_checkpoint(Bag().state_dict(), model_id=0)
@@ -231,8 +258,14 @@ def test_empty_save_dir_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for save_dir in ("", "   ", None):
         with pytest.raises(BadInputError, match="save_dir must be a non-empty path"):
-            trak_core.TRAKer(model=make_model(), task="image_classification", train_set_size=10, save_dir=save_dir,
-                             device="cpu", proj_dim=4)
+            trak_core.TRAKer(
+                model=make_model(),
+                task="image_classification",
+                train_set_size=10,
+                save_dir=save_dir,
+                device="cpu",
+                proj_dim=4,
+            )
     assert os.listdir(tmp_path) == []
 
 
@@ -245,8 +278,14 @@ def test_cuda_without_cuda_is_refused_at_construction(tmp_path):
 
 
 def _kw(tmp_path, **kw):
-    return dict(task="image_classification", train_set_size=40, save_dir=str(tmp_path / "store"),
-                logging_level=logging.ERROR, chunk_rows=8, **kw)
+    return dict(
+        task="image_classification",
+        train_set_size=40,
+        save_dir=str(tmp_path / "store"),
+        logging_level=logging.ERROR,
+        chunk_rows=8,
+        **kw,
+    )
 
 
 def test_unsafe_exp_name_is_refused_before_writing(loaded):
@@ -270,8 +309,9 @@ def test_float64_model_and_inputs_work_with_every_projector(tmp_path, kind):
         model = make_model(1).to(dt)
         g = sum(p.numel() for p in model.parameters())
         proj = make_projector(kind, g, 8 if kind != "noop" else g, 0, "rademacher", device="cpu", model=model)
-        tr = trak_core.TRAKer(model=model, device="cpu", projector=proj, use_half_precision=False,
-                              **_kw(tmp_path / str(dt)))
+        tr = trak_core.TRAKer(
+            model=model, device="cpu", projector=proj, use_half_precision=False, **_kw(tmp_path / str(dt))
+        )
         tr.load_checkpoint(model.state_dict(), model_id=0)
         tr.featurize((x.to(dt), y), num_samples=40)
         out[dt] = tr.store.model(0).grads[:]
@@ -283,7 +323,10 @@ def test_float64_inputs_to_a_float32_model_get_a_clear_error(tmp_path):
     tr = new_traker(tmp_path, projector=None)
     tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
     before = snapshot(tmp_path / "store")
-    with pytest.raises(BadInputError, match=r"floating tensors are torch.float64 but the model's parameters are "
-                                            r"torch.float32: cast the inputs"):
+    with pytest.raises(
+        BadInputError,
+        match=r"floating tensors are torch.float64 but the model's parameters are "
+        r"torch.float32: cast the inputs",
+    ):
         tr.featurize((x[:8].double(), y[:8]), num_samples=8)
     assert snapshot(tmp_path / "store") == before

@@ -23,8 +23,9 @@ def test_choose_chunk_rows_bounds_bytes_rows_and_data():
 
 
 def test_metadata_records_the_layout_and_every_chunk_is_bounded(tmp_path):
-    meta = StoreMetadata(train_set_size=50, grad_dim=3_000_000, proj_dim=3_000_000, projector="noop",
-                         chunk_bytes=8 << 20)
+    meta = StoreMetadata(
+        train_set_size=50, grad_dim=3_000_000, proj_dim=3_000_000, projector="noop", chunk_bytes=8 << 20
+    )
     assert meta.chunk_rows == 1 and meta.shard_rows == 8
     st = TrakStore.create_or_open(str(tmp_path / "s"), meta)
     reopened = TrakStore.open(str(tmp_path / "s")).meta
@@ -74,8 +75,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_noop_projector_on_a_3m_parameter_model_stays_within_a_few_hundred_mib(tmp_path):
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "store")], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "store")], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["params"] > 3_000_000 and r["featurized"] == 8

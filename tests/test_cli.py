@@ -35,8 +35,17 @@ def store(tmp_path_factory):
     x, y = tiny.train_data()
     xt, yt = tiny.target_data()
     loc = str(tmp / "store.zarr")
-    tr = TRAKer(tiny.make_model(), "image_classification", tiny.NUM_TRAIN, save_dir=loc, device="cpu", proj_dim=16,
-                lambda_reg=1e-3, chunk_rows=8, shard_rows=16)
+    tr = TRAKer(
+        tiny.make_model(),
+        "image_classification",
+        tiny.NUM_TRAIN,
+        save_dir=loc,
+        device="cpu",
+        proj_dim=16,
+        lambda_reg=1e-3,
+        chunk_rows=8,
+        shard_rows=16,
+    )
     sds = []
     for mid in range(2):
         torch.manual_seed(mid)
@@ -92,18 +101,35 @@ def test_show_errors(store, tmp_path):
 
 def _write_config(tmp_path: Path, **over) -> Path:
     paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0, 1))
-    cfg = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
-               target_data="examples.tiny:target_data", checkpoints=paths, store=str(tmp_path / "store.zarr"),
-               proj_dim=16, lambda_reg=1e-3, batch_size=8, shard_size=16, chunk_rows=8, device="cpu", top_k=3,
-               report_targets=2)
+    cfg = dict(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        target_data="examples.tiny:target_data",
+        checkpoints=paths,
+        store=str(tmp_path / "store.zarr"),
+        proj_dim=16,
+        lambda_reg=1e-3,
+        batch_size=8,
+        shard_size=16,
+        chunk_rows=8,
+        device="cpu",
+        top_k=3,
+        report_targets=2,
+    )
     cfg.update(over)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-@pytest.mark.parametrize("over,field", [(dict(proj_dim=0), "proj_dim"), (dict(model="examples.tiny:nope"), "model"),
-                                        (dict(checkpoints=["/nonexistent/model.pt"]), "checkpoints")])
+@pytest.mark.parametrize(
+    "over,field",
+    [
+        (dict(proj_dim=0), "proj_dim"),
+        (dict(model="examples.tiny:nope"), "model"),
+        (dict(checkpoints=["/nonexistent/model.pt"]), "checkpoints"),
+    ],
+)
 def test_run_bad_config_fails_before_compute(tmp_path, over, field):
     path = _write_config(tmp_path, **over)
     res = invoke("run", path)
@@ -134,14 +160,17 @@ def test_run_attribute(tmp_path):
     # a fresh process, as a user runs it: the no-op run, a typo and show never import Prefect
     typo = tmp_path / "typo.yaml"
     typo.write_text(Path(path).read_text() + "projdim: 3\n")
-    code = ("import sys\nfrom trakflow_cli.main import app\ntry:\n    app(sys.argv[1:])\n"
-            "except SystemExit as e:\n    print('EXIT', e.code, 'prefect' in sys.modules)\n")
+    code = (
+        "import sys\nfrom trakflow_cli.main import app\ntry:\n    app(sys.argv[1:])\n"
+        "except SystemExit as e:\n    print('EXIT', e.code, 'prefect' in sys.modules)\n"
+    )
     for args, want in (([str(path)], "nothing to run"), ([str(typo)], "projdim")):
         res = subprocess.run([sys.executable, "-c", code, "run", *args], capture_output=True, text=True, cwd=REPO)
         assert want in res.stdout + res.stderr, res.stdout + res.stderr
         assert res.stdout.strip().splitlines()[-1] in ("EXIT 0 False", "EXIT 2 False"), res.stdout
-    res = subprocess.run([sys.executable, "-c", code, "show", str(tmp_path / "store.zarr")], capture_output=True,
-                         text=True, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-c", code, "show", str(tmp_path / "store.zarr")], capture_output=True, text=True, cwd=REPO
+    )
     assert res.stdout.strip().splitlines()[-1] == "EXIT 0 False", res.stdout + res.stderr
 
 

@@ -19,9 +19,18 @@ def ckpts(tmp_path):
 
 
 def good(tmp_path, ckpts, **over):
-    cfg = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
-               target_data="examples.tiny:target_data", checkpoints=ckpts, store=str(tmp_path / "store.zarr"),
-               proj_dim=16, batch_size=8, shard_size=16, chunk_rows=8, device="cpu")
+    cfg = dict(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        target_data="examples.tiny:target_data",
+        checkpoints=ckpts,
+        store=str(tmp_path / "store.zarr"),
+        proj_dim=16,
+        batch_size=8,
+        shard_size=16,
+        chunk_rows=8,
+        device="cpu",
+    )
     cfg.update(over)
     return cfg
 
@@ -49,16 +58,19 @@ def test_checkpoints_by_glob_and_manifest(tmp_path, ckpts):
     assert by_glob.checkpoint_paths == by_manifest.checkpoint_paths == sorted(os.path.abspath(p) for p in ckpts)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("model", "examples.tiny:no_such_factory"),
-    ("model", "no_such_package.mod:make_model"),
-    ("model", "examples.tiny.make_model"),
-    ("train_data", "examples.nope:train_data"),
-    ("target_data", "examples.tiny:nothing"),
-    ("task", "examples.tiny:make_model"),
-    ("task", "image_clasification"),
-    ("show", "examples.tiny:nope"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model", "examples.tiny:no_such_factory"),
+        ("model", "no_such_package.mod:make_model"),
+        ("model", "examples.tiny.make_model"),
+        ("train_data", "examples.nope:train_data"),
+        ("target_data", "examples.tiny:nothing"),
+        ("task", "examples.tiny:make_model"),
+        ("task", "image_clasification"),
+        ("show", "examples.tiny:nope"),
+    ],
+)
 def test_bad_import_path_names_field(tmp_path, ckpts, field, value):
     cfg = good(tmp_path, ckpts, **{field: value})
     fails_naming(field, cfg)
@@ -90,8 +102,10 @@ def test_store_under_a_file_is_unwritable(tmp_path, ckpts):
     assert not os.path.exists(blocker / "sub")
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
-                    reason="root ignores directory permissions; the file-parent case covers unwritable stores")
+@pytest.mark.skipif(
+    hasattr(os, "geteuid") and os.geteuid() == 0,
+    reason="root ignores directory permissions; the file-parent case covers unwritable stores",
+)
 def test_store_in_read_only_dir_is_unwritable(tmp_path, ckpts):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -109,16 +123,19 @@ def test_writability_probe_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("over,field", [
-    (dict(chunk_rows=6), "chunk_rows"),
-    (dict(lambda_reg=-1.0), "lambda_reg"),
-    (dict(batch_size=0), "batch_size"),
-    (dict(projector="sparse"), "projector"),
-    (dict(dtype="float64"), "dtype"),
-    (dict(exp_name="a/b"), "exp_name"),
-    (dict(grad_wrt=[]), "grad_wrt"),
-    (dict(unknown_field=1), "unknown_field"),
-])
+@pytest.mark.parametrize(
+    "over,field",
+    [
+        (dict(chunk_rows=6), "chunk_rows"),
+        (dict(lambda_reg=-1.0), "lambda_reg"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(projector="sparse"), "projector"),
+        (dict(dtype="float64"), "dtype"),
+        (dict(exp_name="a/b"), "exp_name"),
+        (dict(grad_wrt=[]), "grad_wrt"),
+        (dict(unknown_field=1), "unknown_field"),
+    ],
+)
 def test_other_fields(tmp_path, ckpts, over, field):
     fails_naming(field, good(tmp_path, ckpts, **over))
 
@@ -175,8 +192,7 @@ def test_example_yaml_files_name_real_fields():
 
 
 # ---------------------------------------------------------------------------- issue 12, items 5 and 7
-@pytest.mark.parametrize("name", ["..", ".", "a/b", "new\\sub", "../up", "a..b", ".hidden", "-x", "", "x y",
-                                  "x" * 129])
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "new\\sub", "../up", "a..b", ".hidden", "-x", "", "x y", "x" * 129])
 def test_unsafe_exp_name_is_refused(tmp_path, ckpts, name):
     cfg = good(tmp_path, ckpts, exp_name=name)
     msg = fails_naming("exp_name", cfg)
@@ -216,6 +232,7 @@ def test_import_roots_from_the_environment(tmp_path, ckpts, monkeypatch):
     monkeypatch.setenv("TRAKFLOW_IMPORT_ROOTS", "examples")
     AttributeConfig.model_validate(good(tmp_path, ckpts))  # inside the allow-list
     import sys
+
     sys.modules.pop("json.tool", None)
     msg = fails_naming("model", good(tmp_path, ckpts, model="json.tool:main"))
     assert "outside the allowed import roots ['examples']" in msg and "TRAKFLOW_IMPORT_ROOTS" in msg
@@ -263,37 +280,80 @@ def _plan_fails(tmp_path, ckpts, field: str, match: str, **over):
 
 
 def test_memory_estimate_refuses_a_proj_dim_that_cannot_fit(tmp_path, ckpts):
-    msg = _plan_fails(tmp_path, ckpts, "proj_dim", r"featurize task would need about .* is available",
-                      proj_dim=1_000_000_000, projector="dense", chunk_rows=None, lambda_reg=1e-3)
+    msg = _plan_fails(
+        tmp_path,
+        ckpts,
+        "proj_dim",
+        r"featurize task would need about .* is available",
+        proj_dim=1_000_000_000,
+        projector="dense",
+        chunk_rows=None,
+        lambda_reg=1e-3,
+    )
     assert "XᵀX partial" in msg and "Nothing was written" in msg
 
 
 def test_memory_estimate_names_the_largest_buffer(tmp_path, ckpts, monkeypatch):
     monkeypatch.setenv("TRAKFLOW_MEMORY_LIMIT", str(4 << 10))  # a 4 KiB worker
-    _plan_fails(tmp_path, ckpts, "batch_size", r"would need about .*per-example gradients .* 4\.0 KiB is available",
-                lambda_reg=1e-3)
+    _plan_fails(
+        tmp_path,
+        ckpts,
+        "batch_size",
+        r"would need about .*per-example gradients .* 4\.0 KiB is available",
+        lambda_reg=1e-3,
+    )
 
 
 def test_memory_estimate_terms():
     from trak_core.memory import check_task_memory, estimate_task_memory
 
-    est = estimate_task_memory(train_set_size=100_000, grad_dim=10_000_000, proj_dim=512, num_params=10_000_000,
-                               batch_size=4096, shard_rows=4096, dtype_bytes=2, chunk_bytes=32 << 20)
+    est = estimate_task_memory(
+        train_set_size=100_000,
+        grad_dim=10_000_000,
+        proj_dim=512,
+        num_params=10_000_000,
+        batch_size=4096,
+        shard_rows=4096,
+        dtype_bytes=2,
+        chunk_bytes=32 << 20,
+    )
     with pytest.raises(BadInputError, match=r"^batch_size: a featurize task .*per-example gradients"):
         check_task_memory(est, available=100 << 30)
-    est = estimate_task_memory(train_set_size=1_000_000, grad_dim=1000, proj_dim=100_000, num_params=1000,
-                               batch_size=8, shard_rows=1_000_000, dtype_bytes=2, chunk_bytes=32 << 20)
+    est = estimate_task_memory(
+        train_set_size=1_000_000,
+        grad_dim=1000,
+        proj_dim=100_000,
+        num_params=1000,
+        batch_size=8,
+        shard_rows=1_000_000,
+        dtype_bytes=2,
+        chunk_bytes=32 << 20,
+    )
     with pytest.raises(BadInputError, match=r"^shard_size: "):
         check_task_memory(est, available=100 << 30)
-    est = estimate_task_memory(train_set_size=100, grad_dim=11_700_000, proj_dim=11_700_000, num_params=11_700_000,
-                               batch_size=8, shard_rows=100, dtype_bytes=2, chunk_bytes=32 << 20)
+    est = estimate_task_memory(
+        train_set_size=100,
+        grad_dim=11_700_000,
+        proj_dim=11_700_000,
+        num_params=11_700_000,
+        batch_size=8,
+        shard_rows=100,
+        dtype_bytes=2,
+        chunk_bytes=32 << 20,
+    )
     with pytest.raises(BadInputError, match=r"^projector: .*'noop' keeps every gradient dimension"):
         check_task_memory(est, available=100 << 30, projector="noop")
 
 
 def test_noop_projector_with_proj_dim_at_least_n_and_zero_lambda_is_refused(tmp_path, ckpts):
-    _plan_fails(tmp_path, ckpts, "projector", r"'noop' keeps all \d+ gradient dimensions, ≥ .* lambda_reg=0",
-                projector="noop", lambda_reg=0.0)
+    _plan_fails(
+        tmp_path,
+        ckpts,
+        "projector",
+        r"'noop' keeps all \d+ gradient dimensions, ≥ .* lambda_reg=0",
+        projector="noop",
+        lambda_reg=0.0,
+    )
 
 
 def test_cuda_device_without_cuda_is_refused_by_the_plan(tmp_path, ckpts):

@@ -59,6 +59,7 @@ def _cpu_sjlt(grad_dim, proj_dim, seed, c):
     """The CPU SJLT projector of trak_core where this checkout has it, else the definition in float32."""
     try:
         from trak_core.sjlt import SJLTProjector
+
         return SJLTProjector(grad_dim, proj_dim, seed, "rademacher", "cpu", c=c)
     except ImportError:
         return cuda_ext.projectors._ReferenceSJLTProjector(grad_dim, proj_dim, seed, "rademacher", c=c)
@@ -76,20 +77,36 @@ def host_check(tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
     exe = tmp_path_factory.mktemp("hostcheck") / "hash_host_check"
-    subprocess.run(["g++", "-std=c++17", "-O2", "-Wall", "-Werror", f"-I{HERE}", str(HERE / "hash_host_check.cpp"),
-                    "-o", str(exe)], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            "g++",
+            "-std=c++17",
+            "-O2",
+            "-Wall",
+            "-Werror",
+            f"-I{HERE}",
+            str(HERE / "hash_host_check.cpp"),
+            "-o",
+            str(exe),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
 
     def run(lines: list[str]) -> list[str]:
         res = subprocess.run([str(exe)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
-        return res.stdout.split("\n")[:len(lines)]
+        return res.stdout.split("\n")[: len(lines)]
+
     return run
 
 
 def _counters(n=2000, seed=0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     small = torch.arange(0, 64, dtype=torch.int64)
-    edges = torch.tensor([2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**33 + 5, 2**40 + 12345, 2**62,
-                          2**63 - 1], dtype=torch.int64)
+    edges = torch.tensor(
+        [2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**33 + 5, 2**40 + 12345, 2**62, 2**63 - 1], dtype=torch.int64
+    )
     rand = torch.randint(0, 2**62, (n,), generator=g, dtype=torch.int64)
     return torch.cat([small, edges, rand])
 
@@ -120,8 +137,9 @@ def test_header_matrix_entries_equal_python(host_check):
     k2 = counter_rng.stream_key(seed, mid, counter_rng.STREAM_NORMAL_U2)
     cols = 257
     mat = counter_rng.normal_block(seed, mid, 1000, 1008, cols)
-    got = torch.tensor([float(v) for v in host_check([f"N {(1000 + r) * cols + c} {k1} {k2}"
-                                                       for r in range(8) for c in range(cols)])]).reshape(8, cols)
+    got = torch.tensor(
+        [float(v) for v in host_check([f"N {(1000 + r) * cols + c} {k1} {k2}" for r in range(8) for c in range(cols)])]
+    ).reshape(8, cols)
     torch.testing.assert_close(got, mat, rtol=2e-6, atol=2e-6)
     # SJLT: columns and signs exactly
     for proj_dim, c in ((2048, 4), (1000, 1), (7, 3)):
@@ -173,8 +191,11 @@ def test_kernel_source_compiles(kernels_object):
             spills[current] = max(spills.get(current, 0), int(m.group(1)))
     # the hot kernels (tensor-core, Rademacher FMA, SJLT) keep everything in registers; the normal FMA
     # kernel may spill a few bytes in cosf's slow path (arguments beyond 2π never reach it)
-    hot = {k: v for k, v in spills.items()
-           if "dense_tc_kernel" in k[0] or "sjlt_gather" in k[0] or ("dense_fma_kernel" in k[0] and "Li0EE" in k[0])}
+    hot = {
+        k: v
+        for k, v in spills.items()
+        if "dense_tc_kernel" in k[0] or "sjlt_gather" in k[0] or ("dense_fma_kernel" in k[0] and "Li0EE" in k[0])
+    }
     assert len(hot) == 2 * (9 + 3 + 18), sorted(hot)
     assert not any(hot.values()), {k: v for k, v in hot.items() if v}
 
@@ -185,8 +206,13 @@ def test_binding_compiles_links_and_imports(kernels_object, tmp_path):
     """binding.cpp compiles against this torch, links with the nvcc object and cudart, and imports (the
     module then reports the absence of a GPU instead of crashing)."""
     from torch.utils import cpp_extension
-    homes = [cpp_extension.CUDA_HOME, os.environ.get("CUDA_HOME"), str(Path(shutil.which("nvcc")).resolve().parents[1]),
-             "/usr/local/cuda"]
+
+    homes = [
+        cpp_extension.CUDA_HOME,
+        os.environ.get("CUDA_HOME"),
+        str(Path(shutil.which("nvcc")).resolve().parents[1]),
+        "/usr/local/cuda",
+    ]
     libs = [Path(h) / "lib64" for h in homes if h and (Path(h) / "lib64" / "libcudart.so").exists()]
     if not libs:
         pytest.skip(f"no libcudart.so under {homes}")
@@ -196,10 +222,29 @@ def test_binding_compiles_links_and_imports(kernels_object, tmp_path):
     so = tmp_path / f"{name}.so"
     inc = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}", f"-I{HERE}"]
     torch_lib = Path(torch.__file__).parent / "lib"
-    cmd = (["g++", "-std=c++20", "-O1", "-fPIC", "-shared", f"-DTORCH_EXTENSION_NAME={name}",
-            "-DTORCH_API_INCLUDE_EXTENSION_H", *inc, str(HERE / "binding.cpp"), str(obj), "-o", str(so),
-            f"-L{torch_lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-L{cuda_lib}", "-lcudart",
-            f"-Wl,-rpath,{torch_lib}", f"-Wl,-rpath,{cuda_lib}"])
+    cmd = [
+        "g++",
+        "-std=c++20",
+        "-O1",
+        "-fPIC",
+        "-shared",
+        f"-DTORCH_EXTENSION_NAME={name}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *inc,
+        str(HERE / "binding.cpp"),
+        str(obj),
+        "-o",
+        str(so),
+        f"-L{torch_lib}",
+        "-lc10",
+        "-ltorch",
+        "-ltorch_cpu",
+        "-ltorch_python",
+        f"-L{cuda_lib}",
+        "-lcudart",
+        f"-Wl,-rpath,{torch_lib}",
+        f"-Wl,-rpath,{cuda_lib}",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-4000:]
     spec = importlib.util.spec_from_file_location(name, so)
@@ -215,10 +260,12 @@ def test_binding_compiles_links_and_imports(kernels_object, tmp_path):
 
 def test_torch_path_equals_the_definition():
     for seed, mid, r0, r1, cols in ((3, 1, 5, 40, 70), (0, 2**33, 2**33, 2**33 + 4, 33), (9, 0, 0, 3, 1)):
-        assert torch.equal(torch_path.rademacher_block(seed, mid, r0, r1, cols),
-                           counter_rng.rademacher_block(seed, mid, r0, r1, cols))
-        assert torch.equal(torch_path.normal_block(seed, mid, r0, r1, cols),
-                           counter_rng.normal_block(seed, mid, r0, r1, cols))
+        assert torch.equal(
+            torch_path.rademacher_block(seed, mid, r0, r1, cols), counter_rng.rademacher_block(seed, mid, r0, r1, cols)
+        )
+        assert torch.equal(
+            torch_path.normal_block(seed, mid, r0, r1, cols), counter_rng.normal_block(seed, mid, r0, r1, cols)
+        )
         for c in (1, 4):
             got = torch_path.sjlt_entries(seed, mid, r0, r1, cols, c)
             want = counter_rng.sjlt_block(seed, mid, r0, r1, cols, c)
@@ -241,18 +288,25 @@ def test_counter_rng_device_argument_is_the_same_definition():
 def test_counter_rng_on_the_gpu_equals_the_cpu():
     """The integer part (signs, SJLT entries) is bit-identical on the GPU; normals as the device's libm rounds."""
     for seed, mid, r0, r1, cols in ((3, 1, 5, 400, 70), (0, 2**33, 2**33, 2**33 + 40, 2049)):
-        assert torch.equal(counter_rng.rademacher_block(seed, mid, r0, r1, cols, device="cuda").cpu(),
-                           counter_rng.rademacher_block(seed, mid, r0, r1, cols))
+        assert torch.equal(
+            counter_rng.rademacher_block(seed, mid, r0, r1, cols, device="cuda").cpu(),
+            counter_rng.rademacher_block(seed, mid, r0, r1, cols),
+        )
         got = counter_rng.sjlt_block(seed, mid, r0, r1, cols, 4, device="cuda")
         want = counter_rng.sjlt_block(seed, mid, r0, r1, cols, 4)
         assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
-        torch.testing.assert_close(counter_rng.normal_block(seed, mid, r0, r1, cols, device="cuda").cpu(),
-                                   counter_rng.normal_block(seed, mid, r0, r1, cols), rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(
+            counter_rng.normal_block(seed, mid, r0, r1, cols, device="cuda").cpu(),
+            counter_rng.normal_block(seed, mid, r0, r1, cols),
+            rtol=2e-6,
+            atol=2e-6,
+        )
 
 
 def test_cuda_ext_registers_into_trak_core():
     """Importing cuda_ext registers the GPU projectors; trak_core finds them for CUDA devices only."""
     from trak_core import projectors
+
     assert projectors.find_projector("dense", "cuda").factory is CudaDenseProjector
     assert projectors.find_projector("sjlt", "cuda:1").factory is CudaSJLTProjector
     assert projectors.find_projector("dense", "cpu").factory is DenseProjector
@@ -267,6 +321,7 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
 def test_trak_core_never_imports_cuda_ext():
     """No import of cuda_ext in trak_core's source (function-local ones included), nor at run time on the CPU."""
     import ast
+
     for path in sorted((ROOT / "trak_core").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = []
@@ -277,16 +332,19 @@ def test_trak_core_never_imports_cuda_ext():
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("cuda_ext"):
                 names = [node.value]  # importlib.import_module("cuda_ext") and the like
             assert not [n for n in names if n.split(".")[0] == "cuda_ext"], f"{path.name}:{node.lineno} names cuda_ext"
-    res = _run_python("import sys, torch, trak_core\n"
-                      "from trak_core.projectors import make_projector\n"
-                      "for k in ('dense', 'sjlt', 'noop'): make_projector(k, 100, 16)\n"
-                      "make_projector('factored', 15, 8, model=torch.nn.Linear(4, 3))\n"
-                      "assert 'cuda_ext' not in sys.modules, 'cuda_ext imported'\n")
+    res = _run_python(
+        "import sys, torch, trak_core\n"
+        "from trak_core.projectors import make_projector\n"
+        "for k in ('dense', 'sjlt', 'noop'): make_projector(k, 100, 16)\n"
+        "make_projector('factored', 15, 8, model=torch.nn.Linear(4, 3))\n"
+        "assert 'cuda_ext' not in sys.modules, 'cuda_ext imported'\n"
+    )
     assert res.returncode == 0, res.stderr[-2000:]
 
 
 def _plugin_declared() -> bool:
     import importlib.metadata
+
     return any(e.name == "cuda_ext" for e in importlib.metadata.entry_points(group="trakflow.projectors"))
 
 
@@ -294,14 +352,16 @@ def _plugin_declared() -> bool:
 def test_cuda_devices_load_the_plugin_through_its_entry_point():
     """A fresh process: make_projector(device='cuda') finds cuda_ext through the ``trakflow.projectors`` entry
     point (the installed package declares it), without anyone importing cuda_ext by name."""
-    res = _run_python("import sys, warnings, importlib.metadata as md\n"
-                      "assert any(e.name == 'cuda_ext' for e in md.entry_points(group='trakflow.projectors'))\n"
-                      "from trak_core.projectors import make_projector\n"
-                      "assert 'cuda_ext' not in sys.modules\n"
-                      "warnings.simplefilter('ignore')\n"
-                      "p = make_projector('dense', 100, 16, device='cuda')\n"
-                      "assert type(p).__module__ == 'cuda_ext.projectors', type(p)\n"
-                      "print(type(p).__name__)\n")
+    res = _run_python(
+        "import sys, warnings, importlib.metadata as md\n"
+        "assert any(e.name == 'cuda_ext' for e in md.entry_points(group='trakflow.projectors'))\n"
+        "from trak_core.projectors import make_projector\n"
+        "assert 'cuda_ext' not in sys.modules\n"
+        "warnings.simplefilter('ignore')\n"
+        "p = make_projector('dense', 100, 16, device='cuda')\n"
+        "assert type(p).__module__ == 'cuda_ext.projectors', type(p)\n"
+        "print(type(p).__name__)\n"
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "CudaDenseProjector"
 
@@ -326,7 +386,7 @@ def test_sjlt_plan_and_torch_backend_equal_the_definition(c):
     assert int(col_ptr[-1]) == grad_dim * c and packed.numel() == grad_dim * c
     coords = packed >> 1
     for j in (0, 100, proj_dim - 1):  # coordinates of a column are visited in increasing order
-        seg = coords[col_ptr[j]:col_ptr[j + 1]]
+        seg = coords[col_ptr[j] : col_ptr[j + 1]]
         assert torch.all(seg[1:] >= seg[:-1])
     plan_out = torch_path.sjlt_project_from_plan(g, col_ptr, packed, proj_dim, math.sqrt(proj_dim / c))
     torch_out = CudaSJLTProjector(grad_dim, proj_dim, 11, device="cpu", c=c, backend="torch").project(g, 5)
@@ -358,6 +418,7 @@ def test_fallback_without_cuda_is_one_line_and_cpu_exact():
 
 def test_bad_arguments_are_refused():
     from trak_core.errors import BadInputError
+
     with pytest.raises(BadInputError, match="algo"):
         CudaDenseProjector(10, 5, device="cpu", algo="fast")
     with pytest.raises(BadInputError, match="tensor cores"):
@@ -376,6 +437,7 @@ def test_make_projector_routes_cuda_devices_here():
     """trak_core.make_projector(kind in (dense, sjlt), device='cuda...') builds our GPU projectors (which fall
     back to the CPU ones where there is no CUDA); other devices keep trak_core's projectors."""
     from trak_core.projectors import make_projector
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CudaFallbackWarning)
         p = make_projector("dense", 100, 32, seed=1, device="cuda")
@@ -454,11 +516,13 @@ def test_self_check_passes_the_sjlt_gather_emulation():
 
 def _flip_one_sign(candidate, row=40000, col=5):
     """The candidate with the matrix entry (row, col) negated: a one-entry kernel bug in the second split."""
+
     def wrong(x):
         out = candidate(x).clone()
         r = torch_path.dense_block("rademacher", 3, 2, row, row + 1, 16)[0, col]
         out[:, col] -= 2 * x[:, row] * r
         return out
+
     return wrong
 
 
@@ -468,15 +532,18 @@ def test_self_check_names_each_kind_of_failure():
     assert selfcheck.self_check(good, ref, small) is None
     # one wrong sign: the exact integer probe sees it
     reason = selfcheck.self_check(_flip_one_sign(good), ref, selfcheck.make_probes("cpu", 1e-4))
-    assert re.fullmatch(r"\d+ of \d+ entries differ from the exact result \(max \|diff\| [\d.e+-]+\) "
-                        r"on a 33×70001 integer input", reason), reason
+    assert re.fullmatch(
+        r"\d+ of \d+ entries differ from the exact result \(max \|diff\| [\d.e+-]+\) "
+        r"on a 33×70001 integer input",
+        reason,
+    ), reason
     # a small numerical error (float probe only: a normal matrix has no exact probe)
     nudged = lambda x: good(x) * (1 + 3e-4)  # noqa: E731
     reason = selfcheck.self_check(nudged, ref, selfcheck.make_probes("cpu", 1e-4, exact=False, rows=5, cols=300))
     assert re.fullmatch(r"max rel err 3\.0e-04 > 1e-04 on a 5×300 float input", reason), reason
     assert "integer input" in selfcheck.self_check(nudged, ref, small)  # the exact probe catches it first
     # dropped last split (coordinates ≥ 2 × 32768)
-    dropped = lambda x: good(torch.cat([x[:, :2 * _build.KSPLIT], 0 * x[:, 2 * _build.KSPLIT:]], 1))  # noqa: E731
+    dropped = lambda x: good(torch.cat([x[:, : 2 * _build.KSPLIT], 0 * x[:, 2 * _build.KSPLIT :]], 1))  # noqa: E731
     assert "differ" in selfcheck.self_check(dropped, ref, selfcheck.make_probes("cpu", 1e-4))
     # non-finite, wrong shape, exceptions on either side
     nan = lambda x: good(x) * float("nan")  # noqa: E731
@@ -485,9 +552,12 @@ def test_self_check_names_each_kind_of_failure():
 
     def boom(x):
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+
     reason = selfcheck.self_check(boom, ref, small)
-    assert reason == ("the kernel raised RuntimeError: CUDA error: an illegal memory access was encountered "
-                      "CUDA kernel errors ... on a 5×300 integer input")
+    assert reason == (
+        "the kernel raised RuntimeError: CUDA error: an illegal memory access was encountered "
+        "CUDA kernel errors ... on a 5×300 integer input"
+    )
     assert selfcheck.self_check(good, boom, small).startswith("the reference (torch path) raised RuntimeError")
 
 
@@ -497,6 +567,7 @@ def test_checked_once_warns_once_and_caches_per_process_device_class_algo(fresh_
     def failing():
         calls.append(1)
         return "max rel err 3e-02 > 1e-04 on a 33×70001 float input"
+
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -507,8 +578,11 @@ def test_checked_once_warns_once_and_caches_per_process_device_class_algo(fresh_
 
         def raising():
             raise MemoryError("out of memory")
-        assert selfcheck.checked_once("CudaSJLTProjector", "cuda:0", "gather", raising) == \
-            "the check raised MemoryError: out of memory"
+
+        assert (
+            selfcheck.checked_once("CudaSJLTProjector", "cuda:0", "gather", raising)
+            == "the check raised MemoryError: out of memory"
+        )
     assert len(calls) == 2  # once per (device, class, algo)
     msgs = _self_check_warnings(rec)
     assert msgs == [
@@ -517,7 +591,8 @@ def test_checked_once_warns_once_and_caches_per_process_device_class_algo(fresh_
         "cuda_ext: CudaDenseProjector (algo=tc3, rademacher) failed its self-check (max rel err 3e-02 > 1e-04 on "
         "a 33×70001 float input); using the torch path",
         "cuda_ext: CudaSJLTProjector (gather) failed its self-check (the check raised MemoryError: out of memory); "
-        "using the torch path"]
+        "using the torch path",
+    ]
     assert issubclass(CudaSelfCheckWarning, CudaFallbackWarning)
 
 
@@ -538,32 +613,39 @@ def test_a_wrong_dense_kernel_falls_back_to_the_torch_path(fresh_self_check, mon
         out += torch_path.dense_project(x, "rademacher", self.seed, model_id, self.proj_dim)
         out[:, 3] = -out[:, 3]
         return out
+
     monkeypatch.setattr(CudaDenseProjector, "_kernel_project", wrong_kernel)
     g = torch.randn(6, 1000, generator=torch.Generator().manual_seed(4))
     want = DenseProjector(1000, 16, seed=3).project(g, 2)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        p = _as_kernel_backend(CudaDenseProjector(1000, 16, seed=3, device="cpu", backend="torch", algo="fma"),
-                               monkeypatch)
+        p = _as_kernel_backend(
+            CudaDenseProjector(1000, 16, seed=3, device="cpu", backend="torch", algo="fma"), monkeypatch
+        )
         out = p.project(g, model_id=2)
         assert p.backend == "torch" and p.fallback_reason.startswith("failed its self-check (")
         assert torch.equal(out, want) or _rel_err(out, want) < 1e-6
         assert len(calls) == 1 and tuple(calls[0]) == (33, 70001)  # the probe, not the user's batch
-        q = _as_kernel_backend(CudaDenseProjector(1000, 16, seed=9, device="cpu", backend="torch", algo="fma"),
-                               monkeypatch)
+        q = _as_kernel_backend(
+            CudaDenseProjector(1000, 16, seed=9, device="cpu", backend="torch", algo="fma"), monkeypatch
+        )
         assert _rel_err(q.project(g, model_id=0), DenseProjector(1000, 16, seed=9).project(g, 0)) < 1e-6
         assert q.backend == "torch" and len(calls) == 1  # cached: not checked again
         p.project(g, model_id=2)
         assert len(calls) == 1
     msgs = _self_check_warnings(rec)
     assert len(msgs) == 1 and "\n" not in msgs[0], msgs
-    assert re.fullmatch(r"cuda_ext: CudaDenseProjector \(algo=fma, rademacher\) failed its self-check \(\d+ of "
-                        r"\d+ entries differ from the exact result \(max \|diff\| [\d.e+-]+\) on a 33×70001 "
-                        r"integer input\); using the torch path", msgs[0]), msgs[0]
+    assert re.fullmatch(
+        r"cuda_ext: CudaDenseProjector \(algo=fma, rademacher\) failed its self-check \(\d+ of "
+        r"\d+ entries differ from the exact result \(max \|diff\| [\d.e+-]+\) on a 33×70001 "
+        r"integer input\); using the torch path",
+        msgs[0],
+    ), msgs[0]
     # another algorithm is another kernel: checked (and here failing) on its own
     with pytest.warns(CudaSelfCheckWarning, match=r"\(algo=tc3, rademacher\)"):
-        _as_kernel_backend(CudaDenseProjector(1000, 16, seed=3, device="cpu", backend="torch", algo="tc3"),
-                           monkeypatch).project(g, 2)
+        _as_kernel_backend(
+            CudaDenseProjector(1000, 16, seed=3, device="cpu", backend="torch", algo="tc3"), monkeypatch
+        ).project(g, 2)
     assert len(calls) == 2
 
 
@@ -574,17 +656,28 @@ def test_a_correct_dense_kernel_passes_and_is_used(fresh_self_check, monkeypatch
         used.append(tuple(pieces[0].shape))
         offset = 0
         for piece in pieces:
-            torch_path.dense_project(piece, self.proj_type.value, self.seed, model_id, self.proj_dim, row0=offset,
-                                     out=out, block_elems=1 << 12)
+            torch_path.dense_project(
+                piece,
+                self.proj_type.value,
+                self.seed,
+                model_id,
+                self.proj_dim,
+                row0=offset,
+                out=out,
+                block_elems=1 << 12,
+            )
             offset += piece.shape[1]
         return out
+
     monkeypatch.setattr(CudaDenseProjector, "_kernel_project", kernel)
     g = torch.randn(6, 1000, generator=torch.Generator().manual_seed(4))
     with warnings.catch_warnings():
         warnings.simplefilter("error", CudaSelfCheckWarning)
         for kind in ("rademacher", "normal"):
-            p = _as_kernel_backend(CudaDenseProjector(1000, 16, seed=3, proj_type=kind, device="cpu",
-                                                      backend="torch", algo="fma"), monkeypatch)
+            p = _as_kernel_backend(
+                CudaDenseProjector(1000, 16, seed=3, proj_type=kind, device="cpu", backend="torch", algo="fma"),
+                monkeypatch,
+            )
             out = p.project(g, model_id=2)
             assert p.backend == "kernel" and p.fallback_reason is None
             assert _rel_err(out, DenseProjector(1000, 16, seed=3, proj_type=kind).project(g, 2)) < 1e-6
@@ -595,13 +688,18 @@ def test_a_correct_dense_kernel_passes_and_is_used(fresh_self_check, monkeypatch
 def test_a_raising_kernel_falls_back_and_backend_kernel_raises(fresh_self_check, monkeypatch):
     def crashing(self, *args):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
     monkeypatch.setattr(CudaDenseProjector, "_kernel_project", crashing)
     g = torch.randn(3, 500, generator=torch.Generator().manual_seed(5))
-    with pytest.warns(CudaSelfCheckWarning, match=r"failed its self-check \(the kernel raised RuntimeError: CUDA "
-                                                  r"error: an illegal memory access was encountered on a 33×70001 "
-                                                  r"integer input\); using the torch path"):
-        p = _as_kernel_backend(CudaDenseProjector(500, 8, seed=1, device="cpu", backend="torch", algo="fma"),
-                               monkeypatch)
+    with pytest.warns(
+        CudaSelfCheckWarning,
+        match=r"failed its self-check \(the kernel raised RuntimeError: CUDA "
+        r"error: an illegal memory access was encountered on a 33×70001 "
+        r"integer input\); using the torch path",
+    ):
+        p = _as_kernel_backend(
+            CudaDenseProjector(500, 8, seed=1, device="cpu", backend="torch", algo="fma"), monkeypatch
+        )
         out = p.project(g, 0)
     assert p.backend == "torch" and _rel_err(out, DenseProjector(500, 8, seed=1).project(g, 0)) < 1e-6
     # backend="kernel" asked for explicitly: an error instead of the fallback (from the cached decision)
@@ -620,6 +718,7 @@ def test_a_wrong_sjlt_kernel_falls_back_to_the_torch_path(fresh_self_check, monk
 
     def right_gather(self, x, col_ptr, packed):
         return torch_path.sjlt_project_from_plan(x, col_ptr, packed, self.proj_dim, self.value_scale)
+
     g = torch.randn(4, 800, generator=torch.Generator().manual_seed(6))
     want = torch_path.sjlt_reference(g, 2, 1, 32, 2)
     monkeypatch.setattr(CudaSJLTProjector, "_kernel_gather", right_gather)
@@ -633,8 +732,9 @@ def test_a_wrong_sjlt_kernel_falls_back_to_the_torch_path(fresh_self_check, monk
         warnings.simplefilter("always")
         s = _as_kernel_backend(CudaSJLTProjector(800, 32, seed=2, device="cpu", c=2, backend="torch"), monkeypatch)
         out = s.project(g, 1)
-        _as_kernel_backend(CudaSJLTProjector(800, 32, seed=5, device="cpu", c=4, backend="torch"),
-                           monkeypatch).project(g, 1)
+        _as_kernel_backend(CudaSJLTProjector(800, 32, seed=5, device="cpu", c=4, backend="torch"), monkeypatch).project(
+            g, 1
+        )
     msgs = _self_check_warnings(rec)
     assert len(msgs) == 1 and msgs[0].startswith("cuda_ext: CudaSJLTProjector (gather) failed its self-check ("), msgs
     assert s.backend == "torch" and _rel_err(out, want) < 1e-6
@@ -687,8 +787,11 @@ def test_device_matrix_equals_cpu_definition(ext, kind):
     for row0, rows, cols in ((0, 64, 2047), (2**33 + 3, 5, 100), (12345, 300, 33)):
         p = CudaDenseProjector(10, cols, seed=6, proj_type=kind)
         got = p.generate(4, row0, row0 + rows).cpu()
-        want = counter_rng.rademacher_block(6, 4, row0, row0 + rows, cols) if kind == "rademacher" else \
-            counter_rng.normal_block(6, 4, row0, row0 + rows, cols)
+        want = (
+            counter_rng.rademacher_block(6, 4, row0, row0 + rows, cols)
+            if kind == "rademacher"
+            else counter_rng.normal_block(6, 4, row0, row0 + rows, cols)
+        )
         if kind == "rademacher":
             assert torch.equal(got, want)
         else:
@@ -775,8 +878,10 @@ def test_sjlt_equals_cpu(ext, batch, c):
     assert _rel_err(out, exact) < 2e-6
     assert _rel_err(_cpu_sjlt(grad_dim, proj_dim, 7, c).project(x.cpu(), 2), exact) < 2e-6
     assert torch.equal(p.project(x, model_id=2), out)
-    assert _rel_err(p.project(x.half(), model_id=2), torch_path.sjlt_reference(x.half().float().cpu(), 7, 2,
-                                                                                  proj_dim, c)) < 2e-6
+    assert (
+        _rel_err(p.project(x.half(), model_id=2), torch_path.sjlt_reference(x.half().float().cpu(), 7, 2, proj_dim, c))
+        < 2e-6
+    )
 
 
 @cuda
@@ -817,8 +922,14 @@ def test_grad_dim_times_batch_above_2_31(ext, what):
     if free < 12 * 2**30:
         pytest.skip("needs 12 GB of free GPU memory")
     x = torch.zeros(batch, grad_dim, dtype=torch.float16, device="cuda")
-    spots = [(0, 0, 1.0), (0, grad_dim - 1, -2.0), (31, grad_dim - 1, 0.5), (31, 12345, 3.0),
-             (17, 2**26 + 7, -1.5), (30, grad_dim // 2, 2.5)]
+    spots = [
+        (0, 0, 1.0),
+        (0, grad_dim - 1, -2.0),
+        (31, grad_dim - 1, 0.5),
+        (31, 12345, 3.0),
+        (17, 2**26 + 7, -1.5),
+        (30, grad_dim // 2, 2.5),
+    ]
     assert any(b * grad_dim + i > 2**31 for b, i, _ in spots)
     for b, i, v in spots:
         x[b, i] = v
@@ -834,8 +945,13 @@ def test_grad_dim_times_batch_above_2_31(ext, what):
     if what == "sjlt":
         p = CudaSJLTProjector(grad_dim, proj_dim, seed=1, c=2)
     else:
-        p = CudaDenseProjector(grad_dim, proj_dim, seed=1, proj_type="normal" if what == "normal" else "rademacher",
-                               algo="fma" if what == "normal" else what)
+        p = CudaDenseProjector(
+            grad_dim,
+            proj_dim,
+            seed=1,
+            proj_type="normal" if what == "normal" else "rademacher",
+            algo="fma" if what == "normal" else what,
+        )
     out = p.project(x, model_id=0)
     assert _rel_err(out, exact) < 2e-6
     if what in ("fma", "tc3"):  # and a dense x against the torch path (same matrix, generated by torch ops)
@@ -851,6 +967,7 @@ def test_fast_jl_interop():
     if importlib.util.find_spec("fast_jl") is None:
         pytest.skip("fast_jl is not installed")
     from cuda_ext.fast_jl_interop import FastJLProjector
+
     for batch, proj_dim in ((5, 1000), (40, 512), (33, 2048)):
         x = _x(batch, 20000, seed=batch)
         p = FastJLProjector(20000, proj_dim, seed=0)
@@ -877,13 +994,21 @@ def test_real_kernels_pass_their_self_check(ext, what, fresh_self_check):
         if what == "sjlt":
             p = CudaSJLTProjector(3000, 1000, seed=4, c=4)
         else:
-            p = CudaDenseProjector(3000, 1000, seed=4, proj_type="normal" if what == "normal" else "rademacher",
-                                   algo="fma" if what == "normal" else what)
+            p = CudaDenseProjector(
+                3000,
+                1000,
+                seed=4,
+                proj_type="normal" if what == "normal" else "rademacher",
+                algo="fma" if what == "normal" else what,
+            )
         p.project(x, model_id=1)
     assert p.backend == "kernel" and p.fallback_reason is None
     assert list(selfcheck._decisions.values()) == [None]
-    other = (CudaSJLTProjector(3000, 2047, seed=2**40, c=1) if what == "sjlt" else
-             CudaDenseProjector(3000, 31, seed=2**40, proj_type=p.proj_type, algo=p.algo))
+    other = (
+        CudaSJLTProjector(3000, 2047, seed=2**40, c=1)
+        if what == "sjlt"
+        else CudaDenseProjector(3000, 31, seed=2**40, proj_type=p.proj_type, algo=p.algo)
+    )
     assert other._self_check(model_id=2**33 + 1) is None
 
 
@@ -893,7 +1018,8 @@ def test_a_wrong_kernel_on_the_gpu_falls_back_to_the_gpu_torch_path(ext, fresh_s
     real = CudaDenseProjector._kernel_project
 
     def off_by_one_split(self, pieces, model_id, out):  # drops everything after the first split
-        return real(self, [p[:, :_build.KSPLIT] for p in pieces], model_id, out)
+        return real(self, [p[:, : _build.KSPLIT] for p in pieces], model_id, out)
+
     monkeypatch.setattr(CudaDenseProjector, "_kernel_project", off_by_one_split)
     x = _x(5, 3000, seed=2)
     with pytest.warns(CudaSelfCheckWarning, match="failed its self-check .*33×70001 integer input"):

@@ -47,10 +47,16 @@ def test_prefect_yaml_deploys_the_demo_configs(monkeypatch):
     def rel(d: dict) -> dict:
         return {k: v.replace(here, "trakflow_demo") if isinstance(v, str) else v for k, v in d.items()}
 
-    deps = {(d["entrypoint"], d["name"]): d for d in yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-            ["deployments"]}
-    assert set(deps) == {("flows/demo.py:digits_demo", "nightly"), ("flows/attribute.py:attribute", "digits"),
-                         ("flows/train.py:train", "digits")}
+    deps = {
+        (d["entrypoint"], d["name"]): d
+        for d in yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())["deployments"]
+    }
+    assert set(deps) == {
+        ("flows/demo.py:digits_demo", "nightly"),
+        ("flows/attribute.py:attribute", "digits"),
+        ("flows/train.py:train", "digits"),
+    }
+
     def full(cls, d: dict) -> dict:  # every field, defaults filled in (validation would need the checkpoints)
         return {k: d.get(k, f.get_default(call_default_factory=True)) for k, f in cls.model_fields.items()}
 

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _alpha_track_twice():
     from trak_core.alpha import Alpha
+
     model = torch.nn.Linear(3, 2)
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
     a = Alpha(lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"), lambda s: True)
@@ -34,6 +35,7 @@ def _alpha_track_twice():
 
 def _alpha_pair(model0, model1, loss=None):
     from trak_core.alpha import Alpha
+
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
     loss = loss or (lambda o, t: torch.nn.functional.cross_entropy(o, t, reduction="none"))
     a = Alpha(loss, lambda s: True)
@@ -55,16 +57,19 @@ def _alpha_scalar_loss():
 
 def _fit(t=1.0, var=1.0):
     from trak_core.alpha import fit_quadratic
+
     fit_quadratic(t, 1.0, 0.5, -1.0, 0.1, var, 1.0, 1.0, 1.0)
 
 
 def _plot_gauge(tmp_path):
     from trak_core.alpha_plots import plot_alpha_gauge
+
     plot_alpha_gauge([0.1, -0.2], tmp_path / "g.png", last_fraction=0)
 
 
 def _lambda(value):
     from trak_core.scoring import parse_lambda_reg
+
     parse_lambda_reg(value)
 
 
@@ -72,6 +77,7 @@ def _cuda_kernel_backend_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     from cuda_ext.projectors import CudaDenseProjector
+
     CudaDenseProjector(10, 5, device="cuda", backend="kernel")
 
 
@@ -79,6 +85,7 @@ def _fast_jl_missing():
     if importlib.util.find_spec("fast_jl") is not None:
         pytest.skip("fast_jl is installed here")
     import cuda_ext
+
     cuda_ext.make_cuda_projector("fast_jl", 1000, 512, device="cuda")
 
 
@@ -86,12 +93,14 @@ def _fast_jl_without_cuda(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     from cuda_ext import fast_jl_interop
+
     monkeypatch.setattr(fast_jl_interop, "import_fast_jl", lambda: object())  # as if fast_jl were installed
     fast_jl_interop.FastJLProjector(1000, 512, device="cuda")
 
 
 def _cuda_bad(kwargs, cls="dense"):
     from cuda_ext.projectors import CudaDenseProjector, CudaSJLTProjector
+
     (CudaDenseProjector if cls == "dense" else CudaSJLTProjector)(10, 5, device="cpu", **kwargs)
 
 
@@ -99,28 +108,48 @@ def _cuda_bad(kwargs, cls="dense"):
 SITES = [
     ("alpha.fit_t", lambda tp, mp: _fit(t=-1.0), "step length t", ValueError),
     ("alpha.fit_variances", lambda tp, mp: _fit(var=-1.0), "variances must be >= 0", ValueError),
-    ("alpha.eps", lambda tp, mp: __import__("trak_core.alpha", fromlist=["Alpha"]).Alpha(
-        lambda o, t: o, lambda s: True, eps=0), "eps must be > 0", ValueError),
+    (
+        "alpha.eps",
+        lambda tp, mp: __import__("trak_core.alpha", fromlist=["Alpha"]).Alpha(lambda o, t: o, lambda s: True, eps=0),
+        "eps must be > 0",
+        ValueError,
+    ),
     ("alpha.step_order", lambda tp, mp: _alpha_track_twice(), "global_step must increase", ValueError),
-    ("alpha.params_changed", lambda tp, mp: _alpha_pair(torch.nn.Linear(3, 2), torch.nn.Linear(3, 4)),
-     "changed names/shapes", ValueError),
+    (
+        "alpha.params_changed",
+        lambda tp, mp: _alpha_pair(torch.nn.Linear(3, 2), torch.nn.Linear(3, 4)),
+        "changed names/shapes",
+        ValueError,
+    ),
     ("alpha.no_trainable", lambda tp, mp: _alpha_frozen(), "requires_grad=True", ValueError),
     ("alpha.scalar_loss", lambda tp, mp: _alpha_scalar_loss(), "leading dimension is the batch", ValueError),
     ("alpha_plots.last_fraction", lambda tp, mp: _plot_gauge(tp), "last_fraction", ValueError),
     ("counter_rng.negative_seed", lambda tp, mp: counter_rng.stream_key(-1, 0, 1), "non-negative", ValueError),
-    ("counter_rng.kind", lambda tp, mp: counter_rng.dense_block("uniform", 0, 0, 0, 2, 3), "unknown dense matrix kind",
-     ValueError),
+    (
+        "counter_rng.kind",
+        lambda tp, mp: counter_rng.dense_block("uniform", 0, 0, 0, 2, 3),
+        "unknown dense matrix kind",
+        ValueError,
+    ),
     ("utils.vectorize_empty", lambda tp, mp: utils.vectorize({}), "empty gradient dict", ValueError),
-    ("utils.vectorize_batches", lambda tp, mp: utils.vectorize({"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)},
-                                                               device="cpu"), "batch sizes differ", ValueError),
+    (
+        "utils.vectorize_batches",
+        lambda tp, mp: utils.vectorize({"a": torch.zeros(2, 3), "b": torch.zeros(3, 3)}, device="cpu"),
+        "batch sizes differ",
+        ValueError,
+    ),
     ("scoring.lambda_rel", lambda tp, mp: _lambda("rel:x"), "expected 'rel:<number>'", ValueError),
     ("scoring.lambda_word", lambda tp, mp: _lambda("lots"), "use a number >= 0", ValueError),
     ("scoring.lambda_rel_negative", lambda tp, mp: _lambda("rel:-1"), "the factor must be >= 0", ValueError),
     ("scoring.lambda_bool", lambda tp, mp: _lambda(True), "got True", ValueError),
     ("scoring.lambda_object", lambda tp, mp: _lambda(object()), "must be a number", ValueError),
     ("scoring.lambda_negative", lambda tp, mp: _lambda(-1.0), "must be >= 0", ValueError),
-    ("cuda_ext.kernel_without_cuda", lambda tp, mp: _cuda_kernel_backend_without_cuda(), "backend='kernel' needs CUDA",
-     RuntimeError),
+    (
+        "cuda_ext.kernel_without_cuda",
+        lambda tp, mp: _cuda_kernel_backend_without_cuda(),
+        "backend='kernel' needs CUDA",
+        RuntimeError,
+    ),
     ("cuda_ext.fast_jl_missing", lambda tp, mp: _fast_jl_missing(), "pip install fast_jl", ModuleNotFoundError),
     ("cuda_ext.fast_jl_without_cuda", lambda tp, mp: _fast_jl_without_cuda(mp), "needs a CUDA device", RuntimeError),
     ("cuda_ext.backend_name", lambda tp, mp: _cuda_bad({"backend": "gpu"}), "backend must be one of", ValueError),
@@ -183,6 +212,7 @@ def test_no_plain_value_type_runtime_errors_for_input_validation():
         if not any(rel == p and frag in text for p, frag in ALLOWED):
             one_line = " ".join(text.split())[:120]
             unexpected.append(f"{rel}:{line}: raise {name}: {one_line}")
-    assert not unexpected, ("plain raises in trak_core/ or cuda_ext/: raise trak_core.errors.BadInputError for bad "
-                            "input (never retried), or add the site to ALLOWED with the reason:\n"
-                            + "\n".join(unexpected))
+    assert not unexpected, (
+        "plain raises in trak_core/ or cuda_ext/: raise trak_core.errors.BadInputError for bad "
+        "input (never retried), or add the site to ALLOWED with the reason:\n" + "\n".join(unexpected)
+    )

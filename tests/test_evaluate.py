@@ -90,12 +90,18 @@ def test_lds_refuses_mismatched_shapes():
 # ---------------------------------------------------------------------------- the flow
 def _checkpoints(folder: Path) -> list[str]:
     """Two tiny models trained with RECIPE (the train flow's training code, no files but the state_dicts)."""
-    from tasks.trainer import train_on_rows
     from tasks.config import TrainConfig
+    from tasks.trainer import train_on_rows
 
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = TrainConfig(model="examples.tiny:make_model", train_data="examples.tiny:train_data", out_dir=str(folder),
-                      alpha_every=0, device="cpu", **RECIPE)
+    cfg = TrainConfig(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        out_dir=str(folder),
+        alpha_every=0,
+        device="cpu",
+        **RECIPE,
+    )
     paths = []
     for seed in (0, 1):
         p = folder / f"model_{seed:03d}.pt"
@@ -105,12 +111,30 @@ def _checkpoints(folder: Path) -> list[str]:
 
 
 def _eval_dict(tmp: Path, ckpts, **over) -> dict:
-    attr = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
-                target_data="examples.tiny:target_data", checkpoints=ckpts, store=str(tmp / "store.zarr"),
-                exp_name="tiny", proj_dim=16, lambda_reg="rel:0.1", batch_size=32, shard_size=32, chunk_rows=32,
-                device="cpu", report_targets=0)
-    cfg = dict(attribute=attr, num_subsets=10, subset_fraction=0.5, seeds_per_subset=1, cache_dir=str(tmp / "cache"),
-               report_dir=str(tmp / "report"), **RECIPE)
+    attr = dict(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        target_data="examples.tiny:target_data",
+        checkpoints=ckpts,
+        store=str(tmp / "store.zarr"),
+        exp_name="tiny",
+        proj_dim=16,
+        lambda_reg="rel:0.1",
+        batch_size=32,
+        shard_size=32,
+        chunk_rows=32,
+        device="cpu",
+        report_targets=0,
+    )
+    cfg = dict(
+        attribute=attr,
+        num_subsets=10,
+        subset_fraction=0.5,
+        seeds_per_subset=1,
+        cache_dir=str(tmp / "cache"),
+        report_dir=str(tmp / "report"),
+        **RECIPE,
+    )
     cfg.update(over)
     return cfg
 
@@ -208,14 +232,21 @@ def test_unscored_experiment_without_run_attribute_names_the_field(evaluated):
 def test_evaluate_config_reads_the_recipe_of_a_train_manifest(tmp_path):
     ck = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
     manifest = tmp_path / "ck" / "manifest.json"
-    manifest.write_text('{"config": {"epochs": 7, "lr": 0.02, "optimizer": "adam", "batch_size": 16}, '
-                        '"checkpoints": ["model_000.pt"]}')
+    manifest.write_text(
+        '{"config": {"epochs": 7, "lr": 0.02, "optimizer": "adam", "batch_size": 16}, "checkpoints": ["model_000.pt"]}'
+    )
     d = _eval_dict(tmp_path, ck)
     for k in RECIPE:
         d.pop(k)
     cfg = EvaluateConfig.model_validate({**d, "recipe_from": str(manifest), "lr": 0.5})
-    assert cfg.recipe() == {"epochs": 7, "batch_size": 16, "optimizer": "adam", "lr": 0.5, "momentum": 0.9,
-                            "weight_decay": 0.0}
+    assert cfg.recipe() == {
+        "epochs": 7,
+        "batch_size": 16,
+        "optimizer": "adam",
+        "lr": 0.5,
+        "momentum": 0.9,
+        "weight_decay": 0.0,
+    }
     with pytest.raises(Exception, match="recipe_from"):
         EvaluateConfig.model_validate({**d, "recipe_from": str(tmp_path / "missing.json")})
     with pytest.raises(Exception, match="subset_fraction"):
@@ -268,9 +299,17 @@ def test_planted_duplicate_is_top_proponent_and_mislabeled_copy_top_opponent(pla
 
     x, y, xt, yt = _planted_data()
     with tempfile.TemporaryDirectory() as d:
-        tr = TRAKer(nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)), "image_classification", len(x),
-                    save_dir=os.path.join(d, "s.zarr"), device="cpu", proj_dim=32, lambda_reg=lambda_reg,
-                    use_half_precision=False, logging_level=40)
+        tr = TRAKer(
+            nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)),
+            "image_classification",
+            len(x),
+            save_dir=os.path.join(d, "s.zarr"),
+            device="cpu",
+            proj_dim=32,
+            lambda_reg=lambda_reg,
+            use_half_precision=False,
+            logging_level=40,
+        )
         for mid, sd in enumerate(planted_checkpoints):
             tr.load_checkpoint(sd, mid)
             tr.featurize((x, y), num_samples=len(x))

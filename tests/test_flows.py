@@ -24,10 +24,24 @@ N, M, BATCH, SHARD, CHUNK, PROJ, LAM = tiny.NUM_TRAIN, tiny.NUM_TARGETS, 8, 16, 
 
 
 def config(tmp: Path, ckpts, **over) -> AttributeConfig:
-    cfg = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
-               target_data="examples.tiny:target_data", checkpoints=ckpts, store=str(tmp / "store.zarr"),
-               exp_name="tiny", proj_dim=PROJ, lambda_reg=LAM, batch_size=BATCH, shard_size=SHARD, chunk_rows=CHUNK,
-               device="cpu", top_k=3, report_targets=2, show="examples.tiny:as_image", report_dir=str(tmp / "report"))
+    cfg = dict(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        target_data="examples.tiny:target_data",
+        checkpoints=ckpts,
+        store=str(tmp / "store.zarr"),
+        exp_name="tiny",
+        proj_dim=PROJ,
+        lambda_reg=LAM,
+        batch_size=BATCH,
+        shard_size=SHARD,
+        chunk_rows=CHUNK,
+        device="cpu",
+        top_k=3,
+        report_targets=2,
+        show="examples.tiny:as_image",
+        report_dir=str(tmp / "report"),
+    )
     cfg.update(over)
     return AttributeConfig.model_validate(cfg)
 
@@ -43,18 +57,28 @@ def traker_scores(tmp: Path, ckpt_paths, projector: str = "dense") -> np.ndarray
     proj = None
     if projector != "dense":
         proj = make_projector(projector, grad_dim_of(model), PROJ, 0, "rademacher", "cpu", model=model)
-    tr = TRAKer(model, "image_classification", N, save_dir=str(tmp / "traker.zarr"), device="cpu",
-                proj_dim=PROJ, lambda_reg=LAM, chunk_rows=CHUNK, shard_rows=SHARD, projector=proj)
+    tr = TRAKer(
+        model,
+        "image_classification",
+        N,
+        save_dir=str(tmp / "traker.zarr"),
+        device="cpu",
+        proj_dim=PROJ,
+        lambda_reg=LAM,
+        chunk_rows=CHUNK,
+        shard_rows=SHARD,
+        projector=proj,
+    )
     sds = [torch.load(p, weights_only=True) for p in sorted(ckpt_paths)]
     for mid, sd in enumerate(sds):
         tr.load_checkpoint(sd, mid)
         for a in range(0, N, BATCH):
-            tr.featurize((x[a:a + BATCH], y[a:a + BATCH]), inds=np.arange(a, a + BATCH))
+            tr.featurize((x[a : a + BATCH], y[a : a + BATCH]), inds=np.arange(a, a + BATCH))
     tr.finalize_features()
     for mid, sd in enumerate(sds):
         tr.start_scoring_checkpoint("tiny", sd, mid, M)
         for a in range(0, M, BATCH):
-            tr.score((xt[a:a + BATCH], yt[a:a + BATCH]), inds=np.arange(a, a + BATCH))
+            tr.score((xt[a : a + BATCH], yt[a : a + BATCH]), inds=np.arange(a, a + BATCH))
     return np.asarray(tr.finalize_scores("tiny"))
 
 
@@ -115,8 +139,8 @@ def test_second_run_recomputes_nothing(attributed, monkeypatch):
             return _orig(self, *a, **k)
 
         monkeypatch.setattr(Featurizer, name, counting)
-    import trak_core.reduce as reduce_mod
     import tasks.core as core_mod
+    import trak_core.reduce as reduce_mod
 
     monkeypatch.setattr(core_mod, "finalize_model", lambda *a, **k: pytest.fail("finalize_model called"))
     monkeypatch.setattr(core_mod, "score_rows", lambda *a, **k: pytest.fail("score_rows called"))
@@ -168,8 +192,7 @@ def test_report_files_and_artifacts(attributed):
 
     async def read():
         async with get_client() as client:
-            return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="trakflow-")))
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="trakflow-")))
 
     arts = {a.key: a for a in asyncio.run(read())}
     assert arts[f"{prefix}-top-k"].type == "markdown"
@@ -222,19 +245,26 @@ def test_bad_config_fails_before_any_compute(tmp_path, monkeypatch):
     base = config(tmp_path, paths).model_dump()
     blocker = tmp_path / "file"
     blocker.write_text("")
-    cases = {"model": "examples.tiny:nope", "checkpoints": [str(tmp_path / "ck" / "gone.pt")], "proj_dim": 0,
-             "store": str(blocker / "store.zarr")}
+    cases = {
+        "model": "examples.tiny:nope",
+        "checkpoints": [str(tmp_path / "ck" / "gone.pt")],
+        "proj_dim": 0,
+        "store": str(blocker / "store.zarr"),
+    }
     for field, value in cases.items():
         with pytest.raises(ParameterTypeError, match=f"config.{field}" if field != "checkpoints" else "checkpoints"):
             attribute(config={**base, field: value})
     assert not os.path.exists(base["store"]) and not os.path.exists(blocker.parent / "report")
 
 
-@pytest.mark.parametrize("over,field,exc", [
-    (dict(train_data="examples.tiny:bad_labels"), "train_data", BadInputError),
-    (dict(proj_dim=N, lambda_reg=0.0), "proj_dim", BadInputError),
-    (dict(grad_wrt=["0.weight", "nope"]), "grad_wrt", BadInputError),
-])
+@pytest.mark.parametrize(
+    "over,field,exc",
+    [
+        (dict(train_data="examples.tiny:bad_labels"), "train_data", BadInputError),
+        (dict(proj_dim=N, lambda_reg=0.0), "proj_dim", BadInputError),
+        (dict(grad_wrt=["0.weight", "nope"]), "grad_wrt", BadInputError),
+    ],
+)
 def test_plan_rejects_bad_input_before_writing(tmp_path, over, field, exc):
     from flows import attribute
 
@@ -307,8 +337,13 @@ def test_task_options():
 
     for t in (attribution.featurize_shard, attribution.featurize_targets, training.train_model):
         assert "trakflow-gpu" in t.tags
-    for t in (attribution.featurize_shard, attribution.finalize_checkpoint, attribution.featurize_targets,
-              attribution.score_block, training.train_model):
+    for t in (
+        attribution.featurize_shard,
+        attribution.finalize_checkpoint,
+        attribution.featurize_targets,
+        attribution.score_block,
+        training.train_model,
+    ):
         assert t.retries == 2 and t.retry_condition_fn is attribution.retry_unless_bad_input
         assert type(t.cache_policy) is type(NONE)
 
@@ -336,17 +371,29 @@ def test_flows_run_tasks_on_their_configs_runner(tmp_path):
         runner = FlowRunContext.get().task_runner.runner
         return type(runner).__name__, runner._max_workers
 
-    cfg = TrainConfig(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
-                      out_dir=str(tmp_path / "ck"), max_workers=3)
+    cfg = TrainConfig(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        out_dir=str(tmp_path / "ck"),
+        max_workers=3,
+    )
     assert probe(cfg) == (ThreadPoolTaskRunner.__name__, 3)
 
 
 def test_train_flow_manifest_and_rerun(tmp_path):
     from flows import train
 
-    cfg = TrainConfig(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
-                      out_dir=str(tmp_path / "ck"), num_models=2, epochs=2, batch_size=16, lr=0.05,
-                      subset_fraction=0.5, alpha_every=1)
+    cfg = TrainConfig(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        out_dir=str(tmp_path / "ck"),
+        num_models=2,
+        epochs=2,
+        batch_size=16,
+        lr=0.05,
+        subset_fraction=0.5,
+        alpha_every=1,
+    )
     res = train(cfg)
     assert res["computed"] == 2
     manifest = json.loads(Path(res["manifest"]).read_text())

@@ -1,14 +1,19 @@
 """Per-example gradients and model output functions against per-example autograd loops (float64)."""
 
-import numpy as np
 import pytest
 import torch
-
-from trak_core import (CLIPModelOutput, FunctionalGradientComputer, ImageClassificationModelOutput,
-                       IterativeGradientComputer, IterativeImageClassificationModelOutput,
-                       TextClassificationModelOutput, vectorize)
-from trak_core.errors import BadInputError
 from trak_fixtures import make_data, make_model
+
+from trak_core import (
+    CLIPModelOutput,
+    FunctionalGradientComputer,
+    ImageClassificationModelOutput,
+    IterativeGradientComputer,
+    IterativeImageClassificationModelOutput,
+    TextClassificationModelOutput,
+    vectorize,
+)
+from trak_core.errors import BadInputError
 
 
 def loop_grads(model, f, samples):
@@ -27,7 +32,7 @@ def test_image_margin_is_log_odds_and_q_is_one_minus_p():
     task = ImageClassificationModelOutput(temperature=2.0)
     w, b = dict(model.named_parameters()), dict(model.named_buffers())
     for i in range(10):
-        p = torch.softmax(model(x[i:i + 1]), -1)[0, y[i]]
+        p = torch.softmax(model(x[i : i + 1]), -1)[0, y[i]]
         f = task.get_output(model, w, b, x[i], y[i])
         assert torch.isclose(f, torch.log(p / (1 - p)), rtol=1e-10)
     q = task.get_out_to_loss_grad(model, w, b, (x, y)).reshape(-1)
@@ -56,7 +61,7 @@ def test_functional_and_loop_match_autograd(grad_wrt):
     for n, p in model.named_parameters():
         offsets[n] = (o, o + p.numel())
         o += p.numel()
-    want = torch.cat([full[:, offsets[n][0]:offsets[n][1]] for n in names], 1)
+    want = torch.cat([full[:, offsets[n][0] : offsets[n][1]] for n in names], 1)
     assert got_f.shape == (12, sum(params[n].numel() for n in names))
     torch.testing.assert_close(got_f, want, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(got_l, want, rtol=1e-9, atol=1e-12)

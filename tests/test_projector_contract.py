@@ -4,20 +4,41 @@ the checks live in trak_core.testing, so a user's own projector or model output 
 import numpy as np
 import pytest
 import torch
+from trak_fixtures import make_data, make_model
 
 from trak_core import counter_rng
 from trak_core.errors import BadInputError
 from trak_core.factored import FactoredProjector
-from trak_core.modelout import (CLIPModelOutput, ImageClassificationModelOutput,
-                                IterativeImageClassificationModelOutput, TextClassificationModelOutput)
-from trak_core.projectors import (AbstractProjector, BasicProjector, BasicSingleBlockProjector, DenseProjector,
-                                  NoOpProjector, find_projector, make_projector, register_projector,
-                                  registered_projectors, unregister_projector)
+from trak_core.modelout import (
+    CLIPModelOutput,
+    ImageClassificationModelOutput,
+    IterativeImageClassificationModelOutput,
+    TextClassificationModelOutput,
+)
+from trak_core.projectors import (
+    AbstractProjector,
+    BasicProjector,
+    BasicSingleBlockProjector,
+    DenseProjector,
+    NoOpProjector,
+    find_projector,
+    make_projector,
+    register_projector,
+    registered_projectors,
+    unregister_projector,
+)
 from trak_core.sjlt import SJLTProjector
-from trak_core.testing import (ModelOutputCase, ProjectorCase, check_model_output, check_projector,
-                               check_projector_batch_split, check_projector_inner_products,
-                               check_projector_refuses_bad_input, iter_checks, parametrize_with_checks)
-from trak_fixtures import make_data, make_model
+from trak_core.testing import (
+    ModelOutputCase,
+    ProjectorCase,
+    check_model_output,
+    check_projector,
+    check_projector_batch_split,
+    check_projector_inner_products,
+    check_projector_refuses_bad_input,
+    iter_checks,
+    parametrize_with_checks,
+)
 
 GRAD_DIM, PROJ_DIM = 1000, 256
 HAS_CUDA = torch.cuda.is_available()
@@ -33,48 +54,75 @@ def _mlp():
 def _cuda(cls_name, **kw):
     def factory(seed=3):
         from cuda_ext import projectors  # the GPU plugin (imported by the tests that use it, never by trak_core)
+
         return getattr(projectors, cls_name)(GRAD_DIM, PROJ_DIM, seed=seed, **kw)
+
     return factory
 
 
 PROJECTORS = [
-    ProjectorCase(lambda seed=3: DenseProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="rademacher"),
-                  id="dense-rademacher"),
+    ProjectorCase(
+        lambda seed=3: DenseProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="rademacher"), id="dense-rademacher"
+    ),
     ProjectorCase(lambda seed=3: DenseProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="normal"), id="dense-normal"),
-    ProjectorCase(lambda seed=3: DenseProjector(GRAD_DIM, PROJ_DIM, seed=seed, block_rows=97, cache_bytes=0),
-                  id="dense-rademacher-nocache-smallblocks"),
+    ProjectorCase(
+        lambda seed=3: DenseProjector(GRAD_DIM, PROJ_DIM, seed=seed, block_rows=97, cache_bytes=0),
+        id="dense-rademacher-nocache-smallblocks",
+    ),
     ProjectorCase(lambda seed=3: BasicProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="rademacher"), id="basic"),
-    ProjectorCase(lambda seed=3: BasicSingleBlockProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="normal"),
-                  id="single-block-normal"),
+    ProjectorCase(
+        lambda seed=3: BasicSingleBlockProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="normal"),
+        id="single-block-normal",
+    ),
     ProjectorCase(lambda: NoOpProjector(grad_dim=GRAD_DIM, proj_dim=GRAD_DIM), id="noop"),
     ProjectorCase(lambda seed=3: SJLTProjector(GRAD_DIM, PROJ_DIM, seed=seed), id="sjlt-c4"),
-    ProjectorCase(lambda seed=3: SJLTProjector(GRAD_DIM, PROJ_DIM, seed=seed, c=1, block_rows=97, cache_bytes=0),
-                  id="sjlt-c1-nocache-smallblocks"),
-    ProjectorCase(lambda seed=3: FactoredProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="rademacher"),
-                  id="factored-flat-rademacher"),
-    ProjectorCase(lambda seed=3: FactoredProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="normal"),
-                  id="factored-flat-normal"),
+    ProjectorCase(
+        lambda seed=3: SJLTProjector(GRAD_DIM, PROJ_DIM, seed=seed, c=1, block_rows=97, cache_bytes=0),
+        id="sjlt-c1-nocache-smallblocks",
+    ),
+    ProjectorCase(
+        lambda seed=3: FactoredProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="rademacher"),
+        id="factored-flat-rademacher",
+    ),
+    ProjectorCase(
+        lambda seed=3: FactoredProjector(GRAD_DIM, PROJ_DIM, seed=seed, proj_type="normal"), id="factored-flat-normal"
+    ),
     ProjectorCase(lambda seed=3: FactoredProjector.from_model(_mlp(), PROJ_DIM, seed=seed), id="factored-mlp-layers"),
-    ProjectorCase(lambda seed=3: make_projector("factored", GRAD_DIM, PROJ_DIM, seed, model=_mlp()),
-                  id="make_projector-factored"),
+    ProjectorCase(
+        lambda seed=3: make_projector("factored", GRAD_DIM, PROJ_DIM, seed, model=_mlp()), id="make_projector-factored"
+    ),
     # cuda_ext's GPU projectors: the build-free torch path runs anywhere (here on the CPU) ...
     ProjectorCase(_cuda("CudaDenseProjector", device="cpu", backend="torch"), id="cuda-dense-torchpath-on-cpu"),
-    ProjectorCase(_cuda("CudaDenseProjector", proj_type="normal", device="cpu", backend="torch"),
-                  id="cuda-dense-normal-torchpath-on-cpu"),
+    ProjectorCase(
+        _cuda("CudaDenseProjector", proj_type="normal", device="cpu", backend="torch"),
+        id="cuda-dense-normal-torchpath-on-cpu",
+    ),
     ProjectorCase(_cuda("CudaSJLTProjector", c=4, device="cpu", backend="torch"), id="cuda-sjlt-torchpath-on-cpu"),
     # ... the kernels and the GPU torch path need a GPU
-    ProjectorCase(_cuda("CudaDenseProjector", device="cuda", backend="kernel", algo="fma"), id="cuda-dense-kernel-fma",
-                  marks=needs_cuda),
-    ProjectorCase(_cuda("CudaDenseProjector", device="cuda", backend="kernel", algo="tc3"), id="cuda-dense-kernel-tc3",
-                  marks=needs_cuda),
-    ProjectorCase(_cuda("CudaDenseProjector", proj_type="normal", device="cuda", backend="kernel"),
-                  id="cuda-dense-kernel-normal", marks=needs_cuda),
-    ProjectorCase(_cuda("CudaSJLTProjector", c=4, device="cuda", backend="kernel"), id="cuda-sjlt-kernel",
-                  marks=needs_cuda),
-    ProjectorCase(_cuda("CudaDenseProjector", device="cuda", backend="torch"), id="cuda-dense-torchpath",
-                  marks=needs_cuda),
-    ProjectorCase(_cuda("CudaSJLTProjector", c=2, device="cuda", backend="torch"), id="cuda-sjlt-torchpath",
-                  marks=needs_cuda),
+    ProjectorCase(
+        _cuda("CudaDenseProjector", device="cuda", backend="kernel", algo="fma"),
+        id="cuda-dense-kernel-fma",
+        marks=needs_cuda,
+    ),
+    ProjectorCase(
+        _cuda("CudaDenseProjector", device="cuda", backend="kernel", algo="tc3"),
+        id="cuda-dense-kernel-tc3",
+        marks=needs_cuda,
+    ),
+    ProjectorCase(
+        _cuda("CudaDenseProjector", proj_type="normal", device="cuda", backend="kernel"),
+        id="cuda-dense-kernel-normal",
+        marks=needs_cuda,
+    ),
+    ProjectorCase(
+        _cuda("CudaSJLTProjector", c=4, device="cuda", backend="kernel"), id="cuda-sjlt-kernel", marks=needs_cuda
+    ),
+    ProjectorCase(
+        _cuda("CudaDenseProjector", device="cuda", backend="torch"), id="cuda-dense-torchpath", marks=needs_cuda
+    ),
+    ProjectorCase(
+        _cuda("CudaSJLTProjector", c=2, device="cuda", backend="torch"), id="cuda-sjlt-torchpath", marks=needs_cuda
+    ),
     # not here: fast_jl (TRAK's kernel, optional; its matrix is not ours), see tests/test_cuda_ext.py
 ]
 
@@ -113,10 +161,15 @@ def _margin_reference(logits, labels):
 def _image_case(cls, case_id, **kw):
     model = make_model().double()
     x, y, _, _ = make_data(n=6)
-    return ModelOutputCase(cls(), model, (x.double(), y), id=case_id,
-                           reference=lambda m, b: _margin_reference(m(b[0]), b[1]),
-                           bad_batches=[(x.double(), -y - 1), (x.double(), y.double()), (x.double(), y[:, None])],
-                           **kw)
+    return ModelOutputCase(
+        cls(),
+        model,
+        (x.double(), y),
+        id=case_id,
+        reference=lambda m, b: _margin_reference(m(b[0]), b[1]),
+        bad_batches=[(x.double(), -y - 1), (x.double(), y.double()), (x.double(), y[:, None])],
+        **kw,
+    )
 
 
 def _text_case():
@@ -126,9 +179,14 @@ def _text_case():
     mask = torch.ones(5, 4, dtype=torch.long)
     mask[:, 3] = 0
     labels = torch.randint(0, 3, (5,))
-    return ModelOutputCase(TextClassificationModelOutput(), model, (ids, types, mask, labels), id="text",
-                           reference=lambda m, b: _margin_reference(m(*b[:3]), b[3]),
-                           bad_batches=[(ids, types[:, :3], mask, labels), (ids, types, mask)])
+    return ModelOutputCase(
+        TextClassificationModelOutput(),
+        model,
+        (ids, types, mask, labels),
+        id="text",
+        reference=lambda m, b: _margin_reference(m(*b[:3]), b[3]),
+        bad_batches=[(ids, types[:, :3], mask, labels), (ids, types, mask)],
+    )
 
 
 def _clip_case():
@@ -143,9 +201,15 @@ def _clip_case():
         c = -torch.logsumexp(-(te[:, None, :] * (ie[:, None, :] - bank_img[None])).sum(-1), dim=1)
         return a + c
 
-    return ModelOutputCase(CLIPModelOutput(simulated_batch_size=9), model, (img, txt), id="clip",
-                           reference=reference, bad_batches=[(img, txt, txt)],
-                           setup=lambda: CLIPModelOutput.set_embeddings(bank_img, bank_txt))
+    return ModelOutputCase(
+        CLIPModelOutput(simulated_batch_size=9),
+        model,
+        (img, txt),
+        id="clip",
+        reference=reference,
+        bad_batches=[(img, txt, txt)],
+        setup=lambda: CLIPModelOutput.set_embeddings(bank_img, bank_txt),
+    )
 
 
 MODEL_OUTPUTS = [
@@ -163,8 +227,12 @@ def test_contract(obj, check):
 
 def test_every_model_output_class_and_projector_kind_is_checked():
     import trak_core.modelout as mo
-    classes = {c for c in vars(mo).values() if isinstance(c, type) and issubclass(c, mo.AbstractModelOutput)
-               and c is not mo.AbstractModelOutput}
+
+    classes = {
+        c
+        for c in vars(mo).values()
+        if isinstance(c, type) and issubclass(c, mo.AbstractModelOutput) and c is not mo.AbstractModelOutput
+    }
     assert classes == {type(c.model_output) for c in MODEL_OUTPUTS}
     kinds = {c.make().kind for c in PROJECTORS if not c.marks and c.make().device != "cuda"}
     assert set(registered_projectors("cpu")) - {"fast_jl"} <= kinds
@@ -178,8 +246,11 @@ def test_ids_are_readable():
 def test_testing_module_imports_without_pytest():
     import subprocess
     import sys
-    code = ("import sys; sys.modules['pytest'] = None; import trak_core.testing as t; "
-            "from trak_core.projectors import DenseProjector; t.check_projector(DenseProjector(50, 16)); print('ok')")
+
+    code = (
+        "import sys; sys.modules['pytest'] = None; import trak_core.testing as t; "
+        "from trak_core.projectors import DenseProjector; t.check_projector(DenseProjector(50, 16)); print('ok')"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
@@ -208,15 +279,19 @@ class NoInputCheckProjector(DenseProjector):
         if isinstance(grads, dict):
             return super().project(grads, model_id)
         g = grads.reshape(-1, grads.shape[-1]) if grads.dim() != 2 else grads
-        g = torch.nn.functional.pad(g, (0, max(0, self.grad_dim - g.shape[1])))[:, :self.grad_dim]
+        g = torch.nn.functional.pad(g, (0, max(0, self.grad_dim - g.shape[1])))[:, : self.grad_dim]
         return super().project(g, model_id)
 
 
-@pytest.mark.parametrize("broken, check", [
-    (BatchDependentProjector, check_projector_batch_split),
-    (UnscaledProjector, check_projector_inner_products),
-    (NoInputCheckProjector, check_projector_refuses_bad_input),
-], ids=["batch-dependent", "unscaled", "no-input-check"])
+@pytest.mark.parametrize(
+    "broken, check",
+    [
+        (BatchDependentProjector, check_projector_batch_split),
+        (UnscaledProjector, check_projector_inner_products),
+        (NoInputCheckProjector, check_projector_refuses_bad_input),
+    ],
+    ids=["batch-dependent", "unscaled", "no-input-check"],
+)
 def test_broken_projectors_fail_their_check(broken, check):
     with pytest.raises(AssertionError, match=f"^{check.__name__}: "):
         check(lambda seed=3: broken(GRAD_DIM, PROJ_DIM, seed=seed))
@@ -239,10 +314,14 @@ class PermissiveOutput(ImageClassificationModelOutput):
         pass
 
 
-@pytest.mark.parametrize("broken, check_name", [
-    (WeightIgnoringOutput, "check_model_output_uses_weights"),
-    (PermissiveOutput, "check_model_output_validate_batch"),
-], ids=["ignores-weights", "validates-nothing"])
+@pytest.mark.parametrize(
+    "broken, check_name",
+    [
+        (WeightIgnoringOutput, "check_model_output_uses_weights"),
+        (PermissiveOutput, "check_model_output_validate_batch"),
+    ],
+    ids=["ignores-weights", "validates-nothing"],
+)
 def test_broken_model_outputs_fail_their_check(broken, check_name):
     model = make_model().double()
     x, y, _, _ = make_data(n=4)
@@ -254,6 +333,7 @@ def test_an_exception_in_a_check_names_the_check():
     class Crashing(DenseProjector):
         def spec(self):
             raise RuntimeError("boom")
+
     with pytest.raises(AssertionError, match=r"^check_projector_spec: raised RuntimeError: boom"):
         check_projector(lambda seed=3: Crashing(GRAD_DIM, PROJ_DIM, seed=seed))
 
@@ -313,7 +393,7 @@ class HalfProjector(AbstractProjector):
 
     def project(self, grads, model_id):
         self._check_input(grads)
-        return grads[:, :self.proj_dim].to(torch.float32) * np.sqrt(self.grad_dim / self.proj_dim)
+        return grads[:, : self.proj_dim].to(torch.float32) * np.sqrt(self.grad_dim / self.proj_dim)
 
 
 def test_register_a_projector_and_build_it_by_name():

@@ -19,16 +19,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from services import REPO, dask_cluster, prefect_server, wait_for
 
 from examples import tiny
 from trak_core.store import TrakStore
-
-from services import REPO, dask_cluster, prefect_server, wait_for
 
 pytestmark = pytest.mark.services
 
@@ -38,10 +36,22 @@ TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 def tiny_config(tmp: Path, ckpt_dir: Path, name: str, **over) -> dict:
     """An attribute config as the UI's form sends it: plain JSON values."""
-    cfg = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
-               target_data="examples.tiny:target_data", checkpoints=str(ckpt_dir / "model_*.pt"),
-               store=str(tmp / f"{name}.zarr"), exp_name="tiny", projector="dense", proj_dim=16, lambda_reg=1e-3,
-               batch_size=8, shard_size=SHARD, chunk_rows=8, device="cpu", report_targets=0)
+    cfg = dict(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        target_data="examples.tiny:target_data",
+        checkpoints=str(ckpt_dir / "model_*.pt"),
+        store=str(tmp / f"{name}.zarr"),
+        exp_name="tiny",
+        projector="dense",
+        proj_dim=16,
+        lambda_reg=1e-3,
+        batch_size=8,
+        shard_size=SHARD,
+        chunk_rows=8,
+        device="cpu",
+        report_targets=0,
+    )
     cfg.update(over)
     return json.loads(json.dumps(cfg))
 
@@ -54,10 +64,18 @@ def run_script(server, tmp: Path, cfg: dict, name: str) -> subprocess.CompletedP
     """A programmatic call of the attribute flow in a fresh process that reports to ``server``."""
     cfg_file = tmp / f"{name}.json"
     cfg_file.write_text(json.dumps(cfg))
-    code = ("import json, sys\nfrom flows import attribute\n"
-            "out = attribute(config=json.load(open(sys.argv[1])))\nprint('RESULT', out['store'])\n")
-    return subprocess.run([sys.executable, "-c", code, str(cfg_file)], env=server.env, cwd=REPO,
-                          capture_output=True, text=True, timeout=400)
+    code = (
+        "import json, sys\nfrom flows import attribute\n"
+        "out = attribute(config=json.load(open(sys.argv[1])))\nprint('RESULT', out['store'])\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, str(cfg_file)],
+        env=server.env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
 
 
 def flow_runs(server, deployment_name: str) -> list:
@@ -67,7 +85,8 @@ def flow_runs(server, deployment_name: str) -> list:
 
     with temporary_settings({PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
         return client.read_flow_runs(
-            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment_name])))
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment_name]))
+        )
 
 
 def wait_terminal(server, deployment_name: str, timeout: float, proc=None):
@@ -81,8 +100,14 @@ def wait_terminal(server, deployment_name: str, timeout: float, proc=None):
 
 
 def trakflow(server, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "trakflow"), *args], env=server.env, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "trakflow"), *args],
+        env=server.env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def bad_label_train_data():
@@ -115,7 +140,8 @@ def test_schedule_fires_and_completes(setup):
     cfg = tiny_config(tmp, ckpt_dir, "scheduled")
     (tmp / "scheduled.json").write_text(json.dumps(cfg))
     script = tmp / "serve_scheduled.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import json, sys
         from datetime import datetime, timedelta, timezone
         from prefect import serve
@@ -126,7 +152,8 @@ def test_schedule_fires_and_completes(setup):
         first = datetime.now(timezone.utc) + timedelta(seconds=8)
         serve(attribute.to_deployment(name="scheduled", parameters={"config": cfg},
                                       schedule=Interval(timedelta(hours=1), anchor_date=first)))
-    """))
+    """)
+    )
     proc = server.spawn([sys.executable, str(script), str(tmp / "scheduled.json")], "serve-scheduled")
     run = wait_terminal(server, "scheduled", timeout=240, proc=proc)
     assert run.auto_scheduled, "the run was not created by the scheduler"
@@ -140,14 +167,29 @@ def test_work_pool_route_with_ui_parameters(setup):
     server, tmp, ckpt_dir, ref = setup
     cfg = tiny_config(tmp, ckpt_dir, "pool")
     prefect_yaml = tmp / "prefect.yaml"
-    prefect_yaml.write_text(json.dumps({  # JSON is YAML
-        "name": "trakflow-test", "build": None, "push": None,
-        "pull": [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}],
-        "deployments": [{"name": "pool", "entrypoint": "flows/attribute.py:attribute", "parameters": {},
-                         "work_pool": {"name": "test-pool", "work_queue_name": "default"}}]}))
+    prefect_yaml.write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "name": "trakflow-test",
+                "build": None,
+                "push": None,
+                "pull": [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}],
+                "deployments": [
+                    {
+                        "name": "pool",
+                        "entrypoint": "flows/attribute.py:attribute",
+                        "parameters": {},
+                        "work_pool": {"name": "test-pool", "work_queue_name": "default"},
+                    }
+                ],
+            }
+        )
+    )
     prefect = str(Path(sys.executable).parent / "prefect")
-    for cmd in ([prefect, "work-pool", "create", "test-pool", "--type", "process"],
-                [prefect, "--no-prompt", "deploy", "--prefect-file", str(prefect_yaml), "--all"]):
+    for cmd in (
+        [prefect, "work-pool", "create", "test-pool", "--type", "process"],
+        [prefect, "--no-prompt", "deploy", "--prefect-file", str(prefect_yaml), "--all"],
+    ):
         res = subprocess.run(cmd, env=server.env, cwd=REPO, capture_output=True, text=True, timeout=180)
         assert res.returncode == 0, f"{cmd[1:3]}: {res.stdout[-2000:]}{res.stderr[-2000:]}"
     worker = server.spawn([prefect, "worker", "start", "--pool", "test-pool", "--limit", "1"], "worker")
@@ -173,13 +215,25 @@ def test_real_dask_cluster_and_worker_kill(setup):
         np.testing.assert_array_equal(scores(cfg), ref)
 
         # the same model, each forward pass slowed down, so the kill lands while shards are in flight
-        cfg = tiny_config(tmp, ckpt_dir, "dask_kill", task_runner="dask", dask_address=cluster.address,
-                          model="services:make_slow_tiny_model")
+        cfg = tiny_config(
+            tmp,
+            ckpt_dir,
+            "dask_kill",
+            task_runner="dask",
+            dask_address=cluster.address,
+            model="services:make_slow_tiny_model",
+        )
         cfg_file = tmp / "dask_kill.json"
         cfg_file.write_text(json.dumps(cfg))
         code = "import json, sys\nfrom flows import attribute\nattribute(config=json.load(open(sys.argv[1])))\n"
-        run = subprocess.Popen([sys.executable, "-c", code, str(cfg_file)], env=server.env, cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        run = subprocess.Popen(
+            [sys.executable, "-c", code, str(cfg_file)],
+            env=server.env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
         def first_shard_done():
             try:
@@ -205,8 +259,9 @@ def served(setup):
     """The attribute flow served as deployment 'attribute/served' (no schedule), like `trakflow serve`."""
     server, tmp, _, _ = setup
     script = tmp / "serve_plain.py"
-    script.write_text("from prefect import serve\nfrom flows import attribute\n"
-                      "serve(attribute.to_deployment(name='served'))\n")
+    script.write_text(
+        "from prefect import serve\nfrom flows import attribute\nserve(attribute.to_deployment(name='served'))\n"
+    )
     proc = server.spawn([sys.executable, str(script)], "serve-plain")
     wait_for(lambda: "attribute/served" in _names(server), 120, "deployment attribute/served", poll=1.0, proc=proc)
     return proc
@@ -227,8 +282,9 @@ def _logs(server, flow_run_id) -> str:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: server.api_url}), get_client(sync_client=True) as client:
-        return "\n".join(x.message for x in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(
-            any_=[flow_run_id]))))
+        return "\n".join(
+            x.message for x in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        )
 
 
 def test_busy_store_queues(setup, served):
@@ -267,8 +323,9 @@ def test_trigger_cli(setup, served):
     assert len(flow_runs(server, "served")) == before
 
     failing = tmp / "failing.yaml"
-    failing.write_text(json.dumps(tiny_config(tmp, ckpt_dir, "failing",
-                                              train_data="test_real_services:bad_label_train_data")))
+    failing.write_text(
+        json.dumps(tiny_config(tmp, ckpt_dir, "failing", train_data="test_real_services:bad_label_train_data"))
+    )
     res = trakflow(server, "trigger", "attribute/served", "--config", str(failing), "--wait")
     assert res.returncode == 1, res.stdout + res.stderr
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]

@@ -5,7 +5,6 @@ text_classification → markdown with sentences, text PNGs, score histogram, art
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,16 +31,39 @@ def text_run(tmp_path_factory, prefect_harness):
     from tasks.config import AttributeConfig, TrainConfig
 
     tmp = tmp_path_factory.mktemp("text")
-    tc = TrainConfig(model="examples.text:make_model", train_data="examples.text:train_data", out_dir=str(tmp / "ck"),
-                     num_models=2, epochs=60, batch_size=text.NUM_TRAIN, optimizer="adam", lr=0.05, alpha_every=5,
-                     device="cpu")
+    tc = TrainConfig(
+        model="examples.text:make_model",
+        train_data="examples.text:train_data",
+        out_dir=str(tmp / "ck"),
+        num_models=2,
+        epochs=60,
+        batch_size=text.NUM_TRAIN,
+        optimizer="adam",
+        lr=0.05,
+        alpha_every=5,
+        device="cpu",
+    )
     trained = train(tc)
-    cfg = AttributeConfig(model="examples.text:make_model", train_data="examples.text:train_data",
-                          target_data="examples.text:target_data", task="text_classification",
-                          checkpoints=trained["manifest"], store=str(tmp / "store.zarr"), exp_name="text", proj_dim=64,
-                          lambda_reg="auto", dtype="float32", batch_size=300, shard_size=600, chunk_rows=300,
-                          device="cpu", top_k=3, report_targets=4, report_dir=str(tmp / "report"),
-                          show="examples.text:decode")
+    cfg = AttributeConfig(
+        model="examples.text:make_model",
+        train_data="examples.text:train_data",
+        target_data="examples.text:target_data",
+        task="text_classification",
+        checkpoints=trained["manifest"],
+        store=str(tmp / "store.zarr"),
+        exp_name="text",
+        proj_dim=64,
+        lambda_reg="auto",
+        dtype="float32",
+        batch_size=300,
+        shard_size=600,
+        chunk_rows=300,
+        device="cpu",
+        top_k=3,
+        report_targets=4,
+        report_dir=str(tmp / "report"),
+        show="examples.text:decode",
+    )
     return tmp, trained, cfg, attribute(cfg)
 
 
@@ -67,8 +89,10 @@ def test_text_report_lists_sentences_and_draws_them(text_run):
     scores = np.asarray(__import__("trak_core").TrakStore.open(cfg.store, mode="r").scores("text")[:])
     for row in rep["rows"]:
         j = row["target"]
-        assert row["text"] == text.decode(targets[0][j]) and f"### target {j} (label {int(targets[3][j])}): " \
-               f"{row['text']}" in md
+        assert (
+            row["text"] == text.decode(targets[0][j])
+            and f"### target {j} (label {int(targets[3][j])}): {row['text']}" in md
+        )
         best = int(np.argmax(scores[:, j]))
         assert row["proponents"][0]["index"] == best
         assert row["proponents"][0]["text"] == text.decode(train[0][best]) and row["proponents"][0]["text"] in md
@@ -89,8 +113,7 @@ def test_text_report_artifacts(text_run):
 
     async def keys():
         async with get_client() as client:
-            arts = await client.read_artifacts(artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(like_="trakflow-")))
+            arts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="trakflow-")))
         return {a.key: a for a in arts}
 
     from tasks.common import store_identity
@@ -118,8 +141,9 @@ def test_show_prints_the_report_table_with_text(text_run):
         e = row[key][0]
         assert f"#{e['index']} y={e['label']}" in flat and e["text"] in flat
     # the store alone: indices and scores, no text
-    out = CliRunner().invoke(app, ["show", cfg.store, "--target", "1", "--top-k", "2"],
-                             env={"COLUMNS": "250", "NO_COLOR": "1"})
+    out = CliRunner().invoke(
+        app, ["show", cfg.store, "--target", "1", "--top-k", "2"], env={"COLUMNS": "250", "NO_COLOR": "1"}
+    )
     assert out.exit_code == 0, out.output and f"#{row['proponents'][0]['index']}" in out.output
     assert row["text"] not in " ".join(out.output.split())
 
@@ -138,13 +162,18 @@ def test_score_stats_and_histogram_on_known_scores():
 def test_text_png_wraps_long_sentences():
     from tasks.report import target_text_png
 
-    row = {"target": 0, "label": 1, "text": "word " * 80,
-           "proponents": [{"index": 3, "score": 1.5, "label": 1, "text": "good " * 50}],
-           "opponents": [{"index": 4, "score": -2.0, "label": 0, "text": "bad"}]}
+    row = {
+        "target": 0,
+        "label": 1,
+        "text": "word " * 80,
+        "proponents": [{"index": 3, "score": 1.5, "label": 1, "text": "good " * 50}],
+        "opponents": [{"index": 4, "score": -2.0, "label": 0, "text": "bad"}],
+    }
     short = target_text_png({**row, "text": "short"})
     long = target_text_png(row)
     assert short.startswith(PNG) and long.startswith(PNG)
-    from matplotlib.image import imread
     import io
+
+    from matplotlib.image import imread
 
     assert imread(io.BytesIO(long)).shape[0] > imread(io.BytesIO(short)).shape[0]  # more lines, taller

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from examples import tiny
 from tasks.config import AttributeConfig
@@ -34,10 +33,21 @@ MODELS = 2
 
 
 def config(store, ckpts, **over) -> AttributeConfig:
-    cfg = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
-               target_data="examples.tiny:target_data", checkpoints=ckpts, store=str(store), exp_name="tiny",
-               proj_dim=16, lambda_reg=1e-3, batch_size=8, shard_size=SHARD, chunk_rows=8, device="cpu",
-               report_targets=0)
+    cfg = dict(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        target_data="examples.tiny:target_data",
+        checkpoints=ckpts,
+        store=str(store),
+        exp_name="tiny",
+        proj_dim=16,
+        lambda_reg=1e-3,
+        batch_size=8,
+        shard_size=SHARD,
+        chunk_rows=8,
+        device="cpu",
+        report_targets=0,
+    )
     cfg.update(over)
     return AttributeConfig.model_validate(cfg)
 
@@ -123,10 +133,20 @@ def run_cli_killed(tmp: Path, cfg: AttributeConfig, step: str, after: int) -> su
     path.write_text(cfg.to_yaml())
     hook = tmp / "crash_hook.py"
     hook.write_text(CRASH_HOOK)
-    full = {**os.environ, "PREFECT_API_URL": _api_url(), "PREFECT_LOGGING_LEVEL": "WARNING",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, str(hook), step, str(after), str(path)], cwd=REPO, env=full,
-                          capture_output=True, text=True, timeout=300)
+    full = {
+        **os.environ,
+        "PREFECT_API_URL": _api_url(),
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, str(hook), step, str(after), str(path)],
+        cwd=REPO,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- runners
@@ -153,16 +173,19 @@ def test_config_task_runner_fields(ref):
     for over, msg in bad:
         with pytest.raises(ValidationError, match=msg):
             config(over.pop("store", tmp / "s"), ckpts, **over)
-    from flows.runners import GPUProcessPoolTaskRunner, make_task_runner
     from prefect.task_runners import ThreadPoolTaskRunner
     from prefect_dask import DaskTaskRunner
+
+    from flows.runners import GPUProcessPoolTaskRunner, make_task_runner
 
     assert isinstance(make_task_runner(config(tmp / "s", ckpts, max_workers=3)), ThreadPoolTaskRunner)
     r = make_task_runner(ok)
     assert isinstance(r, GPUProcessPoolTaskRunner) and r._max_workers == 2 and r.duplicate() == r
     d = make_task_runner(config(tmp / "s", ckpts, task_runner="dask", dask_n_workers=3))
     assert isinstance(d, DaskTaskRunner) and d.cluster_kwargs["n_workers"] == 3
-    assert make_task_runner(config(tmp / "s", ckpts, task_runner="dask", dask_address="tcp://h:1")).address == "tcp://h:1"
+    assert (
+        make_task_runner(config(tmp / "s", ckpts, task_runner="dask", dask_address="tcp://h:1")).address == "tcp://h:1"
+    )
     assert not os.path.exists(tmp / "s")
 
 
@@ -208,7 +231,7 @@ def test_dask_local_cluster_two_worker_processes_equal_scores(ref, tmp_path, mon
 
     assert len(clusters) == 1  # one cluster for featurize, finalize and score
     cluster, plugin, args, kwargs = clusters[0]
-    assert args[:2] == (2, 1) and not kwargs.get("processes") is False  # 2 worker processes, 1 thread each
+    assert args[:2] == (2, 1) and kwargs.get("processes") is not False  # 2 worker processes, 1 thread each
     used = {rec["worker"] for rec in plugin.buffer}
     assert len(used) == 2, used  # both worker processes ran tasks
     assert result["featurize"]["computed"] == MODELS * SHARDS
@@ -375,8 +398,9 @@ def _task_runs(flow_run_id, expect: int):
     deadline = time.time() + 60
     while True:
         runs = asyncio.run(read())
-        if (len(runs) >= expect and all(r.state is not None and r.state.is_final() for r in runs)) \
-                or time.time() > deadline:
+        if (
+            len(runs) >= expect and all(r.state is not None and r.state.is_final() for r in runs)
+        ) or time.time() > deadline:
             return {r.name: r for r in runs}
         time.sleep(0.5)
 
@@ -441,9 +465,14 @@ def test_non_finite_inputs_and_checkpoints_are_refused_by_the_plan(ref, tmp_path
     sd = torch.load(ckpts[1], weights_only=True)
     sd["2.bias"][1] = float("inf")
     torch.save(sd, tmp_path / "inf.pt")
-    cases = [(dict(train_data="test_scaleout:nan_train_data"), r"train_data: NaN or inf .* indices \[20, 41\]"),
-             (dict(checkpoints=[ckpts[0], str(tmp_path / "inf.pt")]), r"checkpoints\[1\]: .*inf.pt has NaN or inf "
-                                                                       r"in \['2.bias'\]")]
+    cases = [
+        (dict(train_data="test_scaleout:nan_train_data"), r"train_data: NaN or inf .* indices \[20, 41\]"),
+        (
+            dict(checkpoints=[ckpts[0], str(tmp_path / "inf.pt")]),
+            r"checkpoints\[1\]: .*inf.pt has NaN or inf "
+            r"in \['2.bias'\]",
+        ),
+    ]
     for over, msg in cases:
         cfg = config(tmp_path / "s.zarr", ckpts, **over)
         with pytest.raises(BadInputError, match=msg):
@@ -457,7 +486,11 @@ def test_second_run_on_a_locked_store_is_refused(ref):
     from flows import attribute
 
     _, _, cfg, _ = ref
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys
         from trak_core.store import TrakStore
         st = TrakStore.open({cfg.store!r})
@@ -465,7 +498,13 @@ def test_second_run_on_a_locked_store_is_refused(ref):
         print("locked", flush=True)
         sys.stdin.readline()
         st.lock.release()
-        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = file_mtimes(cfg.store)
@@ -531,8 +570,9 @@ def test_unlock_command(tmp_path):
 
     loc = tmp_path / "s.zarr"
     loc.mkdir()
-    (loc / StoreLock.NAME).write_text(json.dumps({"host": "gpu-node-7", "pid": 4242, "run": "attribute/lost",
-                                                       "since": 0}))
+    (loc / StoreLock.NAME).write_text(
+        json.dumps({"host": "gpu-node-7", "pid": 4242, "run": "attribute/lost", "since": 0})
+    )
     res = CliRunner().invoke(app, ["unlock", str(loc)])
     assert res.exit_code == 0, res.output
     assert "attribute/lost" in res.output and "gpu-node-7" in res.output

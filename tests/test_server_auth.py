@@ -7,20 +7,23 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-
 from services import BIN, prefect_server
 
 pytestmark = pytest.mark.services
 
 AUTH = "admin:trakflow-test-secret"
-READ = ("import asyncio\nfrom prefect.client.orchestration import get_client\n"
-        "async def main():\n    async with get_client() as c:\n        print('flows', len(await c.read_flows()))\n"
-        "asyncio.run(main())\n")
-DEPLOY = ("import asyncio\nfrom prefect.client.orchestration import get_client\n"
-          "async def main():\n    async with get_client() as c:\n"
-          "        fid = await c.create_flow_from_name('attribute')\n"
-          "        print(await c.create_deployment(flow_id=fid, name='auth-check'))\n"
-          "asyncio.run(main())\n")
+READ = (
+    "import asyncio\nfrom prefect.client.orchestration import get_client\n"
+    "async def main():\n    async with get_client() as c:\n        print('flows', len(await c.read_flows()))\n"
+    "asyncio.run(main())\n"
+)
+DEPLOY = (
+    "import asyncio\nfrom prefect.client.orchestration import get_client\n"
+    "async def main():\n    async with get_client() as c:\n"
+    "        fid = await c.create_flow_from_name('attribute')\n"
+    "        print(await c.create_deployment(flow_id=fid, name='auth-check'))\n"
+    "asyncio.run(main())\n"
+)
 
 
 def run(cmd, env, timeout=120):

@@ -16,8 +16,7 @@ from torch import nn
 import trak_core
 from trak_core import counter_rng
 from trak_core.errors import BadInputError, NonFiniteGradientError
-from trak_core.factored import (OTHER, SIDE_IN, SIDE_OUT, FactoredProjector, factor_key, factor_matrix,
-                                model_layout)
+from trak_core.factored import OTHER, SIDE_IN, SIDE_OUT, FactoredProjector, factor_key, factor_matrix, model_layout
 from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer
 from trak_core.modelout import ImageClassificationModelOutput
@@ -129,7 +128,7 @@ def test_factored_is_unbiased_for_rank_one_gradients():
     gen = torch.Generator().manual_seed(0)  # a fixed draw: the bound below is statistical
     g, a = torch.randn(30, generator=gen), torch.randn(40, generator=gen)
     x = torch.cat([torch.outer(g, a).reshape(-1), g])[None]
-    ratios = [float((p.project(x, m) ** 2).sum() / p.scale / (x ** 2).sum()) for m in range(200)]
+    ratios = [float((p.project(x, m) ** 2).sum() / p.scale / (x**2).sum()) for m in range(200)]
     assert abs(np.mean(ratios) - 1) < 0.08
 
 
@@ -215,13 +214,21 @@ def _run(projector, tmp_path, name, lam=0.01):
     xt, yt = _data(10, 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=400,
-                              save_dir=str(tmp_path / name), device="cpu", projector=projector,
-                              use_half_precision=False, logging_level=logging.ERROR, chunk_rows=100,
-                              lambda_reg=lam * projector.scale)  # the margin's gradients are rank-deficient
+        tr = trak_core.TRAKer(
+            model=model,
+            task="image_classification",
+            train_set_size=400,
+            save_dir=str(tmp_path / name),
+            device="cpu",
+            projector=projector,
+            use_half_precision=False,
+            logging_level=logging.ERROR,
+            chunk_rows=100,
+            lambda_reg=lam * projector.scale,
+        )  # the margin's gradients are rank-deficient
         tr.load_checkpoint(model.state_dict(), model_id=0)
         for a in range(0, 400, 100):
-            tr.featurize((x[a:a + 100], y[a:a + 100]), num_samples=100)
+            tr.featurize((x[a : a + 100], y[a : a + 100]), num_samples=100)
         tr.finalize_features()
         tr.start_scoring_checkpoint("e", model.state_dict(), 0, 10)
         tr.score((xt, yt), num_samples=10)

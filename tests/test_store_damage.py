@@ -33,10 +33,22 @@ SHARD, CHUNK = 16, 8
 
 
 def config(store, ckpts, **over) -> AttributeConfig:
-    cfg = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data",
-               target_data="examples.tiny:target_data", checkpoints=ckpts, store=str(store), exp_name="tiny",
-               proj_dim=16, lambda_reg=1e-3, batch_size=8, shard_size=SHARD, chunk_rows=CHUNK, device="cpu",
-               dtype="float32", report_targets=0)
+    cfg = dict(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        target_data="examples.tiny:target_data",
+        checkpoints=ckpts,
+        store=str(store),
+        exp_name="tiny",
+        proj_dim=16,
+        lambda_reg=1e-3,
+        batch_size=8,
+        shard_size=SHARD,
+        chunk_rows=CHUNK,
+        device="cpu",
+        dtype="float32",
+        report_targets=0,
+    )
     cfg.update(over)
     return AttributeConfig.model_validate(cfg)
 
@@ -64,19 +76,31 @@ def traker_run(save_dir, ckpts, lambda_reg=1e-3, stages=("featurize", "finalize"
     x, y = tiny.train_data()
     xt, yt = tiny.target_data()
     model = tiny.make_model()
-    t = TRAKer(model, "image_classification", tiny.NUM_TRAIN, save_dir=str(save_dir), device="cpu", proj_dim=16,
-               lambda_reg=lambda_reg, use_half_precision=False, chunk_rows=CHUNK, shard_rows=SHARD, **kw)
+    t = TRAKer(
+        model,
+        "image_classification",
+        tiny.NUM_TRAIN,
+        save_dir=str(save_dir),
+        device="cpu",
+        proj_dim=16,
+        lambda_reg=lambda_reg,
+        use_half_precision=False,
+        chunk_rows=CHUNK,
+        shard_rows=SHARD,
+        **kw,
+    )
     if "featurize" in stages:
         for mid, path in enumerate(ckpts):
             t.load_checkpoint(torch.load(path, weights_only=True), model_id=mid)
             for s in range(0, tiny.NUM_TRAIN, 8):
-                t.featurize([x[s:s + 8], y[s:s + 8]], num_samples=8)
+                t.featurize([x[s : s + 8], y[s : s + 8]], num_samples=8)
     if "finalize" in stages:
         t.finalize_features()
     if "score" in stages:
         for mid, path in enumerate(ckpts):
-            t.start_scoring_checkpoint("tiny", torch.load(path, weights_only=True), model_id=mid,
-                                       num_targets=tiny.NUM_TARGETS)
+            t.start_scoring_checkpoint(
+                "tiny", torch.load(path, weights_only=True), model_id=mid, num_targets=tiny.NUM_TARGETS
+            )
             t.score([xt, yt], num_samples=tiny.NUM_TARGETS)
         return t.finalize_scores("tiny")
     return t
@@ -134,8 +158,14 @@ def test_deleted_xtx_partial_between_featurize_and_finalize_is_recomputed(clean,
     assert any("array models/1/xtx_partials, chunk c/2/0/0 (shards 2..2): is missing" in m for m in msgs), msgs
 
 
-@pytest.mark.parametrize("path,chunk", [("models/0/features", "c/1/0"), ("experiments/tiny/scores", "c/3/0"),
-                                        ("experiments/tiny/models/1/grads", "c/0/0")])
+@pytest.mark.parametrize(
+    "path,chunk",
+    [
+        ("models/0/features", "c/1/0"),
+        ("experiments/tiny/scores", "c/3/0"),
+        ("experiments/tiny/models/1/grads", "c/0/0"),
+    ],
+)
 def test_deleted_chunk_after_the_run_is_recomputed(clean, tmp_path, path, chunk):
     store = copy(clean, "score", tmp_path / "s.zarr")
     os.remove(store / path / chunk)
@@ -160,8 +190,11 @@ def test_flipped_byte_in_features_is_an_error_then_repaired(clean, tmp_path):
     store = copy(clean, "finalize", tmp_path / "s.zarr")
     flip_byte(store / "models" / "0" / "features" / "c" / "1" / "0")
     cfg = config(store, clean["ckpts"])
-    with pytest.raises(StoreDamageError, match=r"array models/0/features, chunk c/1/0 \(rows 8\.\.15\) fails its "
-                                               r"crc32c checksum") as e:
+    with pytest.raises(
+        StoreDamageError,
+        match=r"array models/0/features, chunk c/1/0 \(rows 8\.\.15\) fails its "
+        r"crc32c checksum",
+    ) as e:
         run_steps(cfg)
     assert not should_retry(e.value)
     report = verify_location(cfg.store)
@@ -189,8 +222,11 @@ def test_truncated_chunk_is_a_clear_error_not_retried(clean, tmp_path, monkeypat
     calls = []
     original = core.score_block
     monkeypatch.setattr(core, "score_block", lambda *a, **k: calls.append(a[2:]) or original(*a, **k))
-    with pytest.raises(StoreDamageError, match=r"array models/1/features, chunk c/0/0 \(rows 0\.\.7\) fails its "
-                                               r"crc32c checksum"):
+    with pytest.raises(
+        StoreDamageError,
+        match=r"array models/1/features, chunk c/0/0 \(rows 0\.\.7\) fails its "
+        r"crc32c checksum",
+    ):
         attribute(config(store, clean["ckpts"]))
     assert sorted(calls).count((0, 16)) == 1, calls  # the failing block ran once: not retried
 
@@ -204,8 +240,11 @@ def test_dtype_edited_in_array_zarr_json_is_refused(clean, tmp_path):
     meta["data_type"] = "int32"
     meta_path.write_text(json.dumps(meta))
     cfg = config(store, clean["ckpts"])
-    with pytest.raises(StoreDamageError, match=r"array models/0/features: its zarr.json says dtype=int32, but the "
-                                               r"store's metadata \(root zarr.json\) implies dtype=float32"):
+    with pytest.raises(
+        StoreDamageError,
+        match=r"array models/0/features: its zarr.json says dtype=int32, but the "
+        r"store's metadata \(root zarr.json\) implies dtype=float32",
+    ):
         run_steps(cfg)
     with pytest.raises(StoreDamageError, match="models/0/features"):
         TrakStore.open(cfg.store, mode="r").scores("tiny")  # `trakflow show` reads nothing either
@@ -218,8 +257,11 @@ def test_root_metadata_deleted_is_refused_never_reinitialized(clean, tmp_path, s
     store = copy(clean, "score", tmp_path / "s.zarr")
     os.remove(store / "zarr.json")
     before = sorted(p.relative_to(store) for p in store.rglob("*"))
-    with pytest.raises(StoreDamageError, match=r"holds a store's arrays \(experiments/, models/\) but no root "
-                                               "metadata"):
+    with pytest.raises(
+        StoreDamageError,
+        match=r"holds a store's arrays \(experiments/, models/\) but no root "
+        "metadata",
+    ):
         run_steps(config(store, clean["ckpts"], proj_seed=seed))
     with pytest.raises(StoreDamageError, match="no root metadata"):
         traker_run(store, clean["ckpts"], stages=())
@@ -288,8 +330,15 @@ def test_verify_cli_table_exit_codes_and_repair(clean, tmp_path):
     flip_byte(store / "experiments" / "tiny" / "scores" / "c" / "5" / "0")
     bad = runner.invoke(app, ["verify", str(store)], terminal_width=200)
     assert bad.exit_code == 1, bad.output
-    for text in ("models/0/grads", "c/2/0", "rows 16..23", "missing", "experiments/tiny/scores", "c/5/0",
-                 "corrupt: fails its crc32c"):
+    for text in (
+        "models/0/grads",
+        "c/2/0",
+        "rows 16..23",
+        "missing",
+        "experiments/tiny/scores",
+        "c/5/0",
+        "corrupt: fails its crc32c",
+    ):
         assert text in bad.output, bad.output
     fixed = runner.invoke(app, ["verify", str(store), "--repair"], terminal_width=200)
     assert fixed.exit_code == 0 and "repaired" in fixed.output, fixed.output

@@ -13,14 +13,19 @@ from trak_core.store import StoreLock, StoreMetadata, TrakStore
 
 
 def make_store(location):
-    return TrakStore.create_or_open(location, StoreMetadata(train_set_size=10, grad_dim=4, proj_dim=2, chunk_rows=5,
-                                                            shard_rows=5))
+    return TrakStore.create_or_open(
+        location, StoreMetadata(train_set_size=10, grad_dim=4, proj_dim=2, chunk_rows=5, shard_rows=5)
+    )
 
 
 def test_second_live_run_is_refused_and_lock_released(tmp_path):
     loc = str(tmp_path / "s")
     st = make_store(loc)
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from trak_core.store import TrakStore
         st = TrakStore.open({loc!r})
@@ -28,7 +33,12 @@ def test_second_live_run_is_refused_and_lock_released(tmp_path):
         print("locked", flush=True)
         sys.stdin.readline()
         st.lock.release()
-        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(StoreLockedError, match=r"in use by run holder-run \(pid \d+"):
@@ -49,6 +59,7 @@ def test_lock_of_a_killed_process_is_stale(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)
     import socket
+
     with open(os.path.join(loc, StoreLock.NAME), "w") as fh:
         json.dump({"host": socket.gethostname(), "pid": pid, "run": "crashed"}, fh)
     me = st.lock.acquire("resume")  # taken over, no error
@@ -76,8 +87,11 @@ def test_force_unlock_reports_previous_holder(tmp_path):
 
 # ---------------------------------------------------------------------------- racing takeovers (issue 12, item 4)
 def _dead_pid() -> int:
-    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True, check=True).stdout)
+    return int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+        ).stdout
+    )
 
 
 def _write_dead_lock(loc: str, pid: int) -> None:
@@ -169,6 +183,7 @@ def test_takeover_claim_left_by_a_dead_process_is_reported(tmp_path):
     with open(path, "rb") as fh:
         key = hashlib.sha256(fh.read()).hexdigest()[:32]
     import socket
+
     with open(path + ".takeover-" + key, "w") as fh:
         json.dump({"host": socket.gethostname(), "pid": pid, "run": "died-taking-over"}, fh)
     lock = StoreLock(loc, "next")
@@ -181,9 +196,16 @@ def test_takeover_claim_left_by_a_dead_process_is_reported(tmp_path):
 
 
 # ---------------------------------------------------------------------------- torn / empty lock files
-@pytest.mark.parametrize("content, what", [(b"", "empty"), (b"   \n", "empty"),
-                                           (b'{"host": "h", "pi', "not a lock record"),
-                                           (b"[1, 2]", "not a lock record"), (b"\xff\xfe", "not a lock record")])
+@pytest.mark.parametrize(
+    "content, what",
+    [
+        (b"", "empty"),
+        (b"   \n", "empty"),
+        (b'{"host": "h", "pi', "not a lock record"),
+        (b"[1, 2]", "not a lock record"),
+        (b"\xff\xfe", "not a lock record"),
+    ],
+)
 def test_torn_lock_file_is_refused_with_a_clear_message(tmp_path, content, what):
     loc = str(tmp_path / "s")
     make_store(loc)
@@ -241,13 +263,22 @@ def test_run_that_lost_its_lock_stops_before_committing_flags(tmp_path):
         st.write_train_rows(0, slice(5, 10), np.ones((5, 2)), np.ones(5))
     assert not st.featurized_mask(0)[5:].any()  # no flag committed
     # taken by another run (another process): stops naming it; not retried (a StateError)
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys
         from trak_core.store import StoreLock
         StoreLock({loc!r}, "thief").acquire()
         print("locked", flush=True)
         sys.stdin.readline()
-        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        """),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(LockLostError, match=r"now held by run thief \(pid \d+") as e:

@@ -1,17 +1,16 @@
 """The store (layout, status, reopen, fsspec) and the streaming linear algebra against exact float64 math."""
 
-import logging
 import warnings
 
 import numpy as np
 import pytest
 import torch
+from trak_fixtures import checkpoints, make_data, rel_err, run_traker
 
 import trak_core
 from trak_core import reduce, scoring
 from trak_core.errors import IllConditionedWarning
 from trak_core.store import StoreMetadata, TrakStore
-from trak_fixtures import checkpoints, make_data, rel_err, run_traker
 
 
 def meta(**kw):
@@ -26,7 +25,7 @@ def filled_store(location, rng, q=None, **kw):
     x = rng.standard_normal((50, 6)).astype(np.float32)
     q = rng.uniform(0, 1, 50).astype(np.float32) if q is None else q
     for a in range(0, 50, 10):  # shard by shard, like the pipeline
-        st.write_train_rows(0, slice(a, a + 10), x[a:a + 10], q[a:a + 10])
+        st.write_train_rows(0, slice(a, a + 10), x[a : a + 10], q[a : a + 10])
     return st, x, q
 
 
@@ -164,5 +163,6 @@ def test_relative_damping_in_finalize_equals_absolute(tmp_path):
     xd = x.astype(np.float64)
     lam = 0.2 * np.trace(xd.T @ xd) / 6
     assert info["lambda_reg"] == pytest.approx(lam) and info["lambda_setting"] == "rel:0.2"
-    np.testing.assert_allclose(st.model(0).features[:], xd @ np.linalg.inv(xd.T @ xd + lam * np.eye(6)),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        st.model(0).features[:], xd @ np.linalg.inv(xd.T @ xd + lam * np.eye(6)), rtol=1e-5, atol=1e-6
+    )

@@ -29,8 +29,16 @@ from trak_core.errors import BadInputError, InputAssertionError, ModelIDExceptio
 from trak_core.projectors import DenseProjector
 
 trak = pytest.importorskip("trak")
-MODULES = ["trak", "trak.projectors", "trak.utils", "trak.gradient_computers", "trak.modelout_functions",
-           "trak.score_computers", "trak.savers", "trak.traker"]
+MODULES = [
+    "trak",
+    "trak.projectors",
+    "trak.utils",
+    "trak.gradient_computers",
+    "trak.modelout_functions",
+    "trak.score_computers",
+    "trak.savers",
+    "trak.traker",
+]
 
 
 def _real(name: str) -> types.ModuleType:
@@ -86,7 +94,7 @@ def test_signatures_match_traker(modname, ours):
             continue
         tp, op = _params(t), _params(o)
         # ours may add keyword-only extras after traker's parameters (e.g. TRAKer's rescale_inverse)
-        op_head = [p for p in op if p[1] != inspect.Parameter.KEYWORD_ONLY][:len(tp)]
+        op_head = [p for p in op if p[1] != inspect.Parameter.KEYWORD_ONLY][: len(tp)]
         if [n for n, _ in tp] != [n for n, _ in op_head]:
             bad.append(f"{name}: traker {tp} vs ours {op}")
     assert not bad, "\n".join(bad)
@@ -94,11 +102,20 @@ def test_signatures_match_traker(modname, ours):
 
 def test_utils_defaults_match_traker():
     theirs = _real("trak.utils")
-    for name in ["parameters_to_vector", "get_num_params", "is_not_buffer", "vectorize", "get_matrix_mult",
-                 "get_parameter_chunk_sizes", "get_matrix_mult_blockwise", "test_install"]:
+    for name in [
+        "parameters_to_vector",
+        "get_num_params",
+        "is_not_buffer",
+        "vectorize",
+        "get_matrix_mult",
+        "get_parameter_chunk_sizes",
+        "get_matrix_mult_blockwise",
+        "test_install",
+    ]:
         ts, os_ = inspect.signature(getattr(theirs, name)), inspect.signature(getattr(tc_utils, name))
-        assert [(p.name, p.default) for p in ts.parameters.values()] == \
-               [(p.name, p.default) for p in os_.parameters.values()], name
+        assert [(p.name, p.default) for p in ts.parameters.values()] == [
+            (p.name, p.default) for p in os_.parameters.values()
+        ], name
 
 
 def test_utils_agree_with_traker_numerically():
@@ -106,8 +123,9 @@ def test_utils_agree_with_traker_numerically():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3))
     assert tc_utils.get_num_params(model) == theirs.get_num_params(model) == 7 * 5 + 5 + 10 + 18
-    torch.testing.assert_close(tc_utils.parameters_to_vector(model.parameters()),
-                               theirs.parameters_to_vector(model.parameters()))
+    torch.testing.assert_close(
+        tc_utils.parameters_to_vector(model.parameters()), theirs.parameters_to_vector(model.parameters())
+    )
     for bs in (1, 3, 2**20, 2**31):
         assert tc_utils.get_parameter_chunk_sizes(model, bs) == theirs.get_parameter_chunk_sizes(model, bs)
     names = dict(enumerate(n for n, _ in model.state_dict().items()))
@@ -141,6 +159,7 @@ def test_cuda_projector_on_cpu_equals_the_dense_projector():
     # importable where traker has it
     from trak_core.projectors import ChunkedCudaProjector as C2
     from trak_core.projectors import CudaProjector as P2
+
     assert P2 is CudaProjector and C2 is ChunkedCudaProjector
 
 
@@ -148,8 +167,10 @@ def test_chunked_cuda_projector_sums_the_chunk_projections():
     torch.manual_seed(1)
     g = {"a": torch.randn(5, 40), "b": torch.randn(5, 30), "c": torch.randn(5, 50)}
     sizes = [70, 50]  # max_chunk_size 80: a+b fit, c starts a new chunk
-    projs = [CudaProjector(s, 16, seed=i, proj_type="rademacher", device="cpu", max_batch_size=8)
-             for i, s in enumerate(sizes)]
+    projs = [
+        CudaProjector(s, 16, seed=i, proj_type="rademacher", device="cpu", max_batch_size=8)
+        for i, s in enumerate(sizes)
+    ]
     ch = ChunkedCudaProjector(projs, 80, sizes, 5, "cpu", torch.float32)
     want = projs[0].project(torch.cat([g["a"], g["b"]], 1), 0) + projs[1].project(g["c"], 0)
     torch.testing.assert_close(ch.project(g, model_id=0), want)
@@ -161,8 +182,16 @@ def _tiny(tmp_path, **kw):
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-    t = trak_core.TRAKer(model=model, task="image_classification", train_set_size=8, save_dir=str(tmp_path / "s"),
-                         device="cpu", proj_dim=4, logging_level=100, **kw)
+    t = trak_core.TRAKer(
+        model=model,
+        task="image_classification",
+        train_set_size=8,
+        save_dir=str(tmp_path / "s"),
+        device="cpu",
+        proj_dim=4,
+        logging_level=100,
+        **kw,
+    )
     return t, model, (x, y)
 
 
@@ -172,6 +201,7 @@ def test_featurize_before_load_checkpoint_is_traker_assertion(tmp_path):
         t.featurize(batch, num_samples=8)
     assert isinstance(e.value, StateError) and isinstance(e.value, StateAssertionError)
     from tasks.common import should_retry  # the pipeline still refuses to retry it
+
     assert not should_retry(e.value)
 
 
@@ -206,6 +236,7 @@ def test_savers_and_score_computers(tmp_path):
     # ... traker's own classes too, when a script passes them ...
     real_savers, real_scores = _real("trak.savers"), _real("trak.score_computers")
     _tiny(tmp_path / "c", saver=real_savers.MmapSaver, score_computer=real_scores.BasicScoreComputer)
+
     # ... anything else is refused, saying what to use
     class MySaver(real_savers.AbstractSaver):
         pass
@@ -266,4 +297,5 @@ def test_trak_alias_resolves_to_trak_core(tmp_path):
     finally:
         uninstall_trak_alias()
     import trak as real
+
     assert real.__version__ == "0.3.2" and real.TRAKer is not trak_core.TRAKer

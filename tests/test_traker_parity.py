@@ -8,9 +8,9 @@ import torch
 
 trak = pytest.importorskip("trak", reason="traker 0.3.2 is the oracle (make test installs it)")
 from trak.projectors import NoOpProjector as TrakNoOp  # noqa: E402
+from trak_fixtures import checkpoints, make_data, rel_err, run_traker  # noqa: E402
 
 import trak_core  # noqa: E402
-from trak_fixtures import checkpoints, make_data, rel_err, run_traker  # noqa: E402
 
 FIRST_LAYER = ["0.weight", "0.bias"]  # margin gradients of the last layer are exactly rank-deficient
 
@@ -46,8 +46,14 @@ def test_identity_float16_documented_tolerance(tmp_path):
     assert rel_err(ours, theirs) < 2e-2
     # and our float16 run stays close to our float32 run
     data = make_data()
-    ours32, _ = run_traker(trak_core.TRAKer, tmp_path / "o32", checkpoints(3), data,
-                           projector=trak_core.NoOpProjector(), grad_wrt=FIRST_LAYER)
+    ours32, _ = run_traker(
+        trak_core.TRAKer,
+        tmp_path / "o32",
+        checkpoints(3),
+        data,
+        projector=trak_core.NoOpProjector(),
+        grad_wrt=FIRST_LAYER,
+    )
     assert rel_err(ours, ours32) < 2e-2
 
 
@@ -58,8 +64,9 @@ def test_scores_match_brute_force_float64(tmp_path):
     x, y, xt, yt = data
     ckpts = checkpoints(2)
     lam = 1e-2
-    ours, _ = run_traker(trak_core.TRAKer, tmp_path / "o", ckpts, data, projector=trak_core.NoOpProjector(),
-                         lambda_reg=lam)
+    ours, _ = run_traker(
+        trak_core.TRAKer, tmp_path / "o", ckpts, data, projector=trak_core.NoOpProjector(), lambda_reg=lam
+    )
     from trak_fixtures import make_model
 
     acc, qacc = 0, 0
@@ -92,10 +99,18 @@ def test_no_rescale_option(tmp_path):
     """rescale_inverse=False gives the plain (XᵀX+λI)⁻¹: the single-checkpoint scores scale by mean|inv|."""
     data = make_data()
     ck = checkpoints(1)
-    a, tr = run_traker(trak_core.TRAKer, tmp_path / "a", ck, data, projector=trak_core.NoOpProjector(),
-                       grad_wrt=FIRST_LAYER)
-    b, _ = run_traker(trak_core.TRAKer, tmp_path / "b", ck, data, projector=trak_core.NoOpProjector(),
-                      grad_wrt=FIRST_LAYER, rescale_inverse=False)
+    a, tr = run_traker(
+        trak_core.TRAKer, tmp_path / "a", ck, data, projector=trak_core.NoOpProjector(), grad_wrt=FIRST_LAYER
+    )
+    b, _ = run_traker(
+        trak_core.TRAKer,
+        tmp_path / "b",
+        ck,
+        data,
+        projector=trak_core.NoOpProjector(),
+        grad_wrt=FIRST_LAYER,
+        rescale_inverse=False,
+    )
     r = float((a * b).sum() / (a * a).sum())  # the best single scale from a to b
     assert not np.isclose(r, 1.0, rtol=1e-2)
     assert rel_err(r * a, b) < 1e-4  # b is a scaled copy of a: only the global scale of Φ changed

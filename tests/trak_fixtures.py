@@ -28,14 +28,25 @@ def checkpoints(k: int):
     return [make_model(100 + i).state_dict() for i in range(k)]
 
 
-def run_traker(cls, save_dir, ckpts, data, *, batch=32, projector=None, half=False, lambda_reg=0.0,
-               grad_wrt=None, **kw):
+def run_traker(
+    cls, save_dir, ckpts, data, *, batch=32, projector=None, half=False, lambda_reg=0.0, grad_wrt=None, **kw
+):
     """The standard TRAK recipe, identical for traker 0.3.2 and our facade."""
     x, y, xt, yt = data
     n, m = x.shape[0], xt.shape[0]
-    tr = cls(model=make_model(), task="image_classification", train_set_size=n, save_dir=str(save_dir),
-             device="cpu", projector=projector, use_half_precision=half, lambda_reg=lambda_reg,
-             grad_wrt=grad_wrt, logging_level=logging.ERROR, **kw)
+    tr = cls(
+        model=make_model(),
+        task="image_classification",
+        train_set_size=n,
+        save_dir=str(save_dir),
+        device="cpu",
+        projector=projector,
+        use_half_precision=half,
+        lambda_reg=lambda_reg,
+        grad_wrt=grad_wrt,
+        logging_level=logging.ERROR,
+        **kw,
+    )
     for i, ck in enumerate(ckpts):
         tr.load_checkpoint(ck, model_id=i)
         for a in range(0, n, batch):

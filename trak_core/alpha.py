@@ -140,21 +140,15 @@ def _fit(
     if min(var_loss0, var_loss1, var_dd0, var_dd1) < 0:
         raise BadInputError("variances must be >= 0")
     var_f = _patch_variances([float(var_loss0), float(var_loss1)], "the loss", eps)
-    var_df = _patch_variances(
-        [float(var_dd0), float(var_dd1)], "the directional derivative", eps
-    )
+    var_df = _patch_variances([float(var_dd0), float(var_dd1)], "the directional derivative", eps)
     t = float(t)
     # Rows: how q(x) = c + b x + a x^2 is observed: q(0), q(t), q'(0), q'(t).
-    design = np.array(
-        [[1.0, 0.0, 0.0], [1.0, t, t * t], [0.0, 1.0, 0.0], [0.0, 1.0, 2.0 * t]]
-    )
+    design = np.array([[1.0, 0.0, 0.0], [1.0, t, t * t], [0.0, 1.0, 0.0], [0.0, 1.0, 2.0 * t]])
     obs = np.array([loss0, loss1, dderiv0, dderiv1], dtype=np.float64)
     sqrt_w = 1.0 / np.sqrt(np.array(var_f + var_df, dtype=np.float64))
     # Whitened least squares == the maximum-likelihood estimate under the diagonal
     # Gaussian noise model, solved via SVD (no explicit normal-equation inverse).
-    coeffs, _, rank, _ = np.linalg.lstsq(
-        design * sqrt_w[:, None], obs * sqrt_w, rcond=None
-    )
+    coeffs, _, rank, _ = np.linalg.lstsq(design * sqrt_w[:, None], obs * sqrt_w, rcond=None)
     if rank < 3:
         return None, "singular fit"
     if not np.all(np.isfinite(coeffs)):
@@ -188,9 +182,7 @@ def fit_quadratic(
         ``np.array([c, b, a])`` (float64), or ``None`` if the system is singular
         (rank < 3, e.g. ``t == 0``) or an input is non-finite.
     """
-    coeffs, _ = _fit(
-        t, loss0, loss1, dderiv0, dderiv1, var_loss0, var_loss1, var_dd0, var_dd1, eps
-    )
+    coeffs, _ = _fit(t, loss0, loss1, dderiv0, dderiv1, var_loss0, var_loss1, var_dd0, var_dd1, eps)
     return coeffs
 
 
@@ -245,9 +237,7 @@ def fit_alpha(
         >>> fit_alpha(0.5, 1.0, 0.25, -2.0, -1.0, 1e-8, 1e-8, 1e-8, 1e-8)
         -0.5
     """
-    alpha, _, reason = _fit_alpha_full(
-        t, loss0, loss1, dderiv0, dderiv1, var_loss0, var_loss1, var_dd0, var_dd1, eps
-    )
+    alpha, _, reason = _fit_alpha_full(t, loss0, loss1, dderiv0, dderiv1, var_loss0, var_loss1, var_dd0, var_dd1, eps)
     if alpha is None:
         warnings.warn(f"alpha undefined: {reason}", AlphaWarning, stacklevel=2)
     return alpha
@@ -258,9 +248,7 @@ def _fit_alpha_full(
 ) -> tuple[float | None, np.ndarray | None, str | None]:
     if float(t) == 0.0:
         return None, None, "zero step"
-    coeffs, reason = _fit(
-        t, loss0, loss1, dderiv0, dderiv1, var_loss0, var_loss1, var_dd0, var_dd1, eps
-    )
+    coeffs, reason = _fit(t, loss0, loss1, dderiv0, dderiv1, var_loss0, var_loss1, var_dd0, var_dd1, eps)
     if coeffs is None:
         return None, None, reason
     alpha, reason = _alpha_with_reason(coeffs, float(t))
@@ -449,8 +437,7 @@ class Alpha:
         global_step = int(global_step)
         if self._last_step is not None and global_step <= self._last_step:
             raise BadInputError(
-                f"global_step must increase between track calls: got {global_step} "
-                f"after {self._last_step}"
+                f"global_step must increase between track calls: got {global_step} after {self._last_step}"
             )
         self._last_step = global_step
 
@@ -480,9 +467,7 @@ class Alpha:
                 targets=_tree_clone(targets),
             )
 
-    def finish(
-        self, model: torch.nn.Module, inputs: Any = None, targets: Any = None
-    ) -> float | None:
+    def finish(self, model: torch.nn.Module, inputs: Any = None, targets: Any = None) -> float | None:
         """Complete the pending pair now (e.g. after the last optimizer step).
 
         Call it after ``optimizer.step()``.  The end point is evaluated at the current
@@ -518,9 +503,19 @@ class Alpha:
                 stacklevel=4,
             )
         keys = (
-            "end_step", "t", "loss_start", "loss_end", "var_loss_start", "var_loss_end",
-            "dderiv_start", "dderiv_end", "var_dderiv_start", "var_dderiv_end",
-            "batch_size_start", "batch_size_end", "coefficients",
+            "end_step",
+            "t",
+            "loss_start",
+            "loss_end",
+            "var_loss_start",
+            "var_loss_end",
+            "dderiv_start",
+            "dderiv_end",
+            "var_dderiv_start",
+            "var_dderiv_end",
+            "batch_size_start",
+            "batch_size_end",
+            "coefficients",
         )
         details = {k: info.get(k) for k in keys}
         details.update(alpha=alpha, reason=reason)
@@ -534,12 +529,8 @@ class Alpha:
         info: dict[str, Any] = {"end_step": end_step}
 
         current = dict(model.named_parameters())
-        if current.keys() != snap.params.keys() or any(
-            current[n].shape != snap.params[n].shape for n in current
-        ):
-            raise BadInputError(
-                f"model parameters changed names/shapes between steps {start} and {end_step}"
-            )
+        if current.keys() != snap.params.keys() or any(current[n].shape != snap.params[n].shape for n in current):
+            raise BadInputError(f"model parameters changed names/shapes between steps {start} and {end_step}")
         trainable = [n for n, p in current.items() if p.requires_grad]
         if not trainable:
             raise BadInputError("model has no parameter with requires_grad=True")
@@ -630,9 +621,7 @@ class Alpha:
                 )
             return losses
 
-        cuda = sorted(
-            {p.device.index or 0 for p in params.values() if p.device.type == "cuda"}
-        )
+        cuda = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
         with torch.random.fork_rng(devices=cuda), torch.no_grad(), warnings.catch_warnings():
             # torch's first forward-AD use scripts its jvp decompositions and warns that
             # torch.jit.script is deprecated; that is torch-internal, not the caller's.

@@ -119,12 +119,20 @@ def plot_alpha_gauge(
     edges = np.linspace(-xlim, xlim, bins + 1)
     if len(values):
         hist_ax.hist(
-            np.clip(values, -xlim, xlim), bins=edges, density=True, alpha=0.35,
-            color="tab:blue", label=f"all ({len(values)})",
+            np.clip(values, -xlim, xlim),
+            bins=edges,
+            density=True,
+            alpha=0.35,
+            color="tab:blue",
+            label=f"all ({len(values)})",
         )
         hist_ax.hist(
-            np.clip(recent, -xlim, xlim), bins=edges, density=True, alpha=0.55,
-            color="tab:orange", label=f"last {last_fraction:.0%} ({len(recent)})",
+            np.clip(recent, -xlim, xlim),
+            bins=edges,
+            density=True,
+            alpha=0.55,
+            color="tab:orange",
+            label=f"last {last_fraction:.0%} ({len(recent)})",
         )
         hist_ax.legend(loc="upper center", fontsize="small")
         title = f"{title}: mean α = {values.mean():.2f}"

@@ -28,8 +28,15 @@ from .projectors import DenseProjector, ProjectionType
 from .utils import get_matrix_mult
 
 __all__ = [
-    "CudaProjector", "ChunkedCudaProjector", "AbstractSaver", "MmapSaver", "ModelIDException",
-    "AbstractScoreComputer", "BasicSingleBlockScoreComputer", "BasicScoreComputer", "install_trak_alias",
+    "CudaProjector",
+    "ChunkedCudaProjector",
+    "AbstractSaver",
+    "MmapSaver",
+    "ModelIDException",
+    "AbstractScoreComputer",
+    "BasicSingleBlockScoreComputer",
+    "BasicScoreComputer",
+    "install_trak_alias",
     "trak_modules",
 ]
 
@@ -51,8 +58,17 @@ class CudaProjector(DenseProjector):
     attributes for scripts that set them).
     """
 
-    def __init__(self, grad_dim: int, proj_dim: int, seed: int, proj_type: ProjectionType, device,
-                 max_batch_size: int, *args, **kwargs) -> None:
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int,
+        proj_type: ProjectionType,
+        device,
+        max_batch_size: int,
+        *args,
+        **kwargs,
+    ) -> None:
         dtype = kwargs.pop("dtype", torch.float32)
         if dtype not in (torch.float32, torch.float64):
             dtype = torch.float32  # half-precision inputs are projected in float32, returned in their dtype
@@ -83,11 +99,19 @@ class ChunkedCudaProjector:
     chunk widths, as from :func:`trak_core.utils.get_parameter_chunk_sizes`), chunk ``i`` is projected with
     ``projector_per_chunk[i]`` and the projections are summed. Any device."""
 
-    def __init__(self, projector_per_chunk: list, max_chunk_size: int, params_per_chunk: list, feat_bs: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        projector_per_chunk: list,
+        max_chunk_size: int,
+        params_per_chunk: list,
+        feat_bs: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         if len(projector_per_chunk) != len(params_per_chunk):
-            raise BadInputError(f"ChunkedCudaProjector: {len(projector_per_chunk)} projectors for "
-                                f"{len(params_per_chunk)} chunks")
+            raise BadInputError(
+                f"ChunkedCudaProjector: {len(projector_per_chunk)} projectors for {len(params_per_chunk)} chunks"
+            )
         self.projector_per_chunk = projector_per_chunk
         self.proj_dim = projector_per_chunk[0].proj_dim
         self.proj_type = projector_per_chunk[0].proj_type
@@ -120,8 +144,10 @@ class ChunkedCudaProjector:
         out = None
         for i, (parts, width) in enumerate(self._chunks(grads)):
             if i >= len(self.params_per_chunk) or width != self.params_per_chunk[i]:
-                raise BadInputError(f"ChunkedCudaProjector: chunk {i} has {width} parameters, params_per_chunk "
-                                    f"says {self.params_per_chunk[i] if i < len(self.params_per_chunk) else None}")
+                raise BadInputError(
+                    f"ChunkedCudaProjector: chunk {i} has {width} parameters, params_per_chunk "
+                    f"says {self.params_per_chunk[i] if i < len(self.params_per_chunk) else None}"
+                )
             x = torch.cat(parts, dim=1).to(self.device)
             p = self.projector_per_chunk[i].project(x, model_id=model_id).to(self.device, self.dtype)
             out = p if out is None else out + p
@@ -129,9 +155,11 @@ class ChunkedCudaProjector:
 
 
 # ---------------------------------------------------------------------------------------------- savers
-_SAVER_HELP = ("trak_core keeps everything in one Zarr store (trak_core.TrakStore): give TRAKer a save_dir "
-               "(a path or an fsspec URL such as s3://bucket/run.zarr, with storage_options=...) instead of a "
-               "saver class")
+_SAVER_HELP = (
+    "trak_core keeps everything in one Zarr store (trak_core.TrakStore): give TRAKer a save_dir "
+    "(a path or an fsspec URL such as s3://bucket/run.zarr, with storage_options=...) instead of a "
+    "saver class"
+)
 
 
 class AbstractSaver(ABC):
@@ -139,8 +167,9 @@ class AbstractSaver(ABC):
     ``TRAKer`` refuses subclasses with an error saying to use ``save_dir`` / ``storage_options``."""
 
     @abstractmethod
-    def __init__(self, save_dir, metadata, load_from_save_dir: bool, logging_level: int,
-                 use_half_precision: bool) -> None:
+    def __init__(
+        self, save_dir, metadata, load_from_save_dir: bool, logging_level: int, use_half_precision: bool
+    ) -> None:
         raise BadInputError(_SAVER_HELP)
 
 
@@ -148,8 +177,9 @@ class MmapSaver(AbstractSaver):
     """traker's default saver. Passing ``saver=MmapSaver`` to ``TRAKer`` is accepted (it is the default,
     and our Zarr store takes its place); building one directly raises, saying what to use instead."""
 
-    def __init__(self, save_dir, metadata, train_set_size, proj_dim, load_from_save_dir, logging_level,
-                 use_half_precision) -> None:
+    def __init__(
+        self, save_dir, metadata, train_set_size, proj_dim, load_from_save_dir, logging_level, use_half_precision
+    ) -> None:
         raise BadInputError(f"MmapSaver is not available in trak_core: {_SAVER_HELP}")
 
 
@@ -197,8 +227,14 @@ class BasicScoreComputer(AbstractScoreComputer):
     """Block-wise XᵀX; (XᵀX + λI)⁻¹ in float32 divided by its mean |entry| (traker's rescale); block-wise
     scores. This is what ``TRAKer`` computes by default (ours in float64 over the store)."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, CUDA_MAX_DIM_SIZE: int = 20_000,
-                 logging_level=logging.INFO, lambda_reg: float = 0.0) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        device: torch.device,
+        CUDA_MAX_DIM_SIZE: int = 20_000,
+        logging_level=logging.INFO,
+        lambda_reg: float = 0.0,
+    ) -> None:
         super().__init__(dtype, device)
         self.CUDA_MAX_DIM_SIZE = int(CUDA_MAX_DIM_SIZE)
         self.logger = logging.getLogger("ScoreComputer")
@@ -219,14 +255,16 @@ class BasicScoreComputer(AbstractScoreComputer):
         inv = (inv / inv.abs().mean()).to(self.dtype)
         out = torch.empty(grads.shape[0], inv.shape[1], dtype=self.dtype, device=self.device)
         for start in range(0, grads.shape[0], self.CUDA_MAX_DIM_SIZE):
-            out[start:start + self.CUDA_MAX_DIM_SIZE] = grads[start:start + self.CUDA_MAX_DIM_SIZE].to(
-                self.device, self.dtype) @ inv
+            out[start : start + self.CUDA_MAX_DIM_SIZE] = (
+                grads[start : start + self.CUDA_MAX_DIM_SIZE].to(self.device, self.dtype) @ inv
+            )
         return out
 
     def get_scores(self, features: Tensor, target_grads: Tensor, accumulator: Tensor) -> Tensor:
         big = features.shape[0] > self.CUDA_MAX_DIM_SIZE or target_grads.shape[0] > self.CUDA_MAX_DIM_SIZE
-        scores = get_matrix_mult(features, target_grads, target_dtype=self.dtype, batch_size=self.CUDA_MAX_DIM_SIZE,
-                                 use_blockwise=big)
+        scores = get_matrix_mult(
+            features, target_grads, target_dtype=self.dtype, batch_size=self.CUDA_MAX_DIM_SIZE, use_blockwise=big
+        )
         accumulator += scores.detach().to(accumulator.device, accumulator.dtype)
         return accumulator
 
@@ -240,20 +278,22 @@ def check_saver(saver) -> None:
 
 def score_computer_settings(score_computer, lambda_reg) -> dict:
     """``TRAKer(score_computer=...)`` → the TRAKer settings it means (``rescale_inverse``), or an error."""
-    if score_computer is None or score_computer is BasicScoreComputer or _named(score_computer,
-                                                                                "BasicScoreComputer"):
+    if score_computer is None or score_computer is BasicScoreComputer or _named(score_computer, "BasicScoreComputer"):
         return {}
     if score_computer is BasicSingleBlockScoreComputer or _named(score_computer, "BasicSingleBlockScoreComputer"):
         if not (isinstance(lambda_reg, (int, float)) and float(lambda_reg) == 0.0):
-            raise BadInputError("score_computer=BasicSingleBlockScoreComputer uses the plain inverse without "
-                                f"damping, but lambda_reg={lambda_reg!r}: drop one of the two (the default "
-                                "BasicScoreComputer honours lambda_reg)")
+            raise BadInputError(
+                "score_computer=BasicSingleBlockScoreComputer uses the plain inverse without "
+                f"damping, but lambda_reg={lambda_reg!r}: drop one of the two (the default "
+                "BasicScoreComputer honours lambda_reg)"
+            )
         return {"rescale_inverse": False}
     raise BadInputError(
         f"TRAKer(score_computer={getattr(score_computer, '__name__', score_computer)!r}) is not supported: "
         "trak_core computes XᵀX, (XᵀX + λI)⁻¹ and the scores itself, block-wise over its store in float64. "
         "Use score_computer=None (BasicScoreComputer's math) or BasicSingleBlockScoreComputer (plain inverse), "
-        "and lambda_reg= / rescale_inverse= to change the math")
+        "and lambda_reg= / rescale_inverse= to change the math"
+    )
 
 
 def _named(cls, name: str) -> bool:
@@ -273,42 +313,90 @@ def trak_modules() -> dict[str, types.ModuleType]:
         m.__dict__.update(attrs)
         return m
 
-    grad_mod = module("trak.gradient_computers", "trak_core's gradient computers under traker's module name",
-                      AbstractGradientComputer=gradients.AbstractGradientComputer,
-                      FunctionalGradientComputer=gradients.FunctionalGradientComputer,
-                      IterativeGradientComputer=gradients.IterativeGradientComputer,
-                      AbstractModelOutput=modelout.AbstractModelOutput,
-                      get_num_params=utils.get_num_params, parameters_to_vector=utils.parameters_to_vector)
-    out_mod = module("trak.modelout_functions", "trak_core's model output functions under traker's module name",
-                     **{n: getattr(modelout, n) for n in (
-                         "AbstractModelOutput", "ImageClassificationModelOutput", "CLIPModelOutput",
-                         "TextClassificationModelOutput", "IterativeImageClassificationModelOutput",
-                         "TASK_TO_MODELOUT")})
-    score_mod = module("trak.score_computers", "traker's score computers (trak_core.compat)",
-                       AbstractScoreComputer=AbstractScoreComputer,
-                       BasicSingleBlockScoreComputer=BasicSingleBlockScoreComputer,
-                       BasicScoreComputer=BasicScoreComputer, get_matrix_mult=utils.get_matrix_mult)
-    saver_mod = module("trak.savers", "traker's saver names (trak_core.compat)", AbstractSaver=AbstractSaver,
-                       MmapSaver=MmapSaver, ModelIDException=ModelIDException)
-    proj_mod = module("trak.projectors", "trak_core's projectors under traker's module name",
-                      **{n: v for n, v in vars(projectors).items() if not n.startswith("_")})
+    grad_mod = module(
+        "trak.gradient_computers",
+        "trak_core's gradient computers under traker's module name",
+        AbstractGradientComputer=gradients.AbstractGradientComputer,
+        FunctionalGradientComputer=gradients.FunctionalGradientComputer,
+        IterativeGradientComputer=gradients.IterativeGradientComputer,
+        AbstractModelOutput=modelout.AbstractModelOutput,
+        get_num_params=utils.get_num_params,
+        parameters_to_vector=utils.parameters_to_vector,
+    )
+    out_mod = module(
+        "trak.modelout_functions",
+        "trak_core's model output functions under traker's module name",
+        **{
+            n: getattr(modelout, n)
+            for n in (
+                "AbstractModelOutput",
+                "ImageClassificationModelOutput",
+                "CLIPModelOutput",
+                "TextClassificationModelOutput",
+                "IterativeImageClassificationModelOutput",
+                "TASK_TO_MODELOUT",
+            )
+        },
+    )
+    score_mod = module(
+        "trak.score_computers",
+        "traker's score computers (trak_core.compat)",
+        AbstractScoreComputer=AbstractScoreComputer,
+        BasicSingleBlockScoreComputer=BasicSingleBlockScoreComputer,
+        BasicScoreComputer=BasicScoreComputer,
+        get_matrix_mult=utils.get_matrix_mult,
+    )
+    saver_mod = module(
+        "trak.savers",
+        "traker's saver names (trak_core.compat)",
+        AbstractSaver=AbstractSaver,
+        MmapSaver=MmapSaver,
+        ModelIDException=ModelIDException,
+    )
+    proj_mod = module(
+        "trak.projectors",
+        "trak_core's projectors under traker's module name",
+        **{n: v for n, v in vars(projectors).items() if not n.startswith("_")},
+    )
     proj_mod.CudaProjector, proj_mod.ChunkedCudaProjector = CudaProjector, ChunkedCudaProjector
     proj_mod.vectorize = utils.vectorize  # traker's projectors module re-exports trak.utils.vectorize
-    traker_mod = module("trak.traker", "trak_core's TRAKer under traker's module name (with the names traker's "
-                        "module imports)", **{n: v for n, v in vars(traker).items() if not n.startswith("_")})
+    traker_mod = module(
+        "trak.traker",
+        "trak_core's TRAKer under traker's module name (with the names traker's module imports)",
+        **{n: v for n, v in vars(traker).items() if not n.startswith("_")},
+    )
     traker_mod.__dict__.update(
-        TASK_TO_MODELOUT=modelout.TASK_TO_MODELOUT, BasicProjector=projectors.BasicProjector,
-        CudaProjector=CudaProjector, ChunkedCudaProjector=ChunkedCudaProjector, AbstractSaver=AbstractSaver,
-        MmapSaver=MmapSaver, ModelIDException=ModelIDException, AbstractScoreComputer=AbstractScoreComputer,
-        BasicScoreComputer=BasicScoreComputer, get_num_params=utils.get_num_params,
-        get_parameter_chunk_sizes=utils.get_parameter_chunk_sizes)
-    top = module("trak", "trak_core under traker's package name (trak_core.compat.install_trak_alias)",
-                 TRAKer=traker.TRAKer, test_install=utils.test_install, __version__=__version__,
-                 VERSION=__version__)
+        TASK_TO_MODELOUT=modelout.TASK_TO_MODELOUT,
+        BasicProjector=projectors.BasicProjector,
+        CudaProjector=CudaProjector,
+        ChunkedCudaProjector=ChunkedCudaProjector,
+        AbstractSaver=AbstractSaver,
+        MmapSaver=MmapSaver,
+        ModelIDException=ModelIDException,
+        AbstractScoreComputer=AbstractScoreComputer,
+        BasicScoreComputer=BasicScoreComputer,
+        get_num_params=utils.get_num_params,
+        get_parameter_chunk_sizes=utils.get_parameter_chunk_sizes,
+    )
+    top = module(
+        "trak",
+        "trak_core under traker's package name (trak_core.compat.install_trak_alias)",
+        TRAKer=traker.TRAKer,
+        test_install=utils.test_install,
+        __version__=__version__,
+        VERSION=__version__,
+    )
     top.__path__ = []  # a package, so ``import trak.x`` looks the submodules up in sys.modules
-    mods = {"trak": top, "trak.projectors": proj_mod, "trak.utils": utils, "trak.gradient_computers": grad_mod,
-            "trak.modelout_functions": out_mod, "trak.score_computers": score_mod, "trak.savers": saver_mod,
-            "trak.traker": traker_mod}
+    mods = {
+        "trak": top,
+        "trak.projectors": proj_mod,
+        "trak.utils": utils,
+        "trak.gradient_computers": grad_mod,
+        "trak.modelout_functions": out_mod,
+        "trak.score_computers": score_mod,
+        "trak.savers": saver_mod,
+        "trak.traker": traker_mod,
+    }
     for name, m in mods.items():
         if name != "trak":
             setattr(top, name.split(".", 1)[1], m)

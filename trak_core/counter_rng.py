@@ -80,8 +80,9 @@ def _device(device) -> torch.device:
     return torch.device("cpu") if device is None else torch.device(device)
 
 
-def rademacher_from_key(key: int, row0: int, row1: int, cols: int, dtype: torch.dtype = torch.float32, *,
-                        device=None) -> torch.Tensor:
+def rademacher_from_key(
+    key: int, row0: int, row1: int, cols: int, dtype: torch.dtype = torch.float32, *, device=None
+) -> torch.Tensor:
     """Rows [row0, row1) of the rows × ``cols`` Rademacher (±1) matrix of the stream ``key``, on ``device``.
 
     Row i uses ceil(cols / 32) words; bit b of word w (counter i·words + w) gives column 32 w + b (bit set ⇒
@@ -97,8 +98,9 @@ def rademacher_from_key(key: int, row0: int, row1: int, cols: int, dtype: torch.
     return (1 - 2 * bits).to(dtype)
 
 
-def normal_from_keys(key1: int, key2: int, row0: int, row1: int, cols: int, dtype: torch.dtype = torch.float32, *,
-                     device=None) -> torch.Tensor:
+def normal_from_keys(
+    key1: int, key2: int, row0: int, row1: int, cols: int, dtype: torch.dtype = torch.float32, *, device=None
+) -> torch.Tensor:
     """Rows [row0, row1) of the rows × ``cols`` standard normal matrix of the streams (``key1``, ``key2``).
 
     Entry (i, j) is Box–Muller (float32) of the two uniforms hashed from counter i·cols + j under the two
@@ -116,16 +118,18 @@ def normal_from_keys(key1: int, key2: int, row0: int, row1: int, cols: int, dtyp
     return z.to(dtype)
 
 
-def rademacher_block(seed: int, model_id: int, row0: int, row1: int, cols: int,
-                     dtype: torch.dtype = torch.float32, *, device=None) -> torch.Tensor:
+def rademacher_block(
+    seed: int, model_id: int, row0: int, row1: int, cols: int, dtype: torch.dtype = torch.float32, *, device=None
+) -> torch.Tensor:
     """Rows [row0, row1) of the grad_dim × cols Rademacher (±1) matrix of (seed, model_id), on ``device``
     (default CPU; the same values on every device)."""
     key = stream_key(seed, model_id, STREAM_SIGN_WORDS)
     return rademacher_from_key(key, row0, row1, cols, dtype, device=device)
 
 
-def normal_block(seed: int, model_id: int, row0: int, row1: int, cols: int,
-                 dtype: torch.dtype = torch.float32, *, device=None) -> torch.Tensor:
+def normal_block(
+    seed: int, model_id: int, row0: int, row1: int, cols: int, dtype: torch.dtype = torch.float32, *, device=None
+) -> torch.Tensor:
     """Rows [row0, row1) of the grad_dim × cols standard normal matrix of (seed, model_id) (Box–Muller,
     float32), on ``device`` (default CPU; see :func:`normal_from_keys` for the floating-point part)."""
     k1 = stream_key(seed, model_id, STREAM_NORMAL_U1)
@@ -133,8 +137,17 @@ def normal_block(seed: int, model_id: int, row0: int, row1: int, cols: int,
     return normal_from_keys(k1, k2, row0, row1, cols, dtype, device=device)
 
 
-def dense_block(kind: str, seed: int, model_id: int, row0: int, row1: int, cols: int,
-                dtype: torch.dtype = torch.float32, *, device=None) -> torch.Tensor:
+def dense_block(
+    kind: str,
+    seed: int,
+    model_id: int,
+    row0: int,
+    row1: int,
+    cols: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    device=None,
+) -> torch.Tensor:
     """:func:`rademacher_block` (``kind="rademacher"``) or :func:`normal_block` (``kind="normal"``)."""
     kind = getattr(kind, "value", kind)
     if kind == "rademacher":
@@ -156,8 +169,9 @@ def random_signs(seed: int, model_id: int, stream: int, counter: torch.Tensor) -
     return 1 - 2 * (h >> 31)
 
 
-def sjlt_block(seed: int, model_id: int, row0: int, row1: int, proj_dim: int, c: int,
-               device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def sjlt_block(
+    seed: int, model_id: int, row0: int, row1: int, proj_dim: int, c: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The sparse JL matrix's nonzeros for input coordinates [row0, row1).
 
     Coordinate i has ``c`` nonzeros: for r in [0, c), counter = i * c + r, column

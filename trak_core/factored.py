@@ -64,8 +64,8 @@ fires raises an error).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
@@ -97,17 +97,23 @@ def factor_key(seed: int, model_id: int, name: str, side: int, sub: int = 0) -> 
     return counter_rng.mix32_int((k + (4 * side + sub + 1) * counter_rng.GOLDEN) & counter_rng.MASK32)
 
 
-def factor_matrix(seed: int, model_id: int, name: str, side: int, rows: int, cols: int,
-                  proj_type: str | ProjectionType, device=None) -> Tensor:
+def factor_matrix(
+    seed: int, model_id: int, name: str, side: int, rows: int, cols: int, proj_type: str | ProjectionType, device=None
+) -> Tensor:
     """rows × cols float32 factor of block ``name`` (±1 or standard normal entries), on ``device``.
 
     The dense matrices of :mod:`trak_core.counter_rng` under the block's keys (see the module docstring).
     """
     if as_proj_type(proj_type) == ProjectionType.rademacher:
-        return counter_rng.rademacher_from_key(factor_key(seed, model_id, name, side, 0), 0, rows, cols,
-                                               device=device)
-    return counter_rng.normal_from_keys(factor_key(seed, model_id, name, side, 0),
-                                        factor_key(seed, model_id, name, side, 1), 0, rows, cols, device=device)
+        return counter_rng.rademacher_from_key(factor_key(seed, model_id, name, side, 0), 0, rows, cols, device=device)
+    return counter_rng.normal_from_keys(
+        factor_key(seed, model_id, name, side, 0),
+        factor_key(seed, model_id, name, side, 1),
+        0,
+        rows,
+        cols,
+        device=device,
+    )
 
 
 # ---------------------------------------------------------------------------- layout
@@ -164,8 +170,10 @@ def _apportion(sizes: Sequence[int], total: int) -> list[int]:
     """Largest-remainder split of ``total`` ∝ sizes, at least 1 each (ties: lower index first)."""
     n = len(sizes)
     if total < n:
-        raise BadInputError(f"factored projection: proj_dim={total} is smaller than the number of blocks ({n}); "
-                            "each layer needs at least one dimension")
+        raise BadInputError(
+            f"factored projection: proj_dim={total} is smaller than the number of blocks ({n}); "
+            "each layer needs at least one dimension"
+        )
     s = sum(sizes)
     spare = total - n  # 1 each, the rest proportional
     raw = [spare * x / s for x in sizes]
@@ -219,8 +227,9 @@ def _supported(mod: nn.Module) -> str | None:
     return None
 
 
-def model_layout(model: nn.Module, proj_dim: int, grad_wrt: Iterable[str] | None = None,
-                 other: str = "dense") -> Layout:
+def model_layout(
+    model: nn.Module, proj_dim: int, grad_wrt: Iterable[str] | None = None, other: str = "dense"
+) -> Layout:
     """The per-layer layout of ``model``'s gradient (restricted to ``grad_wrt``), proj_dim split."""
     if other not in ("dense", "error"):
         raise BadInputError(f"other must be 'dense' or 'error', got {other!r}")
@@ -239,12 +248,12 @@ def model_layout(model: nn.Module, proj_dim: int, grad_wrt: Iterable[str] | None
         wname, bname = prefix + "weight", prefix + "bias"
         if wname not in keep or params.get(wname) is not mod.weight or uses[id(mod.weight)] > 1:
             continue
-        has_bias = mod.bias is not None and bname in keep and params.get(bname) is mod.bias \
-            and uses[id(mod.bias)] == 1
+        has_bias = mod.bias is not None and bname in keep and params.get(bname) is mod.bias and uses[id(mod.bias)] == 1
         w = mod.weight
         d_out, d_in = w.shape[0], math.prod(w.shape[1:])
-        blk = Block(mname, kind, (wname, bname) if has_bias else (wname,), d_out, d_in, has_bias,
-                    d_out * (d_in + int(has_bias)))
+        blk = Block(
+            mname, kind, (wname, bname) if has_bias else (wname,), d_out, d_in, has_bias, d_out * (d_in + int(has_bias))
+        )
         layer_of[wname] = blk
         if has_bias:
             layer_of[bname] = blk
@@ -266,7 +275,8 @@ def model_layout(model: nn.Module, proj_dim: int, grad_wrt: Iterable[str] | None
             raise BadInputError(
                 "factored projection supports nn.Linear and nn.Conv1d/2d/3d (groups=1) layers; these parameters "
                 f"are outside them: {shown}{' ...' if len(rest) > 10 else ''}. Restrict grad_wrt, or pass "
-                "other='dense' to project them densely")
+                "other='dense' to project them densely"
+            )
         size = sum(params[n].numel() for n in rest)
         blocks.append(Block(OTHER, "other", tuple(rest), 1, size, False, size))
     shapes = tuple((n, tuple(params[n].shape)) for n in names)
@@ -283,10 +293,19 @@ class FactoredProjector(AbstractProjector):
 
     kind = "factored"
 
-    def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
-                 layout: Layout | None = None, dtype: torch.dtype = torch.float32, model_id: int = 0,
-                 *args, **kwargs) -> None:
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int = 0,
+        proj_type: str | ProjectionType = ProjectionType.rademacher,
+        device="cpu",
+        layout: Layout | None = None,
+        dtype: torch.dtype = torch.float32,
+        model_id: int = 0,
+        *args,
+        **kwargs,
+    ) -> None:
         check_dims(grad_dim, proj_dim)
         super().__init__(grad_dim, proj_dim, seed, as_proj_type(proj_type), device)
         if layout is None:
@@ -294,8 +313,9 @@ class FactoredProjector(AbstractProjector):
         if layout.grad_dim != grad_dim:
             raise BadInputError(f"factored layout has {layout.grad_dim} gradient coordinates but grad_dim={grad_dim}")
         if sum(b.k for b in layout.blocks) != proj_dim:
-            raise BadInputError(f"factored layout splits {sum(b.k for b in layout.blocks)} dimensions, "
-                                f"not proj_dim={proj_dim}")
+            raise BadInputError(
+                f"factored layout splits {sum(b.k for b in layout.blocks)} dimensions, not proj_dim={proj_dim}"
+            )
         self.layout = layout
         self.dtype = dtype
         self.model_id = model_id
@@ -303,9 +323,17 @@ class FactoredProjector(AbstractProjector):
         self._factors: tuple[int, dict] | None = None
 
     @classmethod
-    def from_model(cls, model: nn.Module, proj_dim: int, seed: int = 0,
-                   proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
-                   grad_wrt: Iterable[str] | None = None, other: str = "dense", **kwargs) -> FactoredProjector:
+    def from_model(
+        cls,
+        model: nn.Module,
+        proj_dim: int,
+        seed: int = 0,
+        proj_type: str | ProjectionType = ProjectionType.rademacher,
+        device="cpu",
+        grad_wrt: Iterable[str] | None = None,
+        other: str = "dense",
+        **kwargs,
+    ) -> FactoredProjector:
         check_dims(proj_dim, proj_dim)
         layout = model_layout(model, proj_dim, grad_wrt, other)
         return cls(layout.grad_dim, proj_dim, seed, proj_type, device, layout=layout, **kwargs)
@@ -350,7 +378,7 @@ class FactoredProjector(AbstractProjector):
         if isinstance(grads, dict) and set(grads) == set(names):
             return grads
         flat = vectorize(grads)  # unknown names: the dict's order is the vector's order (documented)
-        return {n: flat[:, o:o + math.prod(s)] for n, (o, s) in self._offsets.items()}
+        return {n: flat[:, o : o + math.prod(s)] for n, (o, s) in self._offsets.items()}
 
     def project(self, grads, model_id: int) -> Tensor:
         self._check_input(grads)
@@ -370,16 +398,17 @@ class FactoredProjector(AbstractProjector):
                 t = g @ p_in
             else:
                 g = pieces[b.params[0]].reshape(batch, b.d_out, b.d_in).to(self.device, self.dtype)
-                t = g @ p_in[:b.d_in]
+                t = g @ p_in[: b.d_in]
                 if b.bias:
                     t = t + pieces[b.params[1]].reshape(batch, b.d_out, 1).to(self.device, self.dtype) * p_in[b.d_in]
             u = p_out.T @ t  # (B, k_out, k_in)
-            outs.append(u.reshape(batch, -1)[:, :b.k] * w)
+            outs.append(u.reshape(batch, -1)[:, : b.k] * w)
         return torch.cat(outs, dim=1)
 
     # ------------------------------------------------------------------ the fast path
-    def featurize_batch(self, model: nn.Module, task, weights: dict, buffers: dict, batch: Sequence[Tensor],
-                        model_id: int) -> Tensor | None:
+    def featurize_batch(
+        self, model: nn.Module, task, weights: dict, buffers: dict, batch: Sequence[Tensor], model_id: int
+    ) -> Tensor | None:
         """Projected per-example gradients (B, proj_dim) of ``task.get_output`` without materializing them.
 
         Returns None when the layout is not bound to a model (the caller then projects materialized
@@ -390,8 +419,10 @@ class FactoredProjector(AbstractProjector):
         for n, shape in self.layout.param_shapes:
             if n not in weights or tuple(weights[n].shape) != tuple(shape):
                 got = None if n not in weights else tuple(weights[n].shape)
-                raise BadInputError(f"factored projector: its layout expects parameter {n!r} with shape {shape}, "
-                                    f"the model has {got}; build the projector from this model")
+                raise BadInputError(
+                    f"factored projector: its layout expects parameter {n!r} with shape {shape}, "
+                    f"the model has {got}; build the projector from this model"
+                )
         facs = self.factors(model_id)
         wdt = next((w.dtype for w in weights.values() if w.is_floating_point()), self.dtype)
         if wdt != self.dtype:  # e.g. a float64 model: the factors follow the model's dtype
@@ -411,16 +442,17 @@ class FactoredProjector(AbstractProjector):
                 ctx["z"] = zs
                 return task.get_output(model, {**fixed, **other_w}, buffers, *sample)
 
-            gz, go = _per_example_grads(out_fn, layers, {n: weights[n] for n in other_names}, batch, self.device,
-                                        wdt)
+            gz, go = _per_example_grads(out_fn, layers, {n: weights[n] for n in other_names}, batch, self.device, wdt)
         finally:
             for h in handles:
                 h.remove()
         missing = [b.name for b in layers if b.name not in ctx["fired"]]
         if missing:
-            raise BadInputError(f"factored fast path: the forward of layers {missing[:10]} was not called by the "
-                                "task's model output function (weights used outside the module's forward?); "
-                                "use another projector or restrict grad_wrt")
+            raise BadInputError(
+                f"factored fast path: the forward of layers {missing[:10]} was not called by the "
+                "task's model output function (weights used outside the module's forward?); "
+                "use another projector or restrict grad_wrt"
+            )
         bsz = batch[0].shape[0]
         outs = []
         for b in self.layout.blocks:
@@ -429,12 +461,13 @@ class FactoredProjector(AbstractProjector):
                 g = torch.cat([go[n].reshape(bsz, -1) for n in b.params], dim=1).to(wdt)
                 outs.append((g @ p_in) * w)
             else:
-                outs.append(gz[b.name].reshape(bsz, -1)[:, :b.k] * w)
+                outs.append(gz[b.name].reshape(bsz, -1)[:, : b.k] * w)
         return torch.cat(outs, dim=1)
 
 
-def _per_example_grads(out_fn, layers: list, other_w: dict, batch: Sequence[Tensor], device,
-                       dtype) -> tuple[dict, dict]:
+def _per_example_grads(
+    out_fn, layers: list, other_w: dict, batch: Sequence[Tensor], device, dtype
+) -> tuple[dict, dict]:
     """(∂f_b/∂Z_b per layer, ∂f_b/∂w per "__other__" parameter w), each (B, ...), for every example b.
 
     Without ``torch.func.grad``: vmap runs the forward of each example with its own zero Z_b and its own
@@ -462,20 +495,24 @@ def _per_example_grads_impl(out_fn, layers, other_w, batch, device, dtype, bsz) 
         wb = {n: w.expand(bsz, *w.shape) for n, w in wl.items()}
         out = torch.func.vmap(out_fn, in_dims=(0, 0, *([0] * len(batch))), randomness="different")(zb, wb, *batch)
         inputs = [*zb.values(), *wb.values()]
-        grads = (torch.autograd.grad(out.sum(), inputs, allow_unused=True) if out.requires_grad
-                 else [None] * len(inputs))  # nothing differentiable was used: the caller reports the layers
+        grads = (
+            torch.autograd.grad(out.sum(), inputs, allow_unused=True) if out.requires_grad else [None] * len(inputs)
+        )  # nothing differentiable was used: the caller reports the layers
     leaves = [*zl.values(), *wl.values()]
-    full = [torch.zeros(bsz, *leaf.shape, device=leaf.device, dtype=leaf.dtype) if g is None else g
-            for g, leaf in zip(grads, leaves, strict=True)]
-    return dict(zip(zl, full[:len(zl)], strict=True)), dict(zip(wl, full[len(zl):], strict=True))
+    full = [
+        torch.zeros(bsz, *leaf.shape, device=leaf.device, dtype=leaf.dtype) if g is None else g
+        for g, leaf in zip(grads, leaves, strict=True)
+    ]
+    return dict(zip(zl, full[: len(zl)], strict=True)), dict(zip(wl, full[len(zl) :], strict=True))
 
 
 def _make_hook(b: Block, factors, ctx: dict):
     p_in, p_out, _ = factors
-    p_w = p_in[:b.d_in]
+    p_w = p_in[: b.d_in]
     p_b = p_in[b.d_in] if b.bias else None
 
     if b.kind == "linear":
+
         def hook(mod, inputs, output):
             ctx["fired"].add(b.name)
             z = ctx["z"][b.name]
@@ -483,6 +520,7 @@ def _make_hook(b: Block, factors, ctx: dict):
             if p_b is not None:
                 u = u + p_b
             return output + (u @ z.T) @ p_out.T
+
         return hook
 
     def conv_hook(mod, inputs, output):
@@ -495,4 +533,5 @@ def _make_hook(b: Block, factors, ctx: dict):
             u = u + p_b.reshape(b.k_in, *([1] * nd))
         v = torch.einsum("oi,ni...->no...", z, u)
         return output + torch.einsum("do,no...->nd...", p_out, v)
+
     return conv_hook

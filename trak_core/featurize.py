@@ -6,7 +6,7 @@ Shared by the TRAKer facade and the pipeline's tasks so both compute the same nu
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -25,16 +25,24 @@ def _bad_rows(t: Tensor) -> list[int]:
 class Featurizer:
     """Computes TRAK's projected gradients X (normalized by √grad_dim, as traker) and weights Q."""
 
-    def __init__(self, model: torch.nn.Module, task, projector: AbstractProjector,
-                 gradient_computer: type[AbstractGradientComputer] = FunctionalGradientComputer,
-                 grad_wrt: Optional[Iterable[str]] = None, device="cpu", dtype=torch.float32) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        task,
+        projector: AbstractProjector,
+        gradient_computer: type[AbstractGradientComputer] = FunctionalGradientComputer,
+        grad_wrt: Iterable[str] | None = None,
+        device="cpu",
+        dtype=torch.float32,
+    ) -> None:
         self.model = model
         self.task: AbstractModelOutput = resolve_task(task)
         self.projector = projector
         self.device = device
         self.grad_dim = grad_dim_of(model, grad_wrt)
-        self.gradient_computer = gradient_computer(model=model, task=self.task, grad_dim=self.grad_dim,
-                                                   dtype=dtype, device=device, grad_wrt=grad_wrt)
+        self.gradient_computer = gradient_computer(
+            model=model, task=self.task, grad_dim=self.grad_dim, dtype=dtype, device=device, grad_wrt=grad_wrt
+        )
         self.normalize_factor = math.sqrt(self.grad_dim)
 
     def load_state(self, state_dict: dict) -> None:
@@ -55,7 +63,7 @@ class Featurizer:
             raise NonFiniteGradientError(model_id, [indices[i] for i in bad], what="model outputs")
         return q
 
-    def _fast_path(self, batch: Sequence[Tensor], model_id: int) -> Optional[Tensor]:
+    def _fast_path(self, batch: Sequence[Tensor], model_id: int) -> Tensor | None:
         """A projector with ``featurize_batch`` (e.g. the factored one) projects without materialized
         per-example gradients; it returns None when it cannot (then: gradients + project)."""
         fast = getattr(self.projector, "featurize_batch", None)
@@ -78,8 +86,9 @@ class Featurizer:
             raise NonFiniteGradientError(model_id, [indices[i] for i in bad], what="projected gradients")
         return x
 
-    def featurize(self, batch: Sequence[Tensor], model_id: int,
-                  indices: Optional[Sequence[int]] = None) -> tuple[np.ndarray, np.ndarray]:
+    def featurize(
+        self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(X (B, p) float32, Q (B,) float32) for one batch. Raises before returning anything on bad input."""
         self.task.validate_batch(batch)
         batch = self._to_device(batch)
@@ -93,8 +102,9 @@ class Featurizer:
             raise
         return x.cpu().numpy(), q.cpu().numpy()
 
-    def target_features(self, batch: Sequence[Tensor], model_id: int,
-                        indices: Optional[Sequence[int]] = None) -> np.ndarray:
+    def target_features(
+        self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int] | None = None
+    ) -> np.ndarray:
         """X for targets (no Q needed, but labels are still checked)."""
         self.task.validate_batch(batch)
         batch = self._to_device(batch)
@@ -113,6 +123,8 @@ class Featurizer:
         model_dt = sorted({str(p.dtype) for p in self.model.parameters() if p.is_floating_point()})
         in_dt = sorted({str(t.dtype) for t in batch if t.is_floating_point()})
         if "dtype" in str(e).lower() and in_dt and model_dt and in_dt != model_dt:
-            raise BadInputError(f"the batch's floating tensors are {', '.join(in_dt)} but the model's parameters are "
-                                f"{', '.join(model_dt)}: cast the inputs (x.to({model_dt[0]})) or the model (e.g. "
-                                f"model.to({in_dt[0]})) so that they match ({e})") from None
+            raise BadInputError(
+                f"the batch's floating tensors are {', '.join(in_dt)} but the model's parameters are "
+                f"{', '.join(model_dt)}: cast the inputs (x.to({model_dt[0]})) or the model (e.g. "
+                f"model.to({in_dt[0]})) so that they match ({e})"
+            ) from None

@@ -10,7 +10,7 @@ to (B, grad_dim).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -52,8 +52,15 @@ def vectorize(grads: dict[str, Tensor] | Tensor, device=None, dtype=None) -> Ten
 
 
 class AbstractGradientComputer(ABC):
-    def __init__(self, model: torch.nn.Module, task: AbstractModelOutput, grad_dim: int | None = None,
-                 dtype: torch.dtype = torch.float16, device="cpu", grad_wrt: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        task: AbstractModelOutput,
+        grad_dim: int | None = None,
+        dtype: torch.dtype = torch.float16,
+        device="cpu",
+        grad_wrt: Iterable[str] | None = None,
+    ) -> None:
         self.model = model
         self.modelout_fn = task
         self.dtype = dtype
@@ -138,7 +145,8 @@ class IterativeGradientComputer(AbstractGradientComputer):
                 )
             rows = []
             for i in range(outputs.shape[0]):
-                g = torch.autograd.grad(outputs[i], self.params, retain_graph=i + 1 < outputs.shape[0],
-                                        allow_unused=True)
+                g = torch.autograd.grad(
+                    outputs[i], self.params, retain_graph=i + 1 < outputs.shape[0], allow_unused=True
+                )
                 rows.append([torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, self.params)])
         return {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(self.param_names)}

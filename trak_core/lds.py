@@ -77,8 +77,9 @@ def lds_per_target(scores: np.ndarray, masks: np.ndarray, margins: np.ndarray) -
     if masks.shape[1] != scores.shape[0]:
         raise BadInputError(f"lds: masks cover {masks.shape[1]} train rows but scores have {scores.shape[0]}")
     if margins.shape != (masks.shape[0], scores.shape[1]):
-        raise BadInputError(f"lds: margins {margins.shape} must be (subsets, targets) = "
-                            f"{(masks.shape[0], scores.shape[1])}")
+        raise BadInputError(
+            f"lds: margins {margins.shape} must be (subsets, targets) = {(masks.shape[0], scores.shape[1])}"
+        )
     if masks.shape[0] < 3:
         raise BadInputError(f"lds: need at least 3 subsets for a rank correlation, got {masks.shape[0]}")
     if not np.isfinite(scores).all() or not np.isfinite(margins).all():
@@ -87,7 +88,7 @@ def lds_per_target(scores: np.ndarray, masks: np.ndarray, margins: np.ndarray) -
     rt = _ranks(margins)
     rp = rp - rp.mean(axis=0)
     rt = rt - rt.mean(axis=0)
-    den = np.sqrt((rp ** 2).sum(axis=0) * (rt ** 2).sum(axis=0))
+    den = np.sqrt((rp**2).sum(axis=0) * (rt**2).sum(axis=0))
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(den > 0, (rp * rt).sum(axis=0) / np.where(den > 0, den, 1.0), np.nan)
 
@@ -127,5 +128,13 @@ def truth_key(identity: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-__all__ = ["subset_masks", "margins_from_logits", "predicted_effects", "lds_per_target", "lds", "bootstrap_ci",
-           "array_fingerprint", "truth_key"]
+__all__ = [
+    "subset_masks",
+    "margins_from_logits",
+    "predicted_effects",
+    "lds_per_target",
+    "lds",
+    "bootstrap_ci",
+    "array_fingerprint",
+    "truth_key",
+]

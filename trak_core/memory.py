@@ -74,9 +74,19 @@ class TaskMemory:
         return "; ".join(f"{t.what}: {format_bytes(t.nbytes)}" for t in parts if t.nbytes)
 
 
-def estimate_task_memory(*, train_set_size: int, grad_dim: int, proj_dim: int, num_params: int, batch_size: int,
-                         shard_rows: int, dtype_bytes: int, chunk_bytes: int, model_bytes: int = 4,
-                         num_targets: int = 0) -> list[TaskMemory]:
+def estimate_task_memory(
+    *,
+    train_set_size: int,
+    grad_dim: int,
+    proj_dim: int,
+    num_params: int,
+    batch_size: int,
+    shard_rows: int,
+    dtype_bytes: int,
+    chunk_bytes: int,
+    model_bytes: int = 4,
+    num_targets: int = 0,
+) -> list[TaskMemory]:
     """The big buffers of a featurize task (one shard) and of a finalize task (one checkpoint).
 
     ``dtype_bytes``: the storage dtype's size; ``model_bytes``: the model's parameter size (8 for float64).
@@ -86,20 +96,29 @@ def estimate_task_memory(*, train_set_size: int, grad_dim: int, proj_dim: int, n
     s = min(int(shard_rows), n)
     p, g = int(proj_dim), int(grad_dim)
     xtx = p * p * 8  # float64
-    featurize = TaskMemory("featurize", (
-        Term("model and its state_dict", "model", 3 * int(num_params) * model_bytes),
-        Term(f"per-example gradients (batch_size={b} × grad_dim={g})", "batch_size", 2 * b * g * model_bytes),
-        Term(f"projected rows of one shard (shard_size={s} × proj_dim={p})", "shard_size",
-             s * p * (4 + 4 + int(dtype_bytes)) + 2 * b * p * 4),
-        Term(f"XᵀX partial (proj_dim² = {p}² float64)", "proj_dim", 2 * xtx),
-        Term("Zarr chunk buffers", "chunk_rows", 2 * int(chunk_bytes)),
-    ))
-    finalize = TaskMemory("finalize", (
-        Term(f"XᵀX, its inverse and the solve (proj_dim² = {p}² float64)", "proj_dim", 4 * xtx),
-        Term(f"rows of one block (shard_size={s} × proj_dim={p}, float64)", "shard_size", 2 * s * p * 8),
-        Term(f"scores of one block ({s} × {int(num_targets)} targets)", "shard_size", s * int(num_targets) * 4),
-        Term("Zarr chunk buffers", "chunk_rows", 2 * int(chunk_bytes)),
-    ))
+    featurize = TaskMemory(
+        "featurize",
+        (
+            Term("model and its state_dict", "model", 3 * int(num_params) * model_bytes),
+            Term(f"per-example gradients (batch_size={b} × grad_dim={g})", "batch_size", 2 * b * g * model_bytes),
+            Term(
+                f"projected rows of one shard (shard_size={s} × proj_dim={p})",
+                "shard_size",
+                s * p * (4 + 4 + int(dtype_bytes)) + 2 * b * p * 4,
+            ),
+            Term(f"XᵀX partial (proj_dim² = {p}² float64)", "proj_dim", 2 * xtx),
+            Term("Zarr chunk buffers", "chunk_rows", 2 * int(chunk_bytes)),
+        ),
+    )
+    finalize = TaskMemory(
+        "finalize",
+        (
+            Term(f"XᵀX, its inverse and the solve (proj_dim² = {p}² float64)", "proj_dim", 4 * xtx),
+            Term(f"rows of one block (shard_size={s} × proj_dim={p}, float64)", "shard_size", 2 * s * p * 8),
+            Term(f"scores of one block ({s} × {int(num_targets)} targets)", "shard_size", s * int(num_targets) * 4),
+            Term("Zarr chunk buffers", "chunk_rows", 2 * int(chunk_bytes)),
+        ),
+    )
     return [featurize, finalize]
 
 
@@ -112,14 +131,20 @@ def check_task_memory(estimates: list[TaskMemory], available: int | None = None,
             continue
         big = est.largest
         field = big.field
-        hint = {"proj_dim": "lower proj_dim (a few thousand dimensions are typical)",
-                "batch_size": "lower batch_size", "shard_size": "lower shard_size (rows per featurize task)",
-                "chunk_rows": "lower chunk_rows", "model": "use a machine with more memory"}[field]
+        hint = {
+            "proj_dim": "lower proj_dim (a few thousand dimensions are typical)",
+            "batch_size": "lower batch_size",
+            "shard_size": "lower shard_size (rows per featurize task)",
+            "chunk_rows": "lower chunk_rows",
+            "model": "use a machine with more memory",
+        }[field]
         if field == "proj_dim" and projector == "noop":
             field = "projector"
-            hint = ("'noop' keeps every gradient dimension (proj_dim = grad_dim): use a projection "
-                    "('factored', 'dense', 'sjlt') with a proj_dim of a few thousand")
+            hint = (
+                "'noop' keeps every gradient dimension (proj_dim = grad_dim): use a projection "
+                "('factored', 'dense', 'sjlt') with a proj_dim of a few thousand"
+            )
         raise BadInputError(
             f"{field}: a {est.task} task would need about {format_bytes(est.total)} of memory "
-            f"({est.describe()}), but {format_bytes(avail)} is available; {hint}. Nothing was written.")
-
+            f"({est.describe()}), but {format_bytes(avail)} is available; {hint}. Nothing was written."
+        )

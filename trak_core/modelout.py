@@ -13,7 +13,7 @@ for your own task.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -180,8 +180,9 @@ class CLIPModelOutput(AbstractModelOutput):
     num_computed_embeddings: int = 0
     sim_batch_size: int = 0
 
-    def __init__(self, temperature: float | None = None, simulated_batch_size: int = 300,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self, temperature: float | None = None, simulated_batch_size: int = 300, seed: int | None = None
+    ) -> None:
         super().__init__()
         self.temperature = temperature
         self.sim_batch_size = simulated_batch_size
@@ -200,8 +201,15 @@ class CLIPModelOutput(AbstractModelOutput):
         CLIPModelOutput.num_computed_embeddings = image_embeddings.shape[0]
 
     @staticmethod
-    def get_embeddings(model, loader: Iterable, batch_size: int, embedding_dim: int, size: int = 50_000,
-                       preprocess_fn_img=None, preprocess_fn_txt=None) -> None:
+    def get_embeddings(
+        model,
+        loader: Iterable,
+        batch_size: int,
+        embedding_dim: int,
+        size: int = 50_000,
+        preprocess_fn_img=None,
+        preprocess_fn_txt=None,
+    ) -> None:
         imgs, txts, seen = [], [], 0
         with torch.no_grad():
             for images, text in loader:
@@ -235,8 +243,9 @@ class CLIPModelOutput(AbstractModelOutput):
         if all_im is None:
             raise BadInputError("CLIPModelOutput: call get_embeddings (or set_embeddings) before featurizing")
         ii = self._sample_indices().to(all_im.device)
-        ie, te, _ = functional_call(model, (weights, buffers), args=(),
-                                    kwargs={"image": image.unsqueeze(0), "text": label.unsqueeze(0)})
+        ie, te, _ = functional_call(
+            model, (weights, buffers), args=(), kwargs={"image": image.unsqueeze(0), "text": label.unsqueeze(0)}
+        )
         out = -torch.logsumexp(-ie @ (te - all_txt[ii]).T, dim=1) - torch.logsumexp(-te @ (ie - all_im[ii]).T, dim=1)
         return out.sum()
 
@@ -265,7 +274,9 @@ def resolve_task(task) -> AbstractModelOutput:
         return task
     if isinstance(task, str):
         if task not in TASK_TO_MODELOUT:
-            raise BadInputError(f"unknown task {task!r}; choose one of {sorted(TASK_TO_MODELOUT)} "
-                                "or pass an AbstractModelOutput instance")
+            raise BadInputError(
+                f"unknown task {task!r}; choose one of {sorted(TASK_TO_MODELOUT)} "
+                "or pass an AbstractModelOutput instance"
+            )
         return TASK_TO_MODELOUT[task]()
     raise BadInputError(f"task must be a string or an AbstractModelOutput, got {type(task).__name__}")

@@ -26,9 +26,9 @@ from __future__ import annotations
 import importlib.metadata
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
-from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -63,8 +63,9 @@ class AbstractProjector(ABC):
 
     kind: str = "abstract"
 
-    def __init__(self, grad_dim: int, proj_dim: int, seed: int, proj_type: str | ProjectionType,
-                 device: str | torch.device) -> None:
+    def __init__(
+        self, grad_dim: int, proj_dim: int, seed: int, proj_type: str | ProjectionType, device: str | torch.device
+    ) -> None:
         self.grad_dim = grad_dim
         self.proj_dim = proj_dim
         self.seed = seed
@@ -86,8 +87,13 @@ class AbstractProjector(ABC):
     def spec(self) -> dict:
         """What identifies this projection (stored in the store's metadata)."""
         pt = self.proj_type.value if isinstance(self.proj_type, Enum) else str(self.proj_type)
-        return {"kind": self.kind, "proj_type": pt, "seed": int(self.seed), "grad_dim": int(self.grad_dim),
-                "proj_dim": int(self.proj_dim)}
+        return {
+            "kind": self.kind,
+            "proj_type": pt,
+            "seed": int(self.seed),
+            "grad_dim": int(self.grad_dim),
+            "proj_dim": int(self.proj_dim),
+        }
 
     def _check_input(self, grads) -> None:
         if isinstance(grads, dict):
@@ -110,8 +116,16 @@ class NoOpProjector(AbstractProjector):
 
     kind = "noop"
 
-    def __init__(self, grad_dim: int = 0, proj_dim: int = 0, seed: int = 0,
-                 proj_type: str | ProjectionType = "na", device="cpu", *args, **kwargs) -> None:
+    def __init__(
+        self,
+        grad_dim: int = 0,
+        proj_dim: int = 0,
+        seed: int = 0,
+        proj_type: str | ProjectionType = "na",
+        device="cpu",
+        *args,
+        **kwargs,
+    ) -> None:
         super().__init__(grad_dim, proj_dim, seed, proj_type, device)
 
     def project(self, grads, model_id: int) -> Tensor:
@@ -133,10 +147,20 @@ class DenseProjector(AbstractProjector):
 
     kind = "dense"
 
-    def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
-                 dtype: torch.dtype = torch.float32, block_rows: int | None = None,
-                 cache_bytes: int = 512 * 2**20, model_id: int = 0, *args, **kwargs) -> None:
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int = 0,
+        proj_type: str | ProjectionType = ProjectionType.rademacher,
+        device="cpu",
+        dtype: torch.dtype = torch.float32,
+        block_rows: int | None = None,
+        cache_bytes: int = 512 * 2**20,
+        model_id: int = 0,
+        *args,
+        **kwargs,
+    ) -> None:
         check_dims(grad_dim, proj_dim)
         super().__init__(grad_dim, proj_dim, seed, as_proj_type(proj_type), device)
         self.dtype = dtype
@@ -157,7 +181,7 @@ class DenseProjector(AbstractProjector):
         out = torch.empty(row1 - row0, self.proj_dim, dtype=torch.float32)
         for r in range(row0, row1, step):
             e = min(r + step, row1)
-            out[r - row0:e - row0] = fn(self.seed, model_id, r, e, self.proj_dim)
+            out[r - row0 : e - row0] = fn(self.seed, model_id, r, e, self.proj_dim)
         return out
 
     def matrix(self, model_id: int) -> Tensor:
@@ -197,21 +221,48 @@ class BasicProjector(DenseProjector):
 
     kind = "dense"
 
-    def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
-                 block_size: int = 100, dtype: torch.dtype = torch.float32, model_id: int = 0,
-                 *args, **kwargs) -> None:
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int = 0,
+        proj_type: str | ProjectionType = ProjectionType.rademacher,
+        device="cpu",
+        block_size: int = 100,
+        dtype: torch.dtype = torch.float32,
+        model_id: int = 0,
+        *args,
+        **kwargs,
+    ) -> None:
         super().__init__(grad_dim, proj_dim, seed, proj_type, device, dtype=dtype, model_id=model_id, **kwargs)
 
 
 class BasicSingleBlockProjector(DenseProjector):
     """The same projection with the whole matrix materialized at once (no cache limit)."""
 
-    def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
-                 dtype: torch.dtype = torch.float32, model_id: int = 0, *args, **kwargs) -> None:
-        super().__init__(grad_dim, proj_dim, seed, proj_type, device, dtype=dtype, model_id=model_id,
-                         block_rows=grad_dim, cache_bytes=2**62)
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int = 0,
+        proj_type: str | ProjectionType = ProjectionType.rademacher,
+        device="cpu",
+        dtype: torch.dtype = torch.float32,
+        model_id: int = 0,
+        *args,
+        **kwargs,
+    ) -> None:
+        super().__init__(
+            grad_dim,
+            proj_dim,
+            seed,
+            proj_type,
+            device,
+            dtype=dtype,
+            model_id=model_id,
+            block_rows=grad_dim,
+            cache_bytes=2**62,
+        )
 
 
 # the structured kinds live in their own modules (imported here, after the base classes they subclass)
@@ -244,8 +295,14 @@ _PLUGINS: dict[str, str] = {}  # entry point name -> "" (loaded) or the reason i
 _plugins_loaded = False
 
 
-def register_projector(kind: str, factory: ProjectorFactory, devices: Iterable[str] | None = None, *,
-                       uses_model: bool = False, replace: bool = False) -> None:
+def register_projector(
+    kind: str,
+    factory: ProjectorFactory,
+    devices: Iterable[str] | None = None,
+    *,
+    uses_model: bool = False,
+    replace: bool = False,
+) -> None:
     """Register ``factory`` as the projector ``kind`` on the device types ``devices`` (None: any device).
 
     The factory is called as ``factory(grad_dim, proj_dim, seed, proj_type, device, **kwargs)`` (with
@@ -260,13 +317,15 @@ def register_projector(kind: str, factory: ProjectorFactory, devices: Iterable[s
         devices = [devices]
     devs = None if devices is None else tuple(sorted({_device_type(d) for d in devices}))
     entry = ProjectorEntry(kind, factory, devs, uses_model)
-    for dev in (devs or (None,)):
+    for dev in devs or (None,):
         old = _REGISTRY.get((kind, dev))
         if old is not None and old.factory is not factory and not replace:
             where = "any device" if dev is None else f"device type {dev!r}"
-            raise BadInputError(f"projector {kind!r} for {where} is already registered "
-                                f"({getattr(old.factory, '__qualname__', old.factory)}); pass replace=True")
-    for dev in (devs or (None,)):
+            raise BadInputError(
+                f"projector {kind!r} for {where} is already registered "
+                f"({getattr(old.factory, '__qualname__', old.factory)}); pass replace=True"
+            )
+    for dev in devs or (None,):
         _REGISTRY[(kind, dev)] = entry
 
 
@@ -296,8 +355,13 @@ def load_projector_plugins(reload: bool = False) -> dict[str, str]:
             _PLUGINS[ep.name] = ""
         except Exception as e:  # a broken plugin must not break trak_core's own projectors
             _PLUGINS[ep.name] = f"{type(e).__name__}: {e}"
-            warnings.warn(f"trak_core: projector plugin {ep.name!r} ({ep.value}) failed to load: "
-                          f"{_PLUGINS[ep.name]}".replace("\n", " "), RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"trak_core: projector plugin {ep.name!r} ({ep.value}) failed to load: {_PLUGINS[ep.name]}".replace(
+                    "\n", " "
+                ),
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return dict(_PLUGINS)
 
 
@@ -322,8 +386,9 @@ def find_projector(kind: str, device="cpu") -> ProjectorEntry:
         load_projector_plugins()
     entry = _find(kind, dev)
     if entry is None:
-        raise BadInputError(f"unknown projector {kind!r} for device {str(device)!r}; choose one of "
-                            f"{registered_projectors(device)}")
+        raise BadInputError(
+            f"unknown projector {kind!r} for device {str(device)!r}; choose one of {registered_projectors(device)}"
+        )
     return entry
 
 
@@ -339,15 +404,20 @@ def _make_noop(grad_dim, proj_dim, seed=0, proj_type="rademacher", device="cpu",
     return NoOpProjector(grad_dim=grad_dim, proj_dim=grad_dim, device=device)
 
 
-def _make_factored(grad_dim, proj_dim, seed=0, proj_type="rademacher", device="cpu", model=None, grad_wrt=None,
-                   **kwargs) -> FactoredProjector:
+def _make_factored(
+    grad_dim, proj_dim, seed=0, proj_type="rademacher", device="cpu", model=None, grad_wrt=None, **kwargs
+) -> FactoredProjector:
     if model is None:
-        raise BadInputError("projector 'factored' needs the model (make_projector(..., model=model, "
-                            "grad_wrt=...)): its blocks are the model's layers")
+        raise BadInputError(
+            "projector 'factored' needs the model (make_projector(..., model=model, "
+            "grad_wrt=...)): its blocks are the model's layers"
+        )
     p = FactoredProjector.from_model(model, proj_dim, seed, proj_type, device, grad_wrt=grad_wrt, **kwargs)
     if p.grad_dim != grad_dim:
-        raise BadInputError(f"projector 'factored': the model has {p.grad_dim} gradient coordinates "
-                            f"(grad_wrt={grad_wrt!r}), not grad_dim={grad_dim}")
+        raise BadInputError(
+            f"projector 'factored': the model has {p.grad_dim} gradient coordinates "
+            f"(grad_wrt={grad_wrt!r}), not grad_dim={grad_dim}"
+        )
     return p
 
 
@@ -357,8 +427,9 @@ register_projector("sjlt", SJLTProjector)
 register_projector("factored", _make_factored, uses_model=True)
 
 
-def make_projector(kind: str, grad_dim: int, proj_dim: int, seed: int = 0, proj_type: str = "rademacher",
-                   device="cpu", **kwargs) -> AbstractProjector:
+def make_projector(
+    kind: str, grad_dim: int, proj_dim: int, seed: int = 0, proj_type: str = "rademacher", device="cpu", **kwargs
+) -> AbstractProjector:
     """Build a projector by kind name (the pipeline's entry point), from the registry.
 
     ``"factored"`` needs ``model=`` (and the ``grad_wrt`` used for the gradients): its blocks are the model's
@@ -371,6 +442,7 @@ def make_projector(kind: str, grad_dim: int, proj_dim: int, seed: int = 0, proj_
     if entry.uses_model:
         kwargs.update(model=model, grad_wrt=grad_wrt)
     return entry.factory(grad_dim, proj_dim, seed, proj_type, device, **kwargs)
+
 
 # traker 0.3.2 names (trak_core/compat.py): CudaProjector / ChunkedCudaProjector map to the dense projection, any device
 from .compat import ChunkedCudaProjector, CudaProjector  # noqa: E402,F401

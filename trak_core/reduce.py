@@ -6,19 +6,25 @@ Memory is O(block × (p + m) + p²) whatever the number of train rows n.
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from .errors import StateError
-from .scoring import (CONDITION_WARN, check_conditioning, combine_checkpoints, features_block,
-                      parse_lambda_reg, regularized_inverse)
+from .scoring import (
+    CONDITION_WARN,
+    check_conditioning,
+    combine_checkpoints,
+    features_block,
+    parse_lambda_reg,
+    regularized_inverse,
+)
 from .store import TrakStore
 from .verify import require_present
 
 
-def shard_partial(store: TrakStore, model_id: int, shard: int, rows: Optional[np.ndarray] = None) -> np.ndarray:
+def shard_partial(store: TrakStore, model_id: int, shard: int, rows: np.ndarray | None = None) -> np.ndarray:
     """Xₛᵀ Xₛ (float64) of one shard, from the stored (rounded) gradients or the given rows."""
     if rows is None:
         a, b = store.meta.shard_range(shard)
@@ -50,8 +56,10 @@ def require_featurized(store: TrakStore, model_id: int) -> None:
     mask = store.featurized_mask(model_id)
     if not mask.all():
         missing = np.flatnonzero(~mask)
-        raise StateError(f"model_id={model_id} is not fully featurized: {missing.size} of {mask.size} rows "
-                         f"missing (first: {missing[:10].tolist()}); featurize them before finalizing")
+        raise StateError(
+            f"model_id={model_id} is not fully featurized: {missing.size} of {mask.size} rows "
+            f"missing (first: {missing[:10].tolist()}); featurize them before finalizing"
+        )
 
 
 # up to this proj_dim the exact condition number (a symmetric eigendecomposition) is cheap; above it, finalize
@@ -69,8 +77,9 @@ def _top_eigenvalue(mat: torch.Tensor, iters: int = 12, block: int = 6) -> float
     return float(torch.linalg.eigvalsh(v.T @ (mat @ v))[-1])
 
 
-def cholesky_inverse(xtx: torch.Tensor, lam: float, n_rows: int, *, model_id=None,
-                     rescale: bool = True) -> tuple[torch.Tensor, float]:
+def cholesky_inverse(
+    xtx: torch.Tensor, lam: float, n_rows: int, *, model_id=None, rescale: bool = True
+) -> tuple[torch.Tensor, float]:
     """((XᵀX + λI)⁻¹ float64, optionally divided by its mean |entry| as traker does; the condition estimate).
 
     Cholesky + its triangular inverse in float64 (a third of an LU inverse's work). The condition number
@@ -83,8 +92,9 @@ def cholesky_inverse(xtx: torch.Tensor, lam: float, n_rows: int, *, model_id=Non
     reg = xtx.to(torch.float64) + lam * torch.eye(p, dtype=torch.float64)
     chol, failed = torch.linalg.cholesky_ex(reg)
     if int(failed):
-        cond = check_conditioning(xtx, lam, n_rows, model_id=model_id, stacklevel=4,
-                                  cond=None if p <= EXACT_CONDITION_MAX_P else float("inf"))
+        cond = check_conditioning(
+            xtx, lam, n_rows, model_id=model_id, stacklevel=4, cond=None if p <= EXACT_CONDITION_MAX_P else float("inf")
+        )
         return regularized_inverse(xtx, lam, rescale=rescale), cond
     inv = torch.cholesky_inverse(chol).contiguous()  # LAPACK's column-major result: 4× slower GEMMs
     est = None
@@ -107,8 +117,13 @@ def solve_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool =
     rule = parse_lambda_reg(lambda_reg)
     lam = rule.resolve(xtx)
     inv, cond = cholesky_inverse(xtx, lam, store.meta.train_set_size, model_id=model_id, rescale=rescale)
-    info = {"lambda_reg": lam, "lambda_setting": rule.setting,
-            "rescale": bool(rescale), "condition": float(cond), "xtx_trace": float(torch.trace(xtx))}
+    info = {
+        "lambda_reg": lam,
+        "lambda_setting": rule.setting,
+        "rescale": bool(rescale),
+        "condition": float(cond),
+        "xtx_trace": float(torch.trace(xtx)),
+    }
     return inv.numpy(), info
 
 
@@ -119,16 +134,18 @@ def write_features_rows(store: TrakStore, model_id: int, inv: np.ndarray, a: int
     store.write_features_rows(model_id, a, b, features_block(x, inv_t).numpy())
 
 
-def finalize_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True,
-                   block_rows: Optional[int] = None, progress=None) -> dict:
+def finalize_model(
+    store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, block_rows: int | None = None, progress=None
+) -> dict:
     """Partials → XᵀX → (XᵀX + λI)⁻¹ → features, streaming over rows. Idempotent."""
     if store.is_finalized(model_id):
         return store.finalize_info(model_id)
     require_featurized(store, model_id)
     m = store.model(model_id)
     rows = np.arange(store.meta.train_set_size)
-    require_present(store, [(m.grads, rows), (m.out_to_loss, rows),
-                            (m.xtx_partials, np.flatnonzero(m.partial_done[:]))])
+    require_present(
+        store, [(m.grads, rows), (m.out_to_loss, rows), (m.xtx_partials, np.flatnonzero(m.partial_done[:]))]
+    )
     # what determines the features is recorded before the first row is written: a rerun after a crash with
     # another λ or rescale is refused naming the field, never finalized with two settings
     store.record_feature_settings(model_id, parse_lambda_reg(lambda_reg).setting, rescale)
@@ -148,8 +165,9 @@ def finalize_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: boo
     return info
 
 
-def usable_models(store: TrakStore, exp_name: str, model_ids: Optional[Iterable[int]] = None,
-                  allow_skip: bool = False) -> list[int]:
+def usable_models(
+    store: TrakStore, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
+) -> list[int]:
     """Models whose features are finalized and whose target gradients are complete."""
     ids = list(model_ids) if model_ids is not None else store.experiment_model_ids(exp_name)
     if not ids:
@@ -172,19 +190,23 @@ def usable_models(store: TrakStore, exp_name: str, model_ids: Optional[Iterable[
     rows, targets = np.arange(store.meta.train_set_size), np.arange(store.num_targets(exp_name))
     for mid in used:  # a chunk lost after its rows were marked done is damage, never read back as zeros
         m = store.model(mid)
-        require_present(store, [(m.features, rows), (m.out_to_loss, rows),
-                                (store.target_grads(exp_name, mid), targets)])
+        require_present(
+            store, [(m.features, rows), (m.out_to_loss, rows), (store.target_grads(exp_name, mid), targets)]
+        )
     return used
 
 
 def load_targets(store: TrakStore, exp_name: str, model_ids: list[int]) -> dict[int, torch.Tensor]:
     """Each model's target gradients, transposed and contiguous: (p, m) float32, ready for GEMM."""
-    return {mid: torch.from_numpy(store.target_grads(exp_name, mid)[:].astype(np.float32)).T.contiguous()
-            for mid in model_ids}
+    return {
+        mid: torch.from_numpy(store.target_grads(exp_name, mid)[:].astype(np.float32)).T.contiguous()
+        for mid in model_ids
+    }
 
 
-def score_rows(store: TrakStore, exp_name: str, model_ids: list[int], a: int, b: int,
-               targets: Optional[dict] = None) -> None:
+def score_rows(
+    store: TrakStore, exp_name: str, model_ids: list[int], a: int, b: int, targets: dict | None = None
+) -> None:
     """Combined scores for train rows [a, b) written to the experiment's score array."""
     targets = targets if targets is not None else load_targets(store, exp_name, model_ids)
     acc = torch.zeros(b - a, store.num_targets(exp_name), dtype=torch.float32)
@@ -198,8 +220,14 @@ def score_rows(store: TrakStore, exp_name: str, model_ids: list[int], a: int, b:
     store.write_score_rows(exp_name, a, b, out)
 
 
-def finalize_scores(store: TrakStore, exp_name: str, model_ids: Optional[Iterable[int]] = None,
-                    allow_skip: bool = False, block_rows: Optional[int] = None, progress=None) -> np.ndarray:
+def finalize_scores(
+    store: TrakStore,
+    exp_name: str,
+    model_ids: Iterable[int] | None = None,
+    allow_skip: bool = False,
+    block_rows: int | None = None,
+    progress=None,
+) -> np.ndarray:
     """Stream over train rows; returns the (n, m) float32 scores (also stored)."""
     used = usable_models(store, exp_name, model_ids, allow_skip)
     targets = load_targets(store, exp_name, used)

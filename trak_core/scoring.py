@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 import torch
@@ -40,7 +39,7 @@ class LambdaRule:
     ``setting`` is the normalized form, what a store records and compares: a float, ``"auto"`` or
     ``"rel:<f>"`` (lower case, stripped)."""
 
-    setting: Union[float, str]
+    setting: float | str
     factor: float
     relative: bool
 
@@ -51,7 +50,7 @@ class LambdaRule:
         return float(self.factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
 
 
-def parse_lambda_reg(lambda_reg: Union[float, int, str, LambdaRule]) -> LambdaRule:
+def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
     """The one parser of a ``lambda_reg`` setting: a number ≥ 0 (also as text, e.g. from a command line),
     ``"auto"`` (= ``rel:AUTO_DAMPING``) or ``"rel:<f>"`` with f ≥ 0. Raises ValueError naming lambda_reg.
 
@@ -119,8 +118,9 @@ def condition_number(mat: Tensor) -> tuple[float, Tensor]:
     return top / low, ev
 
 
-def check_conditioning(xtx: Tensor, lambda_reg: float, n_rows: int, *, model_id=None,
-                       stacklevel: int = 2, cond: float | None = None) -> float:
+def check_conditioning(
+    xtx: Tensor, lambda_reg: float, n_rows: int, *, model_id=None, stacklevel: int = 2, cond: float | None = None
+) -> float:
     """Warn (:class:`IllConditionedWarning`) when XᵀX + λI is singular or badly conditioned.
 
     Returns the condition estimate. traker 0.3.2 silently returns noise in these cases. ``cond``: a
@@ -135,18 +135,24 @@ def check_conditioning(xtx: Tensor, lambda_reg: float, n_rows: int, *, model_id=
     else:
         mean_eig = max(float(torch.trace(reg)) / p, 0.0)
     who = f" for model_id={model_id}" if model_id is not None else ""
-    remedy = (f"set lambda_reg > 0 (e.g. {1e-3 * mean_eig:.3g}, 1e-3 × the mean eigenvalue of XᵀX) "
-              f"or use a proj_dim well below the number of train examples")
+    remedy = (
+        f"set lambda_reg > 0 (e.g. {1e-3 * mean_eig:.3g}, 1e-3 × the mean eigenvalue of XᵀX) "
+        f"or use a proj_dim well below the number of train examples"
+    )
     if p >= n_rows and lambda_reg == 0:
         warnings.warn(
             f"proj_dim={p} ≥ number of train examples n={n_rows}{who}: XᵀX has rank ≤ {n_rows} < {p} and is "
             f"singular (condition estimate {cond:.3g}); scores would be noise. Remedy: {remedy}.",
-            IllConditionedWarning, stacklevel=stacklevel)
+            IllConditionedWarning,
+            stacklevel=stacklevel,
+        )
     elif not cond < CONDITION_WARN:
         warnings.warn(
             f"XᵀX + λI is badly conditioned{who} (condition estimate {cond:.3g} with lambda_reg={lambda_reg}, "
             f"proj_dim={p}, n={n_rows}); scores are dominated by round-off. Remedy: {remedy}.",
-            IllConditionedWarning, stacklevel=stacklevel)
+            IllConditionedWarning,
+            stacklevel=stacklevel,
+        )
     return cond
 
 
@@ -178,8 +184,9 @@ def scores_block(features: Tensor, target_grads: Tensor, compute_dtype: torch.dt
     return torch.mm(features.to(compute_dtype), target_grads.to(compute_dtype).T.contiguous())
 
 
-def combine_checkpoints(score_sum: np.ndarray | Tensor, out_to_loss_sum: np.ndarray | Tensor,
-                        num_models: int) -> np.ndarray | Tensor:
+def combine_checkpoints(
+    score_sum: np.ndarray | Tensor, out_to_loss_sum: np.ndarray | Tensor, num_models: int
+) -> np.ndarray | Tensor:
     """traker's combination: (Σ_c Φ_c G_cᵀ / C) ⊙ (Σ_c Q_c / C), Q (rows,) broadcast over targets."""
     if num_models <= 0:
         raise ValueError("no checkpoint contributed to the scores")

@@ -8,7 +8,7 @@ so a setting is validated the same way wherever it is given.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
@@ -20,7 +20,7 @@ ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
 
 
-def normalize_lambda_reg(value: Union[float, str]) -> Union[float, str]:
+def normalize_lambda_reg(value: float | str) -> float | str:
     """A lambda_reg setting in its normalized form (a float, ``"auto"`` or ``"rel:<f>"``); errors name it."""
     try:
         return parse_lambda_reg(value).setting
@@ -28,16 +28,16 @@ def normalize_lambda_reg(value: Union[float, str]) -> Union[float, str]:
         raise BadInputError(f"lambda_reg: {e}") from None
 
 
-def check_grad_wrt(value: Optional[list[str]]) -> Optional[list[str]]:
+def check_grad_wrt(value: list[str] | None) -> list[str] | None:
     if value is not None and not value:
         raise BadInputError("grad_wrt: an empty list selects no parameter; use null for all parameters")
     return value
 
 
 #: a number ≥ 0, ``"auto"`` or ``"rel:<f>"`` (see :func:`trak_core.scoring.parse_lambda_reg`)
-LambdaSetting = Annotated[Union[NonNegativeFloat, str], AfterValidator(normalize_lambda_reg)]
+LambdaSetting = Annotated[NonNegativeFloat | str, AfterValidator(normalize_lambda_reg)]
 #: parameter names to take gradients for; None: all parameters
-GradWrt = Annotated[Optional[list[str]], AfterValidator(check_grad_wrt)]
+GradWrt = Annotated[list[str] | None, AfterValidator(check_grad_wrt)]
 
 
 class TrakSettings(BaseModel):
@@ -59,5 +59,13 @@ class TrakSettings(BaseModel):
         return parse_lambda_reg(self.lambda_reg)
 
 
-__all__ = ["TrakSettings", "ProjectorKind", "ProjType", "StorageDtype", "LambdaSetting", "GradWrt",
-           "normalize_lambda_reg", "check_grad_wrt"]
+__all__ = [
+    "TrakSettings",
+    "ProjectorKind",
+    "ProjType",
+    "StorageDtype",
+    "LambdaSetting",
+    "GradWrt",
+    "normalize_lambda_reg",
+    "check_grad_wrt",
+]

@@ -49,15 +49,28 @@ class SJLTProjector(AbstractProjector):
 
     kind = "sjlt"
 
-    def __init__(self, grad_dim: int, proj_dim: int, seed: int = 0,
-                 proj_type: str | ProjectionType = ProjectionType.rademacher, device="cpu",
-                 c: int = DEFAULT_C, dtype: torch.dtype = torch.float32, block_rows: int = 4096,
-                 cache_bytes: int = 256 * 2**20, model_id: int = 0, *args, **kwargs) -> None:
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int = 0,
+        proj_type: str | ProjectionType = ProjectionType.rademacher,
+        device="cpu",
+        c: int = DEFAULT_C,
+        dtype: torch.dtype = torch.float32,
+        block_rows: int = 4096,
+        cache_bytes: int = 256 * 2**20,
+        model_id: int = 0,
+        *args,
+        **kwargs,
+    ) -> None:
         check_dims(grad_dim, proj_dim)
         pt = as_proj_type(proj_type)
         if pt != ProjectionType.rademacher:
-            raise BadInputError(f"SJLT entries are signs ±√(proj_dim/c); proj_type {pt.value!r} is not defined "
-                                "for it (use 'rademacher')")
+            raise BadInputError(
+                f"SJLT entries are signs ±√(proj_dim/c); proj_type {pt.value!r} is not defined "
+                "for it (use 'rademacher')"
+            )
         super().__init__(grad_dim, proj_dim, seed, pt, device)
         self.c = _check_c(c, proj_dim)
         self.dtype = dtype
@@ -112,8 +125,9 @@ class SJLTProjector(AbstractProjector):
         crow[1:] = torch.bincount(rows, minlength=self.proj_dim).cumsum(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
-            seg = torch.sparse_csr_tensor(crow, uniq % width, values.to(self.dtype), (self.proj_dim, width),
-                                          device=self.device)
+            seg = torch.sparse_csr_tensor(
+                crow, uniq % width, values.to(self.dtype), (self.proj_dim, width), device=self.device
+            )
         size = uniq.numel() * 12 + crow.numel() * 8
         if self._cache_used + size <= self.cache_bytes:
             self._cache[key] = seg

@@ -50,13 +50,13 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 from urllib.parse import urlparse
 
 import numpy as np
 import zarr
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 from zarr.codecs import Crc32cCodec
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, NonNegativeInt, model_validator
 
 from .errors import BadInputError, LockLostError, StateError, StoreDamageError, StoreLockedError, StoreMismatchError
 
@@ -73,8 +73,13 @@ CHUNK_TARGET_BYTES = 32 << 20
 MAX_CHUNK_ROWS = 1024
 
 
-def choose_chunk_rows(row_bytes: int, rows: int, multiple_of: int | None = None,
-                      target_bytes: int = CHUNK_TARGET_BYTES, max_rows: int = MAX_CHUNK_ROWS) -> int:
+def choose_chunk_rows(
+    row_bytes: int,
+    rows: int,
+    multiple_of: int | None = None,
+    target_bytes: int = CHUNK_TARGET_BYTES,
+    max_rows: int = MAX_CHUNK_ROWS,
+) -> int:
     """Rows per chunk for rows of ``row_bytes`` bytes: as many as fit in ``target_bytes`` (at least 1), at most
     ``max_rows`` and ``rows``; with ``multiple_of`` (the shard rows) the largest divisor of it within those
     bounds, so that a shard is whole chunks (one writer per chunk)."""
@@ -91,9 +96,11 @@ def check_exp_name(name, field: str = "exp_name") -> None:
     """An experiment name is one folder of the store: letters, digits, ``_``, ``-``, ``.`` (at most 128, not
     starting with ``.`` or ``-``, no ``..``); separators, backslashes and ``..`` are refused."""
     if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or ".." in name:
-        raise BadInputError(f"{field}: {name!r} is not a safe experiment name (it names a folder of the store): use "
-                            "1-128 letters, digits, '_', '-' or '.', not starting with '.' or '-', without '..', "
-                            "'/' or '\\'")
+        raise BadInputError(
+            f"{field}: {name!r} is not a safe experiment name (it names a folder of the store): use "
+            "1-128 letters, digits, '_', '-' or '.', not starting with '.' or '-', without '..', "
+            "'/' or '\\'"
+        )
 
 
 def _versions() -> dict:
@@ -130,8 +137,9 @@ class StoreMetadata(BaseModel):
     @model_validator(mode="after")
     def _shards_whole_chunks(self):
         if self.chunk_rows is None:
-            self.chunk_rows = choose_chunk_rows(self.proj_dim * self.np_dtype.itemsize, self.train_set_size,
-                                                self.shard_rows, self.chunk_bytes)
+            self.chunk_rows = choose_chunk_rows(
+                self.proj_dim * self.np_dtype.itemsize, self.train_set_size, self.shard_rows, self.chunk_bytes
+            )
         if self.shard_rows is None:
             self.shard_rows = 8 * self.chunk_rows
         if self.shard_rows % self.chunk_rows:
@@ -139,12 +147,18 @@ class StoreMetadata(BaseModel):
         return self
 
     @classmethod
-    def from_projector(cls, spec: dict, **fields) -> "StoreMetadata":
+    def from_projector(cls, spec: dict, **fields) -> StoreMetadata:
         """Metadata for a projector ``spec()`` (kind-specific entries go to ``projector_params``)."""
         params = {k: v for k, v in spec.items() if k not in _SPEC_KEYS}
-        return cls(grad_dim=spec["grad_dim"], proj_dim=spec["proj_dim"], projector=spec["kind"],
-                   proj_type=spec["proj_type"], proj_seed=spec["seed"],
-                   projector_params=json.loads(json.dumps(params)), **fields)
+        return cls(
+            grad_dim=spec["grad_dim"],
+            proj_dim=spec["proj_dim"],
+            projector=spec["kind"],
+            proj_type=spec["proj_type"],
+            proj_seed=spec["seed"],
+            projector_params=json.loads(json.dumps(params)),
+            **fields,
+        )
 
     @property
     def num_shards(self) -> int:
@@ -200,7 +214,7 @@ def check_writable(location: str) -> None:
         raise BadInputError(f"store: {path} is not writable ({probe}: {e.strerror or e})") from None
 
 
-def _open_zarr(location: str, mode: str, storage_options: Optional[dict] = None):
+def _open_zarr(location: str, mode: str, storage_options: dict | None = None):
     if str(location).startswith("file://"):  # fsspec's local files do not create parents: use zarr's LocalStore
         location = urlparse(str(location)).path
     kw = {}
@@ -230,11 +244,17 @@ class ArraySpec:
     def problem(self, arr: zarr.Array) -> str | None:
         """What in ``arr``'s own metadata differs from this spec (None: it matches)."""
         codecs = tuple(c.to_dict()["name"] for c in arr.metadata.codecs)
-        for field, want, have in (("shape", self.shape, tuple(arr.shape)), ("dtype", self.dtype, str(arr.dtype)),
-                                  ("chunks", self.chunks, tuple(arr.chunks)), ("codecs", CODEC_NAMES, codecs)):
+        for field, want, have in (
+            ("shape", self.shape, tuple(arr.shape)),
+            ("dtype", self.dtype, str(arr.dtype)),
+            ("chunks", self.chunks, tuple(arr.chunks)),
+            ("codecs", CODEC_NAMES, codecs),
+        ):
             if want != have:
-                return (f"array {arr.path}: its zarr.json says {field}={have}, but the store's metadata (root "
-                        f"zarr.json) implies {field}={want}")
+                return (
+                    f"array {arr.path}: its zarr.json says {field}={have}, but the store's metadata (root "
+                    f"zarr.json) implies {field}={want}"
+                )
         return None
 
 
@@ -267,7 +287,7 @@ def stored_chunk_keys(arr: zarr.Array) -> set[str]:
     async def _list() -> list[str]:
         return [k async for k in arr.store.list_prefix(prefix)]
 
-    return {k[len(prefix):] for k in sync(_list())} - {"zarr.json"}
+    return {k[len(prefix) :] for k in sync(_list())} - {"zarr.json"}
 
 
 def _decode_problem(e: BaseException) -> str:
@@ -305,7 +325,8 @@ def damaged_chunk_error(arr: zarr.Array, coords: tuple[int, ...], problem: str) 
     loc = str(arr.store)
     return StoreDamageError(
         f"store {loc}: array {arr.path}, chunk {chunk_key(arr, coords)} ({unit} {a}..{b - 1}) {problem} (damaged "
-        f"on disk). Run `trakflow verify {loc} --repair`, then rerun to recompute those {unit}.")
+        f"on disk). Run `trakflow verify {loc} --repair`, then rerun to recompute those {unit}."
+    )
 
 
 class StoredArray:
@@ -366,8 +387,10 @@ def _stored(group: zarr.Group, name: str) -> StoredArray:
         arr = group[name]
     except KeyError:
         path = f"{group.path}/{name}".strip("/")
-        raise StoreDamageError(f"store {group.store}: array {path} is missing (its zarr.json is gone). Run "
-                               f"`trakflow verify {group.store} --repair`, then rerun to recompute it.") from None
+        raise StoreDamageError(
+            f"store {group.store}: array {path} is missing (its zarr.json is gone). Run "
+            f"`trakflow verify {group.store} --repair`, then rerun to recompute it."
+        ) from None
     return StoredArray(arr.with_config({"write_empty_chunks": True}))
 
 
@@ -552,7 +575,7 @@ class StoreLock:
         what = "empty" if not raw.strip() else f"not a lock record ({raw[:40]!r})"
         return {"torn": True, "host": None, "pid": None, "run": f"<torn lock file: {what}>", "since": 0}
 
-    def holder(self) -> Optional[dict]:
+    def holder(self) -> dict | None:
         """Who holds the lock (``{"host", "pid", "run", "since", "token"}``), None if nobody; a torn lock file
         (empty or unreadable: a crash while it was written, or damage) gives a dict with ``"torn": True``."""
         raw = self.read_raw()
@@ -561,10 +584,11 @@ class StoreLock:
     def _torn_error(self, holder: dict) -> StoreLockedError:
         _, path = self._fs_and_path()
         return StoreLockedError(
-            f"store {self.location}: its lock file {path} is {holder['run'][len('<torn lock file: '):-1]} "
+            f"store {self.location}: its lock file {path} is {holder['run'][len('<torn lock file: ') : -1]} "
             "(torn: a run crashed while writing it, or the file was damaged), so the run holding the store "
             f"cannot be identified. If no run uses this store, remove the lock with `trakflow unlock "
-            f"{self.location}`.")
+            f"{self.location}`."
+        )
 
     @staticmethod
     def holder_alive(holder: dict) -> bool:
@@ -646,13 +670,18 @@ class StoreLock:
             with contextlib.suppress(OSError):
                 os.unlink(claim)
 
-    def acquire(self, run: Optional[str] = None, force: bool = False) -> dict:
+    def acquire(self, run: str | None = None, force: bool = False) -> dict:
         """Take the lock or raise :class:`StoreLockedError` naming the live holder (re-entrant within one
         process; a dead holder of this host is taken over atomically; ``force`` takes it from a live one;
         a torn lock file is refused with what to do)."""
         run = self.run if run is None else run
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "run": run, "since": time.time(),
-              "token": uuid.uuid4().hex}
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "run": run,
+            "since": time.time(),
+            "token": uuid.uuid4().hex,
+        }
         payload = json.dumps(me).encode()
         local = self._local_path()
         orphan_claim = False
@@ -680,10 +709,15 @@ class StoreLock:
             orphan_claim = won is None
             time.sleep(0.005)  # another process is taking it over: give it time to install its lock
         _, path = self._fs_and_path()
-        why = (f"a takeover claim {path}{self._CLAIM}* was left by a process that died while taking over the "
-               "lock" if orphan_claim else "other processes kept changing the lock")
-        raise StoreLockedError(f"store {self.location}: could not take the lock ({why}). If no run uses this store, "
-                               f"remove the lock with `trakflow unlock {self.location}`.")
+        why = (
+            f"a takeover claim {path}{self._CLAIM}* was left by a process that died while taking over the lock"
+            if orphan_claim
+            else "other processes kept changing the lock"
+        )
+        raise StoreLockedError(
+            f"store {self.location}: could not take the lock ({why}). If no run uses this store, "
+            f"remove the lock with `trakflow unlock {self.location}`."
+        )
 
     def _write_remote(self, payload: bytes, me: dict) -> dict:
         fs, path = self._fs_and_path()
@@ -701,7 +735,7 @@ class StoreLock:
             with contextlib.suppress(FileNotFoundError):
                 fs.rm(path)
 
-    def force_unlock(self) -> Optional[dict]:
+    def force_unlock(self) -> dict | None:
         """Remove the lock whoever holds it (and takeover claims left beside it); returns the previous holder
         (None: it was not locked; ``"torn": True`` for a torn lock file)."""
         fs, path = self._fs_and_path()
@@ -720,7 +754,7 @@ class StoreLock:
         return holder
 
     @contextlib.contextmanager
-    def held(self, run: Optional[str] = None, force: bool = False):
+    def held(self, run: str | None = None, force: bool = False):
         """``with lock.held(run_name): ...`` — hold the lock for the block."""
         self.acquire(run, force)
         try:
@@ -728,7 +762,7 @@ class StoreLock:
         finally:
             self.release()
 
-    def __enter__(self) -> "StoreLock":
+    def __enter__(self) -> StoreLock:
         self.acquire()
         return self
 
@@ -748,7 +782,7 @@ class TrakStore:
 
     # ---------------------------------------------------------------- open / create
     @classmethod
-    def exists(cls, location: str, storage_options: Optional[dict] = None) -> bool:
+    def exists(cls, location: str, storage_options: dict | None = None) -> bool:
         try:
             g = _open_zarr(location, "r", storage_options)
         except Exception:  # zarr raises several types for a missing or unreadable group
@@ -756,8 +790,9 @@ class TrakStore:
         return _META_KEY in g.attrs
 
     @classmethod
-    def open(cls, location: str, storage_options: Optional[dict] = None, mode: str = "r+",
-             check_arrays: bool = True) -> "TrakStore":
+    def open(
+        cls, location: str, storage_options: dict | None = None, mode: str = "r+", check_arrays: bool = True
+    ) -> TrakStore:
         """Open an existing store (error if there is none). ``check_arrays``: check every array's zarr.json
         against the root metadata (:class:`StoreDamageError` naming the array); trak_core.verify opens without
         it and reports those itself."""
@@ -775,14 +810,17 @@ class TrakStore:
             problems = store.array_problems()
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                raise StoreDamageError(f"store {location}: {problems[0]}{more}. The array's metadata was edited or "
-                                       f"damaged: run `trakflow verify {location} --repair` (it recreates the array "
-                                       "and unflags its rows), then rerun.")
+                raise StoreDamageError(
+                    f"store {location}: {problems[0]}{more}. The array's metadata was edited or "
+                    f"damaged: run `trakflow verify {location} --repair` (it recreates the array "
+                    "and unflags its rows), then rerun."
+                )
         return store
 
     @classmethod
-    def create_or_open(cls, location: str, meta: StoreMetadata, storage_options: Optional[dict] = None,
-                       allow_existing: bool = True) -> "TrakStore":
+    def create_or_open(
+        cls, location: str, meta: StoreMetadata, storage_options: dict | None = None, allow_existing: bool = True
+    ) -> TrakStore:
         """Open the store at ``location`` checking it matches ``meta``, or create it."""
         if cls.exists(location, storage_options):
             if not allow_existing:
@@ -835,10 +873,11 @@ class TrakStore:
         raise LockLostError(
             f"store {self.location}: the run lock this run was writing under {what}; stopping before committing "
             "more rows (rows already marked done are complete). Make sure only one run uses the store, then "
-            "rerun: it resumes from the rows marked done.")
+            "rerun: it resumes from the rows marked done."
+        )
 
     # ---------------------------------------------------------------- helpers
-    def _row_array(self, g: zarr.Group, name: str, dtype, width: Optional[int] = None, rows: Optional[int] = None):
+    def _row_array(self, g: zarr.Group, name: str, dtype, width: int | None = None, rows: int | None = None):
         n = rows if rows is not None else self.meta.train_set_size
         if name in g:
             return _stored(g, name)
@@ -855,14 +894,20 @@ class TrakStore:
         parts = path.strip("/").split("/")
 
         def rows(k: int, width: int | None, dtype: str) -> ArraySpec:
-            return ArraySpec((k,) if width is None else (k, width), m.row_chunks(width, np.dtype(dtype).itemsize),
-                             dtype)
+            return ArraySpec(
+                (k,) if width is None else (k, width), m.row_chunks(width, np.dtype(dtype).itemsize), dtype
+            )
 
         if len(parts) == 3 and parts[0] == "models":
-            return {"grads": rows(n, p, m.dtype), "features": rows(n, p, m.dtype),
-                    "out_to_loss": rows(n, None, "float32"), "featurized": rows(n, None, "uint8"),
-                    "finalized": rows(n, None, "uint8"), "xtx_partials": ArraySpec((s, p, p), (1, p, p), "float64"),
-                    "partial_done": ArraySpec((s,), (1,), "uint8")}.get(parts[2])
+            return {
+                "grads": rows(n, p, m.dtype),
+                "features": rows(n, p, m.dtype),
+                "out_to_loss": rows(n, None, "float32"),
+                "featurized": rows(n, None, "uint8"),
+                "finalized": rows(n, None, "uint8"),
+                "xtx_partials": ArraySpec((s, p, p), (1, p, p), "float64"),
+                "partial_done": ArraySpec((s,), (1,), "uint8"),
+            }.get(parts[2])
         if len(parts) in (3, 5) and parts[0] == "experiments":
             try:
                 t = int(self.root["experiments"][parts[1]].attrs["num_targets"])
@@ -940,14 +985,17 @@ class TrakStore:
                 raise StoreMismatchError(
                     f"{field}: model_id={model_id} in {self.location} was planned with {field}={have[field]!r} "
                     f"(its features are computed with it; some may be written already), not {want!r}; use a new "
-                    f"store (or the same {field})")
+                    f"store (or the same {field})"
+                )
 
     def record_feature_settings(self, model_id: int, lambda_setting, rescale_inverse: bool) -> None:
         """Record the settings that determine the features of ``model_id`` (first call), or refuse others."""
         self.check_feature_settings(model_id, lambda_setting, rescale_inverse)
         if self.feature_settings(model_id) is None:
-            self.model(model_id).group.attrs["feature_settings"] = {"lambda_reg": lambda_setting,
-                                                                    "rescale_inverse": bool(rescale_inverse)}
+            self.model(model_id).group.attrs["feature_settings"] = {
+                "lambda_reg": lambda_setting,
+                "rescale_inverse": bool(rescale_inverse),
+            }
 
     # ---------------------------------------------------------------- unflagging (repair, start over)
     def clear_finalize_info(self, model_id: int) -> None:
@@ -1015,20 +1063,28 @@ class TrakStore:
         self._row_array(g, "features", m.dtype, m.proj_dim)
         self._row_array(g, "finalized", "uint8")
         if "xtx_partials" not in g:
-            g.create_array("xtx_partials", shape=(m.num_shards, m.proj_dim, m.proj_dim),
-                           chunks=(1, m.proj_dim, m.proj_dim), dtype="float64", compressors=_codecs(), fill_value=0)
+            g.create_array(
+                "xtx_partials",
+                shape=(m.num_shards, m.proj_dim, m.proj_dim),
+                chunks=(1, m.proj_dim, m.proj_dim),
+                dtype="float64",
+                compressors=_codecs(),
+                fill_value=0,
+            )
         if "partial_done" not in g:
-            g.create_array("partial_done", shape=(m.num_shards,), chunks=(1,), dtype="uint8",
-                           compressors=_codecs(), fill_value=0)
+            g.create_array(
+                "partial_done", shape=(m.num_shards,), chunks=(1,), dtype="uint8", compressors=_codecs(), fill_value=0
+            )
         return ModelArrays(g)
 
     def model(self, model_id: int) -> ModelArrays:
         if not self.has_model(model_id):
-            raise BadInputError(f"model_id={model_id} is not in the store at {self.location} "
-                                f"(it has {self.model_ids()})")
+            raise BadInputError(
+                f"model_id={model_id} is not in the store at {self.location} (it has {self.model_ids()})"
+            )
         return ModelArrays(self.root["models"][str(int(model_id))])
 
-    def checkpoint_record(self, model_id: int) -> Optional[dict]:
+    def checkpoint_record(self, model_id: int) -> dict | None:
         """The checkpoint ``model_id`` was featurized from (``{"path", "sha256"}``), if recorded."""
         return self.model(model_id).group.attrs.get("checkpoint")
 
@@ -1048,7 +1104,7 @@ class TrakStore:
     def num_partials_done(self, model_id: int) -> int:
         return int(self.model(model_id).partial_done[:].sum())
 
-    def finalize_info(self, model_id: int) -> Optional[dict]:
+    def finalize_info(self, model_id: int) -> dict | None:
         """What finalize recorded (λ, its setting, rescale, condition, ...); None until finalized."""
         return self.model(model_id).group.attrs.get("finalize")
 
@@ -1063,8 +1119,10 @@ class TrakStore:
     def write_train_rows(self, model_id: int, rows, grads: np.ndarray, out_to_loss: np.ndarray) -> None:
         """Write rows (slice or sorted index array) then mark them featurized."""
         if self.is_finalized(model_id):
-            raise StateError(f"model_id={model_id} is already finalized; featurizing it again would make its "
-                             "features stale. Use a new model_id or a new store.")
+            raise StateError(
+                f"model_id={model_id} is already finalized; featurizing it again would make its "
+                "features stale. Use a new model_id or a new store."
+            )
         m = self.model(model_id)
         _write_rows(m.grads, rows, grads.astype(self.meta.np_dtype, copy=False))
         _write_rows(m.out_to_loss, rows, out_to_loss.astype(np.float32, copy=False))
@@ -1096,8 +1154,7 @@ class TrakStore:
         if exp_name in exps:
             have = exps[exp_name].attrs.get("num_targets")
             if have != int(num_targets):
-                raise StoreMismatchError(f"experiment {exp_name!r} exists with num_targets={have}, "
-                                         f"not {num_targets}")
+                raise StoreMismatchError(f"experiment {exp_name!r} exists with num_targets={have}, not {num_targets}")
             return ExperimentArrays(exps[exp_name])
         g = exps.require_group(exp_name)
         g.require_group("models")
@@ -1112,7 +1169,7 @@ class TrakStore:
     def num_targets(self, exp_name: str) -> int:
         return self.experiment(exp_name).num_targets
 
-    def target_data_sha256(self, exp_name: str) -> Optional[str]:
+    def target_data_sha256(self, exp_name: str) -> str | None:
         """The fingerprint of the targets the pipeline recorded for ``exp_name`` (None if none)."""
         return self.experiment(exp_name).group.attrs.get("target_data_sha256")
 
@@ -1154,7 +1211,7 @@ class TrakStore:
         done = self._row_array(e.group, "scores_done", "uint8")
         return scores, done
 
-    def scored_with(self, exp_name: str) -> Optional[list[int]]:
+    def scored_with(self, exp_name: str) -> list[int] | None:
         """The model ids the experiment's scores combine (None before any scoring)."""
         ids = self.experiment(exp_name).group.attrs.get("scored_with")
         return None if ids is None else [int(x) for x in ids]
@@ -1204,13 +1261,20 @@ class TrakStore:
     # ---------------------------------------------------------------- reporting
     def status(self) -> dict:
         """A small summary: per model featurized/finalized counts, per experiment progress."""
-        out = {"location": self.location, "metadata": self.meta.model_dump(mode="json"), "models": {},
-               "experiments": {}}
+        out = {
+            "location": self.location,
+            "metadata": self.meta.model_dump(mode="json"),
+            "models": {},
+            "experiments": {},
+        }
         n = self.meta.train_set_size
         for mid in self.model_ids():
             m = self.model(mid)
-            out["models"][mid] = {"featurized": int(m.featurized[:].sum()), "of": n,
-                                  "finalized": self.is_finalized(mid)}
+            out["models"][mid] = {
+                "featurized": int(m.featurized[:].sum()),
+                "of": n,
+                "finalized": self.is_finalized(mid),
+            }
         for exp in self.experiments():
             info = {"num_targets": self.num_targets(exp), "models": self.experiment_model_ids(exp)}
             info["scored_models"] = [mid for mid in info["models"] if self.targets_complete(exp, mid)]
@@ -1245,7 +1309,8 @@ def _refuse_orphan_arrays(location: str, storage_options: dict | None = None) ->
             f"store {location}: it holds a store's arrays ({', '.join(n + '/' for n in found)}) but no root metadata "
             "(its root zarr.json is missing or has no trakflow metadata), so the settings its arrays were made "
             "with cannot be checked; refusing to create a store over them. Restore the root zarr.json (e.g. from a "
-            "backup), or use a new store location.")
+            "backup), or use a new store location."
+        )
 
 
 def _check_model_id(model_id) -> None:
@@ -1259,6 +1324,6 @@ def _write_rows(arr: zarr.Array, rows, values: np.ndarray) -> None:
         return
     rows = np.asarray(rows)
     if rows.size and np.all(np.diff(rows) == 1):
-        arr[int(rows[0]):int(rows[-1]) + 1] = values
+        arr[int(rows[0]) : int(rows[-1]) + 1] = values
     else:
         arr.oindex[rows] = values

@@ -62,8 +62,16 @@ from torch import Tensor
 from .errors import BadInputError
 from .projectors import AbstractProjector
 
-__all__ = ["ProjectorCase", "ModelOutputCase", "check_projector", "check_model_output", "projector_checks",
-           "model_output_checks", "parametrize_with_checks", "iter_checks"]
+__all__ = [
+    "ProjectorCase",
+    "ModelOutputCase",
+    "check_projector",
+    "check_model_output",
+    "projector_checks",
+    "model_output_checks",
+    "parametrize_with_checks",
+    "iter_checks",
+]
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -162,6 +170,7 @@ def _check(fn):
             raise AssertionError(msg if msg.startswith(name) else f"{name}: {msg}") from e
         except Exception as e:
             raise AssertionError(f"{name}: raised {type(e).__name__}: {e}") from e
+
     return wrapper
 
 
@@ -181,16 +190,19 @@ def _close(got: Tensor, want: Tensor, rtol: float, atol: float, what: str) -> No
     bad = ~torch.isclose(g, w, rtol=rtol, atol=atol)
     if bool(bad.any()):
         idx = bad.nonzero()[0].tolist()
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} entries differ (max |diff| "
-                             f"{float((g - w).abs().max()):.3g}; first at {idx}: {float(g[tuple(idx)]):.6g} vs "
-                             f"{float(w[tuple(idx)]):.6g}; rtol={rtol}, atol={atol})")
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} entries differ (max |diff| "
+            f"{float((g - w).abs().max()):.3g}; first at {idx}: {float(g[tuple(idx)]):.6g} vs "
+            f"{float(w[tuple(idx)]):.6g}; rtol={rtol}, atol={atol})"
+        )
 
 
 def _projector(case: ProjectorCase) -> AbstractProjector:
     p = case.make()
     assert isinstance(p, AbstractProjector), f"the factory returned {type(p).__name__}, not an AbstractProjector"
     assert isinstance(p.grad_dim, int) and p.grad_dim > 0, (
-        f"grad_dim must be a positive int to check the projector, got {p.grad_dim!r}")
+        f"grad_dim must be a positive int to check the projector, got {p.grad_dim!r}"
+    )
     return p
 
 
@@ -216,11 +228,18 @@ def check_projector_batch_split(obj) -> None:
     g = _grads(40, p.grad_dim)
     whole = _project(p, g, 1)
     parts = torch.cat([_project(_projector(case), g[a:b], 1) for a, b in [(0, 1), (1, 17), (17, 40)]])
-    _close(parts, whole, case.rtol, case.atol, "the projection depends on the batch (batches 0:1, 1:17, 17:40 "
-           "vs one batch of 40)")
+    _close(
+        parts,
+        whole,
+        case.rtol,
+        case.atol,
+        "the projection depends on the batch (batches 0:1, 1:17, 17:40 vs one batch of 40)",
+    )
     again = _project(_projector(case), g, 1)
-    assert torch.equal(again, whole), ("the same batch projected twice (a fresh instance) is not bit-identical: "
-                                       f"max |diff| {float((again - whole).abs().max()):.3g}")
+    assert torch.equal(again, whole), (
+        "the same batch projected twice (a fresh instance) is not bit-identical: "
+        f"max |diff| {float((again - whole).abs().max()):.3g}"
+    )
 
 
 @_check
@@ -236,9 +255,14 @@ def check_projector_dict_input(obj) -> None:
     d = {"a.weight": g[:, :k].reshape(6, rows, k // rows)}
     if k < n:
         d["a.bias"] = g[:, k:]
-    _close(_project(p, d, 2), _project(p, g, 2), case.rtol, case.atol,
-           f"dict input {{name: shape}} = {{{', '.join(f'{a}: {tuple(v.shape[1:])}' for a, v in d.items())}}} "
-           "does not project as the flat tensor")
+    _close(
+        _project(p, d, 2),
+        _project(p, g, 2),
+        case.rtol,
+        case.atol,
+        f"dict input {{name: shape}} = {{{', '.join(f'{a}: {tuple(v.shape[1:])}' for a, v in d.items())}}} "
+        "does not project as the flat tensor",
+    )
 
 
 @_check
@@ -272,10 +296,12 @@ def check_projector_inner_products(obj) -> None:
     norms = ref.diagonal().sqrt()
     err = ((ip - ref) / (norms[:, None] * norms[None, :])).abs()
     k = math.sqrt(p.proj_dim)
-    assert float(err.max()) < 6 / k, (f"max relative inner-product error {float(err.max()):.3g} ≥ "
-                                      f"6/√proj_dim = {6 / k:.3g}")
-    assert float(err.mean()) < 1.5 / k, (f"mean relative inner-product error {float(err.mean()):.3g} ≥ "
-                                         f"1.5/√proj_dim = {1.5 / k:.3g} (is scale right?)")
+    assert float(err.max()) < 6 / k, (
+        f"max relative inner-product error {float(err.max()):.3g} ≥ 6/√proj_dim = {6 / k:.3g}"
+    )
+    assert float(err.mean()) < 1.5 / k, (
+        f"mean relative inner-product error {float(err.mean()):.3g} ≥ 1.5/√proj_dim = {1.5 / k:.3g} (is scale right?)"
+    )
 
 
 @_check
@@ -283,8 +309,10 @@ def check_projector_refuses_bad_input(obj) -> None:
     """Gradients of the wrong width or rank are refused with BadInputError (the message names grad_dim)."""
     case = _as_projector_case(obj)
     p = _projector(case)
-    for bad, what in ((torch.zeros(3, p.grad_dim + 1), f"shape (3, {p.grad_dim + 1})"),
-                      (torch.zeros(p.grad_dim), f"a 1-d tensor of shape ({p.grad_dim},)")):
+    for bad, what in (
+        (torch.zeros(3, p.grad_dim + 1), f"shape (3, {p.grad_dim + 1})"),
+        (torch.zeros(p.grad_dim), f"a 1-d tensor of shape ({p.grad_dim},)"),
+    ):
         try:
             p.project(bad, 0)
         except BadInputError as e:
@@ -306,7 +334,8 @@ def check_projector_spec(obj) -> None:
     missing = [k for k in ("kind", "proj_type", "seed", "grad_dim", "proj_dim") if k not in spec]
     assert not missing, f"spec() lacks {missing}: {spec}"
     assert (spec["grad_dim"], spec["proj_dim"]) == (p.grad_dim, p.proj_dim), (
-        f"spec() disagrees with the projector: {spec}")
+        f"spec() disagrees with the projector: {spec}"
+    )
     try:
         json.dumps(spec)
     except TypeError as e:
@@ -326,9 +355,16 @@ def check_projector_free_memory(obj) -> None:
     assert torch.equal(before, after), "the projection changed after free_memory()"
 
 
-PROJECTOR_CHECKS = (check_projector_shape_and_dtype, check_projector_batch_split, check_projector_dict_input,
-                    check_projector_randomness, check_projector_inner_products, check_projector_refuses_bad_input,
-                    check_projector_spec, check_projector_free_memory)
+PROJECTOR_CHECKS = (
+    check_projector_shape_and_dtype,
+    check_projector_batch_split,
+    check_projector_dict_input,
+    check_projector_randomness,
+    check_projector_inner_products,
+    check_projector_refuses_bad_input,
+    check_projector_spec,
+    check_projector_free_memory,
+)
 
 
 def projector_checks() -> tuple:
@@ -336,14 +372,15 @@ def projector_checks() -> tuple:
     return PROJECTOR_CHECKS
 
 
-def check_projector(projector_factory_or_instance, *, checks: Sequence[Callable] | None = None,
-                    rtol: float = 1e-5, atol: float = 1e-4) -> None:
+def check_projector(
+    projector_factory_or_instance, *, checks: Sequence[Callable] | None = None, rtol: float = 1e-5, atol: float = 1e-4
+) -> None:
     """Run every projector check (or ``checks``) on a projector, a factory of projectors (a callable,
     optionally taking ``seed=``) or a :class:`ProjectorCase`; the first failure raises AssertionError."""
     case = projector_factory_or_instance
     if not isinstance(case, ProjectorCase):
         case = ProjectorCase(case, rtol=rtol, atol=atol)
-    for check in (checks or PROJECTOR_CHECKS):
+    for check in checks or PROJECTOR_CHECKS:
         check(case)
 
 
@@ -388,10 +425,14 @@ def check_model_output_validate_batch(obj) -> None:
         mo.validate_batch(batch)
     except Exception as e:
         raise AssertionError(f"the good batch is refused: {type(e).__name__}: {e}") from e
-    bad = [("a bare tensor instead of a sequence of tensors", batch[0]),
-           ("elements with different batch sizes",
-            [batch[0][:-1], *batch[1:]] if len(batch) > 1 else [batch[0], batch[0][:-1]]),
-           ("an empty batch (batch size 0)", [x[:0] for x in batch])]
+    bad = [
+        ("a bare tensor instead of a sequence of tensors", batch[0]),
+        (
+            "elements with different batch sizes",
+            [batch[0][:-1], *batch[1:]] if len(batch) > 1 else [batch[0], batch[0][:-1]],
+        ),
+        ("an empty batch (batch size 0)", [x[:0] for x in batch]),
+    ]
     bad += [(f"bad_batches[{i}]", b) for i, b in enumerate(case.bad_batches)]
     for what, b in bad:
         try:
@@ -413,12 +454,14 @@ def check_model_output_output(obj) -> None:
     if case.batched_output:
         out = mo.get_output(model, None, None, *batch)
         assert isinstance(out, Tensor) and tuple(out.shape) == (n,), (
-            f"get_output on the batch returned shape {tuple(getattr(out, 'shape', ()))}, expected ({n},)")
+            f"get_output on the batch returned shape {tuple(getattr(out, 'shape', ()))}, expected ({n},)"
+        )
     else:
         w, b = _state(model)
         out = mo.get_output(model, w, b, *_example(batch, 0))
         assert isinstance(out, Tensor) and out.dim() == 0, (
-            f"get_output on one example returned {tuple(getattr(out, 'shape', ()))}, expected a scalar (0-d) tensor")
+            f"get_output on one example returned {tuple(getattr(out, 'shape', ()))}, expected a scalar (0-d) tensor"
+        )
         out = _get_outputs(case, batch)
     assert out.is_floating_point(), f"get_output returned dtype {out.dtype}"
     assert bool(torch.isfinite(out).all()), f"get_output returned non-finite values {out.tolist()}"
@@ -436,8 +479,9 @@ def check_model_output_uses_weights(obj) -> None:
         with torch.enable_grad():
             out = mo.get_output(model, None, None, *batch)
             grads = torch.autograd.grad(out.sum(), params, allow_unused=True)
-        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
-                          for g, p in zip(grads, params, strict=True)])
+        flat = torch.cat(
+            [(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params, strict=True)]
+        )
     else:
         w, b = _state(model)
         sample = _example(batch, 0)
@@ -446,9 +490,11 @@ def check_model_output_uses_weights(obj) -> None:
         shifted = {n: p + 0.1 * torch.ones_like(p) if p.is_floating_point() else p for n, p in w.items()}
         f0 = mo.get_output(model, w, b, *sample)
         f1 = mo.get_output(model, shifted, b, *sample)
-        assert not torch.equal(f0, f1), ("get_output gives the same value for other weights: it does not use the "
-                                         "weights it is given (call the model with "
-                                         "torch.func.functional_call(model, (weights, buffers), ...))")
+        assert not torch.equal(f0, f1), (
+            "get_output gives the same value for other weights: it does not use the "
+            "weights it is given (call the model with "
+            "torch.func.functional_call(model, (weights, buffers), ...))"
+        )
     assert bool(torch.isfinite(flat).all()), "the gradient of the output has non-finite entries"
     assert bool((flat != 0).any()), "the gradient of the output w.r.t. the weights is zero"
 
@@ -463,8 +509,9 @@ def check_model_output_batch_independent(obj) -> None:
     n = _bsize(batch)
     if case.batched_output:
         whole = mo.get_output(model, None, None, *batch).detach()
-        single = torch.cat([mo.get_output(model, None, None, *[x[i:i + 1] for x in batch]).detach().reshape(-1)
-                            for i in range(n)])
+        single = torch.cat(
+            [mo.get_output(model, None, None, *[x[i : i + 1] for x in batch]).detach().reshape(-1) for i in range(n)]
+        )
         _close(whole, single, case.rtol, case.atol, "outputs of the batch vs one-example batches")
         return
     w, b = _state(model)
@@ -479,8 +526,13 @@ def check_model_output_batch_independent(obj) -> None:
     for i in range(n):
         gi = torch.func.grad(f)(w, *_example(batch, i))
         for name in w:
-            _close(vgrads[name][i], gi[name], case.rtol, case.atol,
-                   f"vmapped gradient vs the gradient of example {i} alone (parameter {name!r})")
+            _close(
+                vgrads[name][i],
+                gi[name],
+                case.rtol,
+                case.atol,
+                f"vmapped gradient vs the gradient of example {i} alone (parameter {name!r})",
+            )
 
 
 @_check
@@ -493,7 +545,8 @@ def check_model_output_out_to_loss_grad(obj) -> None:
     with torch.no_grad():
         q = mo.get_out_to_loss_grad(model, w, b, batch)
     assert isinstance(q, Tensor) and tuple(q.shape) in ((n,), (n, 1)), (
-        f"Q has shape {tuple(getattr(q, 'shape', ()))}, expected ({n},) or ({n}, 1)")
+        f"Q has shape {tuple(getattr(q, 'shape', ()))}, expected ({n},) or ({n}, 1)"
+    )
     assert bool(torch.isfinite(q).all()), f"Q has non-finite values {q.reshape(-1).tolist()}"
 
 
@@ -506,13 +559,23 @@ def check_model_output_reference(obj) -> None:
     with torch.no_grad():
         want = case.reference(case.model, case.batch)
         got = _get_outputs(case, case.batch)
-    _close(got.detach().reshape(-1), torch.as_tensor(want).detach().reshape(-1), case.rtol, case.atol,
-           "get_output vs the plain forward pass (reference)")
+    _close(
+        got.detach().reshape(-1),
+        torch.as_tensor(want).detach().reshape(-1),
+        case.rtol,
+        case.atol,
+        "get_output vs the plain forward pass (reference)",
+    )
 
 
-MODEL_OUTPUT_CHECKS = (check_model_output_validate_batch, check_model_output_output, check_model_output_uses_weights,
-                       check_model_output_batch_independent, check_model_output_out_to_loss_grad,
-                       check_model_output_reference)
+MODEL_OUTPUT_CHECKS = (
+    check_model_output_validate_batch,
+    check_model_output_output,
+    check_model_output_uses_weights,
+    check_model_output_batch_independent,
+    check_model_output_out_to_loss_grad,
+    check_model_output_reference,
+)
 
 
 def model_output_checks() -> tuple:
@@ -520,13 +583,19 @@ def model_output_checks() -> tuple:
     return MODEL_OUTPUT_CHECKS
 
 
-def check_model_output(model_output, model: torch.nn.Module, batch: Sequence[Tensor], *,
-                       checks: Sequence[Callable] | None = None, **case_options) -> None:
+def check_model_output(
+    model_output,
+    model: torch.nn.Module,
+    batch: Sequence[Tensor],
+    *,
+    checks: Sequence[Callable] | None = None,
+    **case_options,
+) -> None:
     """Run every model output check (or ``checks``) on ``model_output`` with ``model`` and a good ``batch``
     (≥ 2 examples). ``case_options``: the other fields of :class:`ModelOutputCase` (``reference``,
     ``bad_batches``, ``batched_output``, ``setup``, ``rtol``, ``atol``)."""
     case = ModelOutputCase(model_output, model, batch, **case_options)
-    for check in (checks or MODEL_OUTPUT_CHECKS):
+    for check in checks or MODEL_OUTPUT_CHECKS:
         check(case)
 
 

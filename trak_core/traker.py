@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -49,8 +49,10 @@ def check_device(device) -> str:
         raise BadInputError(f"device={device!r} is not a torch device ({e})") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise BadInputError(f"device={device!r}: CUDA is not available in this process "
-                                "(torch.cuda.is_available() is False); use device='cpu'")
+            raise BadInputError(
+                f"device={device!r}: CUDA is not available in this process "
+                "(torch.cuda.is_available() is False); use device='cpu'"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise BadInputError(f"device={device!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
     return str(device)
@@ -60,11 +62,11 @@ def default_projector(model, grad_dim: int, proj_dim: int, seed: int, device, gr
     """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md, issue 5); the dense
     Rademacher projection, with a one-line warning, for models it cannot factor."""
     try:
-        return make_projector("factored", grad_dim, proj_dim, seed, "rademacher", device=device, model=model,
-                              grad_wrt=grad_wrt)
+        return make_projector(
+            "factored", grad_dim, proj_dim, seed, "rademacher", device=device, model=model, grad_wrt=grad_wrt
+        )
     except BadInputError as e:
-        warnings.warn(f"TRAKer: using the dense projector (the default 'factored' does not apply: {e})",
-                      stacklevel=3)
+        warnings.warn(f"TRAKer: using the dense projector (the default 'factored' does not apply: {e})", stacklevel=3)
         return DenseProjector(grad_dim, proj_dim, seed, ProjectionType.rademacher, device)
 
 
@@ -77,16 +79,31 @@ class TRAKer:
     32 MiB and 1,024 rows, a shard 8 chunks: trak_core.store.choose_chunk_rows), ``storage_options`` (fsspec).
     """
 
-    def __init__(self, model: torch.nn.Module, task: Union[AbstractModelOutput, str], train_set_size: int,
-                 save_dir: str = "./trak_results", load_from_save_dir: bool = True,
-                 device: Union[str, torch.device, None] = None,
-                 gradient_computer: type[AbstractGradientComputer] = FunctionalGradientComputer,
-                 projector: Optional[AbstractProjector] = None, saver=None, score_computer=None,
-                 proj_dim: int = 2048, logging_level=logging.INFO, use_half_precision: bool = True,
-                 proj_max_batch_size: int = 32, projector_seed: int = 0,
-                 grad_wrt: Optional[Iterable[str]] = None, lambda_reg: float = 0.0, *,
-                 rescale_inverse: bool = True, chunk_rows: int | None = None, shard_rows: Optional[int] = None,
-                 storage_options: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        task: AbstractModelOutput | str,
+        train_set_size: int,
+        save_dir: str = "./trak_results",
+        load_from_save_dir: bool = True,
+        device: str | torch.device | None = None,
+        gradient_computer: type[AbstractGradientComputer] = FunctionalGradientComputer,
+        projector: AbstractProjector | None = None,
+        saver=None,
+        score_computer=None,
+        proj_dim: int = 2048,
+        logging_level=logging.INFO,
+        use_half_precision: bool = True,
+        proj_max_batch_size: int = 32,
+        projector_seed: int = 0,
+        grad_wrt: Iterable[str] | None = None,
+        lambda_reg: float = 0.0,
+        *,
+        rescale_inverse: bool = True,
+        chunk_rows: int | None = None,
+        shard_rows: int | None = None,
+        storage_options: dict | None = None,
+    ) -> None:
         self.logger = logging.getLogger("trakflow")
         self.logger.setLevel(logging_level)
         # traker's defaults (MmapSaver, BasicScoreComputer) are what our store and scoring do; any other
@@ -117,35 +134,44 @@ class TRAKer:
         if projector is None:
             if not isinstance(proj_dim, int) or proj_dim <= 0:
                 raise BadInputError(f"proj_dim must be a positive integer, got {proj_dim!r}")
-            projector = default_projector(model, self.num_params_for_grad, proj_dim, projector_seed, self.device,
-                                          self.grad_wrt)
+            projector = default_projector(
+                model, self.num_params_for_grad, proj_dim, projector_seed, self.device, self.grad_wrt
+            )
         elif not hasattr(projector, "spec"):
-            raise BadInputError(f"TRAKer(projector={type(projector).__name__}): give one projector for the whole "
-                                "gradient (e.g. CudaProjector or BasicProjector with grad_dim = the number of "
-                                "parameters); trak_core projects the gradient parameter by parameter on its own, "
-                                "so ChunkedCudaProjector is not needed")
+            raise BadInputError(
+                f"TRAKer(projector={type(projector).__name__}): give one projector for the whole "
+                "gradient (e.g. CudaProjector or BasicProjector with grad_dim = the number of "
+                "parameters); trak_core projects the gradient parameter by parameter on its own, "
+                "so ChunkedCudaProjector is not needed"
+            )
         elif isinstance(projector, NoOpProjector):
             projector.grad_dim = projector.proj_dim = self.num_params_for_grad
             projector.device = self.device
         if projector.grad_dim != self.num_params_for_grad:
-            raise BadInputError(f"projector.grad_dim={projector.grad_dim} but the model has "
-                                f"{self.num_params_for_grad} parameters to take gradients for")
+            raise BadInputError(
+                f"projector.grad_dim={projector.grad_dim} but the model has "
+                f"{self.num_params_for_grad} parameters to take gradients for"
+            )
         self.projector = projector
         self.proj_dim = projector.proj_dim
         self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
 
         self.metadata = StoreMetadata.from_projector(
-            projector.spec(), train_set_size=self.train_set_size,
-            dtype="float16" if use_half_precision else "float32", chunk_rows=chunk_rows,
-            shard_rows=shard_rows, task=type(self.task).__name__)
+            projector.spec(),
+            train_set_size=self.train_set_size,
+            dtype="float16" if use_half_precision else "float32",
+            chunk_rows=chunk_rows,
+            shard_rows=shard_rows,
+            task=type(self.task).__name__,
+        )
         self.save_dir = str(save_dir)
         self.load_from_save_dir = load_from_save_dir
         self.store = TrakStore.create_or_open(self.save_dir, self.metadata, storage_options)
         self.featurizer = Featurizer(model, self.task, projector, gradient_computer, self.grad_wrt, self.device)
         self.gradient_computer = self.featurizer.gradient_computer
-        self.ckpt_loaded: Optional[int] = None
-        self.current_model_id: Optional[int] = None
-        self.current_experiment_name: Optional[str] = None
+        self.ckpt_loaded: int | None = None
+        self.current_model_id: int | None = None
+        self.current_experiment_name: str | None = None
         self._last_ind = 0
         self._last_ind_target = 0
         self.scores = None
@@ -167,8 +193,10 @@ class TRAKer:
 
     def _resolve_inds(self, batch, inds, num_samples, attr: str, limit: int) -> np.ndarray:
         if (inds is None) == (num_samples is None):
-            raise InputAssertionError("Exactly one of num_samples and inds should be specified "
-                                      f"(got inds={'None' if inds is None else 'given'}, num_samples={num_samples!r})")
+            raise InputAssertionError(
+                "Exactly one of num_samples and inds should be specified "
+                f"(got inds={'None' if inds is None else 'given'}, num_samples={num_samples!r})"
+            )
         if num_samples is not None:
             start = getattr(self, attr)
             inds = np.arange(start, start + int(num_samples))
@@ -184,15 +212,19 @@ class TRAKer:
             raise BadInputError("indices within one batch must be distinct")
         return inds
 
-    def featurize(self, batch, inds=None, num_samples: Optional[int] = None) -> None:
+    def featurize(self, batch, inds=None, num_samples: int | None = None) -> None:
         """Project the gradients of a batch of train examples and store them (rows ``inds``)."""
         if self.ckpt_loaded is None:
-            raise StateAssertionError("Load a checkpoint using traker.load_checkpoint before featurizing "
-                                      "(call load_checkpoint(state_dict, model_id=...) first)")
+            raise StateAssertionError(
+                "Load a checkpoint using traker.load_checkpoint before featurizing "
+                "(call load_checkpoint(state_dict, model_id=...) first)"
+            )
         mid = self.current_model_id
         if self.store.is_finalized(mid):
-            raise StateError(f"model_id={mid} is already finalized; featurizing it again would make its features "
-                             "stale. Use a new model_id or a new store.")
+            raise StateError(
+                f"model_id={mid} is already finalized; featurizing it again would make its features "
+                "stale. Use a new model_id or a new store."
+            )
         self.task.validate_batch(batch)
         inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
         done = self.store.model(mid).featurized.oindex[inds].astype(bool)
@@ -207,13 +239,14 @@ class TRAKer:
         x, q = self.featurizer.featurize(batch, mid, inds)
         self.store.write_train_rows(mid, inds[order], x[order], q[order])
 
-    def finalize_features(self, model_ids: Optional[Iterable[int]] = None, del_grads: bool = False) -> None:
+    def finalize_features(self, model_ids: Iterable[int] | None = None, del_grads: bool = False) -> None:
         """XᵀX, (XᵀX + λI)⁻¹ and the features Φ for each model (all registered ones by default)."""
         ids = list(model_ids) if model_ids is not None else self.store.model_ids()
         for mid in ids:
             if not self.store.has_model(mid):
-                raise ModelIDException(f"Model ID {mid} not registered, not ready for finalizing: "
-                                       "load_checkpoint and featurize it first")
+                raise ModelIDException(
+                    f"Model ID {mid} not registered, not ready for finalizing: load_checkpoint and featurize it first"
+                )
         for mid in ids:
             if self.store.is_finalized(mid):
                 self.logger.warning("model_id=%s already finalized, skipping", mid)
@@ -237,7 +270,7 @@ class TRAKer:
         self.ckpt_loaded = model_id
         self._last_ind_target = 0
 
-    def score(self, batch, inds=None, num_samples: Optional[int] = None) -> None:
+    def score(self, batch, inds=None, num_samples: int | None = None) -> None:
         """Project the gradients of a batch of targets (rows ``inds`` of the experiment)."""
         if self.current_experiment_name is None:
             raise StateError("call start_scoring_checkpoint(...) before score(...)")
@@ -248,8 +281,9 @@ class TRAKer:
         g = self.featurizer.target_features(batch, self.current_model_id, inds)
         self.store.write_target_rows(exp, self.current_model_id, inds[order], g[order])
 
-    def finalize_scores(self, exp_name: str, model_ids: Optional[Iterable[int]] = None,
-                        allow_skip: bool = False) -> np.ndarray:
+    def finalize_scores(
+        self, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
+    ) -> np.ndarray:
         """Combine the checkpoints' scores: (n_train, n_targets) float32 array."""
         self._last_ind_target = 0
         if model_ids is not None:

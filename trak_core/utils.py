@@ -18,8 +18,16 @@ from torch import Tensor
 from .errors import BadInputError
 
 __all__ = [
-    "test_install", "parameters_to_vector", "get_num_params", "is_not_buffer", "vectorize", "get_output_memory",
-    "get_free_memory", "get_matrix_mult_standard", "get_matrix_mult_blockwise", "get_matrix_mult",
+    "test_install",
+    "parameters_to_vector",
+    "get_num_params",
+    "is_not_buffer",
+    "vectorize",
+    "get_output_memory",
+    "get_free_memory",
+    "get_matrix_mult_standard",
+    "get_matrix_mult_blockwise",
+    "get_matrix_mult",
     "get_parameter_chunk_sizes",
 ]
 
@@ -41,13 +49,22 @@ def test_install(use_fast_jl: bool = True):
     x, y = torch.randn(20, 256, device=device), torch.randint(high=2, size=(20,), device=device)
     model = torch.nn.Linear(256, 2, bias=False).to(device)
     if use_fast_jl:
-        projector = CudaProjector(grad_dim=512, proj_dim=512, seed=0, proj_type="rademacher", device=device,
-                                  max_batch_size=32)
+        projector = CudaProjector(
+            grad_dim=512, proj_dim=512, seed=0, proj_type="rademacher", device=device, max_batch_size=32
+        )
     else:
         projector = NoOpProjector()
     with tempfile.TemporaryDirectory() as tmp:
-        traker = TRAKer(model=model, task="image_classification", train_set_size=20, proj_dim=512,
-                        save_dir=os.path.join(tmp, "store"), projector=projector, device=device, logging_level=100)
+        traker = TRAKer(
+            model=model,
+            task="image_classification",
+            train_set_size=20,
+            proj_dim=512,
+            save_dir=os.path.join(tmp, "store"),
+            projector=projector,
+            device=device,
+            logging_level=100,
+        )
         traker.load_checkpoint(model.state_dict(), model_id=0)
         traker.featurize((x, y), num_samples=20)
     print("trak_core is installed correctly!")
@@ -101,7 +118,7 @@ def vectorize(g, arr=None, device="cuda") -> Tensor:
         arr = torch.empty(batch, width, dtype=first.dtype, device=_resolve_device(device, first))
     offset = 0
     for c in cols:
-        arr[:, offset:offset + c.shape[1]] = c.to(arr.device)
+        arr[:, offset : offset + c.shape[1]] = c.to(arr.device)
         offset += c.shape[1]
     return arr
 
@@ -136,14 +153,19 @@ def get_matrix_mult_blockwise(features: Tensor, target_grads: Tensor, target_dty
     bs = max(1, min(n, m, int(bs)))
     out = torch.empty((n, m), dtype=target_dtype, device="cpu")
     for i in range(0, n, bs):
-        fi = features[i:i + bs]
+        fi = features[i : i + bs]
         for j in range(0, m, bs):
-            out[i:i + bs, j:j + bs] = (fi @ target_grads[j:j + bs].t()).to(device="cpu", dtype=target_dtype)
+            out[i : i + bs, j : j + bs] = (fi @ target_grads[j : j + bs].t()).to(device="cpu", dtype=target_dtype)
     return out
 
 
-def get_matrix_mult(features: Tensor, target_grads: Tensor, target_dtype: torch.dtype = None,
-                    batch_size: int = 8096, use_blockwise: bool = False) -> Tensor:
+def get_matrix_mult(
+    features: Tensor,
+    target_grads: Tensor,
+    target_dtype: torch.dtype = None,
+    batch_size: int = 8096,
+    use_blockwise: bool = False,
+) -> Tensor:
     """``features @ target_grads.T`` (n × m), block-wise when asked or when the output would not fit in
     free memory of the features' device; ``target_dtype`` defaults to the features' dtype."""
     if target_dtype is None:

@@ -39,8 +39,12 @@ from .store import TrakStore, chunk_coords_of_rows, chunk_key, chunk_rows_of, re
 Kind = Literal["missing", "corrupt", "metadata"]
 
 #: data array → the flag array (same group) whose set rows it must hold
-_MODEL_DATA = {"grads": "featurized", "out_to_loss": "featurized", "features": "finalized",
-               "xtx_partials": "partial_done"}
+_MODEL_DATA = {
+    "grads": "featurized",
+    "out_to_loss": "featurized",
+    "features": "finalized",
+    "xtx_partials": "partial_done",
+}
 _MODEL_FLAGS = ("featurized", "finalized", "partial_done")
 _EXP_DATA = {"scores": "scores_done"}
 _TARGET_DATA = {"grads": "scored"}
@@ -62,8 +66,11 @@ class ChunkDamage:
 
     def describe(self) -> str:
         a, b = self.rows
-        what = {"missing": "is missing", "corrupt": self.detail or "is corrupt",
-                "metadata": self.detail or "has wrong metadata"}[self.kind]
+        what = {
+            "missing": "is missing",
+            "corrupt": self.detail or "is corrupt",
+            "metadata": self.detail or "has wrong metadata",
+        }[self.kind]
         where = "its zarr.json" if self.chunk == "zarr.json" else f"chunk {self.chunk}"
         return f"array {self.array}, {where} ({self.unit} {a}..{b - 1}): {what}"
 
@@ -140,8 +147,9 @@ def _read_flags(arr: zarr.Array, damage: list[ChunkDamage], read_chunks: bool) -
     return out
 
 
-def _check_data(arr: zarr.Array, flagged: np.ndarray, damage: list[ChunkDamage], read_chunks: bool,
-                flag: str) -> ArrayCheck:
+def _check_data(
+    arr: zarr.Array, flagged: np.ndarray, damage: list[ChunkDamage], read_chunks: bool, flag: str
+) -> ArrayCheck:
     rows = np.flatnonzero(flagged)
     expected = chunk_coords_of_rows(arr, rows) if rows.size else []
     present = stored_chunk_keys(arr)
@@ -162,8 +170,14 @@ def _check_data(arr: zarr.Array, flagged: np.ndarray, damage: list[ChunkDamage],
     return ArrayCheck(arr.path, flag, len(expected), missing, corrupt)
 
 
-def _group_checks(store: TrakStore, group: zarr.Group, data: dict[str, str], flags: tuple[str, ...],
-                  damage: list[ChunkDamage], read_chunks: bool) -> list[ArrayCheck]:
+def _group_checks(
+    store: TrakStore,
+    group: zarr.Group,
+    data: dict[str, str],
+    flags: tuple[str, ...],
+    damage: list[ChunkDamage],
+    read_chunks: bool,
+) -> list[ArrayCheck]:
     checks: list[ArrayCheck] = []
     arrays: dict[str, zarr.Array] = {}
     for name in list(flags) + list(data):
@@ -179,8 +193,7 @@ def _group_checks(store: TrakStore, group: zarr.Group, data: dict[str, str], fla
             continue
         problem = spec.problem(arr) if spec is not None else None
         if problem:
-            damage.append(ChunkDamage(path, "zarr.json", (0, arr.shape[0]), "metadata",
-                                      problem.split(": ", 1)[-1]))
+            damage.append(ChunkDamage(path, "zarr.json", (0, arr.shape[0]), "metadata", problem.split(": ", 1)[-1]))
             checks.append(ArrayCheck(path, data.get(name), 0, metadata=True))
             continue
         arrays[name] = arr
@@ -222,8 +235,7 @@ def verify_store(store: TrakStore, read_chunks: bool = True) -> VerifyReport:
         if e.has_scores or "scores_done" in e.group:
             checks += _group_checks(store, e.group, _EXP_DATA, ("scores_done",), damage, read_chunks)
         for mid in e.model_ids():
-            checks += _group_checks(store, e.group["models"][str(mid)], _TARGET_DATA, ("scored",), damage,
-                                    read_chunks)
+            checks += _group_checks(store, e.group["models"][str(mid)], _TARGET_DATA, ("scored",), damage, read_chunks)
     return VerifyReport(store.location, read_chunks, tuple(checks), tuple(damage), tuple(inconsistent))
 
 
@@ -248,7 +260,8 @@ def require_present(store: TrakStore, arrays: list[tuple[zarr.Array, np.ndarray]
                 raise StoreDamageError(
                     f"store {store.location}: {d.describe()} (deleted or lost on disk; zarr would read it back as "
                     f"zeros). Run `trakflow verify {store.location} --repair`, then rerun to recompute those "
-                    f"{d.unit}.")
+                    f"{d.unit}."
+                )
 
 
 # ---------------------------------------------------------------------------- repair
@@ -260,15 +273,17 @@ def _unflag(store: TrakStore, d: ChunkDamage, out: RepairResult) -> None:
         mid, name = int(parts[1]), parts[2]
         if name in ("grads", "out_to_loss", "featurized"):
             store.unflag_train_rows(mid, rows, "grads")
-            out.actions.append(f"model {mid}: rows {a}..{b - 1} unflagged (featurize, XᵀX partial, features, scores "
-                               "recomputed)")
+            out.actions.append(
+                f"model {mid}: rows {a}..{b - 1} unflagged (featurize, XᵀX partial, features, scores recomputed)"
+            )
         elif name in ("features", "finalized"):
             store.unflag_train_rows(mid, rows, "features")
             out.actions.append(f"model {mid}: features of rows {a}..{b - 1} unflagged (finalize, scores recomputed)")
         elif name in ("xtx_partials", "partial_done"):
             store.model(mid).partial_done.oindex[rows] = 0
-            out.actions.append(f"model {mid}: XᵀX partials of shards {a}..{b - 1} unflagged (recomputed from the "
-                               "grads)")
+            out.actions.append(
+                f"model {mid}: XᵀX partials of shards {a}..{b - 1} unflagged (recomputed from the grads)"
+            )
     elif parts[0] == "experiments":
         exp = parts[1]
         e = store.experiment(exp)
@@ -278,8 +293,9 @@ def _unflag(store: TrakStore, d: ChunkDamage, out: RepairResult) -> None:
                 e.model(mid).scored.oindex[rows] = 0
             if e.has_scores:
                 e.scores_done[:] = 0
-            out.actions.append(f"experiment {exp}: target rows {a}..{b - 1} of model {mid} and all score rows "
-                               "unflagged")
+            out.actions.append(
+                f"experiment {exp}: target rows {a}..{b - 1} of model {mid} and all score rows unflagged"
+            )
         elif e.has_scores:
             e.scores_done.oindex[rows] = 0
             out.actions.append(f"experiment {exp}: score rows {a}..{b - 1} unflagged")

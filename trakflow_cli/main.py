@@ -17,7 +17,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -27,8 +26,12 @@ from rich.table import Table
 if os.getcwd() not in sys.path and "" not in sys.path:
     sys.path.append(os.getcwd())
 
-app = typer.Typer(help="TRAK data attribution as a Prefect pipeline.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="TRAK data attribution as a Prefect pipeline.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
 console = Console()
 err_console = Console(stderr=True)
 
@@ -72,9 +75,15 @@ class _Bars:
     """Rich progress bars fed by tasks.progress events (tasks run in this process's threads)."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn(), console=err_console,
-                                 disable=not enabled)
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+            disable=not enabled,
+        )
         self.ids: dict[str, int] = {}
 
     def __call__(self, kind: str, stage: str, amount: float) -> None:
@@ -164,34 +173,42 @@ def _top_k_tables(rows: list[dict], top_k: int) -> None:
             p, o = r["proponents"][i], r["opponents"][i]
             pl = "" if p.get("label") is None else f" y={p['label']}"
             ol = "" if o.get("label") is None else f" y={o['label']}"
-            t.add_row(str(i + 1), f"#{p['index']}{pl}", f"{p['score']:+.4g}", f"#{o['index']}{ol}", f"{o['score']:+.4g}")
+            t.add_row(
+                str(i + 1), f"#{p['index']}{pl}", f"{p['score']:+.4g}", f"#{o['index']}{ol}", f"{o['score']:+.4g}"
+            )
         console.print(t)
 
 
 def _print_attribution(result: dict, config) -> None:
     f, fi, sc = result["featurize"], result["finalize"], result["score"]
-    console.print(f"store [bold]{result['store']}[/], experiment [bold]{result['exp_name']}[/]: "
-                  f"featurize {f['computed']} computed / {f['skipped']} skipped, "
-                  f"finalize {fi['computed']} / {fi['skipped']}, score {sc['computed']} / {sc['skipped']} "
-                  f"({result['seconds']:.1f} s)")
+    console.print(
+        f"store [bold]{result['store']}[/], experiment [bold]{result['exp_name']}[/]: "
+        f"featurize {f['computed']} computed / {f['skipped']} skipped, "
+        f"finalize {fi['computed']} / {fi['skipped']}, score {sc['computed']} / {sc['skipped']} "
+        f"({result['seconds']:.1f} s)"
+    )
     rep = result.get("report")
     if rep:
         _top_k_tables(rep["rows"], config.top_k)
         if rep.get("label_agreement") is not None:
-            console.print(f"fraction of top-{config.top_k} proponents sharing the target's label: "
-                          f"[bold]{rep['label_agreement']:.2f}[/]")
+            console.print(
+                f"fraction of top-{config.top_k} proponents sharing the target's label: "
+                f"[bold]{rep['label_agreement']:.2f}[/]"
+            )
         if rep.get("files"):
             console.print("report: " + ", ".join(rep["files"]))
 
 
 # ---------------------------------------------------------------------------------------------- commands
 @app.command()
-def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="where checkpoints, store and report go"),
-         models: int = typer.Option(3, min=1, help="checkpoints to train"),
-         epochs: int = typer.Option(4, min=1, help="epochs per checkpoint"),
-         proj_dim: int = typer.Option(512, min=1, help="projection dimension (< 1500 train digits)"),
-         lambda_reg: str = typer.Option("auto", help="ridge term λ: a number, 'auto' or 'rel:<f>'"),
-         verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
+def demo(
+    demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="where checkpoints, store and report go"),
+    models: int = typer.Option(3, min=1, help="checkpoints to train"),
+    epochs: int = typer.Option(4, min=1, help="epochs per checkpoint"),
+    proj_dim: int = typer.Option(512, min=1, help="projection dimension (< 1500 train digits)"),
+    lambda_reg: str = typer.Option("auto", help="ridge term λ: a number, 'auto' or 'rel:<f>'"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs"),
+) -> None:
     """Train digit classifiers (if absent), attribute 5 held-out digits to the 1,500 train digits, report."""
     _prefect_env(verbose)
     t0 = time.perf_counter()
@@ -205,8 +222,13 @@ def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="whe
         console.print(f"training {models} checkpoints ({epochs} epochs each) in {train_cfg.out_dir}")
     try:
         with _Bars(True):
-            out = digits_demo(demo_dir=str(demo_dir), num_models=models, epochs=epochs, proj_dim=proj_dim,
-                              lambda_reg=normalize_lambda_reg(lambda_reg))
+            out = digits_demo(
+                demo_dir=str(demo_dir),
+                num_models=models,
+                epochs=epochs,
+                proj_dim=proj_dim,
+                lambda_reg=normalize_lambda_reg(lambda_reg),
+            )
     except _config_errors() as e:
         _fail(f"{type(e).__name__}: {e}", 1)
     if out["train"] is None:
@@ -214,8 +236,10 @@ def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="whe
     else:
         for r in out["train"]["models"]:
             a = "" if r.get("alpha_mean") is None else f", mean α {r['alpha_mean']:.2f}"
-            console.print(f"  model {r['index']}: loss {r['final_loss']:.3f}, train accuracy "
-                          f"{r['train_accuracy']:.3f}{a}{' (kept)' if r['skipped'] else ''}")
+            console.print(
+                f"  model {r['index']}: loss {r['final_loss']:.3f}, train accuracy "
+                f"{r['train_accuracy']:.3f}{a}{' (kept)' if r['skipped'] else ''}"
+            )
     from tasks.config import AttributeConfig
 
     _print_attribution(out["attribute"], AttributeConfig.from_yaml(out["config"]))
@@ -224,10 +248,12 @@ def demo(demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="whe
 
 
 @app.command()
-def run(config_file: Path = typer.Argument(..., help="YAML file of an AttributeConfig", exists=False),
-        flow: str = typer.Option("attribute", help="attribute | featurize | finalize | score"),
-        always_run: bool = typer.Option(False, "--always-run", help="run the flow even when the store is complete"),
-        verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
+def run(
+    config_file: Path = typer.Argument(..., help="YAML file of an AttributeConfig", exists=False),
+    flow: str = typer.Option("attribute", help="attribute | featurize | finalize | score"),
+    always_run: bool = typer.Option(False, "--always-run", help="run the flow even when the store is complete"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs"),
+) -> None:
     """Run the attribute flow (or one stage of it) on a YAML config.
 
     The config is checked before Prefect is imported. When the store already holds everything the config
@@ -246,10 +272,12 @@ def run(config_file: Path = typer.Argument(..., help="YAML file of an AttributeC
         except _config_errors() as e:
             _fail(f"{type(e).__name__}: {e}", 1)
         if plan is not None:
-            console.print(f"store [bold]{plan.store}[/], experiment [bold]{plan.exp_name}[/]: complete "
-                          f"({plan.train_set_size} train rows × {plan.num_targets} targets, {len(plan.models)} "
-                          "checkpoints) — nothing to run. Top-k: `trakflow show CONFIG`; `--always-run` runs "
-                          "the flow anyway.")
+            console.print(
+                f"store [bold]{plan.store}[/], experiment [bold]{plan.exp_name}[/]: complete "
+                f"({plan.train_set_size} train rows × {plan.num_targets} targets, {len(plan.models)} "
+                "checkpoints) — nothing to run. Top-k: `trakflow show CONFIG`; `--always-run` runs "
+                "the flow anyway."
+            )
             return
     _prefect_env(verbose, reuse_local_server=True)
     import flows
@@ -262,8 +290,10 @@ def run(config_file: Path = typer.Argument(..., help="YAML file of an AttributeC
 
 
 @app.command("train")
-def train_cmd(config_file: Path = typer.Argument(..., help="YAML file of a TrainConfig"),
-              verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
+def train_cmd(
+    config_file: Path = typer.Argument(..., help="YAML file of a TrainConfig"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs"),
+) -> None:
     """Train N checkpoints (the train flow) and write their manifest.json."""
     from tasks.config import TrainConfig
 
@@ -272,11 +302,12 @@ def train_cmd(config_file: Path = typer.Argument(..., help="YAML file of a Train
     from flows import train
 
     res = _run_flow(train, config)
-    console.print(f"{res['tasks']} models ({res['computed']} trained, {res['skipped']} kept); "
-                  f"manifest: {res['manifest']}")
+    console.print(
+        f"{res['tasks']} models ({res['computed']} trained, {res['skipped']} kept); manifest: {res['manifest']}"
+    )
 
 
-def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: Optional[str]):
+def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: str | None):
     """The demo's evaluate setup: its checkpoints (trained here when absent) and recipe, all 297 held-out
     digits as targets (experiment 'digits-heldout'), the demo's lambda_reg unless given (another lambda_reg
     gets its own store: a finalized store keeps its λ)."""
@@ -288,7 +319,8 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: Optional[str
 
     train_cfg, attr = demo_configs(demo_dir)
     if not (Path(train_cfg.out_dir) / "manifest.json").is_file() or not all(
-            is_complete(train_cfg.out_dir, i) for i in range(train_cfg.num_models)):
+        is_complete(train_cfg.out_dir, i) for i in range(train_cfg.num_models)
+    ):
         console.print(f"training the demo's {train_cfg.num_models} checkpoints in {train_cfg.out_dir}")
         _run_flow(train, train_cfg)
     attr.update(exp_name="digits-heldout", target_data="examples.digits:heldout_data", report_targets=5)
@@ -298,23 +330,32 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: Optional[str
         if value != attr["lambda_reg"]:
             tag = "".join(ch if ch.isalnum() or ch == "." else "-" for ch in str(value))
             report = Path(demo_dir).absolute() / f"report-lambda-{tag}"
-            attr.update(store=str(Path(demo_dir).absolute() / f"store-lambda-{tag}.zarr"), lambda_reg=value,
-                        report_dir=str(report))
-    return EvaluateConfig(attribute=attr, recipe_from=str(Path(train_cfg.out_dir) / "manifest.json"),
-                          num_subsets=subsets, cache_dir=str(Path(demo_dir).absolute() / "lds_cache"),
-                          report_dir=str(report))
+            attr.update(
+                store=str(Path(demo_dir).absolute() / f"store-lambda-{tag}.zarr"),
+                lambda_reg=value,
+                report_dir=str(report),
+            )
+    return EvaluateConfig(
+        attribute=attr,
+        recipe_from=str(Path(train_cfg.out_dir) / "manifest.json"),
+        num_subsets=subsets,
+        cache_dir=str(Path(demo_dir).absolute() / "lds_cache"),
+        report_dir=str(report),
+    )
 
 
 @app.command()
-def evaluate(config_file: Optional[Path] = typer.Argument(None, help="YAML file of an EvaluateConfig (default: the "
-                                                                     "demo setup)"),
-             demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="the demo's folder (no config)"),
-             subsets: Optional[int] = typer.Option(None, min=3, help="counterfactual models M (demo default 50)"),
-             fraction: Optional[float] = typer.Option(None, min=0.0, max=1.0, help="subset fraction (default 0.5)"),
-             seeds_per_subset: Optional[int] = typer.Option(None, min=1, help="inits per subset, margins averaged"),
-             lambda_reg: Optional[str] = typer.Option(None, help="demo only: lambda_reg to evaluate (number, 'auto', "
-                                                                "'rel:<f>'; default the demo's 'auto')"),
-             verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
+def evaluate(
+    config_file: Path | None = typer.Argument(None, help="YAML file of an EvaluateConfig (default: the demo setup)"),
+    demo_dir: Path = typer.Option(Path("trakflow_demo"), "--dir", help="the demo's folder (no config)"),
+    subsets: int | None = typer.Option(None, min=3, help="counterfactual models M (demo default 50)"),
+    fraction: float | None = typer.Option(None, min=0.0, max=1.0, help="subset fraction (default 0.5)"),
+    seeds_per_subset: int | None = typer.Option(None, min=1, help="inits per subset, margins averaged"),
+    lambda_reg: str | None = typer.Option(
+        None, help="demo only: lambda_reg to evaluate (number, 'auto', 'rel:<f>'; default the demo's 'auto')"
+    ),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs"),
+) -> None:
     """Counterfactual LDS of an experiment (the evaluate flow): attribute if needed, train M models on random
     subsets (cached), print the LDS. Without a config: the digits demo on its 297 held-out digits."""
     _prefect_env(verbose)
@@ -327,8 +368,15 @@ def evaluate(config_file: Optional[Path] = typer.Argument(None, help="YAML file 
             config = _demo_evaluate_config(demo_dir, subsets or 50, lambda_reg)
         else:
             config = _load_config(EvaluateConfig, config_file)
-        over = {k: v for k, v in (("num_subsets", subsets), ("subset_fraction", fraction),
-                                  ("seeds_per_subset", seeds_per_subset)) if v is not None}
+        over = {
+            k: v
+            for k, v in (
+                ("num_subsets", subsets),
+                ("subset_fraction", fraction),
+                ("seeds_per_subset", seeds_per_subset),
+            )
+            if v is not None
+        }
         if over:
             config = EvaluateConfig.model_validate({**config.model_dump(), **over})
     except _config_errors() as e:
@@ -336,26 +384,35 @@ def evaluate(config_file: Optional[Path] = typer.Argument(None, help="YAML file 
     res = _run_flow(evaluate_flow, config)
     a, s = config.attribute, res["settings"]
     lam = ", ".join(f"{x:.3g}" for x in s["lambda_abs"] if x is not None)
-    console.print(f"experiment [bold]{a.exp_name}[/] in {a.store}: {res['num_targets']} targets, {s['checkpoints']} "
-                  f"checkpoints, projector {s['projector']} proj_dim {s['proj_dim']}, lambda_reg {s['lambda_reg']} "
-                  f"(λ = {lam})")
-    console.print(f"ground truth: {res['num_subsets']} subsets × {res['seeds_per_subset']} seeds, fraction "
-                  f"{res['subset_fraction']}, recipe {s['recipe']}; {res['trained']} models trained now "
-                  f"({res['num_subsets'] * res['seeds_per_subset'] - res['trained']} reused) — {res['truth']}")
-    console.print(f"[bold]LDS = {res['lds']:.4f}[/] (95% bootstrap interval over targets "
-                  f"[{res['ci95'][0]:.3f}, {res['ci95'][1]:.3f}])")
+    console.print(
+        f"experiment [bold]{a.exp_name}[/] in {a.store}: {res['num_targets']} targets, {s['checkpoints']} "
+        f"checkpoints, projector {s['projector']} proj_dim {s['proj_dim']}, lambda_reg {s['lambda_reg']} "
+        f"(λ = {lam})"
+    )
+    console.print(
+        f"ground truth: {res['num_subsets']} subsets × {res['seeds_per_subset']} seeds, fraction "
+        f"{res['subset_fraction']}, recipe {s['recipe']}; {res['trained']} models trained now "
+        f"({res['num_subsets'] * res['seeds_per_subset'] - res['trained']} reused) — {res['truth']}"
+    )
+    console.print(
+        f"[bold]LDS = {res['lds']:.4f}[/] (95% bootstrap interval over targets "
+        f"[{res['ci95'][0]:.3f}, {res['ci95'][1]:.3f}])"
+    )
     if res.get("files"):
         console.print("report: " + ", ".join(res["files"]))
     console.print(f"evaluate finished in {time.perf_counter() - t0:.1f} s")
 
 
 @app.command()
-def show(store: str = typer.Argument(..., help="store path or URL, or the YAML file of an AttributeConfig"),
-         exp: Optional[str] = typer.Option(None, help="experiment (default: the config's, the only one, or 'default')"),
-         target: Optional[int] = typer.Option(None, help="print the top proponents/opponents of this target"),
-         top_k: Optional[int] = typer.Option(None, "--top-k", min=1, help="how many (default: the config's, or 5)"),
-         config_file: Optional[Path] = typer.Option(None, "--config", help="AttributeConfig YAML of the store: labels, "
-                                                    "and text for text inputs (its show function)")) -> None:
+def show(
+    store: str = typer.Argument(..., help="store path or URL, or the YAML file of an AttributeConfig"),
+    exp: str | None = typer.Option(None, help="experiment (default: the config's, the only one, or 'default')"),
+    target: int | None = typer.Option(None, help="print the top proponents/opponents of this target"),
+    top_k: int | None = typer.Option(None, "--top-k", min=1, help="how many (default: the config's, or 5)"),
+    config_file: Path | None = typer.Option(
+        None, "--config", help="AttributeConfig YAML of the store: labels, and text for text inputs (its show function)"
+    ),
+) -> None:
     """Status per checkpoint and experiment; with --target (or a config), the top-k train examples.
 
     With a config (as the argument or --config) the tables are the report's: labels, and the sentences when
@@ -378,9 +435,11 @@ def show(store: str = typer.Argument(..., help="store path or URL, or the YAML f
         _fail(str(e))
     status = st.status()
     meta = status["metadata"]
-    console.print(f"store [bold]{store}[/]: {meta['train_set_size']} train rows, grad_dim {meta['grad_dim']} → "
-                  f"proj_dim {meta['proj_dim']} ({meta['projector']}, {meta['proj_type']}, seed {meta['proj_seed']}), "
-                  f"{meta['dtype']}, shards of {meta['shard_rows']} rows, task {meta['task']}")
+    console.print(
+        f"store [bold]{store}[/]: {meta['train_set_size']} train rows, grad_dim {meta['grad_dim']} → "
+        f"proj_dim {meta['proj_dim']} ({meta['projector']}, {meta['proj_type']}, seed {meta['proj_seed']}), "
+        f"{meta['dtype']}, shards of {meta['shard_rows']} rows, task {meta['task']}"
+    )
     t = Table(title="checkpoints", title_justify="left")
     for col in ("model_id", "featurized rows", "XᵀX partials", "finalized", "condition"):
         t.add_column(col)
@@ -389,17 +448,27 @@ def show(store: str = typer.Argument(..., help="store path or URL, or the YAML f
         parts = st.num_partials_done(mid)
         fin = st.finalize_info(mid) or {}
         ck = (st.checkpoint_record(mid) or {}).get("path", "")
-        t.add_row(str(mid), f"{info['featurized']}/{info['of']}", f"{parts}/{st.meta.num_shards}",
-                  "yes" if info["finalized"] else "no",
-                  f"{fin['condition']:.3g}" if "condition" in fin else "", ck)
+        t.add_row(
+            str(mid),
+            f"{info['featurized']}/{info['of']}",
+            f"{parts}/{st.meta.num_shards}",
+            "yes" if info["finalized"] else "no",
+            f"{fin['condition']:.3g}" if "condition" in fin else "",
+            ck,
+        )
     console.print(t)
     t = Table(title="experiments", title_justify="left")
     for col in ("experiment", "targets", "target grads complete", "score rows done", "combined checkpoints"):
         t.add_column(col)
     for name, info in status["experiments"].items():
         with_ = st.scored_with(name)
-        t.add_row(name, str(info["num_targets"]), f"{len(info['scored_models'])}/{len(info['models'])} checkpoints",
-                  f"{info['scores_rows_done']}/{meta['train_set_size']}", "" if with_ is None else str(with_))
+        t.add_row(
+            name,
+            str(info["num_targets"]),
+            f"{len(info['scored_models'])}/{len(info['models'])} checkpoints",
+            f"{info['scores_rows_done']}/{meta['train_set_size']}",
+            "" if with_ is None else str(with_),
+        )
     console.print(t)
     k = top_k or (config.top_k if config is not None else 5)
     if target is None and config is None:
@@ -418,9 +487,12 @@ def show(store: str = typer.Argument(..., help="store path or URL, or the YAML f
         from tasks.report import top_k as top_k_of
 
         pro, opp = top_k_of(scores, target, k)
-        row = {"target": target, "label": None,
-               "proponents": [{"index": int(i), "score": float(scores[i, target])} for i in pro],
-               "opponents": [{"index": int(i), "score": float(scores[i, target])} for i in opp]}
+        row = {
+            "target": target,
+            "label": None,
+            "proponents": [{"index": int(i), "score": float(scores[i, target])} for i in pro],
+            "opponents": [{"index": int(i), "score": float(scores[i, target])} for i in opp],
+        }
         _top_k_tables([row], k)
         return
     from tasks.config import load_data, load_object
@@ -428,8 +500,10 @@ def show(store: str = typer.Argument(..., help="store path or URL, or the YAML f
 
     train, targets = load_data(config.train_data, "train_data"), load_data(config.target_data, "target_data")
     if targets[0].shape[0] != scores.shape[1] or train[0].shape[0] != scores.shape[0]:
-        _fail(f"experiment {exp!r} has {scores.shape[0]} train × {scores.shape[1]} targets but the config's data has "
-              f"{train[0].shape[0]} × {targets[0].shape[0]}: use the config the experiment was made with")
+        _fail(
+            f"experiment {exp!r} has {scores.shape[0]} train × {scores.shape[1]} targets but the config's data has "
+            f"{train[0].shape[0]} × {targets[0].shape[0]}: use the config the experiment was made with"
+        )
     shown = [target] if target is not None else list(range(min(config.report_targets, scores.shape[1])))
     rows = top_k_table(st, exp, shown, k, labels_of(train), labels_of(targets))
     if config.show:
@@ -437,12 +511,16 @@ def show(store: str = typer.Argument(..., help="store path or URL, or the YAML f
     _top_k_tables(rows, k)
     agree = [r["label_agreement"] for r in rows if "label_agreement" in r]
     if agree:
-        console.print(f"fraction of top-{k} proponents sharing the target's label: [bold]{sum(agree) / len(agree):.2f}[/]")
+        console.print(
+            f"fraction of top-{k} proponents sharing the target's label: [bold]{sum(agree) / len(agree):.2f}[/]"
+        )
 
 
 @app.command()
-def unlock(store: str = typer.Argument(..., help="store path or URL"),
-           yes: bool = typer.Option(False, "--yes", "-y", help="remove the lock even if its holder may be alive")) -> None:
+def unlock(
+    store: str = typer.Argument(..., help="store path or URL"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="remove the lock even if its holder may be alive"),
+) -> None:
     """Remove a store's run lock left by a run that is gone (a crashed machine, a killed job).
 
     A lock of a dead process on this host is taken over by the next run anyway; this is for locks of
@@ -461,11 +539,12 @@ def unlock(store: str = typer.Argument(..., help="store path or URL"),
         lock.force_unlock()
         console.print(f"removed a torn lock file ({holder['run'][1:-1]}) from {store}", markup=False)
         return
-    who = (f"run {holder.get('run') or '?'} (pid {holder.get('pid')} on {holder.get('host')}, since "
-           f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(float(holder.get('since', 0))))})")
+    who = (
+        f"run {holder.get('run') or '?'} (pid {holder.get('pid')} on {holder.get('host')}, since "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(float(holder.get('since', 0))))})"
+    )
     if not yes and StoreLock.holder_alive(holder) and holder.get("host") == socket.gethostname():
-        _fail(f"store {store} is locked by {who}, which is still running on this host; stop it first "
-              "(or pass --yes)")
+        _fail(f"store {store} is locked by {who}, which is still running on this host; stop it first (or pass --yes)")
     lock.force_unlock()
     console.print(f"removed the lock of {who} from {store}")
 
@@ -480,8 +559,14 @@ def serve(verbose: bool = typer.Option(True, help="show Prefect's logs")) -> Non
 
 
 #: the config class each flow's deployments take as their ``config`` parameter
-_FLOW_CONFIGS = {"attribute": "AttributeConfig", "featurize": "AttributeConfig", "finalize": "AttributeConfig",
-                 "score": "AttributeConfig", "train": "TrainConfig", "evaluate": "EvaluateConfig"}
+_FLOW_CONFIGS = {
+    "attribute": "AttributeConfig",
+    "featurize": "AttributeConfig",
+    "finalize": "AttributeConfig",
+    "score": "AttributeConfig",
+    "train": "TrainConfig",
+    "evaluate": "EvaluateConfig",
+}
 
 
 def _deployment_names() -> list[str]:
@@ -502,10 +587,12 @@ def _failure_line(state) -> str:
 
 
 @app.command()
-def trigger(deployment: str = typer.Argument("attribute/digits", help="'flow-name/deployment-name'"),
-            config_file: Optional[Path] = typer.Option(None, "--config", help="YAML config replacing the deployment's"),
-            wait: bool = typer.Option(False, help="wait for the run to finish; exit 1 with its error if it fails"),
-            verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs")) -> None:
+def trigger(
+    deployment: str = typer.Argument("attribute/digits", help="'flow-name/deployment-name'"),
+    config_file: Path | None = typer.Option(None, "--config", help="YAML config replacing the deployment's"),
+    wait: bool = typer.Option(False, help="wait for the run to finish; exit 1 with its error if it fails"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs"),
+) -> None:
     """Start a run of a deployment on the server in PREFECT_API_URL (like the UI's Run button).
 
     A --config is validated here, against the config class of the deployment's flow, before it is sent."""
@@ -516,8 +603,10 @@ def trigger(deployment: str = typer.Argument("attribute/digits", help="'flow-nam
 
         cls = getattr(tasks.config, _FLOW_CONFIGS.get(flow_name, ""), None)
         if cls is None:
-            _fail(f"--config: deployments of flow {flow_name!r} take no config (flows with one: "
-                  f"{', '.join(sorted(_FLOW_CONFIGS))})")
+            _fail(
+                f"--config: deployments of flow {flow_name!r} take no config (flows with one: "
+                f"{', '.join(sorted(_FLOW_CONFIGS))})"
+            )
         params = {"config": _load_config(cls, config_file).model_dump(mode="json", exclude_unset=True)}
     _prefect_env(verbose)
     from prefect.deployments import run_deployment
@@ -527,8 +616,10 @@ def trigger(deployment: str = typer.Argument("attribute/digits", help="'flow-nam
         fr = run_deployment(deployment, parameters=params, timeout=None if wait else 0)
     except ObjectNotFound:
         names = _deployment_names()
-        _fail(f"no deployment {deployment!r} on {os.environ.get('PREFECT_API_URL') or 'the ephemeral server'}; "
-              + (f"available: {', '.join(names)}" if names else "none is registered (start `trakflow serve`)"))
+        _fail(
+            f"no deployment {deployment!r} on {os.environ.get('PREFECT_API_URL') or 'the ephemeral server'}; "
+            + (f"available: {', '.join(names)}" if names else "none is registered (start `trakflow serve`)")
+        )
     console.print(f"flow run {fr.name} ({fr.id}): {fr.state.name if fr.state else 'scheduled'}")
     if wait and fr.state and not fr.state.is_completed():
         _fail(_failure_line(fr.state), 1)

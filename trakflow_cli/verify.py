@@ -14,12 +14,16 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-def verify(store: str = typer.Argument(..., help="store path or URL"),
-           repair: bool = typer.Option(False, "--repair", help="unflag the damaged rows (and what depends on them) "
-                                       "so that a rerun recomputes exactly those"),
-           quick: bool = typer.Option(False, "--quick", help="list chunks only (do not read them: checksums "
-                                      "unchecked)"),
-           details: bool = typer.Option(False, "--all", help="list every array, intact ones too")) -> None:
+def verify(
+    store: str = typer.Argument(..., help="store path or URL"),
+    repair: bool = typer.Option(
+        False,
+        "--repair",
+        help="unflag the damaged rows (and what depends on them) so that a rerun recomputes exactly those",
+    ),
+    quick: bool = typer.Option(False, "--quick", help="list chunks only (do not read them: checksums unchecked)"),
+    details: bool = typer.Option(False, "--all", help="list every array, intact ones too"),
+) -> None:
     """Check every array, flag and checksum of a store; exit 1 on damage (0 after --repair)."""
     from trak_core.errors import TrakError
     from trak_core.store import TrakStore
@@ -52,13 +56,18 @@ def verify(store: str = typer.Argument(..., help="store path or URL"),
     if not report.ok or details:
         console.print(table)
     if report.ok:
-        console.print(f"[green]intact[/]: {len(report.arrays)} arrays, every chunk of rows marked done is present"
-                      + ("" if quick else " and passes its crc32c checksum"))
+        console.print(
+            f"[green]intact[/]: {len(report.arrays)} arrays, every chunk of rows marked done is present"
+            + ("" if quick else " and passes its crc32c checksum")
+        )
         return
     n = len(report.damage) + len(report.inconsistent)
     if not repair:
-        err_console.print(f"[bold red]damaged[/]: {n} problem(s). `trakflow verify {store} --repair` unflags the "
-                          "damaged rows (and what depends on them); a rerun then recomputes them.", highlight=False)
+        err_console.print(
+            f"[bold red]damaged[/]: {n} problem(s). `trakflow verify {store} --repair` unflags the "
+            "damaged rows (and what depends on them); a rerun then recomputes them.",
+            highlight=False,
+        )
         raise typer.Exit(1)
     try:
         with st.lock.held("trakflow verify --repair"):
@@ -68,5 +77,4 @@ def verify(store: str = typer.Argument(..., help="store path or URL"),
         raise typer.Exit(2) from None
     for line in done.actions:
         console.print(f"repaired: {line}", highlight=False)
-    console.print(f"[green]repaired[/]: {n} problem(s); rerun the pipeline (or TRAKer) to recompute the unflagged "
-                  "rows")
+    console.print(f"[green]repaired[/]: {n} problem(s); rerun the pipeline (or TRAKer) to recompute the unflagged rows")
