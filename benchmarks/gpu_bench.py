@@ -313,10 +313,13 @@ def throughput(args, env) -> tuple[str, list[dict]]:
         for algo in ["fma"] + (["tc3", "tc2", "tc1"] if tc_ok else []):
             p = dense(grad_dim, proj_dim, seed=0, algo=algo)
             for x in (x32, x16):
-                record(f"cuda_ext dense {algo}", batch, x.dtype, cuda_time(lambda: p.project(x, 0), args.reps))
+                record(f"cuda_ext dense {algo}", batch, x.dtype, cuda_time(lambda p=p, x=x: p.project(x, 0), args.reps))
         p = dense(grad_dim, proj_dim, seed=0, proj_type="normal")
         record(
-            "cuda_ext dense normal fma", batch, x32.dtype, cuda_time(lambda: p.project(x32, 0), max(1, args.reps // 2))
+            "cuda_ext dense normal fma",
+            batch,
+            x32.dtype,
+            cuda_time(lambda p=p, x32=x32: p.project(x32, 0), max(1, args.reps // 2)),
         )
         for c in (1, 4):
             s = sjlt(grad_dim, proj_dim, seed=0, c=c)
@@ -328,14 +331,19 @@ def throughput(args, env) -> tuple[str, list[dict]]:
                 f"cuda_ext sjlt c={c}",
                 batch,
                 x32.dtype,
-                cuda_time(lambda: s.project(x32, 0), args.reps),
+                cuda_time(lambda s=s, x32=x32: s.project(x32, 0), args.reps),
                 f"plan built once per model: {plan_s * 1e3:.0f} ms",
             )
             del s
         # build-free torch path (one timed run: it regenerates the whole matrix)
         if not args.skip_torch_path and batch == args.batches[0]:
             p = CudaDenseProjector(grad_dim, proj_dim, seed=0, device=DEV, backend="torch")
-            record("torch path (no build)", batch, x32.dtype, cuda_time(lambda: p.project(x32, 0), 1, warmup=0))
+            record(
+                "torch path (no build)",
+                batch,
+                x32.dtype,
+                cuda_time(lambda p=p, x32=x32: p.project(x32, 0), 1, warmup=0),
+            )
         # fast_jl
         try:
             import fast_jl
@@ -347,7 +355,7 @@ def throughput(args, env) -> tuple[str, list[dict]]:
                     "fast_jl rademacher",
                     batch,
                     x.dtype,
-                    cuda_time(lambda: fn(x, proj_dim, 0, sms), args.reps),
+                    cuda_time(lambda fn=fn, x=x, sms=sms: fn(x, proj_dim, 0, sms), args.reps),
                     f"num_feature_tiles={sms}",
                 )
         except ImportError:
@@ -377,7 +385,7 @@ def throughput(args, env) -> tuple[str, list[dict]]:
             xs = x32[:, :rows].to(mdt).contiguous()
             prev = torch.backends.cuda.matmul.allow_tf32
             torch.backends.cuda.matmul.allow_tf32 = False
-            t = cuda_time(lambda: xs @ mat, args.reps) * grad_dim / rows
+            t = cuda_time(lambda xs=xs, mat=mat: xs @ mat, args.reps) * grad_dim / rows
             torch.backends.cuda.matmul.allow_tf32 = prev
             note = "full matrix" if rows == grad_dim else f"measured on {rows:,} rows, scaled ×{grad_dim / rows:.2f}"
             record(f"cuBLAS materialized {str(mdt).replace('torch.', '')}", batch, mdt, t, note)

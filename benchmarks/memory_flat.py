@@ -20,7 +20,8 @@ import json, logging, resource, sys, time, warnings
 import numpy as np, torch
 torch.manual_seed(0)
 import trak_core
-phase, store, n, p, m, bs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+phase, store = sys.argv[1], sys.argv[2]
+n, p, m, bs = (int(a) for a in sys.argv[3:7])
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
 tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=n, save_dir=store, device="cpu",

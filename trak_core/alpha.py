@@ -608,7 +608,7 @@ class Alpha:
         loss_fn = self.loss_fn
 
         def per_sample_losses(*trainable_values):
-            state = dict(zip(trainable, trainable_values))
+            state = dict(zip(trainable, trainable_values, strict=True))
             state.update(frozen)
             # Fresh copies so in-place buffer updates (BatchNorm) touch neither the
             # model nor the snapshot, and are legal inside the transform.

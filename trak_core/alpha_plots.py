@@ -62,7 +62,7 @@ def plot_alpha_trace(
     for level in (-1.0, 1.0):
         ax.axhline(level, color="grey", linewidth=0.8, linestyle="--")
     if ok:
-        steps, values = zip(*ok)
+        steps, values = zip(*ok, strict=True)
         ax.plot(steps, values, marker="o", markersize=3, linewidth=1, label="α")
     if missing:
         ax.plot(missing, [0.0] * len(missing), "x", color="grey", label="undefined")

@@ -148,5 +148,5 @@ class IterativeGradientComputer(AbstractGradientComputer):
                 g = torch.autograd.grad(
                     outputs[i], self.params, retain_graph=i + 1 < outputs.shape[0], allow_unused=True
                 )
-                rows.append([torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, self.params)])
+                rows.append([torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, self.params, strict=True)])
         return {n: torch.stack([r[k] for r in rows]) for k, n in enumerate(self.param_names)}

@@ -44,7 +44,7 @@ def _check_labels(labels: Tensor, num_classes: int) -> None:
 class AbstractModelOutput(ABC):
     """A model output function. Implement ``get_output`` (one example) and ``get_out_to_loss_grad``."""
 
-    def __init__(self) -> None:
+    def __init__(self) -> None:  # noqa: B027 - concrete on purpose: subclasses need not call or override it
         pass
 
     @abstractmethod

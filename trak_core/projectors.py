@@ -38,7 +38,7 @@ from .errors import BadInputError
 from .gradients import vectorize
 
 
-class ProjectionType(str, Enum):
+class ProjectionType(str, Enum):  # noqa: UP042 - a StrEnum would change str(member), which traker code prints
     normal = "normal"
     rademacher = "rademacher"
 
@@ -76,7 +76,7 @@ class AbstractProjector(ABC):
     def project(self, grads: dict | Tensor, model_id: int) -> Tensor:
         """Project a batch of gradients with the matrix of ``model_id``."""
 
-    def free_memory(self) -> None:
+    def free_memory(self) -> None:  # noqa: B027 - optional hook: projectors without a cache keep this no-op
         """Drop cached matrices."""
 
     @property

@@ -181,7 +181,7 @@ def usable_models(
             problem = f"target gradients of experiment {exp_name!r} for model_id={mid} are incomplete or missing"
         if problem:
             if allow_skip:
-                warnings.warn(f"{problem}; skipping it (allow_skip=True)")
+                warnings.warn(f"{problem}; skipping it (allow_skip=True)", stacklevel=2)
                 continue
             raise StateError(problem)
         used.append(mid)

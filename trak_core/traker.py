@@ -74,9 +74,10 @@ class TRAKer:
     """The front-facing TRAK class (see the module docstring for how it differs from traker 0.3.2).
 
     ``lambda_reg`` may also be ``"auto"`` or ``"rel:<f>"``: damping relative to the mean eigenvalue of
-    XᵀX (see :func:`trak_core.scoring.resolve_lambda`). Extra keyword arguments: ``rescale_inverse`` (traker's division of (XᵀX+λI)⁻¹ by its mean |entry|;
-    default True for parity), ``chunk_rows``/``shard_rows`` (store layout; by default a chunk holds at most
-    32 MiB and 1,024 rows, a shard 8 chunks: trak_core.store.choose_chunk_rows), ``storage_options`` (fsspec).
+    XᵀX (see :func:`trak_core.scoring.resolve_lambda`). Extra keyword arguments: ``rescale_inverse``
+    (traker's division of (XᵀX+λI)⁻¹ by its mean |entry|; default True for parity),
+    ``chunk_rows``/``shard_rows`` (store layout; by default a chunk holds at most 32 MiB and 1,024 rows, a
+    shard 8 chunks: trak_core.store.choose_chunk_rows), ``storage_options`` (fsspec).
     """
 
     def __init__(
