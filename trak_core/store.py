@@ -1256,6 +1256,16 @@ class TrakStore:
         e = self.experiment(exp_name)
         if not e.has_scores or not bool(e.scores_done[:].all()):
             raise StateError(f"scores of experiment {exp_name!r} are not finalized yet")
+        raw = e.scores.array  # a chunk lost since its rows were marked done would read back as zeros (`show`)
+        present = stored_chunk_keys(raw)
+        for coords in chunk_coords_of_rows(raw, np.arange(0, raw.shape[0], raw.chunks[0])):
+            if chunk_key(raw, coords) not in present:
+                a, b = chunk_rows_of(raw, coords)
+                raise StoreDamageError(
+                    f"store {self.location}: array {raw.path}, chunk {chunk_key(raw, coords)} (rows {a}..{b - 1}): is "
+                    f"missing (deleted or lost on disk). Run `trakflow verify {self.location} --repair`, then rerun "
+                    "to recompute those rows."
+                )
         return e.scores
 
     # ---------------------------------------------------------------- reporting
