@@ -443,7 +443,7 @@ class Alpha:
 
         if self._pending is not None:
             if self._pending.step == global_step - self.SAVE_SHIFT:
-                self._finish_pair(model, inputs, targets, end_step=global_step)
+                self._finish_pair(self._pending, model, inputs, targets, end_step=global_step)
             else:
                 start = self._pending.step
                 self._pending = None
@@ -481,7 +481,7 @@ class Alpha:
         if inputs is None:
             inputs, targets = self._pending.inputs, self._pending.targets
         step = self._pending.step
-        self._finish_pair(model, inputs, targets, end_step=step + self.SAVE_SHIFT)
+        self._finish_pair(self._pending, model, inputs, targets, end_step=step + self.SAVE_SHIFT)
         self._last_step = max(self._last_step or step, step + self.SAVE_SHIFT)
         return self._output.get(step)
 
@@ -522,8 +522,8 @@ class Alpha:
         self._details[step] = details
         self._output[step] = alpha
 
-    def _finish_pair(self, model, inputs, targets, end_step: int) -> None:
-        snap = self._pending
+    def _finish_pair(self, snap: _Snapshot, model, inputs, targets, end_step: int) -> None:
+        """Complete the pending pair ``snap`` (``self._pending``) at ``end_step``."""
         self._pending = None  # released once this method returns
         start = snap.step
         info: dict[str, Any] = {"end_step": end_step}

@@ -116,7 +116,7 @@ def plot_alpha_gauge(
 
     hist_ax = ax.twinx()
     hist_ax.set_ylabel("density")
-    edges = np.linspace(-xlim, xlim, bins + 1)
+    edges = np.linspace(-xlim, xlim, bins + 1).tolist()  # a list: matplotlib's stubs type bins Sequence[float]
     if len(values):
         hist_ax.hist(
             np.clip(values, -xlim, xlim),

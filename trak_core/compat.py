@@ -63,7 +63,7 @@ class CudaProjector(DenseProjector):
         grad_dim: int,
         proj_dim: int,
         seed: int,
-        proj_type: ProjectionType,
+        proj_type: str | ProjectionType,
         device,
         max_batch_size: int,
         *args,
@@ -72,7 +72,8 @@ class CudaProjector(DenseProjector):
         dtype = kwargs.pop("dtype", torch.float32)
         if dtype not in (torch.float32, torch.float64):
             dtype = torch.float32  # half-precision inputs are projected in float32, returned in their dtype
-        super().__init__(int(grad_dim), int(proj_dim), int(seed), _proj_type(proj_type), device, dtype=dtype)
+        ptype = _proj_type(proj_type)
+        super().__init__(int(grad_dim), int(proj_dim), int(seed), ptype, device, dtype=dtype)
         self.max_batch_size = max_batch_size
         dev = torch.device(device)
         if dev.type == "cuda" and torch.cuda.is_available():
@@ -83,7 +84,7 @@ class CudaProjector(DenseProjector):
         if dev.type == "cuda":
             from .projectors import make_projector  # uses cuda_ext when it builds; never imported otherwise
 
-            p = make_projector("dense", self.grad_dim, self.proj_dim, self.seed, self.proj_type.value, device)
+            p = make_projector("dense", self.grad_dim, self.proj_dim, self.seed, ptype.value, device)
             if not isinstance(p, DenseProjector):
                 self._gpu = p
 
@@ -127,7 +128,8 @@ class ChunkedCudaProjector:
             p.free_memory()
 
     def _chunks(self, grads: dict):
-        current, width = [], 0
+        current: list[Tensor] = []
+        width = 0
         for g in grads.values():
             flat = g.detach().reshape(g.shape[0], -1)
             if current and width + flat.shape[1] > self.max_chunk_size:
@@ -201,8 +203,8 @@ class AbstractScoreComputer(ABC):
         """X (XᵀX)⁻¹, (n, p)."""
 
     @abstractmethod
-    def get_scores(self, features: Tensor, target_grads: Tensor, accumulator: Tensor) -> None:
-        """accumulator += features @ target_gradsᵀ."""
+    def get_scores(self, features: Tensor, target_grads: Tensor, accumulator: Tensor) -> Tensor | None:
+        """accumulator += features @ target_gradsᵀ (in place; a subclass may also return the accumulator)."""
 
 
 class BasicSingleBlockScoreComputer(AbstractScoreComputer):
@@ -358,8 +360,11 @@ def trak_modules() -> dict[str, types.ModuleType]:
         "trak_core's projectors under traker's module name",
         **{n: v for n, v in vars(projectors).items() if not n.startswith("_")},
     )
-    proj_mod.CudaProjector, proj_mod.ChunkedCudaProjector = CudaProjector, ChunkedCudaProjector
-    proj_mod.vectorize = utils.vectorize  # traker's projectors module re-exports trak.utils.vectorize
+    proj_mod.__dict__.update(
+        CudaProjector=CudaProjector,
+        ChunkedCudaProjector=ChunkedCudaProjector,
+        vectorize=utils.vectorize,  # traker's projectors module re-exports trak.utils.vectorize
+    )
     traker_mod = module(
         "trak.traker",
         "trak_core's TRAKer under traker's module name (with the names traker's module imports)",

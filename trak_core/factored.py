@@ -249,7 +249,7 @@ def model_layout(
         if wname not in keep or params.get(wname) is not mod.weight or uses[id(mod.weight)] > 1:
             continue
         has_bias = mod.bias is not None and bname in keep and params.get(bname) is mod.bias and uses[id(mod.bias)] == 1
-        w = mod.weight
+        w = params[wname]  # mod.weight (checked above), as the named parameter (never None)
         d_out, d_in = w.shape[0], math.prod(w.shape[1:])
         blk = Block(
             mname, kind, (wname, bname) if has_bias else (wname,), d_out, d_in, has_bias, d_out * (d_in + int(has_bias))
@@ -257,14 +257,16 @@ def model_layout(
         layer_of[wname] = blk
         if has_bias:
             layer_of[bname] = blk
-    blocks, seen, rest = [], set(), []
+    blocks: list[Block] = []
+    seen: set[str] = set()
+    rest: list[str] = []
     for n in names:  # blocks in the order of their first parameter in the gradient vector
-        blk = layer_of.get(n)
-        if blk is None:
+        layer = layer_of.get(n)
+        if layer is None:
             rest.append(n)
-        elif blk.name not in seen:
-            seen.add(blk.name)
-            blocks.append(blk)
+        elif layer.name not in seen:
+            seen.add(layer.name)
+            blocks.append(layer)
     if rest:
         if other == "error":
             kinds = {}
@@ -353,7 +355,7 @@ class FactoredProjector(AbstractProjector):
         """{block name: (P_in, P_out, weight)} for ``model_id`` (P_out is None for dense blocks); cached."""
         if self._factors is not None and self._factors[0] == model_id:
             return self._factors[1]
-        out = {}
+        out: dict[str, tuple[Tensor, Tensor | None, float]] = {}
         for b in self.layout.blocks:
             w = math.sqrt(self.proj_dim / b.k)
             if b.kind == "other":

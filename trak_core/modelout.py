@@ -240,7 +240,7 @@ class CLIPModelOutput(AbstractModelOutput):
 
     def get_output(self, model, weights, buffers, image: Tensor, label: Tensor) -> Tensor:
         all_im, all_txt = CLIPModelOutput.image_embeddings, CLIPModelOutput.text_embeddings
-        if all_im is None:
+        if all_im is None or all_txt is None:  # set together by set_embeddings
             raise BadInputError("CLIPModelOutput: call get_embeddings (or set_embeddings) before featurizing")
         ii = self._sample_indices().to(all_im.device)
         ie, te, _ = functional_call(
@@ -261,7 +261,7 @@ class CLIPModelOutput(AbstractModelOutput):
         check_batch(batch, expected_len=2)
 
 
-TASK_TO_MODELOUT = {
+TASK_TO_MODELOUT: dict[str, type[AbstractModelOutput]] = {
     "image_classification": ImageClassificationModelOutput,
     "text_classification": TextClassificationModelOutput,
     "clip": CLIPModelOutput,

@@ -42,12 +42,13 @@ def test_install(use_fast_jl: bool = True):
     projection on CPU, as traker does.
     """
     from .compat import CudaProjector
-    from .projectors import NoOpProjector
+    from .projectors import AbstractProjector, NoOpProjector
     from .traker import TRAKer
 
     device = "cuda" if (use_fast_jl and torch.cuda.is_available()) else "cpu"
     x, y = torch.randn(20, 256, device=device), torch.randint(high=2, size=(20,), device=device)
     model = torch.nn.Linear(256, 2, bias=False).to(device)
+    projector: AbstractProjector
     if use_fast_jl:
         projector = CudaProjector(
             grad_dim=512, proj_dim=512, seed=0, proj_type="rademacher", device=device, max_batch_size=32
@@ -70,7 +71,7 @@ def test_install(use_fast_jl: bool = True):
     print("trak_core is installed correctly!")
 
 
-test_install.__test__ = False  # not a pytest test, though its name says so
+vars(test_install)["__test__"] = False  # not a pytest test, though its name says so (pytest reads __test__)
 
 
 def parameters_to_vector(parameters: Iterable[Tensor]) -> Tensor:
@@ -123,7 +124,7 @@ def vectorize(g, arr=None, device="cuda") -> Tensor:
     return arr
 
 
-def get_output_memory(features: Tensor, target_grads: Tensor, target_dtype: type):
+def get_output_memory(features: Tensor, target_grads: Tensor, target_dtype: torch.dtype):
     """Bytes of the (n_train, n_targets) score matrix in ``target_dtype``."""
     itemsize = torch.empty((), dtype=target_dtype).element_size()
     return int(features.size(0)) * int(target_grads.size(0)) * itemsize
@@ -141,12 +142,12 @@ def get_free_memory(device):
         return 0
 
 
-def get_matrix_mult_standard(features: Tensor, target_grads: Tensor, target_dtype: type):
+def get_matrix_mult_standard(features: Tensor, target_grads: Tensor, target_dtype: torch.dtype):
     """``features @ target_grads.T`` in one product, returned as a new ``target_dtype`` tensor."""
     return (features @ target_grads.t()).to(target_dtype).clone()
 
 
-def get_matrix_mult_blockwise(features: Tensor, target_grads: Tensor, target_dtype: type, bs: int):
+def get_matrix_mult_blockwise(features: Tensor, target_grads: Tensor, target_dtype: torch.dtype, bs: int):
     """``features @ target_grads.T`` in (bs × bs) blocks, on the CPU output (traker overlaps the blocks with
     CUDA streams; the blocks here run on the device of the inputs, a GPU when one holds them)."""
     n, m = features.shape[0], target_grads.shape[0]
@@ -162,7 +163,7 @@ def get_matrix_mult_blockwise(features: Tensor, target_grads: Tensor, target_dty
 def get_matrix_mult(
     features: Tensor,
     target_grads: Tensor,
-    target_dtype: torch.dtype = None,
+    target_dtype: torch.dtype | None = None,
     batch_size: int = 8096,
     use_blockwise: bool = False,
 ) -> Tensor:
