@@ -49,14 +49,16 @@ import socket
 import tempfile
 import time
 import uuid
+from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
 import numpy as np
 import zarr
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 from zarr.codecs import Crc32cCodec
+from zarr.core.metadata import ArrayV3Metadata
 
 from .errors import BadInputError, LockLostError, StateError, StoreDamageError, StoreLockedError, StoreMismatchError
 
@@ -161,13 +163,27 @@ class StoreMetadata(BaseModel):
         )
 
     @property
+    def rows_per_chunk(self) -> int:
+        """``chunk_rows`` as an int: validation sets it (None only as an input, meaning "choose")."""
+        if self.chunk_rows is None:
+            raise StateError("StoreMetadata.chunk_rows is unset: build the metadata through validation")
+        return self.chunk_rows
+
+    @property
+    def rows_per_shard(self) -> int:
+        """``shard_rows`` as an int: validation sets it (None only as an input, meaning "choose")."""
+        if self.shard_rows is None:
+            raise StateError("StoreMetadata.shard_rows is unset: build the metadata through validation")
+        return self.shard_rows
+
+    @property
     def num_shards(self) -> int:
-        return math.ceil(self.train_set_size / self.shard_rows)
+        return math.ceil(self.train_set_size / self.rows_per_shard)
 
     def shard_range(self, shard: int) -> tuple[int, int]:
         if not 0 <= shard < self.num_shards:
             raise BadInputError(f"shard {shard} out of range [0, {self.num_shards})")
-        return shard * self.shard_rows, min((shard + 1) * self.shard_rows, self.train_set_size)
+        return shard * self.rows_per_shard, min((shard + 1) * self.rows_per_shard, self.train_set_size)
 
     @property
     def np_dtype(self):
@@ -179,9 +195,9 @@ class StoreMetadata(BaseModel):
         within ``chunk_bytes`` (all of them unless one row is wider than that, or the array is a wide one such
         as the scores of many targets)."""
         if width is None:
-            return (self.chunk_rows,)
-        cols = max(1, self.chunk_bytes // (self.chunk_rows * int(itemsize)))
-        return (self.chunk_rows, min(int(width), cols))
+            return (self.rows_per_chunk,)
+        cols = max(1, self.chunk_bytes // (self.rows_per_chunk * int(itemsize)))
+        return (self.rows_per_chunk, min(int(width), cols))
 
 
 def _is_url(location: str) -> bool:
@@ -214,13 +230,13 @@ def check_writable(location: str) -> None:
         raise BadInputError(f"store: {path} is not writable ({probe}: {e.strerror or e})") from None
 
 
-def _open_zarr(location: str, mode: str, storage_options: dict | None = None):
+def _open_zarr(
+    location: str, mode: Literal["r", "r+", "a", "w", "w-"], storage_options: dict | None = None
+) -> zarr.Group:
     if str(location).startswith("file://"):  # fsspec's local files do not create parents: use zarr's LocalStore
         location = urlparse(str(location)).path
-    kw = {}
-    if storage_options and _is_url(location):
-        kw["storage_options"] = storage_options
-    return zarr.open_group(store=str(location), mode=mode, zarr_format=3, **kw)
+    options = storage_options if storage_options and _is_url(location) else None  # None: zarr's default
+    return zarr.open_group(store=str(location), mode=mode, zarr_format=3, storage_options=options)
 
 
 # ---------------------------------------------------------------------------- arrays and their checks
@@ -243,6 +259,8 @@ class ArraySpec:
 
     def problem(self, arr: zarr.Array) -> str | None:
         """What in ``arr``'s own metadata differs from this spec (None: it matches)."""
+        if not isinstance(arr.metadata, ArrayV3Metadata):  # a v2 zarr.json has no codecs
+            return f"array {arr.path}: its zarr.json is zarr format {arr.metadata.zarr_format}, not 3"
         codecs = tuple(c.to_dict()["name"] for c in arr.metadata.codecs)
         for field, want, have in (
             ("shape", self.shape, tuple(arr.shape)),
@@ -341,8 +359,8 @@ class StoredArray:
     def __getattr__(self, name: str):
         return getattr(self.array, name)
 
-    def __len__(self) -> int:
-        return len(self.array)
+    def __len__(self) -> int:  # zarr 3's Array has no __len__: the length along axis 0, as numpy's
+        return int(self.array.shape[0])
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self[...], dtype=dtype)
@@ -382,9 +400,38 @@ class _GuardedIndex:
         self.owner._guard(self.index.__setitem__, selection, value)
 
 
+def _member_kind_error(group: zarr.Group, name: str, want: str) -> StoreDamageError:
+    path = f"{group.path}/{name}".strip("/")
+    return StoreDamageError(f"store {group.store}: {path} is not a zarr {want} (the store is damaged)")
+
+
+def array_at(group: zarr.Group, name: str) -> zarr.Array:
+    """``group[name]``, which must be an array (zarr types a member as ``Array | Group``): KeyError when it is
+    absent, :class:`StoreDamageError` when it is a group."""
+    node = group[name]
+    if not isinstance(node, zarr.Array):
+        raise _member_kind_error(group, name, "array")
+    return node
+
+
+def group_at(group: zarr.Group, name: str) -> zarr.Group:
+    """``group[name]``, which must be a group: KeyError when it is absent, :class:`StoreDamageError` when it is
+    an array."""
+    node = group[name]
+    if not isinstance(node, zarr.Group):
+        raise _member_kind_error(group, name, "group")
+    return node
+
+
+def _attrs(node: zarr.Group | zarr.Array) -> MutableMapping[str, Any]:
+    """``node.attrs``, its values typed Any: zarr types each as JSON (a union mypy cannot narrow per key); what
+    each key of the store holds is this module's schema (written only through it)."""
+    return cast(MutableMapping[str, Any], node.attrs)
+
+
 def _stored(group: zarr.Group, name: str) -> StoredArray:
     try:
-        arr = group[name]
+        arr = array_at(group, name)
     except KeyError:
         path = f"{group.path}/{name}".strip("/")
         raise StoreDamageError(
@@ -401,37 +448,37 @@ class ModelArrays:
     group: zarr.Group
 
     @property
-    def grads(self) -> zarr.Array:
+    def grads(self) -> StoredArray:
         """(n, p) projected, normalized train gradients X."""
         return _stored(self.group, "grads")
 
     @property
-    def out_to_loss(self) -> zarr.Array:
+    def out_to_loss(self) -> StoredArray:
         """(n,) float32 Q."""
         return _stored(self.group, "out_to_loss")
 
     @property
-    def featurized(self) -> zarr.Array:
+    def featurized(self) -> StoredArray:
         """(n,) uint8 row status: 1 once the row's grads and Q are written."""
         return _stored(self.group, "featurized")
 
     @property
-    def xtx_partials(self) -> zarr.Array:
+    def xtx_partials(self) -> StoredArray:
         """(S, p, p) float64 Xₛᵀ Xₛ of each shard."""
         return _stored(self.group, "xtx_partials")
 
     @property
-    def partial_done(self) -> zarr.Array:
+    def partial_done(self) -> StoredArray:
         """(S,) uint8 shard status of ``xtx_partials``."""
         return _stored(self.group, "partial_done")
 
     @property
-    def features(self) -> zarr.Array:
+    def features(self) -> StoredArray:
         """(n, p) Φ = X (XᵀX + λI)⁻¹."""
         return _stored(self.group, "features")
 
     @property
-    def finalized(self) -> zarr.Array:
+    def finalized(self) -> StoredArray:
         """(n,) uint8 row status of ``features``."""
         return _stored(self.group, "finalized")
 
@@ -443,12 +490,12 @@ class TargetArrays:
     group: zarr.Group
 
     @property
-    def grads(self) -> zarr.Array:
+    def grads(self) -> StoredArray:
         """(m, p) target gradients G."""
         return _stored(self.group, "grads")
 
     @property
-    def scored(self) -> zarr.Array:
+    def scored(self) -> StoredArray:
         """(m,) uint8 row status of ``grads``."""
         return _stored(self.group, "scored")
 
@@ -465,30 +512,33 @@ class ExperimentArrays:
 
     @property
     def num_targets(self) -> int:
-        return int(self.group.attrs["num_targets"])
+        return int(_attrs(self.group)["num_targets"])
 
     @property
     def has_scores(self) -> bool:
         return "scores" in self.group
 
     @property
-    def scores(self) -> zarr.Array:
+    def scores(self) -> StoredArray:
         """(n, m) float32 combined scores."""
         return _stored(self.group, "scores")
 
     @property
-    def scores_done(self) -> zarr.Array:
+    def scores_done(self) -> StoredArray:
         """(n,) uint8 row status of ``scores``."""
         return _stored(self.group, "scores_done")
 
+    def _models(self) -> zarr.Group:
+        return group_at(self.group, "models")
+
     def model_ids(self) -> list[int]:
-        return sorted(int(k) for k in self.group["models"].group_keys())
+        return sorted(int(k) for k in self._models().group_keys())
 
     def has_model(self, model_id: int) -> bool:
-        return str(int(model_id)) in self.group["models"]
+        return str(int(model_id)) in self._models()
 
     def model(self, model_id: int) -> TargetArrays:
-        return TargetArrays(self.group["models"][str(int(model_id))])
+        return TargetArrays(group_at(self._models(), str(int(model_id))))
 
 
 # ---------------------------------------------------------------------------- run lock
@@ -877,7 +927,15 @@ class TrakStore:
         )
 
     # ---------------------------------------------------------------- helpers
-    def _row_array(self, g: zarr.Group, name: str, dtype, width: int | None = None, rows: int | None = None):
+    def _models(self) -> zarr.Group:
+        return group_at(self.root, "models")
+
+    def _experiments(self) -> zarr.Group:
+        return group_at(self.root, "experiments")
+
+    def _row_array(
+        self, g: zarr.Group, name: str, dtype, width: int | None = None, rows: int | None = None
+    ) -> StoredArray:
         n = rows if rows is not None else self.meta.train_set_size
         if name in g:
             return _stored(g, name)
@@ -910,7 +968,7 @@ class TrakStore:
             }.get(parts[2])
         if len(parts) in (3, 5) and parts[0] == "experiments":
             try:
-                t = int(self.root["experiments"][parts[1]].attrs["num_targets"])
+                t = int(_attrs(self._experiments()[parts[1]])["num_targets"])
             except (KeyError, TypeError, ValueError):
                 return None
             if len(parts) == 3:
@@ -921,12 +979,14 @@ class TrakStore:
 
     def array_groups(self) -> list[zarr.Group]:
         """The groups holding the store's arrays: each model's, each experiment's and its models'."""
-        out = [self.root["models"][k] for k in sorted(self.root["models"].group_keys(), key=_natural)]
-        for e in sorted(self.root["experiments"].group_keys()):
-            eg = self.root["experiments"][e]
+        models = self._models()
+        out = [group_at(models, k) for k in sorted(models.group_keys(), key=_natural)]
+        for e in sorted(self._experiments().group_keys()):
+            eg = group_at(self._experiments(), e)
             out.append(eg)
             if "models" in eg:
-                out += [eg["models"][k] for k in sorted(eg["models"].group_keys(), key=_natural)]
+                em = group_at(eg, "models")
+                out += [group_at(em, k) for k in sorted(em.group_keys(), key=_natural)]
         return out
 
     def array_problems(self) -> list[str]:
@@ -936,7 +996,7 @@ class TrakStore:
             for name in sorted(g.array_keys()):
                 path = f"{g.path}/{name}"
                 try:
-                    arr = g[name]
+                    arr = array_at(g, name)
                 except Exception as e:  # an unreadable zarr.json
                     problems.append(f"array {path}: its zarr.json cannot be read ({type(e).__name__}: {e})")
                     continue
@@ -973,7 +1033,7 @@ class TrakStore:
     def feature_settings(self, model_id: int) -> dict | None:
         """The settings the features of ``model_id`` are (to be) computed with: ``{"lambda_reg": <setting>,
         "rescale_inverse": bool}``, recorded when the model is planned (None: not recorded)."""
-        return self.model(model_id).group.attrs.get("feature_settings")
+        return _attrs(self.model(model_id).group).get("feature_settings")
 
     def check_feature_settings(self, model_id: int, lambda_setting, rescale_inverse: bool) -> None:
         """Refuse (:class:`StoreMismatchError` naming the field) settings other than the recorded ones."""
@@ -1040,23 +1100,23 @@ class TrakStore:
     # ---------------------------------------------------------------- the pipeline's record
     def pipeline_info(self) -> dict:
         """What the pipeline recorded when it created the store (e.g. ``train_data_sha256``); {} if none."""
-        return dict(self.root.attrs.get(_PIPELINE_KEY) or {})
+        return dict(_attrs(self.root).get(_PIPELINE_KEY) or {})
 
     def set_pipeline_info(self, info: dict) -> None:
         self.root.attrs[_PIPELINE_KEY] = dict(info)
 
     # ---------------------------------------------------------------- models
     def model_ids(self) -> list[int]:
-        return sorted(int(k) for k in self.root["models"].group_keys())
+        return sorted(int(k) for k in self._models().group_keys())
 
     def has_model(self, model_id: int) -> bool:
-        return str(int(model_id)) in self.root["models"]
+        return str(int(model_id)) in self._models()
 
     def init_model(self, model_id: int) -> ModelArrays:
         """Create the arrays of ``model_id`` (idempotent). Call from one process before fanning out."""
         _check_model_id(model_id)
         m = self.meta
-        g = self.root["models"].require_group(str(int(model_id)))
+        g = self._models().require_group(str(int(model_id)))
         self._row_array(g, "grads", m.dtype, m.proj_dim)
         self._row_array(g, "out_to_loss", "float32")
         self._row_array(g, "featurized", "uint8")
@@ -1082,11 +1142,11 @@ class TrakStore:
             raise BadInputError(
                 f"model_id={model_id} is not in the store at {self.location} (it has {self.model_ids()})"
             )
-        return ModelArrays(self.root["models"][str(int(model_id))])
+        return ModelArrays(group_at(self._models(), str(int(model_id))))
 
     def checkpoint_record(self, model_id: int) -> dict | None:
         """The checkpoint ``model_id`` was featurized from (``{"path", "sha256"}``), if recorded."""
-        return self.model(model_id).group.attrs.get("checkpoint")
+        return _attrs(self.model(model_id).group).get("checkpoint")
 
     def set_checkpoint_record(self, model_id: int, record: dict) -> None:
         self.model(model_id).group.attrs["checkpoint"] = dict(record)
@@ -1106,7 +1166,7 @@ class TrakStore:
 
     def finalize_info(self, model_id: int) -> dict | None:
         """What finalize recorded (λ, its setting, rescale, condition, ...); None until finalized."""
-        return self.model(model_id).group.attrs.get("finalize")
+        return _attrs(self.model(model_id).group).get("finalize")
 
     def set_finalize_info(self, model_id: int, info: dict) -> None:
         """Mark ``model_id`` finalized (call after all its features are written)."""
@@ -1144,34 +1204,34 @@ class TrakStore:
 
     # ---------------------------------------------------------------- experiments
     def experiments(self) -> list[str]:
-        return sorted(self.root["experiments"].group_keys())
+        return sorted(self._experiments().group_keys())
 
     def init_experiment(self, exp_name: str, num_targets: int) -> ExperimentArrays:
         check_exp_name(exp_name)
         if not isinstance(num_targets, (int, np.integer)) or num_targets <= 0:
             raise BadInputError(f"num_targets must be a positive integer, got {num_targets!r}")
-        exps = self.root["experiments"]
+        exps = self._experiments()
         if exp_name in exps:
             have = exps[exp_name].attrs.get("num_targets")
             if have != int(num_targets):
                 raise StoreMismatchError(f"experiment {exp_name!r} exists with num_targets={have}, not {num_targets}")
-            return ExperimentArrays(exps[exp_name])
+            return ExperimentArrays(group_at(exps, exp_name))
         g = exps.require_group(exp_name)
         g.require_group("models")
         g.attrs["num_targets"] = int(num_targets)
         return ExperimentArrays(g)
 
     def experiment(self, exp_name: str) -> ExperimentArrays:
-        if exp_name not in self.root["experiments"]:
+        if exp_name not in self._experiments():
             raise BadInputError(f"unknown experiment {exp_name!r}; the store has {self.experiments()}")
-        return ExperimentArrays(self.root["experiments"][exp_name])
+        return ExperimentArrays(group_at(self._experiments(), exp_name))
 
     def num_targets(self, exp_name: str) -> int:
         return self.experiment(exp_name).num_targets
 
     def target_data_sha256(self, exp_name: str) -> str | None:
         """The fingerprint of the targets the pipeline recorded for ``exp_name`` (None if none)."""
-        return self.experiment(exp_name).group.attrs.get("target_data_sha256")
+        return _attrs(self.experiment(exp_name).group).get("target_data_sha256")
 
     def set_target_data_sha256(self, exp_name: str, sha256: str) -> None:
         self.experiment(exp_name).group.attrs["target_data_sha256"] = str(sha256)
@@ -1179,7 +1239,7 @@ class TrakStore:
     def init_experiment_model(self, exp_name: str, model_id: int) -> TargetArrays:
         e = self.experiment(exp_name)
         m = e.num_targets
-        g = e.group["models"].require_group(str(int(model_id)))
+        g = group_at(e.group, "models").require_group(str(int(model_id)))
         self._row_array(g, "grads", self.meta.dtype, self.meta.proj_dim, rows=m)
         self._row_array(g, "scored", "uint8", rows=m)
         return TargetArrays(g)
@@ -1187,7 +1247,7 @@ class TrakStore:
     def experiment_model_ids(self, exp_name: str) -> list[int]:
         return self.experiment(exp_name).model_ids()
 
-    def target_grads(self, exp_name: str, model_id: int) -> zarr.Array:
+    def target_grads(self, exp_name: str, model_id: int) -> StoredArray:
         e = self.experiment(exp_name)
         if not e.has_model(model_id):
             raise BadInputError(f"experiment {exp_name!r} has no target gradients for model_id={model_id}")
@@ -1205,7 +1265,7 @@ class TrakStore:
         self.check_lock()
         _write_rows(t.scored, rows, np.ones(grads.shape[0], dtype=np.uint8))
 
-    def init_scores(self, exp_name: str) -> tuple[zarr.Array, zarr.Array]:
+    def init_scores(self, exp_name: str) -> tuple[StoredArray, StoredArray]:
         e = self.experiment(exp_name)
         scores = self._row_array(e.group, "scores", "float32", e.num_targets)
         done = self._row_array(e.group, "scores_done", "uint8")
@@ -1213,7 +1273,7 @@ class TrakStore:
 
     def scored_with(self, exp_name: str) -> list[int] | None:
         """The model ids the experiment's scores combine (None before any scoring)."""
-        ids = self.experiment(exp_name).group.attrs.get("scored_with")
+        ids = _attrs(self.experiment(exp_name).group).get("scored_with")
         return None if ids is None else [int(x) for x in ids]
 
     def set_scored_with(self, exp_name: str, model_ids) -> None:
@@ -1252,7 +1312,7 @@ class TrakStore:
         self.check_lock()
         done[a:b] = 1
 
-    def scores(self, exp_name: str) -> zarr.Array:
+    def scores(self, exp_name: str) -> StoredArray:
         e = self.experiment(exp_name)
         if not e.has_scores or not bool(e.scores_done[:].all()):
             raise StateError(f"scores of experiment {exp_name!r} are not finalized yet")
@@ -1271,7 +1331,7 @@ class TrakStore:
     # ---------------------------------------------------------------- reporting
     def status(self) -> dict:
         """A small summary: per model featurized/finalized counts, per experiment progress."""
-        out = {
+        out: dict[str, Any] = {
             "location": self.location,
             "metadata": self.meta.model_dump(mode="json"),
             "models": {},
@@ -1286,7 +1346,7 @@ class TrakStore:
                 "finalized": self.is_finalized(mid),
             }
         for exp in self.experiments():
-            info = {"num_targets": self.num_targets(exp), "models": self.experiment_model_ids(exp)}
+            info: dict[str, Any] = {"num_targets": self.num_targets(exp), "models": self.experiment_model_ids(exp)}
             info["scored_models"] = [mid for mid in info["models"] if self.targets_complete(exp, mid)]
             info["scores_rows_done"] = int(self.scores_done_mask(exp).sum())
             out["experiments"][exp] = info
@@ -1328,7 +1388,7 @@ def _check_model_id(model_id) -> None:
         raise BadInputError(f"model_id must be a non-negative integer, got {model_id!r}")
 
 
-def _write_rows(arr: zarr.Array, rows, values: np.ndarray) -> None:
+def _write_rows(arr: StoredArray, rows, values: np.ndarray) -> None:
     if isinstance(rows, slice):
         arr[rows] = values
         return

@@ -34,7 +34,16 @@ import numpy as np
 import zarr
 
 from .errors import StoreDamageError
-from .store import TrakStore, chunk_coords_of_rows, chunk_key, chunk_rows_of, read_chunk, stored_chunk_keys
+from .store import (
+    StoredArray,
+    TrakStore,
+    array_at,
+    chunk_coords_of_rows,
+    chunk_key,
+    chunk_rows_of,
+    read_chunk,
+    stored_chunk_keys,
+)
 
 Kind = Literal["missing", "corrupt", "metadata"]
 
@@ -184,7 +193,7 @@ def _group_checks(
         path = f"{group.path}/{name}"
         spec = store.array_spec(path)
         try:
-            arr = group[name]
+            arr = array_at(group, name)
         except Exception as e:  # absent, or an unreadable zarr.json
             n = spec.shape[0] if spec is not None else 0
             detail = "is missing" if isinstance(e, KeyError) else f"cannot be read ({type(e).__name__})"
@@ -221,11 +230,11 @@ def verify_store(store: TrakStore, read_chunks: bool = True) -> VerifyReport:
     checks: list[ArrayCheck] = []
     inconsistent: list[str] = []
     for mid in store.model_ids():
-        g = store.root["models"][str(mid)]
+        g = store.model(mid).group
         checks += _group_checks(store, g, _MODEL_DATA, _MODEL_FLAGS, damage, read_chunks)
         if store.finalize_info(mid) is not None and "finalized" in g:
             try:
-                done = bool(np.asarray(g["finalized"][:]).all())
+                done = bool(np.asarray(array_at(g, "finalized")[:]).all())
             except Exception:  # a damaged flag chunk, reported above
                 done = False
             if not done:
@@ -235,7 +244,7 @@ def verify_store(store: TrakStore, read_chunks: bool = True) -> VerifyReport:
         if e.has_scores or "scores_done" in e.group:
             checks += _group_checks(store, e.group, _EXP_DATA, ("scores_done",), damage, read_chunks)
         for mid in e.model_ids():
-            checks += _group_checks(store, e.group["models"][str(mid)], _TARGET_DATA, ("scored",), damage, read_chunks)
+            checks += _group_checks(store, e.model(mid).group, _TARGET_DATA, ("scored",), damage, read_chunks)
     return VerifyReport(store.location, read_chunks, tuple(checks), tuple(damage), tuple(inconsistent))
 
 
@@ -244,11 +253,11 @@ def verify_location(location: str, storage_options: dict | None = None, read_chu
     return verify_store(TrakStore.open(location, storage_options, check_arrays=False), read_chunks)
 
 
-def require_present(store: TrakStore, arrays: list[tuple[zarr.Array, np.ndarray]]) -> None:
+def require_present(store: TrakStore, arrays: list[tuple[zarr.Array | StoredArray, np.ndarray]]) -> None:
     """Raise :class:`StoreDamageError` naming the array and chunk when a chunk holding the given rows is not in
     the store (zarr would read it back as zeros). ``arrays``: (array, axis-0 indices about to be read)."""
     for arr, rows in arrays:
-        arr = getattr(arr, "array", arr)
+        arr = arr.array if isinstance(arr, StoredArray) else arr
         rows = np.asarray(rows).reshape(-1)
         if not rows.size:
             continue
