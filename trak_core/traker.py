@@ -175,7 +175,7 @@ class TRAKer:
         self.current_experiment_name: str | None = None
         self._last_ind = 0
         self._last_ind_target = 0
-        self.scores = None
+        self.scores: np.ndarray | None = None
         self._started_over: set[int] = set()  # model ids this instance started over (load_from_save_dir=False)
 
     # ------------------------------------------------------------------ featurizing
@@ -215,12 +215,12 @@ class TRAKer:
 
     def featurize(self, batch, inds=None, num_samples: int | None = None) -> None:
         """Project the gradients of a batch of train examples and store them (rows ``inds``)."""
-        if self.ckpt_loaded is None:
+        mid = self.current_model_id
+        if self.ckpt_loaded is None or mid is None:  # the two are set together (load_checkpoint)
             raise StateAssertionError(
                 "Load a checkpoint using traker.load_checkpoint before featurizing "
                 "(call load_checkpoint(state_dict, model_id=...) first)"
             )
-        mid = self.current_model_id
         if self.store.is_finalized(mid):
             raise StateError(
                 f"model_id={mid} is already finalized; featurizing it again would make its features "
@@ -273,14 +273,14 @@ class TRAKer:
 
     def score(self, batch, inds=None, num_samples: int | None = None) -> None:
         """Project the gradients of a batch of targets (rows ``inds`` of the experiment)."""
-        if self.current_experiment_name is None:
+        exp, mid = self.current_experiment_name, self.current_model_id
+        if exp is None or mid is None:  # the two are set together (start_scoring_checkpoint)
             raise StateError("call start_scoring_checkpoint(...) before score(...)")
-        exp = self.current_experiment_name
         self.task.validate_batch(batch)
         inds = self._resolve_inds(batch, inds, num_samples, "_last_ind_target", self.store.num_targets(exp))
         order = np.argsort(inds)
-        g = self.featurizer.target_features(batch, self.current_model_id, inds)
-        self.store.write_target_rows(exp, self.current_model_id, inds[order], g[order])
+        g = self.featurizer.target_features(batch, mid, inds)
+        self.store.write_target_rows(exp, mid, inds[order], g[order])
 
     def finalize_scores(
         self, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
