@@ -1,0 +1,415 @@
+"""Attribution quality (LDS) over a set of evaluation cases, with cached ground truth (issue 14).
+
+Cases (``CASES``): the digits MLP, a conv net on the digits as 8×8 images, the text example, a tabular MLP
+on breast cancer, and wine (n = 100 train rows, so every proj_dim ≥ 128 has n ≤ proj_dim). Per case, C
+checkpoints are trained on all train rows and M models on random half subsets (``trak_core.lds.subset_masks``,
+one init seed per subset), each with the case's recipe (full-batch Adam; the text example's own
+``train_model``); the ground truth is the subset models' margin log(p/(1−p)) on the held-out targets. It is
+cached under ``.cache/lds/`` (keyed by ``trak_core.lds.truth_key`` of the recipe), and so are the projected
+gradients X, Q, G per (case, projector kind, proj_dim, checkpoint), computed with the pipeline's featurizer.
+
+A configuration is (projector kind, proj_dim, lambda_reg setting, number of checkpoints). Its scores follow
+the pipeline's formula (float64 XᵀX; (XᵀX + λI)⁻¹ divided by its mean |entry| as traker does; float32
+features and scores; traker's checkpoint combination); the inverse comes from one eigendecomposition per
+checkpoint so that many settings are cheap (checked against ``trak_core.reduce.cholesky_inverse``; λ = 0
+goes through it). ``traker`` rows run traker 0.3.2 itself (its CPU defaults: normal projection,
+float16 store, λ = 0) at the same checkpoints and proj_dim. LDS = mean over targets of the Spearman
+correlation over subsets; intervals are 95 % percentile bootstraps over targets.
+
+    .venv/bin/python benchmarks/quality.py truth                         # train / load all ground truths
+    .venv/bin/python benchmarks/quality.py cases                         # the case table of RESULTS.md
+    .venv/bin/python benchmarks/quality.py damping --cases digits-mlp text --proj-dims 128 256 512 1024 2048
+    .venv/bin/python benchmarks/quality.py loco                          # leave-one-case-out defaults
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from trak_core.featurize import Featurizer  # noqa: E402
+from trak_core.gradients import grad_dim_of  # noqa: E402
+from trak_core.lds import bootstrap_ci, lds, margins_from_logits, subset_masks, truth_key  # noqa: E402
+from trak_core.projectors import make_projector  # noqa: E402
+from trak_core.reduce import cholesky_inverse  # noqa: E402
+from trak_core.scoring import combine_checkpoints, features_block, parse_lambda_reg, scores_block  # noqa: E402
+
+CACHE = os.path.join(ROOT, ".cache", "lds")
+NUM_SUBSETS = 100
+NUM_CKPTS = 3
+TRUTH_VERSION = 1
+
+
+# ---------------------------------------------------------------------------- cases
+@dataclass
+class Case:
+    name: str
+    about: str
+    make_model: Any
+    train: Any  # () -> tuple of tensors (inputs..., labels)
+    targets: Any  # () -> tuple of tensors
+    task: str
+    train_fn: Any  # (seed, rows | None) -> trained model (eval mode)
+    recipe: dict = field(default_factory=dict)
+
+
+def _digits_targets(num: int = 200):
+    from examples import digits
+
+    x, y = digits.heldout_data()
+    return x[:num], y[:num]
+
+
+def _conv_targets(num: int = 200):
+    from examples import digits_conv
+
+    x, y = digits_conv.heldout_data()
+    return x[:num], y[:num]
+
+
+def _text_targets(num: int = 200):
+    from examples import text
+
+    rng = np.random.default_rng(text.SEED)
+    pairs = [text._sentence(rng) for _ in range(text.NUM_TRAIN + num)][text.NUM_TRAIN :]
+    ids, types, mask = text.encode([p[0] for p in pairs])
+    return ids, types, mask, torch.tensor([p[1] for p in pairs], dtype=torch.long)
+
+
+def _full_batch(make_model, train, steps: int, lr: float):
+    from examples.tabular import train_full_batch
+
+    return lambda seed, rows: train_full_batch(make_model, train(), seed, rows, steps, lr)
+
+
+def make_cases() -> dict[str, Case]:
+    from examples import digits, digits_conv, tabular, text
+
+    return {
+        c.name: c
+        for c in [
+            Case(
+                "digits-mlp",
+                "sklearn digits, 64→32→10 MLP (2,410 params), n=1500, 200 targets",
+                digits.make_model,
+                digits.train_data,
+                _digits_targets,
+                "image_classification",
+                _full_batch(digits.make_model, digits.train_data, 200, 0.01),
+                {"opt": "adam full-batch", "steps": 200, "lr": 0.01},
+            ),
+            Case(
+                "digits-conv",
+                "sklearn digits as 1×8×8 images, 2-conv net (3,818 params), n=1500, 200 targets",
+                digits_conv.make_model,
+                digits_conv.train_data,
+                _conv_targets,
+                "image_classification",
+                _full_batch(digits_conv.make_model, digits_conv.train_data, 60, 0.03),
+                {"opt": "adam full-batch", "steps": 60, "lr": 0.03},
+            ),
+            Case(
+                "text",
+                "generated sentences, embedding-bag classifier (2,619 params), n=1200, 200 targets",
+                text.make_model,
+                text.train_data,
+                _text_targets,
+                "text_classification",
+                lambda seed, rows: text.train_model(seed, rows=rows),
+                {"opt": "adam full-batch", "epochs": 60, "lr": 0.05},
+            ),
+            Case(
+                "cancer",
+                "breast cancer, 30→32→2 MLP (1,058 params), n=400, 169 targets",
+                tabular.cancer_model,
+                tabular.cancer_train,
+                tabular.cancer_heldout,
+                "image_classification",
+                _full_batch(tabular.cancer_model, tabular.cancer_train, 200, 0.01),
+                {"opt": "adam full-batch", "steps": 200, "lr": 0.01},
+            ),
+            Case(
+                "wine",
+                "wine, 13→64→3 MLP (1,091 params), n=100 ≤ proj_dim, 78 targets",
+                tabular.wine_model,
+                tabular.wine_train,
+                tabular.wine_heldout,
+                "image_classification",
+                _full_batch(tabular.wine_model, tabular.wine_train, 200, 0.01),
+                {"opt": "adam full-batch", "steps": 200, "lr": 0.01},
+            ),
+        ]
+    }
+
+
+# ---------------------------------------------------------------------------- ground truth
+def _logits(model, batch: tuple) -> torch.Tensor:
+    with torch.no_grad():
+        return model(*batch[:-1])
+
+
+def ground_truth(case: Case, num_subsets: int = NUM_SUBSETS, num_ckpts: int = NUM_CKPTS, log=print) -> dict:
+    """{'masks' (M, n), 'margins' (M, m), 'states' [C state_dicts], 'key', 'stats'}, cached on disk."""
+    train = case.train()
+    n = train[-1].shape[0]
+    ident = {"case": case.name, "recipe": case.recipe, "M": num_subsets, "C": num_ckpts, "v": TRUTH_VERSION, "n": n}
+    key = truth_key(ident)
+    path = os.path.join(CACHE, f"{case.name}-{key}.pt")
+    if os.path.exists(path):
+        return torch.load(path, weights_only=False)
+    os.makedirs(CACHE, exist_ok=True)
+    t0 = time.perf_counter()
+    targets = case.targets()
+    ckpts = [case.train_fn(seed, None) for seed in range(num_ckpts)]
+    masks = subset_masks(n, num_subsets, 0.5, seed=2024)
+    margins = np.zeros((num_subsets, targets[-1].shape[0]))
+    accs = []
+    for s in range(num_subsets):
+        model = case.train_fn(1000 + s, np.flatnonzero(masks[s]))
+        z = _logits(model, targets)
+        margins[s] = margins_from_logits(z, targets[-1])
+        accs.append(float((z.argmax(1) == targets[-1]).float().mean()))
+    ck_acc = [float((_logits(m, targets).argmax(1) == targets[-1]).float().mean()) for m in ckpts]
+    out = {
+        "masks": masks,
+        "margins": margins,
+        "states": [m.state_dict() for m in ckpts],
+        "key": key,
+        "ident": ident,
+        "stats": {
+            "target_acc_ckpt": float(np.mean(ck_acc)),
+            "target_acc_subset": float(np.mean(accs)),
+            "train_s": time.perf_counter() - t0,
+        },
+    }
+    torch.save(out, path)
+    log(f"{case.name}: ground truth {num_subsets} subsets + {num_ckpts} checkpoints in {out['stats']['train_s']:.1f} s")
+    return out
+
+
+# ---------------------------------------------------------------------------- features
+def grad_dim(case: Case) -> int:
+    return grad_dim_of(case.make_model())
+
+
+def features(case: Case, truth: dict, kind: str, proj_dim: int, ckpt: int, seed: int = 0) -> dict:
+    """X (n, p), Q (n,), G (m, p) float32 of one checkpoint, as the pipeline stores them; cached."""
+    p = grad_dim(case) if kind == "noop" else proj_dim
+    path = os.path.join(CACHE, "feats", f"{case.name}-{truth['key']}-{kind}-{p}-s{seed}-c{ckpt}.npz")
+    if os.path.exists(path):
+        with np.load(path) as f:
+            return {k: f[k] for k in ("X", "Q", "G")}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    model = case.make_model()
+    gd = grad_dim_of(model)
+    proj = make_projector(kind, gd, p, seed, "rademacher", "cpu", model=model)
+    feat = Featurizer(model, case.task, proj, device="cpu")
+    feat.load_state(truth["states"][ckpt])
+    train, targets = case.train(), case.targets()
+    n, b = train[-1].shape[0], 250
+    xs, qs = [], []
+    for a in range(0, n, b):
+        x, q = feat.featurize([t[a : a + b] for t in train], ckpt, range(a, min(a + b, n)))
+        xs.append(x)
+        qs.append(q)
+    g = feat.target_features(list(targets), ckpt)
+    out = {"X": np.concatenate(xs), "Q": np.concatenate(qs), "G": g}
+    np.savez(path, **out)
+    return out
+
+
+# ---------------------------------------------------------------------------- scores for many settings
+class Solver:
+    """One checkpoint's XᵀX, eigendecomposition and the inverse for any λ (traker's rescale included)."""
+
+    def __init__(self, f: dict) -> None:
+        self.x = torch.from_numpy(f["X"])
+        self.g = torch.from_numpy(f["G"])
+        self.q = f["Q"].astype(np.float64)
+        self.n = self.x.shape[0]
+        self.xtx = self.x.to(torch.float64).T @ self.x.to(torch.float64)
+        ev, vec = torch.linalg.eigh(self.xtx)
+        self.ev, self.vec = ev.clamp(min=0), vec
+
+    def resolve(self, setting) -> float:
+        return parse_lambda_reg(setting).resolve(self.xtx, n_rows=self.n, eigenvalues=self.ev)
+
+    def inverse(self, lam: float) -> torch.Tensor:
+        if lam == 0:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return cholesky_inverse(self.xtx, 0.0, self.n, rescale=True)[0]
+        inv = (self.vec / (self.ev + lam)) @ self.vec.T
+        return inv / inv.abs().mean()
+
+    def scores(self, lam: float) -> torch.Tensor:
+        return scores_block(features_block(self.x, self.inverse(lam)), self.g)
+
+    def deff(self, lam: float) -> float:
+        return float((self.ev / (self.ev + lam)).sum()) if lam > 0 else float((self.ev > 0).sum())
+
+
+def evaluate(
+    case: Case, truth: dict, kind: str, proj_dim: int, settings: list, num_ckpts: int = NUM_CKPTS, seed: int = 0
+) -> list[dict]:
+    """Per setting: LDS, its interval, per-target correlations, resolved λ per checkpoint, d_eff / min(n, p)."""
+    solvers = [Solver(features(case, truth, kind, proj_dim, c, seed)) for c in range(num_ckpts)]
+    qsum = sum(s.q for s in solvers).astype(np.float32)
+    p = solvers[0].x.shape[1]
+    rows = []
+    for setting in settings:
+        lams = [s.resolve(setting) for s in solvers]
+        acc = sum(s.scores(lam) for s, lam in zip(solvers, lams, strict=True))
+        sc = combine_checkpoints(acc.numpy(), qsum, num_ckpts).astype(np.float64)
+        val, per = lds(sc, truth["masks"], truth["margins"])
+        lo, hi = bootstrap_ci(per)
+        frac = [s.deff(lam) / min(s.n, p) for s, lam in zip(solvers, lams, strict=True)]
+        rows.append(
+            {
+                "case": case.name,
+                "kind": kind,
+                "proj_dim": p,
+                "setting": str(setting),
+                "lds": val,
+                "ci": (lo, hi),
+                "per": per,
+                "lams": lams,
+                "deff_frac": float(np.mean(frac)),
+            }
+        )
+    return rows
+
+
+def check_inverse(case: Case, truth: dict, kind: str = "dense", proj_dim: int = 512, setting="rel:0.3") -> float:
+    """max relative difference of the eigen path's inverse against reduce.cholesky_inverse (one setting)."""
+    s = Solver(features(case, truth, kind, proj_dim, 0))
+    lam = s.resolve(setting)
+    ref = cholesky_inverse(s.xtx, lam, s.n, rescale=True)[0]
+    return float((s.inverse(lam) - ref).abs().max() / ref.abs().max())
+
+
+# ---------------------------------------------------------------------------- traker 0.3.2 itself
+def traker_lds(case: Case, truth: dict, proj_dim: int, num_ckpts: int = NUM_CKPTS) -> dict:
+    """LDS of traker 0.3.2 with its defaults (CPU: BasicProjector, normal; float16 store; λ = 0); cached."""
+    path = os.path.join(CACHE, f"traker-{case.name}-{truth['key']}-{proj_dim}-c{num_ckpts}.npz")
+    if not os.path.exists(path):
+        import logging
+
+        from trak.traker import TRAKer as RefTRAKer
+
+        logging.getLogger("TRAK").setLevel(logging.ERROR)
+        train, targets = case.train(), case.targets()
+        n, m = train[-1].shape[0], targets[-1].shape[0]
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tr = RefTRAKer(
+                model=case.make_model(),
+                task=case.task,
+                train_set_size=n,
+                save_dir=tmp,
+                device="cpu",
+                proj_dim=proj_dim,
+                logging_level=logging.ERROR,
+            )
+            for mid in range(num_ckpts):
+                tr.load_checkpoint(truth["states"][mid], model_id=mid)
+                for a in range(0, n, 250):
+                    tr.featurize([t[a : a + 250] for t in train], num_samples=min(250, n - a))
+            tr.finalize_features()
+            for mid in range(num_ckpts):
+                tr.start_scoring_checkpoint("q", truth["states"][mid], mid, m)
+                tr.score([t for t in targets], num_samples=m)
+            sc = np.asarray(tr.finalize_scores("q"), dtype=np.float64)
+        np.savez(path, scores=sc)
+    with np.load(path) as f:
+        sc = f["scores"]
+    if not np.isfinite(sc).all():
+        return {
+            "lds": float("nan"),
+            "ci": (float("nan"), float("nan")),
+            "per": np.full(truth["margins"].shape[1], np.nan),
+        }
+    val, per = lds(sc, truth["masks"], truth["margins"])
+    return {"lds": val, "ci": bootstrap_ci(per), "per": per}
+
+
+# ---------------------------------------------------------------------------- tables
+def fmt(r: dict) -> str:
+    lo, hi = r["ci"]
+    return f"{r['lds']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def paired_ci(a: np.ndarray, b: np.ndarray, reps: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    ok = np.isfinite(a) & np.isfinite(b)
+    d = (a - b)[ok]
+    lo, hi = bootstrap_ci(d, reps=reps, seed=seed)
+    return float(d.mean()), lo, hi
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["truth", "eval", "traker"])
+    ap.add_argument("--cases", nargs="*", default=None)
+    ap.add_argument("--kinds", nargs="*", default=["dense"])
+    ap.add_argument("--proj-dims", nargs="*", type=int, default=[512])
+    ap.add_argument("--settings", nargs="*", default=["0", "rel:0.3"])
+    ap.add_argument("--checkpoints", type=int, default=NUM_CKPTS)
+    ap.add_argument("--json", default=None, help="append result rows (without per-target values) to this file")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    cases = make_cases()
+    names = args.cases or list(cases)
+    out = []
+    for name in names:
+        case = cases[name]
+        truth = ground_truth(case)
+        if args.what == "truth":
+            print(name, truth["stats"])
+            continue
+        if args.what == "traker":
+            for p in args.proj_dims:
+                t0 = time.perf_counter()
+                r = traker_lds(case, truth, p, args.checkpoints)
+                print(
+                    f"| {name} | traker 0.3.2 defaults | {p} | {fmt(r)} | {time.perf_counter() - t0:.0f} s |",
+                    flush=True,
+                )
+                out.append(
+                    {"case": name, "kind": "traker", "proj_dim": p, "setting": "traker", "lds": r["lds"], "ci": r["ci"]}
+                )
+            continue
+        for kind in args.kinds:
+            for p in args.proj_dims if kind != "noop" else [0]:
+                t0 = time.perf_counter()
+                rows = evaluate(case, truth, kind, p, args.settings, args.checkpoints)
+                for r in rows:
+                    lam = float(np.mean(r["lams"]))
+                    print(
+                        f"| {name} | {kind} | {r['proj_dim']} | {r['setting']} | {fmt(r)} | λ {lam:.4g} | "
+                        f"d_eff/min(n,p) {r['deff_frac']:.3f} |",
+                        flush=True,
+                    )
+                    out.append({k: v for k, v in r.items() if k != "per"})
+                print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if args.json:
+        old = json.load(open(args.json)) if os.path.exists(args.json) else []
+        with open(args.json, "w") as fh:
+            json.dump(old + out, fh, indent=0, default=float)
+
+
+if __name__ == "__main__":
+    main()
