@@ -138,8 +138,9 @@ def finalize_model(
     store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, block_rows: int | None = None, progress=None
 ) -> dict:
     """Partials → XᵀX → (XᵀX + λI)⁻¹ → features, streaming over rows. Idempotent."""
-    if store.is_finalized(model_id):
-        return store.finalize_info(model_id)
+    recorded = store.finalize_info(model_id) if store.has_model(model_id) else None  # as store.is_finalized
+    if recorded is not None:
+        return recorded
     require_featurized(store, model_id)
     m = store.model(model_id)
     rows = np.arange(store.meta.train_set_size)
@@ -152,7 +153,7 @@ def finalize_model(
     for s in range(store.meta.num_shards):
         ensure_partial(store, model_id, s)
     inv, info = solve_model(store, model_id, lambda_reg, rescale)
-    step = block_rows or store.meta.shard_rows
+    step = block_rows or store.meta.rows_per_shard
     n = store.meta.train_set_size
     done = store.model(model_id).finalized
     for a in range(0, n, step):
