@@ -115,7 +115,7 @@ def solve_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool =
     """(inverse (p, p) float64, info) for one model from its partials. ``lambda_reg``: see parse_lambda_reg."""
     xtx = torch.from_numpy(total_xtx(store, model_id))
     rule = parse_lambda_reg(lambda_reg)
-    lam = rule.resolve(xtx)
+    lam = rule.resolve(xtx, n_rows=store.meta.train_set_size)
     inv, cond = cholesky_inverse(xtx, lam, store.meta.train_set_size, model_id=model_id, rescale=rescale)
     info = {
         "lambda_reg": lam,

@@ -31,31 +31,101 @@ CONDITION_WARN = 1e7
 # digits trained longer and the text example, proj_dim 128/512/1024): see "Damping and LDS" in RESULTS.md.
 AUTO_DAMPING = 0.3
 
+# "adaptive" = "deff:ADAPTIVE_DEFF": λ such that the effective dimension Σ σᵢ/(σᵢ+λ) of XᵀX is
+# min(ADAPTIVE_DEFF × n, rank(XᵀX) / 2). Chosen by leave-one-case-out on benchmarks/quality.py's cases: see
+# "Attribution quality" in RESULTS.md.
+ADAPTIVE_DEFF = 0.1
+
+_FORMS = "a number >= 0, 'auto', 'rel:<factor>', 'adaptive' or 'deff:<fraction in (0, 1)>'"
+
 
 @dataclass(frozen=True)
 class LambdaRule:
-    """A parsed ``lambda_reg`` setting: an absolute λ, or ``factor`` × the mean eigenvalue of XᵀX.
+    """A parsed ``lambda_reg`` setting: an absolute λ, ``factor`` × the mean eigenvalue of XᵀX (``relative``),
+    or (``deff``) the λ at which XᵀX's effective dimension is min(``factor`` × n, rank / 2).
 
-    ``setting`` is the normalized form, what a store records and compares: a float, ``"auto"`` or
-    ``"rel:<f>"`` (lower case, stripped)."""
+    ``setting`` is the normalized form, what a store records and compares: a float, ``"auto"``,
+    ``"rel:<f>"``, ``"adaptive"`` or ``"deff:<c>"`` (lower case, stripped)."""
 
     setting: float | str
     factor: float
     relative: bool
+    deff: bool = False
 
-    def resolve(self, xtx: Tensor) -> float:
-        """The absolute λ for this XᵀX (trace / p is its mean eigenvalue)."""
+    def resolve(self, xtx: Tensor, n_rows: int | None = None, eigenvalues: Tensor | None = None) -> float:
+        """The absolute λ for this XᵀX (trace / p is its mean eigenvalue). ``n_rows`` (the number of train rows
+        summed into XᵀX) and precomputed ``eigenvalues`` are used by the ``deff`` rule only."""
+        if self.deff:
+            if eigenvalues is None:
+                if not bool(torch.isfinite(xtx).all()):
+                    raise BadInputError("lambda_reg 'adaptive'/'deff': XᵀX is not finite (no positive eigenvalue)")
+                eigenvalues = torch.linalg.eigvalsh(xtx.to(torch.float64))
+            return deff_lambda(eigenvalues, self.factor, n_rows)
         if not self.relative:
             return self.factor
         return float(self.factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
 
 
+def effective_dimension(eigenvalues: Tensor | np.ndarray, lam: float) -> float:
+    """d_eff(λ) = Σ σᵢ / (σᵢ + λ) over the eigenvalues σ of XᵀX (negative round-off clipped to 0), float64.
+    At λ = 0 it is the number of positive eigenvalues."""
+    ev = torch.as_tensor(eigenvalues, dtype=torch.float64).clamp(min=0)
+    if lam <= 0:
+        return float((ev > 0).sum())
+    return float((ev / (ev + lam)).sum())
+
+
+def deff_target(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: int | None = None) -> float:
+    """The effective dimension the ``deff:<fraction>`` rule aims for: min(fraction × n, rank / 2), with n the
+    number of train rows in XᵀX (``n_rows``; the numerical rank of XᵀX when not given) and rank the number of
+    eigenvalues above top × p × 1e-13 (≤ min(n, p))."""
+    ev = torch.as_tensor(eigenvalues, dtype=torch.float64).reshape(-1).clamp(min=0)
+    top = float(ev.max()) if ev.numel() else 0.0
+    if not top > 0 or not math.isfinite(top):
+        raise BadInputError(
+            "lambda_reg 'adaptive'/'deff': XᵀX has no positive eigenvalue (all projected gradients are zero "
+            "or not finite); check the model's outputs and gradients, or give an absolute lambda_reg"
+        )
+    rank = int((ev > top * ev.numel() * 1e-13).sum())
+    n = rank if n_rows is None else int(n_rows)
+    return min(fraction * n, rank / 2.0)
+
+
+def deff_lambda(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: int | None = None) -> float:
+    """The λ > 0 with d_eff(λ) = Σ σᵢ/(σᵢ+λ) = :func:`deff_target` (float64 bisection on log λ, to relative
+    precision ~1e-12; d_eff is strictly decreasing in λ).
+
+    Why this rule: d_eff(λ) is the number of directions of XᵀX that the damped inverse keeps (σ ≫ λ kept,
+    σ ≪ λ shrunk); like the degrees of freedom of a ridge fit it should grow with the number of examples that
+    estimate those directions (fraction × n: 1/fraction examples per kept direction), not with proj_dim —
+    a fixed λ keeps ever more poorly estimated directions as proj_dim grows. A sketch of p < 2·fraction·n
+    dimensions keeps half of its directions (rank / 2): the rest carry the projection's noise."""
+    if not 0.0 < fraction < 1.0:
+        raise BadInputError(f"lambda_reg: the deff fraction must be in (0, 1), got {fraction!r}")
+    ev = torch.as_tensor(eigenvalues, dtype=torch.float64).reshape(-1).clamp(min=0)
+    target = deff_target(ev, fraction, n_rows)
+    top = float(ev.max())
+    lo, hi = math.log(top * 1e-14), math.log(top * 1e8)  # d_eff(lo) ≈ rank > target, d_eff(hi) ≤ p·1e-8 < target
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if effective_dimension(ev, math.exp(mid)) > target:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-13:
+            break
+    return math.exp(0.5 * (lo + hi))
+
+
 def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
     """The one parser of a ``lambda_reg`` setting: a number ≥ 0 (also as text, e.g. from a command line),
-    ``"auto"`` (= ``rel:AUTO_DAMPING``) or ``"rel:<f>"`` with f ≥ 0. Raises ValueError naming lambda_reg.
+    ``"auto"`` (= ``rel:AUTO_DAMPING``), ``"rel:<f>"`` with f ≥ 0, ``"adaptive"`` (= ``deff:ADAPTIVE_DEFF``)
+    or ``"deff:<c>"`` with 0 < c < 1. Raises BadInputError (a ValueError) naming lambda_reg.
 
     Relative settings scale with the mean eigenvalue of XᵀX (trace / p), so they do not depend on the
-    gradient scale, the model size or proj_dim: ``"rel:0.1"`` adds 0.1 × the mean eigenvalue.
+    gradient scale, the model size or proj_dim: ``"rel:0.1"`` adds 0.1 × the mean eigenvalue. ``deff``
+    settings solve for the λ at which the effective dimension Σ σᵢ/(σᵢ+λ) of XᵀX is min(c × n, rank / 2)
+    (see :func:`deff_lambda`; n = ``n_rows`` of :meth:`LambdaRule.resolve`): the damping follows proj_dim and n.
     """
     if isinstance(lambda_reg, LambdaRule):
         return lambda_reg
@@ -67,6 +137,17 @@ def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
             number = None
         if number is not None:
             return parse_lambda_reg(number)
+        if text in ("adaptive", "deff") or text.startswith("deff:"):
+            if text.startswith("deff:"):
+                try:
+                    frac = float(text[5:])
+                except ValueError:
+                    raise BadInputError(f"lambda_reg={lambda_reg!r}: expected 'deff:<number>'") from None
+            else:
+                frac = ADAPTIVE_DEFF
+            if not 0.0 < frac < 1.0:
+                raise BadInputError(f"lambda_reg={lambda_reg!r}: the deff fraction must be in (0, 1)")
+            return LambdaRule(setting="adaptive" if text == "deff" else text, factor=frac, relative=False, deff=True)
         if text == "auto":
             factor = AUTO_DAMPING
         elif text.startswith("rel:"):
@@ -75,24 +156,24 @@ def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
             except ValueError:
                 raise BadInputError(f"lambda_reg={lambda_reg!r}: expected 'rel:<number>'") from None
         else:
-            raise BadInputError(f"lambda_reg={lambda_reg!r}: use a number >= 0, 'auto' or 'rel:<factor>'")
+            raise BadInputError(f"lambda_reg={lambda_reg!r}: use {_FORMS}")
         if not factor >= 0:
             raise BadInputError(f"lambda_reg={lambda_reg!r}: the factor must be >= 0")
         return LambdaRule(setting=text, factor=float(factor), relative=True)
     if isinstance(lambda_reg, bool):
-        raise BadInputError(f"lambda_reg must be a number >= 0, 'auto' or 'rel:<factor>', got {lambda_reg!r}")
+        raise BadInputError(f"lambda_reg must be {_FORMS}, got {lambda_reg!r}")
     try:
         value = float(lambda_reg)
     except (TypeError, ValueError):
-        raise BadInputError(f"lambda_reg must be a number >= 0, 'auto' or 'rel:<factor>', got {lambda_reg!r}") from None
+        raise BadInputError(f"lambda_reg must be {_FORMS}, got {lambda_reg!r}") from None
     if not value >= 0:
         raise BadInputError(f"lambda_reg must be >= 0, got {lambda_reg!r}")
     return LambdaRule(setting=value, factor=value, relative=False)
 
 
-def resolve_lambda(lambda_reg, xtx: Tensor) -> float:
-    """The absolute λ for a ``lambda_reg`` setting (see :func:`parse_lambda_reg`) and this XᵀX."""
-    return parse_lambda_reg(lambda_reg).resolve(xtx)
+def resolve_lambda(lambda_reg, xtx: Tensor, n_rows: int | None = None) -> float:
+    """The absolute λ for a ``lambda_reg`` setting (see :func:`parse_lambda_reg`) and this XᵀX of n_rows rows."""
+    return parse_lambda_reg(lambda_reg).resolve(xtx, n_rows=n_rows)
 
 
 def check_lambda(lambda_reg) -> None:

@@ -1,0 +1,94 @@
+"""The adaptive damping rule (lambda_reg 'adaptive' / 'deff:<c>') against exact float64 math."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from trak_core.errors import BadInputError
+from trak_core.scoring import (
+    ADAPTIVE_DEFF,
+    AUTO_DAMPING,
+    deff_lambda,
+    effective_dimension,
+    parse_lambda_reg,
+    resolve_lambda,
+)
+
+
+def _xtx(n: int, p: int, seed: int = 0, decay: float = 0.9) -> torch.Tensor:
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((n, p)) * decay ** np.arange(p) * 10.0
+    return torch.from_numpy(x.T @ x)
+
+
+def _deff_exact(xtx: torch.Tensor, lam: float) -> float:
+    """trace(XᵀX (XᵀX + λI)⁻¹), by a float64 solve (no eigenvalues)."""
+    a = xtx.to(torch.float64)
+    return float(torch.trace(torch.linalg.solve(a + lam * torch.eye(a.shape[0], dtype=torch.float64), a)))
+
+
+@pytest.mark.parametrize("n,p", [(200, 50), (30, 80), (64, 64), (500, 40)])
+@pytest.mark.parametrize("c", [0.01, 0.05, 0.1, 0.5, 0.9])
+def test_resolved_lambda_solves_its_equation(n, p, c):
+    """d_eff(λ) = trace(XᵀX (XᵀX + λI)⁻¹) = min(c·n, min(n, p) / 2), by a float64 solve."""
+    xtx = _xtx(n, p)
+    lam = resolve_lambda(f"deff:{c}", xtx, n_rows=n)
+    assert lam > 0
+    assert _deff_exact(xtx, lam) == pytest.approx(min(c * n, min(n, p) / 2), rel=1e-8)
+
+
+def test_adaptive_is_deff_default_and_records_its_setting():
+    rule = parse_lambda_reg("Adaptive ")
+    assert rule.setting == "adaptive" and rule.deff and rule.factor == ADAPTIVE_DEFF
+    assert parse_lambda_reg("deff:0.25").setting == "deff:0.25"
+    xtx = _xtx(100, 40)
+    assert resolve_lambda("adaptive", xtx, 100) == resolve_lambda(f"deff:{ADAPTIVE_DEFF}", xtx, 100)
+
+
+def test_monotone_in_the_fraction_and_scale_equivariant():
+    xtx = _xtx(120, 60, seed=3)
+    lams = [resolve_lambda(f"deff:{c}", xtx, n_rows=120) for c in (0.05, 0.1, 0.2, 0.24, 0.3)]
+    assert all(a > b for a, b in zip(lams[:4], lams[1:4], strict=False))  # more effective dimensions: less damping
+    assert resolve_lambda("deff:0.2", 7.0 * xtx, n_rows=120) == pytest.approx(7.0 * lams[2], rel=1e-9)
+    assert lams[-1] == resolve_lambda("deff:0.9", xtx, n_rows=120)  # 0.3·120 = 36 and 108: both at the cap 60 / 2
+    ev = torch.linalg.eigvalsh(xtx)
+    ds = [effective_dimension(ev, lam) for lam in (1e-3, 1e-1, 1e1, 1e3)]
+    assert all(a > b for a, b in zip(ds, ds[1:], strict=False))
+
+
+def test_rank_deficient_counts_the_rank_not_p():
+    xtx = _xtx(20, 100)  # rank 20 < p
+    lam = resolve_lambda("deff:0.25", xtx, n_rows=20)
+    assert _deff_exact(xtx, lam) == pytest.approx(5.0, rel=1e-7)
+    assert resolve_lambda("deff:0.25", xtx) == pytest.approx(lam, rel=1e-12)  # n_rows is implied by the rank
+
+
+def test_deff_lambda_with_numpy_eigenvalues():
+    ev = np.array([4.0, 1.0, 0.25, 0.0, -1e-18])
+    lam = deff_lambda(ev, 0.4)  # rank 3 → target min(0.4·3, 3/2) = 1.2
+    assert sum(s / (s + lam) for s in ev[:3]) == pytest.approx(1.2, rel=1e-10)
+    assert effective_dimension(ev, 0.0) == 3
+
+
+@pytest.mark.parametrize("xtx", [torch.zeros(5, 5, dtype=torch.float64), torch.full((3, 3), math.nan)])
+def test_no_positive_spectrum_is_a_clear_error(xtx):
+    with pytest.raises(BadInputError, match="no positive eigenvalue"):
+        resolve_lambda("adaptive", xtx)
+
+
+@pytest.mark.parametrize("bad", ["deff:0", "deff:1", "deff:-0.1", "deff:1.5", "deff:x", "deff:nan"])
+def test_bad_fractions_are_refused(bad):
+    with pytest.raises(BadInputError, match="lambda_reg"):
+        parse_lambda_reg(bad)
+
+
+def test_existing_settings_unchanged():
+    xtx = _xtx(50, 20)
+    mean_eig = float(torch.trace(xtx)) / 20
+    assert resolve_lambda("auto", xtx) == pytest.approx(AUTO_DAMPING * mean_eig)
+    assert resolve_lambda("rel:0.1", xtx) == pytest.approx(0.1 * mean_eig)
+    assert resolve_lambda(0.5, xtx) == 0.5 and resolve_lambda("0", xtx) == 0.0
