@@ -8,7 +8,7 @@ and retries transient failures but not bad input (``retry_condition_fn``).
 from __future__ import annotations
 
 from prefect import task
-from prefect.artifacts import create_image_artifact, create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from . import core, report
@@ -78,15 +78,15 @@ def report_top_k(config: AttributeConfig) -> dict:
         description=f"top-{config.top_k} proponents/opponents, experiment {exp}",
     )
     for j, png in pngs.items():
-        create_image_artifact(
-            image_url=report.data_url(png),
+        create_markdown_artifact(
+            markdown=report.image_markdown(png, f"target {j}"),
             key=report.store_artifact_key(config.store, exp, "target", j),
             description=f"target {j} and its top proponents (top row) / opponents (bottom row)"
             if not summary.get("text")
             else f"target {j} and its top proponents / opponents (text)",
         )
-    create_image_artifact(
-        image_url=report.data_url(summary["histogram_png"]),
+    create_markdown_artifact(
+        markdown=report.image_markdown(summary["histogram_png"], "score histogram"),
         key=report.store_artifact_key(config.store, exp, "score-histogram"),
         description=f"histogram of all scores of experiment {exp}",
     )

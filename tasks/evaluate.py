@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from prefect import task
-from prefect.artifacts import create_image_artifact, create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from trak_core.errors import BadInputError
@@ -37,7 +37,7 @@ from .attribution import RETRIES, RETRY_DELAY_SECONDS, retry_unless_bad_input
 from .common import GPU_TAG, cached_data
 from .config import EvaluateConfig, TrainConfig
 from .plan import SubsetModelManifest, TruthPlan
-from .report import data_url, store_artifact_key
+from .report import image_markdown, store_artifact_key
 from .trainer import forward, split_xy, train_on_rows
 
 MARGIN = "log(p_y/(1-p_y)) of the target's label"
@@ -321,8 +321,8 @@ def compute_lds_task(config: EvaluateConfig, truth_path: str, trained: int = 0) 
     create_markdown_artifact(
         markdown=md, key=store_artifact_key(config.attribute.store, exp, "lds"), description=f"LDS of experiment {exp}"
     )
-    create_image_artifact(
-        image_url=data_url(png),
+    create_markdown_artifact(
+        markdown=image_markdown(png, "per-target Spearman correlations"),
         key=store_artifact_key(config.attribute.store, exp, "lds", "per-target"),
         description=f"per-target Spearman correlations, experiment {exp}",
     )

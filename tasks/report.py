@@ -318,6 +318,12 @@ def data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
+def image_markdown(png: bytes, title: str) -> str:
+    """A PNG as a markdown artifact's body: the Prefect UI shows the image alone (an image artifact prints
+    its whole data URL under the picture)."""
+    return f"![{title}]({data_url(png)})\n"
+
+
 def store_artifact_key(location: str, *parts) -> str:
     """The key of an artifact that belongs to one store (or checkpoint folder): ``trakflow-<identity>-...``,
     so two stores reporting to one Prefect server never overwrite each other's latest artifact."""

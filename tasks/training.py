@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_image_artifact, create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from . import trainer
 from .attribution import RETRIES, RETRY_DELAY_SECONDS, retry_unless_bad_input
 from .common import GPU_TAG
 from .config import TrainConfig
-from .report import data_url, store_artifact_key
+from .report import image_markdown, store_artifact_key
 
 
 @task(
@@ -51,8 +51,8 @@ def train_model(config: TrainConfig, index: int) -> dict:
     for name, file in rec["plots"].items():
         path = out / file
         if path.is_file():
-            create_image_artifact(
-                image_url=data_url(path.read_bytes()),
+            create_markdown_artifact(
+                markdown=image_markdown(path.read_bytes(), name),
                 key=store_artifact_key(config.out_dir, "train-model", index, name),
                 description=f"{name} of model {index} ({path})",
             )

@@ -128,7 +128,9 @@ def prefect_server(
     port = free_port()
     env = prefect_env(home)
     env.update(
-        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS=str(scheduler_loop_seconds), PREFECT_SERVER_API_HOST="127.0.0.1"
+        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS=str(scheduler_loop_seconds),
+        PREFECT_SERVER_API_HOST="127.0.0.1",
+        PREFECT_UI_API_URL=f"http://127.0.0.1:{port}/api",  # the UI's pages call this port, not 4200
     )
     if auth_string:
         env["PREFECT_SERVER_API_AUTH_STRING"] = auth_string

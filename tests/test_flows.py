@@ -197,7 +197,9 @@ def test_report_files_and_artifacts(attributed):
     arts = {a.key: a for a in asyncio.run(read())}
     assert arts[f"{prefix}-top-k"].type == "markdown"
     assert "top proponents" in arts[f"{prefix}-top-k"].data
-    assert arts[f"{prefix}-target-0"].type == "image"
+    # images are markdown artifacts embedding the PNG: the UI shows the picture without its data URL under it
+    assert arts[f"{prefix}-target-0"].type == "markdown"
+    assert arts[f"{prefix}-target-0"].data.startswith("![target 0](data:image/png;base64,iVBOR")
     assert store_identity(cfg.store) != store_identity(str(tmp / "other.zarr"))
     assert store_identity(cfg.store) == store_identity("file://" + os.path.abspath(cfg.store))
 
