@@ -15,12 +15,12 @@ from .errors import StateError
 from .scoring import (
     CONDITION_WARN,
     check_conditioning,
-    combine_checkpoints,
     features_block,
     parse_lambda_reg,
     regularized_inverse,
 )
 from .store import TrakStore
+from .streaming import stream_scores
 from .verify import require_present
 
 
@@ -206,19 +206,20 @@ def load_targets(store: TrakStore, exp_name: str, model_ids: list[int]) -> dict[
 
 
 def score_rows(
-    store: TrakStore, exp_name: str, model_ids: list[int], a: int, b: int, targets: dict | None = None
+    store: TrakStore,
+    exp_name: str,
+    model_ids: list[int],
+    a: int,
+    b: int,
+    targets: dict | None = None,
+    block_rows: int | None = None,
 ) -> None:
-    """Combined scores for train rows [a, b) written to the experiment's score array."""
+    """Combined scores for train rows [a, b) written to the experiment's score array.
+
+    Streams in blocks of ``block_rows`` rows (default: chosen from the cache and memory sizes), reading the
+    next block while multiplying this one (:func:`trak_core.streaming.stream_scores`)."""
     targets = targets if targets is not None else load_targets(store, exp_name, model_ids)
-    acc = torch.zeros(b - a, store.num_targets(exp_name), dtype=torch.float32)
-    qsum = np.zeros(b - a, dtype=np.float64)
-    for mid in model_ids:
-        m = store.model(mid)
-        phi = torch.from_numpy(m.features[a:b].astype(np.float32))
-        acc.addmm_(phi, targets[mid])  # acc += Φ_c Gᵀ_c, one GEMM per checkpoint
-        qsum += m.out_to_loss[a:b].astype(np.float64)
-    out = combine_checkpoints(acc.numpy(), qsum.astype(np.float32), len(model_ids))
-    store.write_score_rows(exp_name, a, b, out)
+    stream_scores(store, exp_name, model_ids, a, b, targets, block_rows=block_rows)
 
 
 def finalize_scores(
@@ -229,16 +230,16 @@ def finalize_scores(
     block_rows: int | None = None,
     progress=None,
 ) -> np.ndarray:
-    """Stream over train rows; returns the (n, m) float32 scores (also stored)."""
+    """Stream over train rows; returns the (n, m) float32 scores (also stored).
+
+    ``block_rows``: rows per GEMM (default: chosen from the cache and memory sizes,
+    :func:`trak_core.streaming.score_block_rows`). The returned array is the one the blocks were computed
+    into (the store holds the same bits), not a read-back of the store."""
     used = usable_models(store, exp_name, model_ids, allow_skip)
     targets = load_targets(store, exp_name, used)
-    step = block_rows or store.meta.shard_rows
     n = store.meta.train_set_size
     store.reset_scores(exp_name)  # a new combination: recompute all rows
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        score_rows(store, exp_name, used, a, b, targets)
-        if progress:
-            progress(b - a)
+    out = np.empty((n, store.num_targets(exp_name)), dtype=np.float32)
+    stream_scores(store, exp_name, used, 0, n, targets, block_rows=block_rows, out=out, progress=progress)
     store.set_scored_with(exp_name, used)
-    return store.scores(exp_name)[:]
+    return out

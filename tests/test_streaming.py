@@ -1,0 +1,128 @@
+"""Streaming scoring (trak_core.streaming): bit-identical to the plain loop for any block size, block sizes from
+the hardware, errors from the background threads reach the caller."""
+
+import numpy as np
+import pytest
+import torch
+
+from trak_core import reduce, streaming
+from trak_core.errors import StoreDamageError
+from trak_core.scoring import combine_checkpoints
+from trak_core.store import StoreMetadata, TrakStore
+
+
+def plain_loop(store: TrakStore, exp: str, used: list[int], step: int) -> np.ndarray:
+    """The unpipelined loop the streaming replaced (one fresh float32 copy per read, no threads)."""
+    targets = reduce.load_targets(store, exp, used)
+    n, m = store.meta.train_set_size, store.num_targets(exp)
+    out = np.empty((n, m), dtype=np.float32)
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        acc = torch.zeros(b - a, m, dtype=torch.float32)
+        qsum = np.zeros(b - a, dtype=np.float64)
+        for mid in used:
+            mm = store.model(mid)
+            acc.addmm_(torch.from_numpy(mm.features[a:b].astype(np.float32)), targets[mid])
+            qsum += mm.out_to_loss[a:b].astype(np.float64)
+        out[a:b] = combine_checkpoints(acc.numpy(), qsum.astype(np.float32), len(used))
+    return out
+
+
+def scored_store(path, dtype: str, ckpts: int, n: int = 300, p: int = 24, m: int = 9) -> TrakStore:
+    rng = np.random.default_rng(5)
+    st = TrakStore.create_or_open(
+        str(path), StoreMetadata(train_set_size=n, grad_dim=100, proj_dim=p, dtype=dtype, chunk_rows=16)
+    )
+    st.init_experiment("e", m)
+    for mid in range(ckpts):
+        mod = st.init_model(mid)
+        mod.features[:] = (rng.standard_normal((n, p)) * 3).astype(dtype)
+        mod.out_to_loss[:] = rng.uniform(0, 1, n).astype(np.float32)
+        mod.finalized[:] = np.ones(n, dtype=np.uint8)
+        st.set_finalize_info(mid, {"lambda_reg": 0.0})
+        st.init_experiment_model("e", mid)
+        st.write_target_rows("e", mid, slice(0, m), rng.standard_normal((m, p)).astype(np.float32))
+    return st
+
+
+@pytest.mark.parametrize("dtype,ckpts", [("float16", 1), ("float16", 3), ("float32", 2)])
+@pytest.mark.parametrize("block_rows", [None, 7, 16, 64, 1000])
+def test_finalize_scores_bit_identical_to_plain_loop(tmp_path, dtype, ckpts, block_rows):
+    st = scored_store(tmp_path / "s", dtype, ckpts)
+    want = plain_loop(st, "e", list(range(ckpts)), st.meta.shard_rows)
+    got = reduce.finalize_scores(st, "e", block_rows=block_rows)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(st.scores("e")[:], want)  # the store holds the same bits
+
+
+def test_score_rows_per_shard_bit_identical(tmp_path):
+    st = scored_store(tmp_path / "s", "float16", 2)
+    want = plain_loop(st, "e", [0, 1], st.meta.shard_rows)
+    st.begin_scores("e", [0, 1])
+    for s in range(st.meta.num_shards):
+        a, b = st.meta.shard_range(s)
+        reduce.score_rows(st, "e", [0, 1], a, b, block_rows=32)
+    np.testing.assert_array_equal(st.scores("e")[:], want)
+
+
+def test_default_blocks_below_a_shard_bit_identical(tmp_path, monkeypatch):
+    """Blocks smaller than a shard (the cache decides), a last shard that does not divide into them."""
+    monkeypatch.setattr(streaming, "cache_bytes", lambda: 2 * 4 * (256 + 64) * 128)  # 128 rows fit: 256 (the min)
+    rng = np.random.default_rng(7)
+    n, p, m = 2600, 256, 64  # shards of 1024, 1024, 552 rows: blocks of 256, the last 296 (256 + 40)
+    meta = StoreMetadata(train_set_size=n, grad_dim=1000, proj_dim=p, dtype="float16", chunk_rows=64, shard_rows=1024)
+    st = TrakStore.create_or_open(str(tmp_path / "s"), meta)
+    st.init_experiment("e", m)
+    for mid in range(2):
+        mod = st.init_model(mid)
+        mod.features[:] = rng.standard_normal((n, p)).astype(np.float16)
+        mod.out_to_loss[:] = rng.uniform(0, 1, n).astype(np.float32)
+        mod.finalized[:] = np.ones(n, dtype=np.uint8)
+        st.set_finalize_info(mid, {"lambda_reg": 0.0})
+        st.init_experiment_model("e", mid)
+        st.write_target_rows("e", mid, slice(0, m), rng.standard_normal((m, p)).astype(np.float32))
+    assert streaming.score_block_rows(p, m, 64, 1024) == streaming.MIN_GEMM_ROWS
+    assert streaming.score_blocks(0, n, 256, 1024)[-2:] == [(2048, 2304), (2304, 2600)]
+    want = plain_loop(st, "e", [0, 1], 1024)
+    np.testing.assert_array_equal(reduce.finalize_scores(st, "e"), want)
+
+
+def test_score_blocks_tile_shards():
+    assert streaming.score_blocks(0, 300, 128, 128) == [(0, 128), (128, 256), (256, 300)]
+    # blocks never cross a shard; a small remainder joins the shard's last full block
+    assert streaming.score_blocks(0, 1500, 128, 512)[-3:] == [(1024, 1152), (1152, 1280), (1280, 1500)]
+    assert streaming.score_blocks(512, 1024, 128, 512) == [(512, 640), (640, 768), (768, 896), (896, 1024)]
+    # a shard no larger than a block is one block, as in the one-GEMM-per-shard loop
+    assert streaming.score_blocks(0, 1030, 1024, 1024) == [(0, 1024), (1024, 1030)]
+    # an explicit block size without shards: exactly those blocks
+    assert streaming.score_blocks(0, 50, 15) == [(0, 15), (15, 30), (30, 45), (45, 50)]
+
+
+def test_progress_counts_every_row(tmp_path):
+    st = scored_store(tmp_path / "s", "float16", 1)
+    seen = []
+    reduce.finalize_scores(st, "e", block_rows=48, progress=seen.append)
+    assert sum(seen) == 300 and len(seen) == 7
+
+
+def test_damaged_chunk_read_in_the_reader_thread_is_named(tmp_path):
+    st = scored_store(tmp_path / "s", "float16", 1)
+    chunk = tmp_path / "s" / "models" / "0" / "features" / "c" / "3" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[10] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(StoreDamageError, match="features"):
+        reduce.finalize_scores(st, "e", block_rows=32)
+
+
+def test_block_rows_from_cache_and_memory():
+    # whole chunks, at least one
+    assert streaming.score_block_rows(2048, 1024, 1024, cache=32 << 20, memory=16 << 30) == 1024
+    assert streaming.score_block_rows(512, 100, 1024, 8192, cache=32 << 20, memory=16 << 30) == 4096  # divides
+    rows = streaming.score_block_rows(512, 100, 64, cache=32 << 20, memory=16 << 30)
+    assert rows % 64 == 0 and rows * 4 * (512 + 100) <= 16 << 20
+    # a small cache still gives a GEMM of MIN_GEMM_ROWS rows; little memory caps the buffers
+    assert streaming.score_block_rows(2048, 256, 16, cache=1 << 20, memory=16 << 30) == streaming.MIN_GEMM_ROWS
+    small = streaming.score_block_rows(2048, 256, 16, cache=1 << 30, memory=64 << 20)
+    assert small % 16 == 0 and small * (2 * 2 * 2048 + 4 * 2048 + 8 * 256) <= (64 << 20) * streaming.MEMORY_FRACTION
+    assert streaming.cache_bytes() > 0 and streaming.memory_bytes() > 0

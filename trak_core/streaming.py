@@ -1,0 +1,236 @@
+"""Streaming scoring at GEMM speed: block sizes from the cache and memory sizes, and a pipeline that reads the
+next block of features while the current one is multiplied.
+
+Scores of train rows [a, b) are Σ_c Φ_c[a:b] G_cᵀ combined with Q (:func:`trak_core.scoring.combine_checkpoints`).
+The work per (row block, checkpoint) is one Zarr read of Φ (float16 or float32), a conversion to float32 and one
+float32 GEMM; per row block one combination and one Zarr write. :func:`stream_scores` runs
+
+* the reads in one background thread, one (block, checkpoint) ahead, into preallocated buffers (a read of a
+  fresh array pays a page fault per 4 KiB: as much as the read itself). zarr's codec pipeline and the file reads
+  release the GIL, so the read costs the GEMM almost nothing;
+* the conversion (torch's vectorized copy into a preallocated float32 buffer, ~1 % of the GEMM) and the GEMM
+  (``addmm_``, both cores) in the calling thread;
+* the combination and the write of a finished block in a second background thread, while the next block is
+  multiplied (double-buffered accumulators).
+
+The arithmetic is the one of the plain loop (zero the accumulator, ``acc.addmm_(Φ_c, G_cᵀ)`` per checkpoint in
+the given order, then :func:`~trak_core.scoring.combine_checkpoints`' float32 element-wise operations), and MKL's
+GEMM gives every row the same bits whatever the number of rows in the call, so the scores are bit-identical to
+the unpipelined loop for any block size (tests/test_streaming.py checks it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from .store import TrakStore
+
+#: used when the last-level cache size cannot be read (bytes)
+DEFAULT_CACHE_BYTES = 8 << 20
+#: used when the available memory cannot be read (bytes)
+DEFAULT_MEMORY_BYTES = 4 << 30
+#: the pipeline's buffers take at most this fraction of the available memory
+MEMORY_FRACTION = 1 / 16
+#: a GEMM with fewer rows than this runs below the BLAS peak (the per-call cost and the edge tiles show)
+MIN_GEMM_ROWS = 256
+
+
+def _read_size(path: str) -> int | None:
+    try:
+        with open(path) as fh:
+            text = fh.read().strip().upper()
+    except OSError:
+        return None
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in "KMG" else text
+    return int(digits) * mult if digits.isdigit() else None
+
+
+def cache_bytes() -> int:
+    """The largest CPU cache (the last level, shared by the cores), from sysfs; DEFAULT_CACHE_BYTES if unknown."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    sizes = []
+    if os.path.isdir(base):
+        for name in sorted(os.listdir(base)):
+            size = _read_size(os.path.join(base, name, "size"))
+            if size:
+                sizes.append(size)
+    return max(sizes) if sizes else DEFAULT_CACHE_BYTES
+
+
+def memory_bytes() -> int:
+    """Available memory (MemAvailable), DEFAULT_MEMORY_BYTES if unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return DEFAULT_MEMORY_BYTES
+
+
+def score_block_rows(
+    proj_dim: int,
+    num_targets: int,
+    chunk_rows: int,
+    shard_rows: int | None = None,
+    *,
+    itemsize: int = 2,
+    cache: int | None = None,
+    memory: int | None = None,
+) -> int:
+    """Rows per GEMM of the streaming scoring: a whole number of store chunks (a read never decodes a chunk
+    twice, a write owns whole chunks) chosen from the hardware.
+
+    * cache: the float32 block Φ (rows × p) and its accumulator (rows × m) fit in half the last-level cache, so
+      the GEMM finds the block the conversion just wrote in cache (the other half holds Gᵀ's panels and the
+      block being read ahead); at least MIN_GEMM_ROWS rows;
+    * memory: the pipeline's buffers (two read buffers of ``itemsize`` bytes, one float32 Φ, two accumulators)
+      stay within MEMORY_FRACTION of the available memory;
+    * with ``shard_rows``: a divisor of it (at most a shard), so blocks tile the shards the score tasks own;
+    * at least one chunk.
+    """
+    cache = cache_bytes() if cache is None else cache
+    memory = memory_bytes() if memory is None else memory
+    row_hot = 4 * (proj_dim + num_targets)  # float32 Φ row + accumulator row
+    rows = max(MIN_GEMM_ROWS, (cache // 2) // row_hot)
+    row_buffers = 2 * itemsize * proj_dim + 4 * proj_dim + 2 * 4 * num_targets
+    rows = min(rows, max(1, int(memory * MEMORY_FRACTION) // row_buffers))
+    if shard_rows is not None and shard_rows % chunk_rows == 0:
+        fits = [d for d in range(chunk_rows, min(rows, shard_rows) + 1, chunk_rows) if shard_rows % d == 0]
+        return fits[-1] if fits else chunk_rows
+    return max(chunk_rows, rows // chunk_rows * chunk_rows)
+
+
+def score_blocks(a: int, b: int, step: int, shard_rows: int | None = None) -> list[tuple[int, int]]:
+    """The row blocks [s, e) of [a, b): ``step`` rows each, never across a shard boundary (``shard_rows``). A
+    shard of at most ``step`` rows is one block, and a shard's remainder below MIN_GEMM_ROWS joins its last
+    full block: no GEMM gets a handful of rows where the one-GEMM-per-shard loop had many (BLAS takes other
+    code paths for tiny row counts, with other rounding)."""
+    out = []
+    edges = range(a - a % shard_rows + shard_rows, b, shard_rows) if shard_rows else []
+    bounds = [a, *edges, b]
+    for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True):
+        blocks = [(s, min(s + step, s1)) for s in range(s0, s1, step)]
+        if shard_rows and len(blocks) > 1 and blocks[-1][1] - blocks[-1][0] < min(step, MIN_GEMM_ROWS):
+            last = blocks.pop()
+            blocks[-1] = (blocks[-1][0], last[1])
+        out += blocks
+    return out
+
+
+class _Slot:
+    """One read-ahead buffer: the stored rows (store dtype) and Q of one (row block, checkpoint)."""
+
+    def __init__(self, rows: int, p: int, dtype: np.dtype):
+        self.raw = np.empty((rows, p), dtype=dtype)
+        self.q: np.ndarray | None = None
+
+
+def _read_into(array, a: int, b: int, out: np.ndarray) -> None:
+    """``out[:] = array[a:b]`` without allocating: zarr decodes the chunks straight into ``out``."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    inner = getattr(array, "array", None)
+    if inner is None:  # not a StoredArray (a plain zarr array or numpy)
+        out[...] = array[a:b]
+        return
+    nd = default_buffer_prototype().nd_buffer.from_numpy_array(out)
+    array._guard(lambda: inner.get_basic_selection((slice(a, b),), out=nd))
+
+
+def stream_scores(
+    store: TrakStore,
+    exp_name: str,
+    model_ids: Sequence[int],
+    a: int,
+    b: int,
+    targets: dict[int, torch.Tensor],
+    *,
+    block_rows: int | None = None,
+    out: np.ndarray | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Combined scores of train rows [a, b) from ``model_ids``' features and ``targets`` ((p, m) float32 each),
+    written to the experiment's score array block by block (each block's rows marked done after its data).
+
+    ``block_rows``: rows per GEMM, exactly (default: :func:`score_block_rows` within the shards,
+    :func:`score_blocks`); ``out``: an (n, m) float32 array that also receives the scores (the accumulators are
+    its rows: no copy); ``progress(rows)`` after each block is written.
+    """
+    if a >= b:
+        return
+    ids = [int(mid) for mid in model_ids]
+    meta = store.meta
+    p, m = meta.proj_dim, store.num_targets(exp_name)
+    if block_rows:
+        step, blocks = block_rows, score_blocks(a, b, block_rows)
+    else:
+        step = score_block_rows(p, m, meta.chunk_rows, meta.shard_rows, itemsize=meta.np_dtype.itemsize)
+        blocks = score_blocks(a, b, step, meta.shard_rows)
+    step = max(e - s for s, e in blocks)
+    models = [store.model(mid) for mid in ids]  # open each array once, not per block
+    feats = [mm.features for mm in models]
+    qs = [mm.out_to_loss for mm in models]
+    jobs = [(s, e, k) for s, e in blocks for k in range(len(ids))]
+    slots = [_Slot(step, p, meta.np_dtype) for _ in range(2)]
+    phi = torch.empty(step, p, dtype=torch.float32)
+    accs = [None, None] if out is not None else [torch.empty(step, m, dtype=torch.float32) for _ in range(2)]
+
+    def read(j: int) -> _Slot:
+        s, e, k = jobs[j]
+        slot = slots[j % 2]
+        _read_into(feats[k], s, e, slot.raw[: e - s])
+        slot.q = qs[k][s:e]
+        return slot
+
+    def write(s: int, e: int, acc: torch.Tensor, qsum: np.ndarray) -> None:
+        # combine_checkpoints' float32 operations, element for element, in place (no block-sized temporary)
+        res, c = acc.numpy(), len(ids)
+        np.divide(res, c, out=res)
+        np.multiply(res, qsum.astype(np.float32).reshape(-1, 1) / c, out=res)
+        store.write_score_rows(exp_name, s, e, res)
+        if progress:
+            progress(e - s)
+
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="trak-read") as reader,
+        ThreadPoolExecutor(1, thread_name_prefix="trak-write") as writer,
+    ):
+        pending_read: Future = reader.submit(read, 0)
+        pending_write: list[Future | None] = [None, None]
+        j = 0
+        try:
+            for bi, (s, e) in enumerate(blocks):
+                rows = e - s
+                prev = pending_write[bi % 2]
+                if prev is not None:
+                    prev.result()  # at most two blocks in flight; the accumulator of two blocks ago is free again
+                acc = torch.from_numpy(out[s:e]) if out is not None else accs[bi % 2][:rows]
+                acc.zero_()
+                qsum = np.zeros(rows, dtype=np.float64)
+                for k in range(len(ids)):
+                    slot = pending_read.result()
+                    # the other slot was converted one job ago: read the next job into it now
+                    pending_read = reader.submit(read, j + 1) if j + 1 < len(jobs) else None
+                    x = phi[:rows]
+                    x.copy_(torch.from_numpy(slot.raw[:rows]))
+                    qsum += slot.q.astype(np.float64)
+                    acc.addmm_(x, targets[ids[k]])  # acc += Φ_c Gᵀ_c, one GEMM per checkpoint
+                    j += 1
+                pending_write[bi % 2] = writer.submit(write, s, e, acc, qsum)
+            for f in pending_write:
+                if f is not None:
+                    f.result()
+        finally:
+            if pending_read is not None:
+                pending_read.cancel()
