@@ -65,3 +65,13 @@ def test_prefect_yaml_deploys_the_demo_configs(monkeypatch):
     got = deps[("flows/train.py:train", "digits")]["parameters"]["config"]
     assert full(TrainConfig, got) == full(TrainConfig, rel(train.model_dump(mode="json", exclude_unset=True)))
     assert deps[("flows/demo.py:digits_demo", "nightly")]["schedules"][0]["cron"] == NIGHTLY_CRON
+
+
+def test_cli_reference_is_current():
+    """Fails when a command or option changed without `python -m trakflow_cli.reference`."""
+    from trakflow_cli import reference
+
+    assert reference.main(["--check"]) == 0
+    doc = (REPO / "docs" / "pipeline.md").read_text()
+    for name in ("demo", "run", "train", "evaluate", "show", "verify", "unlock", "serve", "trigger"):
+        assert f"`trakflow {name}" in doc
