@@ -9,8 +9,9 @@ over m between Σ_{i ∈ S_m} τ_ij and f_j(θ_S_m).
 All M + C models are trained at once (stacked weights, one batched SGD loop): SGD, momentum 0.9, lr 0.05,
 batch 64, 15 epochs — the demo's training recipe. TRAK runs through ``trak_core.TRAKer`` with the given
 projector, float32 store. ``--lambdas`` are relative: lambda_reg = λ · projector.scale (E‖Px‖²/‖x‖², i.e.
-proj_dim for the projections, 1 for noop), so that one λ means the same damping for every kind and proj_dim. Projector randomness is reported over several projector seeds; the difference
-to dense also as a paired bootstrap over targets.
+proj_dim for the projections, 1 for noop), so that one λ means the same damping for every kind and proj_dim.
+Projector randomness is reported over several projector seeds; the difference to dense also as a paired
+bootstrap over targets.
 
     .venv/bin/python benchmarks/lds.py                       # the table of benchmarks/RESULTS.md
     .venv/bin/python benchmarks/lds.py --quick               # a 1-minute smoke run

@@ -175,8 +175,8 @@ def stream_scores(
     if block_rows:
         step, blocks = block_rows, score_blocks(a, b, block_rows)
     else:
-        step = score_block_rows(p, m, meta.chunk_rows, meta.shard_rows, itemsize=meta.np_dtype.itemsize)
-        blocks = score_blocks(a, b, step, meta.shard_rows)
+        step = score_block_rows(p, m, meta.rows_per_chunk, meta.rows_per_shard, itemsize=meta.np_dtype.itemsize)
+        blocks = score_blocks(a, b, step, meta.rows_per_shard)
     step = max(e - s for s, e in blocks)
     models = [store.model(mid) for mid in ids]  # open each array once, not per block
     feats = [mm.features for mm in models]
@@ -184,7 +184,8 @@ def stream_scores(
     jobs = [(s, e, k) for s, e in blocks for k in range(len(ids))]
     slots = [_Slot(step, p, meta.np_dtype) for _ in range(2)]
     phi = torch.empty(step, p, dtype=torch.float32)
-    accs = [None, None] if out is not None else [torch.empty(step, m, dtype=torch.float32) for _ in range(2)]
+    # two accumulators when the caller gives no output array (score tasks); none needed otherwise
+    accs: list[torch.Tensor] = [] if out is not None else [torch.empty(step, m, dtype=torch.float32) for _ in range(2)]
 
     def read(j: int) -> _Slot:
         s, e, k = jobs[j]
@@ -206,7 +207,7 @@ def stream_scores(
         ThreadPoolExecutor(1, thread_name_prefix="trak-read") as reader,
         ThreadPoolExecutor(1, thread_name_prefix="trak-write") as writer,
     ):
-        pending_read: Future = reader.submit(read, 0)
+        pending_read: Future | None = reader.submit(read, 0)
         pending_write: list[Future | None] = [None, None]
         j = 0
         try:
@@ -219,6 +220,7 @@ def stream_scores(
                 acc.zero_()
                 qsum = np.zeros(rows, dtype=np.float64)
                 for k in range(len(ids)):
+                    assert pending_read is not None  # one read is submitted per (block, checkpoint) job
                     slot = pending_read.result()
                     # the other slot was converted one job ago: read the next job into it now
                     pending_read = reader.submit(read, j + 1) if j + 1 < len(jobs) else None
