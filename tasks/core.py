@@ -164,6 +164,21 @@ class Fingerprints:
     checkpoints: tuple[dict, ...]  # {"path", "sha256"} per model_id
 
 
+def _check_dtypes(model: torch.nn.Module, data: tuple, field: str) -> None:
+    """Floating inputs of another dtype than the model's parameters (float64 data, float32 model) would fail
+    inside every featurize task: refused here, before the store is created."""
+    model_dt = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(model_dt) != 1:
+        return  # mixed-precision models: left to the forward pass
+    (want,) = model_dt
+    for i, t in enumerate(data):
+        if torch.is_tensor(t) and t.is_floating_point() and t.dtype != want:
+            raise BadInputError(
+                f"{field}: tensor {i} is {t.dtype} but the model's parameters are {want}: cast the data "
+                f"(x.to({want})) or the model (model.to({t.dtype})); nothing was written"
+            )
+
+
 def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     """Check everything that can be checked without computing gradients: model, task, data (batches, NaN/inf),
     the projection against n, and that every checkpoint fits the model. Raises BadInputError naming the field."""
@@ -175,6 +190,8 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     _check_batch(task, targets, config.batch_size, "target_data")
     _check_finite(train, "train_data")
     _check_finite(targets, "target_data")
+    _check_dtypes(model, train, "train_data")
+    _check_dtypes(model, targets, "target_data")
     n = int(train[0].shape[0])
     meta = build_metadata(config, n, model, task)
     if meta.proj_dim >= n and config.settings.lambda_rule.setting == 0:

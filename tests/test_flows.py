@@ -82,6 +82,12 @@ def traker_scores(tmp: Path, ckpt_paths, projector: str = "dense") -> np.ndarray
     return np.asarray(tr.finalize_scores("tiny"))
 
 
+def float64_target_data():
+    """tiny's targets as float64 (the model is float32): refused by the plan, not inside a task."""
+    x, y = tiny.target_data()
+    return x.double(), y
+
+
 def file_mtimes(root: str) -> dict[str, int]:
     out = {}
     for d, _, files in os.walk(root):
@@ -265,6 +271,7 @@ def test_bad_config_fails_before_any_compute(tmp_path, monkeypatch):
         (dict(train_data="examples.tiny:bad_labels"), "train_data", BadInputError),
         (dict(proj_dim=N, lambda_reg=0.0), "proj_dim", BadInputError),
         (dict(grad_wrt=["0.weight", "nope"]), "grad_wrt", BadInputError),
+        (dict(target_data="test_flows:float64_target_data"), "target_data: tensor 0 is torch.float64", BadInputError),
     ],
 )
 def test_plan_rejects_bad_input_before_writing(tmp_path, over, field, exc):
