@@ -21,7 +21,8 @@ RETRY_DELAY_SECONDS = 2
 
 
 def retry_unless_bad_input(task, task_run, state) -> bool:
-    """Prefect retry_condition_fn: no retry for BadInputError / StateError / StoreMismatchError."""
+    """Prefect retry_condition_fn: no retry for bad input, a mismatching or damaged store, or a full disk
+    (tasks.common.should_retry)."""
     exc = state.data if isinstance(state.data, BaseException) else None
     return should_retry(exc)
 

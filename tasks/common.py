@@ -3,6 +3,7 @@ The plan and the manifests the tasks return are in tasks.plan."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import threading
@@ -32,10 +33,17 @@ def store_identity(location: str) -> str:
     return hashlib.sha256(loc.encode()).hexdigest()[:10]
 
 
+#: OSError errnos that a retry a few seconds later cannot fix: a full disk or quota (the task would write
+#: again into the same full filesystem), a read-only filesystem
+NOT_RETRIED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
 def should_retry(exc: BaseException | None) -> bool:
-    """Retry transient failures (I/O, OOM, a lost worker), never bad input."""
+    """Retry transient failures (I/O, OOM, a lost worker), never bad input nor a full disk (ENOSPC)."""
     if exc is None:
         return True
+    if isinstance(exc, OSError) and exc.errno in NOT_RETRIED_ERRNOS:
+        return False
     try:
         from pydantic import ValidationError
 

@@ -12,10 +12,13 @@ shadows an installed module. The repository's ``examples`` (the digits demo) are
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -110,8 +113,13 @@ class _Bars:
         return False
 
 
-def _fail(msg: str, code: int = 2):
-    err_console.print(f"[bold red]error:[/] {msg}")
+def _fail(msg: str, code: int = 2, hint: bool = False):
+    """One ``error:`` line (never wrapped: the message is printed as given), then exit with ``code``."""
+    from rich.markup import escape
+
+    err_console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
+    if hint:
+        err_console.print("[dim](rerun with -v for the traceback and Prefect's logs)[/]")
     raise typer.Exit(code)
 
 
@@ -130,13 +138,58 @@ def _load_config(cls, path: Path):
         _fail(f"invalid config {path}:\n{e}")
 
 
-def _run_flow(flow_fn, config, bars: bool = True):
-    """Run a flow on a config (its tasks run on the config's task runner: flows.runners.ConfigTaskRunner)."""
+@contextlib.contextmanager
+def _flow_guard(verbose: bool) -> Iterator[None]:
+    """Around a flow run (trakflow_cli.lifecycle): any exception ends in one ``error:`` line naming its root
+    cause (exit 1; the traceback and Prefect's error logs only with -v); SIGINT/SIGTERM stop the run and
+    every process it started (Prefect's ephemeral server, process-pool workers, a local Dask cluster) and
+    exit with 128 + the signal number; Prefect's ephemeral server is started so that it dies with the CLI."""
+    import click
+    import prefect  # noqa: F401  (configures logging: the filter below goes onto its handlers)
+    from prefect.exceptions import TerminationSignal
+
+    from trakflow_cli import lifecycle
+
+    keep = lifecycle.child_pids()
+    said: list[int] = []
+
+    def interrupted(signum: int, stopped: int | None = None) -> None:
+        procs = "" if not stopped else f" and its {stopped} process{'es' if stopped > 1 else ''}"
+        if not said:
+            said.append(signum)
+            err_console.print(
+                f"[bold red]error:[/] interrupted by {signal.Signals(signum).name}: stopped the run{procs}; what "
+                "was written is kept, rerun the same command to resume",
+                soft_wrap=True,
+            )
+
+    signals = lifecycle.Signals(keep, interrupted)
+    signals.install()
     try:
-        with _Bars(bars):
-            return flow_fn(config)
-    except _config_errors() as e:
-        _fail(f"{type(e).__name__}: {e}", 1)
+        with lifecycle.quiet_prefect_errors(not verbose):
+            lifecycle.start_ephemeral_server()
+            yield
+    except (click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
+        raise
+    except (KeyboardInterrupt, TerminationSignal) as e:
+        signum = getattr(e, "signum", None) or getattr(e, "signal", None) or signal.SIGINT
+        interrupted(signum, len(lifecycle.stop_children(keep)))
+        raise typer.Exit(128 + signum) from None
+    except Exception as e:
+        if verbose:
+            import traceback
+
+            traceback.print_exception(e)
+        _fail(lifecycle.error_line(e), 1, hint=not verbose)
+    finally:
+        signals.restore()
+
+
+def _run_flow(flow_fn, config, bars: bool = True, verbose: bool = False):
+    """Run a flow on a config (its tasks run on the config's task runner: flows.runners.ConfigTaskRunner);
+    a failure or a signal is reported by :func:`_flow_guard`."""
+    with _flow_guard(verbose), _Bars(bars):
+        return flow_fn(config)
 
 
 def _text_tables(r: dict, top_k: int) -> None:
@@ -220,17 +273,14 @@ def demo(
     train_cfg, _ = demo_configs(demo_dir, num_models=models, epochs=epochs)
     if not all(is_complete(train_cfg.out_dir, i) for i in range(models)):
         console.print(f"training {models} checkpoints ({epochs} epochs each) in {train_cfg.out_dir}")
-    try:
-        with _Bars(True):
-            out = digits_demo(
-                demo_dir=str(demo_dir),
-                num_models=models,
-                epochs=epochs,
-                proj_dim=proj_dim,
-                lambda_reg=normalize_lambda_reg(lambda_reg),
-            )
-    except _config_errors() as e:
-        _fail(f"{type(e).__name__}: {e}", 1)
+    with _flow_guard(verbose), _Bars(True):
+        out = digits_demo(
+            demo_dir=str(demo_dir),
+            num_models=models,
+            epochs=epochs,
+            proj_dim=proj_dim,
+            lambda_reg=normalize_lambda_reg(lambda_reg),
+        )
     if out["train"] is None:
         console.print(f"checkpoints present in {train_cfg.out_dir}: not retraining")
     else:
@@ -282,7 +332,7 @@ def run(
     _prefect_env(verbose, reuse_local_server=True)
     import flows
 
-    result = _run_flow(getattr(flows, flow), config)
+    result = _run_flow(getattr(flows, flow), config, verbose=verbose)
     if flow == "attribute":
         _print_attribution(result, config)
     else:
@@ -301,13 +351,13 @@ def train_cmd(
     _prefect_env(verbose, reuse_local_server=True)
     from flows import train
 
-    res = _run_flow(train, config)
+    res = _run_flow(train, config, verbose=verbose)
     console.print(
         f"{res['tasks']} models ({res['computed']} trained, {res['skipped']} kept); manifest: {res['manifest']}"
     )
 
 
-def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: str | None):
+def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: str | None, verbose: bool = False):
     """The demo's evaluate setup: its checkpoints (trained here when absent) and recipe, all 297 held-out
     digits as targets (experiment 'digits-heldout'), the demo's lambda_reg unless given (another lambda_reg
     gets its own store: a finalized store keeps its λ)."""
@@ -322,7 +372,7 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: str | None):
         is_complete(train_cfg.out_dir, i) for i in range(train_cfg.num_models)
     ):
         console.print(f"training the demo's {train_cfg.num_models} checkpoints in {train_cfg.out_dir}")
-        _run_flow(train, train_cfg)
+        _run_flow(train, train_cfg, verbose=verbose)
     attr.update(exp_name="digits-heldout", target_data="examples.digits:heldout_data", report_targets=5)
     report = Path(demo_dir).absolute() / "report"
     if lambda_reg is not None:
@@ -365,7 +415,7 @@ def evaluate(
 
     try:
         if config_file is None:
-            config = _demo_evaluate_config(demo_dir, subsets or 50, lambda_reg)
+            config = _demo_evaluate_config(demo_dir, subsets or 50, lambda_reg, verbose)
         else:
             config = _load_config(EvaluateConfig, config_file)
         over = {
@@ -381,7 +431,7 @@ def evaluate(
             config = EvaluateConfig.model_validate({**config.model_dump(), **over})
     except _config_errors() as e:
         _fail(f"{type(e).__name__}: {e}")
-    res = _run_flow(evaluate_flow, config)
+    res = _run_flow(evaluate_flow, config, verbose=verbose)
     a, s = config.attribute, res["settings"]
     lam = ", ".join(f"{x:.3g}" for x in s["lambda_abs"] if x is not None)
     console.print(

@@ -1,0 +1,292 @@
+"""Errors reach the user as one line (issue 12, item 6): a task's failure is one ``error:`` line naming its root
+cause (Prefect's tracebacks only with -v); a full disk (ENOSPC) names the path and is not retried; SIGINT and
+SIGTERM leave no process behind (the ephemeral Prefect server included), and neither does SIGKILL."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from examples import tiny
+from tasks.common import should_retry
+from trak_core.errors import BadInputError, StoreDamageError
+from trakflow_cli import lifecycle
+from trakflow_cli.main import app
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
+
+
+def bad_label_train_data():
+    """tiny's train data with label 7 (3 classes) in row 20: passes the plan, fails inside featurize-shard."""
+    x, y = tiny.train_data()
+    y = y.clone()
+    y[20] = 7
+    return x, y
+
+
+def write_config(tmp: Path, **over) -> Path:
+    paths = tiny.save_checkpoints(tmp / "ck", seeds=(0, 1))
+    cfg = dict(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        target_data="examples.tiny:target_data",
+        checkpoints=paths,
+        store=str(tmp / "store.zarr"),
+        proj_dim=16,
+        lambda_reg=1e-3,
+        batch_size=8,
+        shard_size=16,
+        chunk_rows=8,
+        device="cpu",
+        report_targets=0,
+    )
+    cfg.update(over)
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def error_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("error:")]
+
+
+def cli_env(home: Path, api_url: str | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        ENV,
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), str(TESTS), os.environ.get("PYTHONPATH")])),
+    )
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    return env
+
+
+def harness_api_url() -> str:
+    from prefect.settings import get_current_settings
+
+    return str(get_current_settings().api.url)
+
+
+# ---------------------------------------------------------------------------------------------- the line
+def test_error_line_unwraps_to_the_root_cause():
+    from prefect.exceptions import FailedRun
+
+    bad = BadInputError("train_data rows 16..23 (model_id=0): label 7 out of range")
+    try:
+        try:
+            raise bad
+        except BadInputError as e:
+            raise FailedRun("Flow run encountered an exception") from e
+    except FailedRun as e:
+        wrapped = e
+    assert lifecycle.root_cause(wrapped) is bad
+    assert lifecycle.error_line(wrapped) == "BadInputError: train_data rows 16..23 (model_id=0): label 7 out of range"
+    assert lifecycle.error_line(ExceptionGroup("tasks failed", [bad])).startswith("BadInputError: train_data rows")
+    # an explicit cause is the root; the error it was raised as stays on the line
+    try:
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except OSError as e:
+            raise RuntimeError("uploading chunk c/0/0 failed\nafter 3 attempts") from e
+    except RuntimeError as e:
+        line = lifecycle.error_line(e)
+    assert line == (
+        "ConnectionResetError: [Errno 104] Connection reset by peer (raised as RuntimeError: uploading "
+        "chunk c/0/0 failed after 3 attempts)"
+    )
+    # trakflow's own errors name their cause: not unwrapped further
+    try:
+        try:
+            raise ValueError("cannot reshape array of size 3")
+        except ValueError as e:
+            raise StoreDamageError("store s.zarr: array models/0/features, chunk c/0/0 fails its checksum") from e
+    except StoreDamageError as e:
+        assert lifecycle.error_line(e).startswith("StoreDamageError: store s.zarr: array models/0/features")
+    full = OSError(errno.ENOSPC, "No space left on device", "/data/s.zarr/models/0/grads/c/1/0")
+    line = lifecycle.error_line(full)
+    assert line.startswith("OSError: [Errno 28] No space left on device: '/data/s.zarr/models/0/grads/c/1/0'")
+    assert "disk is full writing /data/s.zarr/models/0/grads/c/1/0" in line and "\n" not in line
+
+
+def test_full_disk_is_not_retried():
+    assert not should_retry(OSError(errno.ENOSPC, "No space left on device", "/x"))
+    assert not should_retry(OSError(errno.EDQUOT, "Disk quota exceeded", "/x"))
+    assert should_retry(OSError(errno.EIO, "Input/output error", "/x"))
+    assert should_retry(TimeoutError("read timed out"))
+    assert not should_retry(BadInputError("x"))
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_enospc_in_a_task_names_the_path_once_not_retried(tmp_path, monkeypatch):
+    """A store write inside featurize-shard fails with ENOSPC: each task runs once (no retry), the CLI prints
+    one error line naming the path and exits 1."""
+    from trak_core.store import TrakStore
+
+    calls: list[tuple[int, int]] = []
+
+    def full_disk(self, model_id, rows, grads, out_to_loss):
+        calls.append((model_id, rows.start))
+        raise OSError(errno.ENOSPC, "No space left on device", f"{tmp_path}/store.zarr/models/{model_id}/grads/c/0/0")
+
+    monkeypatch.setattr(TrakStore, "write_train_rows", full_disk)
+    path = write_config(tmp_path)
+    res = CliRunner().invoke(app, ["run", str(path)], env=ENV)
+    assert res.exit_code == 1, res.output
+    lines = error_lines(res.output)
+    assert len(lines) == 1, res.output
+    assert "OSError: [Errno 28] No space left on device" in lines[0]
+    assert f"disk is full writing {tmp_path}/store.zarr/models/" in lines[0] and "not retried" in lines[0]
+    assert calls and len(calls) == len(set(calls)), f"a shard was attempted more than once: {calls}"
+    assert "Traceback" not in res.output and "rerun with -v" in res.output
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_task_failure_is_one_line_traceback_only_with_verbose(tmp_path):
+    """A BadInputError inside a task: one `error:` line, nothing of Prefect's (a real process: Prefect logs to
+    the process's stderr); with -v the traceback and Prefect's error logs are there."""
+    path = write_config(tmp_path, train_data="test_cli_errors:bad_label_train_data")
+    env = cli_env(tmp_path / "home", harness_api_url())
+    cmd = [sys.executable, "-m", "trakflow_cli.main", "run", str(path)]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    lines = error_lines(out)
+    assert len(lines) == 1, out
+    assert lines[0].startswith("error: BadInputError: train_data rows 16..23 (model_id="), out
+    assert lines[0].endswith("labels out of range [0, 3) at batch positions [4] (values [7])"), out
+    assert "Traceback" not in out and "Finished in state Failed" not in out and "| ERROR" not in out, out
+    assert "rerun with -v" in out
+    res = subprocess.run(cmd + ["-v"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1 and len(error_lines(out)) == 1, out
+    assert "Traceback" in out and "tasks/core.py" in out, out
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def _process_group(pgid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+def _alive(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.Error:
+            pass
+    return out
+
+
+def _featurizing(store: Path) -> bool:
+    """A featurize shard has written its rows (the slowed model leaves the rest of the stage to run)."""
+    grads = store / "models" / "0" / "grads" / "c"
+    return grads.is_dir() and any(grads.rglob("*"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_signal_leaves_no_process_behind(tmp_path, sig):
+    """`trakflow run` with Prefect's ephemeral server (no PREFECT_API_URL) and a slowed model, signalled once
+    featurization has started: SIGINT/SIGTERM end it within seconds with one `error: interrupted` line; after
+    any of them (SIGKILL included) none of the processes it started, nor of its process group, is left."""
+    home = tmp_path / "home"
+    path = write_config(tmp_path, model="services:make_slow_tiny_model", batch_size=2, max_workers=1)
+    log = tmp_path / "cli.log"
+    with open(log, "wb") as fh:  # a file, not a pipe: a surviving child would hold a pipe open
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trakflow_cli.main", "run", str(path)],
+            cwd=REPO,
+            env=cli_env(home),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    seen: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while not _featurizing(tmp_path / "store.zarr"):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "featurization did not start: " + log.read_text()
+            for c in psutil.Process(proc.pid).children(recursive=True):
+                seen.setdefault(c.pid, c)
+            time.sleep(0.1)
+        for c in psutil.Process(proc.pid).children(recursive=True):
+            seen.setdefault(c.pid, c)
+        server = [p for p in seen.values() if lifecycle.SERVER_MARK in " ".join(p.cmdline())]
+        assert server, f"the ephemeral server was not among the CLI's children: {_alive(list(seen.values()))}"
+        recorded = list(home.glob(lifecycle.PIDFILE_GLOB))
+        assert [json.loads(f.read_text())["pid"] for f in recorded] == [server[0].pid]
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        out = log.read_text()
+        if sig == signal.SIGKILL:
+            assert rc == -signal.SIGKILL
+        else:
+            assert rc == 128 + sig, out
+            assert took < lifecycle.GRACE_SECONDS + 5, f"exit took {took:.1f} s"
+            lines = error_lines(out)
+            assert len(lines) == 1 and lines[0].startswith(f"error: interrupted by {sig.name}"), out
+            assert "Traceback" not in out, out
+        deadline = time.monotonic() + 5
+        while (_alive(list(seen.values())) or _process_group(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(list(seen.values())), f"children left after {sig.name}: {_alive(list(seen.values()))}"
+        assert not _process_group(proc.pid), f"process group left after {sig.name}"
+        print(
+            f"{sig.name}: children while running {len(seen)} ({[p.pid for p in seen.values()]}), left 0; "
+            f"exit {rc} in {took:.1f} s"
+        )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in seen.values():
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def test_next_run_stops_a_server_left_by_a_killed_cli(tmp_path):
+    """Where the parent-death signal is unavailable, the pid file under PREFECT_HOME lets the next run stop
+    the server of a CLI that is gone; a live CLI's server is left alone."""
+    code = "import time; time.sleep(120)"
+    orphan = subprocess.Popen([sys.executable, "-c", code, lifecycle.SERVER_MARK])
+    other = subprocess.Popen([sys.executable, "-c", code, lifecycle.SERVER_MARK])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        for name, owner, p in (("a", gone.pid, orphan), ("b", os.getppid(), other)):
+            rec = {"cli_pid": owner, "pid": p.pid, "create_time": psutil.Process(p.pid).create_time(), "port": 1}
+            (tmp_path / lifecycle.PIDFILE_GLOB.replace("*", name)).write_text(json.dumps(rec))
+        (tmp_path / lifecycle.PIDFILE_GLOB.replace("*", "torn")).write_text("{")
+        assert lifecycle.stop_stale_servers(tmp_path) == [orphan.pid]
+        assert orphan.wait(10) is not None and other.poll() is None
+        assert sorted(f.name for f in tmp_path.iterdir()) == [lifecycle.PIDFILE_GLOB.replace("*", "b")]
+    finally:
+        for p in (orphan, other):
+            p.kill()
+            p.wait()

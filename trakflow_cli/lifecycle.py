@@ -1,0 +1,288 @@
+"""What the CLI does around a flow run (no Prefect import at module level).
+
+- A failure prints one line naming its cause: :func:`error_line` unwraps Prefect's wrappers and exception
+  chains to the error the code raised. Prefect's own ERROR records (the failed task and flow runs, with
+  their tracebacks) stay off the console unless ``-v``; they still reach the API (the UI shows them).
+- SIGINT and SIGTERM stop the run and every process it started (Prefect's ephemeral server, process-pool
+  workers, a local Dask cluster), then exit with 128 + the signal's number; a second signal, or a run that
+  has not unwound within :data:`GRACE_SECONDS`, exits at once after killing them.
+- Prefect's ephemeral server is started by the CLI (in the main thread, before the flow) so that it dies
+  with the CLI even after SIGKILL (Linux: ``PR_SET_PDEATHSIG``), and its pid is recorded under
+  PREFECT_HOME: the next run stops a server whose CLI is gone (where the death signal is not available).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+#: seconds a signalled run may take to unwind (mark its flow run crashed, stop its task runner) before the
+#: CLI kills what it started and exits anyway
+GRACE_SECONDS = 10.0
+#: marks the ephemeral server's command line (and the pid files that record it)
+SERVER_MARK = "prefect.server.api.server:create_app"
+PIDFILE_GLOB = "trakflow-ephemeral-server-*.json"
+
+#: modules whose exceptions only wrap the one that the task or flow raised
+_WRAPPERS = ("prefect.", "prefect_dask.", "distributed.", "concurrent.futures", "anyio.")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM reached the CLI (raised in the main thread by its signal handler)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+# ------------------------------------------------------------------------------------------ error line
+def _is_wrapper(exc: BaseException) -> bool:
+    mod = type(exc).__module__ + "."
+    return mod.startswith(_WRAPPERS) or isinstance(exc, BaseExceptionGroup)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The error behind ``exc``: through Prefect's (and the executors') wrapper exceptions, one-member
+    exception groups and explicit ``raise ... from`` chains. trakflow's own errors (TrakError) already name
+    their cause and end the search."""
+    from trak_core.errors import TrakError
+
+    seen: set[int] = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, TrakError):
+            break
+        if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+            continue
+        implicit = None if exc.__suppress_context__ else exc.__context__
+        inner = exc.__cause__ or (implicit if _is_wrapper(exc) else None)
+        if inner is None:
+            break
+        exc = inner
+    return exc
+
+
+def _one_line(exc: BaseException) -> str:
+    msg = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+
+
+def error_line(exc: BaseException) -> str:
+    """``Type: message`` of the root cause, on one line; the outer error it was raised as, when that is not
+    a mere wrapper, in brackets. A full disk (ENOSPC) says so and names the path."""
+    cause = root_cause(exc)
+    line = _one_line(cause)
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        where = f" writing {cause.filename}" if cause.filename else ""
+        line += (
+            f" — the disk is full{where}; free space (or move the store), then rerun: what was written is "
+            "kept (not retried)"
+        )
+    outer = exc
+    while outer is not cause and _is_wrapper(outer):
+        outer = outer.__cause__ or outer.__context__ or cause
+    if outer is not cause:
+        line += f" (raised as {_one_line(outer)})"
+    return line
+
+
+class _DropPrefectErrors(logging.Filter):
+    """Drops Prefect's ERROR records (failed/crashed task and flow runs, their tracebacks) from the
+    console: the CLI prints the failure's cause as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.name.startswith("prefect"))
+
+
+@contextlib.contextmanager
+def quiet_prefect_errors(enabled: bool) -> Iterator[None]:
+    handlers = list(logging.getLogger().handlers) if enabled else []
+    flt = _DropPrefectErrors()
+    for h in handlers:
+        h.addFilter(flt)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(flt)
+
+
+# ------------------------------------------------------------------------------------------ processes
+def child_pids() -> set[int]:
+    import psutil
+
+    try:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:  # pragma: no cover
+        return set()
+
+
+def stop_children(keep: set[int], grace: float = 3.0) -> list[int]:
+    """SIGTERM this process's descendants not in ``keep`` (the ones started since), SIGKILL those left after
+    ``grace`` seconds; returns their pids."""
+    import psutil
+
+    try:
+        procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep]
+    except psutil.Error:  # pragma: no cover
+        return []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace)
+    return [p.pid for p in procs]
+
+
+class Signals:
+    """SIGINT/SIGTERM handlers for the duration of a command (main thread only)."""
+
+    def __init__(self, keep: set[int], on_force: Callable[[int], None]) -> None:
+        self.keep, self.on_force = keep, on_force
+        self.signum: int | None = None
+        self.old: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self.old[s] = signal.signal(s, self._handle)
+
+    def restore(self) -> None:
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        self.old.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:  # a second signal: no more waiting
+            self.force(signum, grace=0.5)
+        self.signum = signum
+        threading.Thread(target=self._watchdog, args=(signum,), daemon=True, name="trakflow-interrupt").start()
+        raise Interrupted(signum)
+
+    def _watchdog(self, signum: int) -> None:
+        time.sleep(GRACE_SECONDS)
+        self.force(signum, grace=1.0)
+
+    def force(self, signum: int, grace: float) -> None:
+        self.on_force(signum)
+        stop_children(self.keep, grace=grace)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(128 + signum)
+
+
+# ------------------------------------------------------------------------------------------ ephemeral server
+def _pdeathsig_preexec() -> Callable[[], None] | None:
+    """A preexec_fn asking the kernel to SIGTERM the child when the thread that started it dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def _pidfiles(home: Path) -> list[Path]:
+    return sorted(home.glob(PIDFILE_GLOB)) if home.is_dir() else []
+
+
+def stop_stale_servers(home: Path) -> list[int]:
+    """Stop ephemeral servers recorded under ``home`` whose CLI is gone (a SIGKILLed run on a platform
+    without PR_SET_PDEATHSIG); drop their pid files. Returns the pids stopped."""
+    import psutil
+
+    stopped = []
+    for f in _pidfiles(home):
+        try:
+            rec = json.loads(f.read_text())
+            owner, pid, started = int(rec["cli_pid"]), int(rec["pid"]), float(rec["create_time"])
+        except (OSError, ValueError, KeyError, TypeError):
+            f.unlink(missing_ok=True)
+            continue
+        if owner != os.getpid() and psutil.pid_exists(owner):
+            continue  # another live CLI's server
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if abs(p.create_time() - started) < 1.0 and SERVER_MARK in " ".join(p.cmdline()):
+                p.terminate()
+                try:
+                    p.wait(5)
+                except psutil.TimeoutExpired:
+                    p.kill()
+                stopped.append(pid)
+        f.unlink(missing_ok=True)
+    return stopped
+
+
+def start_ephemeral_server() -> None:
+    """Start Prefect's ephemeral server now, from the main thread, when no API URL is set (Prefect would
+    start the same one on the flow's first API call): its process gets the parent-death signal, and its pid
+    is recorded (removed again at exit) after stopping servers left by CLIs that are gone."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+
+    if PREFECT_API_URL.value():
+        return
+    server = SubprocessASGIServer()
+    if server.running:
+        return
+    home = Path(PREFECT_HOME.value()).expanduser()
+    stop_stale_servers(home)
+    preexec = _pdeathsig_preexec()
+    if preexec is not None and threading.current_thread() is threading.main_thread():
+        original = server._run_uvicorn_command
+
+        def run_uvicorn():  # Prefect's own command, with the death signal set in the child
+            popen = subprocess.Popen
+
+            def popen_dying_with_parent(*args, **kwargs):
+                kwargs.setdefault("preexec_fn", preexec)
+                return popen(*args, **kwargs)
+
+            subprocess.Popen = popen_dying_with_parent  # type: ignore[misc]
+            try:
+                return original()
+            finally:
+                subprocess.Popen = popen  # type: ignore[misc]
+
+        server._run_uvicorn_command = run_uvicorn  # type: ignore[method-assign]
+    server.start()
+    proc = server.server_process
+    if proc is None:  # pragma: no cover
+        return
+    import atexit
+
+    import psutil
+
+    with contextlib.suppress(OSError, psutil.Error):
+        home.mkdir(parents=True, exist_ok=True)
+        f = home / PIDFILE_GLOB.replace("*", str(os.getpid()))
+        started = psutil.Process(proc.pid).create_time()
+        record = {"cli_pid": os.getpid(), "pid": proc.pid, "create_time": started, "port": server.port}
+        f.write_text(json.dumps(record))
+        atexit.register(f.unlink, missing_ok=True)
