@@ -293,8 +293,9 @@ class AttributeConfig(_Base):
     proj_seed: NonNegativeInt = _setting("proj_seed", "seed of the projection")
     lambda_reg: LambdaSetting = _setting(
         "lambda_reg",
-        "ridge term λ in (XᵀX + λI)⁻¹: a number ≥ 0, or 'auto' / 'rel:<f>' (f × the mean eigenvalue "
-        "of each checkpoint's XᵀX; 'auto' = trak_core.scoring.AUTO_DAMPING)",
+        "ridge term λ in (XᵀX + λI)⁻¹: 'adaptive' (the default: λ where the effective dimension of each "
+        "checkpoint's XᵀX is min(0.1·n, rank/2); 'deff:<c>' for another fraction c of n), a number ≥ 0, or "
+        "'auto' / 'rel:<f>' (f × the mean eigenvalue of each checkpoint's XᵀX; 'auto' = rel:0.3)",
     )
     rescale_inverse: bool = _setting("rescale_inverse", "divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients/features")

@@ -336,8 +336,8 @@ def test_attribute_config_lambda_reg_settings(tmp_path):
     ck = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
     base = _eval_dict(tmp_path, ck)["attribute"]
     base.pop("lambda_reg")
-    assert AttributeConfig.model_validate(base).lambda_reg == "auto"  # the measured default
-    for given, want in (("REL:0.3", "rel:0.3"), ("2", 2.0), (0, 0.0), (" auto ", "auto")):
+    assert AttributeConfig.model_validate(base).lambda_reg == "adaptive"  # the default chosen by leave-one-case-out
+    for given, want in (("REL:0.3", "rel:0.3"), ("2", 2.0), (0, 0.0), (" auto ", "auto"), ("Deff:0.2", "deff:0.2")):
         assert AttributeConfig.model_validate({**base, "lambda_reg": given}).lambda_reg == want
     for bad in ("-1", "rel:-1", "rel:x", "big"):
         with pytest.raises(Exception, match="lambda_reg"):

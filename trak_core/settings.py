@@ -34,7 +34,7 @@ def check_grad_wrt(value: list[str] | None) -> list[str] | None:
     return value
 
 
-#: a number ≥ 0, ``"auto"`` or ``"rel:<f>"`` (see :func:`trak_core.scoring.parse_lambda_reg`)
+#: a number ≥ 0, ``"auto"``, ``"rel:<f>"``, ``"adaptive"`` or ``"deff:<c>"`` (trak_core.scoring.parse_lambda_reg)
 LambdaSetting = Annotated[NonNegativeFloat | str, AfterValidator(normalize_lambda_reg)]
 #: parameter names to take gradients for; None: all parameters
 GradWrt = Annotated[list[str] | None, AfterValidator(check_grad_wrt)]
@@ -49,7 +49,7 @@ class TrakSettings(BaseModel):
     proj_dim: PositiveInt = Field(512, description="projection dimension")
     proj_type: ProjType = "rademacher"
     proj_seed: NonNegativeInt = 0
-    lambda_reg: LambdaSetting = Field("auto", description="ridge term λ in (XᵀX + λI)⁻¹")
+    lambda_reg: LambdaSetting = Field("adaptive", description="ridge term λ in (XᵀX + λI)⁻¹")
     rescale_inverse: bool = Field(True, description="divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
     dtype: StorageDtype = Field("float16", description="storage dtype of gradients/features")
     grad_wrt: GradWrt = Field(None, description="parameter names to take gradients for (all: None)")

@@ -11,7 +11,9 @@ Differences from traker 0.3.2, on purpose:
   ``BasicSingleBlockScoreComputer`` means the plain inverse, other classes are refused (trak_core/compat.py);
 * the default projector is the factored per-layer projection (about 40× traker's CPU featurization on a
   400k-parameter MLP at a comparable LDS; dense Rademacher for models it cannot factor); the matrices come
-  from a counter-based RNG, the same on CPU and GPU. Pass ``projector=`` to choose another.
+  from a counter-based RNG, the same on CPU and GPU. Pass ``projector=`` to choose another;
+* the default damping is ``lambda_reg="adaptive"`` (traker: 0.0, which leaves XᵀX singular when proj_dim ≥ n
+  and scores near LDS 0 on held-out cases at proj_dim 2048); ``lambda_reg=0.0`` reproduces traker.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from .projectors import AbstractProjector, DenseProjector, NoOpProjector, Projec
 from .reduce import finalize_model, finalize_scores
 from .scoring import check_lambda
 from .store import StoreMetadata, TrakStore
+
+#: TRAKer's default lambda_reg (traker 0.3.2: 0.0); see parse_lambda_reg and RESULTS.md "Attribution quality"
+DEFAULT_LAMBDA_REG = "adaptive"
 
 
 def default_device() -> str:
@@ -73,8 +78,11 @@ def default_projector(model, grad_dim: int, proj_dim: int, seed: int, device, gr
 class TRAKer:
     """The front-facing TRAK class (see the module docstring for how it differs from traker 0.3.2).
 
-    ``lambda_reg`` may also be ``"auto"`` or ``"rel:<f>"``: damping relative to the mean eigenvalue of
-    XᵀX (see :func:`trak_core.scoring.resolve_lambda`). Extra keyword arguments: ``rescale_inverse``
+    ``lambda_reg`` defaults to ``"adaptive"`` (traker: 0.0; pass ``lambda_reg=0.0`` to reproduce traker): λ
+    such that the effective dimension of each checkpoint's XᵀX is min(0.1·n, rank/2), chosen by
+    leave-one-case-out (benchmarks/RESULTS.md, "Attribution quality"). It may also be a number,
+    ``"auto"`` / ``"rel:<f>"`` (damping relative to the mean eigenvalue of XᵀX) or ``"deff:<c>"`` (see
+    :func:`trak_core.scoring.parse_lambda_reg`). Extra keyword arguments: ``rescale_inverse``
     (traker's division of (XᵀX+λI)⁻¹ by its mean |entry|; default True for parity),
     ``chunk_rows``/``shard_rows`` (store layout; by default a chunk holds at most 32 MiB and 1,024 rows, a
     shard 8 chunks: trak_core.store.choose_chunk_rows), ``storage_options`` (fsspec).
@@ -98,7 +106,7 @@ class TRAKer:
         proj_max_batch_size: int = 32,
         projector_seed: int = 0,
         grad_wrt: Iterable[str] | None = None,
-        lambda_reg: float = 0.0,
+        lambda_reg: float | str | None = None,
         *,
         rescale_inverse: bool = True,
         chunk_rows: int | None = None,
@@ -110,6 +118,9 @@ class TRAKer:
         # traker's defaults (MmapSaver, BasicScoreComputer) are what our store and scoring do; any other
         # saver / score computer is refused with what to use instead (trak_core/compat.py)
         check_saver(saver)
+        if lambda_reg is None:  # the default: adaptive damping; none where the score computer is the plain inverse
+            plain = score_computer_settings(score_computer, 0.0).get("rescale_inverse") is False
+            lambda_reg = 0.0 if plain else DEFAULT_LAMBDA_REG
         if score_computer_settings(score_computer, lambda_reg).get("rescale_inverse") is False:
             rescale_inverse = False
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir).strip():
