@@ -51,6 +51,7 @@ from trak_core.scoring import combine_checkpoints, features_block, parse_lambda_
 CACHE = os.path.join(ROOT, ".cache", "lds")
 NUM_SUBSETS = 100
 NUM_CKPTS = 3
+ADAPTIVE_SETTING = "adaptive"
 TRUTH_VERSION = 1
 
 
@@ -360,9 +361,139 @@ def paired_ci(a: np.ndarray, b: np.ndarray, reps: int = 2000, seed: int = 0) -> 
     return float(d.mean()), lo, hi
 
 
+# ---------------------------------------------------------------------------- tables from result files
+def load_rows(paths: list[str]) -> dict:
+    """{(case, kind, proj_dim, setting): row} from --json files (later files win). noop rows get proj_dim 0."""
+    out = {}
+    for path in paths:
+        for r in json.load(open(path)):
+            p = 0 if r["kind"] == "noop" else int(r["proj_dim"])
+            out[(r["case"], r["kind"], p, str(r["setting"]))] = r
+    return out
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "—"
+    lo, hi = r["ci"]
+    return f"{r['lds']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def fixed_settings(rows: dict, case: str, kind: str, p: int) -> list[str]:
+    return [s for (c, k, q, s) in rows if c == case and k == kind and q == p and (s.startswith("rel:") or _num(s))]
+
+
+def _num(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def best_fixed(rows: dict, case: str, kind: str, p: int) -> tuple[str, float]:
+    cands = [(rows[(case, kind, p, s)]["lds"], s) for s in fixed_settings(rows, case, kind, p)]
+    v, s = max(cands)
+    return s, v
+
+
+def loco(rows: dict, cases: list[str], dims: list[int], family: str, consts: list[str], kind: str = "dense") -> list:
+    """Leave-one-case-out choice of the constant of a damping family ('rel' or 'deff'): for each held-out case,
+    the constant with the best mean LDS over the other cases and all dims; then its LDS on the held-out case."""
+    out = []
+    for h in cases:
+        others = [c for c in cases if c != h]
+
+        def score(c: str, among: list[str]) -> float:
+            vals = [rows.get((o, kind, p, f"{family}:{c}"), {}).get("lds") for o in among for p in dims]
+            return float(np.mean(vals)) if all(v is not None for v in vals) else -np.inf
+
+        chosen = max(consts, key=lambda c: score(c, others))
+        oracle = max(consts, key=lambda c: score(c, [h]))
+        per_dim = {p: rows.get((h, kind, p, f"{family}:{chosen}")) for p in dims}
+        out.append({"held_out": h, "chosen": chosen, "oracle": oracle, "per_dim": per_dim})
+    return out
+
+
+def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
+    rows = load_rows(paths)
+    d = f"deff:{parse_lambda_reg(ADAPTIVE_SETTING).factor:g}"  # 'adaptive' as the runs name it
+    all_cases = make_cases()
+    print("\n### Cases (C = 3 checkpoints, 100 half-subset models; LDS [95 % CI] at proj_dim 2048)\n")
+    print(
+        f"| case | traker 0.3.2 defaults | dense, λ=0 | dense, {d} (adaptive) | factored, adaptive | "
+        "factored − dense | adaptive (factored) − traker |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for c in cases:
+        t, z = rows.get((c, "traker", 2048, "traker")), rows.get((c, "dense", 2048, "0"))
+        a, f = rows.get((c, "dense", 2048, d)), rows.get((c, "factored", 2048, d))
+        fd = f"{f['lds'] - a['lds']:+.3f}" if f and a else "—"
+        ft = f"{f['lds'] - t['lds']:+.3f}" if f and t else "—"
+        print(f"| {c}: {all_cases[c].about} | {_cell(t)} | {_cell(z)} | {_cell(a)} | {_cell(f)} | {fd} | {ft} |")
+    print("\n### Leave-one-case-out (each default chosen on the other four cases, scored on the held-out one)\n")
+    consts = sorted({s.split(":")[1] for (_, k, _, s) in rows if k == "dense" and s.startswith("deff:")}, key=float)
+    choice = loco(rows, cases, dims, "deff", consts)
+    rel_consts = sorted({s.split(":")[1] for (_, k, _, s) in rows if k == "dense" and s.startswith("rel:")}, key=float)
+    rel_choice = {r["held_out"]: r for r in loco(rows, cases, dims, "rel", rel_consts)}
+    print(
+        "| held-out case | deff c chosen (best on held-out) | LDS at 256 / 1024 / 2048 (dense) | vs best fixed λ "
+        "at 2048 | rel:f chosen instead: LDS at 2048 | projector chosen | its LDS − dense at 2048 (held-out) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    kinds = ["factored", "sjlt", "dense"]  # fastest first
+    for r in choice:
+        h = r["held_out"]
+        vals = " / ".join(f"{r['per_dim'][p]['lds']:.3f}" if r["per_dim"].get(p) else "—" for p in (256, 1024, 2048))
+        try:
+            bs, bv = best_fixed(rows, h, "dense", 2048)
+            gap = f"{r['per_dim'][2048]['lds'] - bv:+.3f} ({bs})"
+        except (ValueError, TypeError):
+            gap = "—"
+        rc = rel_choice[h]
+        relv = rc["per_dim"].get(2048)
+        cdef = f"deff:{r['chosen']}"
+        others = [c for c in cases if c != h]
+        pick = "dense"  # the fastest kind within 0.02 of dense on every other case at TRAKer's proj_dim 2048
+        for k in kinds:
+            gaps = [
+                rows.get((o, k, 2048, cdef), {}).get("lds", -9) - rows[(o, "dense", 2048, cdef)]["lds"] for o in others
+            ]
+            if min(gaps) >= -0.02:
+                pick = k
+                break
+        held = rows.get((h, pick, 2048, cdef))
+        hd = f"{held['lds'] - rows[(h, 'dense', 2048, cdef)]['lds']:+.3f}" if held else "—"
+        print(
+            f"| {h} | {r['chosen']} ({r['oracle']}) | {vals} | {gap} | rel:{rc['chosen']}: "
+            f"{relv['lds'] if relv else float('nan'):.3f} | {pick} | {hd} |"
+        )
+    print("\n### Damping over proj_dim (dense projector; LDS [95 % CI])\n")
+    print("| case | lambda_reg | " + " | ".join(str(p) for p in dims) + " | 1024 − 256 |")
+    print("|---|---|" + "---|" * (len(dims) + 1))
+    for c in cases:
+        for label, s in [("0 (traker)", "0"), ("auto (rel:0.3)", "rel:0.3"), (f"**{d}**", d)]:
+            cells = [_cell(rows.get((c, "dense", p, s))) for p in dims]
+            a, b = rows.get((c, "dense", 1024, s)), rows.get((c, "dense", 256, s))
+            diff = f"{a['lds'] - b['lds']:+.3f}" if a and b else "—"
+            print(f"| {c} | {label} | " + " | ".join(cells) + f" | {diff} |")
+        cells, gaps = [], []
+        for p in dims:
+            try:
+                s, v = best_fixed(rows, c, "dense", p)
+            except ValueError:
+                cells.append("—")
+                continue
+            ad = rows.get((c, "dense", p, d))
+            gaps.append(ad["lds"] - v if ad else np.nan)
+            cells.append(f"{v:.3f} ({s})")
+        print(f"| {c} | best fixed (rel grid) | " + " | ".join(cells) + " | |")
+        print(f"| {c} | {d} − best fixed | " + " | ".join(f"{g:+.3f}" for g in gaps) + " | |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["truth", "eval", "traker"])
+    ap.add_argument("what", choices=["truth", "eval", "traker", "report"])
     ap.add_argument("--cases", nargs="*", default=None)
     ap.add_argument("--kinds", nargs="*", default=["dense"])
     ap.add_argument("--proj-dims", nargs="*", type=int, default=[512])
@@ -371,6 +502,9 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None, help="append result rows (without per-target values) to this file")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.what == "report":
+        report(args.json.split(","), args.proj_dims, args.cases or list(make_cases()))
+        return
     cases = make_cases()
     names = args.cases or list(cases)
     out = []
