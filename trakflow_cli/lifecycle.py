@@ -4,7 +4,8 @@
   chains to the error the code raised. Prefect's own ERROR records (the failed task and flow runs, with
   their tracebacks) stay off the console unless ``-v``; they still reach the API (the UI shows them).
 - SIGINT and SIGTERM stop the run and every process it started (Prefect's ephemeral server, process-pool
-  workers, a local Dask cluster), then exit with 128 + the signal's number; a second signal, or a run that
+  workers, a local Dask cluster), then exit with 128 + the signal's number. The flow unwinds first (its
+  runs are marked crashed; Prefect waits for the running task to return); a second signal, or a run that
   has not unwound within :data:`GRACE_SECONDS`, exits at once after killing them.
 - Prefect's ephemeral server is started by the CLI (in the main thread, before the flow) so that it dies
   with the CLI even after SIGKILL (Linux: ``PR_SET_PDEATHSIG``), and its pid is recorded under
@@ -182,10 +183,16 @@ class Signals:
     def force(self, signum: int, grace: float) -> None:
         self.on_force(signum)
         stop_children(self.keep, grace=grace)
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(128 + signum)
+        exit_now(128 + signum)
+
+
+def exit_now(code: int) -> None:
+    """Exit without Python's exit hooks: after a signal, Prefect's would wait for the running tasks' threads
+    and try to flush logs and events to the server that was just stopped."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 # ------------------------------------------------------------------------------------------ ephemeral server

@@ -174,6 +174,8 @@ def _flow_guard(verbose: bool) -> Iterator[None]:
     except (KeyboardInterrupt, TerminationSignal) as e:
         signum = getattr(e, "signum", None) or getattr(e, "signal", None) or signal.SIGINT
         interrupted(signum, len(lifecycle.stop_children(keep)))
+        if signals.signum is not None:  # a real signal: no exit hooks waiting on the stopped server
+            lifecycle.exit_now(128 + signum)
         raise typer.Exit(128 + signum) from None
     except Exception as e:
         if verbose:
