@@ -239,6 +239,7 @@ def worker(spec: dict) -> dict:
                     device=dev,
                     proj_dim=p,
                     use_half_precision=False,
+                    lambda_reg=0.0,  # traker's λ: the default 'adaptive' rule adds an eigvalsh of XᵀX per checkpoint
                     logging_level=logging.ERROR,
                     **kw,
                 )
@@ -259,6 +260,7 @@ def worker(spec: dict) -> dict:
                     device=dev,
                     proj_dim=p,
                     use_half_precision=False,
+                    lambda_reg=0.0,  # traker's λ: the default 'adaptive' rule adds an eigvalsh of XᵀX per checkpoint
                     logging_level=logging.ERROR,
                     **kw,
                 )
@@ -732,7 +734,8 @@ def report(res: dict, a) -> str:
         "generates its grad_dim × proj_dim matrix once, in the cold pass, and keeps it (its free_memory() "
         "after finalize is disabled: traker never regenerates it for the same model_id). *× floor* = warm "
         "seconds / the floor's; *× traker-fastest* = its seconds / the row's. Both libraries run their "
-        "defaults otherwise: float32 store (`use_half_precision=False`), `lambda_reg=0` (with n = proj_dim "
+        "defaults otherwise: float32 store (`use_half_precision=False`), `lambda_reg=0` for both (trak_core's default "
+        "is now 'adaptive', which adds one eigendecomposition of XᵀX per checkpoint; with n = proj_dim "
         "XᵀX is rank-deficient: trakflow warns, traker does not; the cost is the same), the model in eval "
         "mode, random inputs. The floor: a training pass over the same examples (forward, backward, SGD "
         "step per batch) + float32 XᵀX, Cholesky, Cholesky inverse and Φ = X·A on an n × proj_dim matrix, "
