@@ -92,3 +92,19 @@ def test_existing_settings_unchanged():
     assert resolve_lambda("auto", xtx) == pytest.approx(AUTO_DAMPING * mean_eig)
     assert resolve_lambda("rel:0.1", xtx) == pytest.approx(0.1 * mean_eig)
     assert resolve_lambda(0.5, xtx) == 0.5 and resolve_lambda("0", xtx) == 0.0
+
+
+def test_symmetric_eigenvalues_equal_torch_eigvalsh():
+    """The fast CPU eigenvalue path (LAPACK's MRRR driver) gives torch.linalg.eigvalsh's values to round-off,
+    on a full-rank and a rank-deficient (n < p) XᵀX."""
+    from trak_core.scoring import symmetric_eigenvalues
+
+    g = torch.Generator().manual_seed(3)
+    for n, p in ((300, 64), (40, 64)):
+        x = torch.randn(n, p, generator=g, dtype=torch.float64)
+        xtx = x.T @ x
+        ours = symmetric_eigenvalues(xtx.float())
+        ref = torch.linalg.eigvalsh(xtx.float().double())
+        assert ours.dtype == torch.float64 and ours.shape == (p,)
+        assert torch.allclose(ours, ref, rtol=1e-10, atol=1e-9 * float(ref[-1]))
+        assert bool((ours[1:] >= ours[:-1]).all())
