@@ -21,6 +21,11 @@ the store's size on disk per array (allocated blocks, as ``du``).
 
     .venv/bin/python benchmarks/imagenet_scale.py --rows 64064 --json /tmp/imagenet_scale_64k.json
     .venv/bin/python benchmarks/imagenet_scale.py --rows 1281167 --json /tmp/imagenet_scale_full.json
+    .venv/bin/python benchmarks/imagenet_scale.py --extrapolate /tmp/imagenet_scale_full.json
+
+``--extrapolate`` prints the tables of a finished run again, with the host XᵀX partial timed on this machine. The
+extrapolation table scales the measured per-row costs to N workers and uses docs/gpu.md's H100 estimates: it is
+arithmetic, not a measurement.
 
 The store goes under ``--workdir`` (default /tmp/imagenet_scale) and is deleted afterwards (``--keep`` keeps it).
 """
