@@ -47,6 +47,7 @@ def main() -> None:
     repo = args.repo.resolve()
     trakflow = [sys.executable, "-c", "import sys; from trakflow_cli.main import app; sys.exit(app())"]
     from services import prefect_env, prefect_server  # tests/services.py: a real server on a free port
+    from trak_fixtures import tiny_attribute_config  # tests/trak_fixtures.py: the flow tests' config
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -63,21 +64,7 @@ def main() -> None:
             cwd=repo,
             check=True,
         )
-        cfg = dict(
-            model="examples.tiny:make_model",
-            train_data="examples.tiny:train_data",
-            target_data="examples.tiny:target_data",
-            checkpoints=str(tmp / "ck" / "model_*.pt"),
-            store=str(tmp / "store.zarr"),
-            exp_name="tiny",
-            proj_dim=16,
-            lambda_reg=1e-3,
-            batch_size=8,
-            shard_size=16,
-            chunk_rows=8,
-            device="cpu",
-            report_targets=0,
-        )
+        cfg = tiny_attribute_config(tmp / "store.zarr", str(tmp / "ck" / "model_*.pt"))
         (tmp / "cfg.yaml").write_text(json.dumps(cfg))
         (tmp / "typo.yaml").write_text(json.dumps({**cfg, "projdim": 16}))
         timed(trakflow + ["run", str(tmp / "cfg.yaml")], env, repo, 1)  # fill the store

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from trak_fixtures import tiny_attribute_config
 from typer.testing import CliRunner
 
 from examples import tiny
@@ -101,22 +102,9 @@ def test_show_errors(store, tmp_path):
 
 def _write_config(tmp_path: Path, **over) -> Path:
     paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0, 1))
-    cfg = dict(
-        model="examples.tiny:make_model",
-        train_data="examples.tiny:train_data",
-        target_data="examples.tiny:target_data",
-        checkpoints=paths,
-        store=str(tmp_path / "store.zarr"),
-        proj_dim=16,
-        lambda_reg=1e-3,
-        batch_size=8,
-        shard_size=16,
-        chunk_rows=8,
-        device="cpu",
-        top_k=3,
-        report_targets=2,
+    cfg = tiny_attribute_config(
+        tmp_path / "store.zarr", paths, **{"exp_name": "default", "top_k": 3, "report_targets": 2, **over}
     )
-    cfg.update(over)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

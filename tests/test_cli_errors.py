@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from trak_fixtures import tiny_attribute_config
 from typer.testing import CliRunner
 
 from examples import tiny
@@ -40,21 +41,7 @@ def bad_label_train_data():
 
 def write_config(tmp: Path, **over) -> Path:
     paths = tiny.save_checkpoints(tmp / "ck", seeds=(0, 1))
-    cfg = dict(
-        model="examples.tiny:make_model",
-        train_data="examples.tiny:train_data",
-        target_data="examples.tiny:target_data",
-        checkpoints=paths,
-        store=str(tmp / "store.zarr"),
-        proj_dim=16,
-        lambda_reg=1e-3,
-        batch_size=8,
-        shard_size=16,
-        chunk_rows=8,
-        device="cpu",
-        report_targets=0,
-    )
-    cfg.update(over)
+    cfg = tiny_attribute_config(tmp / "store.zarr", paths, **{"exp_name": "default", **over})
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

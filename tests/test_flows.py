@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from trak_fixtures import tiny_attribute_config
 
 from examples import tiny
 from tasks.config import AttributeConfig, TrainConfig
@@ -24,26 +25,8 @@ N, M, BATCH, SHARD, CHUNK, PROJ, LAM = tiny.NUM_TRAIN, tiny.NUM_TARGETS, 8, 16, 
 
 
 def config(tmp: Path, ckpts, **over) -> AttributeConfig:
-    cfg = dict(
-        model="examples.tiny:make_model",
-        train_data="examples.tiny:train_data",
-        target_data="examples.tiny:target_data",
-        checkpoints=ckpts,
-        store=str(tmp / "store.zarr"),
-        exp_name="tiny",
-        proj_dim=PROJ,
-        lambda_reg=LAM,
-        batch_size=BATCH,
-        shard_size=SHARD,
-        chunk_rows=CHUNK,
-        device="cpu",
-        top_k=3,
-        report_targets=2,
-        show="examples.tiny:as_image",
-        report_dir=str(tmp / "report"),
-    )
-    cfg.update(over)
-    return AttributeConfig.model_validate(cfg)
+    report = dict(top_k=3, report_targets=2, show="examples.tiny:as_image", report_dir=str(tmp / "report"))
+    return AttributeConfig.model_validate(tiny_attribute_config(tmp / "store.zarr", ckpts, **{**report, **over}))
 
 
 def traker_scores(tmp: Path, ckpt_paths, projector: str = "dense") -> np.ndarray:

@@ -24,35 +24,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from services import REPO, dask_cluster, prefect_server, wait_for
+from trak_fixtures import tiny_attribute_config
 
 from examples import tiny
 from trak_core.store import TrakStore
 
 pytestmark = pytest.mark.services
 
-SHARD = 16
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
 def tiny_config(tmp: Path, ckpt_dir: Path, name: str, **over) -> dict:
     """An attribute config as the UI's form sends it: plain JSON values."""
-    cfg = dict(
-        model="examples.tiny:make_model",
-        train_data="examples.tiny:train_data",
-        target_data="examples.tiny:target_data",
-        checkpoints=str(ckpt_dir / "model_*.pt"),
-        store=str(tmp / f"{name}.zarr"),
-        exp_name="tiny",
-        projector="dense",
-        proj_dim=16,
-        lambda_reg=1e-3,
-        batch_size=8,
-        shard_size=SHARD,
-        chunk_rows=8,
-        device="cpu",
-        report_targets=0,
-    )
-    cfg.update(over)
+    cfg = tiny_attribute_config(tmp / f"{name}.zarr", str(ckpt_dir / "model_*.pt"), **{"projector": "dense", **over})
     return json.loads(json.dumps(cfg))
 
 

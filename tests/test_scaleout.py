@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from trak_fixtures import tiny_attribute_config
 
 from examples import tiny
 from tasks.config import AttributeConfig
@@ -33,23 +34,7 @@ MODELS = 2
 
 
 def config(store, ckpts, **over) -> AttributeConfig:
-    cfg = dict(
-        model="examples.tiny:make_model",
-        train_data="examples.tiny:train_data",
-        target_data="examples.tiny:target_data",
-        checkpoints=ckpts,
-        store=str(store),
-        exp_name="tiny",
-        proj_dim=16,
-        lambda_reg=1e-3,
-        batch_size=8,
-        shard_size=SHARD,
-        chunk_rows=8,
-        device="cpu",
-        report_targets=0,
-    )
-    cfg.update(over)
-    return AttributeConfig.model_validate(cfg)
+    return AttributeConfig.model_validate(tiny_attribute_config(store, ckpts, **over))
 
 
 def bad_label_train_data():

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from trak_fixtures import tiny_attribute_config
 from typer.testing import CliRunner
 
 from examples import tiny
@@ -33,24 +34,7 @@ SHARD, CHUNK = 16, 8
 
 
 def config(store, ckpts, **over) -> AttributeConfig:
-    cfg = dict(
-        model="examples.tiny:make_model",
-        train_data="examples.tiny:train_data",
-        target_data="examples.tiny:target_data",
-        checkpoints=ckpts,
-        store=str(store),
-        exp_name="tiny",
-        proj_dim=16,
-        lambda_reg=1e-3,
-        batch_size=8,
-        shard_size=SHARD,
-        chunk_rows=CHUNK,
-        device="cpu",
-        dtype="float32",
-        report_targets=0,
-    )
-    cfg.update(over)
-    return AttributeConfig.model_validate(cfg)
+    return AttributeConfig.model_validate(tiny_attribute_config(store, ckpts, **{"dtype": "float32", **over}))
 
 
 def run_steps(cfg: AttributeConfig, upto: str = "score"):

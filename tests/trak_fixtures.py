@@ -63,3 +63,26 @@ def run_traker(
 
 def rel_err(a, b) -> float:
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+
+
+def tiny_attribute_config(store, checkpoints, /, **over) -> dict:
+    """The pipeline config the flow tests start from, as plain (JSON-able) values: examples.tiny (64 train
+    rows, 8 targets), proj_dim 16, λ = 1e-3, batches of 8, shards of 16 rows in chunks of 8, CPU, no report.
+    ``over`` replaces any field, ``store`` and ``checkpoints`` included (the first two are positional-only)."""
+    cfg = dict(
+        model="examples.tiny:make_model",
+        train_data="examples.tiny:train_data",
+        target_data="examples.tiny:target_data",
+        checkpoints=checkpoints,
+        store=str(store),
+        exp_name="tiny",
+        proj_dim=16,
+        lambda_reg=1e-3,
+        batch_size=8,
+        shard_size=16,
+        chunk_rows=8,
+        device="cpu",
+        report_targets=0,
+    )
+    cfg.update(over)
+    return cfg
