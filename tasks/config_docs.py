@@ -63,27 +63,30 @@ def reference() -> str:
     return "\n".join(model_table(m) for m in (AttributeConfig, TrainConfig, EvaluateConfig))
 
 
-def render(doc: str) -> str:
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{DOC}: the markers of the generated block are missing")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n\n{reference()}\n{END}{tail}"
+def generated_block_main(argv, doc: Path, begin: str, end: str, body, module: str) -> int:
+    """The command line of a generated markdown block: rewrite the text between ``begin`` and ``end`` in
+    ``doc`` with ``body()``, or with ``--check`` exit 1 when it is stale. Shared by the config reference
+    (this module) and the CLI reference (trakflow_cli.reference)."""
+    ap = argparse.ArgumentParser(description=f"regenerate the block of {doc.name} that {module} owns")
+    ap.add_argument("--check", action="store_true", help=f"exit 1 when {doc.name} is stale")
+    args = ap.parse_args(argv)
+    text = doc.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{doc}: the markers of the generated block are missing")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    new = f"{head}{begin}\n\n{body()}\n{end}{tail}"
+    if args.check:
+        if new != text:
+            print(f"{doc} is stale: run `python -m {module}`", file=sys.stderr)
+            return 1
+        return 0
+    doc.write_text(new)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 when docs/pipeline.md is stale")
-    args = ap.parse_args(argv)
-    doc = DOC.read_text()
-    new = render(doc)
-    if args.check:
-        if new != doc:
-            print(f"{DOC} is stale: run `python -m tasks.config_docs`", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(new)
-    return 0
+    return generated_block_main(argv, DOC, BEGIN, END, reference, "tasks.config_docs")
 
 
 if __name__ == "__main__":

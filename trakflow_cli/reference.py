@@ -6,12 +6,12 @@ python -m trakflow_cli.reference --check    # exit 1 when the block is stale (te
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import typer.main
 
+from tasks.config_docs import generated_block_main
 from trakflow_cli.main import app
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "pipeline.md"
@@ -40,27 +40,8 @@ def reference() -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(doc: str) -> str:
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{DOC}: the markers of the generated block are missing")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n\n{reference()}\n{END}{tail}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 when docs/pipeline.md is stale")
-    args = ap.parse_args(argv)
-    doc = DOC.read_text()
-    new = render(doc)
-    if args.check:
-        if new != doc:
-            print(f"{DOC} is stale: run `python -m trakflow_cli.reference`", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(new)
-    return 0
+    return generated_block_main(argv, DOC, BEGIN, END, reference, "trakflow_cli.reference")
 
 
 if __name__ == "__main__":
