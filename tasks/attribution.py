@@ -27,7 +27,8 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
     return should_retry(exc)
 
 
-_common = dict(
+#: the options of every retried pipeline task (attribution, training, evaluation)
+RETRIED_TASK = dict(
     cache_policy=NONE,
     persist_result=False,
     retries=RETRIES,
@@ -42,17 +43,17 @@ def plan_attribution(config: AttributeConfig) -> Plan:
     return core.make_plan(config)
 
 
-@task(name="featurize-shard", task_run_name="featurize-m{model_id}-s{shard}", tags=[GPU_TAG], **_common)
+@task(name="featurize-shard", task_run_name="featurize-m{model_id}-s{shard}", tags=[GPU_TAG], **RETRIED_TASK)
 def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, shard: int) -> ShardManifest:
     return core.featurize_shard(config, model_id, checkpoint, shard)
 
 
-@task(name="finalize-checkpoint", task_run_name="finalize-m{model_id}", **_common)
+@task(name="finalize-checkpoint", task_run_name="finalize-m{model_id}", **RETRIED_TASK)
 def finalize_checkpoint(config: AttributeConfig, model_id: int) -> FinalizeManifest:
     return core.finalize_checkpoint(config, model_id)
 
 
-@task(name="featurize-targets", task_run_name="targets-m{model_id}", tags=[GPU_TAG], **_common)
+@task(name="featurize-targets", task_run_name="targets-m{model_id}", tags=[GPU_TAG], **RETRIED_TASK)
 def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -> TargetsManifest:
     return core.featurize_targets(config, model_id, checkpoint)
 
@@ -62,7 +63,7 @@ def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
     return core.prepare_scores(config, model_ids)
 
 
-@task(name="score-block", task_run_name="score-rows-{a}-{b}", **_common)
+@task(name="score-block", task_run_name="score-rows-{a}-{b}", **RETRIED_TASK)
 def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -> ScoreBlockManifest:
     return core.score_block(config, model_ids, a, b)
 

@@ -33,7 +33,7 @@ from trak_core.lds import array_fingerprint, bootstrap_ci, lds, margins_from_log
 from trak_core.store import TrakStore
 
 from . import progress
-from .attribution import RETRIES, RETRY_DELAY_SECONDS, retry_unless_bad_input
+from .attribution import RETRIED_TASK
 from .common import GPU_TAG, cached_data
 from .config import EvaluateConfig, TrainConfig
 from .plan import SubsetModelManifest, TruthPlan
@@ -294,16 +294,7 @@ def plan_truth_task(config: EvaluateConfig) -> TruthPlan:
     return plan_truth(config)
 
 
-@task(
-    name="train-subset-model",
-    task_run_name="subset-{s}-seed-{r}",
-    tags=[GPU_TAG],
-    cache_policy=NONE,
-    persist_result=False,
-    retries=RETRIES,
-    retry_delay_seconds=RETRY_DELAY_SECONDS,
-    retry_condition_fn=retry_unless_bad_input,
-)
+@task(name="train-subset-model", task_run_name="subset-{s}-seed-{r}", tags=[GPU_TAG], **RETRIED_TASK)
 def train_subset_model_task(config: EvaluateConfig, folder: str, s: int, r: int) -> SubsetModelManifest:
     return train_subset_model(config, folder, s, r)
 

@@ -6,25 +6,15 @@ from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NONE
 
 from . import trainer
-from .attribution import RETRIES, RETRY_DELAY_SECONDS, retry_unless_bad_input
+from .attribution import RETRIED_TASK
 from .common import GPU_TAG
 from .config import TrainConfig
 from .report import image_markdown, store_artifact_key
 
 
-@task(
-    name="train-model",
-    task_run_name="train-model-{index}",
-    tags=[GPU_TAG],
-    cache_policy=NONE,
-    persist_result=False,
-    retries=RETRIES,
-    retry_delay_seconds=RETRY_DELAY_SECONDS,
-    retry_condition_fn=retry_unless_bad_input,
-)
+@task(name="train-model", task_run_name="train-model-{index}", tags=[GPU_TAG], **RETRIED_TASK)
 def train_model(config: TrainConfig, index: int) -> dict:
     rec = trainer.train_one(config, index)
     if rec["skipped"]:
