@@ -115,8 +115,14 @@ def load_object(path: str, field: str = "import path", roots: list[str] | None =
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or whatever the module raises on import
+        hint = ""
+        if isinstance(e, ModuleNotFoundError) and e.name == module_name.split(".")[0]:
+            hint = (
+                f"; modules are found among the installed packages and in the working directory ({os.getcwd()}): "
+                "run from the folder that holds it (the repository root for examples.*), or set PYTHONPATH"
+            )
         raise BadInputError(
-            f"{field}: cannot import module {module_name!r} of {path!r} ({type(e).__name__}: {e})"
+            f"{field}: cannot import module {module_name!r} of {path!r} ({type(e).__name__}: {e}){hint}"
         ) from None
     try:
         return inspect.getattr_static(module, attr)

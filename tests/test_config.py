@@ -362,3 +362,13 @@ def test_cuda_device_without_cuda_is_refused_by_the_plan(tmp_path, ckpts):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     fails_naming("device", good(tmp_path, ckpts, device="cuda"))
+
+
+def test_missing_module_says_where_modules_are_searched(tmp_path, monkeypatch):
+    """A module that is not importable from here (e.g. examples.* outside the repository) names the working
+    directory and what to do."""
+    from tasks.config import load_object
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(BadInputError, match=r"model: cannot import module 'nosuch_pkg_42\.models'.*working directory"):
+        load_object("nosuch_pkg_42.models:make", "model")
