@@ -46,6 +46,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveInt,
     PrivateAttr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -222,6 +223,14 @@ def check_store_location(location: str, field: str = "store") -> None:
 # ---------------------------------------------------------------------------- configs
 class _Base(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), validate_default=True)
+
+    @field_validator("store", "report_dir", "out_dir", "cache_dir", check_fields=False)
+    @classmethod
+    def _writable_location(cls, v, info: ValidationInfo):
+        """Every folder/store field of the configs: a path or URL that can be created (null: not used)."""
+        if v is not None:
+            check_store_location(v, info.field_name or "location")
+        return v
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike):
@@ -424,19 +433,6 @@ class AttributeConfig(_Base):
         check_exp_name(v, "exp_name")
         return v
 
-    @field_validator("store")
-    @classmethod
-    def _store(cls, v):
-        check_store_location(v, "store")
-        return v
-
-    @field_validator("report_dir")
-    @classmethod
-    def _report_dir(cls, v):
-        if v is not None:
-            check_store_location(v, "report_dir")
-        return v
-
     @model_validator(mode="after")
     def _device_available(self):
         if self.device == "cuda" and not self.dask_address:  # an existing cluster's workers may have GPUs
@@ -560,12 +556,6 @@ class TrainConfig(_Base):
     def _data(cls, v):
         return _check_import_path(v, "train_data", must_be_callable=False)
 
-    @field_validator("out_dir")
-    @classmethod
-    def _out_dir(cls, v):
-        check_store_location(v, "out_dir")
-        return v
-
     @model_validator(mode="after")
     def _seeds(self):
         if self.seeds is not None and len(self.seeds) != self.num_models:
@@ -625,19 +615,6 @@ class EvaluateConfig(_Base):
     def _attribute(cls, v):
         if isinstance(v, (str, os.PathLike)):
             return AttributeConfig.from_yaml(v)
-        return v
-
-    @field_validator("cache_dir")
-    @classmethod
-    def _cache_dir(cls, v):
-        check_store_location(v, "cache_dir")
-        return v
-
-    @field_validator("report_dir")
-    @classmethod
-    def _report_dir(cls, v):
-        if v is not None:
-            check_store_location(v, "report_dir")
         return v
 
     @model_validator(mode="before")
