@@ -1307,10 +1307,19 @@ class TrakStore:
 
     def write_score_rows(self, exp_name: str, a: int, b: int, scores: np.ndarray) -> None:
         """Write the combined scores of train rows [a, b) then mark them done."""
+        self.score_rows_writer(exp_name)(a, b, scores)
+
+    def score_rows_writer(self, exp_name: str):
+        """:meth:`write_score_rows` for many blocks: ``write(a, b, scores)`` with the score arrays opened once
+        (opening them costs as much as writing a 1 MiB block)."""
         arr, done = self.init_scores(exp_name)
-        arr[a:b] = scores.astype(np.float32, copy=False)
-        self.check_lock()
-        done[a:b] = 1
+
+        def write(a: int, b: int, scores: np.ndarray) -> None:
+            arr[a:b] = scores.astype(np.float32, copy=False)
+            self.check_lock()
+            done[a:b] = 1
+
+        return write
 
     def scores(self, exp_name: str) -> StoredArray:
         e = self.experiment(exp_name)

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from .errors import StateError
 from .store import TrakStore
 
 #: used when the last-level cache size cannot be read (bytes)
@@ -38,6 +39,8 @@ DEFAULT_MEMORY_BYTES = 4 << 30
 MEMORY_FRACTION = 1 / 16
 #: a GEMM with fewer rows than this runs below the BLAS peak (the per-call cost and the edge tiles show)
 MIN_GEMM_ROWS = 256
+#: the per-model row arrays :func:`stream_scores` can stream (Φ, or the projected gradients X)
+ROWS_ARRAYS = ("features", "grads")
 
 
 def _read_size(path: str) -> int | None:
@@ -159,14 +162,20 @@ def stream_scores(
     block_rows: int | None = None,
     out: np.ndarray | None = None,
     progress: Callable[[int], None] | None = None,
+    rows_array: str = "features",
 ) -> None:
-    """Combined scores of train rows [a, b) from ``model_ids``' features and ``targets`` ((p, m) float32 each),
-    written to the experiment's score array block by block (each block's rows marked done after its data).
+    """Combined scores of train rows [a, b) from ``model_ids``' stored rows and the right-hand matrices
+    ``targets`` ((p, m) float32 each), written to the experiment's score array block by block (each block's rows
+    marked done after its data).
 
-    ``block_rows``: rows per GEMM, exactly (default: :func:`score_block_rows` within the shards,
-    :func:`score_blocks`); ``out``: an (n, m) float32 array that also receives the scores (the accumulators are
-    its rows: no copy); ``progress(rows)`` after each block is written.
+    ``rows_array``: the per-model row array streamed: ``"features"`` (Φ, with ``targets`` = Gᵀ) or ``"grads"``
+    (the projected gradients X, with ``targets`` = W = A Gᵀ from :func:`grads_right_hand`; see
+    :func:`scores_from_grads`). ``block_rows``: rows per GEMM, exactly (default: :func:`score_block_rows`
+    within the shards, :func:`score_blocks`); ``out``: an (n, m) float32 array that also receives the scores
+    (the accumulators are its rows: no copy); ``progress(rows)`` after each block is written.
     """
+    if rows_array not in ROWS_ARRAYS:
+        raise ValueError(f"rows_array={rows_array!r}: expected one of {ROWS_ARRAYS}")
     if a >= b:
         return
     ids = [int(mid) for mid in model_ids]
@@ -179,7 +188,7 @@ def stream_scores(
         blocks = score_blocks(a, b, step, meta.rows_per_shard)
     step = max(e - s for s, e in blocks)
     models = [store.model(mid) for mid in ids]  # open each array once, not per block
-    feats = [mm.features for mm in models]
+    feats = [getattr(mm, rows_array) for mm in models]
     qs = [mm.out_to_loss for mm in models]
     jobs = [(s, e, k) for s, e in blocks for k in range(len(ids))]
     slots = [_Slot(step, p, meta.np_dtype) for _ in range(2)]
@@ -194,12 +203,14 @@ def stream_scores(
         slot.q = qs[k][s:e]
         return slot
 
+    write_rows = store.score_rows_writer(exp_name)  # the score arrays opened once, not per block
+
     def write(s: int, e: int, acc: torch.Tensor, qsum: np.ndarray) -> None:
         # combine_checkpoints' float32 operations, element for element, in place (no block-sized temporary)
         res, c = acc.numpy(), len(ids)
         np.divide(res, c, out=res)
         np.multiply(res, qsum.astype(np.float32).reshape(-1, 1) / c, out=res)
-        store.write_score_rows(exp_name, s, e, res)
+        write_rows(s, e, res)
         if progress:
             progress(e - s)
 
@@ -236,3 +247,62 @@ def stream_scores(
         finally:
             if pending_read is not None:
                 pending_read.cancel()
+
+
+def grads_right_hand(inverse: np.ndarray | torch.Tensor, target_t: torch.Tensor) -> torch.Tensor:
+    """W = A Gᵀ, (p, m) float32: the right-hand matrix that makes X W = (X A) Gᵀ = Φ Gᵀ, from a checkpoint's
+    (rescaled) inverse A = (XᵀX + λI)⁻¹ (p, p) and its targets Gᵀ (p, m) float32 (:func:`load_targets`' form).
+    One float32 GEMM (2 p² m flops), the precision :func:`trak_core.scoring.features_block` computes Φ in."""
+    inv = torch.as_tensor(inverse)
+    p = target_t.shape[0]
+    if inv.shape != (p, p):
+        raise ValueError(f"inverse of shape {tuple(inv.shape)} for targets of proj_dim {p}: expected ({p}, {p})")
+    return torch.mm(inv.to(torch.float32), target_t.to(torch.float32))
+
+
+def scores_from_grads(
+    store: TrakStore,
+    exp_name: str,
+    inverses: dict[int, np.ndarray],
+    *,
+    block_rows: int | None = None,
+    out: np.ndarray | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> np.ndarray:
+    """The experiment's combined scores from the projected gradients X, without features: per checkpoint c
+    with inverse A_c (``inverses[c]``, as :func:`trak_core.reduce.solve_model` returns it), W_c = A_c G_cᵀ
+    (:func:`grads_right_hand`), then X_c W_c streamed exactly as Φ_c G_cᵀ is (:func:`stream_scores` with
+    ``rows_array="grads"``), combined with Q as :func:`trak_core.scoring.combine_checkpoints`. Returns the
+    (n, m) float32 scores (also stored; the checkpoints in ``inverses``' order are recorded as scored_with).
+
+    The same scores as the features path up to rounding: (X A) Gᵀ and X (A Gᵀ) round differently, and Φ is
+    rounded to the store's dtype while W is not. Needs every train row featurized and every target written for
+    each checkpoint; its features need not exist."""
+    from .verify import require_present
+
+    ids = [int(mid) for mid in inverses]
+    if not ids:
+        raise ValueError(f"scores_from_grads: no checkpoint given for experiment {exp_name!r}")
+    n, p = store.meta.train_set_size, store.meta.proj_dim
+    rows, targets_idx = np.arange(n), np.arange(store.num_targets(exp_name))
+    right: dict[int, torch.Tensor] = {}
+    for mid in ids:
+        mask = store.featurized_mask(mid)
+        if not mask.all():
+            raise StateError(f"model_id={mid}: {int((~mask).sum())} of {n} train rows are not featurized")
+        if not store.targets_complete(exp_name, mid):
+            raise StateError(f"target gradients of experiment {exp_name!r} for model_id={mid} are incomplete")
+        mm, tg = store.model(mid), store.target_grads(exp_name, mid)
+        require_present(store, [(mm.grads, rows), (mm.out_to_loss, rows), (tg, targets_idx)])
+        g_t = torch.from_numpy(tg[:].astype(np.float32)).T.contiguous()
+        if tuple(np.shape(inverses[mid])) != (p, p):
+            raise ValueError(f"inverses[{mid}] has shape {np.shape(inverses[mid])}, expected ({p}, {p})")
+        right[mid] = grads_right_hand(inverses[mid], g_t)
+    store.reset_scores(exp_name)  # a new combination: recompute all rows
+    if out is None:
+        out = np.empty((n, store.num_targets(exp_name)), dtype=np.float32)
+    stream_scores(
+        store, exp_name, ids, 0, n, right, block_rows=block_rows, out=out, progress=progress, rows_array="grads"
+    )
+    store.set_scored_with(exp_name, ids)
+    return out
