@@ -228,7 +228,7 @@ def test_default_projector_is_factored_also_for_non_linear_parameters(tmp_path):
     tr = new_traker(tmp_path)
     assert tr.projector.spec()["kind"] == "factored"
 
-    class Bag(torch.nn.Module):  # an embedding: not a Linear/Conv layer, so it goes to the dense block
+    class Bag(torch.nn.Module):  # an embedding: its own factored block (layout version 2; before, the dense one)
         def __init__(self):
             super().__init__()
             self.emb = torch.nn.Embedding(5, 3)
@@ -247,7 +247,7 @@ def test_default_projector_is_factored_also_for_non_linear_parameters(tmp_path):
         logging_level=logging.ERROR,
     )
     layout = other.projector.spec()["layout"]
-    assert [b[1] for b in layout] == ["linear", "other"]
+    assert [b[1] for b in layout] == ["embedding", "linear"]
     other.load_checkpoint(Bag().state_dict(), model_id=0)
     other.featurize((torch.randint(0, 5, (8, 4)), torch.randint(0, 3, (8,))), num_samples=8)
     assert other.store.model(0).featurized[:].all()

@@ -254,14 +254,16 @@ def test_traker_end_to_end_each_projector_close_to_exact(tmp_path):
 
 # ---------------------------------------------------------------------------- bad input
 def test_unsupported_layers_with_other_error_name_the_parameters():
-    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 3))
-    with pytest.raises(BadInputError, match=r"0\.weight \(Embedding\)"):
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(), nn.Linear(8, 3))
+    with pytest.raises(BadInputError, match=r"0\.weight \(10, 4\) \(Embedding\)"):
         FactoredProjector.from_model(model, 16, other="error")
+    normed = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 3))
+    with pytest.raises(BadInputError, match=r"1\.weight \(4,\) \(LayerNorm\)"):
+        FactoredProjector.from_model(normed, 16, other="error")
     grouped = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 3))
-    with pytest.raises(BadInputError, match="Conv2d"):
-        FactoredProjector.from_model(grouped, 16, other="error")
-    p = FactoredProjector.from_model(grouped, 16)  # default: the grouped conv goes to the dense block
-    assert [b.kind for b in p.blocks] == ["linear", "other"]
+    p = FactoredProjector.from_model(grouped, 16)  # the grouped conv: a matrix block (weight substitution)
+    assert [b.kind for b in p.blocks] == ["matrix", "linear"]
+    assert p.blocks[0].params == ("0.weight", "0.bias") and (p.blocks[0].d_out, p.blocks[0].d_in) == (4, 18)
     with pytest.raises(BadInputError, match="other"):
         FactoredProjector.from_model(grouped, 16, other="ignore")
 

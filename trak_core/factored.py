@@ -3,11 +3,10 @@ never materializes per-example gradients.
 
 The projection
 --------------
-The gradient is cut into *blocks*, one per supported layer (``nn.Linear``, ``nn.Conv1d/2d/3d`` with
-``groups=1``), in the order of the gradient vector's parameters. For a layer with weight W (d_out × d_in;
-conv weights viewed as C_out × C_in·∏kernel, the ``unfold`` order) and optional bias b, the block's
-gradient is the augmented matrix G = [∂W | ∂b] (d_out × (d_in + 1)): the bias is one more input
-coordinate that is constantly 1. The block is projected to
+The gradient is cut into *blocks*, in the order of the gradient vector's parameters. A block is one
+2-D view of a weight W (d_out × d_in) with an optional bias b (d_out), whose gradient is the augmented
+matrix G = [∂W | ∂b] (d_out × (d_in + 1)): the bias is one more input coordinate that is constantly 1.
+The block is projected to
 
     vec(P_outᵀ G P_in)[:k] · √(proj_dim / k)
 
@@ -16,14 +15,30 @@ the first k entries of the row-major (k_out, k_in) result kept. Each kept entry 
 P_out ⊗ P_in with E[(p⊗q)(p⊗q)ᵀ] = I, so E⟨Px, Py⟩ = proj_dim · ⟨x, y⟩ over the whole gradient
 (``scale`` = proj_dim, as the dense kinds) whatever the split.
 
-For one example and one position, ∂W = g aᵀ (g the output gradient, a the input), so the block is
-(P_outᵀ g) ⊗ (P_inᵀ [a; 1]) — the per-example weight gradient is never needed; for sequences and
-convolutions (positions t) it is Σ_t (P_outᵀ g_t) ⊗ (P_inᵀ [a_t; 1]).
+Block kinds (``Layout.describe()`` names them; the store records the description, see "Layouts" below):
 
-Parameters outside supported layers (norms, embeddings, grouped convs, weights shared between modules,
-biases whose weight is not in ``grad_wrt``) form one ``"__other__"`` block projected densely (±1 or
-N(0, 1) entries, materialized per-example gradients of those parameters only) — or are refused with
-``other="error"``.
+* ``"linear"``: an ``nn.Linear`` (weight + its bias); ``"conv"``: an ``nn.Conv1d/2d/3d`` with ``groups=1``
+  (weight viewed as C_out × C_in·∏kernel, the ``unfold`` order, + its bias). Both used through the
+  module's forward, their weight not shared with another module.
+* ``"embedding"``: an ``nn.Embedding`` table E (num_embeddings × dim; d_out = the vocabulary rows, no
+  bias), used through its module's forward, not shared, without ``max_norm``, ``scale_grad_by_freq`` or
+  ``sparse`` (those tables go to ``"__other__"``); ``padding_idx`` is supported (that row gets no
+  gradient, as in torch).
+* ``"matrix"``: every other parameter with at least 2 dimensions and at least 2 rows and 2 columns in
+  ``grad_wrt`` (``nn.MultiheadAttention``'s ``in_proj_weight`` and ``out_proj.weight``, a position table
+  ``nn.Parameter``, weights shared between modules, grouped convolutions, ...), viewed as shape[0] ×
+  ∏shape[1:]. Its bias is the 1-D parameter named like the weight with ``bias`` for ``weight`` (``in_proj_bias``
+  for ``in_proj_weight``, ``out_proj.bias`` for ``out_proj.weight``) when that parameter is in ``grad_wrt``,
+  has shape[0] entries and is not claimed by a layer above. The pairing is a layout choice only: the
+  projection is exact for any use of the two parameters.
+* ``"other"``: the one ``"__other__"`` block of the remaining parameters (1-D norms and biases, scalars,
+  tiny matrices, unsupported embeddings), projected densely (±1 or N(0, 1) entries, materialized
+  per-example gradients of those parameters only) — or refused with ``other="error"``.
+
+For one example and one position, ∂W = g aᵀ (g the output gradient, a the input), so a linear block is
+(P_outᵀ g) ⊗ (P_inᵀ [a; 1]) — the per-example weight gradient is never needed; for sequences and
+convolutions (positions t) it is Σ_t (P_outᵀ g_t) ⊗ (P_inᵀ [a_t; 1]). For an embedding, ∂E = Σ_t e_{id_t}
+g_tᵀ, so its block is Σ_t P_out[id_t] ⊗ (P_inᵀ g_t): rows of P_out gathered by token id.
 
 The split of proj_dim
 ---------------------
@@ -40,8 +55,11 @@ Per (seed, model_id, block name, side) a 32-bit key:
 2 = the dense ``"__other__"``/unstructured block, and sub 0/1 the two uniform streams of Box–Muller
 (Rademacher uses sub 0 only). Entry (i, j) of a rows × cols factor then follows the dense definitions
 of :mod:`trak_core.counter_rng` with that key: Rademacher bit j % 32 of word hash(i·⌈cols/32⌉ + j//32),
-normal Box–Muller of hash(i·cols + j) under the two keys. Block names are module names (stable across
-processes, batch sizes and machines), so the matrices are a pure function of (seed, model_id, layout).
+normal Box–Muller of hash(i·cols + j) under the two keys. Block names are module names (linear, conv,
+embedding) or the weight's parameter name (matrix), stable across processes, batch sizes and machines, so
+the matrices are a pure function of (seed, model_id, layout). A process keeps the factors it generated in
+a cache bounded by :data:`FACTOR_CACHE_BYTES` (keyed by all the inputs of :func:`factor_matrix`), so a new
+projector for the same model does not regenerate them; :func:`clear_factor_cache` empties it.
 
 Without a model (``FactoredProjector(grad_dim, proj_dim, ...)``) the layout is one ``"__flat__"`` block
 that views the gradient vector as a d_out × d_in matrix (d_in = ⌈√grad_dim⌉, zero-padded): a generic
@@ -49,21 +67,41 @@ Kronecker JL projection for any vector, but no fast path. Build it with :meth:`F
 (or ``make_projector("factored", ..., model=model, grad_wrt=...)``) to get the per-layer layout and the
 fast path (:meth:`FactoredProjector.featurize_batch`, used by :class:`trak_core.featurize.Featurizer`).
 
+Layouts
+-------
+``spec()`` carries ``layout_version`` (:data:`LAYOUT_VERSION`) and the block table; both go into a
+store's metadata, and a store is refused (``StoreMismatchError``) when either differs. Version 2 added
+the embedding and matrix kinds: a model with embeddings, attention or other 2-D parameters outside
+``nn.Linear``/``nn.Conv`` now projects them per block instead of in ``"__other__"``, so its stores from
+version 1 (no ``layout_version`` recorded) are refused rather than mixed with the new projection.
+
 The fast path
 -------------
-``featurize_batch`` runs ``vmap(grad(f))`` of the task's model output f (per example, buffers fixed,
-exactly as the gradient computer) with respect to a zero k_out × k_in matrix Z per layer: forward hooks
-add ``P_out Z P_inᵀ [a; 1]`` (for convs: the conv of the input with P_in as kernel) to each layer's
-output, which is zero in value, and ∂f/∂Z = P_outᵀ (∂f/∂W_aug) P_in — the projected block, computed from
-the layer's input and output gradient only. Cost per example: one forward and backward plus O((d_in +
-d_out)·√k) per position, instead of grad_dim · proj_dim. The weights must be used through the module's
-forward (a weight also used by ``F.linear(x, layer.weight)`` elsewhere would be missed; a hook that never
-fires raises an error).
+``featurize_batch`` runs the task's model output f per example under ``vmap`` (buffers fixed, exactly as
+the gradient computer) with a zero k_out × k_in matrix Z per block and differentiates with respect to Z:
+
+* linear / conv / embedding blocks: forward hooks add ``P_out Z P_inᵀ [a; 1]`` (convs: the conv of the
+  input with P_in as kernel; embeddings: ``P_out[ids] Z P_inᵀ``) to the layer's output, which is zero in
+  value. Cost per example: one forward and backward plus O((d_in + d_out)·√k) per position. The weight
+  must be used through the module's forward only (a weight also used by ``F.linear(x, layer.weight)``
+  elsewhere would be missed; a hook that never fires raises an error);
+* matrix blocks ("weight substitution"): the output function gets W + P_out Z P_inᵀ (and b + P_out Z
+  p_in,last) in place of W (and b) through ``functional_call``; this works for any use of the parameter.
+  Cost per example: the d_out × d_in perturbed weight (materialized per example, as the per-example
+  gradient of that one parameter would be) and its use through batched instead of shared matmuls.
+
+In both cases ∂f/∂Z = P_outᵀ (∂f/∂W_aug) P_in — the projected block — exactly. ``"__other__"``'s
+parameters get materialized per-example gradients (small by construction). On the CPU, scaled dot-product
+attention runs its math backend during the fast path (vmap has no batching rule for the fused CPU
+kernel: it would loop over examples); the numbers are the same up to rounding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -79,6 +117,13 @@ FLAT = "__flat__"
 OTHER = "__other__"
 SIDE_IN, SIDE_OUT, SIDE_DENSE = 0, 1, 2
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: recorded in spec(): 2 = the embedding and matrix block kinds (1, unrecorded: linear/conv + "__other__")
+LAYOUT_VERSION = 2
+#: the kinds the fast path serves through forward hooks, and through weight substitution
+HOOKED = ("linear", "conv", "embedding")
+MATRIX = "matrix"
+#: the most bytes of factor matrices a process keeps for new projectors (least recently used dropped first)
+FACTOR_CACHE_BYTES = 256 * 2**20
 
 
 # ---------------------------------------------------------------------------- random factors
@@ -97,23 +142,55 @@ def factor_key(seed: int, model_id: int, name: str, side: int, sub: int = 0) -> 
     return counter_rng.mix32_int((k + (4 * side + sub + 1) * counter_rng.GOLDEN) & counter_rng.MASK32)
 
 
+_CACHE: OrderedDict[tuple, Tensor] = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+
+
+def clear_factor_cache() -> None:
+    """Drop the factor matrices this process keeps (:data:`FACTOR_CACHE_BYTES`)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+def _cache_bytes() -> int:
+    return sum(t.numel() * t.element_size() for t in _CACHE.values())
+
+
 def factor_matrix(
     seed: int, model_id: int, name: str, side: int, rows: int, cols: int, proj_type: str | ProjectionType, device=None
 ) -> Tensor:
     """rows × cols float32 factor of block ``name`` (±1 or standard normal entries), on ``device``.
 
     The dense matrices of :mod:`trak_core.counter_rng` under the block's keys (see the module docstring).
+    Kept in a per-process LRU cache of at most :data:`FACTOR_CACHE_BYTES` (a pure function of the
+    arguments): the returned tensor is shared, callers must not modify it in place.
     """
-    if as_proj_type(proj_type) == ProjectionType.rademacher:
-        return counter_rng.rademacher_from_key(factor_key(seed, model_id, name, side, 0), 0, rows, cols, device=device)
-    return counter_rng.normal_from_keys(
-        factor_key(seed, model_id, name, side, 0),
-        factor_key(seed, model_id, name, side, 1),
-        0,
-        rows,
-        cols,
-        device=device,
-    )
+    pt = as_proj_type(proj_type)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    key = (int(seed), int(model_id), name, int(side), int(rows), int(cols), pt.value, str(dev))
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    if pt == ProjectionType.rademacher:
+        out = counter_rng.rademacher_from_key(factor_key(seed, model_id, name, side, 0), 0, rows, cols, device=dev)
+    else:
+        out = counter_rng.normal_from_keys(
+            factor_key(seed, model_id, name, side, 0),
+            factor_key(seed, model_id, name, side, 1),
+            0,
+            rows,
+            cols,
+            device=dev,
+        )
+    size = out.numel() * out.element_size()
+    if size <= FACTOR_CACHE_BYTES:
+        with _CACHE_LOCK:
+            _CACHE[key] = out
+            while _cache_bytes() > FACTOR_CACHE_BYTES:
+                _CACHE.popitem(last=False)
+    return out
 
 
 # ---------------------------------------------------------------------------- layout
@@ -121,7 +198,8 @@ def factor_matrix(
 class Block:
     """One block of the gradient vector.
 
-    kind: "linear" | "conv" (factored), "flat" (the vector as a d_out × d_in matrix) or "other" (dense).
+    kind: "linear" | "conv" | "embedding" | "matrix" (factored), "flat" (the vector as a d_out × d_in matrix)
+    or "other" (dense); see the module docstring.
     params: the parameter names in the block ((weight[, bias]) or the other parameters).
     d_out, d_in: the factored shape (d_in without the bias coordinate); for "other" d_in = size, d_out = 1.
     k, k_out, k_in: its share of proj_dim and the factor widths (k ≤ k_out · k_in).
@@ -217,6 +295,12 @@ def flat_layout(grad_dim: int, proj_dim: int) -> Layout:
     return Layout(blocks, (("<vector>", (grad_dim,)),), False)
 
 
+def _embedding_ok(mod: nn.Embedding) -> bool:
+    """An embedding the hook reproduces exactly (max_norm renormalizes the table in place, scale_grad_by_freq
+    rescales by in-batch counts, sparse gradients: those tables stay in "__other__")."""
+    return mod.max_norm is None and not mod.scale_grad_by_freq and not mod.sparse
+
+
 def _supported(mod: nn.Module) -> str | None:
     if type(mod).__name__ == "NonDynamicallyQuantizableLinear":  # used by MultiheadAttention without forward
         return None
@@ -224,7 +308,17 @@ def _supported(mod: nn.Module) -> str | None:
         return "linear"
     if isinstance(mod, _CONV) and mod.groups == 1:
         return "conv"
+    if isinstance(mod, nn.Embedding) and _embedding_ok(mod):
+        return "embedding"
     return None
+
+
+def _bias_name(wname: str) -> str | None:
+    """``x.bias`` for ``x.weight``, ``in_proj_bias`` for ``in_proj_weight`` (None: no such pairing)."""
+    if not wname.endswith("weight"):
+        return None
+    prefix = wname[: -len("weight")]
+    return prefix + "bias" if prefix == "" or prefix.endswith((".", "_")) else None
 
 
 def model_layout(
@@ -240,7 +334,10 @@ def model_layout(
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
     layer_of: dict[str, Block] = {}
+    dense_only: set[int] = set()  # tables of unsupported embeddings: "__other__" as before
     for mname, mod in model.named_modules():
+        if isinstance(mod, nn.Embedding) and not _embedding_ok(mod):
+            dense_only.add(id(mod.weight))
         kind = _supported(mod)
         if kind is None:
             continue
@@ -248,7 +345,8 @@ def model_layout(
         wname, bname = prefix + "weight", prefix + "bias"
         if wname not in keep or params.get(wname) is not mod.weight or uses[id(mod.weight)] > 1:
             continue
-        has_bias = mod.bias is not None and bname in keep and params.get(bname) is mod.bias and uses[id(mod.bias)] == 1
+        bias = getattr(mod, "bias", None)
+        has_bias = bias is not None and bname in keep and params.get(bname) is bias and uses[id(bias)] == 1
         w = params[wname]  # mod.weight (checked above), as the named parameter (never None)
         d_out, d_in = w.shape[0], math.prod(w.shape[1:])
         blk = Block(
@@ -257,6 +355,18 @@ def model_layout(
         layer_of[wname] = blk
         if has_bias:
             layer_of[bname] = blk
+    for n in names:  # every other parameter of ≥ 2 dimensions (≥ 2 rows and columns): weight substitution
+        w = params[n]
+        if n in layer_of or id(w) in dense_only or w.dim() < 2 or w.shape[0] < 2 or w[0].numel() < 2:
+            continue
+        bn = _bias_name(n) or ""
+        b = params.get(bn)
+        has_bias = b is not None and bn in keep and bn not in layer_of and b.dim() == 1 and b.shape[0] == w.shape[0]
+        d_out, d_in = w.shape[0], w[0].numel()
+        blk = Block(n, MATRIX, (n, bn) if has_bias else (n,), d_out, d_in, has_bias, d_out * (d_in + int(has_bias)))
+        layer_of[n] = blk
+        if has_bias:
+            layer_of[bn] = blk
     blocks: list[Block] = []
     seen: set[str] = set()
     rest: list[str] = []
@@ -273,11 +383,12 @@ def model_layout(
             for mname, mod in model.named_modules():
                 for pn, _ in mod.named_parameters(recurse=False):
                     kinds[f"{mname}.{pn}" if mname else pn] = type(mod).__name__
-            shown = [f"{n} ({kinds.get(n, '?')})" for n in rest[:10]]
+            shown = [f"{n} {tuple(params[n].shape)} ({kinds.get(n, '?')})" for n in rest[:10]]
             raise BadInputError(
-                "factored projection supports nn.Linear and nn.Conv1d/2d/3d (groups=1) layers; these parameters "
-                f"are outside them: {shown}{' ...' if len(rest) > 10 else ''}. Restrict grad_wrt, or pass "
-                "other='dense' to project them densely"
+                "factored projection factors nn.Linear, nn.Conv1d/2d/3d (groups=1), nn.Embedding (without "
+                "max_norm, scale_grad_by_freq, sparse) layers and parameters of at least 2 rows and 2 columns; "
+                f"these parameters are none of them: {shown}{' ...' if len(rest) > 10 else ''}. Restrict "
+                "grad_wrt, or pass other='dense' to project them densely"
             )
         size = sum(params[n].numel() for n in rest)
         blocks.append(Block(OTHER, "other", tuple(rest), 1, size, False, size))
@@ -345,25 +456,27 @@ class FactoredProjector(AbstractProjector):
         return self.layout.blocks
 
     def spec(self) -> dict:
-        return {**super().spec(), "layout": self.layout.describe()}
+        return {**super().spec(), "layout_version": LAYOUT_VERSION, "layout": self.layout.describe()}
 
     def free_memory(self) -> None:
         self._factors = None
 
     # ------------------------------------------------------------------ matrices
     def factors(self, model_id: int) -> dict:
-        """{block name: (P_in, P_out, weight)} for ``model_id`` (P_out is None for dense blocks); cached."""
+        """{block name: (P_in, P_out, weight)} for ``model_id`` (P_out is None for dense blocks); cached here
+        and in the process's factor cache (:func:`factor_matrix`)."""
         if self._factors is not None and self._factors[0] == model_id:
             return self._factors[1]
         out: dict[str, tuple[Tensor, Tensor | None, float]] = {}
+        dev = torch.device(self.device)
         for b in self.layout.blocks:
             w = math.sqrt(self.proj_dim / b.k)
             if b.kind == "other":
-                p_in = factor_matrix(self.seed, model_id, b.name, SIDE_DENSE, b.size, b.k, self.proj_type)
+                p_in = factor_matrix(self.seed, model_id, b.name, SIDE_DENSE, b.size, b.k, self.proj_type, dev)
                 out[b.name] = (p_in.to(self.device, self.dtype), None, w)
             else:
-                p_in = factor_matrix(self.seed, model_id, b.name, SIDE_IN, b.in_rows, b.k_in, self.proj_type)
-                p_out = factor_matrix(self.seed, model_id, b.name, SIDE_OUT, b.d_out, b.k_out, self.proj_type)
+                p_in = factor_matrix(self.seed, model_id, b.name, SIDE_IN, b.in_rows, b.k_in, self.proj_type, dev)
+                p_out = factor_matrix(self.seed, model_id, b.name, SIDE_OUT, b.d_out, b.k_out, self.proj_type, dev)
                 out[b.name] = (p_in.to(self.device, self.dtype), p_out.to(self.device, self.dtype), w)
         self._factors = (model_id, out)
         return out
@@ -429,22 +542,43 @@ class FactoredProjector(AbstractProjector):
         wdt = next((w.dtype for w in weights.values() if w.is_floating_point()), self.dtype)
         if wdt != self.dtype:  # e.g. a float64 model: the factors follow the model's dtype
             facs = {k: tuple(t.to(wdt) if torch.is_tensor(t) else t for t in f) for k, f in facs.items()}
-        layers = [b for b in self.layout.blocks if b.kind in ("linear", "conv")]
+        layers = [b for b in self.layout.blocks if b.kind in HOOKED]
+        mats = [b for b in self.layout.blocks if b.kind == MATRIX]
         other = next((b for b in self.layout.blocks if b.kind == "other"), None)
         other_names = list(other.params) if other is not None else []
+        substituted = {n for b in mats for n in b.params}
         ctx: dict = {"z": None, "fired": set()}
         handles = []
         try:
             for b in layers:
                 mod = model.get_submodule(b.name)
                 handles.append(mod.register_forward_hook(_make_hook(b, facs[b.name], ctx)))
-            fixed = {n: w for n, w in weights.items() if n not in set(other_names)}
+            per_example = substituted | set(other_names)
+            for mname, mod in model.named_modules():
+                if (
+                    isinstance(mod, nn.Embedding)
+                    and mod.padding_idx is not None
+                    and (f"{mname}." if mname else "") + "weight" in per_example
+                ):
+                    handles.append(mod.register_forward_hook(_padding_hook))
+            fixed = {n: w for n, w in weights.items() if n not in set(other_names) and n not in substituted}
+            subs = [
+                (b, weights[b.params[0]], weights[b.params[1]] if b.bias else None, *facs[b.name][:2]) for b in mats
+            ]
 
             def out_fn(zs, other_w, *sample):
                 ctx["z"] = zs
-                return task.get_output(model, {**fixed, **other_w}, buffers, *sample)
+                w = {**fixed, **other_w}
+                for b, wt, bias, p_in, p_out in subs:  # W + P_out Z P_inᵀ (and b + P_out Z p_in,last)
+                    delta = (p_out @ zs[b.name]) @ p_in.T
+                    w[b.params[0]] = wt + delta[:, : b.d_in].reshape(wt.shape)
+                    if bias is not None:
+                        w[b.params[1]] = bias + delta[:, b.d_in]
+                return task.get_output(model, w, buffers, *sample)
 
-            gz, go = _per_example_grads(out_fn, layers, {n: weights[n] for n in other_names}, batch, self.device, wdt)
+            gz, go = _per_example_grads(
+                out_fn, layers + mats, {n: weights[n] for n in other_names}, batch, self.device, wdt
+            )
         finally:
             for h in handles:
                 h.remove()
@@ -468,9 +602,9 @@ class FactoredProjector(AbstractProjector):
 
 
 def _per_example_grads(
-    out_fn, layers: list, other_w: dict, batch: Sequence[Tensor], device, dtype
+    out_fn, blocks: list, other_w: dict, batch: Sequence[Tensor], device, dtype
 ) -> tuple[dict, dict]:
-    """(∂f_b/∂Z_b per layer, ∂f_b/∂w per "__other__" parameter w), each (B, ...), for every example b.
+    """(∂f_b/∂Z_b per factored block, ∂f_b/∂w per "__other__" parameter w), each (B, ...), for every example b.
 
     Without ``torch.func.grad``: vmap runs the forward of each example with its own zero Z_b and its own
     copy of the other parameters (broadcast views of one tensor, so vmap's per-example semantics hold: no
@@ -484,14 +618,25 @@ def _per_example_grads(
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        return _per_example_grads_impl(out_fn, layers, other_w, batch, device, dtype, bsz)
+        with _attention_math(batch):
+            return _per_example_grads_impl(out_fn, blocks, other_w, batch, device, dtype, bsz)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
-def _per_example_grads_impl(out_fn, layers, other_w, batch, device, dtype, bsz) -> tuple[dict, dict]:
+def _attention_math(batch: Sequence[Tensor]):
+    """On the CPU: scaled dot-product attention's math backend (vmap has no batching rule for the fused CPU
+    kernel and would run it example by example); elsewhere: torch's choice."""
+    if any(t.device.type != "cpu" for t in batch):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def _per_example_grads_impl(out_fn, blocks, other_w, batch, device, dtype, bsz) -> tuple[dict, dict]:
     with torch.enable_grad():
-        zl = {b.name: torch.zeros(b.k_out, b.k_in, device=device, dtype=dtype, requires_grad=True) for b in layers}
+        zl = {b.name: torch.zeros(b.k_out, b.k_in, device=device, dtype=dtype, requires_grad=True) for b in blocks}
         wl = {n: w.detach().requires_grad_(True) for n, w in other_w.items()}
         zb = {n: z.expand(bsz, *z.shape) for n, z in zl.items()}
         wb = {n: w.expand(bsz, *w.shape) for n, w in wl.items()}
@@ -506,6 +651,14 @@ def _per_example_grads_impl(out_fn, layers, other_w, batch, device, dtype, bsz) 
         for g, leaf in zip(grads, leaves, strict=True)
     ]
     return dict(zip(zl, full[: len(zl)], strict=True)), dict(zip(wl, full[len(zl) :], strict=True))
+
+
+def _padding_hook(mod, inputs, output):
+    """No gradient from padding tokens to an embedding table given per example (matrix or "__other__" block):
+    vmap's rule for ``embedding`` with a batched table ignores ``padding_idx`` (torch 2.x), so the padded
+    positions' outputs are detached here — the same numbers, torch's gradient semantics."""
+    pad = (inputs[0] == mod.padding_idx).unsqueeze(-1)
+    return torch.where(pad, output.detach(), output)
 
 
 def _make_hook(b: Block, factors, ctx: dict):
@@ -524,6 +677,19 @@ def _make_hook(b: Block, factors, ctx: dict):
             return output + (u @ z.T) @ p_out.T
 
         return hook
+
+    if b.kind == "embedding":
+
+        def emb_hook(mod, inputs, output):
+            ctx["fired"].add(b.name)
+            z = ctx["z"][b.name]
+            ids = inputs[0]
+            rows = torch.nn.functional.embedding(ids, p_out)  # P_out[ids]: (*ids, k_out)
+            if mod.padding_idx is not None:  # torch gives the padding row no gradient
+                rows = rows * (ids != mod.padding_idx).unsqueeze(-1).to(rows.dtype)
+            return output + (rows @ z) @ p_w.T
+
+        return emb_hook
 
     def conv_hook(mod, inputs, output):
         ctx["fired"].add(b.name)

@@ -1,0 +1,369 @@
+"""The factored projector on transformer-style models: embedding blocks (a forward hook gathering rows of
+P_out by token id) and matrix blocks (weight substitution, for 2-D parameters used outside a module's
+forward: nn.MultiheadAttention's in_proj_weight / out_proj, position tables, tied weights).
+
+Every fast-path result is checked in float64 against two references: the projector applied to per-example
+gradients materialized by brute force (torch.func vmap(grad)), and the block definition
+vec(P_outᵀ [∂W | ∂b] P_in)[:k] · √(proj_dim / k) written out with the factor matrices.
+"""
+
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.func import grad, vmap
+
+import trak_core
+from trak_core import counter_rng, factored
+from trak_core.errors import BadInputError, StoreMismatchError
+from trak_core.factored import (
+    LAYOUT_VERSION,
+    OTHER,
+    SIDE_DENSE,
+    SIDE_IN,
+    SIDE_OUT,
+    FactoredProjector,
+    clear_factor_cache,
+    factor_matrix,
+)
+from trak_core.gradients import FunctionalGradientComputer
+from trak_core.modelout import ImageClassificationModelOutput
+from trak_core.store import StoreMetadata, TrakStore
+from trak_core.testing import ProjectorCase, parametrize_with_checks
+
+TASK = ImageClassificationModelOutput()
+VOCAB, SEQ, DIM, HEADS, CLASSES = 11, 6, 8, 2, 3
+
+
+# ---------------------------------------------------------------------------- models
+class Text(nn.Module):
+    """Token embedding (optional padding_idx) + a bare position table + attention + a classifier head.
+
+    attn: "mha" (nn.MultiheadAttention, batch_first or not), "encoder" (nn.TransformerEncoderLayer, batch_first
+    or not, post- or pre-norm), "tied" (an output layer over the vocabulary shares the embedding table)."""
+
+    def __init__(self, attn="encoder", batch_first=True, padding_idx=None, norm_first=False, dim=DIM, vocab=VOCAB):
+        super().__init__()
+        self.attn_kind, self.batch_first = attn, batch_first
+        self.tok = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+        self.pos = nn.Parameter(0.3 * torch.randn(SEQ, dim))
+        if attn == "mha":
+            self.attn = nn.MultiheadAttention(dim, HEADS, batch_first=batch_first)
+        elif attn == "encoder":
+            self.attn = nn.TransformerEncoderLayer(
+                dim, HEADS, 2 * dim, dropout=0.0, batch_first=batch_first, norm_first=norm_first
+            )
+        self.head = nn.Linear(dim, CLASSES)
+        if attn == "tied":
+            self.out = nn.Linear(dim, vocab, bias=False)
+            self.out.weight = self.tok.weight
+
+    def forward(self, ids):
+        h = self.tok(ids) + self.pos[: ids.shape[-1]]
+        if self.attn_kind == "tied":
+            return self.out(torch.tanh(h).mean(-2))[..., :CLASSES] + self.head(h.mean(-2))
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        h = self.attn(h, h, h, need_weights=False)[0] if self.attn_kind == "mha" else self.attn(h)
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        return self.head(torch.tanh(h).mean(-2))
+
+
+def _data(n=5, padding_idx=None):
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    ids[0, :3] = 7  # a token repeated within one example
+    ids[1, 2] = ids[1, 4] = 2
+    if padding_idx is not None:
+        ids[:3, -2:] = padding_idx  # padded tails
+    return ids, torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def _brute_grads(model, batch, names):
+    """Per-example gradients {name: (B, *shape)} by torch.func: vmap(grad(f)) over the examples."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    buffers = {n: b.detach() for n, b in model.named_buffers()}
+
+    def f(w, ids, label):
+        return TASK.get_output(model, {**params, **w}, buffers, ids, label)
+
+    with warnings.catch_warnings():  # the fused CPU attention kernel has no batching rule: vmap loops
+        warnings.simplefilter("ignore")
+        return vmap(grad(f), in_dims=(None, 0, 0))({n: params[n] for n in names}, *batch)
+
+
+def _definition(p: FactoredProjector, grads: dict, model_id: int) -> torch.Tensor:
+    """The projection written out from the module docstring's definition, block by block (float64)."""
+    outs = []
+    bsz = next(iter(grads.values())).shape[0]
+    for b in p.blocks:
+        w = math.sqrt(p.proj_dim / b.k)
+        if b.kind == "other":
+            g = torch.cat([grads[n].reshape(bsz, -1) for n in b.params], 1)
+            m = factor_matrix(p.seed, model_id, b.name, SIDE_DENSE, b.size, b.k, p.proj_type).double()
+            outs.append(g @ m * w)
+            continue
+        cols = [grads[b.params[0]].reshape(bsz, b.d_out, b.d_in)]
+        if b.bias:
+            cols.append(grads[b.params[1]].reshape(bsz, b.d_out, 1))
+        g_aug = torch.cat(cols, 2)  # [∂W | ∂b]
+        p_in = factor_matrix(p.seed, model_id, b.name, SIDE_IN, b.in_rows, b.k_in, p.proj_type).double()
+        p_out = factor_matrix(p.seed, model_id, b.name, SIDE_OUT, b.d_out, b.k_out, p.proj_type).double()
+        outs.append((p_out.T @ g_aug @ p_in).reshape(bsz, -1)[:, : b.k] * w)
+    return torch.cat(outs, 1)
+
+
+def _fast(p, model, batch, model_id=3):
+    gc = FunctionalGradientComputer(model, TASK, dtype=torch.float64)
+    return p.featurize_batch(model, TASK, gc._weights(), gc._buffers(), batch, model_id)
+
+
+def _check_all_paths(model, batch, proj_dim=40, proj_type="rademacher"):
+    torch.manual_seed(0)
+    model = model.double().eval()
+    p = FactoredProjector.from_model(model, proj_dim, seed=5, proj_type=proj_type, dtype=torch.float64)
+    names = [n for n, _ in p.layout.param_shapes]
+    grads = _brute_grads(model, batch, names)
+    want = _definition(p, grads, 3)
+    slow = p.project(grads, model_id=3)
+    fast = _fast(p, model, batch)
+    assert fast.dtype == torch.float64 and fast.shape == (batch[0].shape[0], proj_dim)
+    assert float(want.abs().max()) > 0
+    torch.testing.assert_close(slow, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(fast, want, rtol=1e-8, atol=1e-10 * float(want.abs().max()))
+    return p, grads
+
+
+# ---------------------------------------------------------------------------- the fast path = the definition
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"attn": "mha", "batch_first": True},
+        {"attn": "mha", "batch_first": False},
+        {"attn": "encoder", "batch_first": True},
+        {"attn": "encoder", "batch_first": False, "norm_first": True},
+        {"attn": "encoder", "batch_first": True, "padding_idx": 0},
+        {"attn": "tied", "padding_idx": 3},
+    ],
+    ids=["mha-batch-first", "mha-seq-first", "encoder", "encoder-seq-first-prenorm", "padding-idx", "tied-weights"],
+)
+def test_fast_path_equals_brute_force_and_definition(kw):
+    torch.manual_seed(0)
+    model = Text(**kw)
+    p, grads = _check_all_paths(model, _data(padding_idx=kw.get("padding_idx")))
+    kinds = {b.name: b.kind for b in p.blocks}
+    if kw["attn"] == "tied":  # the shared table: a matrix block (substitution), not the embedding hook
+        assert kinds["tok.weight"] == "matrix"
+        assert "out" not in kinds and "head" in kinds
+    else:
+        assert kinds["tok"] == "embedding"
+    assert kinds["pos"] == "matrix"
+    if kw["attn"] == "mha":
+        blk = next(b for b in p.blocks if b.name == "attn.in_proj_weight")
+        assert blk.kind == "matrix" and blk.params == ("attn.in_proj_weight", "attn.in_proj_bias") and blk.bias
+        assert kinds["attn.out_proj.weight"] == "matrix"
+    if kw["attn"] == "encoder":
+        assert kinds["attn.self_attn.in_proj_weight"] == "matrix"
+        assert kinds["attn.linear1"] == "linear" and kinds["attn.linear2"] == "linear"
+        other = next(b for b in p.blocks if b.kind == "other")  # the LayerNorms only
+        assert all(".norm" in n for n in other.params) and other.size == 4 * DIM
+    if kw.get("padding_idx") is not None and kw["attn"] != "tied":
+        assert float(grads["tok.weight"][:, kw["padding_idx"]].abs().max()) == 0  # torch: no gradient there
+
+
+def test_normal_factors_and_grad_wrt_subsets():
+    torch.manual_seed(1)
+    model = Text("encoder")
+    _check_all_paths(model, _data(), proj_type="normal")
+    # in_proj_bias without its weight, a LayerNorm and the head: the bias alone goes to the dense block
+    model = Text("mha").double().eval()
+    wrt = ["attn.in_proj_bias", "pos", "head.weight"]
+    p = FactoredProjector.from_model(model, 12, seed=2, grad_wrt=wrt, dtype=torch.float64)
+    assert [(b.name, b.kind, b.params) for b in p.blocks] == [
+        ("pos", "matrix", ("pos",)),
+        ("head", "linear", ("head.weight",)),
+        (OTHER, "other", ("attn.in_proj_bias",)),
+    ]
+    batch = _data()
+    grads = _brute_grads(model, batch, [n for n, _ in p.layout.param_shapes])
+    want = _definition(p, grads, 3)
+    torch.testing.assert_close(_fast(p, model, batch), want, rtol=1e-8, atol=1e-10 * float(want.abs().max()))
+
+
+def test_separate_qkv_weights_and_bias_kv():
+    """kdim/vdim ≠ embed_dim: q/k/v_proj_weight are three matrix blocks (no bias of their own: in_proj_bias,
+    3·E entries, goes to the dense block); bias_k / bias_v (1 × 1 × E) are too small to factor."""
+
+    class Cross(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(VOCAB, DIM)
+            self.mem = nn.Linear(DIM, 5)
+            self.attn = nn.MultiheadAttention(DIM, HEADS, kdim=5, vdim=5, add_bias_kv=True, batch_first=True)
+            self.head = nn.Linear(DIM, CLASSES)
+
+        def forward(self, ids):
+            h = self.tok(ids)
+            m = torch.tanh(self.mem(h))
+            return self.head(self.attn(h, m, m, need_weights=False)[0].mean(-2))
+
+    torch.manual_seed(2)
+    p, _ = _check_all_paths(Cross(), _data())
+    kinds = {b.name: b.kind for b in p.blocks}
+    assert [kinds[f"attn.{x}_proj_weight"] for x in "qkv"] == ["matrix"] * 3
+    other = next(b for b in p.blocks if b.kind == "other")
+    assert set(other.params) == {"attn.in_proj_bias", "attn.bias_k", "attn.bias_v"}
+
+
+def test_benchmark_transformer_layout_and_fast_path():
+    """The text model of benchmarks/featurize_bench.py: everything but the LayerNorms is factored."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import featurize_bench as fb
+    finally:
+        sys.path.pop(0)
+    model, shape, _ = fb.make_model("transformer")
+    p = FactoredProjector.from_model(model, 2048)
+    other = next(b for b in p.blocks if b.kind == "other")
+    assert other.size == 2 * 4 * fb.TRANSFORMER["DIM"]  # norm1/norm2 weight + bias per encoder layer
+    assert {b.kind for b in p.blocks} == {"embedding", "matrix", "linear", "other"}
+    x, y = fb.make_data(shape, "tokens", 3)
+    model = model.double()
+    small = FactoredProjector.from_model(model, 64, dtype=torch.float64)
+    grads = _brute_grads(model, (x, y), [n for n, _ in small.layout.param_shapes])
+    want = _definition(small, grads, 3)
+    torch.testing.assert_close(_fast(small, model, (x, y)), want, rtol=1e-8, atol=1e-10 * float(want.abs().max()))
+
+
+# ---------------------------------------------------------------------------- the projector contract
+def _text_projector(seed=3):
+    """(blocks of a few rows, as in the tests above, are legal but distort Gaussian vectors more than the
+    contract's JL bound allows at proj_dim 256: Kronecker sketches need some width; measured max relative
+    error 0.28-0.42 at 6 × 8 blocks vs 0.22 on the benchmark's transformer)"""
+    torch.manual_seed(0)
+    return FactoredProjector.from_model(Text("encoder", padding_idx=0, dim=32, vocab=50), 256, seed=seed)
+
+
+@parametrize_with_checks([ProjectorCase(_text_projector, id="factored-transformer-layout")])
+def test_contract(obj, check):
+    check(obj)
+
+
+def test_inner_products_are_unbiased_on_gradients():
+    """E⟨Px, Py⟩ = proj_dim · ⟨x, y⟩ over the whole gradient (``scale``): the mean over 200 seeds of
+    ⟨Px, Py⟩ / scale is within 4 standard errors of ⟨x, y⟩, for real per-example gradients."""
+    torch.manual_seed(0)
+    model = Text("encoder").double().eval()
+    batch = _data(2)
+    names = [n for n, _ in model.named_parameters()]
+    grads = _brute_grads(model, batch, names)
+    flat = torch.cat([grads[n].reshape(2, -1) for n in names], 1)
+    exact = float(flat[0] @ flat[1])
+    vals = []
+    for seed in range(200):
+        p = FactoredProjector.from_model(model, 24, seed=seed, dtype=torch.float64)
+        out = _fast(p, model, batch)
+        vals.append(float(out[0] @ out[1]) / p.scale)
+    v = torch.tensor(vals)
+    se = float(v.std()) / math.sqrt(len(vals))
+    assert p.scale == 24
+    assert abs(float(v.mean()) - exact) < 4 * se, (float(v.mean()), exact, se)
+
+
+# ---------------------------------------------------------------------------- errors
+def test_embedding_used_outside_its_forward_is_detected():
+    class Sneaky(Text):
+        def forward(self, ids):
+            h = nn.functional.embedding(ids, self.tok.weight) + self.pos
+            return self.head(h.mean(-2))
+
+    torch.manual_seed(0)
+    model = Sneaky("none").double().eval()
+    p = FactoredProjector.from_model(model, 16)
+    with pytest.raises(BadInputError, match=r"layers \['tok'\] was not called"):
+        _fast(p, model, _data())
+
+
+def test_unsupported_embeddings_and_other_error():
+    torch.manual_seed(0)
+    model = Text("encoder")
+    with pytest.raises(BadInputError, match=r"attn\.norm1\.weight \(8,\) \(LayerNorm\)"):
+        FactoredProjector.from_model(model, 64, other="error")
+    for kw in ({"max_norm": 1.0}, {"scale_grad_by_freq": True}, {"sparse": True}):
+        model.tok = nn.Embedding(VOCAB, DIM, **kw)
+        p = FactoredProjector.from_model(model, 64)
+        other = next(b for b in p.blocks if b.kind == "other")
+        assert "tok.weight" in other.params and "tok" not in {b.name for b in p.blocks}, kw
+        with pytest.raises(BadInputError, match=r"tok\.weight \(11, 8\) \(Embedding\)"):
+            FactoredProjector.from_model(model, 64, other="error")
+    model.tok = nn.Embedding(VOCAB, DIM, scale_grad_by_freq=True)  # the dense block still projects it exactly
+    _check_all_paths(model, _data())
+
+
+# ---------------------------------------------------------------------------- layouts in stores
+def test_spec_records_the_layout_version_and_old_stores_are_refused(tmp_path):
+    torch.manual_seed(0)
+    model = Text("encoder")
+    spec = FactoredProjector.from_model(model, 64).spec()
+    assert spec["layout_version"] == LAYOUT_VERSION == 2
+    assert [row[1] for row in spec["layout"]][:2] == ["matrix", "embedding"]  # pos, tok
+
+    def traker(path):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return trak_core.TRAKer(
+                model=model,
+                task="image_classification",
+                train_set_size=8,
+                proj_dim=64,
+                save_dir=str(path),
+                device="cpu",
+                logging_level=logging.ERROR,
+            )
+
+    traker(tmp_path / "new")  # a store of this version reopens
+    traker(tmp_path / "new")
+    old = {k: v for k, v in spec.items() if k != "layout_version"}  # written before layout versions
+    TrakStore.create_or_open(str(tmp_path / "old"), StoreMetadata.from_projector(old, train_set_size=8))
+    with pytest.raises(StoreMismatchError, match="projector_params"):
+        traker(tmp_path / "old")
+
+
+# ---------------------------------------------------------------------------- the factor cache
+def test_factor_cache_reuses_matrices_and_stays_bounded(monkeypatch):
+    torch.manual_seed(0)
+    model = Text("encoder")
+    clear_factor_cache()
+    calls = []
+    real = counter_rng.rademacher_from_key
+
+    def counting(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(counter_rng, "rademacher_from_key", counting)
+    a = FactoredProjector.from_model(model, 64, seed=1).factors(0)
+    first = len(calls)
+    assert first == 2 * len(a) - 1  # P_in and P_out per factored block, one dense matrix
+    b = FactoredProjector.from_model(model, 64, seed=1).factors(0)  # a new projector: nothing regenerated
+    assert len(calls) == first
+    assert all(torch.equal(x, y) for k in a for x, y in zip(a[k][:2], b[k][:2], strict=True) if x is not None)
+    FactoredProjector.from_model(model, 64, seed=2).factors(0)  # another seed: new matrices
+    assert len(calls) == 2 * first
+    clear_factor_cache()
+    fresh = FactoredProjector.from_model(model, 64, seed=1).factors(0)
+    assert all(torch.equal(x, y) for k in a for x, y in zip(a[k][:2], fresh[k][:2], strict=True) if x is not None)
+    monkeypatch.setattr(factored, "FACTOR_CACHE_BYTES", 4096)
+    clear_factor_cache()
+    FactoredProjector.from_model(model, 64, seed=3).factors(0)
+    assert 0 < factored._cache_bytes() <= 4096
+    big = factor_matrix(3, 0, "x", SIDE_IN, 64, 64, "rademacher")  # larger than the whole cache: not kept
+    assert big.numel() * 4 > 4096 and all(t is not big for t in factored._CACHE.values())
+    clear_factor_cache()
