@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trak_core import reduce  # noqa: E402
 from trak_core.scoring import combine_checkpoints  # noqa: E402
 from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
-from trak_core.streaming import cache_bytes, memory_bytes, score_block_rows  # noqa: E402
+from trak_core.streaming import cache_bytes, memory_bytes, score_block_rows, scores_from_grads  # noqa: E402
 
 START, END = "<!-- scoring_bench:start -->", "<!-- scoring_bench:end -->"
 
@@ -86,18 +86,22 @@ def score_tasks(store: TrakStore, exp: str, used: list[int]) -> np.ndarray:
     return store.scores(exp)[:]
 
 
-def build_store(path: str, n: int, p: int, ms: list[int], ckpts: int, dtype: str) -> TrakStore:
+def build_store(path: str, n: int, p: int, ms: list[int], ckpts: int, dtype: str, lambda_reg="adaptive") -> TrakStore:
+    """n rows of projected gradients X (standard normal, columns scaled 0.2-3), their XᵀX partials and
+    features Φ = X A (``reduce.finalize_model``), Q, and m target gradients per experiment ``m<m>``."""
     rng = np.random.default_rng(0)
     meta = StoreMetadata(train_set_size=n, grad_dim=10 * p, proj_dim=p, dtype=dtype)
     st = TrakStore.create_or_open(path, meta)
+    scale = rng.uniform(0.2, 3.0, p).astype(np.float32)
     for mid in range(ckpts):
-        mod = st.init_model(mid)
+        st.init_model(mid)
         for a in range(0, n, meta.shard_rows):
             b = min(a + meta.shard_rows, n)
-            mod.features[a:b] = rng.standard_normal((b - a, p), dtype=np.float32).astype(dtype)
-        mod.out_to_loss[:] = rng.uniform(0.5, 1.5, n).astype(np.float32)
-        mod.finalized[:] = np.ones(n, dtype=np.uint8)
-        st.set_finalize_info(mid, {"lambda_reg": 0.0})
+            x = rng.standard_normal((b - a, p), dtype=np.float32) * scale
+            st.write_train_rows(mid, slice(a, b), x, rng.uniform(0.5, 1.5, b - a).astype(np.float32))
+        for s in range(meta.num_shards):
+            reduce.ensure_partial(st, mid, s)
+        reduce.finalize_model(st, mid, lambda_reg=lambda_reg)
     for m in ms:
         exp = f"m{m}"
         st.init_experiment(exp, m)
@@ -107,16 +111,63 @@ def build_store(path: str, n: int, p: int, ms: list[int], ckpts: int, dtype: str
     return st
 
 
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def store_bytes(st: TrakStore, path: str, ckpts: int) -> dict:
+    """Bytes on disk: all model arrays, their features arrays, and the experiments (targets and scores)."""
+    models = sum(dir_bytes(os.path.join(path, "models", str(mid))) for mid in range(ckpts))
+    feats = sum(dir_bytes(os.path.join(path, "models", str(mid), "features")) for mid in range(ckpts))
+    grads = sum(dir_bytes(os.path.join(path, "models", str(mid), "grads")) for mid in range(ckpts))
+    return {"models": models, "features": feats, "grads": grads, "total": dir_bytes(path)}
+
+
+def max_rel(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / max |want| (normwise: elementwise ratios blow up at scores near 0)."""
+    return float(np.abs(got.astype(np.float64) - want).max() / np.abs(want).max())
+
+
+def exact_rows(st: TrakStore, exp: str, used: list[int], rows: int) -> np.ndarray:
+    """float64 scores of the first ``rows`` train rows from the stored X, Q, G and the recorded λ:
+    A = (XᵀX + λI)⁻¹ / mean|A| (XᵀX from all n rows), S = combine(Σ_c X_c A_c G_cᵀ, Σ_c Q_c)."""
+    acc, q = 0.0, 0.0
+    for mid in used:
+        mm, lam = st.model(mid), st.finalize_info(mid)["lambda_reg"]
+        x = mm.grads[:rows].astype(np.float64)
+        inv = np.linalg.inv(reduce.total_xtx(st, mid) + lam * np.eye(x.shape[1]))
+        inv /= np.abs(inv).mean()
+        acc = acc + (x @ inv) @ st.target_grads(exp, mid)[:].astype(np.float64).T
+        q = q + mm.out_to_loss[:rows].astype(np.float64)
+    return combine_checkpoints(acc, q, len(used))
+
+
+def finalize_times(st: TrakStore, mid: int, lambda_reg, repeats: int) -> dict:
+    """Today's finalize (the solve + a pass over the n rows writing Φ) against the solve alone (what finalize
+    is when scores come from X · A Gᵀ); best of ``repeats`` each, alternated."""
+    full, solve = [], []
+    for _ in range(repeats):
+        st.clear_finalize_info(mid)
+        st.model(mid).finalized[:] = np.zeros(st.meta.train_set_size, dtype=np.uint8)
+        full.append(_timed(lambda: reduce.finalize_model(st, mid, lambda_reg)))
+        solve.append(_timed(lambda: reduce.solve_model(st, mid, lambda_reg)))
+    return {"finalize": min(full), "solve": min(solve)}
+
+
 def run(a) -> dict:
     peaks = {s: square_gflops(s) for s in (2048, 4096, 6144)}
     ref_a, ref_b = torch.randn(4096, 4096), torch.randn(4096, 4096)
     rows = []
+    used = list(range(a.ckpts))
     with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
         t0 = time.perf_counter()
-        st = build_store(os.path.join(tmp, "s"), a.n, a.p, a.targets, a.ckpts, a.dtype)
+        path = os.path.join(tmp, "s")
+        st = build_store(path, a.n, a.p, a.targets, a.ckpts, a.dtype, a.lambda_reg)
         build_s = time.perf_counter() - t0
-        used = list(range(a.ckpts))
+        fin = finalize_times(st, 0, a.lambda_reg, a.repeats)
+        inverses = {mid: reduce.solve_model(st, mid, a.lambda_reg)[0] for mid in used}
         phi_mem = torch.from_numpy(st.model(0).features[:].astype(np.float32))
+        exact_m: dict[int, dict] = {}
         for m in a.targets:
             exp = f"m{m}"
             flops = 2 * a.n * a.p * m * a.ckpts
@@ -133,6 +184,7 @@ def run(a) -> dict:
                 "before (previous finalize_scores)": lambda exp=exp: before_finalize_scores(st, exp, used),
                 "finalize_scores (streaming)": lambda exp=exp: reduce.finalize_scores(st, exp),
                 "score tasks (score_rows per shard)": lambda exp=exp: score_tasks(st, exp, used),
+                "X · (A Gᵀ), no features (scores_from_grads)": lambda exp=exp: scores_from_grads(st, exp, inverses),
             }
             res = {k: {"t": [], "frac": []} for k in paths}
             results = {}
@@ -147,6 +199,8 @@ def run(a) -> dict:
                     if r is not None:
                         results[k] = np.asarray(r)
             base = results["before (previous finalize_scores)"]
+            exact = exact_rows(st, exp, used, a.exact_rows)
+            exact_m[m] = {k: max_rel(v[: a.exact_rows], exact) for k, v in results.items()}
             for k in paths:
                 best = min(res[k]["t"])
                 rows.append(
@@ -157,10 +211,33 @@ def run(a) -> dict:
                         "gflops": flops / best / 1e9,
                         "interleaved": statistics.median(res[k]["frac"]),
                         "bit_identical": None if k not in results else bool(np.array_equal(results[k], base)),
+                        "rel_diff": None if k not in results else max_rel(results[k], base),
+                        "rel_exact": exact_m[m].get(k),
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
             del out, results, base
+        sizes = {a.dtype: store_bytes(st, path, a.ckpts)}
+        phi_mem = torch.empty(0)  # free the in-memory Φ before the second store
+    # the other store dtype: the same X (float32 or rounded to float16), scores at the smallest m
+    other = "float32" if a.dtype == "float16" else "float16"
+    with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
+        path = os.path.join(tmp, "s")
+        m = min(a.targets)
+        st = build_store(path, a.n, a.p, [m], a.ckpts, other, a.lambda_reg)
+        inverses = {mid: reduce.solve_model(st, mid, a.lambda_reg)[0] for mid in used}
+        via_features = reduce.finalize_scores(st, f"m{m}")
+        via_grads = scores_from_grads(st, f"m{m}", inverses)
+        exact = exact_rows(st, f"m{m}", used, a.exact_rows)
+        sizes[other] = store_bytes(st, path, a.ckpts)
+        other_row = {
+            "dtype": other,
+            "m": m,
+            "rel_diff": max_rel(via_grads, via_features),
+            "features_exact": max_rel(via_features[: a.exact_rows], exact),
+            "grads_exact": max_rel(via_grads[: a.exact_rows], exact),
+        }
+        print(json.dumps(other_row), flush=True)
     for s in peaks:
         peaks[s] = max(peaks[s], square_gflops(s))
     meta = StoreMetadata(train_set_size=a.n, grad_dim=10 * a.p, proj_dim=a.p, dtype=a.dtype)
@@ -169,10 +246,14 @@ def run(a) -> dict:
         "peak": max(peaks.values()),
         "rows": rows,
         "build_s": build_s,
+        "finalize": fin,
+        "sizes": sizes,
+        "other_dtype": other_row,
         "chunk_rows": meta.chunk_rows,
         "shard_rows": meta.shard_rows,
         "block_rows": {
-            m: score_block_rows(a.p, m, meta.chunk_rows, itemsize=meta.np_dtype.itemsize) for m in a.targets
+            m: score_block_rows(a.p, m, meta.chunk_rows, meta.shard_rows, itemsize=meta.np_dtype.itemsize)
+            for m in a.targets
         },
         "cache": cache_bytes(),
         "memory": memory_bytes(),
@@ -201,17 +282,47 @@ def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
         + ".",
         "",
         "| path | targets m | seconds (best) | GFLOP/s | % of the matmul peak | % of GEMM only | interleaved "
-        "(vs 4096² just before) | scores == before (bitwise) |",
-        "|---|---|---|---|---|---|---|---|",
+        "(vs 4096² just before) | scores == before (bitwise) | max rel. diff vs before | max rel. diff vs float64 "
+        f"(first {a.exact_rows:,} rows) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in a.targets:
         gemm = next(r for r in res["rows"] if r["m"] == m and r["path"].startswith("GEMM"))
         for r in (r for r in res["rows"] if r["m"] == m):
             same = "—" if r["bit_identical"] is None else ("yes" if r["bit_identical"] else "**no**")
+            diff = "—" if r["rel_diff"] is None else f"{r['rel_diff']:.1e}"
+            exact = "—" if r["rel_exact"] is None else f"{r['rel_exact']:.1e}"
             lines.append(
                 f"| {r['path']} | {m} | {r['seconds']:.2f} | {r['gflops']:.1f} | {100 * r['gflops'] / peak:.0f}% | "
-                f"{100 * r['gflops'] / gemm['gflops']:.0f}% | {100 * r['interleaved']:.0f}% | {same} |"
+                f"{100 * r['gflops'] / gemm['gflops']:.0f}% | {100 * r['interleaved']:.0f}% | {same} | {diff} | "
+                f"{exact} |"
             )
+    fin, o = res["finalize"], res["other_dtype"]
+    lines += [
+        "",
+        "### Less to store, less to finalize (issue 15, item 6): measured in the same run",
+        "",
+        f"Finalize of one checkpoint (n = {a.n:,}, proj_dim {a.p}, {a.dtype}, lambda_reg {a.lambda_reg!r}; best of "
+        f"{a.repeats}): today (`reduce.finalize_model`: XᵀX from the partials, the solve, a pass over the n rows "
+        f"writing Φ) **{fin['finalize']:.2f} s**; the solve alone (`reduce.solve_model`, all that finalize is when "
+        f"scores come from X · (A Gᵀ)) **{fin['solve']:.2f} s** ({fin['finalize'] / fin['solve']:.1f}×).",
+        "",
+        "| store | model arrays (all checkpoints) | of which features | of which grads | without features | "
+        "whole store (with the experiments' targets and scores) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for dt, b in res["sizes"].items():
+        lines.append(
+            f"| {dt}, n = {a.n:,} | {b['models'] / 2**20:,.0f} MiB | {b['features'] / 2**20:,.0f} MiB | "
+            f"{b['grads'] / 2**20:,.0f} MiB | {(b['models'] - b['features']) / 2**20:,.0f} MiB "
+            f"({100 * (b['models'] - b['features']) / b['models']:.0f}%) | {b['total'] / 2**20:,.0f} MiB |"
+        )
+    lines += [
+        "",
+        f"{o['dtype']} store (same X, m = {o['m']}): max rel. diff of X · (A Gᵀ) vs the features path "
+        f"{o['rel_diff']:.1e}; against float64 scores (first {a.exact_rows:,} rows) features path "
+        f"{o['features_exact']:.1e}, X · (A Gᵀ) {o['grads_exact']:.1e}. (max rel. diff = max |Δ| / max |reference|.)",
+    ]
     return "\n".join(lines)
 
 
@@ -245,6 +356,8 @@ def main() -> None:
     ap.add_argument("--ckpts", type=int, default=1)
     ap.add_argument("--dtype", default="float16", choices=["float16", "float32"])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--lambda-reg", default="adaptive", help="finalize's lambda_reg (the pipeline's default)")
+    ap.add_argument("--exact-rows", type=int, default=2048, help="rows compared against float64 scores")
     ap.add_argument("--tmp", default=None, help="folder for the store (default: the system's temp folder)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--results", action="store_true", help="write the table into benchmarks/RESULTS.md")

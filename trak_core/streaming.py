@@ -131,12 +131,30 @@ def score_blocks(a: int, b: int, step: int, shard_rows: int | None = None) -> li
     return out
 
 
+#: the reader thread converts float16 → float32 in pieces of at most this many elements: torch runs a copy
+#: below its intra-op grain size (32,768) in the calling thread, so the conversion never starts a parallel region
+#: beside the GEMM's (under load, an OpenMP team waiting on a descheduled thread costs more than the copy)
+CONVERT_ELEMENTS = 16384
+
+
 class _Slot:
-    """One read-ahead buffer: the stored rows (store dtype) and Q of one (row block, checkpoint)."""
+    """One read-ahead buffer: the rows of one (row block, checkpoint) as float32 (``f32``, what the GEMM reads;
+    ``raw`` holds the stored float16 rows it is converted from) and their Q."""
 
     def __init__(self, rows: int, p: int, dtype: np.dtype):
-        self.raw = np.empty((rows, p), dtype=dtype)
+        self.f32 = np.empty((rows, p), dtype=np.float32)
+        self.raw = self.f32 if dtype == np.float32 else np.empty((rows, p), dtype=dtype)
         self.q: np.ndarray | None = None
+
+    def fill(self, array, a: int, b: int) -> None:
+        """Read rows [a, b) of ``array`` into ``f32`` (through ``raw`` when the store is not float32)."""
+        rows = b - a
+        _read_into(array, a, b, self.raw[:rows])
+        if self.raw is not self.f32:
+            step = max(1, CONVERT_ELEMENTS // self.f32.shape[1])
+            src, dst = torch.from_numpy(self.raw), torch.from_numpy(self.f32)
+            for r in range(0, rows, step):  # exact: every float16 is a float32
+                dst[r : min(r + step, rows)].copy_(src[r : min(r + step, rows)])
 
 
 def _read_into(array, a: int, b: int, out: np.ndarray) -> None:
@@ -192,14 +210,13 @@ def stream_scores(
     qs = [mm.out_to_loss for mm in models]
     jobs = [(s, e, k) for s, e in blocks for k in range(len(ids))]
     slots = [_Slot(step, p, meta.np_dtype) for _ in range(2)]
-    phi = torch.empty(step, p, dtype=torch.float32)
     # two accumulators when the caller gives no output array (score tasks); none needed otherwise
     accs: list[torch.Tensor] = [] if out is not None else [torch.empty(step, m, dtype=torch.float32) for _ in range(2)]
 
     def read(j: int) -> _Slot:
         s, e, k = jobs[j]
         slot = slots[j % 2]
-        _read_into(feats[k], s, e, slot.raw[: e - s])
+        slot.fill(feats[k], s, e)
         slot.q = qs[k][s:e]
         return slot
 
@@ -228,17 +245,16 @@ def stream_scores(
                 if prev is not None:
                     prev.result()  # at most two blocks in flight; the accumulator of two blocks ago is free again
                 acc = torch.from_numpy(out[s:e]) if out is not None else accs[bi % 2][:rows]
-                acc.zero_()
                 qsum = np.zeros(rows, dtype=np.float64)
                 for k in range(len(ids)):
                     assert pending_read is not None  # one read is submitted per (block, checkpoint) job
                     slot = pending_read.result()
-                    # the other slot was converted one job ago: read the next job into it now
+                    # the other slot was multiplied one job ago: read the next job into it now
                     pending_read = reader.submit(read, j + 1) if j + 1 < len(jobs) else None
-                    x = phi[:rows]
-                    x.copy_(torch.from_numpy(slot.raw[:rows]))
                     qsum += slot.q.astype(np.float64)
-                    acc.addmm_(x, targets[ids[k]])  # acc += Φ_c Gᵀ_c, one GEMM per checkpoint
+                    # acc = Φ_c Gᵀ_c (first checkpoint: beta=0, the accumulator's old contents ignored, as a
+                    # zeroed one), then acc += Φ_c Gᵀ_c: one GEMM per checkpoint
+                    acc.addmm_(torch.from_numpy(slot.f32[:rows]), targets[ids[k]], beta=0 if k == 0 else 1)
                     j += 1
                 pending_write[bi % 2] = writer.submit(write, s, e, acc, qsum)
             for f in pending_write:
