@@ -1,22 +1,26 @@
 """Streaming scoring at GEMM speed: block sizes from the cache and memory sizes, and a pipeline that reads the
-next block of features while the current one is multiplied.
+next block of stored rows while the current one is multiplied.
 
-Scores of train rows [a, b) are Σ_c Φ_c[a:b] G_cᵀ combined with Q (:func:`trak_core.scoring.combine_checkpoints`).
-The work per (row block, checkpoint) is one Zarr read of Φ (float16 or float32), a conversion to float32 and one
-float32 GEMM; per row block one combination and one Zarr write. :func:`stream_scores` runs
+Scores of train rows [a, b) are Σ_c Φ_c[a:b] G_cᵀ combined with Q (:func:`trak_core.scoring.combine_checkpoints`)
+— or, without features, Σ_c X_c[a:b] W_c with W_c = A_c G_cᵀ (:func:`scores_from_grads`: the same GEMM on the
+stored projected gradients X). The work per (row block, checkpoint) is one Zarr read (float16 or float32), a
+conversion to float32 and one float32 GEMM; per row block one combination and one Zarr write.
+:func:`stream_scores` runs
 
-* the reads in one background thread, one (block, checkpoint) ahead, into preallocated buffers (a read of a
-  fresh array pays a page fault per 4 KiB: as much as the read itself). zarr's codec pipeline and the file reads
-  release the GIL, so the read costs the GEMM almost nothing;
-* the conversion (torch's vectorized copy into a preallocated float32 buffer, ~1 % of the GEMM) and the GEMM
-  (``addmm_``, both cores) in the calling thread;
+* the reads and the float16 → float32 conversion in one background thread, one (block, checkpoint) ahead, into
+  preallocated buffers (a read of a fresh array pays a page fault per 4 KiB: as much as the read itself). zarr's
+  codec pipeline and the file reads release the GIL; the conversion runs in pieces below torch's intra-op grain
+  size, so it never opens an OpenMP parallel region beside the GEMM's (a float32 store is read straight into
+  the GEMM's buffer);
+* the GEMM (``addmm_``, both cores; the first checkpoint with ``beta=0`` instead of zeroing the accumulator)
+  in the calling thread;
 * the combination and the write of a finished block in a second background thread, while the next block is
-  multiplied (double-buffered accumulators).
+  multiplied (double-buffered accumulators; the score arrays opened once per stream).
 
 The arithmetic is the one of the plain loop (zero the accumulator, ``acc.addmm_(Φ_c, G_cᵀ)`` per checkpoint in
 the given order, then :func:`~trak_core.scoring.combine_checkpoints`' float32 element-wise operations), and MKL's
 GEMM gives every row the same bits whatever the number of rows in the call, so the scores are bit-identical to
-the unpipelined loop for any block size (tests/test_streaming.py checks it).
+the unpipelined loop for any block size (tests/test_streaming.py, tests/test_scores_from_grads.py check it).
 """
 
 from __future__ import annotations
@@ -97,7 +101,8 @@ def score_block_rows(
     * cache: the float32 block Φ (rows × p) and its accumulator (rows × m) fit in half the last-level cache, so
       the GEMM finds the block the conversion just wrote in cache (the other half holds Gᵀ's panels and the
       block being read ahead); at least MIN_GEMM_ROWS rows;
-    * memory: the pipeline's buffers (two read buffers of ``itemsize`` bytes, one float32 Φ, two accumulators)
+    * memory: the pipeline's buffers (two float32 read buffers, two of ``itemsize`` bytes below float32, two
+      accumulators)
       stay within MEMORY_FRACTION of the available memory;
     * with ``shard_rows``: a divisor of it (at most a shard), so blocks tile the shards the score tasks own;
     * at least one chunk.
@@ -106,7 +111,7 @@ def score_block_rows(
     memory = memory_bytes() if memory is None else memory
     row_hot = 4 * (proj_dim + num_targets)  # float32 Φ row + accumulator row
     rows = max(MIN_GEMM_ROWS, (cache // 2) // row_hot)
-    row_buffers = 2 * itemsize * proj_dim + 4 * proj_dim + 2 * 4 * num_targets
+    row_buffers = 2 * 4 * proj_dim + (2 * itemsize * proj_dim if itemsize != 4 else 0) + 2 * 4 * num_targets
     rows = min(rows, max(1, int(memory * MEMORY_FRACTION) // row_buffers))
     if shard_rows is not None and shard_rows % chunk_rows == 0:
         fits = [d for d in range(chunk_rows, min(rows, shard_rows) + 1, chunk_rows) if shard_rows % d == 0]
