@@ -125,6 +125,7 @@ def _fast(p, model, batch, model_id=3):
 def _check_all_paths(model, batch, proj_dim=40, proj_type="rademacher"):
     torch.manual_seed(0)
     model = model.double().eval()
+    batch = tuple(t.double() if t.is_floating_point() else t for t in batch)
     p = FactoredProjector.from_model(model, proj_dim, seed=5, proj_type=proj_type, dtype=torch.float64)
     names = [n for n, _ in p.layout.param_shapes]
     grads = _brute_grads(model, batch, names)
@@ -367,3 +368,28 @@ def test_factor_cache_reuses_matrices_and_stays_bounded(monkeypatch):
     big = factor_matrix(3, 0, "x", SIDE_IN, 64, 64, "rademacher")  # larger than the whole cache: not kept
     assert big.numel() * 4 > 4096 and all(t is not big for t in factored._CACHE.values())
     clear_factor_cache()
+
+
+# ---------------------------------------------------------------------------- convolutions (the hook's layout cases)
+class _UnbatchedConv(nn.Module):
+    """A conv called on one (C, H, W) image (torch allows unbatched conv inputs) and one on a batch of 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 5, 3, padding=1)
+        self.conv1d = nn.Conv1d(5, 3, 2, stride=2, bias=False)
+        self.head = nn.Linear(3 * 8, CLASSES)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x[0]))  # (5, 4, 4), unbatched
+        h = torch.tanh(self.conv1d(h.flatten(1).unsqueeze(0)))  # (1, 3, 8)
+        return self.head(h.flatten(1))
+
+
+@pytest.mark.parametrize("proj_dim", [7, 40, 120])
+def test_conv_hooks_unbatched_inputs(proj_dim):
+    """Conv hooks on unbatched (C, H, W) and batched inputs, k_in below, at and above d_out."""
+    torch.manual_seed(3)
+    x = torch.randn(4, 2, 4, 4)
+    p, _ = _check_all_paths(_UnbatchedConv(), (x, torch.randint(0, CLASSES, (4,))), proj_dim=proj_dim)
+    assert [b.kind for b in p.blocks] == ["conv", "conv", "linear"]

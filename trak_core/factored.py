@@ -662,6 +662,13 @@ def _padding_hook(mod, inputs, output):
 
 
 def _make_hook(b: Block, factors, ctx: dict):
+    """The forward hook of a linear / conv / embedding block: output + P_out Z P_inᵀ [a; 1] per position.
+
+    The layer's input is detached: ∂(P_out Z P_inᵀ a)/∂a = P_out Z P_inᵀ is zero at Z = 0, so no gradient
+    flows back through the added term but the one to Z (exact, and no backward pass through P_in). The
+    product is grouped as u (P_out Z)ᵀ: d_out·k_in multiply-adds per position (plus d_out·k_out·k_in once),
+    never more than (u Zᵀ) P_outᵀ's k_in·k_out + k_out·d_out for the split's k_in ≤ k_out or k_out = d_out
+    (embeddings: P_out[ids] (Z P_inᵀ), likewise)."""
     p_in, p_out, _ = factors
     p_w = p_in[: b.d_in]
     p_b = p_in[b.d_in] if b.bias else None
@@ -671,10 +678,10 @@ def _make_hook(b: Block, factors, ctx: dict):
         def hook(mod, inputs, output):
             ctx["fired"].add(b.name)
             z = ctx["z"][b.name]
-            u = inputs[0] @ p_w
+            u = inputs[0].detach() @ p_w
             if p_b is not None:
                 u = u + p_b
-            return output + (u @ z.T) @ p_out.T
+            return output + u @ (p_out @ z).T
 
         return hook
 
@@ -687,7 +694,7 @@ def _make_hook(b: Block, factors, ctx: dict):
             rows = torch.nn.functional.embedding(ids, p_out)  # P_out[ids]: (*ids, k_out)
             if mod.padding_idx is not None:  # torch gives the padding row no gradient
                 rows = rows * (ids != mod.padding_idx).unsqueeze(-1).to(rows.dtype)
-            return output + (rows @ z) @ p_w.T
+            return output + rows @ (z @ p_w.T)
 
         return emb_hook
 
@@ -695,11 +702,15 @@ def _make_hook(b: Block, factors, ctx: dict):
         ctx["fired"].add(b.name)
         z = ctx["z"][b.name]
         kernel = p_w.T.reshape(b.k_in, *mod.weight.shape[1:])
-        u = mod._conv_forward(inputs[0], kernel, None)  # (n, k_in, *spatial), the module's padding/stride
-        nd = u.dim() - 2
+        u = mod._conv_forward(inputs[0].detach(), kernel, None)  # (n, k_in, *spatial): the module's padding/stride
+        unbatched = u.dim() == mod.weight.dim() - 1  # a conv also takes (C, *spatial)
+        if unbatched:
+            u = u.unsqueeze(0)
+        shape = u.shape
+        u = u.flatten(2)
         if p_b is not None:
-            u = u + p_b.reshape(b.k_in, *([1] * nd))
-        v = torch.einsum("oi,ni...->no...", z, u)
-        return output + torch.einsum("do,no...->nd...", p_out, v)
+            u = u + p_b.unsqueeze(-1)
+        v = ((p_out @ z) @ u).reshape(shape[0], b.d_out, *shape[2:])
+        return output + (v.squeeze(0) if unbatched else v)
 
     return conv_hook
