@@ -43,6 +43,11 @@ DEFAULT_MEMORY_BYTES = 4 << 30
 MEMORY_FRACTION = 1 / 16
 #: a GEMM with fewer rows than this runs below the BLAS peak (the per-call cost and the edge tiles show)
 MIN_GEMM_ROWS = 256
+#: a block's GEMM writes at least this many scores (rows × targets; 4 MiB of float32): at few targets the rows
+#: per block grow, so the per-block costs — thread hand-offs, the OpenMP team spinning after each GEMM while the
+#: caller waits, each write's fixed cost — stay small beside the GEMM (perf at m = 256, p = 2048 on 2 cores: the
+#: OpenMP spin fell from 0.92× to 0.33× the GEMM's samples going from 1,024 to 4,096 rows per block)
+MIN_BLOCK_OUTPUTS = 1 << 20
 #: the per-model row arrays :func:`stream_scores` can stream (Φ, or the projected gradients X)
 ROWS_ARRAYS = ("features", "grads")
 
@@ -100,17 +105,17 @@ def score_block_rows(
 
     * cache: the float32 block Φ (rows × p) and its accumulator (rows × m) fit in half the last-level cache, so
       the GEMM finds the block the conversion just wrote in cache (the other half holds Gᵀ's panels and the
-      block being read ahead); at least MIN_GEMM_ROWS rows;
+      block being read ahead); at least MIN_GEMM_ROWS rows, and at least MIN_BLOCK_OUTPUTS / m rows (a small
+      accumulator: more rows per block, fewer per-block costs);
     * memory: the pipeline's buffers (two float32 read buffers, two of ``itemsize`` bytes below float32, two
-      accumulators)
-      stay within MEMORY_FRACTION of the available memory;
+      accumulators) stay within MEMORY_FRACTION of the available memory;
     * with ``shard_rows``: a divisor of it (at most a shard), so blocks tile the shards the score tasks own;
     * at least one chunk.
     """
     cache = cache_bytes() if cache is None else cache
     memory = memory_bytes() if memory is None else memory
     row_hot = 4 * (proj_dim + num_targets)  # float32 Φ row + accumulator row
-    rows = max(MIN_GEMM_ROWS, (cache // 2) // row_hot)
+    rows = max(MIN_GEMM_ROWS, (cache // 2) // row_hot, MIN_BLOCK_OUTPUTS // max(1, num_targets))
     row_buffers = 2 * 4 * proj_dim + (2 * itemsize * proj_dim if itemsize != 4 else 0) + 2 * 4 * num_targets
     rows = min(rows, max(1, int(memory * MEMORY_FRACTION) // row_buffers))
     if shard_rows is not None and shard_rows % chunk_rows == 0:
