@@ -279,17 +279,49 @@ def test_inner_products_are_unbiased_on_gradients():
 
 
 # ---------------------------------------------------------------------------- errors
-def test_embedding_used_outside_its_forward_is_detected():
-    class Sneaky(Text):
-        def forward(self, ids):
+class _OutsideUse(Text):
+    """Weights of hooked layers used outside their module's forward."""
+
+    def forward(self, ids):
+        if self.attn_kind == "functional":  # the embedding's forward is never called
             h = nn.functional.embedding(ids, self.tok.weight) + self.pos
             return self.head(h.mean(-2))
+        h = self.tok(ids) + self.pos
+        if self.attn_kind == "functied":  # the hook fires, but the table is also the output layer
+            return self.head(h.mean(-2)) + torch.tanh(h).mean(-2) @ self.tok.weight[:CLASSES].T
+        # "twice": the head through its forward and once more functionally
+        return self.head(h.mean(-2)) + nn.functional.linear(torch.tanh(h[..., 0, :]), self.head.weight)
 
+
+@pytest.mark.parametrize("use", ["functional", "functied", "twice"])
+def test_weights_used_outside_their_forward_fall_back_to_substitution(use):
+    """The hook of a layer misses uses of its weight outside the module's forward. The first batch checks
+    for such uses (and for hooks that never fire); those blocks then take weight substitution — the same
+    projection — with a warning, once."""
     torch.manual_seed(0)
-    model = Sneaky("none").double().eval()
-    p = FactoredProjector.from_model(model, 16)
-    with pytest.raises(BadInputError, match=r"layers \['tok'\] was not called"):
+    model = _OutsideUse(use).double().eval()
+    batch = _data()
+    p = FactoredProjector.from_model(model, 40, seed=5, dtype=torch.float64)
+    grads = _brute_grads(model, batch, [n for n, _ in p.layout.param_shapes])
+    want = _definition(p, grads, 3)
+    culprit = "head" if use == "twice" else "tok"
+    with pytest.warns(UserWarning, match=rf"layers \['{culprit}'\] are used outside"):
+        got = _fast(p, model, batch)
+    torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10 * float(want.abs().max()))
+    assert p._substitute == {culprit}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # remembered: no second warning
+        torch.testing.assert_close(_fast(p, model, batch), want, rtol=1e-8, atol=1e-10 * float(want.abs().max()))
+
+
+def test_the_outside_use_check_passes_clean_models_once():
+    torch.manual_seed(0)
+    model = Text("encoder").double().eval()
+    p = FactoredProjector.from_model(model, 40, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         _fast(p, model, _data())
+    assert p._verified == {id(model)} and not p._substitute
 
 
 def test_unsupported_embeddings_and_other_error():

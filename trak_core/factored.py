@@ -82,9 +82,11 @@ the gradient computer) with a zero k_out × k_in matrix Z per block and differen
 
 * linear / conv / embedding blocks: forward hooks add ``P_out Z P_inᵀ [a; 1]`` (convs: the conv of the
   input with P_in as kernel; embeddings: ``P_out[ids] Z P_inᵀ``) to the layer's output, which is zero in
-  value. Cost per example: one forward and backward plus O((d_in + d_out)·√k) per position. The weight
-  must be used through the module's forward only (a weight also used by ``F.linear(x, layer.weight)``
-  elsewhere would be missed; a hook that never fires raises an error);
+  value. Cost per example: one forward and backward plus O((d_in + d_out)·√k) per position. A hook sees
+  only the module's forward: on the first batch of each model a projector checks that the hooked weights
+  have no other use (``F.linear(x, layer.weight)``, a functionally tied output layer) by comparing
+  ⟨∂F/∂W, R⟩ over all uses (a shared zero scalar s in W + s·R) with what the hooks saw; blocks that fail,
+  or whose hook never fires, switch to weight substitution below (the same projection) with a warning;
 * matrix blocks ("weight substitution"): the output function gets W + P_out Z P_inᵀ (and b + P_out Z
   p_in,last) in place of W (and b) through ``functional_call``; this works for any use of the parameter.
   Cost per example: the d_out × d_in perturbed weight (materialized per example, as the per-example
@@ -101,6 +103,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -434,6 +437,8 @@ class FactoredProjector(AbstractProjector):
         self.model_id = model_id
         self._offsets = layout.offsets()
         self._factors: tuple[int, dict] | None = None
+        self._verified: set[int] = set()  # id() of the models whose hooked weights have no other use (checked)
+        self._substitute: set[str] = set()  # hooked blocks found used outside their forward: weight substitution
 
     @classmethod
     def from_model(
@@ -542,15 +547,71 @@ class FactoredProjector(AbstractProjector):
         wdt = next((w.dtype for w in weights.values() if w.is_floating_point()), self.dtype)
         if wdt != self.dtype:  # e.g. a float64 model: the factors follow the model's dtype
             facs = {k: tuple(t.to(wdt) if torch.is_tensor(t) else t for t in f) for k, f in facs.items()}
-        layers = [b for b in self.layout.blocks if b.kind in HOOKED]
-        mats = [b for b in self.layout.blocks if b.kind == MATRIX]
+        hooked = [b for b in self.layout.blocks if b.kind in HOOKED and b.name not in self._substitute]
+        subst = [b for b in self.layout.blocks if b.kind == MATRIX or b.name in self._substitute]
+        verify = bool(hooked) and id(model) not in self._verified
+        gz, go, fired, extra = self._grads(model, task, weights, buffers, batch, facs, hooked, subst, verify, wdt)
+        fallback = [b.name for b in hooked if b.name not in fired or b.name in extra]
+        if fallback:  # a weight used outside its module's forward: weight substitution is exact for any use
+            warnings.warn(
+                f"factored projector: the weights of layers {fallback[:10]} are used outside (or without) the "
+                "module's forward (e.g. F.linear(x, layer.weight), a functionally tied output layer): their forward "
+                "hooks would miss that use, so these blocks are projected by weight substitution (the same "
+                "projection, exact for any use; per-example weights: slower)",
+                stacklevel=2,
+            )
+            self._substitute.update(fallback)
+            return self.featurize_batch(model, task, weights, buffers, batch, model_id)
+        if verify:
+            self._verified.add(id(model))
+        bsz = batch[0].shape[0]
+        outs = []
+        for b in self.layout.blocks:
+            p_in, _, w = facs[b.name]
+            if b.kind == "other":
+                g = torch.cat([go[n].reshape(bsz, -1) for n in b.params], dim=1).to(wdt)
+                outs.append((g @ p_in) * w)
+            else:
+                outs.append(gz[b.name].reshape(bsz, -1)[:, : b.k] * w)
+        return torch.cat(outs, dim=1)
+
+    def _grads(
+        self,
+        model: nn.Module,
+        task,
+        weights: dict,
+        buffers: dict,
+        batch: Sequence[Tensor],
+        facs: dict,
+        hooked: list,
+        subst: list,
+        verify: bool,
+        wdt: torch.dtype,
+    ) -> tuple[dict, dict, set, set]:
+        """(∂f_b/∂Z_b per factored block, ∂f_b/∂w per "__other__" parameter, the hooked layers whose hook
+        fired, the hooked layers whose weight has a use the hook missed (checked when ``verify``)).
+
+        The check: the hooked weights get W + s·R (s a zero scalar shared by the batch, R = P_out D P_inᵀ for
+        a fixed ±1 matrix D); ∂(Σ_b f_b)/∂s = ⟨∂F/∂W over all uses, R⟩ while Σ_b ⟨D, ∂f_b/∂Z_b⟩ = ⟨∂F/∂W
+        through the module's forward, R⟩: they differ when the weight has another use. Costs one batch-summed
+        weight gradient of those layers, once per model and projector."""
         other = next((b for b in self.layout.blocks if b.kind == "other"), None)
         other_names = list(other.params) if other is not None else []
-        substituted = {n for b in mats for n in b.params}
+        substituted = {n for b in subst for n in b.params}
         ctx: dict = {"z": None, "fired": set()}
+        signs: dict[str, Tensor] = {}
+        probes: list = []
+        if verify:
+            gen = torch.Generator().manual_seed(0)
+            for b in hooked:
+                p_in, p_out, _ = facs[b.name]
+                d = (2 * torch.randint(0, 2, (b.k_out, b.k_in), generator=gen) - 1).to(p_in.device, wdt)
+                r = (p_out @ d) @ p_in.T
+                signs[b.name] = d
+                probes.append((b, r[:, : b.d_in].reshape(weights[b.params[0]].shape), r[:, b.d_in] if b.bias else None))
         handles = []
         try:
-            for b in layers:
+            for b in hooked:
                 mod = model.get_submodule(b.name)
                 handles.append(mod.register_forward_hook(_make_hook(b, facs[b.name], ctx)))
             per_example = substituted | set(other_names)
@@ -563,10 +624,10 @@ class FactoredProjector(AbstractProjector):
                     handles.append(mod.register_forward_hook(_padding_hook))
             fixed = {n: w for n, w in weights.items() if n not in set(other_names) and n not in substituted}
             subs = [
-                (b, weights[b.params[0]], weights[b.params[1]] if b.bias else None, *facs[b.name][:2]) for b in mats
+                (b, weights[b.params[0]], weights[b.params[1]] if b.bias else None, *facs[b.name][:2]) for b in subst
             ]
 
-            def out_fn(zs, other_w, *sample):
+            def out_fn(zs, other_w, shared, *sample):
                 ctx["z"] = zs
                 w = {**fixed, **other_w}
                 for b, wt, bias, p_in, p_out in subs:  # W + P_out Z P_inᵀ (and b + P_out Z p_in,last)
@@ -574,37 +635,33 @@ class FactoredProjector(AbstractProjector):
                     w[b.params[0]] = wt + delta[:, : b.d_in].reshape(wt.shape)
                     if bias is not None:
                         w[b.params[1]] = bias + delta[:, b.d_in]
+                for b, r_w, r_b in probes:  # W + s·R, the same value (s = 0)
+                    w[b.params[0]] = fixed[b.params[0]] + shared[b.name] * r_w
+                    if r_b is not None:
+                        w[b.params[1]] = fixed[b.params[1]] + shared[b.name] * r_b
                 return task.get_output(model, w, buffers, *sample)
 
-            gz, go = _per_example_grads(
-                out_fn, layers + mats, {n: weights[n] for n in other_names}, batch, self.device, wdt
+            shared = {b.name: torch.zeros((), device=self.device, dtype=wdt) for b, _, _ in probes}
+            gz, go, gs = _per_example_grads(
+                out_fn, hooked + subst, {n: weights[n] for n in other_names}, shared, batch, self.device, wdt
             )
         finally:
             for h in handles:
                 h.remove()
-        missing = [b.name for b in layers if b.name not in ctx["fired"]]
-        if missing:
-            raise BadInputError(
-                f"factored fast path: the forward of layers {missing[:10]} was not called by the "
-                "task's model output function (weights used outside the module's forward?); "
-                "use another projector or restrict grad_wrt"
-            )
-        bsz = batch[0].shape[0]
-        outs = []
-        for b in self.layout.blocks:
-            p_in, _, w = facs[b.name]
-            if b.kind == "other":
-                g = torch.cat([go[n].reshape(bsz, -1) for n in b.params], dim=1).to(wdt)
-                outs.append((g @ p_in) * w)
-            else:
-                outs.append(gz[b.name].reshape(bsz, -1)[:, : b.k] * w)
-        return torch.cat(outs, dim=1)
+        extra = set()
+        sums = {n: (float(gs[n]), float((gz[n] * d).sum()), float((gz[n] * d).abs().sum())) for n, d in signs.items()}
+        ref = max((abs(t) + a for t, _, a in sums.values()), default=0.0)
+        for name, (total, hooks, terms) in sums.items():  # rounding: relative to the terms and the largest block
+            if abs(total - hooks) > 1e-3 * max(abs(total), abs(hooks)) + 1e-4 * terms + 1e-6 * ref:
+                extra.add(name)
+        return gz, go, ctx["fired"], extra
 
 
 def _per_example_grads(
-    out_fn, blocks: list, other_w: dict, batch: Sequence[Tensor], device, dtype
-) -> tuple[dict, dict]:
-    """(∂f_b/∂Z_b per factored block, ∂f_b/∂w per "__other__" parameter w), each (B, ...), for every example b.
+    out_fn, blocks: list, other_w: dict, shared: dict, batch: Sequence[Tensor], device, dtype
+) -> tuple[dict, dict, dict]:
+    """(∂f_b/∂Z_b per factored block, ∂f_b/∂w per "__other__" parameter w), each (B, ...), for every example b,
+    and ∂(Σ_b f_b)/∂s for the ``shared`` scalars s (one value for the whole batch).
 
     Without ``torch.func.grad``: vmap runs the forward of each example with its own zero Z_b and its own
     copy of the other parameters (broadcast views of one tensor, so vmap's per-example semantics hold: no
@@ -619,7 +676,7 @@ def _per_example_grads(
     torch.backends.mha.set_fastpath_enabled(False)
     try:
         with _attention_math(batch):
-            return _per_example_grads_impl(out_fn, blocks, other_w, batch, device, dtype, bsz)
+            return _per_example_grads_impl(out_fn, blocks, other_w, shared, batch, device, dtype, bsz)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
 
@@ -634,23 +691,27 @@ def _attention_math(batch: Sequence[Tensor]):
     return sdpa_kernel(SDPBackend.MATH)
 
 
-def _per_example_grads_impl(out_fn, blocks, other_w, batch, device, dtype, bsz) -> tuple[dict, dict]:
+def _per_example_grads_impl(out_fn, blocks, other_w, shared, batch, device, dtype, bsz) -> tuple[dict, dict, dict]:
     with torch.enable_grad():
         zl = {b.name: torch.zeros(b.k_out, b.k_in, device=device, dtype=dtype, requires_grad=True) for b in blocks}
         wl = {n: w.detach().requires_grad_(True) for n, w in other_w.items()}
+        sl = {n: s.detach().requires_grad_(True) for n, s in shared.items()}
         zb = {n: z.expand(bsz, *z.shape) for n, z in zl.items()}
         wb = {n: w.expand(bsz, *w.shape) for n, w in wl.items()}
-        out = torch.func.vmap(out_fn, in_dims=(0, 0, *([0] * len(batch))), randomness="different")(zb, wb, *batch)
-        inputs = [*zb.values(), *wb.values()]
+        out = torch.func.vmap(out_fn, in_dims=(0, 0, None, *([0] * len(batch))), randomness="different")(
+            zb, wb, sl, *batch
+        )
+        inputs = [*zb.values(), *wb.values(), *sl.values()]
         grads = (
             torch.autograd.grad(out.sum(), inputs, allow_unused=True) if out.requires_grad else [None] * len(inputs)
         )  # nothing differentiable was used: the caller reports the layers
     leaves = [*zl.values(), *wl.values()]
     full = [
         torch.zeros(bsz, *leaf.shape, device=leaf.device, dtype=leaf.dtype) if g is None else g
-        for g, leaf in zip(grads, leaves, strict=True)
+        for g, leaf in zip(grads[: len(leaves)], leaves, strict=True)
     ]
-    return dict(zip(zl, full[: len(zl)], strict=True)), dict(zip(wl, full[len(zl) :], strict=True))
+    gs = {n: torch.zeros((), dtype=dtype) if g is None else g for n, g in zip(sl, grads[len(leaves) :], strict=True)}
+    return dict(zip(zl, full[: len(zl)], strict=True)), dict(zip(wl, full[len(zl) :], strict=True)), gs
 
 
 def _padding_hook(mod, inputs, output):
