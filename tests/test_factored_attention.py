@@ -113,7 +113,8 @@ def _definition(p: FactoredProjector, grads: dict, model_id: int) -> torch.Tenso
         g_aug = torch.cat(cols, 2)  # [∂W | ∂b]
         p_in = factor_matrix(p.seed, model_id, b.name, SIDE_IN, b.in_rows, b.k_in, p.proj_type).double()
         p_out = factor_matrix(p.seed, model_id, b.name, SIDE_OUT, b.d_out, b.k_out, p.proj_type).double()
-        outs.append((p_out.T @ g_aug @ p_in).reshape(bsz, -1)[:, : b.k] * w)
+        full = p_out.T @ g_aug @ p_in  # (B, k_out, k_in); pairs: k_out = k_in = k, coordinate j = its (j, j) entry
+        outs.append((torch.diagonal(full, dim1=1, dim2=2) if b.pairs else full.reshape(bsz, -1)[:, : b.k]) * w)
     return torch.cat(outs, 1)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import trak_core
-from trak_core import counter_rng
+from trak_core import counter_rng, factored
 from trak_core.errors import BadInputError, NonFiniteGradientError
 from trak_core.factored import OTHER, SIDE_IN, SIDE_OUT, FactoredProjector, factor_key, factor_matrix, model_layout
 from trak_core.featurize import Featurizer
@@ -84,11 +84,12 @@ def test_sjlt_bad_type_and_dims():
 
 
 # ---------------------------------------------------------------------------- factored: definition
-def test_factored_equals_explicit_kronecker_on_a_tiny_layer():
+def test_factored_equals_explicit_kronecker_on_a_tiny_layer(monkeypatch):
+    monkeypatch.setattr(factored, "PAIRS_MAX_MACS", 0)  # the k_out × k_in grid even for this tiny layer
     layer = nn.Linear(3, 2)  # weight (2, 3), bias (2,): grad_dim 8; augmented G is 2 × 4
     p = FactoredProjector.from_model(layer, 5, seed=7, proj_type="rademacher")
     (b,) = p.blocks
-    assert (b.kind, b.d_out, b.d_in, b.bias, b.k) == ("linear", 2, 3, True, 5)
+    assert (b.kind, b.d_out, b.d_in, b.bias, b.k, b.pairs) == ("linear", 2, 3, True, 5, False)
     p_in = factor_matrix(7, 1, "", SIDE_IN, 4, b.k_in, ProjectionType.rademacher)
     p_out = factor_matrix(7, 1, "", SIDE_OUT, 2, b.k_out, ProjectionType.rademacher)
     kron = torch.kron(p_out, p_in)[:, :5] * math.sqrt(5 / 5)  # rows: (o, i) of the augmented 2 × 4 matrix
@@ -98,6 +99,32 @@ def test_factored_equals_explicit_kronecker_on_a_tiny_layer():
     torch.testing.assert_close(p.matrix(1), explicit)
     g = torch.randn(4, 8)
     torch.testing.assert_close(p.project(g, 1), g @ explicit, rtol=1e-5, atol=1e-5)
+
+
+def test_factored_pairs_equal_explicit_khatri_rao_columns():
+    """A small linear block: kept coordinate j is its own pair, column j = p_outⱼ ⊗ p_inⱼ (a Khatri-Rao product)."""
+    layer = nn.Linear(3, 2)
+    p = FactoredProjector.from_model(layer, 5, seed=7, proj_type="rademacher")
+    (b,) = p.blocks
+    assert (b.pairs, b.k, b.k_out, b.k_in) == (True, 5, 5, 5)
+    assert p.spec()["layout"][0][-1] == "pairs"
+    p_in = factor_matrix(7, 1, "", SIDE_IN, 4, 5, ProjectionType.rademacher)
+    p_out = factor_matrix(7, 1, "", SIDE_OUT, 2, 5, ProjectionType.rademacher)
+    cols = torch.stack([torch.kron(p_out[:, j], p_in[:, j]) for j in range(5)], dim=1)  # rows (o, i) of 2 × 4
+    order = [o * 4 + i for o in range(2) for i in range(3)] + [o * 4 + 3 for o in range(2)]
+    torch.testing.assert_close(p.matrix(1), cols[order])
+    g = torch.randn(4, 8)
+    torch.testing.assert_close(p.project(g, 1), g @ cols[order], rtol=1e-5, atol=1e-5)
+
+
+def test_factored_pairs_only_where_cheap():
+    """Pairs cost k · (d_in + 1 + d_out) per position: small linear blocks get them, large ones and convs the grid."""
+    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
+    big, small = FactoredProjector.from_model(model, 2048).blocks
+    assert not big.pairs and big.k_out * big.k_in >= big.k
+    assert small.pairs and small.k * (small.in_rows + small.d_out) <= factored.PAIRS_MAX_MACS
+    conv = FactoredProjector.from_model(nn.Conv2d(1, 2, 3), 16).blocks[0]
+    assert not conv.pairs
 
 
 def test_factored_keys_are_distinct_and_stable():

@@ -47,6 +47,18 @@ k_b ∝ the block's number of gradient coordinates (largest-remainder rounding, 
 (if k_in > d_in [+1]: k_in = d_in [+1], k_out = ⌈k_b / k_in⌉) — balanced factors minimize the
 distortion of rank-one gradients, whose relative error is ≈ √(2/k_in + 2/k_out) (dense: √(2/k)).
 
+Pairs for small layers
+----------------------
+The grid's coordinates share rows: the error of ⟨Px, Py⟩ on rank-one gradients is that of two JL sketches of
+widths k_out and k_in ≈ √k multiplied, ≈ √(2/k_in + 2/k_out), far above dense's √(2/k) when k is small. A
+small linear block (at most ``PAIRS_MAX_WEIGHTS`` weights and biases, and k · (d_in [+1] + d_out) ≤
+``PAIRS_MAX_MACS`` multiply-adds per position) therefore gets k independent pairs instead (``pairs``, a
+Khatri-Rao product; P_in (d_in [+1]) × k and P_out d_out × k): coordinate j is p_outⱼᵀ G p_inⱼ · √(proj_dim/k),
+for one position (p_outⱼᵀ g)(p_inⱼᵀ [a; 1]), still unbiased (E[(p⊗q)(p⊗q)ᵀ] = I) with an error ∝ 1/√k like
+dense. On ``benchmarks/quality.py``'s small models this closes the LDS gap to dense that the grid leaves at
+proj_dim ≤ 512 (RESULTS.md, "Attribution quality"); large layers keep the grid, whose k_in, k_out are large
+there and whose cost per position is (d_in + d_out)·√k instead of (d_in + d_out)·k.
+
 The random numbers (deterministic under the rules of :mod:`trak_core.counter_rng`)
 ------------------------------------------------------------------------------
 Per (seed, model_id, block name, side) a 32-bit key:
@@ -117,6 +129,11 @@ from .gradients import grad_param_names, vectorize
 from .projectors import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
 FLAT = "__flat__"
+# a small linear block (at most PAIRS_MAX_WEIGHTS weights and biases) whose paired projection costs at most
+# PAIRS_MAX_MACS multiply-adds per position, k · (d_in [+1] + d_out), gets one (p_j, q_j) pair per kept
+# coordinate instead of the k_out × k_in grid (see "Pairs for small layers" in the module docstring)
+PAIRS_MAX_WEIGHTS = 1 << 13
+PAIRS_MAX_MACS = 1 << 16
 OTHER = "__other__"
 SIDE_IN, SIDE_OUT, SIDE_DENSE = 0, 1, 2
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -218,6 +235,7 @@ class Block:
     k: int = 0
     k_out: int = 0
     k_in: int = 0
+    pairs: bool = False
 
     @property
     def in_rows(self) -> int:
@@ -244,7 +262,11 @@ class Layout:
         return out
 
     def describe(self) -> list:
-        return [[b.name, b.kind, b.d_out, b.d_in, b.bias, b.k, b.k_out, b.k_in] for b in self.blocks]
+        # "pairs" is appended only where used, so that layouts without it describe themselves as before
+        return [
+            [b.name, b.kind, b.d_out, b.d_in, b.bias, b.k, b.k_out, b.k_in, *(["pairs"] if b.pairs else [])]
+            for b in self.blocks
+        ]
 
 
 def _apportion(sizes: Sequence[int], total: int) -> list[int]:
@@ -281,6 +303,8 @@ def _with_split(blocks: list[Block], proj_dim: int) -> tuple:
     for b, k in zip(blocks, ks, strict=True):
         if b.kind == "other":
             out.append(Block(**{**asdict(b), "k": k, "k_out": 1, "k_in": k}))
+        elif b.kind == "linear" and b.size <= PAIRS_MAX_WEIGHTS and k * (b.in_rows + b.d_out) <= PAIRS_MAX_MACS:
+            out.append(Block(**{**asdict(b), "k": k, "k_out": k, "k_in": k, "pairs": True}))
         else:
             ko, ki = _factor(k, b.d_out, b.in_rows)
             out.append(Block(**{**asdict(b), "k": k, "k_out": ko, "k_in": ki}))
@@ -521,6 +545,9 @@ class FactoredProjector(AbstractProjector):
                 t = g @ p_in[: b.d_in]
                 if b.bias:
                     t = t + pieces[b.params[1]].reshape(batch, b.d_out, 1).to(self.device, self.dtype) * p_in[b.d_in]
+            if b.pairs:  # coordinate j = p_outⱼᵀ G p_inⱼ: the diagonal of P_outᵀ G P_in
+                outs.append((t * p_out).sum(1) * w)
+                continue
             u = p_out.T @ t  # (B, k_out, k_in)
             outs.append(u.reshape(batch, -1)[:, : b.k] * w)
         return torch.cat(outs, dim=1)
@@ -605,8 +632,9 @@ class FactoredProjector(AbstractProjector):
             gen = torch.Generator().manual_seed(0)
             for b in hooked:
                 p_in, p_out, _ = facs[b.name]
-                d = (2 * torch.randint(0, 2, (b.k_out, b.k_in), generator=gen) - 1).to(p_in.device, wdt)
-                r = (p_out @ d) @ p_in.T
+                shape = (b.k,) if b.pairs else (b.k_out, b.k_in)  # pairs: D = diag(d)
+                d = (2 * torch.randint(0, 2, shape, generator=gen) - 1).to(p_in.device, wdt)
+                r = ((p_out * d) if b.pairs else (p_out @ d)) @ p_in.T
                 signs[b.name] = d
                 probes.append((b, r[:, : b.d_in].reshape(weights[b.params[0]].shape), r[:, b.d_in] if b.bias else None))
         handles = []
@@ -631,7 +659,8 @@ class FactoredProjector(AbstractProjector):
                 ctx["z"] = zs
                 w = {**fixed, **other_w}
                 for b, wt, bias, p_in, p_out in subs:  # W + P_out Z P_inᵀ (and b + P_out Z p_in,last)
-                    delta = (p_out @ zs[b.name]) @ p_in.T
+                    z = zs[b.name]
+                    delta = ((p_out * z) if b.pairs else (p_out @ z)) @ p_in.T
                     w[b.params[0]] = wt + delta[:, : b.d_in].reshape(wt.shape)
                     if bias is not None:
                         w[b.params[1]] = bias + delta[:, b.d_in]
@@ -693,7 +722,12 @@ def _attention_math(batch: Sequence[Tensor]):
 
 def _per_example_grads_impl(out_fn, blocks, other_w, shared, batch, device, dtype, bsz) -> tuple[dict, dict, dict]:
     with torch.enable_grad():
-        zl = {b.name: torch.zeros(b.k_out, b.k_in, device=device, dtype=dtype, requires_grad=True) for b in blocks}
+        zl = {
+            b.name: torch.zeros(
+                *((b.k,) if b.pairs else (b.k_out, b.k_in)), device=device, dtype=dtype, requires_grad=True
+            )
+            for b in blocks
+        }
         wl = {n: w.detach().requires_grad_(True) for n, w in other_w.items()}
         sl = {n: s.detach().requires_grad_(True) for n, s in shared.items()}
         zb = {n: z.expand(bsz, *z.shape) for n, z in zl.items()}
@@ -742,6 +776,8 @@ def _make_hook(b: Block, factors, ctx: dict):
             u = inputs[0].detach() @ p_w
             if p_b is not None:
                 u = u + p_b
+            if b.pairs:  # Z = diag(z): ∂f/∂zⱼ = Σₜ (p_outⱼᵀ gₜ)(p_inⱼᵀ [aₜ; 1])
+                return output + (u * z) @ p_out.T
             return output + u @ (p_out @ z).T
 
         return hook
