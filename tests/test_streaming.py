@@ -68,7 +68,6 @@ def test_score_rows_per_shard_bit_identical(tmp_path):
 def test_default_blocks_below_a_shard_bit_identical(tmp_path, monkeypatch):
     """Blocks smaller than a shard (the cache decides), a last shard that does not divide into them."""
     monkeypatch.setattr(streaming, "cache_bytes", lambda: 2 * 4 * (256 + 64) * 128)  # 128 rows fit: 256 (the min)
-    monkeypatch.setattr(streaming, "MIN_BLOCK_OUTPUTS", 256 * 64)  # at m = 64: 256 rows
     rng = np.random.default_rng(7)
     n, p, m = 2600, 256, 64  # shards of 1024, 1024, 552 rows: blocks of 256, the last 296 (256 + 40)
     meta = StoreMetadata(train_set_size=n, grad_dim=1000, proj_dim=p, dtype="float16", chunk_rows=64, shard_rows=1024)
@@ -119,16 +118,11 @@ def test_damaged_chunk_read_in_the_reader_thread_is_named(tmp_path):
 def test_block_rows_from_cache_and_memory():
     # whole chunks, at least one
     assert streaming.score_block_rows(2048, 1024, 1024, cache=32 << 20, memory=16 << 30) == 1024
-    assert streaming.score_block_rows(2048, 4096, 1024, 8192, cache=32 << 20, memory=16 << 30) == 1024
-    # 3,197 rows fit in half the cache: the largest divisor of the shard below it
-    assert streaming.score_block_rows(512, 800, 1024, 8192, cache=32 << 20, memory=16 << 30) == 2048
-    rows = streaming.score_block_rows(512, 1600, 64, cache=32 << 20, memory=16 << 30)
-    assert rows % 64 == 0 and rows * 4 * (512 + 1600) <= 16 << 20 < (rows + 64) * 4 * (512 + 1600)
-    # few targets: at least MIN_BLOCK_OUTPUTS scores per block (m = 256: 4096 rows), within the shard
-    assert streaming.score_block_rows(2048, 256, 1024, 8192, cache=32 << 20, memory=16 << 30) == 4096
-    assert streaming.score_block_rows(2048, 16, 1024, 8192, cache=32 << 20, memory=16 << 30) == 8192
+    assert streaming.score_block_rows(512, 100, 1024, 8192, cache=32 << 20, memory=16 << 30) == 4096  # divides
+    rows = streaming.score_block_rows(512, 100, 64, cache=32 << 20, memory=16 << 30)
+    assert rows % 64 == 0 and rows * 4 * (512 + 100) <= 16 << 20
     # a small cache still gives a GEMM of MIN_GEMM_ROWS rows; little memory caps the buffers
-    assert streaming.score_block_rows(2048, 8192, 16, cache=1 << 20, memory=16 << 30) == streaming.MIN_GEMM_ROWS
+    assert streaming.score_block_rows(2048, 256, 16, cache=1 << 20, memory=16 << 30) == streaming.MIN_GEMM_ROWS
     small = streaming.score_block_rows(2048, 256, 16, cache=1 << 30, memory=64 << 20)
-    assert small % 16 == 0 and small * (2 * 4 * 2048 + 2 * 2 * 2048 + 8 * 256) <= (64 << 20) * streaming.MEMORY_FRACTION
+    assert small % 16 == 0 and small * (2 * 2 * 2048 + 4 * 2048 + 8 * 256) <= (64 << 20) * streaming.MEMORY_FRACTION
     assert streaming.cache_bytes() > 0 and streaming.memory_bytes() > 0

@@ -7,13 +7,11 @@ stored projected gradients X). The work per (row block, checkpoint) is one Zarr 
 conversion to float32 and one float32 GEMM; per row block one combination and one Zarr write.
 :func:`stream_scores` runs
 
-* the reads and the float16 → float32 conversion in one background thread, one (block, checkpoint) ahead, into
-  preallocated buffers (a read of a fresh array pays a page fault per 4 KiB: as much as the read itself). zarr's
-  codec pipeline and the file reads release the GIL; the conversion runs in pieces below torch's intra-op grain
-  size, so it never opens an OpenMP parallel region beside the GEMM's (a float32 store is read straight into
-  the GEMM's buffer);
-* the GEMM (``addmm_``, both cores; the first checkpoint with ``beta=0`` instead of zeroing the accumulator)
-  in the calling thread;
+* the reads in one background thread, one (block, checkpoint) ahead, into preallocated buffers (a read of a
+  fresh array pays a page fault per 4 KiB: as much as the read itself). zarr's codec pipeline and the file reads
+  release the GIL, so the read costs the GEMM almost nothing;
+* the conversion (torch's vectorized copy into a preallocated float32 buffer, ~1 % of the GEMM) and the GEMM
+  (``addmm_``, both cores) in the calling thread;
 * the combination and the write of a finished block in a second background thread, while the next block is
   multiplied (double-buffered accumulators; the score arrays opened once per stream).
 
@@ -43,11 +41,6 @@ DEFAULT_MEMORY_BYTES = 4 << 30
 MEMORY_FRACTION = 1 / 16
 #: a GEMM with fewer rows than this runs below the BLAS peak (the per-call cost and the edge tiles show)
 MIN_GEMM_ROWS = 256
-#: a block's GEMM writes at least this many scores (rows × targets; 4 MiB of float32): at few targets the rows
-#: per block grow, so the per-block costs — thread hand-offs, the OpenMP team spinning after each GEMM while the
-#: caller waits, each write's fixed cost — stay small beside the GEMM (perf at m = 256, p = 2048 on 2 cores: the
-#: OpenMP spin fell from 0.92× to 0.33× the GEMM's samples going from 1,024 to 4,096 rows per block)
-MIN_BLOCK_OUTPUTS = 1 << 20
 #: the per-model row arrays :func:`stream_scores` can stream (Φ, or the projected gradients X)
 ROWS_ARRAYS = ("features", "grads")
 
@@ -105,18 +98,17 @@ def score_block_rows(
 
     * cache: the float32 block Φ (rows × p) and its accumulator (rows × m) fit in half the last-level cache, so
       the GEMM finds the block the conversion just wrote in cache (the other half holds Gᵀ's panels and the
-      block being read ahead); at least MIN_GEMM_ROWS rows, and at least MIN_BLOCK_OUTPUTS / m rows (a small
-      accumulator: more rows per block, fewer per-block costs);
-    * memory: the pipeline's buffers (two float32 read buffers, two of ``itemsize`` bytes below float32, two
-      accumulators) stay within MEMORY_FRACTION of the available memory;
+      block being read ahead); at least MIN_GEMM_ROWS rows;
+    * memory: the pipeline's buffers (two read buffers of ``itemsize`` bytes, one float32 Φ, two accumulators)
+      stay within MEMORY_FRACTION of the available memory;
     * with ``shard_rows``: a divisor of it (at most a shard), so blocks tile the shards the score tasks own;
     * at least one chunk.
     """
     cache = cache_bytes() if cache is None else cache
     memory = memory_bytes() if memory is None else memory
     row_hot = 4 * (proj_dim + num_targets)  # float32 Φ row + accumulator row
-    rows = max(MIN_GEMM_ROWS, (cache // 2) // row_hot, MIN_BLOCK_OUTPUTS // max(1, num_targets))
-    row_buffers = 2 * 4 * proj_dim + (2 * itemsize * proj_dim if itemsize != 4 else 0) + 2 * 4 * num_targets
+    rows = max(MIN_GEMM_ROWS, (cache // 2) // row_hot)
+    row_buffers = 2 * itemsize * proj_dim + 4 * proj_dim + 2 * 4 * num_targets
     rows = min(rows, max(1, int(memory * MEMORY_FRACTION) // row_buffers))
     if shard_rows is not None and shard_rows % chunk_rows == 0:
         fits = [d for d in range(chunk_rows, min(rows, shard_rows) + 1, chunk_rows) if shard_rows % d == 0]
@@ -141,30 +133,12 @@ def score_blocks(a: int, b: int, step: int, shard_rows: int | None = None) -> li
     return out
 
 
-#: the reader thread converts float16 → float32 in pieces of at most this many elements: torch runs a copy
-#: below its intra-op grain size (32,768) in the calling thread, so the conversion never starts a parallel region
-#: beside the GEMM's (under load, an OpenMP team waiting on a descheduled thread costs more than the copy)
-CONVERT_ELEMENTS = 16384
-
-
 class _Slot:
-    """One read-ahead buffer: the rows of one (row block, checkpoint) as float32 (``f32``, what the GEMM reads;
-    ``raw`` holds the stored float16 rows it is converted from) and their Q."""
+    """One read-ahead buffer: the stored rows (store dtype) and Q of one (row block, checkpoint)."""
 
     def __init__(self, rows: int, p: int, dtype: np.dtype):
-        self.f32 = np.empty((rows, p), dtype=np.float32)
-        self.raw = self.f32 if dtype == np.float32 else np.empty((rows, p), dtype=dtype)
+        self.raw = np.empty((rows, p), dtype=dtype)
         self.q: np.ndarray | None = None
-
-    def fill(self, array, a: int, b: int) -> None:
-        """Read rows [a, b) of ``array`` into ``f32`` (through ``raw`` when the store is not float32)."""
-        rows = b - a
-        _read_into(array, a, b, self.raw[:rows])
-        if self.raw is not self.f32:
-            step = max(1, CONVERT_ELEMENTS // self.f32.shape[1])
-            src, dst = torch.from_numpy(self.raw), torch.from_numpy(self.f32)
-            for r in range(0, rows, step):  # exact: every float16 is a float32
-                dst[r : min(r + step, rows)].copy_(src[r : min(r + step, rows)])
 
 
 def _read_into(array, a: int, b: int, out: np.ndarray) -> None:
@@ -220,13 +194,14 @@ def stream_scores(
     qs = [mm.out_to_loss for mm in models]
     jobs = [(s, e, k) for s, e in blocks for k in range(len(ids))]
     slots = [_Slot(step, p, meta.np_dtype) for _ in range(2)]
+    phi = torch.empty(step, p, dtype=torch.float32)
     # two accumulators when the caller gives no output array (score tasks); none needed otherwise
     accs: list[torch.Tensor] = [] if out is not None else [torch.empty(step, m, dtype=torch.float32) for _ in range(2)]
 
     def read(j: int) -> _Slot:
         s, e, k = jobs[j]
         slot = slots[j % 2]
-        slot.fill(feats[k], s, e)
+        _read_into(feats[k], s, e, slot.raw[: e - s])
         slot.q = qs[k][s:e]
         return slot
 
@@ -255,16 +230,17 @@ def stream_scores(
                 if prev is not None:
                     prev.result()  # at most two blocks in flight; the accumulator of two blocks ago is free again
                 acc = torch.from_numpy(out[s:e]) if out is not None else accs[bi % 2][:rows]
+                acc.zero_()
                 qsum = np.zeros(rows, dtype=np.float64)
                 for k in range(len(ids)):
                     assert pending_read is not None  # one read is submitted per (block, checkpoint) job
                     slot = pending_read.result()
-                    # the other slot was multiplied one job ago: read the next job into it now
+                    # the other slot was converted one job ago: read the next job into it now
                     pending_read = reader.submit(read, j + 1) if j + 1 < len(jobs) else None
+                    x = phi[:rows]
+                    x.copy_(torch.from_numpy(slot.raw[:rows]))
                     qsum += slot.q.astype(np.float64)
-                    # acc = Φ_c Gᵀ_c (first checkpoint: beta=0, the accumulator's old contents ignored, as a
-                    # zeroed one), then acc += Φ_c Gᵀ_c: one GEMM per checkpoint
-                    acc.addmm_(torch.from_numpy(slot.f32[:rows]), targets[ids[k]], beta=0 if k == 0 else 1)
+                    acc.addmm_(x, targets[ids[k]])  # acc += Φ_c Gᵀ_c, one GEMM per checkpoint
                     j += 1
                 pending_write[bi % 2] = writer.submit(write, s, e, acc, qsum)
             for f in pending_write:
