@@ -10,6 +10,7 @@ import torch
 
 from trak_core.errors import BadInputError
 from trak_core.scoring import (
+    ADAPTIVE,
     ADAPTIVE_DEFF,
     AUTO_DAMPING,
     deff_lambda,
@@ -41,12 +42,64 @@ def test_resolved_lambda_solves_its_equation(n, p, c):
     assert _deff_exact(xtx, lam) == pytest.approx(min(c * n, min(n, p) / 2), rel=1e-8)
 
 
-def test_adaptive_is_deff_default_and_records_its_setting():
+def _xq(n: int, p: int, seed: int = 0):
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((n, p)) * 0.9 ** np.arange(p) * 10.0
+    q = g.uniform(0.0, 1.0, n)
+    return x, q
+
+
+def _resolve_from_rows(setting, x: np.ndarray, q: np.ndarray) -> float:
+    xt = torch.from_numpy(x)
+    return parse_lambda_reg(setting).resolve(
+        xt.T @ xt, n_rows=x.shape[0], xtq=torch.from_numpy(x.T @ q), qtq=float(q @ q)
+    )
+
+
+@pytest.mark.parametrize("n,p", [(200, 50), (30, 80)])
+def test_resid_is_the_rayleigh_quotient_of_the_out_to_loss_vector(n, p):
+    """resid:k = k · qᵀXXᵀq / qᵀq, by brute force over the rows (no XᵀX, no eigenvalues)."""
+    x, q = _xq(n, p, seed=n)
+    want = float(q @ (x @ (x.T @ q))) / float(q @ q)
+    assert _resolve_from_rows("resid:1", x, q) == pytest.approx(want, rel=1e-12)
+    assert _resolve_from_rows("resid:2.5", x, q) == pytest.approx(2.5 * want, rel=1e-12)
+    # exactly 0 when q is orthogonal to the columns of X (a converged checkpoint: no loss gradient left)
+    q_perp = q - x @ np.linalg.lstsq(x, q, rcond=None)[0]
+    if n > p:
+        assert _resolve_from_rows("resid:1", x, q_perp) == pytest.approx(0.0, abs=1e-12 * want)
+
+
+def test_joined_rules_take_the_largest_lambda():
+    x, q = _xq(150, 40, seed=5)
+    xtx = torch.from_numpy(x.T @ x)
+    parts = {s: _resolve_from_rows(s, x, q) for s in ("deff:0.1", "resid:3", "rel:0.5", "2.0")}
+    for joined in ("deff:0.1,resid:3", "resid:3,rel:0.5", "deff:0.1,rel:0.5,2.0", "deff:0.1,resid:3,rel:0.5"):
+        want = max(parts[s] for s in joined.split(","))
+        assert _resolve_from_rows(joined, x, q) == pytest.approx(want, rel=1e-12)
+    # the deff part still solves its equation exactly inside a joined rule
+    lam = _resolve_from_rows("deff:0.1,resid:0", x, q)
+    assert _deff_exact(xtx, lam) == pytest.approx(15.0, rel=1e-8)
+
+
+def test_adaptive_records_its_parts_and_equals_them():
     rule = parse_lambda_reg("Adaptive ")
-    assert rule.setting == "adaptive" and rule.deff and rule.factor == ADAPTIVE_DEFF
+    assert rule.setting == ADAPTIVE and ADAPTIVE != "adaptive"  # a store records what computed its features
+    assert parse_lambda_reg("deff").setting == ADAPTIVE
+    assert f"deff:{ADAPTIVE_DEFF:g}" in ADAPTIVE.split(",")
     assert parse_lambda_reg("deff:0.25").setting == "deff:0.25"
-    xtx = _xtx(100, 40)
-    assert resolve_lambda("adaptive", xtx, 100) == resolve_lambda(f"deff:{ADAPTIVE_DEFF}", xtx, 100)
+    assert parse_lambda_reg(" Deff:0.10 , RESID:3 ").setting == "deff:0.1,resid:3"
+    x, q = _xq(100, 40)
+    assert _resolve_from_rows("adaptive", x, q) == _resolve_from_rows(ADAPTIVE, x, q)
+    assert parse_lambda_reg(ADAPTIVE).needs_xtq == ("resid:" in ADAPTIVE)
+
+
+def test_resid_without_xtq_is_a_clear_error():
+    xtx = _xtx(50, 20)
+    with pytest.raises(BadInputError, match="needs Xᵀq"):
+        resolve_lambda("deff:0.1,resid:3", xtx, 50)
+    with pytest.raises(BadInputError, match="not finite"):
+        parse_lambda_reg("resid:1").resolve(xtx, 50, xtq=torch.full((20,), math.nan), qtq=1.0)
+    assert parse_lambda_reg("resid:1").resolve(xtx, 50, xtq=torch.zeros(20), qtq=0.0) == 0.0  # q = 0: no damping
 
 
 def test_monotone_in_the_fraction_and_scale_equivariant():
@@ -77,10 +130,28 @@ def test_deff_lambda_with_numpy_eigenvalues():
 @pytest.mark.parametrize("xtx", [torch.zeros(5, 5, dtype=torch.float64), torch.full((3, 3), math.nan)])
 def test_no_positive_spectrum_is_a_clear_error(xtx):
     with pytest.raises(BadInputError, match="no positive eigenvalue"):
-        resolve_lambda("adaptive", xtx)
+        resolve_lambda("deff:0.1", xtx)
 
 
-@pytest.mark.parametrize("bad", ["deff:0", "deff:1", "deff:-0.1", "deff:1.5", "deff:x", "deff:nan"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "deff:0",
+        "deff:1",
+        "deff:-0.1",
+        "deff:1.5",
+        "deff:x",
+        "deff:nan",
+        "resid:-1",
+        "resid:x",
+        "resid:inf",
+        "deff:0.1,",
+        "deff:0.1,big",
+        "deff:0.1,rel:-1",
+        "deff:0.1,-2",
+        "res:1",
+    ],
+)
 def test_bad_fractions_are_refused(bad):
     with pytest.raises(BadInputError, match="lambda_reg"):
         parse_lambda_reg(bad)
@@ -108,3 +179,24 @@ def test_symmetric_eigenvalues_equal_torch_eigvalsh():
         assert ours.dtype == torch.float64 and ours.shape == (p,)
         assert torch.allclose(ours, ref, rtol=1e-10, atol=1e-9 * float(ref[-1]))
         assert bool((ours[1:] >= ours[:-1]).all())
+
+
+def test_pipeline_resolves_resid_from_the_stored_rows(tmp_path):
+    """finalize (TRAKer → reduce.solve_model) resolves a joined rule with Xᵀq, qᵀq summed over the stored rows:
+    λ = max(deff λ, k · qᵀXXᵀq / qᵀq), by brute force over the stored gradients and out-to-loss weights."""
+    import trak_fixtures as tf
+
+    from trak_core import TRAKer
+
+    _, tr = tf.run_traker(TRAKer, tmp_path / "t", tf.checkpoints(2), tf.make_data(n=90), lambda_reg="deff:0.2,resid:3")
+    for mid in range(2):
+        m = tr.store.model(mid)
+        x = np.asarray(m.grads[:]).astype(np.float64)
+        q = np.asarray(m.out_to_loss[:], dtype=np.float64).reshape(-1)
+        want = max(
+            resolve_lambda("deff:0.2", torch.from_numpy(x.T @ x), n_rows=90),
+            3.0 * float(q @ (x @ (x.T @ q))) / float(q @ q),
+        )
+        info = tr.store.finalize_info(mid)
+        assert info["lambda_setting"] == "deff:0.2,resid:3"
+        assert info["lambda_reg"] == pytest.approx(want, rel=1e-9)

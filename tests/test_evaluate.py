@@ -331,12 +331,13 @@ def test_planted_duplicate_is_top_proponent_and_mislabeled_copy_top_opponent(pla
 # ---------------------------------------------------------------------------- damping settings in the config
 def test_attribute_config_lambda_reg_settings(tmp_path):
     from tasks.config import AttributeConfig
-    from trak_core.scoring import AUTO_DAMPING, resolve_lambda
+    from trak_core.scoring import ADAPTIVE, AUTO_DAMPING, resolve_lambda
 
     ck = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
     base = _eval_dict(tmp_path, ck)["attribute"]
     base.pop("lambda_reg")
-    assert AttributeConfig.model_validate(base).lambda_reg == "adaptive"  # the default chosen by leave-one-case-out
+    # the default chosen by leave-one-case-out, recorded as its parts ("deff:0.1,resid:3")
+    assert AttributeConfig.model_validate(base).lambda_reg == ADAPTIVE
     for given, want in (("REL:0.3", "rel:0.3"), ("2", 2.0), (0, 0.0), (" auto ", "auto"), ("Deff:0.2", "deff:0.2")):
         assert AttributeConfig.model_validate({**base, "lambda_reg": given}).lambda_reg == want
     for bad in ("-1", "rel:-1", "rel:x", "big"):

@@ -111,11 +111,27 @@ def cholesky_inverse(
     return inv, cond
 
 
+def rows_xtq(store: TrakStore, model_id: int, block_rows: int | None = None) -> tuple[np.ndarray, float]:
+    """(Xᵀq (p,) float64, qᵀq) over the stored train rows: X the projected gradients (as stored), q the
+    out-to-loss weights; streamed by shards."""
+    m = store.model(model_id)
+    step = block_rows or store.meta.rows_per_shard
+    xtq = np.zeros(store.meta.proj_dim, dtype=np.float64)
+    qtq = 0.0
+    for a in range(0, store.meta.train_set_size, step):
+        b = min(a + step, store.meta.train_set_size)
+        q = np.asarray(m.out_to_loss[a:b], dtype=np.float64).reshape(-1)
+        xtq += np.asarray(m.grads[a:b]).astype(np.float64).T @ q
+        qtq += float(q @ q)
+    return xtq, qtq
+
+
 def solve_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True) -> tuple[np.ndarray, dict]:
     """(inverse (p, p) float64, info) for one model from its partials. ``lambda_reg``: see parse_lambda_reg."""
     xtx = torch.from_numpy(total_xtx(store, model_id))
     rule = parse_lambda_reg(lambda_reg)
-    lam = rule.resolve(xtx, n_rows=store.meta.train_set_size)
+    xtq, qtq = rows_xtq(store, model_id) if rule.needs_xtq else (None, None)  # a 'resid' rule ('adaptive')
+    lam = rule.resolve(xtx, n_rows=store.meta.train_set_size, xtq=xtq, qtq=qtq)
     inv, cond = cholesky_inverse(xtx, lam, store.meta.train_set_size, model_id=model_id, rescale=rescale)
     info = {
         "lambda_reg": lam,

@@ -31,39 +31,96 @@ CONDITION_WARN = 1e7
 # digits trained longer and the text example, proj_dim 128/512/1024): see "Damping and LDS" in RESULTS.md.
 AUTO_DAMPING = 0.3
 
-# "adaptive" = "deff:ADAPTIVE_DEFF": λ such that the effective dimension Σ σᵢ/(σᵢ+λ) of XᵀX is
-# min(ADAPTIVE_DEFF × n, rank(XᵀX) / 2). Chosen by leave-one-case-out on benchmarks/quality.py's cases: see
-# "Attribution quality" in RESULTS.md.
+# "adaptive" = ADAPTIVE = "deff:0.1,resid:3": the larger of the λ at which the effective dimension Σ σᵢ/(σᵢ+λ)
+# of XᵀX is min(ADAPTIVE_DEFF × n, rank(XᵀX) / 2) and ADAPTIVE_RESID × ‖Xᵀq‖²/‖q‖² (the implicit ridge of a
+# training run stopped before convergence). Chosen by leave-one-case-out on benchmarks/quality.py's nine cases
+# (five converged, four stopped early): see "Attribution quality" in RESULTS.md.
 ADAPTIVE_DEFF = 0.1
+ADAPTIVE_RESID = 3.0
+ADAPTIVE = f"deff:{ADAPTIVE_DEFF:g}" + (f",resid:{ADAPTIVE_RESID:g}" if ADAPTIVE_RESID else "")
 
-_FORMS = "a number >= 0, 'auto', 'rel:<factor>', 'adaptive' or 'deff:<fraction in (0, 1)>'"
+_FORMS = (
+    "a number >= 0, 'auto', 'rel:<factor>', 'adaptive', 'deff:<fraction in (0, 1)>', 'resid:<factor>' or "
+    "several of these joined by ',' (their largest λ)"
+)
 
 
 @dataclass(frozen=True)
 class LambdaRule:
     """A parsed ``lambda_reg`` setting: an absolute λ, ``factor`` × the mean eigenvalue of XᵀX (``relative``),
-    or (``deff``) the λ at which XᵀX's effective dimension is min(``factor`` × n, rank / 2).
+    (``deff``) the λ at which XᵀX's effective dimension is min(``factor`` × n, rank / 2), (``resid``) ``factor`` ×
+    the Rayleigh quotient ‖Xᵀq‖² / ‖q‖² of XXᵀ at the train rows' out-to-loss vector q, or (``parts``) the
+    largest λ of several rules.
 
     ``setting`` is the normalized form, what a store records and compares: a float, ``"auto"``,
-    ``"rel:<f>"``, ``"adaptive"`` or ``"deff:<c>"`` (lower case, stripped)."""
+    ``"rel:<f>"``, ``"deff:<c>"``, ``"resid:<k>"`` or such parts joined by ``","`` (lower case, stripped);
+    ``"adaptive"`` is recorded as its parts (:data:`ADAPTIVE`), so that a store finalized under an earlier
+    meaning of ``"adaptive"`` is refused (naming lambda_reg) instead of mixing two rules."""
 
     setting: float | str
     factor: float
     relative: bool
     deff: bool = False
+    resid: bool = False
+    parts: tuple[LambdaRule, ...] = ()
 
-    def resolve(self, xtx: Tensor, n_rows: int | None = None, eigenvalues: Tensor | None = None) -> float:
+    @property
+    def needs_xtq(self) -> bool:
+        """Whether :meth:`resolve` needs Xᵀq and qᵀq (a ``resid`` part)."""
+        return self.resid or any(r.needs_xtq for r in self.parts)
+
+    def resolve(
+        self,
+        xtx: Tensor,
+        n_rows: int | None = None,
+        eigenvalues: Tensor | None = None,
+        xtq: Tensor | np.ndarray | None = None,
+        qtq: float | None = None,
+    ) -> float:
         """The absolute λ for this XᵀX (trace / p is its mean eigenvalue). ``n_rows`` (the number of train rows
-        summed into XᵀX) and precomputed ``eigenvalues`` are used by the ``deff`` rule only."""
+        summed into XᵀX) and precomputed ``eigenvalues`` are used by the ``deff`` rule only; ``xtq`` = Xᵀq (p,)
+        and ``qtq`` = qᵀq, with q the train rows' out-to-loss weights Q (both sums over rows, accumulated like
+        XᵀX), by the ``resid`` rule only."""
+        if self.parts:
+            if eigenvalues is None and any(r.deff for r in self.parts):
+                eigenvalues = _checked_eigenvalues(xtx)
+            return max(r.resolve(xtx, n_rows, eigenvalues, xtq, qtq) for r in self.parts)
         if self.deff:
             if eigenvalues is None:
-                if not bool(torch.isfinite(xtx).all()):
-                    raise BadInputError("lambda_reg 'adaptive'/'deff': XᵀX is not finite (no positive eigenvalue)")
-                eigenvalues = symmetric_eigenvalues(xtx)
+                eigenvalues = _checked_eigenvalues(xtx)
             return deff_lambda(eigenvalues, self.factor, n_rows)
+        if self.resid:
+            return self.factor * residual_rayleigh(xtq, qtq)
         if not self.relative:
             return self.factor
         return float(self.factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
+
+
+def _checked_eigenvalues(xtx: Tensor) -> Tensor:
+    if not bool(torch.isfinite(xtx).all()):
+        raise BadInputError("lambda_reg 'adaptive'/'deff': XᵀX is not finite (no positive eigenvalue)")
+    return symmetric_eigenvalues(xtx)
+
+
+def residual_rayleigh(xtq: Tensor | np.ndarray | None, qtq: float | None) -> float:
+    """‖Xᵀq‖² / ‖q‖² (float64): the Rayleigh quotient of XXᵀ at q, the train rows' out-to-loss weights.
+
+    Why (the ``resid`` rule): Xᵀq is the projected gradient of the training loss at the checkpoint (Q = −∂loss/∂
+    margin). Training fits the directions of XᵀX with large eigenvalues first — gradient descent stopped after T
+    steps at rate η acts like a ridge of λ ≈ 1/(ηT) — and leaves its residual q in the directions with σ ≲ that
+    λ; the Rayleigh quotient is the σ at which the residual sits, so it estimates the implicit ridge of the
+    training run: about 0 at convergence, large far from it. It does not depend on proj_dim (a JL sketch keeps
+    ‖Xᵀq‖)."""
+    if xtq is None or qtq is None:
+        raise BadInputError(
+            "lambda_reg 'resid'/'adaptive' needs Xᵀq and qᵀq (q: the train rows' out-to-loss weights) besides XᵀX"
+        )
+    g = torch.as_tensor(xtq, dtype=torch.float64).reshape(-1)
+    q2 = float(qtq)
+    num = float(g @ g)
+    if not (math.isfinite(num) and math.isfinite(q2)) or q2 < 0:
+        raise BadInputError(f"lambda_reg 'resid'/'adaptive': Xᵀq or qᵀq is not finite (qᵀq={q2!r})")
+    return num / q2 if q2 > 0 else 0.0
 
 
 def effective_dimension(eigenvalues: Tensor | np.ndarray, lam: float) -> float:
@@ -119,13 +176,16 @@ def deff_lambda(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: int |
 
 def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
     """The one parser of a ``lambda_reg`` setting: a number ≥ 0 (also as text, e.g. from a command line),
-    ``"auto"`` (= ``rel:AUTO_DAMPING``), ``"rel:<f>"`` with f ≥ 0, ``"adaptive"`` (= ``deff:ADAPTIVE_DEFF``)
-    or ``"deff:<c>"`` with 0 < c < 1. Raises BadInputError (a ValueError) naming lambda_reg.
+    ``"auto"`` (= ``rel:AUTO_DAMPING``), ``"rel:<f>"`` with f ≥ 0, ``"deff:<c>"`` with 0 < c < 1,
+    ``"resid:<k>"`` with k ≥ 0, several of these joined by ``","`` (the largest of their λ), or ``"adaptive"``
+    (= :data:`ADAPTIVE`). Raises BadInputError (a ValueError) naming lambda_reg.
 
     Relative settings scale with the mean eigenvalue of XᵀX (trace / p), so they do not depend on the
     gradient scale, the model size or proj_dim: ``"rel:0.1"`` adds 0.1 × the mean eigenvalue. ``deff``
     settings solve for the λ at which the effective dimension Σ σᵢ/(σᵢ+λ) of XᵀX is min(c × n, rank / 2)
     (see :func:`deff_lambda`; n = ``n_rows`` of :meth:`LambdaRule.resolve`): the damping follows proj_dim and n.
+    ``resid`` settings are k × ‖Xᵀq‖² / ‖q‖² (:func:`residual_rayleigh`): the damping follows how far the
+    checkpoint is from convergence.
     """
     if isinstance(lambda_reg, LambdaRule):
         return lambda_reg
@@ -137,29 +197,13 @@ def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
             number = None
         if number is not None:
             return parse_lambda_reg(number)
-        if text in ("adaptive", "deff") or text.startswith("deff:"):
-            if text.startswith("deff:"):
-                try:
-                    frac = float(text[5:])
-                except ValueError:
-                    raise BadInputError(f"lambda_reg={lambda_reg!r}: expected 'deff:<number>'") from None
-            else:
-                frac = ADAPTIVE_DEFF
-            if not 0.0 < frac < 1.0:
-                raise BadInputError(f"lambda_reg={lambda_reg!r}: the deff fraction must be in (0, 1)")
-            return LambdaRule(setting="adaptive" if text == "deff" else text, factor=frac, relative=False, deff=True)
-        if text == "auto":
-            factor = AUTO_DAMPING
-        elif text.startswith("rel:"):
-            try:
-                factor = float(text[4:])
-            except ValueError:
-                raise BadInputError(f"lambda_reg={lambda_reg!r}: expected 'rel:<number>'") from None
-        else:
-            raise BadInputError(f"lambda_reg={lambda_reg!r}: use {_FORMS}")
-        if not factor >= 0:
-            raise BadInputError(f"lambda_reg={lambda_reg!r}: the factor must be >= 0")
-        return LambdaRule(setting=text, factor=float(factor), relative=True)
+        if text in ("adaptive", "deff"):
+            return parse_lambda_reg(ADAPTIVE)
+        if "," in text:
+            parts = tuple(_parse_part(part.strip(), lambda_reg) for part in text.split(","))
+            setting = ",".join(str(r.setting) for r in parts)
+            return LambdaRule(setting=setting, factor=0.0, relative=False, parts=parts)
+        return _parse_part(text, lambda_reg)
     if isinstance(lambda_reg, bool):
         raise BadInputError(f"lambda_reg must be {_FORMS}, got {lambda_reg!r}")
     try:
@@ -169,6 +213,36 @@ def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
     if not value >= 0:
         raise BadInputError(f"lambda_reg must be >= 0, got {lambda_reg!r}")
     return LambdaRule(setting=value, factor=value, relative=False)
+
+
+def _parse_part(text: str, given) -> LambdaRule:
+    """One rule of a ``lambda_reg`` text (lower case, stripped): a number, auto, rel:, deff: or resid:."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None:
+        if not value >= 0:
+            raise BadInputError(f"lambda_reg={given!r}: {text!r} must be >= 0")
+        return LambdaRule(setting=value, factor=value, relative=False)
+    if text == "auto":
+        return LambdaRule(setting="auto", factor=AUTO_DAMPING, relative=True)
+    name, sep, arg = text.partition(":")
+    if not sep or name not in ("rel", "deff", "resid"):
+        raise BadInputError(f"lambda_reg={given!r}: use {_FORMS}")
+    try:
+        factor = float(arg)
+    except ValueError:
+        raise BadInputError(f"lambda_reg={given!r}: expected '{name}:<number>'") from None
+    if name == "deff":
+        if not 0.0 < factor < 1.0:
+            raise BadInputError(f"lambda_reg={given!r}: the deff fraction must be in (0, 1)")
+        return LambdaRule(setting=f"deff:{factor:g}", factor=factor, relative=False, deff=True)
+    if not factor >= 0 or not math.isfinite(factor):
+        raise BadInputError(f"lambda_reg={given!r}: the factor must be >= 0")
+    if name == "resid":
+        return LambdaRule(setting=f"resid:{factor:g}", factor=factor, relative=False, resid=True)
+    return LambdaRule(setting=text, factor=factor, relative=True)
 
 
 def resolve_lambda(lambda_reg, xtx: Tensor, n_rows: int | None = None) -> float:
