@@ -1,25 +1,30 @@
 """Attribution quality (LDS) over a set of evaluation cases, with cached ground truth (issue 14).
 
-Cases (``CASES``): the digits MLP, a conv net on the digits as 8×8 images, the text example, a tabular MLP
-on breast cancer, and wine (n = 100 train rows, so every proj_dim ≥ 128 has n ≤ proj_dim). Per case, C
-checkpoints are trained on all train rows and M models on random half subsets (``trak_core.lds.subset_masks``,
-one init seed per subset), each with the case's recipe (full-batch Adam; the text example's own
-``train_model``); the ground truth is the subset models' margin log(p/(1−p)) on the held-out targets. It is
-cached under ``.cache/lds/`` (keyed by ``trak_core.lds.truth_key`` of the recipe), and so are the projected
-gradients X, Q, G per (case, projector kind, proj_dim, checkpoint), computed with the pipeline's featurizer.
+Cases (``make_cases``): five trained to near convergence with full-batch Adam — the digits MLP, a conv net on the
+digits as 8×8 images, the text example, a tabular MLP on breast cancer, and wine (n = 100 train rows, so every
+proj_dim ≥ 128 has n ≤ proj_dim) — and four stopped far from convergence with the pipeline's own mini-batch SGD
+(``tasks.trainer``): ``digits-sgd`` (the digits demo's recipe, examples/digits.py ``demo_configs``: 4 epochs,
+lr 0.01, batch 64, ~90 % train accuracy — its checkpoints are the demo's), ``conv-sgd``, ``cancer-sgd`` and
+``wine-sgd``. Per case, C checkpoints are trained on all train rows and M models on random half subsets
+(``trak_core.lds.subset_masks``, one init seed per subset), each with the case's recipe; the ground truth is
+the subset models' margin log(p/(1−p)) on the held-out targets. It is cached under ``.cache/lds/`` (keyed by
+``trak_core.lds.truth_key`` of the recipe), and so are the projected gradients X, Q, G per (case, projector
+kind, proj_dim, checkpoint), computed with the pipeline's featurizer.
 
 A configuration is (projector kind, proj_dim, lambda_reg setting, number of checkpoints). Its scores follow
-the pipeline's formula (float64 XᵀX; (XᵀX + λI)⁻¹ divided by its mean |entry| as traker does; float32
-features and scores; traker's checkpoint combination); the inverse comes from one eigendecomposition per
-checkpoint so that many settings are cheap (checked against ``trak_core.reduce.cholesky_inverse``; λ = 0
-goes through it). ``traker`` rows run traker 0.3.2 itself (its CPU defaults: normal projection,
-float16 store, λ = 0) at the same checkpoints and proj_dim. LDS = mean over targets of the Spearman
-correlation over subsets; intervals are 95 % percentile bootstraps over targets.
+the pipeline's formula (float64 XᵀX; (XᵀX + λI)⁻¹ divided by its mean |entry| as traker does; traker's
+checkpoint combination), computed in XᵀX's eigenbasis from one eigendecomposition per checkpoint so that many
+settings are cheap (``check_scores`` compares with the pipeline's float32 path; λ = 0 goes through
+``trak_core.reduce.cholesky_inverse``). Settings are anything ``lambda_reg`` accepts, e.g. ``deff:0.1``,
+``resid:3`` or ``deff:0.1,resid:3`` (the larger λ). ``traker`` rows run traker 0.3.2 itself (its CPU
+defaults: normal projection, float16 store, λ = 0) at the same checkpoints and proj_dim. LDS = mean over
+targets of the Spearman correlation over subsets; intervals are 95 % percentile bootstraps over targets.
 
     .venv/bin/python benchmarks/quality.py truth                         # train / load all ground truths
-    .venv/bin/python benchmarks/quality.py cases                         # the case table of RESULTS.md
-    .venv/bin/python benchmarks/quality.py damping --cases digits-mlp text --proj-dims 128 256 512 1024 2048
-    .venv/bin/python benchmarks/quality.py loco                          # leave-one-case-out defaults
+    .venv/bin/python benchmarks/quality.py eval --kinds dense --proj-dims 128 256 512 1024 2048 \
+        --settings 0 rel:0.3 deff:0.1 resid:3 deff:0.1,resid:3 --json dense.json
+    .venv/bin/python benchmarks/quality.py traker --proj-dims 256 1024 2048 --json traker.json
+    .venv/bin/python benchmarks/quality.py report --json dense.json,traker.json --proj-dims 128 256 512 1024 2048
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ NUM_SUBSETS = 100
 NUM_CKPTS = 3
 ADAPTIVE_SETTING = "adaptive"
 TRUTH_VERSION = 1
+SCALE_ROWS = 512
 
 
 # ---------------------------------------------------------------------------- cases
@@ -97,8 +103,38 @@ def _full_batch(make_model, train, steps: int, lr: float):
     return lambda seed, rows: train_full_batch(make_model, train(), seed, rows, steps, lr)
 
 
+def _pipeline_recipe(model: str, data: str, **recipe):
+    """Train with the pipeline's own training code (``tasks.trainer.train_on_rows``: mini-batch SGD/Adam, batch
+    order from the seed) and this recipe — e.g. the digits demo's (``examples.digits.demo_configs``)."""
+
+    def train_fn(seed, rows):
+        from tasks.config import TrainConfig
+        from tasks.trainer import train_on_rows
+
+        cfg = TrainConfig(model=model, train_data=data, out_dir=tempfile.gettempdir(), alpha_every=0, **recipe)
+        return train_on_rows(cfg, seed, rows)
+
+    return train_fn
+
+
+def _demo_recipe() -> dict:
+    """The digits demo's training recipe (examples/digits.py demo_configs): 4 epochs of SGD, lr 0.01, batch 64."""
+    from examples import digits
+
+    cfg = digits.demo_configs()[0]
+    return {k: getattr(cfg, k) for k in ("epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay")}
+
+
+# recipes of the under-trained cases (mini-batch SGD with momentum, few epochs: far from convergence)
+CONV_SGD = {"epochs": 3, "batch_size": 64, "optimizer": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0}
+CANCER_SGD = {"epochs": 2, "batch_size": 32, "optimizer": "sgd", "lr": 0.003, "momentum": 0.9, "weight_decay": 0.0}
+WINE_SGD = {"epochs": 3, "batch_size": 16, "optimizer": "sgd", "lr": 0.003, "momentum": 0.9, "weight_decay": 0.0}
+
+
 def make_cases() -> dict[str, Case]:
     from examples import digits, digits_conv, tabular, text
+
+    demo = _demo_recipe()
 
     return {
         c.name: c
@@ -152,6 +188,47 @@ def make_cases() -> dict[str, Case]:
                 "image_classification",
                 _full_batch(tabular.wine_model, tabular.wine_train, 200, 0.01),
                 {"opt": "adam full-batch", "steps": 200, "lr": 0.01},
+            ),
+            # other training regimes: mini-batch SGD, stopped far from convergence (the pipeline's trainer)
+            Case(
+                "digits-sgd",
+                "the digits demo's checkpoints: digits MLP, 4 epochs SGD lr 0.01 batch 64 (~90 % train acc.)",
+                digits.make_model,
+                digits.train_data,
+                _digits_targets,
+                "image_classification",
+                _pipeline_recipe("examples.digits:make_model", "examples.digits:train_data", **demo),
+                {"trainer": "tasks.trainer", **demo},
+            ),
+            Case(
+                "conv-sgd",
+                "digits conv net, 3 epochs SGD lr 0.01 batch 64",
+                digits_conv.make_model,
+                digits_conv.train_data,
+                _conv_targets,
+                "image_classification",
+                _pipeline_recipe("examples.digits_conv:make_model", "examples.digits_conv:train_data", **CONV_SGD),
+                {"trainer": "tasks.trainer", **CONV_SGD},
+            ),
+            Case(
+                "cancer-sgd",
+                "breast-cancer MLP, 2 epochs SGD lr 0.003 batch 32",
+                tabular.cancer_model,
+                tabular.cancer_train,
+                tabular.cancer_heldout,
+                "image_classification",
+                _pipeline_recipe("examples.tabular:cancer_model", "examples.tabular:cancer_train", **CANCER_SGD),
+                {"trainer": "tasks.trainer", **CANCER_SGD},
+            ),
+            Case(
+                "wine-sgd",
+                "wine MLP, 3 epochs SGD lr 0.003 batch 16 (n=100 ≤ proj_dim)",
+                tabular.wine_model,
+                tabular.wine_train,
+                tabular.wine_heldout,
+                "image_classification",
+                _pipeline_recipe("examples.tabular:wine_model", "examples.tabular:wine_train", **WINE_SGD),
+                {"trainer": "tasks.trainer", **WINE_SGD},
             ),
         ]
     }
@@ -208,16 +285,21 @@ def grad_dim(case: Case) -> int:
 
 
 def features(case: Case, truth: dict, kind: str, proj_dim: int, ckpt: int, seed: int = 0) -> dict:
-    """X (n, p), Q (n,), G (m, p) float32 of one checkpoint, as the pipeline stores them; cached."""
+    """X (n, p), Q (n,), G (m, p) float32 of one checkpoint, as the pipeline stores them; cached. The cache
+    name of a projector with kind-specific parameters (the factored layout) carries a hash of its ``spec()``,
+    so a changed projector is featurized anew."""
     p = grad_dim(case) if kind == "noop" else proj_dim
-    path = os.path.join(CACHE, "feats", f"{case.name}-{truth['key']}-{kind}-{p}-s{seed}-c{ckpt}.npz")
+    model = case.make_model()
+    gd = grad_dim_of(model)
+    proj = make_projector(kind, gd, p, seed, "rademacher", "cpu", model=model)
+    tag = ""
+    if kind not in ("dense", "noop"):
+        tag = "-" + truth_key({k: v for k, v in proj.spec().items() if k not in ("kind", "proj_dim", "seed")})[:8]
+    path = os.path.join(CACHE, "feats", f"{case.name}-{truth['key']}-{kind}{tag}-{p}-s{seed}-c{ckpt}.npz")
     if os.path.exists(path):
         with np.load(path) as f:
             return {k: f[k] for k in ("X", "Q", "G")}
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    model = case.make_model()
-    gd = grad_dim_of(model)
-    proj = make_projector(kind, gd, p, seed, "rademacher", "cpu", model=model)
     feat = Featurizer(model, case.task, proj, device="cpu")
     feat.load_state(truth["states"][ckpt])
     train, targets = case.train(), case.targets()
@@ -245,9 +327,14 @@ class Solver:
         self.xtx = self.x.to(torch.float64).T @ self.x.to(torch.float64)
         ev, vec = torch.linalg.eigh(self.xtx)
         self.ev, self.vec = ev.clamp(min=0), vec
+        self.xtq = self.x.to(torch.float64).T @ torch.from_numpy(self.q)  # Xᵀq, qᵀq: for the 'resid' rule
+        self.qtq = float(self.q @ self.q)
+        self._xv: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
 
     def resolve(self, setting) -> float:
-        return parse_lambda_reg(setting).resolve(self.xtx, n_rows=self.n, eigenvalues=self.ev)
+        rule = parse_lambda_reg(setting)
+        return rule.resolve(self.xtx, n_rows=self.n, eigenvalues=self.ev, xtq=self.xtq, qtq=self.qtq)
 
     def inverse(self, lam: float) -> torch.Tensor:
         if lam == 0:
@@ -258,7 +345,25 @@ class Solver:
         return inv / inv.abs().mean()
 
     def scores(self, lam: float) -> torch.Tensor:
-        return scores_block(features_block(self.x, self.inverse(lam)), self.g)
+        """X (XᵀX + λI)⁻¹ Gᵀ with traker's rescale (float32 out). λ > 0: in XᵀX's eigenbasis, float64 —
+        (XV) diag(1/(σ+λ)) (GV)ᵀ / mean|V diag(1/(σ+λ)) Vᵀ|, n·p·m per λ instead of n·p² (the pipeline's
+        float32 path to ~1e-6 relative, ``check_scores``); λ = 0 through reduce.cholesky_inverse."""
+        if lam == 0:
+            return scores_block(features_block(self.x, self.inverse(lam)), self.g)
+        if self._xv is None:
+            self._xv = self.x.to(torch.float64) @ self.vec
+            self._gv = self.g.to(torch.float64) @ self.vec
+            self._vec32 = self.vec.to(torch.float32)
+            p = self.vec.shape[0]
+            # traker's rescale (a scalar per checkpoint) from SCALE_ROWS fixed random rows of the inverse when p is
+            # large: p²·SCALE_ROWS instead of p³ flops per λ (its relative error is ~1e-3, check_scores)
+            self._rows = (
+                None if p <= SCALE_ROWS else torch.randperm(p, generator=torch.Generator().manual_seed(0))[:SCALE_ROWS]
+            )
+        w = 1.0 / (self.ev + lam)
+        v = self._vec32 if self._rows is None else self._vec32[self._rows]
+        scale = ((v * w.to(torch.float32)) @ self._vec32.T).abs().to(torch.float64).mean()
+        return ((self._xv * (w / scale)) @ self._gv.T).to(torch.float32)
 
     def deff(self, lam: float) -> float:
         return float((self.ev / (self.ev + lam)).sum()) if lam > 0 else float((self.ev > 0).sum())
@@ -293,6 +398,15 @@ def evaluate(
             }
         )
     return rows
+
+
+def check_scores(case: Case, truth: dict, kind: str = "dense", proj_dim: int = 512, setting="rel:0.3") -> float:
+    """max |difference| / max |score| of Solver.scores (eigenbasis) against the pipeline's float32 formula
+    (features_block, scores_block) with reduce.cholesky_inverse's rescaled inverse."""
+    s = Solver(features(case, truth, kind, proj_dim, 0))
+    lam = s.resolve(setting)
+    ref = scores_block(features_block(s.x, cholesky_inverse(s.xtx, lam, s.n, rescale=True)[0]), s.g)
+    return float((s.scores(lam) - ref).abs().max() / ref.abs().max())
 
 
 def check_inverse(case: Case, truth: dict, kind: str = "dense", proj_dim: int = 512, setting="rel:0.3") -> float:
@@ -415,80 +529,128 @@ def loco(rows: dict, cases: list[str], dims: list[int], family: str, consts: lis
     return out
 
 
+def rule_settings(rows: dict, kind: str = "dense") -> list[str]:
+    """The damping rules in the result rows (every setting that is not an absolute λ)."""
+    return sorted({s for (_, k, _, s) in rows if k == kind and not _num(s)})
+
+
+def family_of(setting: str) -> str:
+    """'rel', 'deff', 'resid', 'deff,resid', … — the rule's parts without their constants."""
+    return ",".join(part.split(":")[0] for part in setting.split(","))
+
+
+def choose(rows: dict, among: list[str], dims: list[int], cands: list[str], kind: str = "dense") -> str:
+    """The candidate with the best mean LDS over the given cases × dims (= the least mean shortfall from the
+    best fixed λ: the oracle is the same for every candidate); candidates missing a row are skipped."""
+
+    def score(s: str) -> float:
+        vals = [rows.get((c, kind, p, s), {}).get("lds") for c in among for p in dims]
+        return float(np.mean(vals)) if vals and all(v is not None for v in vals) else -np.inf
+
+    return max(cands, key=score)
+
+
+def _best_fixed_or_none(rows: dict, case: str, kind: str, p: int) -> tuple[str, float] | None:
+    try:
+        return best_fixed(rows, case, kind, p)
+    except ValueError:
+        return None
+
+
 def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
     rows = load_rows(paths)
-    d = f"deff:{parse_lambda_reg(ADAPTIVE_SETTING).factor:g}"  # 'adaptive' as the runs name it
+    ad = str(parse_lambda_reg(ADAPTIVE_SETTING).setting)  # 'adaptive' as the runs name it
+    old = "deff:0.1"  # 'adaptive' before the training-regime cases
     all_cases = make_cases()
-    print("\n### Cases (C = 3 checkpoints, 100 half-subset models; LDS [95 % CI] at proj_dim 2048)\n")
+    lds_of = lambda c, k, p, s: rows.get((c, k, p, s), {}).get("lds")  # noqa: E731
+    print(f"\n`adaptive` = `{ad}`.\n")
+    print("### Cases (C = 3 checkpoints, 100 half-subset models; LDS [95 % CI] at proj_dim 2048)\n")
     print(
-        f"| case | traker 0.3.2 defaults | dense, λ=0 | dense, {d} (adaptive) | factored, adaptive | "
-        "factored − dense | adaptive (factored) − traker |"
+        "| case | traker 0.3.2 defaults | dense, λ=0 | dense, adaptive | factored, adaptive | factored − dense | "
+        "adaptive (factored) − traker |"
     )
     print("|---|---|---|---|---|---|---|")
     for c in cases:
         t, z = rows.get((c, "traker", 2048, "traker")), rows.get((c, "dense", 2048, "0"))
-        a, f = rows.get((c, "dense", 2048, d)), rows.get((c, "factored", 2048, d))
+        a, f = rows.get((c, "dense", 2048, ad)), rows.get((c, "factored", 2048, ad))
         fd = f"{f['lds'] - a['lds']:+.3f}" if f and a else "—"
         ft = f"{f['lds'] - t['lds']:+.3f}" if f and t else "—"
         print(f"| {c}: {all_cases[c].about} | {_cell(t)} | {_cell(z)} | {_cell(a)} | {_cell(f)} | {fd} | {ft} |")
-    print("\n### Leave-one-case-out (each default chosen on the other four cases, scored on the held-out one)\n")
-    consts = sorted({s.split(":")[1] for (_, k, _, s) in rows if k == "dense" and s.startswith("deff:")}, key=float)
-    choice = loco(rows, cases, dims, "deff", consts)
-    rel_consts = sorted({s.split(":")[1] for (_, k, _, s) in rows if k == "dense" and s.startswith("rel:")}, key=float)
-    rel_choice = {r["held_out"]: r for r in loco(rows, cases, dims, "rel", rel_consts)}
+
+    cands = rule_settings(rows)
+    fams = sorted({family_of(s) for s in cands}, key=lambda f: (f.count(","), f))
     print(
-        "| held-out case | deff c chosen (best on held-out) | LDS at 256 / 1024 / 2048 (dense) | vs best fixed λ "
-        "at 2048 | rel:f chosen instead: LDS at 2048 | projector chosen | its LDS − dense at 2048 (held-out) |"
+        "\n### Leave-one-case-out (every damping rule and constant chosen on the other cases — mean dense LDS over "
+        f"proj_dim {', '.join(map(str, dims))} — and scored on the held-out one)\n"
     )
-    print("|---|---|---|---|---|---|---|")
-    kinds = ["factored", "sjlt", "dense"]  # fastest first
-    for r in choice:
-        h = r["held_out"]
-        vals = " / ".join(f"{r['per_dim'][p]['lds']:.3f}" if r["per_dim"].get(p) else "—" for p in (256, 1024, 2048))
-        try:
-            bs, bv = best_fixed(rows, h, "dense", 2048)
-            gap = f"{r['per_dim'][2048]['lds'] - bv:+.3f} ({bs})"
-        except (ValueError, TypeError):
-            gap = "—"
-        rc = rel_choice[h]
-        relv = rc["per_dim"].get(2048)
-        cdef = f"deff:{r['chosen']}"
+    print(
+        "| held-out case | chosen on the others | its LDS at 256 / 1024 / 2048 | − best fixed λ at 256 / 1024 / 2048 | "
+        + " | ".join(f"best `{f}` on the others: LDS at 2048" for f in fams)
+        + " | held-out's own best rule |"
+    )
+    print("|---|---|---|---|" + "---|" * len(fams) + "---|")
+    for h in cases:
         others = [c for c in cases if c != h]
-        pick = "dense"  # the fastest kind within 0.02 of dense on every other case at TRAKer's proj_dim 2048
-        for k in kinds:
-            gaps = [
-                rows.get((o, k, 2048, cdef), {}).get("lds", -9) - rows[(o, "dense", 2048, cdef)]["lds"] for o in others
-            ]
-            if min(gaps) >= -0.02:
-                pick = k
-                break
-        held = rows.get((h, pick, 2048, cdef))
-        hd = f"{held['lds'] - rows[(h, 'dense', 2048, cdef)]['lds']:+.3f}" if held else "—"
-        print(
-            f"| {h} | {r['chosen']} ({r['oracle']}) | {vals} | {gap} | rel:{rc['chosen']}: "
-            f"{relv['lds'] if relv else float('nan'):.3f} | {pick} | {hd} |"
+        pick = choose(rows, others, dims, cands)
+        vals = " / ".join(
+            f"{v:.3f}" if (v := lds_of(h, "dense", p, pick)) is not None else "—" for p in (256, 1024, 2048)
         )
-    print("\n### Damping over proj_dim (dense projector; LDS [95 % CI])\n")
-    print("| case | lambda_reg | " + " | ".join(str(p) for p in dims) + " | 1024 − 256 |")
-    print("|---|---|" + "---|" * (len(dims) + 1))
+        gaps = []
+        for p in (256, 1024, 2048):
+            b, v = _best_fixed_or_none(rows, h, "dense", p) or (None, None), lds_of(h, "dense", p, pick)
+            gaps.append(f"{v - b[1]:+.3f}" if b[0] is not None and v is not None else "—")
+        fam_cells = []
+        for f in fams:
+            s = choose(rows, others, dims, [x for x in cands if family_of(x) == f])
+            v = lds_of(h, "dense", 2048, s)
+            fam_cells.append(f"`{s}`: {v:.3f}" if v is not None else "—")
+        own = choose(rows, [h], dims, cands)
+        print(f"| {h} | `{pick}` | {vals} | {' / '.join(gaps)} | " + " | ".join(fam_cells) + f" | `{own}` |")
+
+    print("\n### Damping over proj_dim (dense projector; LDS [95 % CI]; noop = exact gradients)\n")
+    print("| case | lambda_reg | " + " | ".join(str(p) for p in dims) + " | noop | 1024 − 256 |")
+    print("|---|---|" + "---|" * (len(dims) + 2))
     for c in cases:
-        for label, s in [("0 (traker)", "0"), ("auto (rel:0.3)", "rel:0.3"), (f"**{d}**", d)]:
-            cells = [_cell(rows.get((c, "dense", p, s))) for p in dims]
-            a, b = rows.get((c, "dense", 1024, s)), rows.get((c, "dense", 256, s))
-            diff = f"{a['lds'] - b['lds']:+.3f}" if a and b else "—"
+        for label, s in [("0 (traker)", "0"), ("auto (rel:0.3)", "rel:0.3"), (f"{old} (adaptive before)", old)] + [
+            (f"**adaptive** ({ad})", ad)
+        ]:
+            cells = [_cell(rows.get((c, "dense", p, s))) for p in dims] + [_cell(rows.get((c, "noop", 0, s)))]
+            a, b = lds_of(c, "dense", 1024, s), lds_of(c, "dense", 256, s)
+            diff = f"{a - b:+.3f}" if a is not None and b is not None else "—"
             print(f"| {c} | {label} | " + " | ".join(cells) + f" | {diff} |")
         cells, gaps = [], []
+        for k, p in [("dense", p) for p in dims] + [("noop", 0)]:
+            bf = _best_fixed_or_none(rows, c, k, p)
+            v = lds_of(c, k, p, ad)
+            cells.append(f"{bf[1]:.3f} ({bf[0]})" if bf else "—")
+            gaps.append(f"{v - bf[1]:+.3f}" if bf and v is not None else "—")
+        print(f"| {c} | best fixed (0, rel grid) | " + " | ".join(cells) + " | |")
+        print(f"| {c} | adaptive − best fixed | " + " | ".join(gaps) + " | |")
+
+    print("\n### Goals of issue 14 per case (adaptive; dense unless named)\n")
+    print(
+        "| case | worst (adaptive − best fixed), 128…2048 | noop: adaptive − best fixed | 1024 − 256 (dense / "
+        "factored) | factored adaptive − traker at 256 / 1024 / 2048 |"
+    )
+    print("|---|---|---|---|---|")
+    for c in cases:
+        g = []
         for p in dims:
-            try:
-                s, v = best_fixed(rows, c, "dense", p)
-            except ValueError:
-                cells.append("—")
-                continue
-            ad = rows.get((c, "dense", p, d))
-            gaps.append(ad["lds"] - v if ad else np.nan)
-            cells.append(f"{v:.3f} ({s})")
-        print(f"| {c} | best fixed (rel grid) | " + " | ".join(cells) + " | |")
-        print(f"| {c} | {d} − best fixed | " + " | ".join(f"{g:+.3f}" for g in gaps) + " | |")
+            bf, v = _best_fixed_or_none(rows, c, "dense", p), lds_of(c, "dense", p, ad)
+            if bf and v is not None:
+                g.append((v - bf[1], p))
+        worst = f"{min(g)[0]:+.3f} (at {min(g)[1]})" if g else "—"
+        bn, vn = _best_fixed_or_none(rows, c, "noop", 0), lds_of(c, "noop", 0, ad)
+        noop = f"{vn - bn[1]:+.3f}" if bn and vn is not None else "—"
+        rise = []
+        for k in ("dense", "factored"):
+            a, b = lds_of(c, k, 1024, ad), lds_of(c, k, 256, ad)
+            rise.append(f"{a - b:+.3f}" if a is not None and b is not None else "—")
+        vs = []
+        for p in (256, 1024, 2048):
+            f, t = lds_of(c, "factored", p, ad), lds_of(c, "traker", p, "traker")
+            vs.append(f"{f - t:+.3f}" if f is not None and t is not None and np.isfinite(t) else "—")
+        print(f"| {c} | {worst} | {noop} | {' / '.join(rise)} | {' / '.join(vs)} |")
 
 
 def main(argv=None) -> None:
@@ -539,10 +701,18 @@ def main(argv=None) -> None:
                     )
                     out.append({k: v for k, v in r.items() if k != "per"})
                 print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    if args.json:
-        old = json.load(open(args.json)) if os.path.exists(args.json) else []
-        with open(args.json, "w") as fh:
+                _append_json(args.json, out)  # after every (case, kind, proj_dim): a long run keeps what it did
+                out = []
+    _append_json(args.json, out)
+
+
+def _append_json(path: str | None, out: list) -> None:
+    """Append result rows to a --json file (read, extend, replace: a crash leaves the previous rows)."""
+    if path and out:
+        old = json.load(open(path)) if os.path.exists(path) else []
+        with open(path + ".tmp", "w") as fh:
             json.dump(old + out, fh, indent=0, default=float)
+        os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
