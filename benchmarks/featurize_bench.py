@@ -126,6 +126,8 @@ IMPL_LABEL = {
     "traker": "traker 0.3.2, default (BasicProjector, normal, regenerated per batch)",
     "traker-fastest": "traker 0.3.2, fastest (BasicSingleBlockProjector, matrix kept)",
     "factored": "trakflow — factored (default)",
+    "factored@0": "trakflow — factored, lambda_reg=0 (traker's damping)",
+    "pipeline": "trakflow pipeline tasks (featurize_shard + finalize_checkpoint), factored",
     "sjlt": "trakflow — sjlt",
     "dense": "trakflow — dense",
 }
@@ -205,7 +207,10 @@ def worker(spec: dict) -> dict:
 
     if spec["impl"] == "floor":
         return floor_worker(spec)
+    if spec["impl"] == "pipeline":
+        return pipeline_worker(spec)
     warnings.simplefilter("ignore")
+    impl, _, lam = spec["impl"].partition("@")  # "factored@0": TRAKer with lambda_reg=0
     dev = spec.get("device", "cpu")
     model, shape, kind = make_model(spec["model"])
     model.to(dev)
@@ -239,7 +244,7 @@ def worker(spec: dict) -> dict:
                     device=dev,
                     proj_dim=p,
                     use_half_precision=False,
-                    lambda_reg=0.0,  # traker's λ: the default 'adaptive' rule adds an eigvalsh of XᵀX per checkpoint
+                    lambda_reg=0.0,  # traker's default
                     logging_level=logging.ERROR,
                     **kw,
                 )
@@ -247,11 +252,9 @@ def worker(spec: dict) -> dict:
             else:
                 import trak_core
 
-                kw = (
-                    {}
-                    if spec["impl"] == "factored"
-                    else {"projector": make_projector(spec["impl"], model, grad_dim, p, dev)}
-                )
+                kw = {} if impl == "factored" else {"projector": make_projector(impl, model, grad_dim, p, dev)}
+                if lam:  # otherwise TRAKer's default lambda_reg ('adaptive')
+                    kw["lambda_reg"] = float(lam)
                 tr = trak_core.TRAKer(
                     model=model,
                     task="image_classification",
@@ -260,7 +263,6 @@ def worker(spec: dict) -> dict:
                     device=dev,
                     proj_dim=p,
                     use_half_precision=False,
-                    lambda_reg=0.0,  # traker's λ: the default 'adaptive' rule adds an eigvalsh of XᵀX per checkpoint
                     logging_level=logging.ERROR,
                     **kw,
                 )
@@ -299,6 +301,82 @@ def worker(spec: dict) -> dict:
         "warm_s": warm["total_s"] if warm else None,
         "peak_rss_mib": peak / 1024,
         "baseline_rss_mib": base / 1024,
+    }
+
+
+def pipe_model():
+    """The pipeline config's ``model``: the bench model the worker names (the config imports this module
+    anew, so the choice travels in the environment)."""
+    return make_model(os.environ["FEATURIZE_BENCH_MODEL"])[0]
+
+
+def pipe_data():
+    """The pipeline config's ``train_data`` / ``target_data``."""
+    _, shape, kind = make_model(os.environ["FEATURIZE_BENCH_MODEL"])
+    return make_data(shape, kind, int(os.environ["FEATURIZE_BENCH_N"]))
+
+
+def pipeline_worker(spec: dict) -> dict:
+    """Cold pass, then ``warm_runs`` warm passes, through the pipeline's task functions in this process (what
+    one worker runs; no flow orchestration): ``make_plan`` (validate, fingerprint, create the store), then
+    ``featurize_shard`` for each shard (builds the featurizer from the config and the checkpoint file, featurizes
+    in batches, one store write and the XᵀX partial per shard) and ``finalize_checkpoint`` — the pipeline's
+    defaults otherwise (factored projector, lambda_reg 'adaptive'), float32 store like the TRAKer rows."""
+    import numpy as np
+    import torch
+
+    from tasks.config import AttributeConfig
+    from tasks.core import featurize_shard, finalize_checkpoint, make_plan, open_store
+
+    warnings.simplefilter("ignore")
+    os.environ["FEATURIZE_BENCH_MODEL"], os.environ["FEATURIZE_BENCH_N"] = spec["model"], str(spec["n"])
+    model = pipe_model()
+    passes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, "model_0.pt")
+        torch.save(model.state_dict(), ckpt)
+        for i in range(1 + spec["warm_runs"]):
+            cfg = AttributeConfig(
+                model="featurize_bench:pipe_model",
+                train_data="featurize_bench:pipe_data",
+                target_data="featurize_bench:pipe_data",
+                checkpoints=[ckpt],
+                store=os.path.join(tmp, f"store{i}"),
+                proj_dim=spec["proj_dim"],
+                dtype="float32",
+                batch_size=spec["batch"],
+                device=spec.get("device", "cpu"),
+                report_targets=0,
+            )
+            t0 = time.perf_counter()
+            plan = make_plan(cfg)
+            t1 = time.perf_counter()
+            for shard in range(plan.num_shards):
+                featurize_shard(cfg, 0, ckpt, shard)
+            t2 = time.perf_counter()
+            finalize_checkpoint(cfg, 0)
+            t3 = time.perf_counter()
+            feats = open_store(cfg).model(0).features[: spec["n"]].astype(np.float32)
+            passes.append(
+                {
+                    "init_s": t1 - t0,
+                    "featurize_s": t2 - t1,
+                    "finalize_s": t3 - t2,
+                    "total_s": t3 - t0,
+                    "finite": bool(np.isfinite(feats).all()),
+                    "lambda_reg": open_store(cfg).finalize_info(0)["lambda_reg"],
+                }
+            )
+    warm = min(passes[1:], key=lambda r: r["total_s"]) if len(passes) > 1 else None
+    return {
+        **spec,
+        "projector": "FactoredProjector",
+        "grad_dim": sum(q.numel() for q in model.parameters()),
+        "passes": passes,
+        "cold": passes[0],
+        "warm": warm,
+        "cold_s": passes[0]["total_s"],
+        "warm_s": warm["total_s"] if warm else None,
     }
 
 
@@ -545,7 +623,7 @@ def write_section(path: str, body: str, start: str = START, end: str = END) -> N
         fh.write(new if new.endswith("\n") else new + "\n")
 
 
-DEFAULT_IMPLS = ["floor", "traker", "traker-fastest", "factored", "sjlt", "dense"]
+DEFAULT_IMPLS = ["floor", "traker", "traker-fastest", "factored", "factored@0", "pipeline", "sjlt", "dense"]
 
 
 def main() -> None:
@@ -579,7 +657,7 @@ def main() -> None:
     ap.add_argument(
         "--skip",
         nargs="*",
-        default=["mlp400k:dense", "transformer:dense"],
+        default=["mlp400k:dense", "transformer:dense", "convnet:factored@0", "transformer:factored@0"],
         help="model:impl pairs left out (dense regenerates a grad_dim × p matrix per batch there)",
     )
     ap.add_argument("--mem-sizes", type=int, nargs="*", default=[])
@@ -719,7 +797,16 @@ def report(res: dict, a) -> str:
             f"takes {t['warm_s']:.1f} s warm / {t['cold_s']:.1f} s cold — **{t['warm_s'] / d['warm_s']:.0f}× "
             f"faster warm, {t['cold_s'] / d['cold_s']:.0f}× cold**. The floor is {f['warm_s']:.2f} s: we are "
             f"at **{d['warm_s'] / f['warm_s']:.1f}× the floor** warm, cold/warm = "
-            f"{d['cold_s'] / d['warm_s']:.2f}.",
+            f"{d['cold_s'] / d['warm_s']:.2f}."
+            + "".join(
+                f" {what}: {r['warm_s']:.2f} s warm / {r['cold_s']:.2f} s cold, **{r['warm_s'] / f['warm_s']:.1f}× "
+                f"the floor** warm, cold/warm = {r['cold_s'] / r['warm_s']:.2f}."
+                for what, r in (
+                    ("Through the pipeline's task functions", by.get(("mlp400k", "pipeline"))),
+                    ("TRAKer at lambda_reg=0", by.get(("mlp400k", "factored@0"))),
+                )
+                if r and r.get("warm_s") and r.get("cold_s")
+            ),
             "",
         ]
     out += [
@@ -734,10 +821,13 @@ def report(res: dict, a) -> str:
         "generates its grad_dim × proj_dim matrix once, in the cold pass, and keeps it (its free_memory() "
         "after finalize is disabled: traker never regenerates it for the same model_id). *× floor* = warm "
         "seconds / the floor's; *× traker-fastest* = its seconds / the row's. Both libraries run their "
-        "defaults otherwise: float32 store (`use_half_precision=False`), `lambda_reg=0` for both (trak_core's default "
-        "is now 'adaptive', which adds one eigendecomposition of XᵀX per checkpoint; with n = proj_dim "
-        "XᵀX is rank-deficient: trakflow warns, traker does not; the cost is the same), the model in eval "
-        "mode, random inputs. The floor: a training pass over the same examples (forward, backward, SGD "
+        "defaults otherwise: float32 store (`use_half_precision=False`), traker `lambda_reg=0` (its default), "
+        "trakflow its default `lambda_reg='adaptive'` (λ from the eigenvalues of XᵀX: float32 eigenvalues "
+        "checked against the exact effective dimension, `trak_core.reduce.solve_deff_fast`); the *λ = 0* row "
+        "is TRAKer at traker's damping (n = proj_dim: XᵀX is rank-deficient, trakflow warns, traker does not); "
+        "the *pipeline* row runs the pipeline's task functions in the worker process (`make_plan`, "
+        "`featurize_shard` per shard, `finalize_checkpoint`; init = make_plan), its defaults otherwise; the "
+        "model in eval mode, random inputs. The floor: a training pass over the same examples (forward, backward, SGD "
         "step per batch) + float32 XᵀX, Cholesky, Cholesky inverse and Φ = X·A on an n × proj_dim matrix, "
         "best of 3 warm. Rows left out: " + (", ".join(a.skip) or "none") + " (dense regenerates a "
         "grad_dim × proj_dim matrix for every batch there: minutes per pass).",

@@ -5,8 +5,10 @@ Memory is O(block × (p + m) + p²) whatever the number of train rows n.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -18,6 +20,7 @@ from .scoring import (
     features_block,
     parse_lambda_reg,
     regularized_inverse,
+    symmetric_eigenvalues,
 )
 from .store import TrakStore
 from .streaming import stream_scores
@@ -67,6 +70,12 @@ def require_featurized(store: TrakStore, model_id: int) -> None:
 # solve at p = 2048)
 EXACT_CONDITION_MAX_P = 512
 
+#: the deff λ from float32 eigenvalues is kept when the exact effective dimension at that λ (from the float64
+#: inverse finalize computes anyway) moves log λ by at most this much (a Newton step); otherwise Newton steps
+#: with a new factorization each, then the float64 eigenvalues
+DEFF_LOG_TOL = 1e-4
+DEFF_NEWTON_STEPS = 2
+
 
 def _top_eigenvalue(mat: torch.Tensor, iters: int = 12, block: int = 6) -> float:
     """The largest eigenvalue of a symmetric PSD matrix by subspace iteration + Rayleigh–Ritz (a lower bound,
@@ -77,38 +86,181 @@ def _top_eigenvalue(mat: torch.Tensor, iters: int = 12, block: int = 6) -> float
     return float(torch.linalg.eigvalsh(v.T @ (mat @ v))[-1])
 
 
+def _mirror_upper(a: np.ndarray, block: int = 256) -> np.ndarray:
+    """Fill the strict lower triangle of the square C-ordered ``a`` from its upper triangle, in place, by
+    panels (cache-friendly transposed copies; about one pass over the matrix)."""
+    p = a.shape[0]
+    for i in range(0, p, block):
+        j = min(i + block, p)
+        d = a[i:j, i:j]
+        low = np.tri(j - i, k=-1, dtype=bool)
+        d[low] = d.T[low]
+        if j < p:
+            a[j:, i:j] = a[i:j, j:].T
+    return a
+
+
+def lapack_inverse(xtx: np.ndarray | torch.Tensor, lam: float) -> np.ndarray | None:
+    """(XᵀX + λI)⁻¹ float64 (C order, exactly symmetric) by LAPACK's Cholesky (potrf) and Cholesky inverse
+    (potri: a triangular inverse and a triangular product, 2p³/3 flops in all) through scipy, in place on one
+    copy; None when XᵀX + λI is not positive definite in float64. Faster here than torch.linalg.cholesky +
+    torch.cholesky_inverse (which also leaves a column-major result)."""
+    from scipy.linalg import lapack
+
+    reg = np.array(xtx.numpy() if isinstance(xtx, torch.Tensor) else xtx, dtype=np.float64, order="C", copy=True)
+    reg.flat[:: reg.shape[0] + 1] += lam
+    # symmetric: the transpose view is Fortran-ordered, so LAPACK works on this buffer without copying
+    # (its lower triangle is our upper one)
+    c, info = lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)
+    if info != 0:
+        return None
+    c, info = lapack.dpotri(c, lower=1, overwrite_c=1)
+    if info != 0:
+        return None
+    return _mirror_upper(reg)
+
+
 def cholesky_inverse(
-    xtx: torch.Tensor, lam: float, n_rows: int, *, model_id=None, rescale: bool = True
+    xtx: torch.Tensor,
+    lam: float,
+    n_rows: int,
+    *,
+    model_id=None,
+    rescale: bool = True,
+    eigenvalues: torch.Tensor | np.ndarray | None = None,
+    inverse: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, float]:
     """((XᵀX + λI)⁻¹ float64, optionally divided by its mean |entry| as traker does; the condition estimate).
 
-    Cholesky + its triangular inverse in float64 (a third of an LU inverse's work). The condition number
-    is exact (eigendecomposition) for p ≤ EXACT_CONDITION_MAX_P or when the estimate comes within 10× of
+    Cholesky + its triangular inverse in float64 (:func:`lapack_inverse`; ``inverse``: that result, computed
+    by the caller). The condition number is (σ_max + λ) / (σ_min + λ) from ``eigenvalues`` of XᵀX when given;
+    else exact (eigendecomposition) for p ≤ EXACT_CONDITION_MAX_P or when the estimate comes within 10× of
     the warning threshold; otherwise λ_max(XᵀX + λI) · λ_max(inverse) by subspace iteration. A matrix that
     is not positive definite in float64 takes the general path (:func:`regularized_inverse`: LU, then the
     pseudo-inverse) with condition ∞. Warnings: :func:`check_conditioning`.
     """
     p = xtx.shape[0]
-    reg = xtx.to(torch.float64) + lam * torch.eye(p, dtype=torch.float64)
-    chol, failed = torch.linalg.cholesky_ex(reg)
-    if int(failed):
+    inv_np = inverse if inverse is not None else lapack_inverse(xtx, lam)
+    if inv_np is None:
         cond = check_conditioning(
             xtx, lam, n_rows, model_id=model_id, stacklevel=4, cond=None if p <= EXACT_CONDITION_MAX_P else float("inf")
         )
         return regularized_inverse(xtx, lam, rescale=rescale), cond
-    inv = torch.cholesky_inverse(chol).contiguous()  # LAPACK's column-major result: 4× slower GEMMs
+    inv = torch.from_numpy(inv_np)
     est = None
-    if p > EXACT_CONDITION_MAX_P:
+    if eigenvalues is not None:
+        ev = torch.as_tensor(eigenvalues, dtype=torch.float64)
+        low = max(float(ev.min()), 0.0) + lam
+        est = (float(ev.max()) + lam) / low if low > 0 else float("inf")
+    elif p > EXACT_CONDITION_MAX_P:
+        reg = xtx.to(torch.float64) + lam * torch.eye(p, dtype=torch.float64)
         hi, inv_hi = _top_eigenvalue(reg), _top_eigenvalue(inv)
         est = hi * inv_hi if hi > 0 and inv_hi > 0 else float("inf")
         if est >= CONDITION_WARN / 10 and not (p >= n_rows and lam == 0):
             est = None  # near the threshold: decide on the exact number
-    cond = check_conditioning(xtx, lam, n_rows, model_id=model_id, stacklevel=4, cond=est)
+    if est is not None and est < CONDITION_WARN and not (p >= n_rows and lam == 0):
+        cond = est  # nothing to warn about (check_conditioning would only build XᵀX + λI for its message)
+    else:
+        cond = check_conditioning(xtx, lam, n_rows, model_id=model_id, stacklevel=4, cond=est)
     if rescale:
-        m = inv.abs().mean()
+        m = float(np.abs(inv_np).mean())
         if m > 0:
             inv = inv / m
     return inv, cond
+
+
+def _float32_eigenvalues(xtx: np.ndarray) -> np.ndarray:
+    """Eigenvalues (ascending, as float64) of the symmetric XᵀX rounded to float32, by LAPACK's MRRR driver in
+    float32: about half the time of float64. Their error is ~1e-7 × the largest (measured on the quality
+    cases' projected gradients and on power-law spectra: ≤ 2e-6 × σ_max at p = 2048)."""
+    import scipy.linalg
+
+    a32 = np.asarray(xtx, dtype=np.float32)
+    a32 = np.array(a32, order="C", copy=a32 is xtx or not a32.flags.c_contiguous)
+    # symmetric: the Fortran-ordered transpose view lets LAPACK overwrite this copy instead of copying it again
+    ev = scipy.linalg.eigvalsh(a32.T, driver="evr", overwrite_a=True, check_finite=False)
+    return np.sort(ev.astype(np.float64))
+
+
+def _exact_deff_terms(inv: np.ndarray, lam: float) -> tuple[float, float]:
+    """(d_eff(λ), −d d_eff / d log λ) of XᵀX exactly, from (XᵀX + λI)⁻¹ (float64, before any rescale):
+    d_eff = Σ σ/(σ+λ) = p − λ tr(inv), −d d_eff/d log λ = Σ σλ/(σ+λ)² = λ (tr(inv) − λ ‖inv‖_F²)."""
+    tr = float(np.trace(inv))
+    fro2 = float(np.vdot(inv.reshape(-1), inv.reshape(-1)))
+    return inv.shape[0] - lam * tr, lam * (tr - lam * fro2)
+
+
+def solve_deff_fast(
+    xtx: np.ndarray, fractions, n_rows: int, lam_floor: float = 0.0
+) -> tuple[float, np.ndarray, np.ndarray] | None:
+    """(λ, (XᵀX + λI)⁻¹ float64 unscaled, the eigenvalues used) for ``deff`` rules without a float64
+    eigendecomposition, or None where this cannot decide (the caller then takes the float64 path).
+
+    λ = max(``lam_floor``, the ``deff:<c>`` λ of each fraction c in ``fractions``): a rule such as
+    ``"deff:0.1,resid:3"`` passes its other parts' (exact, cheap) λ as ``lam_floor``.
+
+    1. eigenvalues of XᵀX in float32 (:func:`_float32_eigenvalues`);
+    2. a target min(c·n, rank / 2) needs the numerical rank only when it is below 2 c n: the rank is taken as
+       certain when the count of float32 eigenvalues far above their round-off (> 8√p · ε₃₂ · σ_max) and
+       min(n, p) give the same targets, or, for n ≥ p, when XᵀX − θI (θ the rule's rank threshold) has a
+       float64 Cholesky factorization (rank p); otherwise None;
+    3. each deff λ by the rule (scoring.deff_lambda) on those eigenvalues (the p − n smallest set to 0 when
+       n < p: they are exact zeros, and float32 noise would bias d_eff);
+    4. the float64 inverse at λ gives the exact d_eff(λ) and its slope (:func:`_exact_deff_terms`), hence a
+       Newton estimate of each deff λ; λ is kept when max(lam_floor, those estimates) moves log λ by at most
+       DEFF_LOG_TOL, else that is the next λ (a factorization each, up to DEFF_NEWTON_STEPS), else None.
+    """
+    from .scoring import deff_lambda, deff_target
+
+    p = xtx.shape[0]
+    fractions = [float(c) for c in fractions]
+    if p <= EXACT_CONDITION_MAX_P or n_rows is None or not fractions or not np.isfinite(xtx).all():
+        return None
+    ev = _float32_eigenvalues(xtx)
+    top = float(ev[-1])
+    if not top > 0:
+        return None
+    n = int(n_rows)
+    max_rank = min(n, p)
+    theta = top * p * 1e-13  # scoring.deff_target's rank threshold
+    if n < p:
+        ev[: p - n] = 0.0  # rank ≤ n: these are zeros
+    tau = 8.0 * math.sqrt(p) * float(np.finfo(np.float32).eps) * top
+    sure = np.where(ev > tau, ev, 0.0)
+    full = ev.copy()
+    full[p - max_rank :] = np.maximum(full[p - max_rank :], 2.0 * theta)  # rank min(n, p)
+    targets = [deff_target(full, c, n) for c in fractions]
+    if [deff_target(sure, c, n) for c in fractions] != targets:
+        if n < p:
+            return None
+        reg = np.array(xtx, dtype=np.float64, order="C", copy=True)
+        reg.flat[:: p + 1] -= theta
+        from scipy.linalg import lapack
+
+        if lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)[1] != 0:
+            return None  # rank < p: decided on the float64 eigenvalues
+        del reg
+    lam = max([float(lam_floor)] + [deff_lambda(full, c, n) for c in fractions])
+    for _ in range(1 + DEFF_NEWTON_STEPS):
+        if not (lam > 0 and math.isfinite(lam)):
+            return None
+        inv = lapack_inverse(xtx, lam)
+        if inv is None:
+            return None
+        d, slope = _exact_deff_terms(inv, lam)
+        if not slope > 0:
+            return None
+        # d_eff falls as log λ grows: the Newton estimate of each deff λ from here
+        est = [lam * math.exp(max(min((d - t) / slope, 1.0), -1.0)) for t in targets]
+        new = max([float(lam_floor)] + est)
+        if abs(math.log(new / lam)) <= DEFF_LOG_TOL:
+            return lam, inv, full
+        lam = new
+    return None
+
+
+def _has_deff(rule) -> bool:
+    return bool(rule.deff) or any(_has_deff(r) for r in getattr(rule, "parts", ()))
 
 
 def rows_xtq(store: TrakStore, model_id: int, block_rows: int | None = None) -> tuple[np.ndarray, float]:
@@ -126,28 +278,93 @@ def rows_xtq(store: TrakStore, model_id: int, block_rows: int | None = None) -> 
     return xtq, qtq
 
 
-def solve_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True) -> tuple[np.ndarray, dict]:
-    """(inverse (p, p) float64, info) for one model from its partials. ``lambda_reg``: see parse_lambda_reg."""
-    xtx = torch.from_numpy(total_xtx(store, model_id))
+def solve_model(
+    store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, xtx=None
+) -> tuple[np.ndarray, dict]:
+    """(inverse (p, p) float64, info) for one model from its partials (or ``xtx``, their sum in shard order).
+    ``lambda_reg``: see parse_lambda_reg.
+
+    A ``deff`` rule (the ``"adaptive"`` default) resolves λ from float32 eigenvalues checked against the exact
+    effective dimension (:func:`solve_deff_fast`), falling back to float64 eigenvalues where that cannot decide."""
+    xtx_np = total_xtx(store, model_id) if xtx is None else xtx
+    xtx_t = torch.from_numpy(xtx_np)
+    n = store.meta.train_set_size
     rule = parse_lambda_reg(lambda_reg)
-    xtq, qtq = rows_xtq(store, model_id) if rule.needs_xtq else (None, None)  # a 'resid' rule ('adaptive')
-    lam = rule.resolve(xtx, n_rows=store.meta.train_set_size, xtq=xtq, qtq=qtq)
-    inv, cond = cholesky_inverse(xtx, lam, store.meta.train_set_size, model_id=model_id, rescale=rescale)
+    kw = {}
+    if getattr(rule, "needs_xtq", False):  # a 'resid' rule: Xᵀq and qᵀq over the stored rows
+        kw["xtq"], kw["qtq"] = rows_xtq(store, model_id)
+    fast = None
+    parts = tuple(getattr(rule, "parts", ())) or (rule,)
+    if _has_deff(rule) and not any(getattr(r, "parts", ()) for r in parts):
+        # the deff parts from float32 eigenvalues, checked; the others exactly (cheap)
+        others = [r.resolve(xtx_t, n_rows=n, **kw) for r in parts if not r.deff]
+        fast = solve_deff_fast(xtx_np, [r.factor for r in parts if r.deff], n, max(others, default=0.0))
+    if fast is not None:
+        lam, inv_np, ev = fast
+    else:
+        if _has_deff(rule) and bool(torch.isfinite(xtx_t).all()):
+            kw["eigenvalues"] = ev = symmetric_eigenvalues(xtx_t)
+        else:
+            ev = None
+        lam = rule.resolve(xtx_t, n_rows=n, **kw)
+        inv_np = None
+    inv, cond = cholesky_inverse(xtx_t, lam, n, model_id=model_id, rescale=rescale, eigenvalues=ev, inverse=inv_np)
     info = {
         "lambda_reg": lam,
         "lambda_setting": rule.setting,
         "rescale": bool(rescale),
         "condition": float(cond),
-        "xtx_trace": float(torch.trace(xtx)),
+        "xtx_trace": float(np.trace(xtx_np)),
     }
     return inv.numpy(), info
 
 
-def write_features_rows(store: TrakStore, model_id: int, inv: np.ndarray, a: int, b: int) -> None:
+def write_features_rows(
+    store: TrakStore, model_id: int, inv: np.ndarray, a: int, b: int, rows: np.ndarray | None = None, inv32=None
+) -> None:
+    """Φ = X A of rows [a, b) written to the store. ``rows``: those rows of X, already read; ``inv32``: ``inv``
+    as a float32 tensor (converted once per model rather than once per block)."""
     m = store.model(model_id)
-    inv_t = torch.from_numpy(inv)
-    x = torch.from_numpy(m.grads[a:b].astype(np.float32))
+    inv_t = inv32 if inv32 is not None else torch.from_numpy(inv)
+    x = torch.from_numpy(np.asarray(m.grads[a:b] if rows is None else rows).astype(np.float32, copy=False))
     store.write_features_rows(model_id, a, b, features_block(x, inv_t).numpy())
+
+
+def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, tuple | None, list]:
+    """XᵀX exactly as :func:`total_xtx` sums it (the shard partials in shard order), computing the missing
+    partials on the way (:func:`ensure_partial`) and summing them from memory instead of reading them back.
+    Their writes go to ``writer`` (one background thread) so that they overlap the next shard's work and the
+    solve; returns (XᵀX, ((a, b), rows of X) of the last shard computed here, the write futures)."""
+    m = store.model(model_id)
+    total, owned = None, False  # the running sum; 0 + P₀ is P₀ itself (the same bits as total_xtx's)
+    last, writes = None, []
+
+    def add(part: np.ndarray) -> None:
+        nonlocal total, owned
+        if total is None:
+            total = part  # not modified in place while its write may be in flight
+        elif owned:
+            total += part
+        else:
+            total, owned = total + part, True
+
+    for s in range(store.meta.num_shards):
+        if store.partial_done(model_id, s):
+            add(np.asarray(m.xtx_partials[s], dtype=np.float64))
+            continue
+        a, b = store.meta.shard_range(s)
+        if not store.shard_featurized(model_id, s):
+            raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {s} are not all featurized")
+        rows = np.asarray(m.grads[a:b])
+        part = shard_partial(store, model_id, s, rows=rows)
+        for w in writes:  # one partial (p² float64) in flight at a time
+            w.result()
+        writes = [writer.submit(store.write_partial, model_id, s, part)]
+        add(part)
+        last = ((a, b), rows)
+    if total is None:
+        total = np.zeros((store.meta.proj_dim,) * 2, dtype=np.float64)
+    return total, last, writes
 
 
 def finalize_model(
@@ -166,16 +383,20 @@ def finalize_model(
     # what determines the features is recorded before the first row is written: a rerun after a crash with
     # another λ or rescale is refused naming the field, never finalized with two settings
     store.record_feature_settings(model_id, parse_lambda_reg(lambda_reg).setting, rescale)
-    for s in range(store.meta.num_shards):
-        ensure_partial(store, model_id, s)
-    inv, info = solve_model(store, model_id, lambda_reg, rescale)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trak-partial") as writer:
+        total, last, writes = _sum_partials(store, model_id, writer)
+        inv, info = solve_model(store, model_id, lambda_reg, rescale, xtx=total)
+        for w in writes:  # the partials are in the store before any feature row is
+            w.result()
+    inv32 = torch.from_numpy(inv).to(torch.float32)
     step = block_rows or store.meta.rows_per_shard
     n = store.meta.train_set_size
     done = store.model(model_id).finalized
     for a in range(0, n, step):
         b = min(a + step, n)
         if not done[a:b].all():
-            write_features_rows(store, model_id, inv, a, b)
+            kept = last[1] if last is not None and last[0] == (a, b) else None
+            write_features_rows(store, model_id, inv, a, b, rows=kept, inv32=inv32)
         if progress:
             progress(b - a)
     store.set_finalize_info(model_id, info)

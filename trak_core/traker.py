@@ -18,9 +18,11 @@ Differences from traker 0.3.2, on purpose:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Iterable
 
 import numpy as np
@@ -39,6 +41,19 @@ from .store import StoreMetadata, TrakStore
 
 #: TRAKer's default lambda_reg (traker 0.3.2: 0.0); see parse_lambda_reg and RESULTS.md "Attribution quality"
 DEFAULT_LAMBDA_REG = "adaptive"
+
+
+#: TRAKers alive in this process: rows they hold back are written at exit (weak references only)
+_open_trakers: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_open_trakers() -> None:
+    for tr in list(_open_trakers):
+        try:
+            tr._flush_rows()
+        except Exception:  # the rows stay unmarked: featurized again by the next run
+            pass
 
 
 def default_device() -> str:
@@ -188,10 +203,29 @@ class TRAKer:
         self._last_ind_target = 0
         self.scores: np.ndarray | None = None
         self._started_over: set[int] = set()  # model ids this instance started over (load_from_save_dir=False)
+        # featurized rows not yet in the store: one ascending run of rows of one model, written (and only then
+        # marked featurized) when it reaches a chunk boundary or the last train row, or before anything else
+        # this instance does with the store (see _flush_rows)
+        self._pending: dict | None = None
+        _open_trakers.add(self)
 
     # ------------------------------------------------------------------ featurizing
+    def _flush_rows(self) -> None:
+        """Write the featurized rows held back by :meth:`featurize` (then mark them featurized)."""
+        pend, self._pending = self._pending, None
+        if pend is not None:
+            x, q = np.concatenate(pend["x"]), np.concatenate(pend["q"])
+            self.store.write_train_rows(pend["mid"], slice(pend["start"], pend["stop"]), x, q)
+
+    def __del__(self) -> None:
+        try:
+            self._flush_rows()
+        except Exception:  # interpreter shutdown or a closed store: the rows stay unmarked (featurized again)
+            pass
+
     def load_checkpoint(self, checkpoint: dict, model_id: int, _allow_featurizing_already_registered=False) -> None:
         """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
+        self._flush_rows()
         self.store.init_model(model_id)
         if not self.load_from_save_dir and model_id not in self._started_over:
             # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here,
@@ -225,7 +259,13 @@ class TRAKer:
         return inds
 
     def featurize(self, batch, inds=None, num_samples: int | None = None) -> None:
-        """Project the gradients of a batch of train examples and store them (rows ``inds``)."""
+        """Project the gradients of a batch of train examples and store them (rows ``inds``).
+
+        Consecutive batches of ascending rows (``num_samples``, or contiguous ``inds``) are written to the
+        store together, once a chunk of rows is complete or the last train row is reached (one Zarr write per
+        chunk instead of a read-modify-write of the chunk per batch); every other TRAKer call, and the end of
+        the process, writes what is held first. Rows are marked featurized only once written: a process
+        killed in between leaves them unmarked, and they are featurized again on the next run."""
         mid = self.current_model_id
         if self.ckpt_loaded is None or mid is None:  # the two are set together (load_checkpoint)
             raise StateAssertionError(
@@ -239,7 +279,13 @@ class TRAKer:
             )
         self.task.validate_batch(batch)
         inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
+        pend = self._pending
+        if pend is not None and pend["mid"] != mid:
+            self._flush_rows()
+            pend = None
         done = self.store.model(mid).featurized.oindex[inds].astype(bool)
+        if pend is not None:
+            done |= (inds >= pend["start"]) & (inds < pend["stop"])
         if done.all():
             return
         keep = np.flatnonzero(~done)
@@ -249,10 +295,25 @@ class TRAKer:
             inds = inds[keep]
         order = np.argsort(inds)
         x, q = self.featurizer.featurize(batch, mid, inds)
-        self.store.write_train_rows(mid, inds[order], x[order], q[order])
+        rows, x, q = inds[order], x[order], q[order]
+        if rows.size == 0 or rows[-1] - rows[0] + 1 != rows.size:  # not one run of rows: written now
+            self._flush_rows()
+            self.store.write_train_rows(mid, rows, x, q)
+            return
+        start, stop = int(rows[0]), int(rows[-1]) + 1
+        if pend is None or pend["stop"] != start:
+            self._flush_rows()
+            pend = self._pending = {"mid": mid, "start": start, "stop": start, "x": [], "q": []}
+        pend["x"].append(x)
+        pend["q"].append(q)
+        pend["stop"] = stop
+        chunk = self.store.meta.chunk_rows
+        if stop == self.train_set_size or stop // chunk > start // chunk:  # reached the end or a chunk boundary
+            self._flush_rows()
 
     def finalize_features(self, model_ids: Iterable[int] | None = None, del_grads: bool = False) -> None:
         """XᵀX, (XᵀX + λI)⁻¹ and the features Φ for each model (all registered ones by default)."""
+        self._flush_rows()
         ids = list(model_ids) if model_ids is not None else self.store.model_ids()
         for mid in ids:
             if not self.store.has_model(mid):
@@ -272,6 +333,7 @@ class TRAKer:
     # ------------------------------------------------------------------ scoring
     def start_scoring_checkpoint(self, exp_name: str, checkpoint: dict, model_id: int, num_targets: int) -> None:
         """Begin computing target gradients of experiment ``exp_name`` for checkpoint ``model_id``."""
+        self._flush_rows()
         if not self.store.is_finalized(model_id):
             raise StateError(f"model_id={model_id} is not finalized; call finalize_features first")
         self.store.init_experiment(exp_name, num_targets)

@@ -1,0 +1,154 @@
+"""finalize's fast solve (issue 15, item 1) against float64 references: the LAPACK Cholesky inverse, the deff λ
+from float32 eigenvalues checked against the exact effective dimension, and the partials summed from memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trak_core import reduce
+from trak_core.scoring import parse_lambda_reg, resolve_lambda
+from trak_core.store import StoreMetadata, TrakStore
+
+
+def _x(n: int, p: int, *, alpha: float = 0.0, rank: int | None = None, seed: int = 0) -> np.ndarray:
+    """n × p rows (float32-representable) whose XᵀX has a power-law spectrum σᵢ ∝ i^-alpha (0: Gaussian), of
+    the given rank (default min(n, p))."""
+    g = np.random.default_rng(seed)
+    r = rank or min(n, p)
+    s = np.arange(1, r + 1, dtype=np.float64) ** (-alpha / 2)
+    basis = np.linalg.qr(g.standard_normal((p, r)))[0]
+    x = (g.standard_normal((n, r)) * s) @ basis.T
+    return x.astype(np.float32).astype(np.float64)
+
+
+def test_lapack_inverse_is_the_float64_inverse_and_exactly_symmetric():
+    for p in (7, 300, 777):  # 777: panels of the mirror copy that do not divide p
+        x = _x(2 * p, p, alpha=1.0, seed=p)
+        a = x.T @ x
+        lam = 1e-3 * np.trace(a) / p
+        inv = reduce.lapack_inverse(a, lam)
+        ref = np.linalg.inv(a + lam * np.eye(p))
+        assert inv.flags.c_contiguous and np.array_equal(inv, inv.T)
+        np.testing.assert_allclose(inv, ref, rtol=1e-9, atol=1e-12 * np.abs(ref).max())
+    bad = -np.eye(5)
+    assert reduce.lapack_inverse(bad, 0.0) is None
+
+
+def test_mirror_upper_fills_the_lower_triangle():
+    a = np.arange(49.0).reshape(7, 7)
+    want = np.triu(a) + np.triu(a, 1).T
+    np.testing.assert_array_equal(reduce._mirror_upper(a.copy(), block=3), want)
+
+
+CASES = [
+    # (n, p, alpha, rank): n = p like the benchmark, n > 10 p (target = rank / 2), n < p (rank n), power laws
+    (768, 768, 0.0, None),
+    (12000, 640, 0.0, None),
+    (400, 768, 0.0, None),
+    (3000, 768, 1.0, None),
+    (3000, 768, 1.5, None),
+    (20000, 640, 1.0, None),
+    (2000, 768, 2.0, None),
+    (1500, 600, 3.0, None),  # λ far below float32 round-off of σ_max: Newton steps or the float64 path
+]
+
+
+@pytest.mark.parametrize("n,p,alpha,rank", CASES)
+@pytest.mark.parametrize("c", [0.1, 0.3])
+def test_fast_deff_lambda_matches_the_float64_rule(n, p, alpha, rank, c):
+    x = _x(n, p, alpha=alpha, rank=rank, seed=n + p)
+    a = x.T @ x
+    ref = resolve_lambda(f"deff:{c}", torch.from_numpy(a), n_rows=n)
+    out = reduce.solve_deff_fast(a, [c], n)
+    if out is None:  # it could not decide: solve_model takes the float64 path
+        assert alpha >= 3.0, "the fast path should decide these spectra"
+        return
+    lam, inv, _ = out
+    assert lam == pytest.approx(ref, rel=1e-3)
+    np.testing.assert_allclose(inv, np.linalg.inv(a + lam * np.eye(p)), rtol=1e-6, atol=1e-9 * np.abs(inv).max())
+
+
+def test_rank_deficient_with_many_rows_is_decided_exactly():
+    """n ≫ p but rank r < p: the target min(c·n, r/2) needs the float64 rank; the fast path declines (its
+    Cholesky rank test fails) and solve_model resolves λ on the float64 eigenvalues, as scoring does."""
+    n, p, r = 6000, 640, 200
+    x = _x(n, p, rank=r, seed=1)
+    a = x.T @ x
+    assert reduce.solve_deff_fast(a, [0.1], n) is None
+    st = _store_with_rows(None, x.astype(np.float32), chunk_rows=1000, shard_rows=2000)
+    inv, info = reduce.solve_model(st, 0, "adaptive", rescale=False)
+    assert info["lambda_reg"] == pytest.approx(_reference_lambda("adaptive", x, n), rel=1e-12)
+
+
+def _reference_lambda(setting, x: np.ndarray, n: int) -> float:
+    """The float64 rule on all rows (float64 eigenvalues; Xᵀq, qᵀq with q = 1 where the rule needs them)."""
+    rule = parse_lambda_reg(setting)
+    xd = np.asarray(x, dtype=np.float64)
+    kw = {}
+    if getattr(rule, "needs_xtq", False):
+        kw = {"xtq": xd.sum(axis=0), "qtq": float(n)}
+    return rule.resolve(torch.from_numpy(xd.T @ xd), n_rows=n, **kw)
+
+
+def test_deff_with_another_part_takes_the_larger_lambda():
+    """λ = max(lam_floor, deff λ): a floor above the deff λ is returned exactly, one below it leaves the deff λ."""
+    n, p = 3000, 768
+    x = _x(n, p, alpha=1.0, seed=2)
+    a = x.T @ x
+    ref = resolve_lambda("deff:0.1", torch.from_numpy(a), n_rows=n)
+    assert reduce.solve_deff_fast(a, [0.1], n, 3.0 * ref)[0] == 3.0 * ref
+    assert reduce.solve_deff_fast(a, [0.1], n, 0.5 * ref)[0] == pytest.approx(ref, rel=1e-4)
+    two = reduce.solve_deff_fast(a, [0.1, 0.3], n)[0]  # the larger deff λ: the smaller fraction
+    assert two == pytest.approx(ref, rel=1e-4)
+
+
+def _store_with_rows(path, x: np.ndarray, *, chunk_rows: int, shard_rows: int, partials: bool = True) -> TrakStore:
+    import tempfile
+
+    n, p = x.shape
+    meta = StoreMetadata(
+        train_set_size=n, grad_dim=10 * p, proj_dim=p, dtype="float32", chunk_rows=chunk_rows, shard_rows=shard_rows
+    )
+    st = TrakStore.create_or_open(str(path or tempfile.mkdtemp()) + "/s", meta)
+    st.init_model(0)
+    st.write_train_rows(0, slice(0, n), x, np.ones(n, dtype=np.float32))
+    if partials:
+        for s in range(meta.num_shards):
+            reduce.ensure_partial(st, 0, s)
+    return st
+
+
+@pytest.mark.parametrize("setting", ["adaptive", 0.5])
+def test_finalize_sums_partials_from_memory_like_the_stored_ones(tmp_path, setting):
+    """finalize_model computing the partials itself (summed from memory, written in the background) gives the
+    same stored partials, λ and features, bit for bit, as finalizing from partials computed beforehand; the
+    features are X (XᵀX + λI)⁻¹ / mean|·| to float32 round-off."""
+    n, p = 2500, 600
+    x = _x(n, p, alpha=1.0, seed=5).astype(np.float32)
+    a = _store_with_rows(tmp_path / "a", x, chunk_rows=250, shard_rows=1000, partials=False)
+    b = _store_with_rows(tmp_path / "b", x, chunk_rows=250, shard_rows=1000, partials=True)
+    ia = reduce.finalize_model(a, 0, setting)
+    ib = reduce.finalize_model(b, 0, setting)
+    assert ia == ib
+    assert a.model(0).partial_done[:].all()
+    np.testing.assert_array_equal(a.model(0).xtx_partials[:], b.model(0).xtx_partials[:])
+    np.testing.assert_array_equal(a.model(0).features[:], b.model(0).features[:])
+    xd = x.astype(np.float64)
+    lam = ia["lambda_reg"]
+    if setting == "adaptive":
+        assert lam == pytest.approx(_reference_lambda("adaptive", x, n), rel=1e-3)
+    inv = np.linalg.inv(xd.T @ xd + lam * np.eye(p))
+    want = xd @ (inv / np.abs(inv).mean())
+    np.testing.assert_allclose(a.model(0).features[:], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert 1.0 <= ia["condition"] < 1e7
+
+
+def test_fast_condition_estimate_is_close_to_the_exact_one():
+    n, p = 3000, 768
+    x = _x(n, p, alpha=1.0, seed=9)
+    a = x.T @ x
+    lam, inv, ev = reduce.solve_deff_fast(a, [0.1], n)
+    _, cond = reduce.cholesky_inverse(torch.from_numpy(a), lam, n, eigenvalues=ev, inverse=inv)
+    assert cond == pytest.approx(np.linalg.cond(a + lam * np.eye(p)), rel=1e-3)
