@@ -3,8 +3,8 @@ normalization of the projected gradients, on the evaluation cases of ``benchmark
 
 Everything is scored with quality.py's ground truth (100 half-subset models per case), its pipeline
 formula (``quality.Solver``: float64 XᵀX, (XᵀX + λI)⁻¹ rescaled as traker, traker's checkpoint
-combination) and the default damping ``lambda_reg="adaptive"``; the projector is TRAKer's default
-(factored, proj_dim 2048) unless ``--proj-dims`` says otherwise.
+combination) and ``lambda_reg="deff:0.1"`` (``SETTING``: the default "adaptive" when this was measured); the
+projector is TRAKer's default (factored, proj_dim 2048) unless ``--proj-dims`` says otherwise.
 
 ``ensembles`` — per case, 6 training runs (seeds 0..5, the case's full-batch Adam recipe, T steps) with
 snapshots at fractions 1/4, 1/2, 5/8, 3/4, 7/8, 1 of T. A full-batch run is deterministic, so the
@@ -53,7 +53,7 @@ for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
         sys.path.insert(0, p)
 
 import quality  # noqa: E402
-from quality import ADAPTIVE_SETTING, Solver, ground_truth, make_cases, paired_ci  # noqa: E402
+from quality import Solver, ground_truth, make_cases, paired_ci  # noqa: E402
 
 from trak_core.featurize import Featurizer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
@@ -65,6 +65,8 @@ from trak_core.scoring import combine_checkpoints, features_block, parse_lambda_
 CACHE = os.path.join(ROOT, ".cache", "past_trak")
 FRACS = (0.25, 0.5, 0.625, 0.75, 0.875, 1.0)
 NUM_RUNS = 6
+#: the damping of every row: what "adaptive" meant when this was measured (it became "deff:0.1,resid:3" later)
+SETTING = "deff:0.1"
 KIND, PROJ_DIM = "factored", 2048
 
 # name: ([(seed, snapshot fraction), ...], what); training cost = Σ over runs of the last snapshot used (× T)
@@ -269,7 +271,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def pipeline_scores(f: dict, setting=ADAPTIVE_SETTING) -> torch.Tensor:
+def pipeline_scores(f: dict, setting=SETTING) -> torch.Tensor:
     """One checkpoint's scores the way the pipeline computes them (float64 XᵀX, λ from the rule, Cholesky
     inverse rescaled, features, scores) — timed as the per-checkpoint scoring cost."""
     x, g = torch.from_numpy(f["X"]), torch.from_numpy(f["G"])
@@ -279,7 +281,7 @@ def pipeline_scores(f: dict, setting=ADAPTIVE_SETTING) -> torch.Tensor:
     return scores_block(features_block(x, inv), g)
 
 
-def score(solvers: list, truth: dict, setting=ADAPTIVE_SETTING) -> dict:
+def score(solvers: list, truth: dict, setting=SETTING) -> dict:
     """LDS of the pipeline's scores over these checkpoints' solvers."""
     acc = sum(s.scores(s.resolve(setting)) for s in solvers)
     qsum = sum(s.q for s in solvers).astype(np.float32)
@@ -458,7 +460,7 @@ def report_ensembles() -> None:
     cases = adam + sgd
     t = {(r["case"], r["config"]): r for r in rows}
     steps = ", ".join(f"{c} {t[(c, 'A')]['T']}" for c in cases)
-    print(f"\n### Trajectory ensembles ({KIND}, proj_dim {PROJ_DIM}, lambda_reg {ADAPTIVE_SETTING}; LDS [95 % CI])\n")
+    print(f"\n### Trajectory ensembles ({KIND}, proj_dim {PROJ_DIM}, lambda_reg {SETTING}; LDS [95 % CI])\n")
     print("Training cost in full runs of the recipe (T = its full-batch steps, or its epochs for SGD:")
     print(f"{steps});")
     print("passes = checkpoints featurized (and scored). Projector source key " + rows[0].get("code", "?") + ".")
@@ -522,7 +524,7 @@ def report_layernorm() -> None:
     dims = sorted({r["proj_dim"] for r in rows})
     nb = {r["case"]: r["blocks"] for r in rows}
     t = {(r["case"], r["proj_dim"], r["norm"]): r for r in rows}
-    print(f"\n### Per-layer normalization (factored, 3 checkpoints, lambda_reg {ADAPTIVE_SETTING}; LDS [95 % CI])\n")
+    print(f"\n### Per-layer normalization (factored, 3 checkpoints, lambda_reg {SETTING}; LDS [95 % CI])\n")
     print("| case (blocks) | proj_dim | none (today) | equal | Δ equal | rms | Δ rms | blockdiag | Δ blockdiag |")
     print("|---|---|---|---|---|---|---|---|---|")
     for c in cases:
