@@ -18,7 +18,7 @@ from trak_core import counter_rng, factored
 from trak_core.errors import BadInputError, NonFiniteGradientError
 from trak_core.factored import OTHER, SIDE_IN, SIDE_OUT, FactoredProjector, factor_key, factor_matrix, model_layout
 from trak_core.featurize import Featurizer
-from trak_core.gradients import FunctionalGradientComputer
+from trak_core.gradients import FunctionalGradientComputer, vectorize
 from trak_core.modelout import ImageClassificationModelOutput
 from trak_core.projectors import DenseProjector, NoOpProjector, ProjectionType, make_projector
 from trak_core.sjlt import SJLTProjector
@@ -118,13 +118,48 @@ def test_factored_pairs_equal_explicit_khatri_rao_columns():
 
 
 def test_factored_pairs_only_where_cheap():
-    """Pairs cost k · (d_in + 1 + d_out) per position: small linear blocks get them, large ones and convs the grid."""
+    """Pairs cost k · (d_in + 1 + d_out) per position: small blocks get them (convs too), large ones the grid."""
     model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
     big, small = FactoredProjector.from_model(model, 2048).blocks
     assert not big.pairs and big.k_out * big.k_in >= big.k
     assert small.pairs and small.k * (small.in_rows + small.d_out) <= factored.PAIRS_MAX_MACS
     conv = FactoredProjector.from_model(nn.Conv2d(1, 2, 3), 16).blocks[0]
-    assert not conv.pairs
+    assert conv.pairs and (conv.k_out, conv.k_in) == (16, 16)
+    wide = FactoredProjector.from_model(nn.Conv2d(64, 128, 3), 2048).blocks[0]  # 73,856 weights: the grid
+    assert not wide.pairs and wide.k_out * wide.k_in >= wide.k
+
+
+@pytest.mark.parametrize("layer", ["conv", "embedding"])
+def test_pairs_fast_path_equals_definition_for_conv_and_embedding(layer):
+    """Conv and embedding blocks with pairs: the fast path (hooks with Z = diag(z)) equals the projector applied
+    to brute-force per-example gradients, and that equals column j = p_outⱼ ⊗ p_inⱼ (float64)."""
+    torch.manual_seed(0)
+    if layer == "conv":
+        model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 5 * 5, 4))
+        batch = [torch.randn(6, 2, 5, 5, dtype=torch.float64), torch.randint(0, 4, (6,))]
+    else:
+        model = nn.Sequential(nn.Embedding(11, 5), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 5, 4))
+        ids = torch.randint(0, 11, (6, 4))
+        ids[0, :2] = 3  # a repeated token
+        batch = [ids, torch.randint(0, 4, (6,))]
+    model = model.double().eval()
+    p = FactoredProjector.from_model(model, 24, seed=3, dtype=torch.float64)
+    first = p.blocks[0]
+    assert first.pairs and first.kind == layer
+    task = ImageClassificationModelOutput()
+    gc = FunctionalGradientComputer(model, task, dtype=torch.float64)
+    grads = gc.compute_per_sample_grad(batch)
+    slow = p.project(grads, 2)
+    m = p.matrix(2).double()
+    torch.testing.assert_close(slow, vectorize(grads) @ m, rtol=1e-9, atol=1e-9)
+    fast = p.featurize_batch(model, task, gc._weights(), gc._buffers(), batch, 2)
+    torch.testing.assert_close(fast, slow, rtol=1e-8, atol=1e-10)
+    # the first block's columns are Khatri-Rao columns: p_outⱼ ⊗ p_inⱼ over the (out, in) layout of the weight
+    p_in, p_out, w = p.factors(2)[first.name]
+    cols = torch.stack([torch.kron(p_out[:, j], p_in[:, j]) for j in range(first.k)], 1) * w
+    aug = cols.reshape(first.d_out, first.in_rows, first.k)
+    n_w = first.d_out * first.d_in
+    torch.testing.assert_close(m[:n_w, : first.k], aug[:, : first.d_in].reshape(n_w, first.k))
 
 
 def test_factored_keys_are_distinct_and_stable():

@@ -51,12 +51,14 @@ Pairs for small layers
 ----------------------
 The grid's coordinates share rows: the error of ⟨Px, Py⟩ on rank-one gradients is that of two JL sketches of
 widths k_out and k_in ≈ √k multiplied, ≈ √(2/k_in + 2/k_out), far above dense's √(2/k) when k is small. A
-small linear block (at most ``PAIRS_MAX_WEIGHTS`` weights and biases, and k · (d_in [+1] + d_out) ≤
-``PAIRS_MAX_MACS`` multiply-adds per position) therefore gets k independent pairs instead (``pairs``, a
+small block of any factored kind (at most ``PAIRS_MAX_WEIGHTS`` weights and biases, and k · (d_in [+1] + d_out)
+≤ ``PAIRS_MAX_MACS`` multiply-adds per position) therefore gets k independent pairs instead (``pairs``, a
 Khatri-Rao product; P_in (d_in [+1]) × k and P_out d_out × k): coordinate j is p_outⱼᵀ G p_inⱼ · √(proj_dim/k),
-for one position (p_outⱼᵀ g)(p_inⱼᵀ [a; 1]), still unbiased (E[(p⊗q)(p⊗q)ᵀ] = I) with an error ∝ 1/√k like
-dense. On ``benchmarks/quality.py``'s small models this closes the LDS gap to dense that the grid leaves at
-proj_dim ≤ 512 (RESULTS.md, "Attribution quality"); large layers keep the grid, whose k_in, k_out are large
+for one position (p_outⱼᵀ g)(p_inⱼᵀ [a; 1]) — Z = diag(z) in the fast path's hooks (conv: P_out diag(z)
+applied to the conv of the input with P_in; embedding: (P_out[ids] ⊙ z) P_inᵀ) — still unbiased
+(E[(p⊗q)(p⊗q)ᵀ] = I) with an error ∝ 1/√k like dense. (An embedding's output side is a gather, so its cost
+per position is k · (d_in + 1).) On ``benchmarks/quality.py``'s small models this closes the LDS gap to dense
+that the grid leaves (RESULTS.md, "Attribution quality"); large layers keep the grid, whose k_in, k_out are large
 there and whose cost per position is (d_in + d_out)·√k instead of (d_in + d_out)·k.
 
 The random numbers (deterministic under the rules of :mod:`trak_core.counter_rng`)
@@ -129,7 +131,7 @@ from .gradients import grad_param_names, vectorize
 from .projectors import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
 FLAT = "__flat__"
-# a small linear block (at most PAIRS_MAX_WEIGHTS weights and biases) whose paired projection costs at most
+# a small block (at most PAIRS_MAX_WEIGHTS weights and biases) whose paired projection costs at most
 # PAIRS_MAX_MACS multiply-adds per position, k · (d_in [+1] + d_out), gets one (p_j, q_j) pair per kept
 # coordinate instead of the k_out × k_in grid (see "Pairs for small layers" in the module docstring)
 PAIRS_MAX_WEIGHTS = 1 << 13
@@ -303,7 +305,10 @@ def _with_split(blocks: list[Block], proj_dim: int) -> tuple:
     for b, k in zip(blocks, ks, strict=True):
         if b.kind == "other":
             out.append(Block(**{**asdict(b), "k": k, "k_out": 1, "k_in": k}))
-        elif b.kind == "linear" and b.size <= PAIRS_MAX_WEIGHTS and k * (b.in_rows + b.d_out) <= PAIRS_MAX_MACS:
+        elif (
+            b.size <= PAIRS_MAX_WEIGHTS
+            and k * (b.in_rows + (1 if b.kind == "embedding" else b.d_out)) <= PAIRS_MAX_MACS
+        ):
             out.append(Block(**{**asdict(b), "k": k, "k_out": k, "k_in": k, "pairs": True}))
         else:
             ko, ki = _factor(k, b.d_out, b.in_rows)
@@ -791,6 +796,8 @@ def _make_hook(b: Block, factors, ctx: dict):
             rows = torch.nn.functional.embedding(ids, p_out)  # P_out[ids]: (*ids, k_out)
             if mod.padding_idx is not None:  # torch gives the padding row no gradient
                 rows = rows * (ids != mod.padding_idx).unsqueeze(-1).to(rows.dtype)
+            if b.pairs:  # Z = diag(z)
+                return output + (rows * z) @ p_w.T
             return output + rows @ (z @ p_w.T)
 
         return emb_hook
@@ -807,7 +814,7 @@ def _make_hook(b: Block, factors, ctx: dict):
         u = u.flatten(2)
         if p_b is not None:
             u = u + p_b.unsqueeze(-1)
-        v = ((p_out @ z) @ u).reshape(shape[0], b.d_out, *shape[2:])
+        v = (((p_out * z) if b.pairs else (p_out @ z)) @ u).reshape(shape[0], b.d_out, *shape[2:])
         return output + (v.squeeze(0) if unbatched else v)
 
     return conv_hook
