@@ -69,7 +69,7 @@ def demo_configs(
     num_models: int = 3,
     epochs: int = 4,
     proj_dim: int = 512,
-    lambda_reg: float | str = "auto",
+    lambda_reg: float | str = "adaptive",
 ):
     """(TrainConfig, AttributeConfig dict) of the demo; the attribute config is returned as a dict because
     its validation needs the checkpoints to exist, which the train flow makes first.
@@ -79,8 +79,9 @@ def demo_configs(
     target's proponents whatever its class. Four epochs at lr 0.01 (about 90 % train accuracy) keep Q
     spread out. Measured on 50 held-out digits with 3 checkpoints (lambda_reg 1.0, dense): 0.93 of the
     top-5 proponents share the target's label (0.29 after 15 epochs at lr 0.05, 99.6 % train accuracy).
-    lambda_reg "auto" (0.3 × the mean eigenvalue of XᵀX) raises the demo's LDS from 0.156 (λ = 1.0) to
-    0.274 (benchmarks/RESULTS.md, "Damping and LDS")."""
+    lambda_reg "adaptive" (the default; on these far-from-converged checkpoints its ``resid`` part sets λ) scores
+    LDS 0.364 against 0.215 with "auto" on the demo's own checkpoints (benchmarks/RESULTS.md, "Attribution
+    quality", the digits demo check)."""
     from tasks.config import TrainConfig
 
     demo_dir = Path(demo_dir).absolute()

@@ -18,7 +18,7 @@ def digits_demo(
     num_models: int = 3,
     epochs: int = 4,
     proj_dim: int = 512,
-    lambda_reg: float | str = "auto",
+    lambda_reg: float | str = "adaptive",
 ) -> dict:
     """scikit-learn's digits, a 64→32→10 MLP: ``num_models`` checkpoints (trained only when absent),
     then the attribute flow on 5 held-out digits. Returns the train result (or None) and the attribution."""

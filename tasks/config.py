@@ -308,9 +308,10 @@ class AttributeConfig(_Base):
     proj_seed: NonNegativeInt = _setting("proj_seed", "seed of the projection")
     lambda_reg: LambdaSetting = _setting(
         "lambda_reg",
-        "ridge term λ in (XᵀX + λI)⁻¹: 'adaptive' (the default: λ where the effective dimension of each "
-        "checkpoint's XᵀX is min(0.1·n, rank/2); 'deff:<c>' for another fraction c of n), a number ≥ 0, or "
-        "'auto' / 'rel:<f>' (f × the mean eigenvalue of each checkpoint's XᵀX; 'auto' = rel:0.3)",
+        "ridge term λ in (XᵀX + λI)⁻¹: 'adaptive' (the default, = 'deff:0.1,resid:3': per checkpoint the larger "
+        "of the λ where the effective dimension of XᵀX is min(0.1·n, rank/2) and 3 × ‖Xᵀq‖²/‖q‖², the implicit "
+        "ridge of a run stopped before convergence), a number ≥ 0, 'auto' / 'rel:<f>' (f × the mean eigenvalue of "
+        "XᵀX; 'auto' = rel:0.3), 'deff:<c>', 'resid:<k>', or rules joined by ',' (their largest λ)",
     )
     rescale_inverse: bool = _setting("rescale_inverse", "divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients/features")

@@ -21,7 +21,8 @@ StorageDtype = Literal["float16", "float32"]
 
 
 def normalize_lambda_reg(value: float | str) -> float | str:
-    """A lambda_reg setting in its normalized form (a float, ``"auto"`` or ``"rel:<f>"``); errors name it."""
+    """A lambda_reg setting in its normalized form (a float, ``"auto"``, ``"rel:<f>"``, ``"deff:<c>"``,
+    ``"resid:<k>"`` or such parts joined by ``","``; ``"adaptive"`` becomes its parts); errors name it."""
     try:
         return parse_lambda_reg(value).setting
     except ValueError as e:
@@ -34,7 +35,8 @@ def check_grad_wrt(value: list[str] | None) -> list[str] | None:
     return value
 
 
-#: a number ≥ 0, ``"auto"``, ``"rel:<f>"``, ``"adaptive"`` or ``"deff:<c>"`` (trak_core.scoring.parse_lambda_reg)
+#: a number ≥ 0, ``"auto"``, ``"rel:<f>"``, ``"adaptive"``, ``"deff:<c>"``, ``"resid:<k>"`` or parts joined by ``","``
+#: (trak_core.scoring.parse_lambda_reg)
 LambdaSetting = Annotated[NonNegativeFloat | str, AfterValidator(normalize_lambda_reg)]
 #: parameter names to take gradients for; None: all parameters
 GradWrt = Annotated[list[str] | None, AfterValidator(check_grad_wrt)]

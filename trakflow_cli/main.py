@@ -261,7 +261,10 @@ def demo(
     models: int = typer.Option(3, min=1, help="checkpoints to train"),
     epochs: int = typer.Option(4, min=1, help="epochs per checkpoint"),
     proj_dim: int = typer.Option(512, min=1, help="projection dimension (< 1500 train digits)"),
-    lambda_reg: str = typer.Option("auto", help="ridge term λ: a number, 'auto' or 'rel:<f>'"),
+    lambda_reg: str = typer.Option(
+        "adaptive",
+        help="ridge term λ: 'adaptive' (deff:0.1,resid:3), a number, 'auto', 'rel:<f>', 'deff:<c>', 'resid:<k>'",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs"),
 ) -> None:
     """Train digit classifiers (if absent), attribute 5 held-out digits to the 1,500 train digits, report."""
@@ -378,7 +381,7 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: str | None, 
     attr.update(exp_name="digits-heldout", target_data="examples.digits:heldout_data", report_targets=5)
     report = Path(demo_dir).absolute() / "report"
     if lambda_reg is not None:
-        value = normalize_lambda_reg(lambda_reg)  # a number, 'auto' or 'rel:<f>' (BadInputError naming it)
+        value = normalize_lambda_reg(lambda_reg)  # any lambda_reg setting (BadInputError naming it)
         if value != attr["lambda_reg"]:
             tag = "".join(ch if ch.isalnum() or ch == "." else "-" for ch in str(value))
             report = Path(demo_dir).absolute() / f"report-lambda-{tag}"
@@ -404,7 +407,7 @@ def evaluate(
     fraction: float | None = typer.Option(None, min=0.0, max=1.0, help="subset fraction (default 0.5)"),
     seeds_per_subset: int | None = typer.Option(None, min=1, help="inits per subset, margins averaged"),
     lambda_reg: str | None = typer.Option(
-        None, help="demo only: lambda_reg to evaluate (number, 'auto', 'rel:<f>'; default the demo's 'auto')"
+        None, help="demo only: lambda_reg to evaluate (number, 'adaptive', 'auto', 'rel:<f>', ...; default the demo's)"
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs"),
 ) -> None:
