@@ -9,6 +9,7 @@ import math
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -290,7 +291,7 @@ def solve_model(
     xtx_t = torch.from_numpy(xtx_np)
     n = store.meta.train_set_size
     rule = parse_lambda_reg(lambda_reg)
-    kw = {}
+    kw: dict[str, Any] = {}
     if getattr(rule, "needs_xtq", False):  # a 'resid' rule: Xᵀq and qᵀq over the stored rows
         kw["xtq"], kw["qtq"] = rows_xtq(store, model_id)
     fast = None
@@ -299,6 +300,7 @@ def solve_model(
         # the deff parts from float32 eigenvalues, checked; the others exactly (cheap)
         others = [r.resolve(xtx_t, n_rows=n, **kw) for r in parts if not r.deff]
         fast = solve_deff_fast(xtx_np, [r.factor for r in parts if r.deff], n, max(others, default=0.0))
+    ev: Any
     if fast is not None:
         lam, inv_np, ev = fast
     else:
@@ -337,7 +339,8 @@ def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, 
     solve; returns (XᵀX, ((a, b), rows of X) of the last shard computed here, the write futures)."""
     m = store.model(model_id)
     total, owned = None, False  # the running sum; 0 + P₀ is P₀ itself (the same bits as total_xtx's)
-    last, writes = None, []
+    last: tuple | None = None
+    writes: list = []
 
     def add(part: np.ndarray) -> None:
         nonlocal total, owned

@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .errors import StateError
+from .errors import BadInputError, StateError
 from .store import TrakStore
 
 #: used when the last-level cache size cannot be read (bytes)
@@ -177,7 +177,7 @@ def stream_scores(
     (the accumulators are its rows: no copy); ``progress(rows)`` after each block is written.
     """
     if rows_array not in ROWS_ARRAYS:
-        raise ValueError(f"rows_array={rows_array!r}: expected one of {ROWS_ARRAYS}")
+        raise BadInputError(f"rows_array={rows_array!r}: expected one of {ROWS_ARRAYS}")
     if a >= b:
         return
     ids = [int(mid) for mid in model_ids]
@@ -258,7 +258,7 @@ def grads_right_hand(inverse: np.ndarray | torch.Tensor, target_t: torch.Tensor)
     inv = torch.as_tensor(inverse)
     p = target_t.shape[0]
     if inv.shape != (p, p):
-        raise ValueError(f"inverse of shape {tuple(inv.shape)} for targets of proj_dim {p}: expected ({p}, {p})")
+        raise BadInputError(f"inverse of shape {tuple(inv.shape)} for targets of proj_dim {p}: expected ({p}, {p})")
     return torch.mm(inv.to(torch.float32), target_t.to(torch.float32))
 
 
@@ -284,7 +284,7 @@ def scores_from_grads(
 
     ids = [int(mid) for mid in inverses]
     if not ids:
-        raise ValueError(f"scores_from_grads: no checkpoint given for experiment {exp_name!r}")
+        raise BadInputError(f"scores_from_grads: no checkpoint given for experiment {exp_name!r}")
     n, p = store.meta.train_set_size, store.meta.proj_dim
     rows, targets_idx = np.arange(n), np.arange(store.num_targets(exp_name))
     right: dict[int, torch.Tensor] = {}
@@ -298,7 +298,7 @@ def scores_from_grads(
         require_present(store, [(mm.grads, rows), (mm.out_to_loss, rows), (tg, targets_idx)])
         g_t = torch.from_numpy(tg[:].astype(np.float32)).T.contiguous()
         if tuple(np.shape(inverses[mid])) != (p, p):
-            raise ValueError(f"inverses[{mid}] has shape {np.shape(inverses[mid])}, expected ({p}, {p})")
+            raise BadInputError(f"inverses[{mid}] has shape {np.shape(inverses[mid])}, expected ({p}, {p})")
         right[mid] = grads_right_hand(inverses[mid], g_t)
     store.reset_scores(exp_name)  # a new combination: recompute all rows
     if out is None:

@@ -307,7 +307,7 @@ class TRAKer:
         pend["x"].append(x)
         pend["q"].append(q)
         pend["stop"] = stop
-        chunk = self.store.meta.chunk_rows
+        chunk = self.store.meta.rows_per_chunk
         if stop == self.train_set_size or stop // chunk > start // chunk:  # reached the end or a chunk boundary
             self._flush_rows()
 
