@@ -841,12 +841,11 @@ def report(res: dict, a) -> str:
     tf = by.get(("transformer", "factored"))
     if tf:
         out += [
-            "The transformer's `factored` layout: its `nn.Linear` layers (the feed-forward layers and the "
-            "head) are factored; the embeddings, the position table, the LayerNorms and "
-            "`nn.MultiheadAttention`'s `in_proj_weight`/`out_proj` (used through "
-            "`F.multi_head_attention_forward`, not through a module's forward) fall into the dense "
-            "`__other__` block, whose per-example gradients are materialized and projected by a dense "
-            "matrix with its share of proj_dim (∝ its size).",
+            "The transformer's `factored` layout (layout_version 2): the feed-forward layers and the head "
+            "(`nn.Linear`, hooked), the token embedding (`nn.Embedding`, hooked: a gather of P_out rows), "
+            "`nn.MultiheadAttention`'s `in_proj_weight`/`out_proj` and the position table (weight "
+            "substitution, W + P_out Z P_inᵀ) are factored blocks — the small ones as Khatri-Rao pairs; only "
+            "the LayerNorms' 1-D parameters form the dense `__other__` block.",
             "",
         ]
     return "\n".join(out)
