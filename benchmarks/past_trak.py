@@ -55,7 +55,6 @@ for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
 import quality  # noqa: E402
 from quality import Solver, ground_truth, make_cases, paired_ci  # noqa: E402
 
-from trak_core.featurize import Featurizer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds  # noqa: E402
 from trak_core.projectors import make_projector  # noqa: E402
@@ -253,16 +252,7 @@ def featurize(case, truth: dict, state: dict, mid: int, tag: str, kind: str = KI
 def featurize_now(case, state: dict, mid: int, kind: str = KIND, p: int = PROJ_DIM) -> dict:
     model = case.make_model()
     proj = make_projector(kind, grad_dim_of(model), p, 0, "rademacher", "cpu", model=model)
-    feat = Featurizer(model, case.task, proj, device="cpu")
-    feat.load_state(state)
-    train, targets = case.train(), case.targets()
-    n, b = train[-1].shape[0], 250
-    xs, qs = [], []
-    for a in range(0, n, b):
-        x, q = feat.featurize([t[a : a + b] for t in train], mid, range(a, min(a + b, n)))
-        xs.append(x)
-        qs.append(q)
-    return {"X": np.concatenate(xs), "Q": np.concatenate(qs), "G": feat.target_features(list(targets), mid)}
+    return quality.featurize_checkpoint(case, model, proj, state, mid)
 
 
 def _timed(fn) -> float:

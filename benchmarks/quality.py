@@ -284,6 +284,20 @@ def grad_dim(case: Case) -> int:
     return grad_dim_of(case.make_model())
 
 
+def featurize_checkpoint(case: Case, model, proj, state: dict, model_id: int, rows: int = 250) -> dict:
+    """X (n, p), Q (n,), G (m, p) of one checkpoint (``state``) with the pipeline's featurizer, in row batches."""
+    feat = Featurizer(model, case.task, proj, device="cpu")
+    feat.load_state(state)
+    train, targets = case.train(), case.targets()
+    n = train[-1].shape[0]
+    xs, qs = [], []
+    for a in range(0, n, rows):
+        x, q = feat.featurize([t[a : a + rows] for t in train], model_id, range(a, min(a + rows, n)))
+        xs.append(x)
+        qs.append(q)
+    return {"X": np.concatenate(xs), "Q": np.concatenate(qs), "G": feat.target_features(list(targets), model_id)}
+
+
 def features(case: Case, truth: dict, kind: str, proj_dim: int, ckpt: int, seed: int = 0) -> dict:
     """X (n, p), Q (n,), G (m, p) float32 of one checkpoint, as the pipeline stores them; cached. The cache
     name of a projector with kind-specific parameters (the factored layout) carries a hash of its ``spec()``,
@@ -300,17 +314,7 @@ def features(case: Case, truth: dict, kind: str, proj_dim: int, ckpt: int, seed:
         with np.load(path) as f:
             return {k: f[k] for k in ("X", "Q", "G")}
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    feat = Featurizer(model, case.task, proj, device="cpu")
-    feat.load_state(truth["states"][ckpt])
-    train, targets = case.train(), case.targets()
-    n, b = train[-1].shape[0], 250
-    xs, qs = [], []
-    for a in range(0, n, b):
-        x, q = feat.featurize([t[a : a + b] for t in train], ckpt, range(a, min(a + b, n)))
-        xs.append(x)
-        qs.append(q)
-    g = feat.target_features(list(targets), ckpt)
-    out = {"X": np.concatenate(xs), "Q": np.concatenate(qs), "G": g}
+    out = featurize_checkpoint(case, model, proj, truth["states"][ckpt], ckpt)
     np.savez(path, **out)
     return out
 
