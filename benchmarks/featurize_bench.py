@@ -160,6 +160,19 @@ def make_projector(kind: str, model, grad_dim: int, proj_dim: int, device="cpu")
 
 
 # ---------------------------------------------------------------------------- one row, in a fresh process
+def _pass_times(t0: float, t1: float, t2: float, t3: float, feats) -> dict:
+    """One pass's stage times (init, featurize, finalize) and whether its features (an array) are finite."""
+    import numpy as np
+
+    return {
+        "init_s": t1 - t0,
+        "featurize_s": t2 - t1,
+        "finalize_s": t3 - t2,
+        "total_s": t3 - t0,
+        "finite": bool(np.isfinite(feats).all()),
+    }
+
+
 def floor_worker(spec: dict) -> dict:
     """A training pass + finalize's float32 linear algebra, warm, best of ``reps``."""
     import torch
@@ -284,15 +297,7 @@ def worker(spec: dict) -> dict:
                 feats = np.asarray(tr.saver.current_store["features"][:n], dtype=np.float32)
             else:
                 feats = tr.store.model(0).features[:n].astype(np.float32)
-            passes.append(
-                {
-                    "init_s": t1 - t0,
-                    "featurize_s": t2 - t1,
-                    "finalize_s": t3 - t2,
-                    "total_s": t3 - t0,
-                    "finite": bool(np.isfinite(feats).all()),
-                }
-            )
+            passes.append(_pass_times(t0, t1, t2, t3, feats))
     warm = min(passes[1:], key=lambda r: r["total_s"]) if len(passes) > 1 else None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {
@@ -364,11 +369,7 @@ def pipeline_worker(spec: dict) -> dict:
             feats = open_store(cfg).model(0).features[: spec["n"]].astype(np.float32)
             passes.append(
                 {
-                    "init_s": t1 - t0,
-                    "featurize_s": t2 - t1,
-                    "finalize_s": t3 - t2,
-                    "total_s": t3 - t0,
-                    "finite": bool(np.isfinite(feats).all()),
+                    **_pass_times(t0, t1, t2, t3, feats),
                     "lambda_reg": open_store(cfg).finalize_info(0)["lambda_reg"],
                 }
             )
