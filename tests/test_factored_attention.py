@@ -96,12 +96,25 @@ def _brute_grads(model, batch, names):
         return vmap(grad(f), in_dims=(None, 0, 0))({n: params[n] for n in names}, *batch)
 
 
+def _weights(b, proj_dim: int) -> torch.Tensor:
+    """Per kept coordinate t = (i, j) of the row-major (k_out, k_in) grid: √(proj_dim / k), √proj_dim with both
+    sides the identity, √(proj_dim / c) with one (c: the kept coordinates of row i for id_out, column j for id_in),
+    counted here coordinate by coordinate."""
+    ij = [divmod(t, b.k_in) for t in range(b.k)]
+    if b.id_out and b.id_in:
+        return torch.full((b.k,), math.sqrt(proj_dim), dtype=torch.float64)
+    if not (b.id_out or b.id_in):
+        return torch.full((b.k,), math.sqrt(proj_dim / b.k), dtype=torch.float64)
+    side = [i if b.id_out else j for i, j in ij]
+    return torch.tensor([math.sqrt(proj_dim / side.count(s)) for s in side], dtype=torch.float64)
+
+
 def _definition(p: FactoredProjector, grads: dict, model_id: int) -> torch.Tensor:
     """The projection written out from the module docstring's definition, block by block (float64)."""
     outs = []
     bsz = next(iter(grads.values())).shape[0]
     for b in p.blocks:
-        w = math.sqrt(p.proj_dim / b.k)
+        w = math.sqrt(p.proj_dim / b.k) if b.kind == "other" or b.pairs else _weights(b, p.proj_dim)
         if b.kind == "other":
             g = torch.cat([grads[n].reshape(bsz, -1) for n in b.params], 1)
             m = factor_matrix(p.seed, model_id, b.name, SIDE_DENSE, b.size, b.k, p.proj_type).double()
@@ -113,6 +126,10 @@ def _definition(p: FactoredProjector, grads: dict, model_id: int) -> torch.Tenso
         g_aug = torch.cat(cols, 2)  # [∂W | ∂b]
         p_in = factor_matrix(p.seed, model_id, b.name, SIDE_IN, b.in_rows, b.k_in, p.proj_type).double()
         p_out = factor_matrix(p.seed, model_id, b.name, SIDE_OUT, b.d_out, b.k_out, p.proj_type).double()
+        if b.id_in:  # a side as wide as its dimension: the identity ("Identity sides")
+            p_in = torch.eye(b.in_rows, dtype=torch.float64)
+        if b.id_out:
+            p_out = torch.eye(b.d_out, dtype=torch.float64)
         full = p_out.T @ g_aug @ p_in  # (B, k_out, k_in); pairs: k_out = k_in = k, coordinate j = its (j, j) entry
         outs.append((torch.diagonal(full, dim1=1, dim2=2) if b.pairs else full.reshape(bsz, -1)[:, : b.k]) * w)
     return torch.cat(outs, 1)
@@ -346,7 +363,7 @@ def test_spec_records_the_layout_version_and_old_stores_are_refused(tmp_path):
     torch.manual_seed(0)
     model = Text("encoder")
     spec = FactoredProjector.from_model(model, 64).spec()
-    assert spec["layout_version"] == LAYOUT_VERSION == 2
+    assert spec["layout_version"] == LAYOUT_VERSION == 3
     assert [row[1] for row in spec["layout"]][:2] == ["matrix", "embedding"]  # pos, tok
 
     def traker(path):
@@ -368,6 +385,11 @@ def test_spec_records_the_layout_version_and_old_stores_are_refused(tmp_path):
     TrakStore.create_or_open(str(tmp_path / "old"), StoreMetadata.from_projector(old, train_set_size=8))
     with pytest.raises(StoreMismatchError, match="projector_params"):
         traker(tmp_path / "old")
+    # layout 2 (before identity sides): refused the same way, the recorded version named in the message
+    v2 = {**spec, "layout_version": 2}
+    TrakStore.create_or_open(str(tmp_path / "v2"), StoreMetadata.from_projector(v2, train_set_size=8))
+    with pytest.raises(StoreMismatchError, match=r"projector_params=.*'layout_version': 2"):
+        traker(tmp_path / "v2")
 
 
 # ---------------------------------------------------------------------------- the factor cache
@@ -426,3 +448,58 @@ def test_conv_hooks_unbatched_inputs(proj_dim):
     x = torch.randn(4, 2, 4, 4)
     p, _ = _check_all_paths(_UnbatchedConv(), (x, torch.randint(0, CLASSES, (4,))), proj_dim=proj_dim)
     assert [b.kind for b in p.blocks] == ["conv", "conv", "linear"]
+
+
+# ---------------------------------------------------------------------------- identity sides
+class _SmallVocab(nn.Module):
+    """An embedding whose vocabulary (5 rows) is narrower than its dimension: its output side can be the identity."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(5, 12, padding_idx=1)
+        self.head = nn.Linear(12, CLASSES)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.tok(ids)).mean(-2))
+
+
+def _conv_net():
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 5 * 5, CLASSES))
+
+
+@pytest.mark.parametrize(
+    "case, proj_dim, sides",
+    [
+        ("mha", 400, {("matrix", "id_out"), ("matrix", "id_in"), ("embedding", "id_in"), ("linear", "id_out")}),
+        ("tied", 200, {("matrix", "id_in"), ("linear", "id_in")}),
+        ("conv", 100, {("conv", "id_out"), ("linear", "id_out")}),
+        ("conv", 400, {("conv", "id_in"), ("linear", "id_in")}),
+        ("vocab", 60, {("embedding", "id_out")}),
+    ],
+)
+def test_identity_sides_fast_path_equals_brute_force_and_definition(monkeypatch, case, proj_dim, sides):
+    """Blocks with an identity side (linear, conv, embedding, matrix; output and input side): the fast path
+    (hooks, weight substitution) and project() equal the definition (P = I on that side, coordinate (i, j)
+    weighted √(proj_dim / c)) on brute-force per-example gradients, in float64."""
+    monkeypatch.setattr(factored, "PAIRS_MAX_MACS", 0)  # the grid for these small blocks
+    torch.manual_seed(0)
+    if case in ("mha", "tied"):
+        model, batch = Text(case), _data()
+    elif case == "conv":
+        model = _conv_net()
+        batch = (torch.randn(5, 2, 5, 5), torch.randint(0, CLASSES, (5,)))
+    else:
+        model = _SmallVocab()
+        ids = torch.randint(0, 5, (5, SEQ), generator=torch.Generator().manual_seed(1))
+        ids[0, :2] = 1  # padding
+        batch = (ids, torch.randint(0, CLASSES, (5,)))
+    p, _ = _check_all_paths(model, batch, proj_dim=proj_dim)
+    got = {(b.kind, s) for b in p.blocks for s in ("id_out", "id_in") if getattr(b, s)}
+    assert sides <= got, got
+    for b in p.blocks:  # the description records the identity sides; the factor is I there
+        row = next(r for r in p.spec()["layout"] if r[0] == b.name)
+        assert ("id_out" in row, "id_in" in row) == (b.id_out, b.id_in)
+        if b.id_out or b.id_in:
+            p_in, p_out, _ = p.factors(3)[b.name]
+            assert not b.id_out or torch.equal(p_out, torch.eye(b.d_out, dtype=p_out.dtype))
+            assert not b.id_in or torch.equal(p_in, torch.eye(b.in_rows, dtype=p_in.dtype))

@@ -86,18 +86,19 @@ def test_sjlt_bad_type_and_dims():
 # ---------------------------------------------------------------------------- factored: definition
 def test_factored_equals_explicit_kronecker_on_a_tiny_layer(monkeypatch):
     monkeypatch.setattr(factored, "PAIRS_MAX_MACS", 0)  # the k_out × k_in grid even for this tiny layer
-    layer = nn.Linear(3, 2)  # weight (2, 3), bias (2,): grad_dim 8; augmented G is 2 × 4
+    layer = nn.Linear(3, 4)  # weight (4, 3), bias (4,): grad_dim 16; augmented G is 4 × 4
     p = FactoredProjector.from_model(layer, 5, seed=7, proj_type="rademacher")
     (b,) = p.blocks
-    assert (b.kind, b.d_out, b.d_in, b.bias, b.k, b.pairs) == ("linear", 2, 3, True, 5, False)
+    assert (b.kind, b.d_out, b.d_in, b.bias, b.k, b.pairs) == ("linear", 4, 3, True, 5, False)
+    assert (b.k_out, b.k_in, b.id_out, b.id_in) == (3, 2, False, False)  # both sides random (narrower than 4)
     p_in = factor_matrix(7, 1, "", SIDE_IN, 4, b.k_in, ProjectionType.rademacher)
-    p_out = factor_matrix(7, 1, "", SIDE_OUT, 2, b.k_out, ProjectionType.rademacher)
-    kron = torch.kron(p_out, p_in)[:, :5] * math.sqrt(5 / 5)  # rows: (o, i) of the augmented 2 × 4 matrix
+    p_out = factor_matrix(7, 1, "", SIDE_OUT, 4, b.k_out, ProjectionType.rademacher)
+    kron = torch.kron(p_out, p_in)[:, :5] * math.sqrt(5 / 5)  # rows: (o, i) of the augmented 4 × 4 matrix
     # the gradient vector is [weight (o, i) row-major, bias o]: reorder kron's rows to it
-    order = [o * 4 + i for o in range(2) for i in range(3)] + [o * 4 + 3 for o in range(2)]
+    order = _aug_order(4, 3)
     explicit = kron[order]
     torch.testing.assert_close(p.matrix(1), explicit)
-    g = torch.randn(4, 8)
+    g = torch.randn(4, 16)
     torch.testing.assert_close(p.project(g, 1), g @ explicit, rtol=1e-5, atol=1e-5)
 
 
@@ -160,6 +161,121 @@ def test_pairs_fast_path_equals_definition_for_conv_and_embedding(layer):
     aug = cols.reshape(first.d_out, first.in_rows, first.k)
     n_w = first.d_out * first.d_in
     torch.testing.assert_close(m[:n_w, : first.k], aug[:, : first.d_in].reshape(n_w, first.k))
+
+
+def _aug_order(d_out, d_in):
+    """Rows of the augmented d_out × (d_in + 1) matrix in the gradient vector's order [weight (o, i), bias o]."""
+    return [o * (d_in + 1) + i for o in range(d_out) for i in range(d_in)] + [
+        o * (d_in + 1) + d_in for o in range(d_out)
+    ]
+
+
+def _identity_columns(b, p_in, p_out, proj_dim):
+    """Kept coordinate t = (i, j) of the row-major (k_out, k_in) grid: column w_t · (p_out_i ⊗ p_in_j), an identity
+    side I, w_t = √(proj_dim / c_t), c_t the kept coordinates sharing t's identity index (k without one, 1 with two)."""
+    p_out = torch.eye(b.d_out, dtype=torch.float64) if b.id_out else p_out.double()
+    p_in = torch.eye(b.in_rows, dtype=torch.float64) if b.id_in else p_in.double()
+    ij = [divmod(t, b.k_in) for t in range(b.k)]
+    side = [i if b.id_out else j for i, j in ij]
+    cols = []
+    for t, (i, j) in enumerate(ij):
+        c = b.k if not (b.id_out or b.id_in) else 1 if b.id_out and b.id_in else side.count(side[t])
+        cols.append(torch.kron(p_out[:, i], p_in[:, j]) * math.sqrt(proj_dim / c))
+    return torch.stack(cols, 1)
+
+
+@pytest.mark.parametrize(
+    "d_in, d_out, proj_dim, sides",
+    [(5, 3, 7, (True, False)), (2, 6, 10, (False, True)), (3, 2, 8, (True, True)), (5, 3, 4, (False, False))],
+    ids=["id_out", "id_in", "both-exact", "none"],
+)
+def test_identity_sides_equal_the_definition_and_are_unbiased(monkeypatch, d_in, d_out, proj_dim, sides):
+    """A side as wide as its dimension is the identity: the matrix equals the definition column by column, and
+    its exact expectation over the random side (E[q qᵀ] = I) is proj_dim · I — the weights √(proj_dim / c) make the
+    unequal rows (columns) of kept coordinates unbiased, where the plain √(proj_dim / k) would not be."""
+    monkeypatch.setattr(factored, "PAIRS_MAX_MACS", 0)
+    p = FactoredProjector.from_model(nn.Linear(d_in, d_out), proj_dim, seed=4, dtype=torch.float64)
+    (b,) = p.blocks
+    assert (b.id_out, b.id_in) == sides
+    row = p.spec()["layout"][0]
+    assert ("id_out" in row, "id_in" in row) == sides
+    p_in = factor_matrix(4, 2, "", SIDE_IN, b.in_rows, b.k_in, ProjectionType.rademacher)
+    p_out = factor_matrix(4, 2, "", SIDE_OUT, b.d_out, b.k_out, ProjectionType.rademacher)
+    cols = _identity_columns(b, p_in, p_out, proj_dim)
+    order = _aug_order(d_out, d_in)
+    torch.testing.assert_close(p.matrix(2), cols[order], rtol=1e-12, atol=1e-12)
+    if sides == (True, True):  # k = d_out · (d_in + 1): the block itself, exactly (· √proj_dim, augmented order)
+        torch.testing.assert_close(p.matrix(2), math.sqrt(proj_dim) * torch.eye(b.size, dtype=torch.float64)[order])
+    # exact expectation: column t = w_t (u_i ⊗ v_j), u_i = column i of P_out, v_j of P_in, independent, so
+    # E[col colᵀ] = w_t² E[u_i u_iᵀ] ⊗ E[v_j v_jᵀ], with E[u uᵀ] = e_i e_iᵀ on an identity side and I on a random one
+    ident = _identity_columns(b, torch.eye(b.in_rows), torch.eye(b.d_out), proj_dim)  # w_t (e_i ⊗ e_j): w_t²
+    expect = torch.zeros(b.size, b.size, dtype=torch.float64)
+    for t in range(b.k):
+        i, j = divmod(t, b.k_in)
+        w2 = float(ident[:, t].norm() ** 2)
+        eo = torch.zeros(b.d_out, b.d_out, dtype=torch.float64)
+        ei = torch.zeros(b.in_rows, b.in_rows, dtype=torch.float64)
+        if b.id_out:
+            eo[i, i] = 1
+        else:
+            eo = torch.eye(b.d_out, dtype=torch.float64)
+        if b.id_in:
+            ei[j, j] = 1
+        else:
+            ei = torch.eye(b.in_rows, dtype=torch.float64)
+        expect += w2 * torch.kron(eo, ei)
+    torch.testing.assert_close(expect, proj_dim * torch.eye(b.size, dtype=torch.float64))
+
+
+def test_identity_side_inner_products_are_unbiased_monte_carlo(monkeypatch):
+    """Float64 Monte Carlo over model_ids of E⟨Px, Py⟩ / scale = ⟨x, y⟩ for a layer whose output side is the
+    identity with unequal rows of kept coordinates (10 × 138 grid, k = 1,377: the last row keeps 135), where x, y
+    put most of ⟨x, y⟩ in that last row: the per-row weights are unbiased, the plain √(proj_dim / k) is not."""
+    monkeypatch.setattr(factored, "PAIRS_MAX_MACS", 0)
+    layer = nn.Linear(256, 10)
+    proj_dim = 1377
+    (b,) = model_layout(layer, proj_dim).blocks
+    assert (b.id_out, b.id_in, b.k_out, b.k_in) == (True, False, 10, 138)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, b.size, generator=gen, dtype=torch.float64)
+    y = x + 0.5 * torch.randn(1, b.size, generator=gen, dtype=torch.float64)
+    rows = torch.arange(b.size)
+    last = torch.where(rows < 10 * 256, rows // 256, rows - 10 * 256) == 9  # weight row 9 and bias 9
+    x[:, ~last] *= 0.1
+    exact = float(x @ y.T)
+    vals, naive = [], []
+    for m in range(300):
+        p = FactoredProjector.from_model(layer, proj_dim, seed=0, dtype=torch.float64)
+        px, py = p.project(torch.cat([x, y]), m)
+        vals.append(float(px @ py) / p.scale)
+        w = p.factors(m)[""][2]
+        naive.append(float((px / w) @ (py / w)) / b.k)  # the same coordinates weighted √(proj_dim / k)
+    v, nv = torch.tensor(vals), torch.tensor(naive)
+    se = float(v.std()) / math.sqrt(len(vals))
+    assert abs(float(v.mean()) - exact) < 4 * se, (float(v.mean()), exact, se)
+    assert abs(float(nv.mean()) - exact) > 10 * se  # √(proj_dim / k): row i weighted c_i / k ≈ 1/10, biased
+
+
+def test_identity_sides_are_chosen_only_where_unbiased_and_exact():
+    """Which side is the identity: a side as wide as its dimension whose indices all keep a coordinate; both
+    only when k = d_out · (d_in + 1); else the smaller side."""
+    for k in range(1, 300):
+        for d_out, in_rows in ((10, 257), (3, 19), (8, 9), (6, 8), (11, 8), (4, 4)):
+            ko, ki = factored._factor(k, d_out, in_rows)
+            io, ii = factored._identity_sides(k, ko, ki, d_out, in_rows)
+            if io and ii:
+                assert k == d_out * in_rows == ko * ki
+                continue
+            assert not io or (ko == d_out and (ko - 1) * ki < k)  # the last row keeps ≥ 1
+            assert not ii or (ki == in_rows and k >= ki)  # every column keeps ≥ 1
+            if ko == d_out and ki == in_rows and k != d_out * in_rows:
+                assert (io, ii) == (d_out <= in_rows, d_out > in_rows)
+            b = factored.Block(
+                "x", "linear", ("w",), d_out, in_rows - 1, True, d_out * in_rows, k, ko, ki, False, io, ii
+            )
+            c = factored.coordinate_counts(b)
+            if io != ii:
+                assert c is not None and int(c.min()) >= 1 and c.shape == (k,)
 
 
 def test_factored_keys_are_distinct_and_stable():

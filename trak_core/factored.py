@@ -11,7 +11,8 @@ The block is projected to
     vec(P_outᵀ G P_in)[:k] · √(proj_dim / k)
 
 with P_in ((d_in [+1]) × k_in) and P_out (d_out × k_out) random (±1 or N(0, 1)), k_in · k_out ≥ k, and
-the first k entries of the row-major (k_out, k_in) result kept. Each kept entry is a column p ⊗ q of
+the first k entries of the row-major (k_out, k_in) result kept (a side as wide as its dimension is the
+identity instead, with per-coordinate weights: "Identity sides" below). Each kept entry is a column p ⊗ q of
 P_out ⊗ P_in with E[(p⊗q)(p⊗q)ᵀ] = I, so E⟨Px, Py⟩ = proj_dim · ⟨x, y⟩ over the whole gradient
 (``scale`` = proj_dim, as the dense kinds) whatever the split.
 
@@ -46,6 +47,21 @@ k_b ∝ the block's number of gradient coordinates (largest-remainder rounding, 
 Σ k_b = proj_dim exactly. Each block is factored as k_out = min(d_out, ⌈√k_b⌉), k_in = ⌈k_b / k_out⌉
 (if k_in > d_in [+1]: k_in = d_in [+1], k_out = ⌈k_b / k_in⌉) — balanced factors minimize the
 distortion of rank-one gradients, whose relative error is ≈ √(2/k_in + 2/k_out) (dense: √(2/k)).
+
+Identity sides
+--------------
+A side whose width reaches its dimension (k_out = d_out, or k_in = d_in [+1]) would be a random *square*
+matrix: it rotates without reducing, and only adds its distortion √(2/k_out) (a 10-class output layer:
+k_out = 10, ≈ 0.45). That side is the identity instead (``id_out`` / ``id_in`` in ``describe()``), exact on
+that side. With P_out = I, kept coordinate (i, j) is G[i, :] · p_inⱼ: row i's inner product is estimated from
+the c_i kept coordinates of row i of the (k_out, k_in) grid (the first k row-major: c_i = k_in for every full
+row, less for the last), so coordinate (i, j) is weighted √(proj_dim / c_i) instead of √(proj_dim / k):
+E⟨Px, Py⟩ = Σ_i (proj_dim / c_i) · c_i · ⟨G_x[i], G_y[i]⟩ = proj_dim · ⟨G_x, G_y⟩, still unbiased. Likewise
+P_in = I with c_j the kept coordinates of column j. Used only where every row (column) of the identity side
+keeps at least one coordinate; when both sides reach their dimensions, both are the identity only when k =
+d_out · (d_in [+1]) (the block itself, exactly, weighted √proj_dim); otherwise the side with the smaller
+dimension is (its rows then get the most coordinates each). Pairs (below) never use an identity side. The cost
+is that of the square random factor it replaces (the fast path multiplies by I).
 
 Pairs for small layers
 ----------------------
@@ -87,7 +103,9 @@ Layouts
 store's metadata, and a store is refused (``StoreMismatchError``) when either differs. Version 2 added
 the embedding and matrix kinds: a model with embeddings, attention or other 2-D parameters outside
 ``nn.Linear``/``nn.Conv`` now projects them per block instead of in ``"__other__"``, so its stores from
-version 1 (no ``layout_version`` recorded) are refused rather than mixed with the new projection.
+version 1 (no ``layout_version`` recorded) are refused rather than mixed with the new projection. Version 3
+added the identity sides (see "Identity sides"): a block whose k_out = d_out or k_in = d_in [+1] projects
+differently, so stores of version 2 are refused likewise (even where no block has an identity side).
 
 The fast path
 -------------
@@ -139,8 +157,9 @@ PAIRS_MAX_MACS = 1 << 16
 OTHER = "__other__"
 SIDE_IN, SIDE_OUT, SIDE_DENSE = 0, 1, 2
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: recorded in spec(): 2 = the embedding and matrix block kinds (1, unrecorded: linear/conv + "__other__")
-LAYOUT_VERSION = 2
+#: recorded in spec(): 3 = identity sides, 2 = the embedding and matrix block kinds (1, unrecorded: linear/conv +
+#: "__other__")
+LAYOUT_VERSION = 3
 #: the kinds the fast path serves through forward hooks, and through weight substitution
 HOOKED = ("linear", "conv", "embedding")
 MATRIX = "matrix"
@@ -225,6 +244,8 @@ class Block:
     params: the parameter names in the block ((weight[, bias]) or the other parameters).
     d_out, d_in: the factored shape (d_in without the bias coordinate); for "other" d_in = size, d_out = 1.
     k, k_out, k_in: its share of proj_dim and the factor widths (k ≤ k_out · k_in).
+    pairs: k independent (p_outⱼ, p_inⱼ) pairs instead of the grid; id_out / id_in: that side is the identity
+    (k_out = d_out / k_in = d_in [+1]; "Identity sides" in the module docstring).
     """
 
     name: str
@@ -238,6 +259,8 @@ class Block:
     k_out: int = 0
     k_in: int = 0
     pairs: bool = False
+    id_out: bool = False
+    id_in: bool = False
 
     @property
     def in_rows(self) -> int:
@@ -264,9 +287,21 @@ class Layout:
         return out
 
     def describe(self) -> list:
-        # "pairs" is appended only where used, so that layouts without it describe themselves as before
+        # "pairs", "id_out", "id_in" are appended only where used, so that other blocks describe themselves as before
         return [
-            [b.name, b.kind, b.d_out, b.d_in, b.bias, b.k, b.k_out, b.k_in, *(["pairs"] if b.pairs else [])]
+            [
+                b.name,
+                b.kind,
+                b.d_out,
+                b.d_in,
+                b.bias,
+                b.k,
+                b.k_out,
+                b.k_in,
+                *(["pairs"] if b.pairs else []),
+                *(["id_out"] if b.id_out else []),
+                *(["id_in"] if b.id_in else []),
+            ]
             for b in self.blocks
         ]
 
@@ -299,6 +334,42 @@ def _factor(k: int, out_dim: int, in_dim: int) -> tuple[int, int]:
     return k_out, k_in
 
 
+def _identity_sides(k: int, k_out: int, k_in: int, d_out: int, in_rows: int) -> tuple[bool, bool]:
+    """(id_out, id_in) of a grid block (see "Identity sides" in the module docstring)."""
+    full_out, full_in = k_out == d_out, k_in == in_rows
+    if full_out and full_in and k == d_out * in_rows:  # the block itself, exactly
+        return True, True
+    # one identity side: each of its indices keeps ≥ 1 of the first k row-major coordinates (then unbiased)
+    out_ok = full_out and (k_out - 1) * k_in < k
+    in_ok = full_in and k >= k_in
+    if out_ok and in_ok:  # the smaller side: the random side then gets the most coordinates per identity index
+        return d_out <= in_rows, d_out > in_rows
+    return out_ok, in_ok
+
+
+def coordinate_counts(b: Block) -> Tensor | None:
+    """For a block with exactly one identity side: per kept coordinate (k,), the number c of kept coordinates
+    that share its identity index (row i for ``id_out``, column j for ``id_in`` of the row-major
+    (k_out, k_in) grid); None otherwise."""
+    if b.id_out == b.id_in:
+        return None
+    t = torch.arange(b.k)
+    idx = t // b.k_in if b.id_out else t % b.k_in
+    return torch.bincount(idx)[idx]
+
+
+def coordinate_weights(b: Block, proj_dim: int) -> float | Tensor:
+    """The weight of each kept coordinate of a factored block: √(proj_dim / k) (a float), √proj_dim when both
+    sides are the identity, and a (k,) float64 tensor √(proj_dim / c) with one identity side (the unbiased
+    weights of "Identity sides" in the module docstring)."""
+    if b.id_out and b.id_in:
+        return math.sqrt(proj_dim)
+    c = coordinate_counts(b)
+    if c is None:
+        return math.sqrt(proj_dim / b.k)
+    return torch.sqrt(proj_dim / c.to(torch.float64))
+
+
 def _with_split(blocks: list[Block], proj_dim: int) -> tuple:
     ks = _apportion([b.size for b in blocks], proj_dim)
     out = []
@@ -312,7 +383,8 @@ def _with_split(blocks: list[Block], proj_dim: int) -> tuple:
             out.append(Block(**{**asdict(b), "k": k, "k_out": k, "k_in": k, "pairs": True}))
         else:
             ko, ki = _factor(k, b.d_out, b.in_rows)
-            out.append(Block(**{**asdict(b), "k": k, "k_out": ko, "k_in": ki}))
+            io, ii = _identity_sides(k, ko, ki, b.d_out, b.in_rows)
+            out.append(Block(**{**asdict(b), "k": k, "k_out": ko, "k_in": ki, "id_out": io, "id_in": ii}))
     names = [b.name for b in out]
     hashes = {name_hash(n) for n in names}
     if len(hashes) != len(names):
@@ -497,21 +569,29 @@ class FactoredProjector(AbstractProjector):
 
     # ------------------------------------------------------------------ matrices
     def factors(self, model_id: int) -> dict:
-        """{block name: (P_in, P_out, weight)} for ``model_id`` (P_out is None for dense blocks); cached here
+        """{block name: (P_in, P_out, weight)} for ``model_id`` (P_out is None for dense blocks; an identity side
+        is torch.eye; weight: a float, or a (k,) tensor per kept coordinate with one identity side); cached here
         and in the process's factor cache (:func:`factor_matrix`)."""
         if self._factors is not None and self._factors[0] == model_id:
             return self._factors[1]
-        out: dict[str, tuple[Tensor, Tensor | None, float]] = {}
+        out: dict[str, tuple[Tensor, Tensor | None, float | Tensor]] = {}
         dev = torch.device(self.device)
         for b in self.layout.blocks:
-            w = math.sqrt(self.proj_dim / b.k)
             if b.kind == "other":
                 p_in = factor_matrix(self.seed, model_id, b.name, SIDE_DENSE, b.size, b.k, self.proj_type, dev)
-                out[b.name] = (p_in.to(self.device, self.dtype), None, w)
+                out[b.name] = (p_in.to(self.device, self.dtype), None, math.sqrt(self.proj_dim / b.k))
+                continue
+            cw = coordinate_weights(b, self.proj_dim)
+            w = cw.to(self.device, self.dtype) if isinstance(cw, Tensor) else cw
+            if b.id_in:
+                p_in = torch.eye(b.in_rows, device=dev)
             else:
                 p_in = factor_matrix(self.seed, model_id, b.name, SIDE_IN, b.in_rows, b.k_in, self.proj_type, dev)
+            if b.id_out:
+                p_out = torch.eye(b.d_out, device=dev)
+            else:
                 p_out = factor_matrix(self.seed, model_id, b.name, SIDE_OUT, b.d_out, b.k_out, self.proj_type, dev)
-                out[b.name] = (p_in.to(self.device, self.dtype), p_out.to(self.device, self.dtype), w)
+            out[b.name] = (p_in.to(self.device, self.dtype), p_out.to(self.device, self.dtype), w)
         self._factors = (model_id, out)
         return out
 
