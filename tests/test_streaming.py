@@ -105,6 +105,26 @@ def test_progress_counts_every_row(tmp_path):
     assert sum(seen) == 300 and len(seen) == 7
 
 
+def test_threads_of_the_caller_and_of_new_threads_unchanged(tmp_path):
+    """The workers multiply with one torch thread each; the caller's count, and the one a thread started
+    afterwards gets, are what they were (torch's default for new threads is process-wide)."""
+    import threading
+
+    st = scored_store(tmp_path / "s", "float16", 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = plain_loop(st, "e", [0, 1], st.meta.shard_rows)
+        np.testing.assert_array_equal(reduce.finalize_scores(st, "e", block_rows=32), want)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert torch.get_num_threads() == 2 and seen == [2]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_damaged_chunk_read_in_the_reader_thread_is_named(tmp_path):
     st = scored_store(tmp_path / "s", "float16", 1)
     chunk = tmp_path / "s" / "models" / "0" / "features" / "c" / "3" / "0"
@@ -124,5 +144,11 @@ def test_block_rows_from_cache_and_memory():
     # a small cache still gives a GEMM of MIN_GEMM_ROWS rows; little memory caps the buffers
     assert streaming.score_block_rows(2048, 256, 16, cache=1 << 20, memory=16 << 30) == streaming.MIN_GEMM_ROWS
     small = streaming.score_block_rows(2048, 256, 16, cache=1 << 30, memory=64 << 20)
-    assert small % 16 == 0 and small * (2 * 2 * 2048 + 4 * 2048 + 8 * 256) <= (64 << 20) * streaming.MEMORY_FRACTION
+    assert small % 16 == 0 and small * (2 * 2048 + 4 * 2048 + 4 * 256) <= (64 << 20) * streaming.MEMORY_FRACTION
+    # each of w workers has its own buffers and its share of the cache
+    for w in (2, 4):
+        shared = streaming.score_block_rows(512, 100, 64, cache=32 << 20, memory=16 << 30, workers=w)
+        assert shared % 64 == 0 and w * shared * 4 * (512 + 100) <= 16 << 20
+        capped = streaming.score_block_rows(2048, 256, 16, cache=1 << 30, memory=64 << 20, workers=w)
+        assert capped < small and w * capped * (2 * 2048 + 4 * 2048 + 4 * 256) <= (64 << 20) * streaming.MEMORY_FRACTION
     assert streaming.cache_bytes() > 0 and streaming.memory_bytes() > 0

@@ -1,29 +1,30 @@
-"""Streaming scoring at GEMM speed: block sizes from the cache and memory sizes, and a pipeline that reads the
-next block of stored rows while the current one is multiplied.
+"""Streaming scoring at GEMM speed: block sizes from the cache and memory sizes, and one worker thread per core,
+each reading, multiplying (one-thread GEMM) and writing its own row blocks.
 
 Scores of train rows [a, b) are Σ_c Φ_c[a:b] G_cᵀ combined with Q (:func:`trak_core.scoring.combine_checkpoints`)
 — or, without features, Σ_c X_c[a:b] W_c with W_c = A_c G_cᵀ (:func:`scores_from_grads`: the same GEMM on the
 stored projected gradients X). The work per (row block, checkpoint) is one Zarr read (float16 or float32), a
 conversion to float32 and one float32 GEMM; per row block one combination and one Zarr write.
-:func:`stream_scores` runs
-
-* the reads in one background thread, one (block, checkpoint) ahead, into preallocated buffers (a read of a
-  fresh array pays a page fault per 4 KiB: as much as the read itself). zarr's codec pipeline and the file reads
-  release the GIL, so the read costs the GEMM almost nothing;
-* the conversion (torch's vectorized copy into a preallocated float32 buffer, ~1 % of the GEMM) and the GEMM
-  (``addmm_``, both cores) in the calling thread;
-* the combination and the write of a finished block in a second background thread, while the next block is
-  multiplied (double-buffered accumulators; the score arrays opened once per stream).
+:func:`stream_scores` runs as many worker threads as torch has intra-op threads, each taking the next row block
+and doing all of its work: the reads (zarr's codecs and file reads release the GIL), the conversion (torch's
+vectorized copy into a preallocated float32 buffer, ~1 % of the GEMM), the GEMMs with **one** thread each
+(``addmm_``), the combination and the write. So the cores never wait at an OpenMP barrier: with one GEMM over
+both cores (the previous design: a reader and a writer thread beside it), whatever else ran on a core — the
+reads, the writes, the zarr event loop, another process — stalled that core's half of the GEMM while the other
+half spun in libgomp's barrier (perf: as many samples as the GEMM kernel at 256 targets). Here a core that reads
+or writes leaves the other one multiplying, and the blocks go to whichever worker is free.
 
 The arithmetic is the one of the plain loop (zero the accumulator, ``acc.addmm_(Φ_c, G_cᵀ)`` per checkpoint in
 the given order, then :func:`~trak_core.scoring.combine_checkpoints`' float32 element-wise operations), and MKL's
-GEMM gives every row the same bits whatever the number of rows in the call, so the scores are bit-identical to
-the unpipelined loop for any block size (tests/test_streaming.py, tests/test_scores_from_grads.py check it).
+GEMM gives every row the same bits whatever the number of rows in the call and whatever its number of threads,
+so the scores are bit-identical to the unpipelined loop for any block size (tests/test_streaming.py,
+tests/test_scores_from_grads.py check it).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -92,23 +93,26 @@ def score_block_rows(
     itemsize: int = 2,
     cache: int | None = None,
     memory: int | None = None,
+    workers: int = 1,
 ) -> int:
     """Rows per GEMM of the streaming scoring: a whole number of store chunks (a read never decodes a chunk
-    twice, a write owns whole chunks) chosen from the hardware.
+    twice, a write owns whole chunks) chosen from the hardware, for ``workers`` threads each multiplying its own
+    block.
 
-    * cache: the float32 block Φ (rows × p) and its accumulator (rows × m) fit in half the last-level cache, so
-      the GEMM finds the block the conversion just wrote in cache (the other half holds Gᵀ's panels and the
-      block being read ahead); at least MIN_GEMM_ROWS rows;
-    * memory: the pipeline's buffers (two read buffers of ``itemsize`` bytes, one float32 Φ, two accumulators)
-      stay within MEMORY_FRACTION of the available memory;
+    * cache: each worker's float32 block (rows × p) and its accumulator (rows × m) fit in half its share of the
+      last-level cache, so the GEMM finds the block the conversion just wrote in cache (the other half holds the
+      right-hand panels and the stored block being decoded); at least MIN_GEMM_ROWS rows;
+    * memory: the workers' buffers (each: a read buffer of ``itemsize`` bytes, the float32 block, an
+      accumulator) stay within MEMORY_FRACTION of the available memory;
     * with ``shard_rows``: a divisor of it (at most a shard), so blocks tile the shards the score tasks own;
     * at least one chunk.
     """
     cache = cache_bytes() if cache is None else cache
     memory = memory_bytes() if memory is None else memory
-    row_hot = 4 * (proj_dim + num_targets)  # float32 Φ row + accumulator row
-    rows = max(MIN_GEMM_ROWS, (cache // 2) // row_hot)
-    row_buffers = 2 * itemsize * proj_dim + 4 * proj_dim + 2 * 4 * num_targets
+    workers = max(1, workers)
+    row_hot = 4 * (proj_dim + num_targets)  # float32 block row + accumulator row
+    rows = max(MIN_GEMM_ROWS, (cache // (2 * workers)) // row_hot)
+    row_buffers = workers * (itemsize * proj_dim + 4 * proj_dim + 4 * num_targets)
     rows = min(rows, max(1, int(memory * MEMORY_FRACTION) // row_buffers))
     if shard_rows is not None and shard_rows % chunk_rows == 0:
         fits = [d for d in range(chunk_rows, min(rows, shard_rows) + 1, chunk_rows) if shard_rows % d == 0]
@@ -131,14 +135,6 @@ def score_blocks(a: int, b: int, step: int, shard_rows: int | None = None) -> li
             blocks[-1] = (blocks[-1][0], last[1])
         out += blocks
     return out
-
-
-class _Slot:
-    """One read-ahead buffer: the stored rows (store dtype) and Q of one (row block, checkpoint)."""
-
-    def __init__(self, rows: int, p: int, dtype: np.dtype):
-        self.raw = np.empty((rows, p), dtype=dtype)
-        self.q: np.ndarray | None = None
 
 
 def _read_into(array, a: int, b: int, out: np.ndarray) -> None:
@@ -174,7 +170,8 @@ def stream_scores(
     (the projected gradients X, with ``targets`` = W = A Gᵀ from :func:`grads_right_hand`; see
     :func:`scores_from_grads`). ``block_rows``: rows per GEMM, exactly (default: :func:`score_block_rows`
     within the shards, :func:`score_blocks`); ``out``: an (n, m) float32 array that also receives the scores
-    (the accumulators are its rows: no copy); ``progress(rows)`` after each block is written.
+    (the accumulators are its rows: no copy); ``progress(rows)`` after each block is written, in block order, in
+    the calling thread.
     """
     if rows_array not in ROWS_ARRAYS:
         raise BadInputError(f"rows_array={rows_array!r}: expected one of {ROWS_ARRAYS}")
@@ -183,72 +180,77 @@ def stream_scores(
     ids = [int(mid) for mid in model_ids]
     meta = store.meta
     p, m = meta.proj_dim, store.num_targets(exp_name)
+    threads = torch.get_num_threads()
     if block_rows:
-        step, blocks = block_rows, score_blocks(a, b, block_rows)
+        blocks = score_blocks(a, b, block_rows)
     else:
-        step = score_block_rows(p, m, meta.rows_per_chunk, meta.rows_per_shard, itemsize=meta.np_dtype.itemsize)
+        step = score_block_rows(
+            p, m, meta.rows_per_chunk, meta.rows_per_shard, itemsize=meta.np_dtype.itemsize, workers=threads
+        )
         blocks = score_blocks(a, b, step, meta.rows_per_shard)
+    workers = max(1, min(threads, len(blocks)))
     step = max(e - s for s, e in blocks)
     models = [store.model(mid) for mid in ids]  # open each array once, not per block
     feats = [getattr(mm, rows_array) for mm in models]
-    qs = [mm.out_to_loss for mm in models]
-    jobs = [(s, e, k) for s, e in blocks for k in range(len(ids))]
-    slots = [_Slot(step, p, meta.np_dtype) for _ in range(2)]
-    phi = torch.empty(step, p, dtype=torch.float32)
-    # two accumulators when the caller gives no output array (score tasks); none needed otherwise
-    accs: list[torch.Tensor] = [] if out is not None else [torch.empty(step, m, dtype=torch.float32) for _ in range(2)]
-
-    def read(j: int) -> _Slot:
-        s, e, k = jobs[j]
-        slot = slots[j % 2]
-        _read_into(feats[k], s, e, slot.raw[: e - s])
-        slot.q = qs[k][s:e]
-        return slot
-
+    # Σ_c Q_c of all the rows, summed in float64 in the checkpoints' order (as per block before): one read per
+    # checkpoint instead of one per block (a Zarr call costs ~0.3 ms of CPU, a tenth of a block's reads and writes)
+    qsum_all = np.zeros(b - a, dtype=np.float64)
+    for mm in models:
+        qsum_all += mm.out_to_loss[a:b].astype(np.float64)
+    rights = [targets[mid] for mid in ids]
     write_rows = store.score_rows_writer(exp_name)  # the score arrays opened once, not per block
+    write_lock = threading.Lock()  # blocks need not own whole chunks: one write at a time (zarr rewrites chunks)
+    local = threading.local()
+    ready = threading.Barrier(workers + 1)
 
-    def write(s: int, e: int, acc: torch.Tensor, qsum: np.ndarray) -> None:
+    def start_worker() -> None:
+        torch.set_num_threads(1)  # this thread's OpenMP/MKL: one-thread GEMMs, one per core
+        f32 = meta.np_dtype == np.float32
+        local.raw = None if f32 else np.empty((step, p), dtype=meta.np_dtype)
+        local.x = torch.empty(step, p, dtype=torch.float32)
+        local.acc = torch.empty(step, m, dtype=torch.float32) if out is None else None
+        ready.wait()
+
+    def score_block(s: int, e: int) -> int:
+        rows = e - s
+        x = local.x[:rows]
+        acc = torch.from_numpy(out[s:e]) if out is not None else local.acc[:rows]
+        acc.zero_()
+        for k in range(len(ids)):
+            if local.raw is None:  # float32 store: decode straight into the GEMM's operand
+                _read_into(feats[k], s, e, x.numpy())
+            else:
+                raw = local.raw[:rows]
+                _read_into(feats[k], s, e, raw)
+                x.copy_(torch.from_numpy(raw))  # float16 → float32 (exact)
+            acc.addmm_(x, rights[k])  # acc += Φ_c Gᵀ_c (or X_c W_c), one GEMM per checkpoint
         # combine_checkpoints' float32 operations, element for element, in place (no block-sized temporary)
         res, c = acc.numpy(), len(ids)
         np.divide(res, c, out=res)
-        np.multiply(res, qsum.astype(np.float32).reshape(-1, 1) / c, out=res)
-        write_rows(s, e, res)
-        if progress:
-            progress(e - s)
+        np.multiply(res, qsum_all[s - a : e - a].astype(np.float32).reshape(-1, 1) / c, out=res)
+        with write_lock:
+            write_rows(s, e, res)
+        return rows
 
-    with (
-        ThreadPoolExecutor(1, thread_name_prefix="trak-read") as reader,
-        ThreadPoolExecutor(1, thread_name_prefix="trak-write") as writer,
-    ):
-        pending_read: Future | None = reader.submit(read, 0)
-        pending_write: list[Future | None] = [None, None]
-        j = 0
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="trak-score")
+    futures: list[Future] = []
+    try:
+        starts = [pool.submit(start_worker) for _ in range(workers)]  # one per thread: each waits at the barrier
         try:
-            for bi, (s, e) in enumerate(blocks):
-                rows = e - s
-                prev = pending_write[bi % 2]
-                if prev is not None:
-                    prev.result()  # at most two blocks in flight; the accumulator of two blocks ago is free again
-                acc = torch.from_numpy(out[s:e]) if out is not None else accs[bi % 2][:rows]
-                acc.zero_()
-                qsum = np.zeros(rows, dtype=np.float64)
-                for k in range(len(ids)):
-                    assert pending_read is not None  # one read is submitted per (block, checkpoint) job
-                    slot = pending_read.result()
-                    # the other slot was converted one job ago: read the next job into it now
-                    pending_read = reader.submit(read, j + 1) if j + 1 < len(jobs) else None
-                    x = phi[:rows]
-                    x.copy_(torch.from_numpy(slot.raw[:rows]))
-                    qsum += slot.q.astype(np.float64)
-                    acc.addmm_(x, targets[ids[k]])  # acc += Φ_c Gᵀ_c, one GEMM per checkpoint
-                    j += 1
-                pending_write[bi % 2] = writer.submit(write, s, e, acc, qsum)
-            for f in pending_write:
-                if f is not None:
-                    f.result()
+            ready.wait(timeout=600)
         finally:
-            if pending_read is not None:
-                pending_read.cancel()
+            torch.set_num_threads(threads)  # the process default the workers changed; this thread's is unchanged
+        for started in starts:
+            started.result()
+        futures = [pool.submit(score_block, s, e) for s, e in blocks]
+        for f in futures:
+            rows = f.result()
+            if progress:
+                progress(rows)
+    finally:
+        for f in futures:
+            f.cancel()
+        pool.shutdown(wait=True)
 
 
 def grads_right_hand(inverse: np.ndarray | torch.Tensor, target_t: torch.Tensor) -> torch.Tensor:
