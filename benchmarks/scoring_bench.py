@@ -10,7 +10,10 @@ For n train rows of proj_dim-dim float16 features (a Zarr store, ``ckpts`` check
 * **score tasks**: what the pipeline's score step runs: ``reduce.score_rows`` per shard, each loading the
   targets (``tasks.core.score_block`` without Prefect);
 * **before**: the previous implementation (one shard per step, a fresh float32 copy per read, no overlap, the
-  scores read back from the store), kept here as the reference the new scores must equal bit for bit.
+  scores read back from the store), kept here as the reference the new scores must equal bit for bit;
+* **X · (A Gᵀ)**: ``streaming.scores_from_grads`` (the stored projected gradients X streamed against W = A Gᵀ,
+  no features), and the same with the previous ``stream_scores`` (commit 2b83152: one two-thread GEMM
+  beside a reader and a writer thread), loaded from git, side by side in the same process.
 
 Each repetition times a 4096² matmul right before each measurement; the "interleaved" column is the median of
 (measurement GFLOP/s) / (that reference), robust to other jobs on the machine.
@@ -41,6 +44,31 @@ from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
 from trak_core.streaming import cache_bytes, memory_bytes, score_block_rows, scores_from_grads  # noqa: E402
 
 START, END = "<!-- scoring_bench:start -->", "<!-- scoring_bench:end -->"
+#: the commit whose trak_core/streaming.py is the previous design (one two-thread GEMM, reader + writer threads)
+PREVIOUS_STREAMING = "2b83152"
+
+
+def previous_streaming():
+    """trak_core/streaming.py as of PREVIOUS_STREAMING, as a module of the trak_core package (None without git)."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        src = subprocess.run(
+            ["git", "show", f"{PREVIOUS_STREAMING}:trak_core/streaming.py"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    spec = importlib.util.spec_from_loader("trak_core._streaming_previous", loader=None)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "trak_core"
+    exec(compile(src, f"{PREVIOUS_STREAMING}:trak_core/streaming.py", "exec"), mod.__dict__)
+    return mod
 
 
 def square_gflops(s: int, reps: int = 3) -> float:
@@ -164,6 +192,9 @@ def run(a) -> dict:
     ref_a, ref_b = torch.randn(4096, 4096), torch.randn(4096, 4096)
     rows = []
     used = list(range(a.ckpts))
+    prev = previous_streaming()
+    same_as_previous: dict[int, bool] = {}  # X · (A Gᵀ) from stream_scores == from the previous one, bitwise
+    loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
         t0 = time.perf_counter()
         path = os.path.join(tmp, "s")
@@ -190,10 +221,14 @@ def run(a) -> dict:
                 "score tasks (score_rows per shard)": lambda exp=exp: score_tasks(st, exp, used),
                 "X · (A Gᵀ), no features (scores_from_grads)": lambda exp=exp: scores_from_grads(st, exp, inverses),
             }
+            if prev is not None:
+                paths[f"X · (A Gᵀ) with the previous stream_scores ({PREVIOUS_STREAMING})"] = lambda exp=exp: (
+                    prev.scores_from_grads(st, exp, inverses)
+                )
             res = {k: {"t": [], "frac": []} for k in paths}
             exact = exact_rows(st, exp, used, a.exact_rows)
             checks: dict[str, tuple[bool, float, float]] = {}  # bitwise == before, rel. diff, rel. to float64
-            base = None
+            base = grads_r = None
             for rep in range(a.repeats):
                 for k, fn in paths.items():
                     ref = 2 * 4096**3 / _timed(lambda: torch.matmul(ref_a, ref_b)) / 1e9
@@ -202,11 +237,16 @@ def run(a) -> dict:
                     dt = time.perf_counter() - t
                     res[k]["t"].append(dt)
                     res[k]["frac"].append(flops / dt / 1e9 / ref)
+                    loads.append(os.getloadavg()[0])
                     if r is not None and rep == a.repeats - 1:  # "before" runs first: the reference
                         r = np.asarray(r)
                         base = r if base is None else base
                         same = bool(np.array_equal(r, base))
                         checks[k] = (same, max_rel(r, base), max_rel(r[: a.exact_rows], exact))
+                        if k.startswith("X · (A Gᵀ), no features"):
+                            grads_r = r
+                        elif k.startswith("X · (A Gᵀ) with the previous") and grads_r is not None:
+                            same_as_previous[m] = bool(np.array_equal(r, grads_r))
                     del r
             for k in paths:
                 best = min(res[k]["t"])
@@ -223,7 +263,7 @@ def run(a) -> dict:
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
-            del out, base, checks
+            del out, base, checks, grads_r
         sizes = {a.dtype: store_bytes(st, path, a.ckpts)}
         phi_mem = torch.empty(0)  # free the in-memory Φ before the second store
     # the other store dtype: the same X (float32 or rounded to float16), scores at the smallest m
@@ -259,25 +299,42 @@ def run(a) -> dict:
         "chunk_rows": meta.chunk_rows,
         "shard_rows": meta.shard_rows,
         "block_rows": {
-            m: score_block_rows(a.p, m, meta.chunk_rows, meta.shard_rows, itemsize=meta.np_dtype.itemsize)
+            m: score_block_rows(
+                a.p,
+                m,
+                meta.chunk_rows,
+                meta.shard_rows,
+                itemsize=meta.np_dtype.itemsize,
+                workers=torch.get_num_threads(),
+            )
             for m in a.targets
         },
         "cache": cache_bytes(),
         "memory": memory_bytes(),
+        "loads": loads,
+        "same_as_previous": same_as_previous,
+        "workers": torch.get_num_threads(),
     }
 
 
 def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
     peak = res["peak"]
+    load = [*load, *res["loads"]]
+    busy = max(load) > 0.75 * (os.cpu_count() or 1)
     lines = [
         "## Streaming scoring against the matmul peak (issue 15, item 3)",
         "",
         f"Produced by `{cmd}` in one run ({wall / 60:.1f} min) on {platform.processor() or 'x86_64'} "
         f"{_cpu()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads). "
-        f"Load average (1 min) during the run: {min(load):.1f}–{max(load):.1f} on {os.cpu_count()} cores: **the "
-        "machine was shared with other engineers' jobs**, so absolute GFLOP/s are noisy; the *interleaved* "
-        "column (each measurement divided by a 4096² matmul timed right before it, median over repetitions) is "
-        "the load-robust one.",
+        f"Load average (1 min) at each measurement: {min(load):.1f}–{max(load):.1f} on {os.cpu_count()} cores"
+        + (
+            ": **the machine was shared with other jobs**, so absolute GFLOP/s are noisy; "
+            if busy
+            else " (a quiet machine); "
+        )
+        + "the *interleaved* column (each measurement divided by a 4096² matmul timed right before it, median over "
+        "repetitions) is the load-robust one. The streaming paths run "
+        f"{res['workers']} worker threads (torch's intra-op threads), one-thread GEMMs each.",
         "",
         f"n = {a.n:,} train rows, proj_dim {a.p}, {a.dtype} store ({res['chunk_rows']} rows per chunk, "
         f"{res['shard_rows']} per shard), {a.ckpts} checkpoint(s); best of {a.repeats}. Measured float32 "
@@ -304,6 +361,15 @@ def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
                 f"{100 * r['gflops'] / gemm['gflops']:.0f}% | {100 * r['interleaved']:.0f}% | {same} | {diff} | "
                 f"{exact} |"
             )
+    if res.get("same_as_previous"):
+        lines += [
+            "",
+            f"X · (A Gᵀ) from `stream_scores` and from the previous one ({PREVIOUS_STREAMING}), same store, same W: "
+            + ", ".join(
+                f"m={m}: {'bitwise equal' if v else '**not equal**'}" for m, v in res["same_as_previous"].items()
+            )
+            + ".",
+        ]
     fin, o = res["finalize"], res["other_dtype"]
     lines += [
         "",

@@ -23,6 +23,7 @@ tests/test_scores_from_grads.py check it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -199,7 +200,12 @@ def stream_scores(
         qsum_all += mm.out_to_loss[a:b].astype(np.float64)
     rights = [targets[mid] for mid in ids]
     write_rows = store.score_rows_writer(exp_name)  # the score arrays opened once, not per block
-    write_lock = threading.Lock()  # blocks need not own whole chunks: one write at a time (zarr rewrites chunks)
+    # blocks of whole chunks write concurrently; blocks that share a chunk (block_rows not a multiple of the
+    # chunk rows) write one at a time: zarr rewrites a partly written chunk from what it reads back
+    shared_chunks = any(s % meta.rows_per_chunk for s, _ in blocks)
+    write_lock: threading.Lock | contextlib.nullcontext = (
+        threading.Lock() if shared_chunks else contextlib.nullcontext()
+    )
     local = threading.local()
     ready = threading.Barrier(workers + 1)
 
