@@ -333,12 +333,22 @@ class Solver:
         self.ev, self.vec = ev.clamp(min=0), vec
         self.xtq = self.x.to(torch.float64).T @ torch.from_numpy(self.q)  # Xᵀq, qᵀq: for the 'resid' rule
         self.qtq = float(self.q @ self.q)
+        rn = (self.x.to(torch.float64) ** 2).sum(1)  # ‖xᵢ‖²: Σ‖xᵢ‖⁴ for 'neff', Σqᵢ²‖xᵢ‖² for 'cresid' rules
+        self.norm4, self.q2x2 = float((rn**2).sum()), float((torch.from_numpy(self.q**2) * rn).sum())
         self._xv: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
 
     def resolve(self, setting) -> float:
         rule = parse_lambda_reg(setting)
-        return rule.resolve(self.xtx, n_rows=self.n, eigenvalues=self.ev, xtq=self.xtq, qtq=self.qtq)
+        return rule.resolve(
+            self.xtx,
+            n_rows=self.n,
+            eigenvalues=self.ev,
+            xtq=self.xtq,
+            qtq=self.qtq,
+            row_norm4=self.norm4,
+            q2x2=self.q2x2,
+        )
 
     def inverse(self, lam: float) -> torch.Tensor:
         if lam == 0:

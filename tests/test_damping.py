@@ -150,6 +150,11 @@ def test_no_positive_spectrum_is_a_clear_error(xtx):
         "deff:0.1,rel:-1",
         "deff:0.1,-2",
         "res:1",
+        "neff:0",
+        "neff:1",
+        "neff:x",
+        "cresid:-1",
+        "cresid:x",
     ],
 )
 def test_bad_fractions_are_refused(bad):
@@ -200,3 +205,112 @@ def test_pipeline_resolves_resid_from_the_stored_rows(tmp_path):
         info = tr.store.finalize_info(mid)
         assert info["lambda_setting"] == "deff:0.2,resid:3"
         assert info["lambda_reg"] == pytest.approx(want, rel=1e-9)
+
+
+# ---------------------------------------------------------------- 'neff': deff with the rows' effective number
+def _rows_with_uneven_norms(n: int, p: int, seed: int = 1) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((n, p)) * 0.9 ** np.arange(p) * 10.0
+    return x * g.lognormal(0.0, 1.0, n)[:, None]  # a few rows carry most of the gradient
+
+
+@pytest.mark.parametrize("n,p", [(200, 50), (30, 80), (400, 128)])
+@pytest.mark.parametrize("c", [0.05, 0.12, 0.3])
+def test_neff_solves_deff_with_the_rows_participation_ratio(n, p, c):
+    """neff:c: d_eff(λ) = trace(XᵀX (XᵀX + λI)⁻¹) = min(c · (Σ‖xᵢ‖²)² / Σ‖xᵢ‖⁴, rank / 2), the effective number
+    of rows by a loop over the rows and d_eff by a float64 solve."""
+    x = _rows_with_uneven_norms(n, p)
+    sq = [float(row @ row) for row in x]
+    n_eff = sum(sq) ** 2 / sum(v * v for v in sq)
+    assert n_eff < 0.8 * n  # uneven norms: fewer effective rows than rows
+    xtx = torch.from_numpy(x.T @ x)
+    lam = parse_lambda_reg(f"neff:{c}").resolve(xtx, n_rows=n, row_norm4=sum(v * v for v in sq))
+    assert _deff_exact(xtx, lam) == pytest.approx(min(c * n_eff, min(n, p) / 2), rel=1e-8)
+
+
+def test_neff_equals_deff_when_rows_have_equal_norms():
+    g = np.random.default_rng(2)
+    x = g.standard_normal((300, 40))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)  # every ‖xᵢ‖ = 1: n_eff = n
+    xtx = torch.from_numpy(x.T @ x)
+    assert parse_lambda_reg("neff:0.05").resolve(xtx, n_rows=300, row_norm4=300.0) == pytest.approx(
+        resolve_lambda("deff:0.05", xtx, n_rows=300), rel=1e-10
+    )
+
+
+def test_neff_joined_and_normalized():
+    x, q = _xq(150, 40)
+    xt = torch.from_numpy(x)
+    kw = dict(n_rows=150, xtq=torch.from_numpy(x.T @ q), qtq=float(q @ q), row_norm4=float(((x**2).sum(1) ** 2).sum()))
+    rule = parse_lambda_reg(" NEFF:0.120 , Resid:2 ")
+    assert rule.setting == "neff:0.12,resid:2" and rule.needs_row_norm4 and rule.needs_xtq
+    parts = [parse_lambda_reg(s).resolve(xt.T @ xt, **kw) for s in ("neff:0.12", "resid:2")]
+    assert rule.resolve(xt.T @ xt, **kw) == max(parts)
+    assert not parse_lambda_reg(ADAPTIVE).needs_row_norm4  # the default does not need it
+
+
+def test_neff_without_row_norms_is_a_clear_error():
+    xtx = _xtx(50, 20)
+    with pytest.raises(BadInputError, match="neff"):
+        resolve_lambda("neff:0.1", xtx, 50)
+    with pytest.raises(BadInputError, match="neff"):
+        parse_lambda_reg("neff:0.1").resolve(xtx, 50, row_norm4=0.0)
+
+
+# ---------------------------------------------------------------- 'cresid': the part of resid the rows share
+def _resolve_cresid(setting, x: np.ndarray, q: np.ndarray) -> float:
+    xt = torch.from_numpy(x)
+    return parse_lambda_reg(setting).resolve(
+        xt.T @ xt,
+        n_rows=x.shape[0],
+        xtq=torch.from_numpy(x.T @ q),
+        qtq=float(q @ q),
+        q2x2=float((q**2 * (x**2).sum(1)).sum()),
+        row_norm4=float(((x**2).sum(1) ** 2).sum()),
+    )
+
+
+@pytest.mark.parametrize("n,p", [(200, 50), (30, 80)])
+def test_cresid_is_the_cross_row_part_of_the_rayleigh_quotient(n, p):
+    """cresid:k = k · max(Σ_{i≠j} qᵢqⱼ xᵢᵀxⱼ, 0) / qᵀq, with the cross terms summed from the n × n Gram matrix
+    without its diagonal."""
+    x, q = _xq(n, p)
+    x = x + 5.0 * np.random.default_rng(7).standard_normal(p)  # a direction the rows share: cross terms > 0
+    gram = x @ x.T
+    cross = float(q @ (gram - np.diag(np.diag(gram))) @ q)
+    assert cross > 0
+    assert _resolve_cresid("cresid:1", x, q) == pytest.approx(cross / float(q @ q), rel=1e-10)
+    assert _resolve_cresid("cresid:4", x, q) == pytest.approx(4 * cross / float(q @ q), rel=1e-10)
+    assert _resolve_cresid("cresid:1", x, q) < _resolve_cresid("resid:1", x, q)
+    x0, q0 = _xq(30, 80)  # fewer rows than dimensions, no shared direction: the cross terms cancel to < 0
+    g0 = x0 @ x0.T
+    assert float(q0 @ (g0 - np.diag(np.diag(g0))) @ q0) < 0 and _resolve_cresid("cresid:2", x0, q0) == 0.0
+
+
+def test_cresid_is_zero_when_the_residual_gradients_do_not_add_up():
+    """Mutually orthogonal rows: no cross terms, so cresid = 0 while resid > 0; rows along one direction with
+    equal q: cresid = (n − 1)/n · resid."""
+    x = np.eye(12)[:8] * np.arange(1.0, 9.0)[:, None]
+    q = np.linspace(0.2, 1.0, 8)
+    assert _resolve_cresid("resid:1", x, q) > 0
+    assert _resolve_cresid("cresid:3", x, q) == 0.0
+    x1 = np.tile(np.arange(1.0, 6.0), (10, 1))
+    q1 = np.full(10, 0.3)
+    assert _resolve_cresid("cresid:1", x1, q1) == pytest.approx(0.9 * _resolve_cresid("resid:1", x1, q1), rel=1e-12)
+
+
+def test_cresid_joined_normalized_and_clear_errors():
+    x, q = _xq(120, 30)
+    rule = parse_lambda_reg("NEFF:0.12 , CResid:4.0")
+    assert rule.setting == "neff:0.12,cresid:4" and rule.needs_xtq and rule.needs_q2x2 and rule.needs_row_norm4
+    assert _resolve_cresid("neff:0.12,cresid:4", x, q) == max(
+        _resolve_cresid("neff:0.12", x, q), _resolve_cresid("cresid:4", x, q)
+    )
+    assert not parse_lambda_reg(ADAPTIVE).needs_q2x2
+    xt = torch.from_numpy(x)
+    with pytest.raises(BadInputError, match="cresid"):
+        parse_lambda_reg("cresid:1").resolve(xt.T @ xt, 120, xtq=torch.from_numpy(x.T @ q), qtq=float(q @ q))
+    with pytest.raises(BadInputError, match="cresid"):
+        parse_lambda_reg("cresid:1").resolve(
+            xt.T @ xt, 120, xtq=torch.from_numpy(x.T @ q), qtq=float(q @ q), q2x2=math.nan
+        )

@@ -40,8 +40,8 @@ ADAPTIVE_RESID = 3.0
 ADAPTIVE = f"deff:{ADAPTIVE_DEFF:g}" + (f",resid:{ADAPTIVE_RESID:g}" if ADAPTIVE_RESID else "")
 
 _FORMS = (
-    "a number >= 0, 'auto', 'rel:<factor>', 'adaptive', 'deff:<fraction in (0, 1)>', 'resid:<factor>' or "
-    "several of these joined by ',' (their largest λ)"
+    "a number >= 0, 'auto', 'rel:<factor>', 'adaptive', 'deff:<fraction in (0, 1)>', 'neff:<fraction in (0, 1)>', "
+    "'resid:<factor>', 'cresid:<factor>' or several of these joined by ',' (their largest λ)"
 )
 
 
@@ -49,8 +49,10 @@ _FORMS = (
 class LambdaRule:
     """A parsed ``lambda_reg`` setting: an absolute λ, ``factor`` × the mean eigenvalue of XᵀX (``relative``),
     (``deff``) the λ at which XᵀX's effective dimension is min(``factor`` × n, rank / 2), (``resid``) ``factor`` ×
-    the Rayleigh quotient ‖Xᵀq‖² / ‖q‖² of XXᵀ at the train rows' out-to-loss vector q, or (``parts``) the
-    largest λ of several rules.
+    the Rayleigh quotient ‖Xᵀq‖² / ‖q‖² of XXᵀ at the train rows' out-to-loss vector q, (``cresid``) ``factor`` ×
+    its part shared between rows (‖Xᵀq‖² − Σᵢqᵢ²‖xᵢ‖²)₊ / ‖q‖², (``neff``) the ``deff``
+    rule with n replaced by the rows' effective number (Σ‖xᵢ‖²)² / Σ‖xᵢ‖⁴, or (``parts``) the largest λ of
+    several rules.
 
     ``setting`` is the normalized form, what a store records and compares: a float, ``"auto"``,
     ``"rel:<f>"``, ``"deff:<c>"``, ``"resid:<k>"`` or such parts joined by ``","`` (lower case, stripped);
@@ -63,11 +65,23 @@ class LambdaRule:
     deff: bool = False
     resid: bool = False
     parts: tuple[LambdaRule, ...] = ()
+    neff: bool = False
+    cresid: bool = False
+
+    @property
+    def needs_row_norm4(self) -> bool:
+        """Whether :meth:`resolve` needs Σᵢ‖xᵢ‖⁴ over the train rows (a ``neff`` part)."""
+        return self.neff or any(r.needs_row_norm4 for r in self.parts)
+
+    @property
+    def needs_q2x2(self) -> bool:
+        """Whether :meth:`resolve` needs Σᵢqᵢ²‖xᵢ‖² over the train rows (a ``cresid`` part)."""
+        return self.cresid or any(r.needs_q2x2 for r in self.parts)
 
     @property
     def needs_xtq(self) -> bool:
         """Whether :meth:`resolve` needs Xᵀq and qᵀq (a ``resid`` part)."""
-        return self.resid or any(r.needs_xtq for r in self.parts)
+        return self.resid or self.cresid or any(r.needs_xtq for r in self.parts)
 
     def resolve(
         self,
@@ -76,21 +90,32 @@ class LambdaRule:
         eigenvalues: Tensor | None = None,
         xtq: Tensor | np.ndarray | None = None,
         qtq: float | None = None,
+        row_norm4: float | None = None,
+        q2x2: float | None = None,
     ) -> float:
         """The absolute λ for this XᵀX (trace / p is its mean eigenvalue). ``n_rows`` (the number of train rows
         summed into XᵀX) and precomputed ``eigenvalues`` are used by the ``deff`` rule only; ``xtq`` = Xᵀq (p,)
         and ``qtq`` = qᵀq, with q the train rows' out-to-loss weights Q (both sums over rows, accumulated like
-        XᵀX), by the ``resid`` rule only."""
+        XᵀX), by the ``resid`` rule only; ``row_norm4`` = Σᵢ‖xᵢ‖⁴ over the train rows (a sum over rows like XᵀX)
+        by the ``neff`` rule only, ``q2x2`` = Σᵢqᵢ²‖xᵢ‖² by the ``cresid`` rule only."""
         if self.parts:
-            if eigenvalues is None and any(r.deff for r in self.parts):
+            if eigenvalues is None and any(r.deff or r.neff for r in self.parts):
                 eigenvalues = _checked_eigenvalues(xtx)
-            return max(r.resolve(xtx, n_rows, eigenvalues, xtq, qtq) for r in self.parts)
+            return max(
+                r.resolve(xtx, n_rows, eigenvalues, xtq, qtq, row_norm4=row_norm4, q2x2=q2x2) for r in self.parts
+            )
+        if self.neff:
+            if eigenvalues is None:
+                eigenvalues = _checked_eigenvalues(xtx)
+            return deff_lambda(eigenvalues, self.factor, effective_rows(xtx, row_norm4))
         if self.deff:
             if eigenvalues is None:
                 eigenvalues = _checked_eigenvalues(xtx)
             return deff_lambda(eigenvalues, self.factor, n_rows)
         if self.resid:
             return self.factor * residual_rayleigh(xtq, qtq)
+        if self.cresid:
+            return self.factor * coherent_residual(xtq, qtq, q2x2)
         if not self.relative:
             return self.factor
         return float(self.factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
@@ -123,6 +148,40 @@ def residual_rayleigh(xtq: Tensor | np.ndarray | None, qtq: float | None) -> flo
     return num / q2 if q2 > 0 else 0.0
 
 
+def coherent_residual(xtq: Tensor | np.ndarray | None, qtq: float | None, q2x2: float | None) -> float:
+    """(‖Xᵀq‖² − Σᵢqᵢ²‖xᵢ‖²)₊ / ‖q‖² (float64): the part of the ``resid`` Rayleigh quotient that the rows'
+    residual gradients qᵢxᵢ share (the cross terms Σ_{i≠j} qᵢqⱼ xᵢᵀxⱼ), 0 when they cancel.
+
+    Why (the ``cresid`` rule): a run stopped before convergence leaves a residual along directions it has not fit
+    yet, which the residual rows' gradients share; a converged fit of noisy labels leaves a residual on a few
+    rows whose gradients do not add up, and its Rayleigh quotient is then their own ‖qᵢxᵢ‖², not an implicit
+    ridge. Σᵢqᵢ²‖xᵢ‖² is a sum over rows (accumulated like XᵀX)."""
+    if q2x2 is None:
+        raise BadInputError("lambda_reg 'cresid' needs Σᵢqᵢ²‖xᵢ‖² over the train rows (q2x2) besides Xᵀq and qᵀq")
+    d = float(q2x2)
+    if not math.isfinite(d) or d < 0:
+        raise BadInputError(f"lambda_reg 'cresid': Σᵢqᵢ²‖xᵢ‖² must be finite and >= 0, got {d!r}")
+    total = residual_rayleigh(xtq, qtq)
+    q2 = float(qtq or 0.0)  # not None, finite and >= 0: checked by residual_rayleigh
+    return max(total - d / q2, 0.0) if q2 > 0 else 0.0
+
+
+def effective_rows(xtx: Tensor, row_norm4: float | None) -> float:
+    """(Σᵢ‖xᵢ‖²)² / Σᵢ‖xᵢ‖⁴ = trace(XᵀX)² / ``row_norm4`` (float64): the participation ratio of the rows' squared
+    gradient norms — n when all rows have the same norm, about the number of rows that carry the gradient when
+    a few dominate.
+
+    Why (the ``neff`` rule): the ``deff`` target c·n counts examples per kept direction; rows whose projected
+    gradients are small hardly estimate any direction, so they should not count as whole examples."""
+    if row_norm4 is None:
+        raise BadInputError("lambda_reg 'neff' needs Σᵢ‖xᵢ‖⁴ over the train rows (row_norm4) besides XᵀX")
+    tr = float(torch.trace(xtx.to(torch.float64)))
+    r4 = float(row_norm4)
+    if not (math.isfinite(tr) and math.isfinite(r4)) or not (r4 > 0 and tr > 0):
+        raise BadInputError(f"lambda_reg 'neff': trace(XᵀX)={tr!r} and Σ‖xᵢ‖⁴={r4!r} must be finite and > 0")
+    return tr * tr / r4
+
+
 def effective_dimension(eigenvalues: Tensor | np.ndarray, lam: float) -> float:
     """d_eff(λ) = Σ σᵢ / (σᵢ + λ) over the eigenvalues σ of XᵀX (negative round-off clipped to 0), float64.
     At λ = 0 it is the number of positive eigenvalues."""
@@ -132,7 +191,7 @@ def effective_dimension(eigenvalues: Tensor | np.ndarray, lam: float) -> float:
     return float((ev / (ev + lam)).sum())
 
 
-def deff_target(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: int | None = None) -> float:
+def deff_target(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: float | None = None) -> float:
     """The effective dimension the ``deff:<fraction>`` rule aims for: min(fraction × n, rank / 2), with n the
     number of train rows in XᵀX (``n_rows``; the numerical rank of XᵀX when not given) and rank the number of
     eigenvalues above top × p × 1e-13 (≤ min(n, p))."""
@@ -144,11 +203,11 @@ def deff_target(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: int |
             "or not finite); check the model's outputs and gradients, or give an absolute lambda_reg"
         )
     rank = int((ev > top * ev.numel() * 1e-13).sum())
-    n = rank if n_rows is None else int(n_rows)
+    n = rank if n_rows is None else float(n_rows)  # float: the 'neff' rule's effective number of rows
     return min(fraction * n, rank / 2.0)
 
 
-def deff_lambda(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: int | None = None) -> float:
+def deff_lambda(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: float | None = None) -> float:
     """The λ > 0 with d_eff(λ) = Σ σᵢ/(σᵢ+λ) = :func:`deff_target` (float64 bisection on log λ, to relative
     precision ~1e-12; d_eff is strictly decreasing in λ).
 
@@ -177,15 +236,18 @@ def deff_lambda(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: int |
 def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
     """The one parser of a ``lambda_reg`` setting: a number ≥ 0 (also as text, e.g. from a command line),
     ``"auto"`` (= ``rel:AUTO_DAMPING``), ``"rel:<f>"`` with f ≥ 0, ``"deff:<c>"`` with 0 < c < 1,
-    ``"resid:<k>"`` with k ≥ 0, several of these joined by ``","`` (the largest of their λ), or ``"adaptive"``
-    (= :data:`ADAPTIVE`). Raises BadInputError (a ValueError) naming lambda_reg.
+    ``"resid:<k>"`` / ``"cresid:<k>"`` with k ≥ 0, ``"neff:<c>"`` with 0 < c < 1, several of these joined by
+    ``","`` (the largest of their λ), or ``"adaptive"`` (= :data:`ADAPTIVE`). Raises BadInputError (a ValueError)
+    naming lambda_reg.
 
     Relative settings scale with the mean eigenvalue of XᵀX (trace / p), so they do not depend on the
     gradient scale, the model size or proj_dim: ``"rel:0.1"`` adds 0.1 × the mean eigenvalue. ``deff``
     settings solve for the λ at which the effective dimension Σ σᵢ/(σᵢ+λ) of XᵀX is min(c × n, rank / 2)
     (see :func:`deff_lambda`; n = ``n_rows`` of :meth:`LambdaRule.resolve`): the damping follows proj_dim and n.
     ``resid`` settings are k × ‖Xᵀq‖² / ‖q‖² (:func:`residual_rayleigh`): the damping follows how far the
-    checkpoint is from convergence.
+    checkpoint is from convergence. ``neff`` settings are ``deff`` with n replaced by the rows' effective number
+    (:func:`effective_rows`; ``row_norm4`` of :meth:`LambdaRule.resolve`); ``cresid`` settings count only the part
+    of ``resid`` that the rows' residual gradients share (:func:`coherent_residual`; ``q2x2``).
     """
     if isinstance(lambda_reg, LambdaRule):
         return lambda_reg
@@ -216,7 +278,8 @@ def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
 
 
 def _parse_part(text: str, given) -> LambdaRule:
-    """One rule of a ``lambda_reg`` text (lower case, stripped): a number, auto, rel:, deff: or resid:."""
+    """One rule of a ``lambda_reg`` text (lower case, stripped): a number, auto, rel:, deff:, neff:, resid: or
+    cresid:."""
     try:
         value = float(text)
     except ValueError:
@@ -228,20 +291,24 @@ def _parse_part(text: str, given) -> LambdaRule:
     if text == "auto":
         return LambdaRule(setting="auto", factor=AUTO_DAMPING, relative=True)
     name, sep, arg = text.partition(":")
-    if not sep or name not in ("rel", "deff", "resid"):
+    if not sep or name not in ("rel", "deff", "neff", "resid", "cresid"):
         raise BadInputError(f"lambda_reg={given!r}: use {_FORMS}")
     try:
         factor = float(arg)
     except ValueError:
         raise BadInputError(f"lambda_reg={given!r}: expected '{name}:<number>'") from None
-    if name == "deff":
+    if name in ("deff", "neff"):
         if not 0.0 < factor < 1.0:
-            raise BadInputError(f"lambda_reg={given!r}: the deff fraction must be in (0, 1)")
+            raise BadInputError(f"lambda_reg={given!r}: the {name} fraction must be in (0, 1)")
+        if name == "neff":
+            return LambdaRule(setting=f"neff:{factor:g}", factor=factor, relative=False, neff=True)
         return LambdaRule(setting=f"deff:{factor:g}", factor=factor, relative=False, deff=True)
     if not factor >= 0 or not math.isfinite(factor):
         raise BadInputError(f"lambda_reg={given!r}: the factor must be >= 0")
     if name == "resid":
         return LambdaRule(setting=f"resid:{factor:g}", factor=factor, relative=False, resid=True)
+    if name == "cresid":
+        return LambdaRule(setting=f"cresid:{factor:g}", factor=factor, relative=False, cresid=True)
     return LambdaRule(setting=text, factor=factor, relative=True)
 
 
