@@ -175,6 +175,69 @@ def exact_rows(st: TrakStore, exp: str, used: list[int], rows: int) -> np.ndarra
     return combine_checkpoints(acc, q, len(used))
 
 
+def stage_costs(st: TrakStore, exp: str, rows: int, reps: int = 8) -> dict:
+    """CPU time (process, all threads: zarr's event loop and I/O threads included) per block of ``rows`` train
+    rows of each stage of the streaming scoring, one torch thread, the stages one after the other (best of
+    ``reps`` blocks): the Zarr read of the stored X, its float16 → float32 conversion, the GEMM against a
+    (p, m) float32 W, the combination with Q, the Zarr write of the scores, the write of their done flags."""
+    from trak_core.streaming import _read_into
+
+    p, m, n = st.meta.proj_dim, st.num_targets(exp), st.meta.train_set_size
+    grads = st.model(0).grads
+    raw = np.empty((rows, p), dtype=st.meta.np_dtype)
+    x, w, acc = torch.empty(rows, p), torch.randn(p, m), torch.zeros(rows, m)
+    q = np.ones(rows, dtype=np.float64)
+    res = acc.numpy()
+    arr, done = st.init_scores(exp)
+    blocks = [(s, s + rows) for s in range(0, n - rows + 1, rows)][:reps]
+
+    def combine():
+        np.divide(res, 1, out=res)
+        np.multiply(res, q.astype(np.float32).reshape(-1, 1), out=res)
+
+    stages = {
+        "read X (Zarr, crc32c)": lambda s, e: _read_into(grads, s, e, raw),
+        "float16 → float32": lambda s, e: x.copy_(torch.from_numpy(raw)),
+        "GEMM (one thread)": lambda s, e: acc.addmm_(x, w),
+        "combination with Q": lambda s, e: combine(),
+        "write scores (Zarr, crc32c)": lambda s, e: arr.__setitem__(slice(s, e), res),
+        "mark rows done (Zarr)": lambda s, e: done.__setitem__(slice(s, e), 1),
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {}
+        for k, fn in stages.items():
+            fn(*blocks[0])
+            best = float("inf")
+            for blk in blocks:
+                c = time.process_time()
+                fn(*blk)
+                best = min(best, time.process_time() - c)
+            out[k] = best
+    finally:
+        torch.set_num_threads(threads)
+    st.reset_scores(exp)
+    return out
+
+
+def one_thread_gemm_cpu(x: torch.Tensor, w: torch.Tensor, rows: int = 8192) -> float:
+    """CPU seconds of x @ w with one torch thread, from its first ``rows`` rows scaled to all of x (best of 2):
+    the CPU time the scoring's GEMM needs on its own, whatever the load (other processes do not count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        part, acc = x[:rows], torch.zeros(min(rows, len(x)), w.shape[1])
+        best = float("inf")
+        for _ in range(2):
+            c = time.process_time()
+            acc.addmm_(part, w)
+            best = min(best, time.process_time() - c)
+    finally:
+        torch.set_num_threads(threads)
+    return best * len(x) / len(part)
+
+
 def finalize_times(st: TrakStore, mid: int, lambda_reg, repeats: int) -> dict:
     """Today's finalize (the solve + a pass over the n rows writing Φ) against the solve alone (what finalize
     is when scores come from X · A Gᵀ); best of ``repeats`` each, alternated."""
@@ -195,6 +258,14 @@ def run(a) -> dict:
     prev = previous_streaming()
     same_as_previous: dict[int, bool] = {}  # X · (A Gᵀ) from stream_scores == from the previous one, bitwise
     loads = [os.getloadavg()[0]]
+    stages: dict[int, dict] = {}
+    meta = StoreMetadata(train_set_size=a.n, grad_dim=10 * a.p, proj_dim=a.p, dtype=a.dtype)
+    block_rows = {
+        m: score_block_rows(
+            a.p, m, meta.chunk_rows, meta.shard_rows, itemsize=meta.np_dtype.itemsize, workers=torch.get_num_threads()
+        )
+        for m in a.targets
+    }
     with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
         t0 = time.perf_counter()
         path = os.path.join(tmp, "s")
@@ -225,16 +296,18 @@ def run(a) -> dict:
                 paths[f"X · (A Gᵀ) with the previous stream_scores ({PREVIOUS_STREAMING})"] = lambda exp=exp: (
                     prev.scores_from_grads(st, exp, inverses)
                 )
-            res = {k: {"t": [], "frac": []} for k in paths}
+            res = {k: {"t": [], "frac": [], "cpu": []} for k in paths}
+            gemm_cpu = one_thread_gemm_cpu(phi_mem, g[used[0]]) * len(used)
             exact = exact_rows(st, exp, used, a.exact_rows)
             checks: dict[str, tuple[bool, float, float]] = {}  # bitwise == before, rel. diff, rel. to float64
             base = grads_r = None
             for rep in range(a.repeats):
                 for k, fn in paths.items():
                     ref = 2 * 4096**3 / _timed(lambda: torch.matmul(ref_a, ref_b)) / 1e9
-                    t = time.perf_counter()
+                    c, t = time.process_time(), time.perf_counter()
                     r = fn()
                     dt = time.perf_counter() - t
+                    res[k]["cpu"].append(gemm_cpu / (time.process_time() - c))
                     res[k]["t"].append(dt)
                     res[k]["frac"].append(flops / dt / 1e9 / ref)
                     loads.append(os.getloadavg()[0])
@@ -257,6 +330,7 @@ def run(a) -> dict:
                         "seconds": best,
                         "gflops": flops / best / 1e9,
                         "interleaved": statistics.median(res[k]["frac"]),
+                        "cpu_share": statistics.median(res[k]["cpu"]),
                         "bit_identical": checks[k][0] if k in checks else None,
                         "rel_diff": checks[k][1] if k in checks else None,
                         "rel_exact": checks[k][2] if k in checks else None,
@@ -264,6 +338,8 @@ def run(a) -> dict:
                 )
                 print(json.dumps(rows[-1]), flush=True)
             del out, base, checks, grads_r
+            stages[m] = stage_costs(st, exp, rows=block_rows[m])
+            print(json.dumps({"m": m, "stages": stages[m]}), flush=True)
         sizes = {a.dtype: store_bytes(st, path, a.ckpts)}
         phi_mem = torch.empty(0)  # free the in-memory Φ before the second store
     # the other store dtype: the same X (float32 or rounded to float16), scores at the smallest m
@@ -287,7 +363,6 @@ def run(a) -> dict:
         print(json.dumps(other_row), flush=True)
     for s in peaks:
         peaks[s] = max(peaks[s], square_gflops(s))
-    meta = StoreMetadata(train_set_size=a.n, grad_dim=10 * a.p, proj_dim=a.p, dtype=a.dtype)
     return {
         "peaks": peaks,
         "peak": max(peaks.values()),
@@ -298,17 +373,8 @@ def run(a) -> dict:
         "other_dtype": other_row,
         "chunk_rows": meta.chunk_rows,
         "shard_rows": meta.shard_rows,
-        "block_rows": {
-            m: score_block_rows(
-                a.p,
-                m,
-                meta.chunk_rows,
-                meta.shard_rows,
-                itemsize=meta.np_dtype.itemsize,
-                workers=torch.get_num_threads(),
-            )
-            for m in a.targets
-        },
+        "block_rows": block_rows,
+        "stages": stages,
         "cache": cache_bytes(),
         "memory": memory_bytes(),
         "loads": loads,
@@ -333,7 +399,10 @@ def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
             else " (a quiet machine); "
         )
         + "the *interleaved* column (each measurement divided by a 4096² matmul timed right before it, median over "
-        "repetitions) is the load-robust one. The streaming paths run "
+        "repetitions) is the load-robust one for wall-clock time; *CPU share of the GEMM* (the CPU seconds of the "
+        "same GEMM with one torch thread, divided by the process's CPU seconds for the path, median over repetitions) "
+        "does not count other processes at all: on a quiet machine with every core busy it is the fraction of the "
+        "peak the path reaches. The streaming paths run "
         f"{res['workers']} worker threads (torch's intra-op threads), one-thread GEMMs each.",
         "",
         f"n = {a.n:,} train rows, proj_dim {a.p}, {a.dtype} store ({res['chunk_rows']} rows per chunk, "
@@ -346,9 +415,9 @@ def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
         + ".",
         "",
         "| path | targets m | seconds (best) | GFLOP/s | % of the matmul peak | % of GEMM only | interleaved "
-        "(vs 4096² just before) | scores == before (bitwise) | max rel. diff vs before | max rel. diff vs float64 "
-        f"(first {a.exact_rows:,} rows) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "(vs 4096² just before) | CPU share of the GEMM | scores == before (bitwise) | max rel. diff vs before | "
+        f"max rel. diff vs float64 (first {a.exact_rows:,} rows) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in a.targets:
         gemm = next(r for r in res["rows"] if r["m"] == m and r["path"].startswith("GEMM"))
@@ -358,8 +427,28 @@ def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
             exact = "—" if r["rel_exact"] is None else f"{r['rel_exact']:.1e}"
             lines.append(
                 f"| {r['path']} | {m} | {r['seconds']:.2f} | {r['gflops']:.1f} | {100 * r['gflops'] / peak:.0f}% | "
-                f"{100 * r['gflops'] / gemm['gflops']:.0f}% | {100 * r['interleaved']:.0f}% | {same} | {diff} | "
-                f"{exact} |"
+                f"{100 * r['gflops'] / gemm['gflops']:.0f}% | {100 * r['interleaved']:.0f}% | "
+                f"{100 * r['cpu_share']:.0f}% | {same} | {diff} | {exact} |"
+            )
+    if res.get("stages"):
+        names = list(next(iter(res["stages"].values())))
+        lines += [
+            "",
+            "CPU time per block of each stage (`stage_costs`: process CPU time, zarr's event-loop and I/O threads "
+            "included, one torch thread, the stages run one after the other, best of 8 blocks; rows per block as "
+            "chosen above). The GEMM's share of the sum bounds what the cores can spend on the GEMM, however the "
+            "stages overlap:",
+            "",
+            "| targets m | rows | " + " | ".join(names) + " | GEMM share of the sum |",
+            "|---" * (len(names) + 3) + "|",
+        ]
+        for m, st in res["stages"].items():
+            tot = sum(st.values())
+            gemm = next(v for k, v in st.items() if k.startswith("GEMM"))
+            lines.append(
+                f"| {m} | {res['block_rows'][m]} | "
+                + " | ".join(f"{1e3 * v:.2f} ms" for v in st.values())
+                + f" | {100 * gemm / tot:.0f}% |"
             )
     if res.get("same_as_previous"):
         lines += [
