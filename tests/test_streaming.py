@@ -125,6 +125,31 @@ def test_threads_of_the_caller_and_of_new_threads_unchanged(tmp_path):
         torch.set_num_threads(before)
 
 
+def test_a_worker_that_cannot_start_raises_its_error(tmp_path, monkeypatch):
+    """A worker thread failing before the start barrier (here: its thread setting) neither hangs the caller nor
+    the other workers; its own error reaches the caller, and the caller's thread count is restored."""
+    import threading
+
+    st = scored_store(tmp_path / "s", "float16", 1)
+    real = torch.set_num_threads
+    main = threading.get_ident()
+
+    def failing(n):
+        if threading.get_ident() != main:
+            raise MemoryError("no buffers for this worker")
+        real(n)
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(streaming.torch, "set_num_threads", failing)
+    with pytest.raises(MemoryError, match="no buffers"):
+        reduce.finalize_scores(st, "e", block_rows=32)
+    monkeypatch.undo()
+    assert torch.get_num_threads() == before
+    np.testing.assert_array_equal(
+        reduce.finalize_scores(st, "e", block_rows=32), plain_loop(st, "e", [0], st.meta.shard_rows)
+    )
+
+
 def test_damaged_chunk_read_in_the_reader_thread_is_named(tmp_path):
     st = scored_store(tmp_path / "s", "float16", 1)
     chunk = tmp_path / "s" / "models" / "0" / "features" / "c" / "3" / "0"

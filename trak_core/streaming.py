@@ -210,11 +210,15 @@ def stream_scores(
     ready = threading.Barrier(workers + 1)
 
     def start_worker() -> None:
-        torch.set_num_threads(1)  # this thread's OpenMP/MKL: one-thread GEMMs, one per core
-        f32 = meta.np_dtype == np.float32
-        local.raw = None if f32 else np.empty((step, p), dtype=meta.np_dtype)
-        local.x = torch.empty(step, p, dtype=torch.float32)
-        local.acc = torch.empty(step, m, dtype=torch.float32) if out is None else None
+        try:
+            torch.set_num_threads(1)  # this thread's OpenMP/MKL: one-thread GEMMs, one per core
+            f32 = meta.np_dtype == np.float32
+            local.raw = None if f32 else np.empty((step, p), dtype=meta.np_dtype)
+            local.x = torch.empty(step, p, dtype=torch.float32)
+            local.acc = torch.empty(step, m, dtype=torch.float32) if out is None else None
+        except BaseException:
+            ready.abort()  # the caller and the other workers stop waiting
+            raise
         ready.wait()
 
     def score_block(s: int, e: int) -> int:
@@ -241,13 +245,19 @@ def stream_scores(
     pool = ThreadPoolExecutor(workers, thread_name_prefix="trak-score")
     futures: list[Future] = []
     try:
-        starts = [pool.submit(start_worker) for _ in range(workers)]  # one per thread: each waits at the barrier
+        starts: list[Future] = []
         try:
-            ready.wait(timeout=600)
+            starts += [pool.submit(start_worker) for _ in range(workers)]  # one per thread: each waits at the barrier
+            ready.wait()
+        except BaseException as e:
+            ready.abort()  # frees the workers waiting when a thread could not start
+            errors = [f.exception() for f in starts] if isinstance(e, threading.BrokenBarrierError) else []
+            root = next((x for x in errors if x and not isinstance(x, threading.BrokenBarrierError)), None)
+            if root is None:
+                raise
+            raise root from None  # the worker's own error (e.g. no memory for its buffers)
         finally:
             torch.set_num_threads(threads)  # the process default the workers changed; this thread's is unchanged
-        for started in starts:
-            started.result()
         futures = [pool.submit(score_block, s, e) for s, e in blocks]
         for f in futures:
             rows = f.result()
