@@ -401,8 +401,8 @@ def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
         + "the *interleaved* column (each measurement divided by a 4096² matmul timed right before it, median over "
         "repetitions) is the load-robust one for wall-clock time; *CPU share of the GEMM* (the CPU seconds of the "
         "same GEMM with one torch thread, divided by the process's CPU seconds for the path, median over repetitions) "
-        "does not count other processes at all: on a quiet machine with every core busy it is the fraction of the "
-        "peak the path reaches. The streaming paths run "
+        "does not count other processes at all: on a quiet machine it bounds the fraction of the GEMM's speed the "
+        "path reaches (reached when no core idles). The streaming paths run "
         f"{res['workers']} worker threads (torch's intra-op threads), one-thread GEMMs each.",
         "",
         f"n = {a.n:,} train rows, proj_dim {a.p}, {a.dtype} store ({res['chunk_rows']} rows per chunk, "
