@@ -291,7 +291,7 @@ def chunk_coords_of_rows(arr: zarr.Array, rows: np.ndarray) -> list[tuple[int, .
     """The chunks (coordinates) holding the given axis-0 indices (all chunks along the other axes)."""
     import itertools
 
-    firsts = sorted({int(r) // arr.chunks[0] for r in np.asarray(rows).reshape(-1)})
+    firsts = np.unique(np.asarray(rows, dtype=np.int64).reshape(-1) // int(arr.chunks[0])).tolist()  # not per row
     rest = [range(math.ceil(s / c)) for s, c in zip(arr.shape[1:], arr.chunks[1:], strict=True)]
     return [(i, *other) for i in firsts for other in itertools.product(*rest)]
 
