@@ -4,7 +4,7 @@ trakflow's projectors, cold (first use in a fresh process) and warm (steady stat
     .venv/bin/python benchmarks/featurize_bench.py --repeats 2      # writes its section of benchmarks/RESULTS.md
 
 Each row times, through each library's own ``TRAKer``: construction (store creation) + load_checkpoint +
-featurize of N examples in batches + finalize_features (XᵀX, its inverse, the features Φ), float32
+featurize of N examples in batches + finalize_features (XᵀX and its inverse; traker also writes the features Φ), float32
 store. Every row runs in a fresh process: its first pass there is **cold** (imports already done,
 everything else — torch.func set-up, projection matrices, store creation, BLAS/OpenMP start-up — paid on
 first use), then ``--warm-runs`` more passes with a new TRAKer and a new store each (**warm**, best kept).
@@ -296,7 +296,7 @@ def worker(spec: dict) -> dict:
             if spec["impl"].startswith("traker"):
                 feats = np.asarray(tr.saver.current_store["features"][:n], dtype=np.float32)
             else:
-                feats = tr.store.model(0).features[:n].astype(np.float32)
+                feats = tr.features(0, 0, n)  # Φ = X A on demand (the store keeps the inverse, not Φ)
             passes.append(_pass_times(t0, t1, t2, t3, feats))
     warm = min(passes[1:], key=lambda r: r["total_s"]) if len(passes) > 1 else None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -332,11 +332,11 @@ def pipeline_worker(spec: dict) -> dict:
     ``featurize_shard`` for each shard (builds the featurizer from the config and the checkpoint file, featurizes
     in batches, one store write and the XᵀX partial per shard) and ``finalize_checkpoint`` — the pipeline's
     defaults otherwise (factored projector, lambda_reg 'adaptive'), float32 store like the TRAKer rows."""
-    import numpy as np
     import torch
 
     from tasks.config import AttributeConfig
     from tasks.core import featurize_shard, finalize_checkpoint, make_plan, open_store
+    from trak_core.reduce import features_rows
 
     warnings.simplefilter("ignore")
     os.environ["FEATURIZE_BENCH_MODEL"], os.environ["FEATURIZE_BENCH_N"] = spec["model"], str(spec["n"])
@@ -366,7 +366,7 @@ def pipeline_worker(spec: dict) -> dict:
             t2 = time.perf_counter()
             finalize_checkpoint(cfg, 0)
             t3 = time.perf_counter()
-            feats = open_store(cfg).model(0).features[: spec["n"]].astype(np.float32)
+            feats = features_rows(open_store(cfg), 0, 0, spec["n"])
             passes.append(
                 {
                     **_pass_times(t0, t1, t2, t3, feats),
@@ -480,7 +480,8 @@ def scoring_kernel(rows=8192, p=2048, targets=(256, 1024, 4096), reps=5, square=
 
 
 def scoring_end_to_end(n=65536, p=2048, m=1024, ckpts=1, dtype="float16") -> dict:
-    """reduce.finalize_scores over a store of n rows × p features of ``ckpts`` checkpoints, m targets."""
+    """reduce.finalize_scores over a store of n rows × p projected gradients of ``ckpts`` checkpoints (an inverse
+    each), m targets: G A once per checkpoint, then X (A Gᵀ) streamed."""
     import numpy as np
 
     from trak_core.reduce import finalize_scores
@@ -494,12 +495,12 @@ def scoring_end_to_end(n=65536, p=2048, m=1024, ckpts=1, dtype="float16") -> dic
         st = TrakStore.create_or_open(os.path.join(tmp, "s"), meta)
         st.init_experiment("bench", m)
         for mid in range(ckpts):
-            mod = st.init_model(mid)
+            st.init_model(mid)
             for a in range(0, n, 8192):
                 b = min(a + 8192, n)
-                mod.features[a:b] = rng.standard_normal((b - a, p), dtype=np.float32).astype(dtype)
-            mod.out_to_loss[:] = np.ones(n, dtype=np.float32)
-            mod.finalized[:] = np.ones(n, dtype=np.uint8)
+                x = rng.standard_normal((b - a, p), dtype=np.float32)
+                st.write_train_rows(mid, slice(a, b), x, np.ones(b - a, dtype=np.float32))
+            st.write_inverse(mid, np.eye(p) + 0.01 * np.ones((p, p)))
             st.set_finalize_info(mid, {"lambda_reg": 0.0})
             st.init_experiment_model("bench", mid)
             st.write_target_rows("bench", mid, slice(0, m), rng.standard_normal((m, p), dtype=np.float32))

@@ -93,12 +93,12 @@ def table(rows, sizes, proj_dim, targets) -> str:
         ratio = vals[-1]["peak_rss_mib"] / vals[0]["peak_rss_mib"]
         deltas = " → ".join(f"{r['delta_rss_mib']:.0f}" for r in vals)
         lines.append(f"| {phase} | " + " | ".join(cells) + f" | {ratio:.2f} | {deltas} MiB |")
-    store_mib = {n: n * proj_dim * 2 * 2 / 2**20 for n in sizes}
+    store_mib = {n: n * proj_dim * 2 / 2**20 for n in sizes}  # float16 grads (the store keeps no features)
     kinds = sorted({r.get("projector", "?") for r in rows})
     lines.append("")
     lines.append(
         f"Projector `{'/'.join(kinds)}` (TRAKer's default unless --projector), "
-        f"proj_dim={proj_dim}, {targets} targets, float16 store; the grads + features arrays alone are "
+        f"proj_dim={proj_dim}, {targets} targets, float16 store; the grads array alone is "
         + ", ".join(f"{store_mib[n]:.0f} MiB at n={n:,}" for n in sizes)
         + ". Peak RSS includes the interpreter with torch and zarr loaded."
     )

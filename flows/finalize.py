@@ -1,4 +1,4 @@
-"""finalize: per checkpoint, sum the per-shard XᵀX partials (in shard order), solve, write features."""
+"""finalize: per checkpoint, sum the per-shard XᵀX partials (in shard order), solve, write the inverse."""
 
 from __future__ import annotations
 

@@ -314,7 +314,7 @@ class AttributeConfig(_Base):
         "XᵀX; 'auto' = rel:0.3), 'deff:<c>', 'resid:<k>', or rules joined by ',' (their largest λ)",
     )
     rescale_inverse: bool = _setting("rescale_inverse", "divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
-    dtype: StorageDtype = _setting("dtype", "storage dtype of gradients/features")
+    dtype: StorageDtype = _setting("dtype", "storage dtype of gradients")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")
     shard_size: PositiveInt = Field(4096, description="train rows per featurize task (a multiple of chunk_rows)")
     chunk_rows: PositiveInt | None = Field(

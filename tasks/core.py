@@ -7,8 +7,10 @@ them). Each step maps onto the store exactly as trak_core.TRAKer does, so the sc
 * featurize: one call per (model_id, shard), batches of ``batch_size`` from the shard's first row,
   whole shards written at once, then the shard's XᵀX partial from the rounded rows
   (``trak_core.reduce.shard_partial``);
-* finalize: ``trak_core.reduce.finalize_model`` (partials summed in shard order, solve, features);
-* targets: batches of ``batch_size`` from row 0; scores: ``trak_core.reduce.score_rows`` per shard.
+* finalize: ``trak_core.reduce.finalize_model`` (partials summed in shard order, the solve, the inverse);
+* targets: batches of ``batch_size`` from row 0; scores: the targets times each inverse once
+  (``trak_core.reduce.solve_targets``, in ``prepare_scores``), then ``trak_core.reduce.score_rows`` per shard
+  (the stored gradients X times A Gᵀ).
 
 Every step first reads the store and returns ``skipped=True`` when its output is already complete.
 """
@@ -31,7 +33,16 @@ from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
 from trak_core.lds import array_fingerprint
 from trak_core.memory import check_task_memory, estimate_task_memory
 from trak_core.projectors import make_projector
-from trak_core.reduce import ensure_partial, finalize_model, load_targets, score_rows, shard_partial, usable_models
+from trak_core.reduce import (
+    ensure_partial,
+    finalize_model,
+    load_solved,
+    score_rows,
+    shard_partial,
+    shard_xtq,
+    solve_targets,
+    usable_models,
+)
 from trak_core.scoring import parse_lambda_reg
 from trak_core.store import StoreMetadata, TrakStore
 from trak_core.verify import repair_store, verify_store
@@ -274,7 +285,7 @@ def check_against_store(config: AttributeConfig, inputs: CheckedInputs, prints: 
     for mid, rec in enumerate(prints.checkpoints):
         if not store.has_model(mid):
             continue
-        # λ and rescale were recorded when the model was planned: features may be partly written with them
+        # λ and rescale were recorded when the model was planned (finalize may have begun with them)
         store.check_feature_settings(mid, want_lambda, config.rescale_inverse)
         fin = store.finalize_info(mid)
         if fin is not None:
@@ -397,13 +408,15 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
         progress.advance("featurize", e - s)
     x, q = np.concatenate(xs), np.concatenate(qs)
     store.write_train_rows(model_id, slice(a, b), x, q)
-    store.write_partial(model_id, shard, shard_partial(store, model_id, shard, rows=x))
+    store.write_partial(
+        model_id, shard, shard_partial(store, model_id, shard, rows=x), shard_xtq(store, model_id, shard, x, q)
+    )
     return ShardManifest.timed(t0, False, model_id=model_id, shard=shard, rows=(a, b))
 
 
 # ---------------------------------------------------------------------------- finalize
 def finalize_checkpoint(config: AttributeConfig, model_id: int) -> FinalizeManifest:
-    """Σ shard partials (in shard order) → (XᵀX + λI)⁻¹ → features Φ of one checkpoint."""
+    """Σ shard partials (in shard order) → A = (XᵀX + λI)⁻¹ of one checkpoint, written to the store."""
     t0 = time.perf_counter()
     store = open_store(config)
     if store.is_finalized(model_id):
@@ -443,11 +456,13 @@ def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -
 
 
 def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
-    """Which checkpoints are combined, and score blocks (one per shard). Forgets rows scored with
-    another combination of checkpoints. Call once, before fanning out score_block."""
+    """Which checkpoints are combined, each one's targets times its inverse (G A, written once), and score
+    blocks (one per shard). Forgets rows scored with another combination of checkpoints. Call once, before
+    fanning out score_block."""
     store = open_store(config)
     exp = config.exp_name
     used = usable_models(store, exp, model_ids)
+    solve_targets(store, exp, used)
     store.begin_scores(exp, used)
     blocks = tuple(store.meta.shard_range(s) for s in range(store.meta.num_shards))
     return ScorePlan(model_ids=tuple(used), blocks=blocks)
@@ -461,7 +476,7 @@ def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -
     if store.rows_scored(exp, a, b):
         progress.advance("score", b - a)
         return ScoreBlockManifest.timed(t0, True, rows=(a, b))
-    score_rows(store, exp, model_ids, a, b, load_targets(store, exp, model_ids))
+    score_rows(store, exp, model_ids, a, b, load_solved(store, exp, model_ids))
     progress.advance("score", b - a)
     return ScoreBlockManifest.timed(t0, False, rows=(a, b))
 

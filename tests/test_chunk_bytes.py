@@ -34,7 +34,7 @@ def test_metadata_records_the_layout_and_every_chunk_is_bounded(tmp_path):
     assert m.grads.chunks == (1, 3_000_000)  # one 6 MB row per chunk
     st.init_experiment("e", 100_000)
     scores, _ = st.init_scores("e")
-    for arr in (m.grads, m.features, scores):
+    for arr in (m.grads, scores):
         nbytes = arr.dtype.itemsize
         for c in arr.chunks:
             nbytes *= c

@@ -123,8 +123,8 @@ def _store_with_rows(path, x: np.ndarray, *, chunk_rows: int, shard_rows: int, p
 @pytest.mark.parametrize("setting", ["adaptive", 0.5])
 def test_finalize_sums_partials_from_memory_like_the_stored_ones(tmp_path, setting):
     """finalize_model computing the partials itself (summed from memory, written in the background) gives the
-    same stored partials, λ and features, bit for bit, as finalizing from partials computed beforehand; the
-    features are X (XᵀX + λI)⁻¹ / mean|·| to float32 round-off."""
+    same stored partials, λ and inverse, bit for bit, as finalizing from partials computed beforehand; the
+    inverse is (XᵀX + λI)⁻¹ / mean|·| and the features on demand X times it to float32 round-off."""
     n, p = 2500, 600
     x = _x(n, p, alpha=1.0, seed=5).astype(np.float32)
     a = _store_with_rows(tmp_path / "a", x, chunk_rows=250, shard_rows=1000, partials=False)
@@ -134,14 +134,22 @@ def test_finalize_sums_partials_from_memory_like_the_stored_ones(tmp_path, setti
     assert ia == ib
     assert a.model(0).partial_done[:].all()
     np.testing.assert_array_equal(a.model(0).xtx_partials[:], b.model(0).xtx_partials[:])
-    np.testing.assert_array_equal(a.model(0).features[:], b.model(0).features[:])
+    np.testing.assert_array_equal(a.model(0).xtq_partials[:], b.model(0).xtq_partials[:])
+    # the 'resid' sums from the shard partials: the bits of a pass over the stored rows, and Xᵀq, qᵀq in float64
+    xtq, qtq = reduce.total_xtq(a, 0)
+    rows_xtq, rows_qtq = reduce.rows_xtq(a, 0)
+    np.testing.assert_array_equal(xtq, rows_xtq)
+    assert qtq == rows_qtq == float(n)  # q = 1 per row here
+    np.testing.assert_allclose(xtq, x.astype(np.float64).sum(axis=0), rtol=1e-12, atol=1e-9)
+    np.testing.assert_array_equal(a.inverse(0), b.inverse(0))
     xd = x.astype(np.float64)
     lam = ia["lambda_reg"]
     if setting == "adaptive":
         assert lam == pytest.approx(_reference_lambda("adaptive", x, n), rel=1e-3)
     inv = np.linalg.inv(xd.T @ xd + lam * np.eye(p))
+    np.testing.assert_allclose(a.inverse(0), inv / np.abs(inv).mean(), rtol=1e-6)  # stored in float32
     want = xd @ (inv / np.abs(inv).mean())
-    np.testing.assert_allclose(a.model(0).features[:], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(reduce.features_rows(a, 0), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     assert 1.0 <= ia["condition"] < 1e7
 
 

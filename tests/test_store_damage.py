@@ -145,9 +145,10 @@ def test_deleted_xtx_partial_between_featurize_and_finalize_is_recomputed(clean,
 @pytest.mark.parametrize(
     "path,chunk",
     [
-        ("models/0/features", "c/1/0"),
+        ("models/0/inverse", "c/0/0/0"),
         ("experiments/tiny/scores", "c/3/0"),
         ("experiments/tiny/models/1/grads", "c/0/0"),
+        ("experiments/tiny/models/1/solved", "c/0/0"),
     ],
 )
 def test_deleted_chunk_after_the_run_is_recomputed(clean, tmp_path, path, chunk):
@@ -173,19 +174,15 @@ def test_deleted_chunk_through_traker_names_array_and_chunk(clean, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- corrupt chunks
-def test_flipped_byte_in_features_is_an_error_then_repaired(clean, tmp_path):
+def test_flipped_byte_in_the_inverse_is_an_error_then_repaired(clean, tmp_path):
     store = copy(clean, "finalize", tmp_path / "s.zarr")
-    flip_byte(store / "models" / "0" / "features" / "c" / "1" / "0")
+    flip_byte(store / "models" / "0" / "inverse" / "c" / "0" / "0" / "0")
     cfg = config(store, clean["ckpts"])
-    with pytest.raises(
-        StoreDamageError,
-        match=r"array models/0/features, chunk c/1/0 \(rows 8\.\.15\) fails its "
-        r"crc32c checksum",
-    ) as e:
+    with pytest.raises(StoreDamageError, match=r"array models/0/inverse, chunk c/0/0/0 fails its crc32c checksum") as e:
         run_steps(cfg)
     assert not should_retry(e.value)
     report = verify_location(cfg.store)
-    assert [(d.array, d.chunk, d.kind) for d in report.damage] == [("models/0/features", "c/1/0", "corrupt")]
+    assert [(d.array, d.chunk, d.kind) for d in report.damage] == [("models/0/inverse", "c/0/0/0", "corrupt")]
     repair_store(TrakStore.open(cfg.store), report)
     np.testing.assert_array_equal(run_steps(cfg), clean["scores"])
 
@@ -193,9 +190,9 @@ def test_flipped_byte_in_features_is_an_error_then_repaired(clean, tmp_path):
 def test_flipped_byte_through_traker(clean, tmp_path):
     save = tmp_path / "t.zarr"
     shutil.copytree(clean["tmp"] / "traker.zarr", save)
-    flip_byte(save / "models" / "1" / "features" / "c" / "2" / "0")
+    flip_byte(save / "models" / "1" / "grads" / "c" / "2" / "0")
     t = traker_run(save, clean["ckpts"], stages=())
-    with pytest.raises(StoreDamageError, match=r"array models/1/features, chunk c/2/0 \(rows 16\.\.23\) fails"):
+    with pytest.raises(StoreDamageError, match=r"array models/1/grads, chunk c/2/0 \(rows 16\.\.23\) fails"):
         t.finalize_scores("tiny")
 
 
@@ -204,14 +201,14 @@ def test_truncated_chunk_is_a_clear_error_not_retried(clean, tmp_path, monkeypat
     from flows import attribute
 
     store = copy(clean, "finalize", tmp_path / "s.zarr")
-    chunk = store / "models" / "1" / "features" / "c" / "0" / "0"
+    chunk = store / "models" / "1" / "grads" / "c" / "0" / "0"
     chunk.write_bytes(chunk.read_bytes()[:17])
     calls = []
     original = core.score_block
     monkeypatch.setattr(core, "score_block", lambda *a, **k: calls.append(a[2:]) or original(*a, **k))
     with pytest.raises(
         StoreDamageError,
-        match=r"array models/1/features, chunk c/0/0 \(rows 0\.\.7\) fails its "
+        match=r"array models/1/grads, chunk c/0/0 \(rows 0\.\.7\) fails its "
         r"crc32c checksum",
     ):
         attribute(config(store, clean["ckpts"]))
@@ -221,7 +218,7 @@ def test_truncated_chunk_is_a_clear_error_not_retried(clean, tmp_path, monkeypat
 # ---------------------------------------------------------------------------------------------- metadata
 def test_dtype_edited_in_array_zarr_json_is_refused(clean, tmp_path):
     store = copy(clean, "score", tmp_path / "s.zarr")
-    meta_path = store / "models" / "0" / "features" / "zarr.json"
+    meta_path = store / "models" / "0" / "grads" / "zarr.json"
     meta = json.loads(meta_path.read_text())
     assert meta["data_type"] == "float32"
     meta["data_type"] = "int32"
@@ -229,11 +226,11 @@ def test_dtype_edited_in_array_zarr_json_is_refused(clean, tmp_path):
     cfg = config(store, clean["ckpts"])
     with pytest.raises(
         StoreDamageError,
-        match=r"array models/0/features: its zarr.json says dtype=int32, but the "
+        match=r"array models/0/grads: its zarr.json says dtype=int32, but the "
         r"store's metadata \(root zarr.json\) implies dtype=float32",
     ):
         run_steps(cfg)
-    with pytest.raises(StoreDamageError, match="models/0/features"):
+    with pytest.raises(StoreDamageError, match="models/0/grads"):
         TrakStore.open(cfg.store, mode="r").scores("tiny")  # `trakflow show` reads nothing either
     repair_store(TrakStore.open(cfg.store, check_arrays=False), verify_location(cfg.store))
     np.testing.assert_array_equal(run_steps(cfg), clean["scores"])
@@ -261,19 +258,17 @@ def test_crash_during_finalize_then_other_lambda_is_refused(clean, tmp_path, mon
 
     store = copy(clean, "featurize", tmp_path / "s.zarr")
     cfg = config(store, clean["ckpts"])
-    original, calls = reduce.write_features_rows, []
+    original = reduce.solve_model
 
-    def crash_after_one_block(*a, **k):
-        if calls:
-            raise KeyboardInterrupt("crash during finalize")
-        calls.append(a)
-        return original(*a, **k)
+    def crash(*a, **k):
+        raise KeyboardInterrupt("crash during finalize")
 
-    monkeypatch.setattr(reduce, "write_features_rows", crash_after_one_block)
+    monkeypatch.setattr(reduce, "solve_model", crash)
     with pytest.raises(KeyboardInterrupt):
         core.finalize_checkpoint(cfg, 0)
-    monkeypatch.setattr(reduce, "write_features_rows", original)
-    assert TrakStore.open(cfg.store).model(0).finalized[:].sum() == SHARD  # one block of rows written with λ=1e-3
+    monkeypatch.setattr(reduce, "solve_model", original)
+    st = TrakStore.open(cfg.store)
+    assert not st.is_finalized(0) and not st.model(0).inverse_done[:].any()  # settled on λ=1e-3, nothing written
     with pytest.raises(StoreMismatchError, match=r"lambda_reg: model_id=0 .* was planned with lambda_reg=0.001"):
         run_steps(config(store, clean["ckpts"], lambda_reg=1e-2))
     with pytest.raises(StoreMismatchError, match="rescale_inverse: model_id=0"):
@@ -286,18 +281,18 @@ def test_traker_crash_during_finalize_then_other_lambda_is_refused(clean, tmp_pa
 
     save = tmp_path / "t.zarr"
     t = traker_run(save, clean["ckpts"], stages=("featurize",))
-    original = reduce.write_features_rows
-    monkeypatch.setattr(reduce, "write_features_rows", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    original = reduce.solve_model
+    monkeypatch.setattr(reduce, "solve_model", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         t.finalize_features()
-    monkeypatch.setattr(reduce, "write_features_rows", original)
+    monkeypatch.setattr(reduce, "solve_model", original)
     t2 = traker_run(save, clean["ckpts"], lambda_reg=0.5, stages=())
     with pytest.raises(StoreMismatchError, match="lambda_reg: model_id=0"):
         t2.finalize_features()
 
 
 def test_traker_load_from_save_dir_false_does_not_reuse_old_gradients(clean, tmp_path):
-    """save_dir holds gradients (and features, scores) of other checkpoints; load_from_save_dir=False starts
+    """save_dir holds gradients (and inverses, scores) of other checkpoints; load_from_save_dir=False starts
     over, as traker does: the scores equal a clean run on the new checkpoints."""
     save = tmp_path / "t.zarr"
     other = tiny.save_checkpoints(tmp_path / "other", seeds=(7, 8))

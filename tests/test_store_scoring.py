@@ -29,15 +29,17 @@ def filled_store(location, rng, q=None, **kw):
     return st, x, q
 
 
-@pytest.mark.parametrize("block_rows", [None, 5, 7, 50])
-def test_streaming_finalize_equals_exact_math(tmp_path, block_rows):
-    st, x, _ = filled_store(str(tmp_path / f"s{block_rows}"), np.random.default_rng(0))
+@pytest.mark.parametrize("rows", [(0, None), (0, 5), (7, 23), (49, 50)])
+def test_finalize_stores_the_inverse_and_features_on_demand_equal_exact_math(tmp_path, rows):
+    st, x, _ = filled_store(str(tmp_path / "s"), np.random.default_rng(0))
     lam = 0.3
-    info = reduce.finalize_model(st, 0, lambda_reg=lam, rescale=False, block_rows=block_rows)
+    info = reduce.finalize_model(st, 0, lambda_reg=lam, rescale=False)
     xd = x.astype(np.float64)
-    want = xd @ np.linalg.inv(xd.T @ xd + lam * np.eye(6))
-    np.testing.assert_allclose(st.model(0).features[:], want, rtol=1e-5, atol=1e-6)
-    assert st.model(0).finalized[:].all()
+    inv = np.linalg.inv(xd.T @ xd + lam * np.eye(6))
+    np.testing.assert_allclose(st.inverse(0), inv, rtol=1e-6)  # stored in float32
+    assert st.model(0).inverse_done[:].all() and "features" not in st.model(0).group
+    a, b = rows
+    np.testing.assert_allclose(reduce.features_rows(st, 0, a, b), (xd @ inv)[a:b], rtol=1e-5, atol=1e-6)
     assert info["lambda_reg"] == lam and info["condition"] == pytest.approx(np.linalg.cond(xd.T @ xd + lam * np.eye(6)))
     # the partials sum to XᵀX
     np.testing.assert_allclose(reduce.total_xtx(st, 0), xd.T @ xd, rtol=1e-12)
@@ -163,6 +165,4 @@ def test_relative_damping_in_finalize_equals_absolute(tmp_path):
     xd = x.astype(np.float64)
     lam = 0.2 * np.trace(xd.T @ xd) / 6
     assert info["lambda_reg"] == pytest.approx(lam) and info["lambda_setting"] == "rel:0.2"
-    np.testing.assert_allclose(
-        st.model(0).features[:], xd @ np.linalg.inv(xd.T @ xd + lam * np.eye(6)), rtol=1e-5, atol=1e-6
-    )
+    np.testing.assert_allclose(st.inverse(0), np.linalg.inv(xd.T @ xd + lam * np.eye(6)), rtol=1e-6)

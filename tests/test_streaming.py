@@ -12,8 +12,10 @@ from trak_core.store import StoreMetadata, TrakStore
 
 
 def plain_loop(store: TrakStore, exp: str, used: list[int], step: int) -> np.ndarray:
-    """The unpipelined loop the streaming replaced (one fresh float32 copy per read, no threads)."""
-    targets = reduce.load_targets(store, exp, used)
+    """The unpipelined loop the streaming replaced (one fresh float32 copy per read, no threads): X (A Gᵀ)."""
+    targets = {
+        mid: streaming.grads_right_hand(store.inverse(mid), reduce.load_targets(store, exp, [mid])[mid]) for mid in used
+    }
     n, m = store.meta.train_set_size, store.num_targets(exp)
     out = np.empty((n, m), dtype=np.float32)
     for a in range(0, n, step):
@@ -22,10 +24,21 @@ def plain_loop(store: TrakStore, exp: str, used: list[int], step: int) -> np.nda
         qsum = np.zeros(b - a, dtype=np.float64)
         for mid in used:
             mm = store.model(mid)
-            acc.addmm_(torch.from_numpy(mm.features[a:b].astype(np.float32)), targets[mid])
+            acc.addmm_(torch.from_numpy(mm.grads[a:b].astype(np.float32)), targets[mid])
             qsum += mm.out_to_loss[a:b].astype(np.float64)
         out[a:b] = combine_checkpoints(acc.numpy(), qsum.astype(np.float32), len(used))
     return out
+
+
+def finalized_model(st: TrakStore, mid: int, rng, scale: float = 3.0) -> None:
+    """Rows X, Q and a (symmetric) inverse written for ``mid``, marked finalized."""
+    n, p = st.meta.train_set_size, st.meta.proj_dim
+    st.init_model(mid)
+    x = (rng.standard_normal((n, p)) * scale).astype(st.meta.dtype)
+    st.write_train_rows(mid, slice(0, n), x, rng.uniform(0, 1, n).astype(np.float32))
+    b = rng.standard_normal((p, p))
+    st.write_inverse(mid, b @ b.T / p + np.eye(p))
+    st.set_finalize_info(mid, {"lambda_reg": 0.0})
 
 
 def scored_store(path, dtype: str, ckpts: int, n: int = 300, p: int = 24, m: int = 9) -> TrakStore:
@@ -35,11 +48,7 @@ def scored_store(path, dtype: str, ckpts: int, n: int = 300, p: int = 24, m: int
     )
     st.init_experiment("e", m)
     for mid in range(ckpts):
-        mod = st.init_model(mid)
-        mod.features[:] = (rng.standard_normal((n, p)) * 3).astype(dtype)
-        mod.out_to_loss[:] = rng.uniform(0, 1, n).astype(np.float32)
-        mod.finalized[:] = np.ones(n, dtype=np.uint8)
-        st.set_finalize_info(mid, {"lambda_reg": 0.0})
+        finalized_model(st, mid, rng)
         st.init_experiment_model("e", mid)
         st.write_target_rows("e", mid, slice(0, m), rng.standard_normal((m, p)).astype(np.float32))
     return st
@@ -58,6 +67,7 @@ def test_finalize_scores_bit_identical_to_plain_loop(tmp_path, dtype, ckpts, blo
 def test_score_rows_per_shard_bit_identical(tmp_path):
     st = scored_store(tmp_path / "s", "float16", 2)
     want = plain_loop(st, "e", [0, 1], st.meta.shard_rows)
+    reduce.solve_targets(st, "e", [0, 1])  # the pipeline's prepare_scores
     st.begin_scores("e", [0, 1])
     for s in range(st.meta.num_shards):
         a, b = st.meta.shard_range(s)
@@ -74,11 +84,7 @@ def test_default_blocks_below_a_shard_bit_identical(tmp_path, monkeypatch):
     st = TrakStore.create_or_open(str(tmp_path / "s"), meta)
     st.init_experiment("e", m)
     for mid in range(2):
-        mod = st.init_model(mid)
-        mod.features[:] = rng.standard_normal((n, p)).astype(np.float16)
-        mod.out_to_loss[:] = rng.uniform(0, 1, n).astype(np.float32)
-        mod.finalized[:] = np.ones(n, dtype=np.uint8)
-        st.set_finalize_info(mid, {"lambda_reg": 0.0})
+        finalized_model(st, mid, rng, scale=1.0)
         st.init_experiment_model("e", mid)
         st.write_target_rows("e", mid, slice(0, m), rng.standard_normal((m, p)).astype(np.float32))
     assert streaming.score_block_rows(p, m, 64, 1024) == streaming.MIN_GEMM_ROWS
@@ -152,11 +158,11 @@ def test_a_worker_that_cannot_start_raises_its_error(tmp_path, monkeypatch):
 
 def test_damaged_chunk_read_in_the_reader_thread_is_named(tmp_path):
     st = scored_store(tmp_path / "s", "float16", 1)
-    chunk = tmp_path / "s" / "models" / "0" / "features" / "c" / "3" / "0"
+    chunk = tmp_path / "s" / "models" / "0" / "grads" / "c" / "3" / "0"
     raw = bytearray(chunk.read_bytes())
     raw[10] ^= 0xFF
     chunk.write_bytes(bytes(raw))
-    with pytest.raises(StoreDamageError, match="features"):
+    with pytest.raises(StoreDamageError, match="models/0/grads"):
         reduce.finalize_scores(st, "e", block_rows=32)
 
 

@@ -1,4 +1,9 @@
-"""Streaming reductions over a store: per-shard XᵀX partials, features, and combined scores.
+"""Streaming reductions over a store: per-shard XᵀX partials, the inverse, and combined scores.
+
+Scores are X (A Gᵀ): per checkpoint, finalize solves A = (XᵀX + λI)⁻¹ (p × p, nothing per row), the targets
+are multiplied by it once (G A, :func:`solve_targets`) and the stored gradients X are streamed against it
+(:func:`trak_core.streaming.stream_scores` with ``rows_array="grads"``). The features Φ = X A of traker are
+never stored; :func:`features_rows` computes them for the rows a caller asks for.
 
 Memory is O(block × (p + m) + p²) whatever the number of train rows n.
 """
@@ -14,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import StateError
+from .errors import BadInputError, StateError
 from .scoring import (
     CONDITION_WARN,
     check_conditioning,
@@ -24,7 +29,7 @@ from .scoring import (
     symmetric_eigenvalues,
 )
 from .store import TrakStore
-from .streaming import stream_scores
+from .streaming import grads_right_hand, stream_scores
 from .verify import require_present
 
 
@@ -39,12 +44,32 @@ def shard_partial(store: TrakStore, model_id: int, shard: int, rows: np.ndarray 
     return x.T @ x
 
 
+def shard_xtq(store: TrakStore, model_id: int, shard: int, rows=None, q=None) -> np.ndarray:
+    """[Xₛᵀ qₛ, qₛᵀ qₛ] ((p + 1,) float64) of one shard, from the stored (rounded) gradients and Q or the given
+    ones (the 'resid' damping's sums over rows, :func:`rows_xtq`'s arithmetic shard by shard)."""
+    a, b = store.meta.shard_range(shard)
+    if rows is None:
+        rows = store.model(model_id).grads[a:b]
+    if q is None:
+        q = store.model(model_id).out_to_loss[a:b]
+    x = np.asarray(rows).astype(store.meta.np_dtype, copy=False).astype(np.float64)
+    qd = np.asarray(q, dtype=np.float32).astype(np.float64).reshape(-1)
+    out = np.empty(x.shape[1] + 1, dtype=np.float64)
+    out[:-1] = x.T @ qd
+    out[-1] = qd @ qd
+    return out
+
+
 def ensure_partial(store: TrakStore, model_id: int, shard: int) -> None:
     if not store.partial_done(model_id, shard):
         if not store.shard_featurized(model_id, shard):
             a, b = store.meta.shard_range(shard)
             raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {shard} are not all featurized")
-        store.write_partial(model_id, shard, shard_partial(store, model_id, shard))
+        a, b = store.meta.shard_range(shard)
+        rows = np.asarray(store.model(model_id).grads[a:b])
+        store.write_partial(
+            model_id, shard, shard_partial(store, model_id, shard, rows=rows), shard_xtq(store, model_id, shard, rows)
+        )
 
 
 def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:
@@ -54,6 +79,15 @@ def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:
     for s in range(store.meta.num_shards):
         total += m.xtx_partials[s]
     return total
+
+
+def total_xtq(store: TrakStore, model_id: int) -> tuple[np.ndarray, float]:
+    """(Xᵀq, qᵀq) as the sum of the shards' partials in shard order: the bits of :func:`rows_xtq`."""
+    m = store.model(model_id)
+    total = np.zeros(store.meta.proj_dim + 1, dtype=np.float64)
+    for s in range(store.meta.num_shards):
+        total += m.xtq_partials[s]
+    return total[:-1].copy(), float(total[-1])
 
 
 def require_featurized(store: TrakStore, model_id: int) -> None:
@@ -280,10 +314,10 @@ def rows_xtq(store: TrakStore, model_id: int, block_rows: int | None = None) -> 
 
 
 def solve_model(
-    store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, xtx=None
+    store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, xtx=None, xtq=None
 ) -> tuple[np.ndarray, dict]:
-    """(inverse (p, p) float64, info) for one model from its partials (or ``xtx``, their sum in shard order).
-    ``lambda_reg``: see parse_lambda_reg.
+    """(inverse (p, p) float64, info) for one model from its partials (or ``xtx``, their sum in shard order, and
+    ``xtq`` = (Xᵀq, qᵀq), :func:`total_xtq`'s). ``lambda_reg``: see parse_lambda_reg.
 
     A ``deff`` rule (the ``"adaptive"`` default) resolves λ from float32 eigenvalues checked against the exact
     effective dimension (:func:`solve_deff_fast`), falling back to float64 eigenvalues where that cannot decide."""
@@ -293,7 +327,7 @@ def solve_model(
     rule = parse_lambda_reg(lambda_reg)
     kw: dict[str, Any] = {}
     if getattr(rule, "needs_xtq", False):  # a 'resid' rule: Xᵀq and qᵀq over the stored rows
-        kw["xtq"], kw["qtq"] = rows_xtq(store, model_id)
+        kw["xtq"], kw["qtq"] = total_xtq(store, model_id) if xtq is None else xtq
     fast = None
     parts = tuple(getattr(rule, "parts", ())) or (rule,)
     if _has_deff(rule) and not any(getattr(r, "parts", ()) for r in parts):
@@ -321,25 +355,28 @@ def solve_model(
     return inv.numpy(), info
 
 
-def write_features_rows(
-    store: TrakStore, model_id: int, inv: np.ndarray, a: int, b: int, rows: np.ndarray | None = None, inv32=None
-) -> None:
-    """Φ = X A of rows [a, b) written to the store. ``rows``: those rows of X, already read; ``inv32``: ``inv``
-    as a float32 tensor (converted once per model rather than once per block)."""
+def features_rows(store: TrakStore, model_id: int, a: int = 0, b: int | None = None) -> np.ndarray:
+    """traker's features Φ = X A of train rows [a, b) of a finalized ``model_id`` ((b − a, p) float32), computed
+    on demand from the stored gradients and inverse (the store keeps no Φ)."""
+    n = store.meta.train_set_size
+    b = n if b is None else b
+    if not 0 <= a <= b <= n:
+        raise BadInputError(f"features_rows: rows [{a}, {b}) are not within the {n} train rows")
+    inv = torch.from_numpy(store.inverse(model_id)).to(torch.float32)
     m = store.model(model_id)
-    inv_t = inv32 if inv32 is not None else torch.from_numpy(inv)
-    x = torch.from_numpy(np.asarray(m.grads[a:b] if rows is None else rows).astype(np.float32, copy=False))
-    store.write_features_rows(model_id, a, b, features_block(x, inv_t).numpy())
+    require_present(store, [(m.grads, np.arange(a, b)), (m.inverse, np.zeros(1, dtype=np.int64))])
+    x = torch.from_numpy(np.asarray(m.grads[a:b]).astype(np.float32, copy=False))
+    return features_block(x, inv).numpy()
 
 
-def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, tuple | None, list]:
-    """XᵀX exactly as :func:`total_xtx` sums it (the shard partials in shard order), computing the missing
-    partials on the way (:func:`ensure_partial`) and summing them from memory instead of reading them back.
-    Their writes go to ``writer`` (one background thread) so that they overlap the next shard's work and the
-    solve; returns (XᵀX, ((a, b), rows of X) of the last shard computed here, the write futures)."""
+def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, tuple[np.ndarray, float], list]:
+    """XᵀX and (Xᵀq, qᵀq) exactly as :func:`total_xtx` and :func:`total_xtq` sum them (the shard partials in shard
+    order), computing the missing partials on the way (:func:`ensure_partial`) and summing them from memory
+    instead of reading them back. Their writes go to ``writer`` (one background thread) so that they overlap the
+    next shard's work and the solve; returns (XᵀX, (Xᵀq, qᵀq), the write futures)."""
     m = store.model(model_id)
     total, owned = None, False  # the running sum; 0 + P₀ is P₀ itself (the same bits as total_xtx's)
-    last: tuple | None = None
+    xtq = np.zeros(store.meta.proj_dim + 1, dtype=np.float64)
     writes: list = []
 
     def add(part: np.ndarray) -> None:
@@ -354,62 +391,53 @@ def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, 
     for s in range(store.meta.num_shards):
         if store.partial_done(model_id, s):
             add(np.asarray(m.xtx_partials[s], dtype=np.float64))
+            xtq += m.xtq_partials[s]
             continue
         a, b = store.meta.shard_range(s)
         if not store.shard_featurized(model_id, s):
             raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {s} are not all featurized")
         rows = np.asarray(m.grads[a:b])
-        part = shard_partial(store, model_id, s, rows=rows)
+        part, part_q = shard_partial(store, model_id, s, rows=rows), shard_xtq(store, model_id, s, rows)
         for w in writes:  # one partial (p² float64) in flight at a time
             w.result()
-        writes = [writer.submit(store.write_partial, model_id, s, part)]
+        writes = [writer.submit(store.write_partial, model_id, s, part, part_q)]
         add(part)
-        last = ((a, b), rows)
+        xtq += part_q
     if total is None:
         total = np.zeros((store.meta.proj_dim,) * 2, dtype=np.float64)
-    return total, last, writes
+    return total, (xtq[:-1].copy(), float(xtq[-1])), writes
 
 
-def finalize_model(
-    store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, block_rows: int | None = None, progress=None
-) -> dict:
-    """Partials → XᵀX → (XᵀX + λI)⁻¹ → features, streaming over rows. Idempotent."""
+def finalize_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, progress=None) -> dict:
+    """Partials → XᵀX → A = (XᵀX + λI)⁻¹, written to the store; returns finalize's record. Idempotent.
+    ``progress(n)`` once the inverse is written (finalize makes no pass over the rows)."""
     recorded = store.finalize_info(model_id) if store.has_model(model_id) else None  # as store.is_finalized
     if recorded is not None:
         return recorded
     require_featurized(store, model_id)
     m = store.model(model_id)
     rows = np.arange(store.meta.train_set_size)
-    require_present(
-        store, [(m.grads, rows), (m.out_to_loss, rows), (m.xtx_partials, np.flatnonzero(m.partial_done[:]))]
-    )
-    # what determines the features is recorded before the first row is written: a rerun after a crash with
-    # another λ or rescale is refused naming the field, never finalized with two settings
+    done = np.flatnonzero(m.partial_done[:])
+    require_present(store, [(m.grads, rows), (m.out_to_loss, rows), (m.xtx_partials, done), (m.xtq_partials, done)])
+    # the settings are recorded before anything is written: a rerun with another λ or rescale is refused naming
+    # the field, never finalized with two settings
     store.record_feature_settings(model_id, parse_lambda_reg(lambda_reg).setting, rescale)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trak-partial") as writer:
-        total, last, writes = _sum_partials(store, model_id, writer)
-        inv, info = solve_model(store, model_id, lambda_reg, rescale, xtx=total)
-        for w in writes:  # the partials are in the store before any feature row is
+        total, xtq, writes = _sum_partials(store, model_id, writer)
+        inv, info = solve_model(store, model_id, lambda_reg, rescale, xtx=total, xtq=xtq)
+        for w in writes:  # the partials are in the store before the inverse is
             w.result()
-    inv32 = torch.from_numpy(inv).to(torch.float32)
-    step = block_rows or store.meta.rows_per_shard
-    n = store.meta.train_set_size
-    done = store.model(model_id).finalized
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        if not done[a:b].all():
-            kept = last[1] if last is not None and last[0] == (a, b) else None
-            write_features_rows(store, model_id, inv, a, b, rows=kept, inv32=inv32)
-        if progress:
-            progress(b - a)
+    store.write_inverse(model_id, inv)
     store.set_finalize_info(model_id, info)
+    if progress:
+        progress(store.meta.train_set_size)
     return info
 
 
 def usable_models(
     store: TrakStore, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
 ) -> list[int]:
-    """Models whose features are finalized and whose target gradients are complete."""
+    """Models that are finalized and whose target gradients are complete."""
     ids = list(model_ids) if model_ids is not None else store.experiment_model_ids(exp_name)
     if not ids:
         raise StateError(f"experiment {exp_name!r} has no scored checkpoints")
@@ -432,17 +460,53 @@ def usable_models(
     for mid in used:  # a chunk lost after its rows were marked done is damage, never read back as zeros
         m = store.model(mid)
         require_present(
-            store, [(m.features, rows), (m.out_to_loss, rows), (store.target_grads(exp_name, mid), targets)]
+            store,
+            [
+                (m.grads, rows),
+                (m.out_to_loss, rows),
+                (m.inverse, np.zeros(1, dtype=np.int64)),
+                (store.target_grads(exp_name, mid), targets),
+            ],
         )
     return used
 
 
 def load_targets(store: TrakStore, exp_name: str, model_ids: list[int]) -> dict[int, torch.Tensor]:
-    """Each model's target gradients, transposed and contiguous: (p, m) float32, ready for GEMM."""
+    """Each model's target gradients, transposed and contiguous: (p, m) float32."""
     return {
         mid: torch.from_numpy(store.target_grads(exp_name, mid)[:].astype(np.float32)).T.contiguous()
         for mid in model_ids
     }
+
+
+def solve_targets(store: TrakStore, exp_name: str, model_ids: list[int]) -> None:
+    """G A for each model's targets (one float32 GEMM of m × p by p × p, :func:`trak_core.streaming.grads_right_hand`),
+    written to the experiment (``solved``) where it is not already: call once before streaming scores (the
+    pipeline's ``prepare_scores``), so that every block of rows multiplies by the same bits."""
+    for mid in model_ids:
+        if store.solved_complete(exp_name, mid):
+            continue
+        m = store.model(mid)
+        require_present(store, [(m.inverse, np.zeros(1, dtype=np.int64))])
+        g_t = load_targets(store, exp_name, [mid])[mid]
+        store.write_solved(exp_name, mid, grads_right_hand(store.inverse(mid), g_t).T.numpy())
+
+
+def load_solved(store: TrakStore, exp_name: str, model_ids: list[int]) -> dict[int, torch.Tensor]:
+    """Each model's W = A Gᵀ ((p, m) float32, contiguous), the right-hand side that the stored gradients X
+    are multiplied by (:func:`solve_targets` writes it)."""
+    out = {}
+    targets = np.arange(store.num_targets(exp_name))
+    for mid in model_ids:
+        if not store.solved_complete(exp_name, mid):
+            raise StateError(
+                f"experiment {exp_name!r}, model_id={mid}: the targets times the inverse (G·A) are not written; "
+                "prepare the scores first (reduce.solve_targets; the pipeline's prepare_scores)"
+            )
+        arr = store.experiment(exp_name).model(mid).solved
+        require_present(store, [(arr, targets)])
+        out[mid] = torch.from_numpy(np.asarray(arr[:], dtype=np.float32)).T.contiguous()
+    return out
 
 
 def score_rows(
@@ -454,12 +518,14 @@ def score_rows(
     targets: dict | None = None,
     block_rows: int | None = None,
 ) -> None:
-    """Combined scores for train rows [a, b) written to the experiment's score array.
+    """Combined scores for train rows [a, b) written to the experiment's score array: X_c (A_c G_cᵀ) summed
+    over the checkpoints as traker combines them. ``targets``: :func:`load_solved`'s W per model (read from
+    the store when not given; :func:`solve_targets` must have written them).
 
     Streams in blocks of ``block_rows`` rows (default: chosen from the cache and memory sizes), reading the
     next block while multiplying this one (:func:`trak_core.streaming.stream_scores`)."""
-    targets = targets if targets is not None else load_targets(store, exp_name, model_ids)
-    stream_scores(store, exp_name, model_ids, a, b, targets, block_rows=block_rows)
+    right = targets if targets is not None else load_solved(store, exp_name, model_ids)
+    stream_scores(store, exp_name, model_ids, a, b, right, block_rows=block_rows, rows_array="grads")
 
 
 def finalize_scores(
@@ -476,10 +542,13 @@ def finalize_scores(
     :func:`trak_core.streaming.score_block_rows`). The returned array is the one the blocks were computed
     into (the store holds the same bits), not a read-back of the store."""
     used = usable_models(store, exp_name, model_ids, allow_skip)
-    targets = load_targets(store, exp_name, used)
+    solve_targets(store, exp_name, used)
+    right = load_solved(store, exp_name, used)
     n = store.meta.train_set_size
     store.reset_scores(exp_name)  # a new combination: recompute all rows
     out = np.empty((n, store.num_targets(exp_name)), dtype=np.float32)
-    stream_scores(store, exp_name, used, 0, n, targets, block_rows=block_rows, out=out, progress=progress)
+    stream_scores(
+        store, exp_name, used, 0, n, right, block_rows=block_rows, out=out, progress=progress, rows_array="grads"
+    )
     store.set_scored_with(exp_name, used)
     return out

@@ -53,7 +53,7 @@ class TrakSettings(BaseModel):
     proj_seed: NonNegativeInt = 0
     lambda_reg: LambdaSetting = Field("adaptive", description="ridge term λ in (XᵀX + λI)⁻¹")
     rescale_inverse: bool = Field(True, description="divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
-    dtype: StorageDtype = Field("float16", description="storage dtype of gradients/features")
+    dtype: StorageDtype = Field("float16", description="storage dtype of gradients")
     grad_wrt: GradWrt = Field(None, description="parameter names to take gradients for (all: None)")
 
     @property

@@ -8,17 +8,24 @@ Layout (one group; a local path or any fsspec URL such as ``memory://x``, ``file
     /models/<id>/out_to_loss    (n,)    float32           Q
     /models/<id>/featurized     (n,)    uint8             row status: 1 once its grads and Q are written
     /models/<id>/xtx_partials   (S, p, p) float64         Xₛᵀ Xₛ of each shard s of ``shard_rows`` rows
-    /models/<id>/partial_done   (S,)    uint8
-    /models/<id>/features       (n, p)  float16|float32   Φ = X (XᵀX + λI)⁻¹
-    /models/<id>/finalized      (n,)    uint8
+    /models/<id>/xtq_partials   (S, p+1) float64          [Xₛᵀ qₛ, qₛᵀ qₛ] of each shard (q: Q; the 'resid' damping)
+    /models/<id>/partial_done   (S,)    uint8             status of both partials of a shard
+    /models/<id>/inverse        (1, p, p) float32         A = (XᵀX + λI)⁻¹ (solved in float64, traker's rescale
+                                                          applied; float32 is the precision scores use it in)
+    /models/<id>/inverse_done   (1,)    uint8
     /models/<id>                attrs: {"checkpoint": {"path", "sha256"}} (pipeline), {"finalize": {...}} once
-                                all features are written
+                                the inverse is written
     /experiments/<exp>          attrs: {"num_targets": m, "target_data_sha256": ... (pipeline),
                                         "scored_with": [model ids the scores combine]}
     /experiments/<exp>/models/<id>/grads   (m, p)   target gradients G
     /experiments/<exp>/models/<id>/scored  (m,)     uint8
+    /experiments/<exp>/models/<id>/solved  (m, p)   float32   G A: the targets times the model's inverse
+    /experiments/<exp>/models/<id>/solved_done (m,) uint8
     /experiments/<exp>/scores   (n, m)  float32        final scores
     /experiments/<exp>/scores_done (n,) uint8
+
+There are no features Φ = X A: scores are X (A Gᵀ), the stored gradients times ``solved``ᵀ, so a store holds
+the n-row arrays once, and finalize is the p × p solve (schema 3; a schema-2 store, which held Φ, is refused).
 
 Every array's chunks are encoded ``bytes`` then zarr v3's ``crc32c`` codec (a checksum of each chunk,
 checked by zarr on every read; no sharding: a chunk is the unit written, listed and verified). Each array's
@@ -62,7 +69,9 @@ from zarr.core.metadata import ArrayV3Metadata
 
 from .errors import BadInputError, LockLostError, StateError, StoreDamageError, StoreLockedError, StoreMismatchError
 
-SCHEMA_VERSION = 2  # 2: every chunk carries a crc32c checksum (1: no checksums; refused on reopen)
+#: 3: no features array — the inverse per model and G·A per (experiment, model) instead (2: features Φ stored;
+#: 1: no checksums); an older store is refused on open
+SCHEMA_VERSION = 3
 _META_KEY = "trakflow"
 _PIPELINE_KEY = "trakflow_pipeline"  # the pipeline's record (tasks/), kept beside the metadata
 
@@ -339,11 +348,14 @@ def find_corrupt_chunk(arr: zarr.Array) -> tuple[tuple[int, ...], str] | None:
 
 def damaged_chunk_error(arr: zarr.Array, coords: tuple[int, ...], problem: str) -> StoreDamageError:
     a, b = chunk_rows_of(arr, coords)
-    unit = "shards" if arr.path.endswith(("xtx_partials", "partial_done")) else "rows"
+    unit = "shards" if arr.path.endswith(("xtx_partials", "xtq_partials", "partial_done")) else "rows"
+    where, what = f" ({unit} {a}..{b - 1})", f"those {unit}"
+    if arr.path.endswith(("inverse", "inverse_done")):  # one matrix: no rows to name
+        where, what = "", "it"
     loc = str(arr.store)
     return StoreDamageError(
-        f"store {loc}: array {arr.path}, chunk {chunk_key(arr, coords)} ({unit} {a}..{b - 1}) {problem} (damaged "
-        f"on disk). Run `trakflow verify {loc} --repair`, then rerun to recompute those {unit}."
+        f"store {loc}: array {arr.path}, chunk {chunk_key(arr, coords)}{where} {problem} (damaged "
+        f"on disk). Run `trakflow verify {loc} --repair`, then rerun to recompute {what}."
     )
 
 
@@ -468,19 +480,24 @@ class ModelArrays:
         return _stored(self.group, "xtx_partials")
 
     @property
+    def xtq_partials(self) -> StoredArray:
+        """(S, p + 1) float64 [Xₛᵀ qₛ, qₛᵀ qₛ] of each shard."""
+        return _stored(self.group, "xtq_partials")
+
+    @property
     def partial_done(self) -> StoredArray:
-        """(S,) uint8 shard status of ``xtx_partials``."""
+        """(S,) uint8 shard status of ``xtx_partials`` and ``xtq_partials``."""
         return _stored(self.group, "partial_done")
 
     @property
-    def features(self) -> StoredArray:
-        """(n, p) Φ = X (XᵀX + λI)⁻¹."""
-        return _stored(self.group, "features")
+    def inverse(self) -> StoredArray:
+        """(1, p, p) float32 A = (XᵀX + λI)⁻¹ (traker's rescale applied)."""
+        return _stored(self.group, "inverse")
 
     @property
-    def finalized(self) -> StoredArray:
-        """(n,) uint8 row status of ``features``."""
-        return _stored(self.group, "finalized")
+    def inverse_done(self) -> StoredArray:
+        """(1,) uint8 status of ``inverse``."""
+        return _stored(self.group, "inverse_done")
 
 
 @dataclass(frozen=True)
@@ -498,6 +515,16 @@ class TargetArrays:
     def scored(self) -> StoredArray:
         """(m,) uint8 row status of ``grads``."""
         return _stored(self.group, "scored")
+
+    @property
+    def solved(self) -> StoredArray:
+        """(m, p) float32 G A: the target gradients times the model's inverse (scores are X · solvedᵀ)."""
+        return _stored(self.group, "solved")
+
+    @property
+    def solved_done(self) -> StoredArray:
+        """(m,) uint8 row status of ``solved``."""
+        return _stored(self.group, "solved_done")
 
 
 @dataclass(frozen=True)
@@ -855,6 +882,13 @@ class TrakStore:
             _refuse_orphan_arrays(location, storage_options)
             raise BadInputError(f"store: {location} is a Zarr group but not a trakflow store (no metadata)")
         meta = StoreMetadata.model_validate(g.attrs[_META_KEY])
+        if meta.schema_version != SCHEMA_VERSION:
+            raise StoreMismatchError(
+                f"schema_version: the store at {location} has schema_version={meta.schema_version}, written by an "
+                f"earlier trakflow ({meta.versions.get('trakflow', 'unknown version')}); this version reads "
+                f"schema_version={SCHEMA_VERSION} (no features array: the inverse per checkpoint instead). Use a new "
+                "store location; the checkpoints and data are unchanged."
+            )
         store = cls(location, g, meta)
         if check_arrays:
             problems = store.array_problems()
@@ -959,12 +993,13 @@ class TrakStore:
         if len(parts) == 3 and parts[0] == "models":
             return {
                 "grads": rows(n, p, m.dtype),
-                "features": rows(n, p, m.dtype),
                 "out_to_loss": rows(n, None, "float32"),
                 "featurized": rows(n, None, "uint8"),
-                "finalized": rows(n, None, "uint8"),
                 "xtx_partials": ArraySpec((s, p, p), (1, p, p), "float64"),
+                "xtq_partials": ArraySpec((s, p + 1), (1, p + 1), "float64"),
                 "partial_done": ArraySpec((s,), (1,), "uint8"),
+                "inverse": ArraySpec((1, p, p), (1, p, p), "float32"),
+                "inverse_done": ArraySpec((1,), (1,), "uint8"),
             }.get(parts[2])
         if len(parts) in (3, 5) and parts[0] == "experiments":
             try:
@@ -974,7 +1009,12 @@ class TrakStore:
             if len(parts) == 3:
                 return {"scores": rows(n, t, "float32"), "scores_done": rows(n, None, "uint8")}.get(parts[2])
             if parts[2] == "models":
-                return {"grads": rows(t, p, m.dtype), "scored": rows(t, None, "uint8")}.get(parts[4])
+                return {
+                    "grads": rows(t, p, m.dtype),
+                    "scored": rows(t, None, "uint8"),
+                    "solved": rows(t, p, "float32"),
+                    "solved_done": rows(t, None, "uint8"),
+                }.get(parts[4])
         return None
 
     def array_groups(self) -> list[zarr.Group]:
@@ -1029,9 +1069,9 @@ class TrakStore:
 
         sync(_delete())
 
-    # ---------------------------------------------------------------- what determines the features
+    # ---------------------------------------------------------------- what determines the inverse
     def feature_settings(self, model_id: int) -> dict | None:
-        """The settings the features of ``model_id`` are (to be) computed with: ``{"lambda_reg": <setting>,
+        """The settings the inverse of ``model_id`` is (to be) computed with: ``{"lambda_reg": <setting>,
         "rescale_inverse": bool}``, recorded when the model is planned (None: not recorded)."""
         return _attrs(self.model(model_id).group).get("feature_settings")
 
@@ -1044,12 +1084,12 @@ class TrakStore:
             if field in have and have[field] != want:
                 raise StoreMismatchError(
                     f"{field}: model_id={model_id} in {self.location} was planned with {field}={have[field]!r} "
-                    f"(its features are computed with it; some may be written already), not {want!r}; use a new "
+                    f"(its inverse is computed with it), not {want!r}; use a new "
                     f"store (or the same {field})"
                 )
 
     def record_feature_settings(self, model_id: int, lambda_setting, rescale_inverse: bool) -> None:
-        """Record the settings that determine the features of ``model_id`` (first call), or refuse others."""
+        """Record the settings that determine the inverse of ``model_id`` (first call), or refuse others."""
         self.check_feature_settings(model_id, lambda_setting, rescale_inverse)
         if self.feature_settings(model_id) is None:
             self.model(model_id).group.attrs["feature_settings"] = {
@@ -1059,33 +1099,44 @@ class TrakStore:
 
     # ---------------------------------------------------------------- unflagging (repair, start over)
     def clear_finalize_info(self, model_id: int) -> None:
-        """Mark ``model_id`` not finalized (its rows not marked finalized are computed by the next finalize)."""
-        attrs = self.model(model_id).group.attrs
+        """Mark ``model_id`` not finalized: its inverse, and every experiment's G·A of it (``solved``), are
+        computed again; score rows are the caller's (:meth:`unflag_inverse`)."""
+        m = self.model(model_id)
+        attrs = m.group.attrs
         if "finalize" in attrs:
             del attrs["finalize"]
+        if "inverse_done" in m.group:
+            m.inverse_done[:] = 0
+        for exp in self.experiments():
+            e = self.experiment(exp)
+            if e.has_model(model_id) and "solved_done" in e.model(model_id).group:
+                e.model(model_id).solved_done[:] = 0
 
-    def unflag_train_rows(self, model_id: int, rows: np.ndarray, what: str = "grads") -> None:
-        """Mark train ``rows`` of ``model_id`` not done, and what depends on them: ``what="grads"`` unflags
-        featurized rows, their shards' XᵀX partials, their features (and the finalize record), and their scores
-        in every experiment that combines the model; ``what="features"`` the last two only."""
+    def unflag_inverse(self, model_id: int) -> None:
+        """Mark the inverse of ``model_id`` not done, and what depends on it: the finalize record, G·A in every
+        experiment, and every score row of the experiments that combine the model."""
+        self.clear_finalize_info(model_id)
+        for exp in self.experiments():
+            if model_id in (self.scored_with(exp) or []) and self.experiment(exp).has_scores:
+                self.experiment(exp).scores_done[:] = 0
+
+    def unflag_train_rows(self, model_id: int, rows: np.ndarray) -> None:
+        """Mark train ``rows`` of ``model_id`` not done, and what depends on them: their featurized flags,
+        their shards' XᵀX partials, the model's inverse (and the finalize record, and G·A), and every score row
+        of the experiments that combine the model (the inverse changes with any row)."""
         rows = np.unique(np.asarray(rows, dtype=np.int64))
         if not rows.size:
             return
         m = self.model(model_id)
-        if what == "grads":
-            m.featurized.oindex[rows] = 0
-            m.partial_done.oindex[np.unique(rows // self.meta.shard_rows)] = 0
-        m.finalized.oindex[rows] = 0
-        self.clear_finalize_info(model_id)
-        for exp in self.experiments():
-            if model_id in (self.scored_with(exp) or []) and self.experiment(exp).has_scores:
-                self.experiment(exp).scores_done.oindex[rows] = 0
+        m.featurized.oindex[rows] = 0
+        m.partial_done.oindex[np.unique(rows // self.meta.shard_rows)] = 0
+        self.unflag_inverse(model_id)
 
     def reset_model(self, model_id: int) -> None:
         """Start ``model_id`` over (``TRAKer(load_from_save_dir=False)``): every row, partial, feature and the
         records of the model marked not done, and its target gradients and the scores combining it too."""
         m = self.init_model(model_id)
-        for flags in (m.featurized, m.finalized, m.partial_done):
+        for flags in (m.featurized, m.inverse_done, m.partial_done):
             flags[:] = 0
         for key in ("finalize", "feature_settings", "checkpoint"):
             if key in m.group.attrs:
@@ -1093,7 +1144,9 @@ class TrakStore:
         for exp in self.experiments():
             e = self.experiment(exp)
             if e.has_model(model_id):
-                e.model(model_id).scored[:] = 0
+                t = self.init_experiment_model(exp, model_id)
+                t.scored[:] = 0
+                t.solved_done[:] = 0
             if model_id in (self.scored_with(exp) or []) and e.has_scores:
                 e.scores_done[:] = 0
 
@@ -1120,21 +1173,28 @@ class TrakStore:
         self._row_array(g, "grads", m.dtype, m.proj_dim)
         self._row_array(g, "out_to_loss", "float32")
         self._row_array(g, "featurized", "uint8")
-        self._row_array(g, "features", m.dtype, m.proj_dim)
-        self._row_array(g, "finalized", "uint8")
-        if "xtx_partials" not in g:
+        for name, rows, dtype in (("xtx_partials", m.num_shards, "float64"), ("inverse", 1, "float32")):
+            if name not in g:
+                g.create_array(
+                    name,
+                    shape=(rows, m.proj_dim, m.proj_dim),
+                    chunks=(1, m.proj_dim, m.proj_dim),
+                    dtype=dtype,
+                    compressors=_codecs(),
+                    fill_value=0,
+                )
+        if "xtq_partials" not in g:
             g.create_array(
-                "xtx_partials",
-                shape=(m.num_shards, m.proj_dim, m.proj_dim),
-                chunks=(1, m.proj_dim, m.proj_dim),
+                "xtq_partials",
+                shape=(m.num_shards, m.proj_dim + 1),
+                chunks=(1, m.proj_dim + 1),
                 dtype="float64",
                 compressors=_codecs(),
                 fill_value=0,
             )
-        if "partial_done" not in g:
-            g.create_array(
-                "partial_done", shape=(m.num_shards,), chunks=(1,), dtype="uint8", compressors=_codecs(), fill_value=0
-            )
+        for name, rows in (("partial_done", m.num_shards), ("inverse_done", 1)):
+            if name not in g:
+                g.create_array(name, shape=(rows,), chunks=(1,), dtype="uint8", compressors=_codecs(), fill_value=0)
         return ModelArrays(g)
 
     def model(self, model_id: int) -> ModelArrays:
@@ -1169,9 +1229,23 @@ class TrakStore:
         return _attrs(self.model(model_id).group).get("finalize")
 
     def set_finalize_info(self, model_id: int, info: dict) -> None:
-        """Mark ``model_id`` finalized (call after all its features are written)."""
+        """Mark ``model_id`` finalized (call after its inverse is written)."""
         self.check_lock()
         self.model(model_id).group.attrs["finalize"] = dict(info)
+
+    def write_inverse(self, model_id: int, inverse: np.ndarray) -> None:
+        """Write the (p, p) inverse of ``model_id`` (rounded to float32, the precision scores use it in) then mark
+        it done (finalize records it after)."""
+        m = self.model(model_id)
+        m.inverse[0] = np.asarray(inverse).astype(np.float32)
+        self.check_lock()
+        m.inverse_done[0] = 1
+
+    def inverse(self, model_id: int) -> np.ndarray:
+        """The (p, p) float32 inverse of a finalized ``model_id``."""
+        if not self.is_finalized(model_id):
+            raise StateError(f"model_id={model_id} is not finalized; finalize it first")
+        return np.asarray(self.model(model_id).inverse[0])
 
     def is_finalized(self, model_id: int) -> bool:
         return self.has_model(model_id) and self.finalize_info(model_id) is not None
@@ -1181,7 +1255,7 @@ class TrakStore:
         if self.is_finalized(model_id):
             raise StateError(
                 f"model_id={model_id} is already finalized; featurizing it again would make its "
-                "features stale. Use a new model_id or a new store."
+                "inverse stale. Use a new model_id or a new store."
             )
         m = self.model(model_id)
         _write_rows(m.grads, rows, grads.astype(self.meta.np_dtype, copy=False))
@@ -1189,18 +1263,13 @@ class TrakStore:
         self.check_lock()
         _write_rows(m.featurized, rows, np.ones(grads.shape[0], dtype=np.uint8))
 
-    def write_partial(self, model_id: int, shard: int, partial: np.ndarray) -> None:
+    def write_partial(self, model_id: int, shard: int, partial: np.ndarray, xtq: np.ndarray) -> None:
+        """Write a shard's Xₛᵀ Xₛ (p, p) and [Xₛᵀ qₛ, qₛᵀ qₛ] (p + 1,), then mark the shard's partials done."""
         m = self.model(model_id)
         m.xtx_partials[shard] = partial
+        m.xtq_partials[shard] = xtq
         self.check_lock()
         m.partial_done[shard] = 1
-
-    def write_features_rows(self, model_id: int, a: int, b: int, features: np.ndarray) -> None:
-        """Write features Φ of rows [a, b) then mark them finalized."""
-        m = self.model(model_id)
-        m.features[a:b] = features.astype(self.meta.np_dtype, copy=False)
-        self.check_lock()
-        m.finalized[a:b] = 1
 
     # ---------------------------------------------------------------- experiments
     def experiments(self) -> list[str]:
@@ -1242,6 +1311,8 @@ class TrakStore:
         g = group_at(e.group, "models").require_group(str(int(model_id)))
         self._row_array(g, "grads", self.meta.dtype, self.meta.proj_dim, rows=m)
         self._row_array(g, "scored", "uint8", rows=m)
+        self._row_array(g, "solved", "float32", self.meta.proj_dim, rows=m)
+        self._row_array(g, "solved_done", "uint8", rows=m)
         return TargetArrays(g)
 
     def experiment_model_ids(self, exp_name: str) -> list[int]:
@@ -1261,9 +1332,22 @@ class TrakStore:
 
     def write_target_rows(self, exp_name: str, model_id: int, rows, grads: np.ndarray) -> None:
         t = self.experiment(exp_name).model(model_id)
+        _write_rows(t.solved_done, rows, np.zeros(grads.shape[0], dtype=np.uint8))  # G·A of these rows is stale
         _write_rows(t.grads, rows, grads.astype(self.meta.np_dtype, copy=False))
         self.check_lock()
         _write_rows(t.scored, rows, np.ones(grads.shape[0], dtype=np.uint8))
+
+    def solved_complete(self, exp_name: str, model_id: int) -> bool:
+        """Whether G·A of every target of ``exp_name`` is written for ``model_id``."""
+        e = self.experiment(exp_name)
+        return e.has_model(model_id) and bool(e.model(model_id).solved_done[:].all())
+
+    def write_solved(self, exp_name: str, model_id: int, solved: np.ndarray) -> None:
+        """Write G·A ((m, p) float32) of all targets of ``exp_name`` for ``model_id``, then mark it done."""
+        t = self.experiment(exp_name).model(model_id)
+        t.solved[:] = np.asarray(solved, dtype=np.float32)
+        self.check_lock()
+        t.solved_done[:] = 1
 
     def init_scores(self, exp_name: str) -> tuple[StoredArray, StoredArray]:
         e = self.experiment(exp_name)

@@ -12,6 +12,10 @@ Differences from traker 0.3.2, on purpose:
 * the default projector is the factored per-layer projection (about 40× traker's CPU featurization on a
   400k-parameter MLP at a comparable LDS; dense Rademacher for models it cannot factor); the matrices come
   from a counter-based RNG, the same on CPU and GPU. Pass ``projector=`` to choose another;
+* no features are stored: ``finalize_features`` computes and stores the inverse A = (XᵀX + λI)⁻¹ (p × p) and
+  ``finalize_scores`` multiplies the stored gradients X by A Gᵀ (the same scores as traker's Φ Gᵀ with Φ = X A,
+  without rounding Φ to the store's dtype); :meth:`TRAKer.features` computes Φ for the rows a caller asks for,
+  and ``del_grads=True`` is ignored with a warning (the gradients are what scoring reads);
 * the default damping is ``lambda_reg="adaptive"`` (traker: 0.0, which leaves XᵀX singular when proj_dim ≥ n
   and scores near LDS 0 on held-out cases at proj_dim 2048); ``lambda_reg=0.0`` reproduces traker.
 """
@@ -35,7 +39,7 @@ from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from .modelout import AbstractModelOutput, resolve_task
 from .projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
-from .reduce import finalize_model, finalize_scores
+from .reduce import features_rows, finalize_model, finalize_scores
 from .scoring import check_lambda
 from .store import StoreMetadata, TrakStore
 
@@ -312,8 +316,16 @@ class TRAKer:
             self._flush_rows()
 
     def finalize_features(self, model_ids: Iterable[int] | None = None, del_grads: bool = False) -> None:
-        """XᵀX, (XᵀX + λI)⁻¹ and the features Φ for each model (all registered ones by default)."""
+        """XᵀX and A = (XᵀX + λI)⁻¹ for each model (all registered ones by default), stored; the features
+        Φ = X A are not (:meth:`features` computes them). ``del_grads``: ignored with a warning, scoring reads
+        the gradients."""
         self._flush_rows()
+        if del_grads:
+            warnings.warn(
+                "del_grads=True is ignored: trak_core keeps no features and scores from the stored gradients "
+                "(X · A Gᵀ); deleting them would make scoring impossible",
+                stacklevel=2,
+            )
         ids = list(model_ids) if model_ids is not None else self.store.model_ids()
         for mid in ids:
             if not self.store.has_model(mid):
@@ -325,10 +337,15 @@ class TRAKer:
                 self.logger.warning("model_id=%s already finalized, skipping", mid)
                 continue
             finalize_model(self.store, mid, self.lambda_reg, self.rescale_inverse)
-            if del_grads:
-                g = self.store.model(mid).grads
-                g[:] = 0
         self._last_ind = 0
+
+    def features(self, model_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """traker's features Φ = X A of train rows [start, stop) of a finalized ``model_id``, (rows, proj_dim)
+        float32, computed on demand from the stored gradients and inverse."""
+        self._flush_rows()
+        if not self.store.has_model(model_id) or not self.store.is_finalized(model_id):
+            raise StateError(f"model_id={model_id} is not finalized; call finalize_features first")
+        return features_rows(self.store, model_id, start, stop)
 
     # ------------------------------------------------------------------ scoring
     def start_scoring_checkpoint(self, exp_name: str, checkpoint: dict, model_id: int, num_targets: int) -> None:

@@ -7,11 +7,12 @@ must hold, and which flag says so:
 ====================================  ==================  =====================================================
 array                                 flag                what depends on it (unflagged by ``repair_store``)
 ====================================  ==================  =====================================================
-models/<id>/grads, out_to_loss        featurized          the shard's XᵀX partial, the rows' features and the
-                                                          finalize record, the rows' scores
-models/<id>/xtx_partials              partial_done        (the next finalize recomputes it from the grads)
-models/<id>/features                  finalized           the finalize record, the rows' scores
-experiments/<e>/models/<id>/grads     scored              every score row of the experiment
+models/<id>/grads, out_to_loss        featurized          the shard's XᵀX partial, the inverse, the finalize
+                                                          record and G·A, every score row combining the model
+models/<id>/xtx_partials, xtq_part.  partial_done        (the next finalize recomputes them from the grads)
+models/<id>/inverse                   inverse_done        the finalize record, G·A, every score row combining it
+experiments/<e>/models/<id>/grads     scored              G·A of those targets, every score row of the experiment
+experiments/<e>/models/<id>/solved    solved_done         every score row of the experiment
 experiments/<e>/scores                scores_done         —
 ====================================  ==================  =====================================================
 
@@ -51,12 +52,14 @@ Kind = Literal["missing", "corrupt", "metadata"]
 _MODEL_DATA = {
     "grads": "featurized",
     "out_to_loss": "featurized",
-    "features": "finalized",
     "xtx_partials": "partial_done",
+    "xtq_partials": "partial_done",
+    "inverse": "inverse_done",
 }
-_MODEL_FLAGS = ("featurized", "finalized", "partial_done")
+_MODEL_FLAGS = ("featurized", "partial_done", "inverse_done")
 _EXP_DATA = {"scores": "scores_done"}
-_TARGET_DATA = {"grads": "scored"}
+_TARGET_DATA = {"grads": "scored", "solved": "solved_done"}
+_TARGET_FLAGS = ("scored", "solved_done")
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ class ChunkDamage:
 
     @property
     def unit(self) -> str:
-        return "shards" if self.array.endswith(("xtx_partials", "partial_done")) else "rows"
+        return "shards" if self.array.endswith(("xtx_partials", "xtq_partials", "partial_done")) else "rows"
 
     def describe(self) -> str:
         a, b = self.rows
@@ -81,6 +84,8 @@ class ChunkDamage:
             "metadata": self.detail or "has wrong metadata",
         }[self.kind]
         where = "its zarr.json" if self.chunk == "zarr.json" else f"chunk {self.chunk}"
+        if self.array.endswith(("inverse", "inverse_done")):  # one matrix: no rows to name
+            return f"array {self.array}, {where}: {what}"
         return f"array {self.array}, {where} ({self.unit} {a}..{b - 1}): {what}"
 
 
@@ -112,7 +117,7 @@ class VerifyReport:
     read_chunks: bool
     arrays: tuple[ArrayCheck, ...]
     damage: tuple[ChunkDamage, ...]
-    inconsistent: tuple[str, ...] = ()  # e.g. a finalize record while rows are not marked finalized
+    inconsistent: tuple[str, ...] = ()  # e.g. a finalize record while the inverse is not marked written
 
     @property
     def ok(self) -> bool:
@@ -232,20 +237,22 @@ def verify_store(store: TrakStore, read_chunks: bool = True) -> VerifyReport:
     for mid in store.model_ids():
         g = store.model(mid).group
         checks += _group_checks(store, g, _MODEL_DATA, _MODEL_FLAGS, damage, read_chunks)
-        if store.finalize_info(mid) is not None and "finalized" in g:
-            try:
-                done = bool(np.asarray(array_at(g, "finalized")[:]).all())
-            except Exception:  # a damaged flag chunk, reported above
-                done = False
-            if not done:
-                inconsistent.append(f"model {mid}: finalized, but not all its rows are marked finalized")
+        if store.finalize_info(mid) is not None and not _inverse_done(g):
+            inconsistent.append(f"model {mid}: finalized, but its inverse is not marked written")
     for exp in store.experiments():
         e = store.experiment(exp)
         if e.has_scores or "scores_done" in e.group:
             checks += _group_checks(store, e.group, _EXP_DATA, ("scores_done",), damage, read_chunks)
         for mid in e.model_ids():
-            checks += _group_checks(store, e.model(mid).group, _TARGET_DATA, ("scored",), damage, read_chunks)
+            checks += _group_checks(store, e.model(mid).group, _TARGET_DATA, _TARGET_FLAGS, damage, read_chunks)
     return VerifyReport(store.location, read_chunks, tuple(checks), tuple(damage), tuple(inconsistent))
+
+
+def _inverse_done(g: zarr.Group) -> bool:
+    try:
+        return bool(np.asarray(array_at(g, "inverse_done")[:]).all())
+    except Exception:  # absent or a damaged flag chunk (reported as damage)
+        return False
 
 
 def verify_location(location: str, storage_options: dict | None = None, read_chunks: bool = True) -> VerifyReport:
@@ -281,14 +288,14 @@ def _unflag(store: TrakStore, d: ChunkDamage, out: RepairResult) -> None:
     if parts[0] == "models":
         mid, name = int(parts[1]), parts[2]
         if name in ("grads", "out_to_loss", "featurized"):
-            store.unflag_train_rows(mid, rows, "grads")
+            store.unflag_train_rows(mid, rows)
             out.actions.append(
-                f"model {mid}: rows {a}..{b - 1} unflagged (featurize, XᵀX partial, features, scores recomputed)"
+                f"model {mid}: rows {a}..{b - 1} unflagged (featurize, XᵀX partial, inverse, scores recomputed)"
             )
-        elif name in ("features", "finalized"):
-            store.unflag_train_rows(mid, rows, "features")
-            out.actions.append(f"model {mid}: features of rows {a}..{b - 1} unflagged (finalize, scores recomputed)")
-        elif name in ("xtx_partials", "partial_done"):
+        elif name in ("inverse", "inverse_done"):
+            store.unflag_inverse(mid)
+            out.actions.append(f"model {mid}: inverse unflagged (finalize, scores recomputed)")
+        elif name in ("xtx_partials", "xtq_partials", "partial_done"):
             store.model(mid).partial_done.oindex[rows] = 0
             out.actions.append(
                 f"model {mid}: XᵀX partials of shards {a}..{b - 1} unflagged (recomputed from the grads)"
@@ -299,12 +306,15 @@ def _unflag(store: TrakStore, d: ChunkDamage, out: RepairResult) -> None:
         if len(parts) == 5:  # a target array: every score row of the experiment depends on it
             mid = int(parts[3])
             if e.has_model(mid):
-                e.model(mid).scored.oindex[rows] = 0
+                t = e.model(mid)
+                if parts[4] in ("grads", "scored"):
+                    t.scored.oindex[rows] = 0
+                if "solved_done" in t.group:
+                    t.solved_done.oindex[rows] = 0
             if e.has_scores:
                 e.scores_done[:] = 0
-            out.actions.append(
-                f"experiment {exp}: target rows {a}..{b - 1} of model {mid} and all score rows unflagged"
-            )
+            what = "G·A rows" if parts[4] in ("solved", "solved_done") else "target rows"
+            out.actions.append(f"experiment {exp}: {what} {a}..{b - 1} of model {mid} and all score rows unflagged")
         elif e.has_scores:
             e.scores_done.oindex[rows] = 0
             out.actions.append(f"experiment {exp}: score rows {a}..{b - 1} unflagged")
@@ -339,9 +349,9 @@ def repair_store(store: TrakStore, report: VerifyReport) -> RepairResult:
     for d in report.damage:
         _unflag(store, d, out)
     for mid in store.model_ids():
-        if store.finalize_info(mid) is not None and not bool(store.model(mid).finalized[:].all()):
-            store.clear_finalize_info(mid)
-            out.actions.append(f"model {mid}: finalize record removed (rows not finalized; finalize recomputes them)")
+        if store.finalize_info(mid) is not None and not _inverse_done(store.model(mid).group):
+            store.unflag_inverse(mid)
+            out.actions.append(f"model {mid}: finalize record removed (inverse not written; finalize recomputes it)")
     return out
 
 
