@@ -9,7 +9,7 @@ from trak_fixtures import checkpoints, make_data, rel_err, run_traker
 
 import trak_core
 from trak_core import reduce, scoring
-from trak_core.errors import IllConditionedWarning
+from trak_core.errors import IllConditionedWarning, StoreMismatchError
 from trak_core.store import StoreMetadata, TrakStore
 
 
@@ -166,3 +166,31 @@ def test_relative_damping_in_finalize_equals_absolute(tmp_path):
     lam = 0.2 * np.trace(xd.T @ xd) / 6
     assert info["lambda_reg"] == pytest.approx(lam) and info["lambda_setting"] == "rel:0.2"
     np.testing.assert_allclose(st.inverse(0), np.linalg.inv(xd.T @ xd + lam * np.eye(6)), rtol=1e-6)
+
+
+def test_traker_features_on_demand_and_no_features_array(tmp_path):
+    """The store keeps no Φ: TRAKer.features computes X A from the stored gradients and inverse (float64 reference),
+    and traker's del_grads=True is refused politely (a warning; the gradients are what scoring reads)."""
+    scores, tr = run_traker(trak_core.TRAKer, tmp_path / "t", checkpoints(2), make_data(), proj_dim=16, lambda_reg=1e-2)
+    for mid in (0, 1):
+        x = tr.store.model(mid).grads[:].astype(np.float64)
+        xtx = x.T @ x
+        inv = np.linalg.inv(xtx + 1e-2 * np.eye(16))
+        want = x @ (inv / np.abs(inv).mean())  # traker's rescaled inverse
+        assert rel_err(tr.features(mid), want) < 1e-5
+        assert rel_err(tr.features(mid, 10, 30), want[10:30]) < 1e-5
+        assert "features" not in tr.store.model(mid).group
+    with pytest.warns(UserWarning, match="del_grads=True is ignored"):
+        tr.finalize_features(del_grads=True)
+    np.testing.assert_array_equal(tr.finalize_scores("exp"), scores.astype(np.float32))  # gradients kept
+    with pytest.raises(ValueError, match=r"rows \[30, 500\) are not within the 120 train rows"):
+        tr.features(0, 30, 500)
+
+
+def test_schema_2_store_is_refused_naming_the_field(tmp_path):
+    st, _, _ = filled_store(str(tmp_path / "s"), np.random.default_rng(8))
+    attrs = dict(st.root.attrs["trakflow"])
+    attrs["schema_version"] = 2
+    st.root.attrs["trakflow"] = attrs
+    with pytest.raises(StoreMismatchError, match=r"schema_version: the store at .* has schema_version=2.*Use a new"):
+        TrakStore.open(str(tmp_path / "s"))
