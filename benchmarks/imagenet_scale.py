@@ -316,7 +316,9 @@ def report(info: dict) -> str:
 #: per-row cost on one H100 in µs, (low, high), from docs/gpu.md "Expected per-row cost of each stage on one H100"
 #: (on paper, for a 407k-parameter MLP at proj_dim 2048, float16 store, 1,000 targets: an upper bound for this
 #: benchmark's 34k-parameter MLP). featurize: the factored projection at batch 256 (~1 µs) + the Zarr write of X
-#: (2-4 µs); finalize: Φ = X A through Zarr (4-8 µs) + the solve (~1 ms per checkpoint); score: Φ Gᵀ through Zarr.
+#: (2-4 µs); finalize: the shards' float64 XᵀX partials read back through Zarr (p² · 8 B per shard: 8 KiB per row at
+#: 4,096-row shards, 4-8 µs; there is no Φ = X A pass since store schema 3) + the solve (~1 ms per checkpoint);
+#: score: X (A Gᵀ) through Zarr.
 H100_US_PER_ROW = {"featurize": (3.0, 5.0), "finalize": (4.0, 8.0), "score": (4.0, 8.0)}
 H100_SOLVE_S = 1e-3
 #: stages with one task per (checkpoint, shard): N workers divide them; finalize and targets are one task per
