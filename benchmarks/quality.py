@@ -574,7 +574,7 @@ def _best_fixed_or_none(rows: dict, case: str, kind: str, p: int) -> tuple[str, 
 def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
     rows = load_rows(paths)
     ad = str(parse_lambda_reg(ADAPTIVE_SETTING).setting)  # 'adaptive' as the runs name it
-    old = "deff:0.1"  # 'adaptive' before the training-regime cases
+    old = "deff:0.1,resid:3"  # 'adaptive' until 2026-11-24 (chosen by leave-one-case-out among deff, rel, resid)
     all_cases = make_cases()
     lds_of = lambda c, k, p, s: rows.get((c, k, p, s), {}).get("lds")  # noqa: E731
     print(f"\n`adaptive` = `{ad}`.\n")

@@ -79,8 +79,8 @@ def demo_configs(
     target's proponents whatever its class. Four epochs at lr 0.01 (about 90 % train accuracy) keep Q
     spread out. Measured on 50 held-out digits with 3 checkpoints (lambda_reg 1.0, dense): 0.93 of the
     top-5 proponents share the target's label (0.29 after 15 epochs at lr 0.05, 99.6 % train accuracy).
-    lambda_reg "adaptive" (the default; on these far-from-converged checkpoints its ``resid`` part sets λ) scores
-    LDS 0.364 against 0.215 with "auto" on the demo's own checkpoints (benchmarks/RESULTS.md, "Attribution
+    lambda_reg "adaptive" (the default; on these far-from-converged checkpoints its ``cresid`` part sets λ) scores
+    LDS 0.373 against 0.215 with "auto" on the demo's own checkpoints (benchmarks/RESULTS.md, "Attribution
     quality", the digits demo check)."""
     from tasks.config import TrainConfig
 

@@ -39,7 +39,7 @@ from trak_core.reduce import (
     load_solved,
     score_rows,
     shard_partial,
-    shard_xtq,
+    shard_row_sums,
     solve_targets,
     usable_models,
 )
@@ -409,7 +409,7 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
     x, q = np.concatenate(xs), np.concatenate(qs)
     store.write_train_rows(model_id, slice(a, b), x, q)
     store.write_partial(
-        model_id, shard, shard_partial(store, model_id, shard, rows=x), shard_xtq(store, model_id, shard, x, q)
+        model_id, shard, shard_partial(store, model_id, shard, rows=x), shard_row_sums(store, model_id, shard, x, q)
     )
     return ShardManifest.timed(t0, False, model_id=model_id, shard=shard, rows=(a, b))
 

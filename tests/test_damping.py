@@ -11,7 +11,7 @@ import torch
 from trak_core.errors import BadInputError
 from trak_core.scoring import (
     ADAPTIVE,
-    ADAPTIVE_DEFF,
+    ADAPTIVE_NEFF,
     AUTO_DAMPING,
     deff_lambda,
     effective_dimension,
@@ -85,12 +85,14 @@ def test_adaptive_records_its_parts_and_equals_them():
     rule = parse_lambda_reg("Adaptive ")
     assert rule.setting == ADAPTIVE and ADAPTIVE != "adaptive"  # a store records what computed its features
     assert parse_lambda_reg("deff").setting == ADAPTIVE
-    assert f"deff:{ADAPTIVE_DEFF:g}" in ADAPTIVE.split(",")
+    assert f"neff:{ADAPTIVE_NEFF:g}" in ADAPTIVE.split(",")
     assert parse_lambda_reg("deff:0.25").setting == "deff:0.25"
     assert parse_lambda_reg(" Deff:0.10 , RESID:3 ").setting == "deff:0.1,resid:3"
     x, q = _xq(100, 40)
-    assert _resolve_from_rows("adaptive", x, q) == _resolve_from_rows(ADAPTIVE, x, q)
+    assert _resolve_from_rows("deff:0.1,resid:3", x, q) > 0
     assert parse_lambda_reg(ADAPTIVE).needs_xtq == ("resid:" in ADAPTIVE)
+    rule = parse_lambda_reg(ADAPTIVE)
+    assert rule.needs_row_norm4 and rule.needs_q2x2  # the default needs the per-shard row sums
 
 
 def test_resid_without_xtq_is_a_clear_error():
@@ -246,7 +248,6 @@ def test_neff_joined_and_normalized():
     assert rule.setting == "neff:0.12,resid:2" and rule.needs_row_norm4 and rule.needs_xtq
     parts = [parse_lambda_reg(s).resolve(xt.T @ xt, **kw) for s in ("neff:0.12", "resid:2")]
     assert rule.resolve(xt.T @ xt, **kw) == max(parts)
-    assert not parse_lambda_reg(ADAPTIVE).needs_row_norm4  # the default does not need it
 
 
 def test_neff_without_row_norms_is_a_clear_error():
@@ -306,7 +307,6 @@ def test_cresid_joined_normalized_and_clear_errors():
     assert _resolve_cresid("neff:0.12,cresid:4", x, q) == max(
         _resolve_cresid("neff:0.12", x, q), _resolve_cresid("cresid:4", x, q)
     )
-    assert not parse_lambda_reg(ADAPTIVE).needs_q2x2
     xt = torch.from_numpy(x)
     with pytest.raises(BadInputError, match="cresid"):
         parse_lambda_reg("cresid:1").resolve(xt.T @ xt, 120, xtq=torch.from_numpy(x.T @ q), qtq=float(q @ q))
@@ -314,3 +314,33 @@ def test_cresid_joined_normalized_and_clear_errors():
         parse_lambda_reg("cresid:1").resolve(
             xt.T @ xt, 120, xtq=torch.from_numpy(x.T @ q), qtq=float(q @ q), q2x2=math.nan
         )
+
+
+@pytest.mark.parametrize("n,p", [(900, 600), (300, 40), (400, 700)])
+@pytest.mark.parametrize("setting", ["neff:0.12,cresid:10", "neff:0.3", "cresid:2,deff:0.05"])
+def test_finalize_resolves_neff_and_cresid_from_the_shard_partials(tmp_path, n, p, setting):
+    """The store's per-shard row sums (Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖², Xᵀq, qᵀq) give finalize the λ that brute force over
+    the rows gives (p > 512: float32 eigenvalues checked by the exact effective dimension, to 1e-3)."""
+    from trak_core import reduce
+    from trak_core.store import StoreMetadata, TrakStore
+
+    g = np.random.default_rng(n + p)
+    x = (g.standard_normal((n, p)) * 0.97 ** np.arange(p) * g.uniform(0.2, 3.0, (n, 1))).astype(np.float32)
+    q = g.uniform(0.0, 1.0, n).astype(np.float32)
+    meta = StoreMetadata(train_set_size=n, grad_dim=2 * p, proj_dim=p, dtype="float32", chunk_rows=50, shard_rows=100)
+    st = TrakStore.create_or_open(str(tmp_path / "s"), meta)
+    st.init_model(0)
+    st.write_train_rows(0, slice(0, n), x, q)
+    info = reduce.finalize_model(st, 0, setting, rescale=False)
+    x64, q64 = x.astype(np.float64), q.astype(np.float64)
+    rn = (x64**2).sum(axis=1)
+    want = parse_lambda_reg(setting).resolve(
+        torch.from_numpy(x64.T @ x64),
+        n_rows=n,
+        xtq=torch.from_numpy(x64.T @ q64),
+        qtq=float(q64 @ q64),
+        row_norm4=float(rn @ rn),
+        q2x2=float((q64**2) @ rn),
+    )
+    assert info["lambda_reg"] == pytest.approx(want, rel=1e-3)
+    assert info["lambda_setting"] == parse_lambda_reg(setting).setting

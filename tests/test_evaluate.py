@@ -338,7 +338,7 @@ def test_attribute_config_lambda_reg_settings(tmp_path):
     ck = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
     base = _eval_dict(tmp_path, ck)["attribute"]
     base.pop("lambda_reg")
-    # the default chosen by leave-one-case-out, recorded as its parts ("deff:0.1,resid:3")
+    # the default chosen by leave-one-case-out, recorded as its parts ("neff:0.12,cresid:10")
     assert AttributeConfig.model_validate(base).lambda_reg == ADAPTIVE
     for given, want in (("REL:0.3", "rel:0.3"), ("2", 2.0), (0, 0.0), (" auto ", "auto"), ("Deff:0.2", "deff:0.2")):
         assert AttributeConfig.model_validate({**base, "lambda_reg": given}).lambda_reg == want

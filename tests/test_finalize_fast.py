@@ -87,8 +87,13 @@ def _reference_lambda(setting, x: np.ndarray, n: int) -> float:
     rule = parse_lambda_reg(setting)
     xd = np.asarray(x, dtype=np.float64)
     kw = {}
-    if getattr(rule, "needs_xtq", False):
+    if rule.needs_xtq:
         kw = {"xtq": xd.sum(axis=0), "qtq": float(n)}
+    rn = (xd**2).sum(axis=1)
+    if rule.needs_row_norm4:
+        kw["row_norm4"] = float(rn @ rn)
+    if rule.needs_q2x2:
+        kw["q2x2"] = float(rn.sum())  # q = 1 per row
     return rule.resolve(torch.from_numpy(xd.T @ xd), n_rows=n, **kw)
 
 
@@ -134,13 +139,17 @@ def test_finalize_sums_partials_from_memory_like_the_stored_ones(tmp_path, setti
     assert ia == ib
     assert a.model(0).partial_done[:].all()
     np.testing.assert_array_equal(a.model(0).xtx_partials[:], b.model(0).xtx_partials[:])
-    np.testing.assert_array_equal(a.model(0).xtq_partials[:], b.model(0).xtq_partials[:])
-    # the 'resid' sums from the shard partials: the bits of a pass over the stored rows, and Xᵀq, qᵀq in float64
-    xtq, qtq = reduce.total_xtq(a, 0)
-    rows_xtq, rows_qtq = reduce.rows_xtq(a, 0)
-    np.testing.assert_array_equal(xtq, rows_xtq)
-    assert qtq == rows_qtq == float(n)  # q = 1 per row here
-    np.testing.assert_allclose(xtq, x.astype(np.float64).sum(axis=0), rtol=1e-12, atol=1e-9)
+    np.testing.assert_array_equal(a.model(0).rowsum_partials[:], b.model(0).rowsum_partials[:])
+    # the damping's sums over rows from the shard partials: the bits of a pass over the stored rows, and float64 math
+    sums, ref = reduce.total_row_sums(a, 0), reduce.rows_row_sums(a, 0)
+    np.testing.assert_array_equal(sums.xtq, ref.xtq)
+    assert (sums.qtq, sums.row_norm4, sums.q2x2) == (ref.qtq, ref.row_norm4, ref.q2x2)
+    x64 = x.astype(np.float64)
+    rn = (x64**2).sum(axis=1)
+    assert sums.qtq == float(n)  # q = 1 per row here
+    np.testing.assert_allclose(sums.xtq, x64.sum(axis=0), rtol=1e-12, atol=1e-9)
+    assert sums.row_norm4 == pytest.approx(float(rn @ rn), rel=1e-12)
+    assert sums.q2x2 == pytest.approx(float(rn.sum()), rel=1e-12)
     np.testing.assert_array_equal(a.inverse(0), b.inverse(0))
     xd = x.astype(np.float64)
     lam = ia["lambda_reg"]

@@ -282,7 +282,7 @@ def test_run_that_lost_its_lock_stops_before_committing_flags(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(LockLostError, match=r"now held by run thief \(pid \d+") as e:
-            st.write_partial(0, 1, np.eye(2), np.ones(3))
+            st.write_partial(0, 1, np.eye(2), np.ones(5))
         assert isinstance(e.value, StateError) and isinstance(e.value, StoreLockedError)
         assert not st.partial_done(0, 1)
         with pytest.raises(LockLostError):

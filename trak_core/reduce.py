@@ -14,7 +14,7 @@ import math
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from .errors import BadInputError, StateError
 from .scoring import (
     CONDITION_WARN,
     check_conditioning,
+    effective_rows,
     features_block,
     parse_lambda_reg,
     regularized_inverse,
@@ -44,20 +45,44 @@ def shard_partial(store: TrakStore, model_id: int, shard: int, rows: np.ndarray 
     return x.T @ x
 
 
-def shard_xtq(store: TrakStore, model_id: int, shard: int, rows=None, q=None) -> np.ndarray:
-    """[Xₛᵀ qₛ, qₛᵀ qₛ] ((p + 1,) float64) of one shard, from the stored (rounded) gradients and Q or the given
-    ones (the 'resid' damping's sums over rows, :func:`rows_xtq`'s arithmetic shard by shard)."""
+class RowSums(NamedTuple):
+    """The sums over train rows that damping rules need beside XᵀX (x_i a row of X, q the out-to-loss weights Q):
+    Xᵀq and qᵀq ('resid', 'cresid'), Σ‖xᵢ‖⁴ ('neff'), Σqᵢ²‖xᵢ‖² ('cresid'); float64."""
+
+    xtq: np.ndarray
+    qtq: float
+    row_norm4: float
+    q2x2: float
+
+    @classmethod
+    def of(cls, vec: np.ndarray) -> RowSums:
+        """From the (p + 3,) vector :func:`shard_row_sums` returns (or a sum of such vectors)."""
+        return cls(vec[:-3].copy(), float(vec[-3]), float(vec[-2]), float(vec[-1]))
+
+
+def _row_sums_vec(x: np.ndarray, q: np.ndarray, dtype) -> np.ndarray:
+    """[Xᵀq, qᵀq, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²] ((p + 3,) float64) of rows ``x`` (rounded to the store ``dtype`` first, as
+    stored) and their ``q``."""
+    x64 = np.asarray(x).astype(dtype, copy=False).astype(np.float64)
+    qd = np.asarray(q, dtype=np.float32).astype(np.float64).reshape(-1)
+    rn = np.einsum("ij,ij->i", x64, x64)  # ‖xᵢ‖²
+    out = np.empty(x64.shape[1] + 3, dtype=np.float64)
+    out[:-3] = x64.T @ qd
+    out[-3] = qd @ qd
+    out[-2] = rn @ rn
+    out[-1] = (qd * qd) @ rn
+    return out
+
+
+def shard_row_sums(store: TrakStore, model_id: int, shard: int, rows=None, q=None) -> np.ndarray:
+    """:class:`RowSums` of one shard as a (p + 3,) float64 vector, from the stored (rounded) gradients and Q or
+    the given ones (:func:`rows_row_sums`' arithmetic shard by shard); stored beside the shard's XᵀX partial."""
     a, b = store.meta.shard_range(shard)
     if rows is None:
         rows = store.model(model_id).grads[a:b]
     if q is None:
         q = store.model(model_id).out_to_loss[a:b]
-    x = np.asarray(rows).astype(store.meta.np_dtype, copy=False).astype(np.float64)
-    qd = np.asarray(q, dtype=np.float32).astype(np.float64).reshape(-1)
-    out = np.empty(x.shape[1] + 1, dtype=np.float64)
-    out[:-1] = x.T @ qd
-    out[-1] = qd @ qd
-    return out
+    return _row_sums_vec(rows, q, store.meta.np_dtype)
 
 
 def ensure_partial(store: TrakStore, model_id: int, shard: int) -> None:
@@ -67,9 +92,8 @@ def ensure_partial(store: TrakStore, model_id: int, shard: int) -> None:
             raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {shard} are not all featurized")
         a, b = store.meta.shard_range(shard)
         rows = np.asarray(store.model(model_id).grads[a:b])
-        store.write_partial(
-            model_id, shard, shard_partial(store, model_id, shard, rows=rows), shard_xtq(store, model_id, shard, rows)
-        )
+        part = shard_partial(store, model_id, shard, rows=rows)
+        store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, rows))
 
 
 def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:
@@ -81,13 +105,13 @@ def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:
     return total
 
 
-def total_xtq(store: TrakStore, model_id: int) -> tuple[np.ndarray, float]:
-    """(Xᵀq, qᵀq) as the sum of the shards' partials in shard order: the bits of :func:`rows_xtq`."""
+def total_row_sums(store: TrakStore, model_id: int) -> RowSums:
+    """:class:`RowSums` as the sum of the shards' partials in shard order: the bits of :func:`rows_row_sums`."""
     m = store.model(model_id)
-    total = np.zeros(store.meta.proj_dim + 1, dtype=np.float64)
+    total = np.zeros(store.meta.proj_dim + 3, dtype=np.float64)
     for s in range(store.meta.num_shards):
-        total += m.xtq_partials[s]
-    return total[:-1].copy(), float(total[-1])
+        total += m.rowsum_partials[s]
+    return RowSums.of(total)
 
 
 def require_featurized(store: TrakStore, model_id: int) -> None:
@@ -232,7 +256,9 @@ def solve_deff_fast(
     eigendecomposition, or None where this cannot decide (the caller then takes the float64 path).
 
     λ = max(``lam_floor``, the ``deff:<c>`` λ of each fraction c in ``fractions``): a rule such as
-    ``"deff:0.1,resid:3"`` passes its other parts' (exact, cheap) λ as ``lam_floor``.
+    ``"deff:0.1,resid:3"`` passes its other parts' (exact, cheap) λ as ``lam_floor``. An entry of ``fractions``
+    may be a pair (c, rows): its target is min(c · rows, rank / 2) (the ``neff`` rule's effective number of rows),
+    while the rank bounds still use ``n_rows``.
 
     1. eigenvalues of XᵀX in float32 (:func:`_float32_eigenvalues`);
     2. a target min(c·n, rank / 2) needs the numerical rank only when it is below 2 c n: the rank is taken as
@@ -248,14 +274,15 @@ def solve_deff_fast(
     from .scoring import deff_lambda, deff_target
 
     p = xtx.shape[0]
-    fractions = [float(c) for c in fractions]
-    if p <= EXACT_CONDITION_MAX_P or n_rows is None or not fractions or not np.isfinite(xtx).all():
+    pairs = [(float(c[0]), float(c[1])) if isinstance(c, tuple) else (float(c), None) for c in fractions]
+    if p <= EXACT_CONDITION_MAX_P or n_rows is None or not pairs or not np.isfinite(xtx).all():
         return None
     ev = _float32_eigenvalues(xtx)
     top = float(ev[-1])
     if not top > 0:
         return None
     n = int(n_rows)
+    pairs = [(c, n if rows is None else rows) for c, rows in pairs]
     max_rank = min(n, p)
     theta = top * p * 1e-13  # scoring.deff_target's rank threshold
     if n < p:
@@ -264,8 +291,8 @@ def solve_deff_fast(
     sure = np.where(ev > tau, ev, 0.0)
     full = ev.copy()
     full[p - max_rank :] = np.maximum(full[p - max_rank :], 2.0 * theta)  # rank min(n, p)
-    targets = [deff_target(full, c, n) for c in fractions]
-    if [deff_target(sure, c, n) for c in fractions] != targets:
+    targets = [deff_target(full, c, rows) for c, rows in pairs]
+    if [deff_target(sure, c, rows) for c, rows in pairs] != targets:
         if n < p:
             return None
         reg = np.array(xtx, dtype=np.float64, order="C", copy=True)
@@ -275,7 +302,7 @@ def solve_deff_fast(
         if lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)[1] != 0:
             return None  # rank < p: decided on the float64 eigenvalues
         del reg
-    lam = max([float(lam_floor)] + [deff_lambda(full, c, n) for c in fractions])
+    lam = max([float(lam_floor)] + [deff_lambda(full, c, rows) for c, rows in pairs])
     for _ in range(1 + DEFF_NEWTON_STEPS):
         if not (lam > 0 and math.isfinite(lam)):
             return None
@@ -295,29 +322,26 @@ def solve_deff_fast(
 
 
 def _has_deff(rule) -> bool:
-    return bool(rule.deff) or any(_has_deff(r) for r in getattr(rule, "parts", ()))
+    return bool(rule.deff or rule.neff) or any(_has_deff(r) for r in getattr(rule, "parts", ()))
 
 
-def rows_xtq(store: TrakStore, model_id: int, block_rows: int | None = None) -> tuple[np.ndarray, float]:
-    """(Xᵀq (p,) float64, qᵀq) over the stored train rows: X the projected gradients (as stored), q the
-    out-to-loss weights; streamed by shards."""
+def rows_row_sums(store: TrakStore, model_id: int, block_rows: int | None = None) -> RowSums:
+    """:class:`RowSums` by a pass over the stored train rows in blocks (of a shard by default); the reference that
+    the per-shard partials (:func:`total_row_sums`) reproduce bit for bit."""
     m = store.model(model_id)
     step = block_rows or store.meta.rows_per_shard
-    xtq = np.zeros(store.meta.proj_dim, dtype=np.float64)
-    qtq = 0.0
+    total = np.zeros(store.meta.proj_dim + 3, dtype=np.float64)
     for a in range(0, store.meta.train_set_size, step):
         b = min(a + step, store.meta.train_set_size)
-        q = np.asarray(m.out_to_loss[a:b], dtype=np.float64).reshape(-1)
-        xtq += np.asarray(m.grads[a:b]).astype(np.float64).T @ q
-        qtq += float(q @ q)
-    return xtq, qtq
+        total += _row_sums_vec(m.grads[a:b], m.out_to_loss[a:b], store.meta.np_dtype)
+    return RowSums.of(total)
 
 
 def solve_model(
-    store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, xtx=None, xtq=None
+    store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, xtx=None, sums: RowSums | None = None
 ) -> tuple[np.ndarray, dict]:
     """(inverse (p, p) float64, info) for one model from its partials (or ``xtx``, their sum in shard order, and
-    ``xtq`` = (Xᵀq, qᵀq), :func:`total_xtq`'s). ``lambda_reg``: see parse_lambda_reg.
+    ``sums``, :func:`total_row_sums`'). ``lambda_reg``: see parse_lambda_reg.
 
     A ``deff`` rule (the ``"adaptive"`` default) resolves λ from float32 eigenvalues checked against the exact
     effective dimension (:func:`solve_deff_fast`), falling back to float64 eigenvalues where that cannot decide."""
@@ -326,14 +350,23 @@ def solve_model(
     n = store.meta.train_set_size
     rule = parse_lambda_reg(lambda_reg)
     kw: dict[str, Any] = {}
-    if getattr(rule, "needs_xtq", False):  # a 'resid' rule: Xᵀq and qᵀq over the stored rows
-        kw["xtq"], kw["qtq"] = total_xtq(store, model_id) if xtq is None else xtq
+    if rule.needs_xtq or rule.needs_row_norm4 or rule.needs_q2x2:  # sums over the rows, from the shard partials
+        rs = total_row_sums(store, model_id) if sums is None else sums
+        if rule.needs_xtq:
+            kw["xtq"], kw["qtq"] = rs.xtq, rs.qtq
+        if rule.needs_row_norm4:
+            kw["row_norm4"] = rs.row_norm4
+        if rule.needs_q2x2:
+            kw["q2x2"] = rs.q2x2
     fast = None
     parts = tuple(getattr(rule, "parts", ())) or (rule,)
     if _has_deff(rule) and not any(getattr(r, "parts", ()) for r in parts):
-        # the deff parts from float32 eigenvalues, checked; the others exactly (cheap)
-        others = [r.resolve(xtx_t, n_rows=n, **kw) for r in parts if not r.deff]
-        fast = solve_deff_fast(xtx_np, [r.factor for r in parts if r.deff], n, max(others, default=0.0))
+        # the deff/neff parts from float32 eigenvalues, checked; the others exactly (cheap)
+        others = [r.resolve(xtx_t, n_rows=n, **kw) for r in parts if not (r.deff or r.neff)]
+        targets = [
+            (r.factor, effective_rows(xtx_t, kw.get("row_norm4")) if r.neff else n) for r in parts if r.deff or r.neff
+        ]
+        fast = solve_deff_fast(xtx_np, targets, n, max(others, default=0.0))
     ev: Any
     if fast is not None:
         lam, inv_np, ev = fast
@@ -369,14 +402,14 @@ def features_rows(store: TrakStore, model_id: int, a: int = 0, b: int | None = N
     return features_block(x, inv).numpy()
 
 
-def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, tuple[np.ndarray, float], list]:
-    """XᵀX and (Xᵀq, qᵀq) exactly as :func:`total_xtx` and :func:`total_xtq` sum them (the shard partials in shard
-    order), computing the missing partials on the way (:func:`ensure_partial`) and summing them from memory
-    instead of reading them back. Their writes go to ``writer`` (one background thread) so that they overlap the
-    next shard's work and the solve; returns (XᵀX, (Xᵀq, qᵀq), the write futures)."""
+def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, RowSums, list]:
+    """XᵀX and the :class:`RowSums` exactly as :func:`total_xtx` and :func:`total_row_sums` sum them (the shard
+    partials in shard order), computing the missing partials on the way (:func:`ensure_partial`) and summing them
+    from memory instead of reading them back. Their writes go to ``writer`` (one background thread) so that they
+    overlap the next shard's work and the solve; returns (XᵀX, the row sums, the write futures)."""
     m = store.model(model_id)
     total, owned = None, False  # the running sum; 0 + P₀ is P₀ itself (the same bits as total_xtx's)
-    xtq = np.zeros(store.meta.proj_dim + 1, dtype=np.float64)
+    sums = np.zeros(store.meta.proj_dim + 3, dtype=np.float64)
     writes: list = []
 
     def add(part: np.ndarray) -> None:
@@ -391,21 +424,21 @@ def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, 
     for s in range(store.meta.num_shards):
         if store.partial_done(model_id, s):
             add(np.asarray(m.xtx_partials[s], dtype=np.float64))
-            xtq += m.xtq_partials[s]
+            sums += m.rowsum_partials[s]
             continue
         a, b = store.meta.shard_range(s)
         if not store.shard_featurized(model_id, s):
             raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {s} are not all featurized")
         rows = np.asarray(m.grads[a:b])
-        part, part_q = shard_partial(store, model_id, s, rows=rows), shard_xtq(store, model_id, s, rows)
+        part, part_q = shard_partial(store, model_id, s, rows=rows), shard_row_sums(store, model_id, s, rows)
         for w in writes:  # one partial (p² float64) in flight at a time
             w.result()
         writes = [writer.submit(store.write_partial, model_id, s, part, part_q)]
         add(part)
-        xtq += part_q
+        sums += part_q
     if total is None:
         total = np.zeros((store.meta.proj_dim,) * 2, dtype=np.float64)
-    return total, (xtq[:-1].copy(), float(xtq[-1])), writes
+    return total, RowSums.of(sums), writes
 
 
 def finalize_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, progress=None) -> dict:
@@ -418,13 +451,13 @@ def finalize_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: boo
     m = store.model(model_id)
     rows = np.arange(store.meta.train_set_size)
     done = np.flatnonzero(m.partial_done[:])
-    require_present(store, [(m.grads, rows), (m.out_to_loss, rows), (m.xtx_partials, done), (m.xtq_partials, done)])
+    require_present(store, [(m.grads, rows), (m.out_to_loss, rows), (m.xtx_partials, done), (m.rowsum_partials, done)])
     # the settings are recorded before anything is written: a rerun with another λ or rescale is refused naming
     # the field, never finalized with two settings
     store.record_feature_settings(model_id, parse_lambda_reg(lambda_reg).setting, rescale)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trak-partial") as writer:
-        total, xtq, writes = _sum_partials(store, model_id, writer)
-        inv, info = solve_model(store, model_id, lambda_reg, rescale, xtx=total, xtq=xtq)
+        total, sums, writes = _sum_partials(store, model_id, writer)
+        inv, info = solve_model(store, model_id, lambda_reg, rescale, xtx=total, sums=sums)
         for w in writes:  # the partials are in the store before the inverse is
             w.result()
     store.write_inverse(model_id, inv)

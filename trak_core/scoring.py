@@ -31,13 +31,15 @@ CONDITION_WARN = 1e7
 # digits trained longer and the text example, proj_dim 128/512/1024): see "Damping and LDS" in RESULTS.md.
 AUTO_DAMPING = 0.3
 
-# "adaptive" = ADAPTIVE = "deff:0.1,resid:3": the larger of the λ at which the effective dimension Σ σᵢ/(σᵢ+λ)
-# of XᵀX is min(ADAPTIVE_DEFF × n, rank(XᵀX) / 2) and ADAPTIVE_RESID × ‖Xᵀq‖²/‖q‖² (the implicit ridge of a
-# training run stopped before convergence). Chosen by leave-one-case-out on benchmarks/quality.py's nine cases
-# (five converged, four stopped early): see "Attribution quality" in RESULTS.md.
-ADAPTIVE_DEFF = 0.1
-ADAPTIVE_RESID = 3.0
-ADAPTIVE = f"deff:{ADAPTIVE_DEFF:g}" + (f",resid:{ADAPTIVE_RESID:g}" if ADAPTIVE_RESID else "")
+# "adaptive" = ADAPTIVE = "neff:0.12,cresid:10": the larger of the λ at which the effective dimension
+# Σ σᵢ/(σᵢ+λ) of XᵀX is min(ADAPTIVE_NEFF × n_eff, rank(XᵀX) / 2), n_eff = (Σ‖xᵢ‖²)²/Σ‖xᵢ‖⁴ the rows' effective
+# number, and ADAPTIVE_CRESID × the part of ‖Xᵀq‖²/‖q‖² that the rows' residual gradients share (the implicit
+# ridge of a training run stopped before convergence). Within 0.02 LDS of the best fixed λ on benchmarks/quality.py's
+# nine cases (five converged, four stopped early) at every proj_dim, and its constants chosen by leave-one-case-out
+# (until 2026-11-24: "deff:0.1,resid:3"): see "Attribution quality" in RESULTS.md.
+ADAPTIVE_NEFF = 0.12
+ADAPTIVE_CRESID = 10.0
+ADAPTIVE = f"neff:{ADAPTIVE_NEFF:g},cresid:{ADAPTIVE_CRESID:g}"
 
 _FORMS = (
     "a number >= 0, 'auto', 'rel:<factor>', 'adaptive', 'deff:<fraction in (0, 1)>', 'neff:<fraction in (0, 1)>', "

@@ -8,7 +8,7 @@ Layout (one group; a local path or any fsspec URL such as ``memory://x``, ``file
     /models/<id>/out_to_loss    (n,)    float32           Q
     /models/<id>/featurized     (n,)    uint8             row status: 1 once its grads and Q are written
     /models/<id>/xtx_partials   (S, p, p) float64         Xₛᵀ Xₛ of each shard s of ``shard_rows`` rows
-    /models/<id>/xtq_partials   (S, p+1) float64          [Xₛᵀ qₛ, qₛᵀ qₛ] of each shard (q: Q; the 'resid' damping)
+    /models/<id>/rowsum_partials (S, p+3) float64       [Xₛᵀqₛ, qₛᵀqₛ, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²] of each shard (q: Q; damping)
     /models/<id>/partial_done   (S,)    uint8             status of both partials of a shard
     /models/<id>/inverse        (1, p, p) float32         A = (XᵀX + λI)⁻¹ (solved in float64, traker's rescale
                                                           applied; float32 is the precision scores use it in)
@@ -348,7 +348,7 @@ def find_corrupt_chunk(arr: zarr.Array) -> tuple[tuple[int, ...], str] | None:
 
 def damaged_chunk_error(arr: zarr.Array, coords: tuple[int, ...], problem: str) -> StoreDamageError:
     a, b = chunk_rows_of(arr, coords)
-    unit = "shards" if arr.path.endswith(("xtx_partials", "xtq_partials", "partial_done")) else "rows"
+    unit = "shards" if arr.path.endswith(("xtx_partials", "rowsum_partials", "partial_done")) else "rows"
     where, what = f" ({unit} {a}..{b - 1})", f"those {unit}"
     if arr.path.endswith(("inverse", "inverse_done")):  # one matrix: no rows to name
         where, what = "", "it"
@@ -480,13 +480,13 @@ class ModelArrays:
         return _stored(self.group, "xtx_partials")
 
     @property
-    def xtq_partials(self) -> StoredArray:
-        """(S, p + 1) float64 [Xₛᵀ qₛ, qₛᵀ qₛ] of each shard."""
-        return _stored(self.group, "xtq_partials")
+    def rowsum_partials(self) -> StoredArray:
+        """(S, p + 3) float64 [Xₛᵀqₛ, qₛᵀqₛ, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²] of each shard (reduce.RowSums)."""
+        return _stored(self.group, "rowsum_partials")
 
     @property
     def partial_done(self) -> StoredArray:
-        """(S,) uint8 shard status of ``xtx_partials`` and ``xtq_partials``."""
+        """(S,) uint8 shard status of ``xtx_partials`` and ``rowsum_partials``."""
         return _stored(self.group, "partial_done")
 
     @property
@@ -996,7 +996,7 @@ class TrakStore:
                 "out_to_loss": rows(n, None, "float32"),
                 "featurized": rows(n, None, "uint8"),
                 "xtx_partials": ArraySpec((s, p, p), (1, p, p), "float64"),
-                "xtq_partials": ArraySpec((s, p + 1), (1, p + 1), "float64"),
+                "rowsum_partials": ArraySpec((s, p + 3), (1, p + 3), "float64"),
                 "partial_done": ArraySpec((s,), (1,), "uint8"),
                 "inverse": ArraySpec((1, p, p), (1, p, p), "float32"),
                 "inverse_done": ArraySpec((1,), (1,), "uint8"),
@@ -1183,11 +1183,11 @@ class TrakStore:
                     compressors=_codecs(),
                     fill_value=0,
                 )
-        if "xtq_partials" not in g:
+        if "rowsum_partials" not in g:
             g.create_array(
-                "xtq_partials",
-                shape=(m.num_shards, m.proj_dim + 1),
-                chunks=(1, m.proj_dim + 1),
+                "rowsum_partials",
+                shape=(m.num_shards, m.proj_dim + 3),
+                chunks=(1, m.proj_dim + 3),
                 dtype="float64",
                 compressors=_codecs(),
                 fill_value=0,
@@ -1263,11 +1263,11 @@ class TrakStore:
         self.check_lock()
         _write_rows(m.featurized, rows, np.ones(grads.shape[0], dtype=np.uint8))
 
-    def write_partial(self, model_id: int, shard: int, partial: np.ndarray, xtq: np.ndarray) -> None:
-        """Write a shard's Xₛᵀ Xₛ (p, p) and [Xₛᵀ qₛ, qₛᵀ qₛ] (p + 1,), then mark the shard's partials done."""
+    def write_partial(self, model_id: int, shard: int, partial: np.ndarray, row_sums: np.ndarray) -> None:
+        """Write a shard's Xₛᵀ Xₛ (p, p) and its row sums (p + 3,), then mark the shard's partials done."""
         m = self.model(model_id)
         m.xtx_partials[shard] = partial
-        m.xtq_partials[shard] = xtq
+        m.rowsum_partials[shard] = row_sums
         self.check_lock()
         m.partial_done[shard] = 1
 

@@ -9,7 +9,7 @@ array                                 flag                what depends on it (un
 ====================================  ==================  =====================================================
 models/<id>/grads, out_to_loss        featurized          the shard's XᵀX partial, the inverse, the finalize
                                                           record and G·A, every score row combining the model
-models/<id>/xtx_partials, xtq_part.  partial_done        (the next finalize recomputes them from the grads)
+models/<id>/xtx_partials, rowsum_part. partial_done        (the next finalize recomputes them from the grads)
 models/<id>/inverse                   inverse_done        the finalize record, G·A, every score row combining it
 experiments/<e>/models/<id>/grads     scored              G·A of those targets, every score row of the experiment
 experiments/<e>/models/<id>/solved    solved_done         every score row of the experiment
@@ -53,7 +53,7 @@ _MODEL_DATA = {
     "grads": "featurized",
     "out_to_loss": "featurized",
     "xtx_partials": "partial_done",
-    "xtq_partials": "partial_done",
+    "rowsum_partials": "partial_done",
     "inverse": "inverse_done",
 }
 _MODEL_FLAGS = ("featurized", "partial_done", "inverse_done")
@@ -74,7 +74,7 @@ class ChunkDamage:
 
     @property
     def unit(self) -> str:
-        return "shards" if self.array.endswith(("xtx_partials", "xtq_partials", "partial_done")) else "rows"
+        return "shards" if self.array.endswith(("xtx_partials", "rowsum_partials", "partial_done")) else "rows"
 
     def describe(self) -> str:
         a, b = self.rows
@@ -295,7 +295,7 @@ def _unflag(store: TrakStore, d: ChunkDamage, out: RepairResult) -> None:
         elif name in ("inverse", "inverse_done"):
             store.unflag_inverse(mid)
             out.actions.append(f"model {mid}: inverse unflagged (finalize, scores recomputed)")
-        elif name in ("xtx_partials", "xtq_partials", "partial_done"):
+        elif name in ("xtx_partials", "rowsum_partials", "partial_done"):
             store.model(mid).partial_done.oindex[rows] = 0
             out.actions.append(
                 f"model {mid}: XᵀX partials of shards {a}..{b - 1} unflagged (recomputed from the grads)"
