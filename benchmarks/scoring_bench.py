@@ -1,19 +1,19 @@
 """Streaming scoring against the float32 matmul peak, in one process (issue 15, item 3).
 
-For n train rows of proj_dim-dim float16 features (a Zarr store, ``ckpts`` checkpoints) and m targets, times:
+For n train rows of proj_dim-dim float16 projected gradients X (a Zarr store at schema 3: no features, the inverse A
+per checkpoint, ``ckpts`` checkpoints) and m targets, times:
 
 * **peak**: torch.matmul on square n×n float32 matrices (2048, 4096, 6144), best of the run (before and after);
-* **GEMM only**: the same product as the scoring, Φ (n × p, float32, in memory) @ Gᵀ, in one addmm_: the
+* **GEMM only**: the same product as the scoring, X (n × p, float32, in memory) @ W, W = A Gᵀ, in one addmm_: the
   ceiling for this shape;
-* **finalize_scores**: ``trak_core.reduce.finalize_scores`` end to end (Zarr reads of Φ, float16 → float32, the
-  GEMMs, the combination, the Zarr writes of the scores, the returned array);
-* **score tasks**: what the pipeline's score step runs: ``reduce.score_rows`` per shard, each loading the
-  targets (``tasks.core.score_block`` without Prefect);
-* **before**: the previous implementation (one shard per step, a fresh float32 copy per read, no overlap, the
-  scores read back from the store), kept here as the reference the new scores must equal bit for bit;
-* **X · (A Gᵀ)**: ``streaming.scores_from_grads`` (the stored projected gradients X streamed against W = A Gᵀ,
-  no features), and the same with the previous ``stream_scores`` (commit 2b83152: one two-thread GEMM
-  beside a reader and a writer thread), loaded from git, side by side in the same process.
+* **previous stream_scores**: ``streaming.scores_from_grads`` with the previous ``stream_scores`` (commit
+  2b83152: one two-thread GEMM beside a reader and a writer thread), loaded from git — the reference the other
+  paths' scores must equal bit for bit;
+* **X · (A Gᵀ)**: ``streaming.scores_from_grads`` (W from given inverses, the stored X streamed against it);
+* **finalize_scores**: ``trak_core.reduce.finalize_scores`` end to end (G A read from the store — written once —,
+  Zarr reads of X, float16 → float32, the GEMMs, the combination, the Zarr writes of the scores, the returned array);
+* **score tasks**: what the pipeline's score step runs: ``reduce.score_rows`` per shard, each loading G A
+  (``tasks.core.score_block`` without Prefect).
 
 Each repetition times a 4096² matmul right before each measurement; the "interleaved" column is the median of
 (measurement GFLOP/s) / (that reference), robust to other jobs on the machine.
@@ -84,39 +84,21 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def before_finalize_scores(store: TrakStore, exp: str, used: list[int]) -> np.ndarray:
-    """The previous reduce.finalize_scores / score_rows, verbatim in what it computes and in what order."""
-    targets = reduce.load_targets(store, exp, used)
-    step, n = store.meta.shard_rows, store.meta.train_set_size
-    store.reset_scores(exp)
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        acc = torch.zeros(b - a, store.num_targets(exp), dtype=torch.float32)
-        qsum = np.zeros(b - a, dtype=np.float64)
-        for mid in used:
-            m = store.model(mid)
-            phi = torch.from_numpy(m.features[a:b].astype(np.float32))
-            acc.addmm_(phi, targets[mid])
-            qsum += m.out_to_loss[a:b].astype(np.float64)
-        out = combine_checkpoints(acc.numpy(), qsum.astype(np.float32), len(used))
-        store.write_score_rows(exp, a, b, out)
-    store.set_scored_with(exp, used)
-    return store.scores(exp)[:]
-
-
 def score_tasks(store: TrakStore, exp: str, used: list[int]) -> np.ndarray:
-    """The pipeline's score step: begin_scores, then score_rows per shard with the targets loaded per call."""
+    """The pipeline's score step: prepare_scores (G A once, begin_scores), then score_rows per shard with G A loaded
+    per call."""
+    reduce.solve_targets(store, exp, used)
     store.reset_scores(exp)
     store.begin_scores(exp, used)
     for s in range(store.meta.num_shards):
         a, b = store.meta.shard_range(s)
-        reduce.score_rows(store, exp, used, a, b, reduce.load_targets(store, exp, used))
+        reduce.score_rows(store, exp, used, a, b, reduce.load_solved(store, exp, used))
     return store.scores(exp)[:]
 
 
 def build_store(path: str, n: int, p: int, ms: list[int], ckpts: int, dtype: str, lambda_reg="adaptive") -> TrakStore:
-    """n rows of projected gradients X (standard normal, columns scaled 0.2-3), their XᵀX partials and
-    features Φ = X A (``reduce.finalize_model``), Q, and m target gradients per experiment ``m<m>``."""
+    """n rows of projected gradients X (standard normal, columns scaled 0.2-3), their XᵀX partials and row sums,
+    the inverse A (``reduce.finalize_model``), Q, and m target gradients per experiment ``m<m>``."""
     rng = np.random.default_rng(0)
     meta = StoreMetadata(train_set_size=n, grad_dim=10 * p, proj_dim=p, dtype=dtype)
     st = TrakStore.create_or_open(path, meta)
@@ -144,11 +126,14 @@ def dir_bytes(path: str) -> int:
 
 
 def store_bytes(st: TrakStore, path: str, ckpts: int) -> dict:
-    """Bytes on disk: all model arrays, their features arrays, and the experiments (targets and scores)."""
+    """Bytes on disk: all model arrays, their grads and XᵀX partials, and the whole store (with the experiments'
+    targets, G A and scores)."""
+
+    def arr(name: str) -> int:
+        return sum(dir_bytes(os.path.join(path, "models", str(mid), name)) for mid in range(ckpts))
+
     models = sum(dir_bytes(os.path.join(path, "models", str(mid))) for mid in range(ckpts))
-    feats = sum(dir_bytes(os.path.join(path, "models", str(mid), "features")) for mid in range(ckpts))
-    grads = sum(dir_bytes(os.path.join(path, "models", str(mid), "grads")) for mid in range(ckpts))
-    return {"models": models, "features": feats, "grads": grads, "total": dir_bytes(path)}
+    return {"models": models, "grads": arr("grads"), "partials": arr("xtx_partials"), "total": dir_bytes(path)}
 
 
 def max_rel(got: np.ndarray, want: np.ndarray, step: int = 4096) -> float:
@@ -239,12 +224,11 @@ def one_thread_gemm_cpu(x: torch.Tensor, w: torch.Tensor, rows: int = 8192) -> f
 
 
 def finalize_times(st: TrakStore, mid: int, lambda_reg, repeats: int) -> dict:
-    """Today's finalize (the solve + a pass over the n rows writing Φ) against the solve alone (what finalize
-    is when scores come from X · A Gᵀ); best of ``repeats`` each, alternated."""
+    """finalize (the partials summed, the solve, A written: no pass over the rows) against the solve alone from
+    the summed partials; best of ``repeats`` each, alternated."""
     full, solve = [], []
     for _ in range(repeats):
         st.clear_finalize_info(mid)
-        st.model(mid).finalized[:] = np.zeros(st.meta.train_set_size, dtype=np.uint8)
         full.append(_timed(lambda: reduce.finalize_model(st, mid, lambda_reg)))
         solve.append(_timed(lambda: reduce.solve_model(st, mid, lambda_reg)))
     return {"finalize": min(full), "solve": min(solve)}
@@ -273,31 +257,33 @@ def run(a) -> dict:
         build_s = time.perf_counter() - t0
         fin = finalize_times(st, 0, a.lambda_reg, a.repeats)
         inverses = {mid: reduce.solve_model(st, mid, a.lambda_reg)[0] for mid in used}
-        phi_mem = torch.from_numpy(st.model(0).features[:].astype(np.float32))
+        x_mem = torch.from_numpy(st.model(0).grads[:].astype(np.float32))
         for m in a.targets:
             exp = f"m{m}"
             flops = 2 * a.n * a.p * m * a.ckpts
-            g = reduce.load_targets(st, exp, used)
+            reduce.solve_targets(st, exp, used)
+            g = reduce.load_solved(st, exp, used)  # W = A Gᵀ per checkpoint
             out = torch.empty(a.n, m)
 
             def gemm_only(out=out, g=g):
                 out.zero_()
                 for mid in used:
-                    out.addmm_(phi_mem, g[mid])
+                    out.addmm_(x_mem, g[mid])
 
-            paths = {
-                "GEMM only (Φ in memory, float32)": gemm_only,
-                "before (previous finalize_scores)": lambda exp=exp: before_finalize_scores(st, exp, used),
-                "finalize_scores (streaming)": lambda exp=exp: reduce.finalize_scores(st, exp),
-                "score tasks (score_rows per shard)": lambda exp=exp: score_tasks(st, exp, used),
-                "X · (A Gᵀ), no features (scores_from_grads)": lambda exp=exp: scores_from_grads(st, exp, inverses),
-            }
-            if prev is not None:
-                paths[f"X · (A Gᵀ) with the previous stream_scores ({PREVIOUS_STREAMING})"] = lambda exp=exp: (
+            paths = {"GEMM only (X in memory, float32)": gemm_only}
+            if prev is not None:  # first: the reference of the bitwise check
+                paths[f"previous stream_scores ({PREVIOUS_STREAMING}), X · (A Gᵀ)"] = lambda exp=exp: (
                     prev.scores_from_grads(st, exp, inverses)
                 )
+            paths.update(
+                {
+                    "X · (A Gᵀ) (scores_from_grads)": lambda exp=exp: scores_from_grads(st, exp, inverses),
+                    "finalize_scores (G A from the store)": lambda exp=exp: reduce.finalize_scores(st, exp),
+                    "score tasks (score_rows per shard)": lambda exp=exp: score_tasks(st, exp, used),
+                }
+            )
             res = {k: {"t": [], "frac": [], "cpu": []} for k in paths}
-            gemm_cpu = one_thread_gemm_cpu(phi_mem, g[used[0]]) * len(used)
+            gemm_cpu = one_thread_gemm_cpu(x_mem, g[used[0]]) * len(used)
             exact = exact_rows(st, exp, used, a.exact_rows)
             checks: dict[str, tuple[bool, float, float]] = {}  # bitwise == before, rel. diff, rel. to float64
             base = grads_r = None
@@ -311,15 +297,15 @@ def run(a) -> dict:
                     res[k]["t"].append(dt)
                     res[k]["frac"].append(flops / dt / 1e9 / ref)
                     loads.append(os.getloadavg()[0])
-                    if r is not None and rep == a.repeats - 1:  # "before" runs first: the reference
+                    if r is not None and rep == a.repeats - 1:  # the previous stream_scores runs first: the reference
                         r = np.asarray(r)
                         base = r if base is None else base
                         same = bool(np.array_equal(r, base))
                         checks[k] = (same, max_rel(r, base), max_rel(r[: a.exact_rows], exact))
-                        if k.startswith("X · (A Gᵀ), no features"):
+                        if k.startswith("X · (A Gᵀ) (scores_from_grads)"):
                             grads_r = r
-                        elif k.startswith("X · (A Gᵀ) with the previous") and grads_r is not None:
-                            same_as_previous[m] = bool(np.array_equal(r, grads_r))
+                            if prev is not None:
+                                same_as_previous[m] = same
                     del r
             for k in paths:
                 best = min(res[k]["t"])
@@ -341,7 +327,7 @@ def run(a) -> dict:
             stages[m] = stage_costs(st, exp, rows=block_rows[m])
             print(json.dumps({"m": m, "stages": stages[m]}), flush=True)
         sizes = {a.dtype: store_bytes(st, path, a.ckpts)}
-        phi_mem = torch.empty(0)  # free the in-memory Φ before the second store
+        x_mem = torch.empty(0)  # free the in-memory X before the second store
     # the other store dtype: the same X (float32 or rounded to float16), scores at the smallest m
     other = "float32" if a.dtype == "float16" else "float16"
     with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
@@ -349,15 +335,14 @@ def run(a) -> dict:
         m = min(a.targets)
         st = build_store(path, a.n, a.p, [m], a.ckpts, other, a.lambda_reg)
         inverses = {mid: reduce.solve_model(st, mid, a.lambda_reg)[0] for mid in used}
-        via_features = reduce.finalize_scores(st, f"m{m}")
+        via_store = reduce.finalize_scores(st, f"m{m}").copy()
         via_grads = scores_from_grads(st, f"m{m}", inverses)
         exact = exact_rows(st, f"m{m}", used, a.exact_rows)
         sizes[other] = store_bytes(st, path, a.ckpts)
         other_row = {
             "dtype": other,
             "m": m,
-            "rel_diff": max_rel(via_grads, via_features),
-            "features_exact": max_rel(via_features[: a.exact_rows], exact),
+            "same": bool(np.array_equal(via_store, via_grads)),
             "grads_exact": max_rel(via_grads[: a.exact_rows], exact),
         }
         print(json.dumps(other_row), flush=True)
@@ -415,7 +400,7 @@ def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
         + ".",
         "",
         "| path | targets m | seconds (best) | GFLOP/s | % of the matmul peak | % of GEMM only | interleaved "
-        "(vs 4096² just before) | CPU share of the GEMM | scores == before (bitwise) | max rel. diff vs before | "
+        "(vs 4096² just before) | CPU share of the GEMM | scores == previous (bitwise) | max rel. diff vs previous | "
         f"max rel. diff vs float64 (first {a.exact_rows:,} rows) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -462,28 +447,27 @@ def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
     fin, o = res["finalize"], res["other_dtype"]
     lines += [
         "",
-        "### Less to store, less to finalize (issue 15, item 6): measured in the same run",
+        "### Less to store, less to finalize (issue 15, item 6, adopted: store schema 3): measured in the same run",
         "",
         f"Finalize of one checkpoint (n = {a.n:,}, proj_dim {a.p}, {a.dtype}, lambda_reg {a.lambda_reg!r}; best of "
-        f"{a.repeats}): today (`reduce.finalize_model`: XᵀX from the partials, the solve, a pass over the n rows "
-        f"writing Φ) **{fin['finalize']:.2f} s**; the solve alone (`reduce.solve_model`, all that finalize is when "
-        f"scores come from X · (A Gᵀ)) **{fin['solve']:.2f} s** ({fin['finalize'] / fin['solve']:.1f}×).",
+        f"{a.repeats}): `reduce.finalize_model` (the shard partials summed, the solve, A written; no pass over the "
+        f"rows) **{fin['finalize']:.2f} s**; the solve alone (`reduce.solve_model` from the stored partials) "
+        f"**{fin['solve']:.2f} s**.",
         "",
-        "| store | model arrays (all checkpoints) | of which features | of which grads | without features | "
-        "whole store (with the experiments' targets and scores) |",
-        "|---|---|---|---|---|---|",
+        "| store | model arrays (all checkpoints) | of which grads (X) | of which XᵀX partials | "
+        "whole store (with the experiments' targets, G A and scores) |",
+        "|---|---|---|---|---|",
     ]
     for dt, b in res["sizes"].items():
         lines.append(
-            f"| {dt}, n = {a.n:,} | {b['models'] / 2**20:,.0f} MiB | {b['features'] / 2**20:,.0f} MiB | "
-            f"{b['grads'] / 2**20:,.0f} MiB | {(b['models'] - b['features']) / 2**20:,.0f} MiB "
-            f"({100 * (b['models'] - b['features']) / b['models']:.0f}%) | {b['total'] / 2**20:,.0f} MiB |"
+            f"| {dt}, n = {a.n:,} | {b['models'] / 2**20:,.0f} MiB | {b['grads'] / 2**20:,.0f} MiB | "
+            f"{b['partials'] / 2**20:,.0f} MiB | {b['total'] / 2**20:,.0f} MiB |"
         )
     lines += [
         "",
-        f"{o['dtype']} store (same X, m = {o['m']}): max rel. diff of X · (A Gᵀ) vs the features path "
-        f"{o['rel_diff']:.1e}; against float64 scores (first {a.exact_rows:,} rows) features path "
-        f"{o['features_exact']:.1e}, X · (A Gᵀ) {o['grads_exact']:.1e}. (max rel. diff = max |Δ| / max |reference|.)",
+        f"{o['dtype']} store (same X, m = {o['m']}): `finalize_scores` (G A from the store) and `scores_from_grads` "
+        f"(W from the inverses) {'bitwise equal' if o['same'] else '**not bitwise equal**'}; against float64 scores "
+        f"(first {a.exact_rows:,} rows) {o['grads_exact']:.1e} (max |Δ| / max |reference|).",
     ]
     return "\n".join(lines)
 
