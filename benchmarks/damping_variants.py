@@ -21,8 +21,14 @@ import argparse
 import json
 import os
 import re
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from quality import _num  # noqa: E402  (a number, i.e. an absolute λ)
+
+from trak_core.scoring import ADAPTIVE  # noqa: E402
 
 CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "lds")
 CASES = ["digits-mlp", "digits-conv", "text", "cancer", "wine", "digits-sgd", "conv-sgd", "cancer-sgd", "wine-sgd"]
@@ -38,14 +44,6 @@ def load(paths: list[str]) -> dict:
             p = 0 if r["kind"] == "noop" else int(r["proj_dim"])
             out[(r["case"], r["kind"], p, str(r["setting"]))] = r
     return out
-
-
-def _num(s: str) -> bool:
-    try:
-        float(s)
-    except ValueError:
-        return False
-    return True
 
 
 def _fixed(s: str) -> bool:
@@ -139,7 +137,7 @@ def main(argv=None) -> None:
             fixed = max((r["lds"], k[3]) for k, r in rows.items() if k[:3] == (c, "dense", 256) and _fixed(k[3]))
             anyr = max((r["lds"], k[3]) for k, r in rows.items() if k[:3] == (c, "dense", 256))
             noop = max((r["lds"], k[3]) for k, r in rows.items() if k[:3] == (c, "noop", 0))
-            fa = rows.get((c, "factored", 256, "deff:0.1,resid:3"))
+            fa = rows.get((c, "factored", 256, ADAPTIVE))
             fcell = f"{fa['lds']:.3f} | {fa['lds'] - t:+.3f}" if fa else "— | —"
             print(
                 f"| {c} | {t:.3f} | {fixed[0]:.3f} (`{fixed[1]}`) | {fixed[0] - t:+.3f} | "
