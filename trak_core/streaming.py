@@ -1,10 +1,11 @@
 """Streaming scoring at GEMM speed: block sizes from the cache and memory sizes, and one worker thread per core,
 each reading, multiplying (one-thread GEMM) and writing its own row blocks.
 
-Scores of train rows [a, b) are Σ_c Φ_c[a:b] G_cᵀ combined with Q (:func:`trak_core.scoring.combine_checkpoints`)
-— or, without features, Σ_c X_c[a:b] W_c with W_c = A_c G_cᵀ (:func:`scores_from_grads`: the same GEMM on the
-stored projected gradients X). The work per (row block, checkpoint) is one Zarr read (float16 or float32), a
-conversion to float32 and one float32 GEMM; per row block one combination and one Zarr write.
+Scores of train rows [a, b) are Σ_c X_c[a:b] W_c combined with Q (:func:`trak_core.scoring.combine_checkpoints`),
+X_c the stored projected gradients and W_c = A_c G_cᵀ (:func:`grads_right_hand`): traker's Φ_c G_cᵀ with
+Φ_c = X_c A_c, at the same GEMM cost per row, without a features array (store schema 3). The work per (row
+block, checkpoint) is one Zarr read (float16 or float32), a conversion to float32 and one float32 GEMM; per row
+block one combination and one Zarr write.
 :func:`stream_scores` runs as many worker threads as torch has intra-op threads, each taking the next row block
 and doing all of its work: the reads (zarr's codecs and file reads release the GIL), the conversion (torch's
 vectorized copy into a preallocated float32 buffer, ~1 % of the GEMM), the GEMMs with **one** thread each
@@ -14,7 +15,7 @@ reads, the writes, the zarr event loop, another process — stalled that core's 
 half spun in libgomp's barrier (perf: as many samples as the GEMM kernel at 256 targets). Here a core that reads
 or writes leaves the other one multiplying, and the blocks go to whichever worker is free.
 
-The arithmetic is the one of the plain loop (zero the accumulator, ``acc.addmm_(Φ_c, G_cᵀ)`` per checkpoint in
+The arithmetic is the one of the plain loop (zero the accumulator, ``acc.addmm_(X_c, W_c)`` per checkpoint in
 the given order, then :func:`~trak_core.scoring.combine_checkpoints`' float32 element-wise operations), and MKL's
 GEMM gives every row the same bits whatever the number of rows in the call and whatever its number of threads,
 so the scores are bit-identical to the unpipelined loop for any block size (tests/test_streaming.py,
@@ -43,8 +44,8 @@ DEFAULT_MEMORY_BYTES = 4 << 30
 MEMORY_FRACTION = 1 / 16
 #: a GEMM with fewer rows than this runs below the BLAS peak (the per-call cost and the edge tiles show)
 MIN_GEMM_ROWS = 256
-#: the per-model row arrays :func:`stream_scores` can stream (Φ, or the projected gradients X)
-ROWS_ARRAYS = ("features", "grads")
+#: the per-model row arrays :func:`stream_scores` can stream: the projected gradients X (the store keeps no Φ)
+ROWS_ARRAYS = ("grads",)
 
 
 def _read_size(path: str) -> int | None:
@@ -161,15 +162,15 @@ def stream_scores(
     block_rows: int | None = None,
     out: np.ndarray | None = None,
     progress: Callable[[int], None] | None = None,
-    rows_array: str = "features",
+    rows_array: str = "grads",
 ) -> None:
     """Combined scores of train rows [a, b) from ``model_ids``' stored rows and the right-hand matrices
     ``targets`` ((p, m) float32 each), written to the experiment's score array block by block (each block's rows
     marked done after its data).
 
-    ``rows_array``: the per-model row array streamed: ``"features"`` (Φ, with ``targets`` = Gᵀ) or ``"grads"``
-    (the projected gradients X, with ``targets`` = W = A Gᵀ from :func:`grads_right_hand`; see
-    :func:`scores_from_grads`). ``block_rows``: rows per GEMM, exactly (default: :func:`score_block_rows`
+    ``rows_array``: the per-model row array streamed: ``"grads"``, the projected gradients X, with ``targets`` =
+    W = A Gᵀ from :func:`grads_right_hand` (see :func:`scores_from_grads` and ``trak_core.reduce.solve_targets``).
+    ``block_rows``: rows per GEMM, exactly (default: :func:`score_block_rows`
     within the shards, :func:`score_blocks`); ``out``: an (n, m) float32 array that also receives the scores
     (the accumulators are its rows: no copy); ``progress(rows)`` after each block is written, in block order, in
     the calling thread.
@@ -233,7 +234,7 @@ def stream_scores(
                 raw = local.raw[:rows]
                 _read_into(feats[k], s, e, raw)
                 x.copy_(torch.from_numpy(raw))  # float16 → float32 (exact)
-            acc.addmm_(x, rights[k])  # acc += Φ_c Gᵀ_c (or X_c W_c), one GEMM per checkpoint
+            acc.addmm_(x, rights[k])  # acc += X_c W_c, one GEMM per checkpoint
         # combine_checkpoints' float32 operations, element for element, in place (no block-sized temporary)
         res, c = acc.numpy(), len(ids)
         np.divide(res, c, out=res)
@@ -295,9 +296,10 @@ def scores_from_grads(
     ``rows_array="grads"``), combined with Q as :func:`trak_core.scoring.combine_checkpoints`. Returns the
     (n, m) float32 scores (also stored; the checkpoints in ``inverses``' order are recorded as scored_with).
 
-    The same scores as the features path up to rounding: (X A) Gᵀ and X (A Gᵀ) round differently, and Φ is
-    rounded to the store's dtype while W is not. Needs every train row featurized and every target written for
-    each checkpoint; its features need not exist."""
+    The scores ``reduce.finalize_scores`` computes from the stored inverses, bit for bit (the inverse rounded to
+    float32 either way); traker's Φ Gᵀ up to rounding ((X A) Gᵀ and X (A Gᵀ) round differently, and traker
+    rounds Φ to the store's dtype). Needs every train row featurized and every target written for each
+    checkpoint; the checkpoints need not be finalized."""
     from .verify import require_present
 
     ids = [int(mid) for mid in inverses]
