@@ -50,7 +50,7 @@ from trak_core.featurize import Featurizer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds, margins_from_logits, subset_masks, truth_key  # noqa: E402
 from trak_core.projectors import make_projector  # noqa: E402
-from trak_core.reduce import cholesky_inverse  # noqa: E402
+from trak_core.reduce import RowSums, cholesky_inverse  # noqa: E402
 from trak_core.scoring import combine_checkpoints, features_block, parse_lambda_reg, scores_block  # noqa: E402
 
 CACHE = os.path.join(ROOT, ".cache", "lds")
@@ -331,10 +331,9 @@ class Solver:
         self.xtx = self.x.to(torch.float64).T @ self.x.to(torch.float64)
         ev, vec = torch.linalg.eigh(self.xtx)
         self.ev, self.vec = ev.clamp(min=0), vec
-        self.xtq = self.x.to(torch.float64).T @ torch.from_numpy(self.q)  # Xᵀq, qᵀq: for the 'resid' rule
-        self.qtq = float(self.q @ self.q)
-        rn = (self.x.to(torch.float64) ** 2).sum(1)  # ‖xᵢ‖²: Σ‖xᵢ‖⁴ for 'neff', Σqᵢ²‖xᵢ‖² for 'cresid' rules
-        self.norm4, self.q2x2 = float((rn**2).sum()), float((torch.from_numpy(self.q**2) * rn).sum())
+        # Xᵀq, qᵀq ('resid', 'cresid'), Σ‖xᵢ‖⁴ ('neff'), Σqᵢ²‖xᵢ‖² ('cresid'): the pipeline's arithmetic, in one block
+        rs = RowSums.of_rows(f["X"], f["Q"])
+        self.xtq, self.qtq, self.norm4, self.q2x2 = torch.from_numpy(rs.xtq), rs.qtq, rs.row_norm4, rs.q2x2
         self._xv: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
 

@@ -59,8 +59,13 @@ class RowSums(NamedTuple):
         """From the (p + 3,) vector :func:`shard_row_sums` returns (or a sum of such vectors)."""
         return cls(vec[:-3].copy(), float(vec[-3]), float(vec[-2]), float(vec[-1]))
 
+    @classmethod
+    def of_rows(cls, x: np.ndarray, q: np.ndarray, dtype=np.float32) -> RowSums:
+        """The sums of rows ``x`` (rounded to ``dtype`` first) and their ``q``, in one block."""
+        return cls.of(row_sums_vec(x, q, dtype))
 
-def _row_sums_vec(x: np.ndarray, q: np.ndarray, dtype) -> np.ndarray:
+
+def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype) -> np.ndarray:
     """[Xᵀq, qᵀq, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²] ((p + 3,) float64) of rows ``x`` (rounded to the store ``dtype`` first, as
     stored) and their ``q``."""
     x64 = np.asarray(x).astype(dtype, copy=False).astype(np.float64)
@@ -82,7 +87,7 @@ def shard_row_sums(store: TrakStore, model_id: int, shard: int, rows=None, q=Non
         rows = store.model(model_id).grads[a:b]
     if q is None:
         q = store.model(model_id).out_to_loss[a:b]
-    return _row_sums_vec(rows, q, store.meta.np_dtype)
+    return row_sums_vec(rows, q, store.meta.np_dtype)
 
 
 def ensure_partial(store: TrakStore, model_id: int, shard: int) -> None:
@@ -333,7 +338,7 @@ def rows_row_sums(store: TrakStore, model_id: int, block_rows: int | None = None
     total = np.zeros(store.meta.proj_dim + 3, dtype=np.float64)
     for a in range(0, store.meta.train_set_size, step):
         b = min(a + step, store.meta.train_set_size)
-        total += _row_sums_vec(m.grads[a:b], m.out_to_loss[a:b], store.meta.np_dtype)
+        total += row_sums_vec(m.grads[a:b], m.out_to_loss[a:b], store.meta.np_dtype)
     return RowSums.of(total)
 
 
