@@ -39,7 +39,11 @@ def test_metadata_records_the_layout_and_every_chunk_is_bounded(tmp_path):
         for c in arr.chunks:
             nbytes *= c
         assert nbytes <= 8 << 20, (arr.chunks, nbytes)
-    assert scores.chunks[0] == meta.chunk_rows  # writers of whole shards still own whole chunks
+    # writers of whole shards still own whole chunks: whole chunk_rows that divide the shard
+    assert scores.chunks[0] % meta.chunk_rows == 0 and meta.shard_rows % scores.chunks[0] == 0
+    small = StoreMetadata(train_set_size=50_000, grad_dim=10, proj_dim=8, chunk_rows=64, chunk_bytes=16 << 10)
+    assert small.shard_rows == 512 and small.score_chunk_rows(16) == 256  # 16 KiB of 16 float32 targets
+    assert small.score_chunk_rows(1) == 512  # at most a shard
 
 
 def test_explicit_layout_is_kept_and_checked():

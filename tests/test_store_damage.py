@@ -4,7 +4,8 @@ recomputation giving the undamaged scores (bit for bit) — never in other score
 
 One clean reference run (module fixture) is copied per case (shutil.copytree). The pipeline is driven through
 tasks.core's steps, in the order the flows call them (one case through the attribute flow for the retry
-policy), and through TRAKer. Layout: 64 train rows, chunk_rows 8 (chunk c/1/0 holds rows 8..15), shards of 16.
+policy), and through TRAKer. Layout: 64 train rows, chunk_rows 8 (chunk c/1/0 holds rows 8..15), shards of 16;
+an experiment's scores and their flags in chunks of a shard (few targets: scores chunk c/3/0 holds rows 48..63).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def test_deleted_chunk_after_the_run_is_recomputed(clean, tmp_path, path, chunk)
     cfg = config(store, clean["ckpts"])
     assert core.up_to_date(cfg) is None  # a no-op `trakflow run` does not skip it
     if path.endswith("scores"):  # `trakflow show` reads the scores: it names the chunk instead of ranking zeros
-        with pytest.raises(StoreDamageError, match=rf"array {path}, chunk {chunk} \(rows 24\.\.31\): is missing"):
+        with pytest.raises(StoreDamageError, match=rf"array {path}, chunk {chunk} \(rows 48\.\.63\): is missing"):
             TrakStore.open(cfg.store, mode="r").scores("tiny")
     msgs = assert_recomputed(cfg, clean)
     assert any(f"array {path}, chunk {chunk}" in m for m in msgs), msgs
@@ -309,7 +310,7 @@ def test_verify_cli_table_exit_codes_and_repair(clean, tmp_path):
     ok = runner.invoke(app, ["verify", str(store)])
     assert ok.exit_code == 0 and "intact" in ok.output
     os.remove(store / "models" / "0" / "grads" / "c" / "2" / "0")
-    flip_byte(store / "experiments" / "tiny" / "scores" / "c" / "5" / "0")
+    flip_byte(store / "experiments" / "tiny" / "scores" / "c" / "2" / "0")
     bad = runner.invoke(app, ["verify", str(store)], terminal_width=200)
     assert bad.exit_code == 1, bad.output
     for text in (
@@ -318,7 +319,7 @@ def test_verify_cli_table_exit_codes_and_repair(clean, tmp_path):
         "rows 16..23",
         "missing",
         "experiments/tiny/scores",
-        "c/5/0",
+        "c/2/0",
         "corrupt: fails its crc32c",
     ):
         assert text in bad.output, bad.output
@@ -327,7 +328,7 @@ def test_verify_cli_table_exit_codes_and_repair(clean, tmp_path):
     st = TrakStore.open(str(store), mode="r")
     assert not st.model(0).featurized[16:24].any() and st.model(0).featurized[:16].all()
     assert st.finalize_info(0) is None and st.is_finalized(1)
-    assert not st.experiment("tiny").scores_done[16:24].any() and not st.experiment("tiny").scores_done[40:48].any()
+    assert not st.experiment("tiny").scores_done[16:24].any() and not st.experiment("tiny").scores_done[32:48].any()
     assert runner.invoke(app, ["verify", str(store)]).exit_code == 0
     np.testing.assert_array_equal(run_steps(config(store, clean["ckpts"])), clean["scores"])
 

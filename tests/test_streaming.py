@@ -105,10 +105,76 @@ def test_score_blocks_tile_shards():
 
 
 def test_progress_counts_every_row(tmp_path):
+    """progress(rows) once per score chunk written: here 128-row chunks (a shard: few targets), the last 44."""
     st = scored_store(tmp_path / "s", "float16", 1)
     seen = []
     reduce.finalize_scores(st, "e", block_rows=48, progress=seen.append)
-    assert sum(seen) == 300 and len(seen) == 7
+    assert st.experiment("e").scores.chunks[0] == st.meta.shard_rows == 128
+    assert seen == [128, 128, 44]
+
+
+def test_score_chunks_by_bytes_and_flags_per_shard(tmp_path):
+    """A new experiment's scores come in chunks of whole chunk_rows that divide shard_rows and hold about
+    SCORE_CHUNK_BYTES (at least chunk_rows), its flags in one chunk per shard; the stream writes each score chunk
+    once and each shard's flags once."""
+    from trak_core import store as store_mod
+
+    meta = StoreMetadata(train_set_size=10_000, grad_dim=100, proj_dim=64, chunk_rows=1024, shard_rows=8192)
+    budget = store_mod.SCORE_CHUNK_BYTES
+    assert meta.score_chunk_rows(budget // (4 * 8192)) == 8192  # a whole shard fits
+    assert meta.score_chunk_rows(budget // (4 * 4096)) == 4096
+    assert meta.score_chunk_rows(budget // (4 * 3072)) == 2048  # 3072 rows fit, but do not divide the shard
+    assert meta.score_chunk_rows(10 * budget) == 1024  # wider than the budget: one chunk of rows at least
+    st = scored_store(tmp_path / "s", "float16", 2, n=300, p=24, m=9)
+    calls = {"rows": [], "done": []}
+    real = st.score_rows_writer
+
+    def spy(exp):
+        w = real(exp)
+        rows, done = w.rows, w.mark_done
+        object.__setattr__(w, "rows", lambda a, b, x: (calls["rows"].append((a, b)), rows(a, b, x)))
+        object.__setattr__(w, "mark_done", lambda a, b: (calls["done"].append((a, b)), done(a, b)))
+        return w
+
+    st.score_rows_writer = spy
+    got = reduce.finalize_scores(st, "e", block_rows=16)
+    e = st.experiment("e")
+    assert e.scores.chunks[0] == 128 and e.scores_done.chunks == (128,)
+    assert sorted(calls["rows"]) == [(0, 128), (128, 256), (256, 300)]
+    assert sorted(calls["done"]) == [(0, 128), (128, 256), (256, 300)]
+    np.testing.assert_array_equal(got, plain_loop(st, "e", [0, 1], st.meta.shard_rows))
+
+
+def test_experiment_without_score_layout_keeps_its_chunks(tmp_path):
+    """An experiment created before ``score_layout`` was recorded (scores and flags in chunk_rows chunks) reopens
+    (its arrays checked against what its attributes imply), streams bit-identically and is written per chunk."""
+    st = scored_store(tmp_path / "s", "float16", 1)
+    del st.experiment("e").group.attrs["score_layout"]
+    want = plain_loop(st, "e", [0], st.meta.shard_rows)
+    seen = []
+    np.testing.assert_array_equal(reduce.finalize_scores(st, "e", block_rows=48, progress=seen.append), want)
+    e = st.experiment("e")
+    assert e.scores.chunks[0] == e.scores_done.chunks[0] == st.meta.chunk_rows == 16
+    assert seen == [16] * 18 + [12]
+    again = TrakStore.open(str(tmp_path / "s"))  # check_arrays: the old chunking is what its attributes imply
+    np.testing.assert_array_equal(again.scores("e")[:], want)
+
+
+def test_score_pieces_tile_the_range():
+    # one segment per score chunk, pieces of whole chunks, split until every worker has one
+    assert streaming.score_pieces(0, 300, 128, 16, 1, 10**6) == [(0, 128, 0), (128, 256, 1), (256, 300, 2)]
+    assert streaming.score_pieces(0, 128, 128, 16, 2, 10**6) == [(0, 64, 0), (64, 128, 0)]
+    assert streaming.score_pieces(0, 128, 128, 16, 3, 10**6) == [(0, 32, 0), (32, 64, 0), (64, 128, 0)]
+    assert streaming.score_pieces(0, 16, 128, 16, 4, 10**6) == [(0, 16, 0)]  # one chunk: cannot split
+    assert streaming.score_pieces(0, 128, 128, 16, 1, 48) == [(0, 48, 0), (48, 96, 0), (96, 128, 0)]  # read budget
+    assert streaming.score_pieces(40, 300, 128, 16, 1, 10**6) == [(40, 128, 0), (128, 256, 1), (256, 300, 2)]
+    for a, b, w in [(0, 1000, 2), (7, 999, 3), (130, 131, 2)]:
+        pieces = streaming.score_pieces(a, b, 128, 16, w, 64)
+        assert pieces[0][0] == a and pieces[-1][1] == b
+        assert all(e0 == s1 for (_, e0, _), (s1, _, _) in zip(pieces, pieces[1:], strict=False))
+        for s, e, seg in pieces:
+            assert (s == a or s % 16 == 0) and (e == b or e % 16 == 0) and e - s <= 64
+            assert (s - (s % 128)) // 128 == (e - 1) // 128  # within one score chunk
 
 
 def test_threads_of_the_caller_and_of_new_threads_unchanged(tmp_path):

@@ -16,13 +16,15 @@ Layout (one group; a local path or any fsspec URL such as ``memory://x``, ``file
     /models/<id>                attrs: {"checkpoint": {"path", "sha256"}} (pipeline), {"finalize": {...}} once
                                 the inverse is written
     /experiments/<exp>          attrs: {"num_targets": m, "target_data_sha256": ... (pipeline),
-                                        "scored_with": [model ids the scores combine]}
+                                        "scored_with": [model ids the scores combine],
+                                        "score_layout": {"chunk_rows", "done_rows"} (rows per chunk of
+                                        scores and of scores_done)}
     /experiments/<exp>/models/<id>/grads   (m, p)   target gradients G
     /experiments/<exp>/models/<id>/scored  (m,)     uint8
     /experiments/<exp>/models/<id>/solved  (m, p)   float32   G A: the targets times the model's inverse
     /experiments/<exp>/models/<id>/solved_done (m,) uint8
-    /experiments/<exp>/scores   (n, m)  float32        final scores
-    /experiments/<exp>/scores_done (n,) uint8
+    /experiments/<exp>/scores   (n, m)  float32        final scores (chunks of about SCORE_CHUNK_BYTES)
+    /experiments/<exp>/scores_done (n,) uint8          row status, one chunk per shard
 
 There are no features Φ = X A: scores are X (A Gᵀ), the stored gradients times ``solved``ᵀ, so a store holds
 the n-row arrays once, and finalize is the p × p solve (schema 3; a schema-2 store, which held Φ, is refused).
@@ -34,8 +36,11 @@ zarr.json (shape, dtype, chunks, codecs) is checked on open against what the roo
 array and the chunk (:class:`StoredArray`); trak_core.verify finds missing and corrupt chunks of rows marked
 written, and repairs by unflagging them.
 
-All row arrays share ``chunk_rows`` so a writer that owns whole chunks owns their status too (zarr 3.1
-loses data when two processes write the same chunk). A row's status is set only after its data is
+The row arrays of the models and targets share ``chunk_rows``, so a writer that owns whole chunks owns their
+status too (zarr 3.1 loses data when two processes write the same chunk); an experiment's scores come in
+chunks of whole ``chunk_rows`` that divide ``shard_rows`` and their flags in one chunk per shard, so a writer of
+whole shards (a score task) owns those too. An experiment created before ``score_layout`` was recorded keeps
+``chunk_rows`` for both. A row's status is set only after its data is
 written, so a crash leaves unfinished rows visibly unfinished. Metadata is a pydantic model validated on
 reopen: a mismatch is refused naming the field, before anything is written.
 
@@ -82,6 +87,9 @@ _PIPELINE_KEY = "trakflow_pipeline"  # the pipeline's record (tasks/), kept besi
 CHUNK_TARGET_BYTES = 32 << 20
 #: at most this many rows per chunk (and never more than the array has)
 MAX_CHUNK_ROWS = 1024
+#: a chunk of an experiment's scores holds about this many bytes: as many rows (whole ``chunk_rows``, dividing
+#: ``shard_rows``) as fit, so few targets do not mean many tiny chunk files (each a file and a zarr call)
+SCORE_CHUNK_BYTES = 8 << 20
 
 
 def choose_chunk_rows(
@@ -98,6 +106,51 @@ def choose_chunk_rows(
     if multiple_of is None:
         return bound
     return next(d for d in range(min(bound, int(multiple_of)), 0, -1) if multiple_of % d == 0)
+
+
+def _score_layout(attrs: dict, meta: StoreMetadata) -> tuple[int, int]:
+    """Rows per chunk of an experiment's ``scores`` and of its ``scores_done`` flags: as recorded when the
+    experiment was created (``score_layout``: scores by :meth:`StoreMetadata.score_chunk_rows`, flags one
+    chunk per shard), or ``chunk_rows`` for both in an experiment created before that record existed."""
+    layout = attrs.get("score_layout")
+    if layout is None:
+        return meta.rows_per_chunk, meta.rows_per_chunk
+    score_rows, done_rows = int(layout["chunk_rows"]), int(layout["done_rows"])
+    if score_rows <= 0 or done_rows % score_rows or meta.rows_per_shard % done_rows:
+        raise ValueError(f"score_layout {layout} does not tile shards of {meta.rows_per_shard} rows")
+    return score_rows, done_rows
+
+
+@dataclass(frozen=True)
+class ScoreWriter:
+    """Writes an experiment's score rows and then their flags (:meth:`TrakStore.score_rows_writer`)."""
+
+    store: TrakStore
+    scores: StoredArray
+    done: StoredArray
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per chunk of the scores (a writer of whole chunks needs no lock)."""
+        return int(self.scores.chunks[0])
+
+    @property
+    def done_rows(self) -> int:
+        """Rows per chunk of the flags (one per shard, or ``chunk_rows`` in an older experiment)."""
+        return int(self.done.chunks[0])
+
+    def rows(self, a: int, b: int, scores: np.ndarray) -> None:
+        """The scores of train rows [a, b), not yet marked done."""
+        self.scores[a:b] = scores.astype(np.float32, copy=False)
+
+    def mark_done(self, a: int, b: int) -> None:
+        """Mark rows [a, b) done (after their scores are written), if this process still holds the run lock."""
+        self.store.check_lock()
+        self.done[a:b] = 1
+
+    def __call__(self, a: int, b: int, scores: np.ndarray) -> None:
+        self.rows(a, b, scores)
+        self.mark_done(a, b)
 
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
@@ -198,15 +251,24 @@ class StoreMetadata(BaseModel):
     def np_dtype(self):
         return np.dtype(self.dtype)
 
-    def row_chunks(self, width: int | None, itemsize: int) -> tuple[int, ...]:
+    def row_chunks(self, width: int | None, itemsize: int, rows: int | None = None) -> tuple[int, ...]:
         """The chunk shape of a row array of ``width`` columns (None: 1-D) of ``itemsize``-byte entries:
-        ``chunk_rows`` rows (a writer of whole shards owns whole chunks), and as many columns as keep the chunk
-        within ``chunk_bytes`` (all of them unless one row is wider than that, or the array is a wide one such
-        as the scores of many targets)."""
+        ``rows`` rows (default ``chunk_rows``; a writer of whole shards owns whole chunks), and as many columns
+        as keep the chunk within ``chunk_bytes`` (all of them unless one row is wider than that, or the array is
+        a wide one such as the scores of many targets)."""
+        rows = self.rows_per_chunk if rows is None else int(rows)
         if width is None:
-            return (self.rows_per_chunk,)
-        cols = max(1, self.chunk_bytes // (self.rows_per_chunk * int(itemsize)))
-        return (self.rows_per_chunk, min(int(width), cols))
+            return (rows,)
+        cols = max(1, self.chunk_bytes // (rows * int(itemsize)))
+        return (rows, min(int(width), cols))
+
+    def score_chunk_rows(self, num_targets: int) -> int:
+        """Rows per chunk of an experiment's (n, m) float32 scores: the most whole ``chunk_rows`` that divide
+        ``shard_rows`` and keep a chunk within SCORE_CHUNK_BYTES and ``chunk_bytes`` (at least ``chunk_rows``; at
+        most a shard). A shard is whole score chunks, so a score task still owns the chunks it writes."""
+        c, s = self.rows_per_chunk, self.rows_per_shard
+        fit = max(c, min(SCORE_CHUNK_BYTES, self.chunk_bytes) // max(1, 4 * int(num_targets)))
+        return max(d for d in range(c, min(fit, s) + 1, c) if s % d == 0)
 
 
 def _is_url(location: str) -> bool:
@@ -968,13 +1030,19 @@ class TrakStore:
         return group_at(self.root, "experiments")
 
     def _row_array(
-        self, g: zarr.Group, name: str, dtype, width: int | None = None, rows: int | None = None
+        self,
+        g: zarr.Group,
+        name: str,
+        dtype,
+        width: int | None = None,
+        rows: int | None = None,
+        chunk_rows: int | None = None,
     ) -> StoredArray:
         n = rows if rows is not None else self.meta.train_set_size
         if name in g:
             return _stored(g, name)
         shape = (n,) if width is None else (n, width)
-        chunks = self.meta.row_chunks(width, np.dtype(dtype).itemsize)
+        chunks = self.meta.row_chunks(width, np.dtype(dtype).itemsize, chunk_rows)
         g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=_codecs(), fill_value=0)
         return _stored(g, name)
 
@@ -985,9 +1053,9 @@ class TrakStore:
         n, p, s = m.train_set_size, m.proj_dim, m.num_shards
         parts = path.strip("/").split("/")
 
-        def rows(k: int, width: int | None, dtype: str) -> ArraySpec:
+        def rows(k: int, width: int | None, dtype: str, chunk_rows: int | None = None) -> ArraySpec:
             return ArraySpec(
-                (k,) if width is None else (k, width), m.row_chunks(width, np.dtype(dtype).itemsize), dtype
+                (k,) if width is None else (k, width), m.row_chunks(width, np.dtype(dtype).itemsize, chunk_rows), dtype
             )
 
         if len(parts) == 3 and parts[0] == "models":
@@ -1003,11 +1071,16 @@ class TrakStore:
             }.get(parts[2])
         if len(parts) in (3, 5) and parts[0] == "experiments":
             try:
-                t = int(_attrs(self._experiments()[parts[1]])["num_targets"])
+                attrs = _attrs(self._experiments()[parts[1]])
+                t = int(attrs["num_targets"])
+                score_rows, done_rows = _score_layout(attrs, m)
             except (KeyError, TypeError, ValueError):
                 return None
             if len(parts) == 3:
-                return {"scores": rows(n, t, "float32"), "scores_done": rows(n, None, "uint8")}.get(parts[2])
+                return {
+                    "scores": rows(n, t, "float32", score_rows),
+                    "scores_done": rows(n, None, "uint8", done_rows),
+                }.get(parts[2])
             if parts[2] == "models":
                 return {
                     "grads": rows(t, p, m.dtype),
@@ -1288,6 +1361,10 @@ class TrakStore:
         g = exps.require_group(exp_name)
         g.require_group("models")
         g.attrs["num_targets"] = int(num_targets)
+        g.attrs["score_layout"] = {
+            "chunk_rows": self.meta.score_chunk_rows(int(num_targets)),
+            "done_rows": self.meta.rows_per_shard,
+        }
         return ExperimentArrays(g)
 
     def experiment(self, exp_name: str) -> ExperimentArrays:
@@ -1351,8 +1428,9 @@ class TrakStore:
 
     def init_scores(self, exp_name: str) -> tuple[StoredArray, StoredArray]:
         e = self.experiment(exp_name)
-        scores = self._row_array(e.group, "scores", "float32", e.num_targets)
-        done = self._row_array(e.group, "scores_done", "uint8")
+        score_rows, done_rows = _score_layout(_attrs(e.group), self.meta)
+        scores = self._row_array(e.group, "scores", "float32", e.num_targets, chunk_rows=score_rows)
+        done = self._row_array(e.group, "scores_done", "uint8", chunk_rows=done_rows)
         return scores, done
 
     def scored_with(self, exp_name: str) -> list[int] | None:
@@ -1393,17 +1471,12 @@ class TrakStore:
         """Write the combined scores of train rows [a, b) then mark them done."""
         self.score_rows_writer(exp_name)(a, b, scores)
 
-    def score_rows_writer(self, exp_name: str):
-        """:meth:`write_score_rows` for many blocks: ``write(a, b, scores)`` with the score arrays opened once
-        (opening them costs as much as writing a 1 MiB block)."""
+    def score_rows_writer(self, exp_name: str) -> ScoreWriter:
+        """:meth:`write_score_rows` for many blocks, with the score arrays opened once (opening them costs as
+        much as writing a 1 MiB block): ``writer(a, b, scores)``, or ``writer.rows`` then ``writer.mark_done``
+        for a caller that writes several score chunks before the flag chunk that covers them."""
         arr, done = self.init_scores(exp_name)
-
-        def write(a: int, b: int, scores: np.ndarray) -> None:
-            arr[a:b] = scores.astype(np.float32, copy=False)
-            self.check_lock()
-            done[a:b] = 1
-
-        return write
+        return ScoreWriter(self, arr, done)
 
     def scores(self, exp_name: str) -> StoredArray:
         e = self.experiment(exp_name)

@@ -24,7 +24,6 @@ tests/test_scores_from_grads.py check it).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -151,6 +150,41 @@ def _read_into(array, a: int, b: int, out: np.ndarray) -> None:
     array._guard(lambda: inner.get_basic_selection((slice(a, b),), out=nd))
 
 
+def score_pieces(
+    a: int, b: int, score_rows: int, chunk_rows: int, workers: int, max_rows: int
+) -> list[tuple[int, int, int]]:
+    """The work units of :func:`stream_scores`: ``(start, end, segment)`` row ranges of [a, b). A segment is
+    [a, b) within one score chunk (``score_rows``), written once all its pieces are computed; a piece is whole
+    store chunks (``chunk_rows``; its ends at a chunk boundary, or at a or b) of one segment, at most
+    ``max_rows`` rows (one Zarr read each per checkpoint). Pieces are split further (largest first, at a chunk
+    boundary near its middle) until there is one per worker or none can be split."""
+    segs = [(s, min(s - s % score_rows + score_rows, b)) for s in _starts(a, b, score_rows)]
+    pieces: list[tuple[int, int, int]] = []
+    for i, (s0, s1) in enumerate(segs):
+        cuts = [s0, *range(s0 - s0 % chunk_rows + chunk_rows, s1, chunk_rows), s1]  # chunk boundaries
+        start = 0
+        while start < len(cuts) - 1:
+            end = start + 1
+            while end < len(cuts) - 1 and cuts[end + 1] - cuts[start] <= max_rows:
+                end += 1
+            pieces.append((cuts[start], cuts[end], i))
+            start = end
+    while len(pieces) < workers:
+        k = max(range(len(pieces)), key=lambda j: pieces[j][1] - pieces[j][0])
+        s0, s1, i = pieces[k]
+        mid = s0 + (s1 - s0) // 2
+        cut = min(range(s0 - s0 % chunk_rows + chunk_rows, s1, chunk_rows), key=lambda c: abs(c - mid), default=None)
+        if cut is None:
+            break
+        pieces[k : k + 1] = [(s0, cut, i), (cut, s1, i)]
+    return pieces
+
+
+def _starts(a: int, b: int, step: int) -> list[int]:
+    """a, then the multiples of ``step`` in (a, b)."""
+    return [a, *range(a - a % step + step, b, step)]
+
+
 def stream_scores(
     store: TrakStore,
     exp_name: str,
@@ -165,16 +199,19 @@ def stream_scores(
     rows_array: str = "grads",
 ) -> None:
     """Combined scores of train rows [a, b) from ``model_ids``' stored rows and the right-hand matrices
-    ``targets`` ((p, m) float32 each), written to the experiment's score array block by block (each block's rows
-    marked done after its data).
+    ``targets`` ((p, m) float32 each), written to the experiment's score array one score chunk at a time, and
+    each flag chunk (a shard) marked done once all its score chunks are written.
 
     ``rows_array``: the per-model row array streamed: ``"grads"``, the projected gradients X, with ``targets`` =
     W = A Gᵀ from :func:`grads_right_hand` (see :func:`scores_from_grads` and ``trak_core.reduce.solve_targets``).
-    ``block_rows``: rows per GEMM, exactly (default: :func:`score_block_rows`
-    within the shards, :func:`score_blocks`); ``out``: an (n, m) float32 array that also receives the scores
-    (the accumulators are its rows: no copy); ``progress(rows)`` after each block is written, in block order, in
-    the calling thread.
-    """
+    ``block_rows``: rows per GEMM, exactly (default: :func:`score_block_rows`, a remainder below MIN_GEMM_ROWS
+    joining the last block of its piece); ``out``: an (n, m) float32 array that also receives the scores (the
+    accumulators are its rows: no copy); ``progress(rows)`` as score chunks are written, in the calling thread.
+
+    The work is split into pieces (:func:`score_pieces`): whole store chunks within one score chunk, read with
+    one Zarr call per checkpoint, multiplied in blocks of ``block_rows``; the worker that completes a score
+    chunk writes it, and the one that completes a shard's score chunks writes its flags (one flag chunk per
+    shard: one write, not one per block)."""
     if rows_array not in ROWS_ARRAYS:
         raise BadInputError(f"rows_array={rows_array!r}: expected one of {ROWS_ARRAYS}")
     if a >= b:
@@ -183,30 +220,33 @@ def stream_scores(
     meta = store.meta
     p, m = meta.proj_dim, store.num_targets(exp_name)
     threads = torch.get_num_threads()
+    writer = store.score_rows_writer(exp_name)  # the score arrays opened once, not per block
+    itemsize = meta.np_dtype.itemsize
     if block_rows:
-        blocks = score_blocks(a, b, block_rows)
+        step, merge = int(block_rows), None
     else:
-        step = score_block_rows(
-            p, m, meta.rows_per_chunk, meta.rows_per_shard, itemsize=meta.np_dtype.itemsize, workers=threads
-        )
-        blocks = score_blocks(a, b, step, meta.rows_per_shard)
-    workers = max(1, min(threads, len(blocks)))
-    step = max(e - s for s, e in blocks)
+        step = score_block_rows(p, m, meta.rows_per_chunk, meta.rows_per_shard, itemsize=itemsize, workers=threads)
+        merge = meta.rows_per_shard
+    budget = int(memory_bytes() * MEMORY_FRACTION) // max(1, threads)  # a worker's read buffer
+    max_rows = max(meta.rows_per_chunk, budget // max(1, itemsize * p) // meta.rows_per_chunk * meta.rows_per_chunk)
+    pieces = score_pieces(a, b, writer.chunk_rows, meta.rows_per_chunk, threads, max_rows)
+    segs = sorted({i for _, _, i in pieces})
+    seg_range = {i: (min(s for s, _, j in pieces if j == i), max(e for _, e, j in pieces if j == i)) for i in segs}
+    seg_left = {i: sum(1 for *_, j in pieces if j == i) for i in segs}
+    # flag chunks: the segments each covers (marked done once they are all written)
+    flag_of = {i: seg_range[i][0] // writer.done_rows for i in segs}
+    flag_left = {f: sum(1 for i in segs if flag_of[i] == f) for f in set(flag_of.values())}
+    workers = max(1, min(threads, len(pieces)))
+    piece_rows = max(e - s for s, e, _ in pieces)
     models = [store.model(mid) for mid in ids]  # open each array once, not per block
     feats = [getattr(mm, rows_array) for mm in models]
-    # Σ_c Q_c of all the rows, summed in float64 in the checkpoints' order (as per block before): one read per
-    # checkpoint instead of one per block (a Zarr call costs ~0.3 ms of CPU, a tenth of a block's reads and writes)
+    # Σ_c Q_c of all the rows, summed in float64 in the checkpoints' order: one read per checkpoint
     qsum_all = np.zeros(b - a, dtype=np.float64)
     for mm in models:
         qsum_all += mm.out_to_loss[a:b].astype(np.float64)
     rights = [targets[mid] for mid in ids]
-    write_rows = store.score_rows_writer(exp_name)  # the score arrays opened once, not per block
-    # blocks of whole chunks write concurrently; blocks that share a chunk (block_rows not a multiple of the
-    # chunk rows) write one at a time: zarr rewrites a partly written chunk from what it reads back
-    shared_chunks = any(s % meta.rows_per_chunk for s, _ in blocks)
-    write_lock: threading.Lock | contextlib.nullcontext = (
-        threading.Lock() if shared_chunks else contextlib.nullcontext()
-    )
+    staging: dict[int, np.ndarray] = {}  # without ``out``: a segment's scores until it is written
+    lock = threading.Lock()
     local = threading.local()
     ready = threading.Barrier(workers + 1)
 
@@ -214,34 +254,59 @@ def stream_scores(
         try:
             torch.set_num_threads(1)  # this thread's OpenMP/MKL: one-thread GEMMs, one per core
             f32 = meta.np_dtype == np.float32
-            local.raw = None if f32 else np.empty((step, p), dtype=meta.np_dtype)
-            local.x = torch.empty(step, p, dtype=torch.float32)
-            local.acc = torch.empty(step, m, dtype=torch.float32) if out is None else None
+            local.raw = np.empty((piece_rows, p), dtype=meta.np_dtype)  # one piece of one checkpoint, as stored
+            # a block: ``step`` rows, or fewer than step + MIN_GEMM_ROWS where a remainder joined it
+            local.x = None if f32 else torch.empty(min(step + MIN_GEMM_ROWS, piece_rows), p, dtype=torch.float32)
         except BaseException:
             ready.abort()  # the caller and the other workers stop waiting
             raise
         ready.wait()
 
-    def score_block(s: int, e: int) -> int:
+    def accumulator(s: int, e: int, seg: int) -> np.ndarray:
+        if out is not None:
+            return out[s:e]
+        with lock:
+            if seg not in staging:
+                s0, s1 = seg_range[seg]
+                staging[seg] = np.empty((s1 - s0, m), dtype=np.float32)
+            buf = staging[seg]
+        s0 = seg_range[seg][0]
+        return buf[s - s0 : e - s0]
+
+    def score_piece(s: int, e: int, seg: int) -> int:
+        """Computes rows [s, e); writes the segment if this was its last piece. Returns the rows written."""
         rows = e - s
-        x = local.x[:rows]
-        acc = torch.from_numpy(out[s:e]) if out is not None else local.acc[:rows]
+        res = accumulator(s, e, seg)
+        acc = torch.from_numpy(res)
         acc.zero_()
+        blocks = score_blocks(s, e, step, merge)
         for k in range(len(ids)):
-            if local.raw is None:  # float32 store: decode straight into the GEMM's operand
-                _read_into(feats[k], s, e, x.numpy())
-            else:
-                raw = local.raw[:rows]
-                _read_into(feats[k], s, e, raw)
-                x.copy_(torch.from_numpy(raw))  # float16 → float32 (exact)
-            acc.addmm_(x, rights[k])  # acc += X_c W_c, one GEMM per checkpoint
-        # combine_checkpoints' float32 operations, element for element, in place (no block-sized temporary)
-        res, c = acc.numpy(), len(ids)
+            raw = local.raw[:rows]
+            _read_into(feats[k], s, e, raw)
+            for bs, be in blocks:
+                x = torch.from_numpy(raw[bs - s : be - s])
+                if local.x is not None:  # float16 store: convert into the GEMM's float32 operand (exact)
+                    x = local.x[: be - bs]
+                    x.copy_(torch.from_numpy(raw[bs - s : be - s]))
+                acc[bs - s : be - s].addmm_(x, rights[k])  # acc += X_c W_c, one GEMM per block and checkpoint
+        # combine_checkpoints' float32 operations, element for element, in place (no piece-sized temporary)
+        c = len(ids)
         np.divide(res, c, out=res)
         np.multiply(res, qsum_all[s - a : e - a].astype(np.float32).reshape(-1, 1) / c, out=res)
-        with write_lock:
-            write_rows(s, e, res)
-        return rows
+        with lock:
+            seg_left[seg] -= 1
+            if seg_left[seg]:
+                return 0
+        s0, s1 = seg_range[seg]
+        writer.rows(s0, s1, out[s0:s1] if out is not None else staging[seg])
+        with lock:
+            staging.pop(seg, None)
+            flag_left[flag_of[seg]] -= 1
+            flag_complete = not flag_left[flag_of[seg]]
+        if flag_complete:
+            f0 = flag_of[seg] * writer.done_rows
+            writer.mark_done(max(a, f0), min(b, f0 + writer.done_rows))
+        return s1 - s0
 
     pool = ThreadPoolExecutor(workers, thread_name_prefix="trak-score")
     futures: list[Future] = []
@@ -259,10 +324,10 @@ def stream_scores(
             raise root from None  # the worker's own error (e.g. no memory for its buffers)
         finally:
             torch.set_num_threads(threads)  # the process default the workers changed; this thread's is unchanged
-        futures = [pool.submit(score_block, s, e) for s, e in blocks]
+        futures = [pool.submit(score_piece, s, e, i) for s, e, i in pieces]
         for f in futures:
             rows = f.result()
-            if progress:
+            if progress and rows:
                 progress(rows)
     finally:
         for f in futures:
