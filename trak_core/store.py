@@ -61,7 +61,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 from urllib.parse import urlparse
@@ -108,7 +108,7 @@ def choose_chunk_rows(
     return next(d for d in range(min(bound, int(multiple_of)), 0, -1) if multiple_of % d == 0)
 
 
-def _score_layout(attrs: dict, meta: StoreMetadata) -> tuple[int, int]:
+def _score_layout(attrs: Mapping[str, Any], meta: StoreMetadata) -> tuple[int, int]:
     """Rows per chunk of an experiment's ``scores`` and of its ``scores_done`` flags: as recorded when the
     experiment was created (``score_layout``: scores by :meth:`StoreMetadata.score_chunk_rows`, flags one
     chunk per shard), or ``chunk_rows`` for both in an experiment created before that record existed."""
