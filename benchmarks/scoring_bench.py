@@ -7,8 +7,9 @@ per checkpoint, ``ckpts`` checkpoints) and m targets, times:
 * **GEMM only**: the same product as the scoring, X (n × p, float32, in memory) @ W, W = A Gᵀ, in one addmm_: the
   ceiling for this shape;
 * **previous stream_scores**: ``streaming.scores_from_grads`` with the previous ``stream_scores`` (commit
-  2b83152: one two-thread GEMM beside a reader and a writer thread), loaded from git — the reference the other
-  paths' scores must equal bit for bit;
+  d1aba7b: one-thread GEMM workers, each block read, written and flagged on its own), loaded from git, on an
+  experiment with the layout it was made for (``m<m>-chunked``: no ``score_layout``, so scores and flags in
+  ``chunk_rows`` chunks) — the reference the other paths' scores must equal bit for bit;
 * **X · (A Gᵀ)**: ``streaming.scores_from_grads`` (W from given inverses, the stored X streamed against it);
 * **finalize_scores**: ``trak_core.reduce.finalize_scores`` end to end (G A read from the store — written once —,
   Zarr reads of X, float16 → float32, the GEMMs, the combination, the Zarr writes of the scores, the returned array);
@@ -44,8 +45,15 @@ from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
 from trak_core.streaming import cache_bytes, memory_bytes, score_block_rows, scores_from_grads  # noqa: E402
 
 START, END = "<!-- scoring_bench:start -->", "<!-- scoring_bench:end -->"
-#: the commit whose trak_core/streaming.py is the previous design (one two-thread GEMM, reader + writer threads)
-PREVIOUS_STREAMING = "2b83152"
+#: the commit whose trak_core/streaming.py is the previous design (one-thread GEMM workers, a Zarr read, write and
+#: flag write per block), run on an experiment with that design's layout (``chunked``)
+PREVIOUS_STREAMING = "d1aba7b"
+
+
+def chunked(exp: str) -> str:
+    """The experiment with the same targets as ``exp`` whose scores and flags come in ``chunk_rows`` chunks (as
+    before ``score_layout``): the previous design's layout."""
+    return f"{exp}-chunked"
 
 
 def previous_streaming():
@@ -115,9 +123,13 @@ def build_store(path: str, n: int, p: int, ms: list[int], ckpts: int, dtype: str
     for m in ms:
         exp = f"m{m}"
         st.init_experiment(exp, m)
+        st.init_experiment(chunked(exp), m)
+        del st.experiment(chunked(exp)).group.attrs["score_layout"]  # as created before the record existed
         for mid in range(ckpts):
-            st.init_experiment_model(exp, mid)
-            st.write_target_rows(exp, mid, slice(0, m), rng.standard_normal((m, p), dtype=np.float32))
+            g = rng.standard_normal((m, p), dtype=np.float32)
+            for e in (exp, chunked(exp)):
+                st.init_experiment_model(e, mid)
+                st.write_target_rows(e, mid, slice(0, m), g)
     return st
 
 
@@ -133,7 +145,10 @@ def store_bytes(st: TrakStore, path: str, ckpts: int) -> dict:
         return sum(dir_bytes(os.path.join(path, "models", str(mid), name)) for mid in range(ckpts))
 
     models = sum(dir_bytes(os.path.join(path, "models", str(mid))) for mid in range(ckpts))
-    return {"models": models, "grads": arr("grads"), "partials": arr("xtx_partials"), "total": dir_bytes(path)}
+    exps = os.path.join(path, "experiments")
+    copies = sum(dir_bytes(os.path.join(exps, e)) for e in os.listdir(exps) if e.endswith(chunked("")))
+    total = dir_bytes(path) - copies  # without the previous design's copies of the experiments
+    return {"models": models, "grads": arr("grads"), "partials": arr("xtx_partials"), "total": total}
 
 
 def max_rel(got: np.ndarray, want: np.ndarray, step: int = 4096) -> float:
@@ -163,43 +178,49 @@ def exact_rows(st: TrakStore, exp: str, used: list[int], rows: int) -> np.ndarra
 def stage_costs(st: TrakStore, exp: str, rows: int, reps: int = 8) -> dict:
     """CPU time (process, all threads: zarr's event loop and I/O threads included) per block of ``rows`` train
     rows of each stage of the streaming scoring, one torch thread, the stages one after the other (best of
-    ``reps`` blocks): the Zarr read of the stored X, its float16 → float32 conversion, the GEMM against a
-    (p, m) float32 W, the combination with Q, the Zarr write of the scores, the write of their done flags."""
+    ``reps``): the Zarr read of the stored X, its float16 → float32 conversion, the GEMM against a (p, m)
+    float32 W, the combination with Q, the Zarr write of the scores, the write of their done flags. The Zarr
+    stages are timed in the units the stream uses them in — a read per piece (a score chunk of rows), a write
+    per score chunk, a flag write per flag chunk (a shard) — and divided by the blocks each unit holds."""
     from trak_core.streaming import _read_into
 
     p, m, n = st.meta.proj_dim, st.num_targets(exp), st.meta.train_set_size
     grads = st.model(0).grads
-    raw = np.empty((rows, p), dtype=st.meta.np_dtype)
+    arr, done = st.init_scores(exp)
+    score_rows, done_rows = min(arr.chunks[0], n), min(done.chunks[0], n)
+    raw = np.empty((score_rows, p), dtype=st.meta.np_dtype)
     x, w, acc = torch.empty(rows, p), torch.randn(p, m), torch.zeros(rows, m)
     q = np.ones(rows, dtype=np.float64)
-    res = acc.numpy()
-    arr, done = st.init_scores(exp)
-    blocks = [(s, s + rows) for s in range(0, n - rows + 1, rows)][:reps]
+    res, chunk = acc.numpy(), np.zeros((score_rows, m), dtype=np.float32)
 
     def combine():
         np.divide(res, 1, out=res)
         np.multiply(res, q.astype(np.float32).reshape(-1, 1), out=res)
 
-    stages = {
-        "read X (Zarr, crc32c)": lambda s, e: _read_into(grads, s, e, raw),
-        "float16 → float32": lambda s, e: x.copy_(torch.from_numpy(raw)),
-        "GEMM (one thread)": lambda s, e: acc.addmm_(x, w),
-        "combination with Q": lambda s, e: combine(),
-        "write scores (Zarr, crc32c)": lambda s, e: arr.__setitem__(slice(s, e), res),
-        "mark rows done (Zarr)": lambda s, e: done.__setitem__(slice(s, e), 1),
+    def units(size: int) -> list[tuple[int, int]]:
+        return [(s, s + size) for s in range(0, n - size + 1, size)][:reps]
+
+    stages = {  # name: (function of a unit [s, e), the unit's rows)
+        "read X (Zarr, crc32c)": (lambda s, e: _read_into(grads, s, e, raw), score_rows),
+        "float16 → float32": (lambda s, e: x.copy_(torch.from_numpy(raw[:rows])), rows),
+        "GEMM (one thread)": (lambda s, e: acc.addmm_(x, w), rows),
+        "combination with Q": (lambda s, e: combine(), rows),
+        "write scores (Zarr, crc32c)": (lambda s, e: arr.__setitem__(slice(s, e), chunk), score_rows),
+        "mark rows done (Zarr)": (lambda s, e: done.__setitem__(slice(s, e), 1), done_rows),
     }
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         out = {}
-        for k, fn in stages.items():
+        for k, (fn, size) in stages.items():
+            blocks = units(size)
             fn(*blocks[0])
             best = float("inf")
             for blk in blocks:
                 c = time.process_time()
                 fn(*blk)
                 best = min(best, time.process_time() - c)
-            out[k] = best
+            out[k] = best * rows / size
     finally:
         torch.set_num_threads(threads)
     st.reset_scores(exp)
@@ -221,6 +242,23 @@ def one_thread_gemm_cpu(x: torch.Tensor, w: torch.Tensor, rows: int = 8192) -> f
     finally:
         torch.set_num_threads(threads)
     return best * len(x) / len(part)
+
+
+def page_costs(gib: float = 1.0, idle: float = 5.0) -> dict:
+    """Seconds per GiB to fill memory the process has just freed (recycled pages) and memory that has been free
+    for ``idle`` seconds (fresh pages: on a virtual machine whose free pages go back to the host, every first touch
+    is a fault on the host too). Scoring touches fresh memory for the returned (n, m) array and for the page cache
+    of the score files it writes."""
+    n = int(gib * (1 << 28))
+    np.ones(n, dtype=np.float32)  # fill and free once
+    t = time.perf_counter()
+    np.ones(n, dtype=np.float32)
+    recycled = time.perf_counter() - t
+    time.sleep(idle)
+    t = time.perf_counter()
+    np.ones(n, dtype=np.float32)
+    fresh = time.perf_counter() - t
+    return {"recycled": recycled / gib, "fresh": fresh / gib, "idle": idle}
 
 
 def finalize_times(st: TrakStore, mid: int, lambda_reg, repeats: int) -> dict:
@@ -273,7 +311,7 @@ def run(a) -> dict:
             paths = {"GEMM only (X in memory, float32)": gemm_only}
             if prev is not None:  # first: the reference of the bitwise check
                 paths[f"previous stream_scores ({PREVIOUS_STREAMING}), X · (A Gᵀ)"] = lambda exp=exp: (
-                    prev.scores_from_grads(st, exp, inverses)
+                    prev.scores_from_grads(st, chunked(exp), inverses)
                 )
             paths.update(
                 {
@@ -348,7 +386,9 @@ def run(a) -> dict:
         print(json.dumps(other_row), flush=True)
     for s in peaks:
         peaks[s] = max(peaks[s], square_gflops(s))
+    pages = page_costs()
     return {
+        "pages": pages,
         "peaks": peaks,
         "peak": max(peaks.values()),
         "rows": rows,
@@ -435,6 +475,15 @@ def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
                 + " | ".join(f"{1e3 * v:.2f} ms" for v in st.values())
                 + f" | {100 * gemm / tot:.0f}% |"
             )
+    if res.get("pages"):
+        pg, big = res["pages"], max(a.targets)
+        lines += [
+            "",
+            f"Memory on this machine (`page_costs`): filling 1 GiB just freed takes {pg['recycled']:.2f} s, filling "
+            f"1 GiB free for {pg['idle']:.0f} s {pg['fresh']:.2f} s (a first touch of fresh pages). Scoring "
+            f"m = {big:,} targets touches {a.n * big * 4 / 2**30:.2f} GiB of fresh pages for the returned scores and "
+            "as many for the page cache of the score files it writes.",
+        ]
     if res.get("same_as_previous"):
         lines += [
             "",
