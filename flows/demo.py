@@ -30,7 +30,7 @@ def digits_demo(
     log = get_run_logger()
     trained = None
     manifest = Path(train_cfg.out_dir) / "manifest.json"
-    if manifest.is_file() and all(is_complete(train_cfg.out_dir, i) for i in range(num_models)):
+    if manifest.is_file() and all(is_complete(train_cfg.out_dir, i, train_cfg.snapshots) for i in range(num_models)):
         log.info("checkpoints present in %s: not retraining", train_cfg.out_dir)
     else:
         trained = train(train_cfg)

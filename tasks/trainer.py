@@ -3,6 +3,8 @@
 Per model ``i`` of a :class:`~tasks.config.TrainConfig` in ``out_dir``:
 
 * ``model_{i:03d}.pt``       the state_dict (written atomically: tmp file, then rename);
+* ``model_{i:03d}.step{s}.pt`` the state_dict after optimizer step ``s``, one per ``snapshots`` fraction below 1
+                             (the step nearest the fraction of the run's steps; none that is the last step);
 * ``model_{i:03d}.json``     its record (seed, subset, losses, accuracy, α per step); written last, so
                              a model is complete when its record exists;
 * ``model_{i:03d}.subset.npy`` the train rows it saw (only with ``subset_fraction < 1``);
@@ -40,9 +42,40 @@ def model_stem(out_dir: str | Path, index: int) -> Path:
     return Path(out_dir) / f"model_{index:03d}"
 
 
-def is_complete(out_dir: str | Path, index: int) -> bool:
+def is_complete(out_dir: str | Path, index: int, snapshots: list[float] | None = None) -> bool:
+    """Whether model ``index`` is trained: its checkpoint and record exist, and (with ``snapshots``) the record
+    was made with those snapshot fractions and its snapshot files exist."""
     stem = model_stem(out_dir, index)
-    return stem.with_suffix(".pt").is_file() and stem.with_suffix(".json").is_file()
+    if not (stem.with_suffix(".pt").is_file() and stem.with_suffix(".json").is_file()):
+        return False
+    if snapshots is None:
+        return True
+    try:
+        record = json.loads(stem.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return False
+    taken = record.get("snapshots") or []
+    return record.get("snapshot_fractions", [1.0]) == sorted(set(snapshots)) and all(
+        (Path(out_dir) / snap["path"]).is_file() for snap in taken
+    )
+
+
+def snapshot_steps(fractions: list[float], total_steps: int) -> dict[int, float]:
+    """{step: fraction} of the snapshots before the end of a run of ``total_steps`` optimizer steps: the step
+    nearest each fraction below 1 (at least 1); a fraction that lands on the last step is the run's own
+    checkpoint, and two that land on one step give one snapshot."""
+    out: dict[int, float] = {}
+    for f in sorted(fractions):
+        step = max(1, round(f * total_steps))
+        if f < 1.0 and step < total_steps:
+            out.setdefault(step, f)
+    return out
+
+
+def _save_state(model: torch.nn.Module, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
+    os.replace(tmp, path)
 
 
 def _per_sample_ce(outputs, targets):
@@ -86,7 +119,7 @@ def train_one(config: TrainConfig, index: int) -> dict:
     t0 = time.perf_counter()
     out = Path(config.out_dir)
     stem = model_stem(out, index)
-    if not config.overwrite and is_complete(out, index):
+    if not config.overwrite and is_complete(out, index, config.snapshots):
         record = json.loads(stem.with_suffix(".json").read_text())
         progress.advance("train", config.epochs)
         return {**_brief(record), "skipped": True, "seconds": round(time.perf_counter() - t0, 4)}
@@ -107,13 +140,22 @@ def train_one(config: TrainConfig, index: int) -> dict:
     # α's JVP calls model(x) with one input tensor: track it for single-input models only
     alpha = _alpha_tracker(config.alpha_every) if len(inputs) == 1 else None
     inputs, labels = tuple(t.to(device) for t in inputs), labels.to(device)
-    fit = fit_model(config, model, inputs, labels, seed, alpha=alpha, what=f"model {index}")
+    steps = snapshot_steps(config.snapshots, config.epochs * math.ceil(labels.shape[0] / config.batch_size))
+    snaps: list[dict] = []
+
+    def snapshot(step: int) -> None:
+        if step in steps:
+            path = stem.with_name(f"{stem.name}.step{step}.pt")
+            _save_state(model, path)
+            snaps.append({"fraction": steps[step], "step": step, "path": path.name})
+
+    fit = fit_model(
+        config, model, inputs, labels, seed, alpha=alpha, what=f"model {index}", on_step=snapshot if steps else None
+    )
     losses, epoch_loss, step, acc = fit["losses"], fit["epoch_loss"], fit["steps"], fit["train_accuracy"]
 
     ckpt = stem.with_suffix(".pt")
-    tmp = stem.with_name(stem.name + ".pt.tmp")
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
-    os.replace(tmp, ckpt)
+    _save_state(model, ckpt)
     if subset is not None:
         np.save(stem.with_name(stem.name + ".subset.npy"), subset)
 
@@ -151,6 +193,8 @@ def train_one(config: TrainConfig, index: int) -> dict:
         "alpha_mean": float(np.mean(finite)) if finite else None,
         "alpha_median": float(np.median(finite)) if finite else None,
         "plots": {k: Path(v).name for k, v in plots.items()},
+        "snapshot_fractions": list(config.snapshots),
+        "snapshots": snaps,
     }
     _atomic_write_text(stem.with_suffix(".json"), json.dumps(record, indent=1))
     return {**_brief(record), "skipped": False, "seconds": round(time.perf_counter() - t0, 4)}
@@ -170,6 +214,7 @@ def _brief(record: dict) -> dict:
         "alpha_mean",
         "alpha_median",
         "plots",
+        "snapshots",
     )
     return {k: record.get(k) for k in keep}
 
@@ -223,10 +268,12 @@ def fit_model(
     alpha=None,
     what: str = "model",
     progress_stage: str | None = "train",
+    on_step=None,
 ) -> dict:
     """The training recipe of ``config`` (optimizer, lr, momentum, weight decay, epochs, batch size; batch
     order from ``seed``) applied to ``model`` on the given rows, in place. Returns the losses per step and
-    per epoch, the number of steps and the train accuracy (the model is left in eval mode)."""
+    per epoch, the number of steps and the train accuracy (the model is left in eval mode). ``on_step(k)``
+    after the k-th optimizer step (k = 1, 2, ...), e.g. to save a snapshot."""
     if config.optimizer == "sgd":
         opt = torch.optim.SGD(
             model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
@@ -259,6 +306,8 @@ def fit_model(
             losses.append(value)
             total += value * y.shape[0]
             step += 1
+            if on_step is not None:
+                on_step(step)
         epoch_loss.append(total / n)
         if progress_stage:
             progress.advance(progress_stage, 1)
@@ -291,11 +340,13 @@ def write_manifest(config: TrainConfig, records: list[dict]) -> str:
     """manifest.json: the checkpoints (paths relative to the manifest) and the config that made them."""
     out = Path(config.out_dir)
     records = sorted(records, key=lambda r: r["index"])
-    body = {
-        "kind": "trakflow-checkpoints",
-        "config": config.model_dump(mode="json"),
-        "checkpoints": [{k: v for k, v in r.items() if k not in ("skipped", "seconds")} for r in records],
-    }
+    checkpoints = []
+    for r in records:
+        entry = {k: v for k, v in r.items() if k not in ("skipped", "seconds", "snapshots")}
+        for snap in r.get("snapshots") or []:  # each snapshot is a checkpoint of its own
+            checkpoints.append({**entry, "path": snap["path"], "snapshot": snap["fraction"], "steps": snap["step"]})
+        checkpoints.append({**entry, "snapshot": 1.0})
+    body = {"kind": "trakflow-checkpoints", "config": config.model_dump(mode="json"), "checkpoints": checkpoints}
     path = out / "manifest.json"
     _atomic_write_text(path, json.dumps(body, indent=1))
     return str(path)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 from trak_fixtures import tiny_attribute_config
 
 from examples import tiny
@@ -414,6 +415,51 @@ def test_train_flow_manifest_and_rerun(tmp_path):
     assert again["computed"] == 0 and again["skipped"] == 2
     acfg = config(tmp_path, res["manifest"])
     assert acfg.checkpoint_paths == [str(tmp_path / "ck" / "model_000.pt"), str(tmp_path / "ck" / "model_001.pt")]
+
+
+def test_train_flow_snapshots_are_checkpoints_of_their_own(tmp_path):
+    """``snapshots``: each run also saves its state after the step nearest each fraction (below 1) of its steps,
+    as a checkpoint of its own in the manifest; the snapshot at half of two epochs is the model of a one-epoch run
+    (to float32 rounding: concurrent training threads may split BLAS work differently). A rerun skips; other
+    fractions retrain; bad fractions are refused naming the field."""
+    from flows import train
+    from tasks import trainer
+
+    recipe = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data", batch_size=16, lr=0.05)
+    cfg = TrainConfig(**recipe, out_dir=str(tmp_path / "ck"), num_models=2, epochs=2, snapshots=[1.0, 0.5, 0.5])
+    assert cfg.snapshots == [0.5, 1.0]
+    res = train(cfg)
+    steps = 2 * (N // 16)
+    manifest = json.loads(Path(res["manifest"]).read_text())
+    half = f"step{steps // 2}"
+    assert [c["path"] for c in manifest["checkpoints"]] == [
+        f"model_000.{half}.pt",
+        "model_000.pt",
+        f"model_001.{half}.pt",
+        "model_001.pt",
+    ]
+    assert [c["snapshot"] for c in manifest["checkpoints"]] == [0.5, 1.0, 0.5, 1.0]
+    one_epoch = TrainConfig(**recipe, out_dir=str(tmp_path / "one"), num_models=2, epochs=1)
+    train(one_epoch)
+    for i in range(2):
+        snap = torch.load(tmp_path / "ck" / f"model_00{i}.{half}.pt", weights_only=True)
+        ref = torch.load(tmp_path / "one" / f"model_00{i}.pt", weights_only=True)
+        assert snap.keys() == ref.keys()
+        for k in snap:
+            torch.testing.assert_close(snap[k], ref[k], rtol=1e-5, atol=1e-6)
+        end = torch.load(tmp_path / "ck" / f"model_00{i}.pt", weights_only=True)
+        assert any((snap[k] - end[k]).abs().max() > 1e-3 for k in snap if snap[k].is_floating_point())
+    acfg = config(tmp_path, res["manifest"])
+    assert len(acfg.checkpoint_paths) == 4  # attribute takes every snapshot
+    assert train(cfg)["skipped"] == 2
+    other = cfg.model_copy(update={"snapshots": [0.25, 1.0]})
+    assert train(other)["computed"] == 2  # other fractions: retrained
+    assert not trainer.is_complete(cfg.out_dir, 0, cfg.snapshots) and trainer.is_complete(cfg.out_dir, 0, [0.25, 1])
+    assert trainer.snapshot_steps([0.25, 0.26, 0.999, 1.0], 8) == {2: 0.25}  # same step once, none at the end
+    for bad in ([0.5], [0.0, 1.0], [1.5, 1.0]):
+        with pytest.raises(ValidationError, match="snapshots"):
+            TrainConfig(**recipe, out_dir=str(tmp_path / "x"), snapshots=bad)
+    assert not (tmp_path / "x").exists()
 
 
 def test_deployments_register_and_trigger():

@@ -276,7 +276,7 @@ def demo(
     from trak_core.settings import normalize_lambda_reg
 
     train_cfg, _ = demo_configs(demo_dir, num_models=models, epochs=epochs)
-    if not all(is_complete(train_cfg.out_dir, i) for i in range(models)):
+    if not all(is_complete(train_cfg.out_dir, i, train_cfg.snapshots) for i in range(models)):
         console.print(f"training {models} checkpoints ({epochs} epochs each) in {train_cfg.out_dir}")
     with _flow_guard(verbose), _Bars(True):
         out = digits_demo(
@@ -374,7 +374,7 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: str | None, 
 
     train_cfg, attr = demo_configs(demo_dir)
     if not (Path(train_cfg.out_dir) / "manifest.json").is_file() or not all(
-        is_complete(train_cfg.out_dir, i) for i in range(train_cfg.num_models)
+        is_complete(train_cfg.out_dir, i, train_cfg.snapshots) for i in range(train_cfg.num_models)
     ):
         console.print(f"training the demo's {train_cfg.num_models} checkpoints in {train_cfg.out_dir}")
         _run_flow(train, train_cfg, verbose=verbose)
