@@ -162,6 +162,32 @@ def test_finalize_sums_partials_from_memory_like_the_stored_ones(tmp_path, setti
     assert 1.0 <= ia["condition"] < 1e7
 
 
+@pytest.mark.parametrize("stored", [[0, 1, 2, 3, 4], [1, 2, 4], [0], [3, 4]])
+def test_finalize_reads_stored_partials_ahead_and_sums_in_shard_order(tmp_path, monkeypatch, stored):
+    """Stored partials are read ahead into reused buffers (fewer buffers than shards here), the missing ones
+    computed on the way: XᵀX has the bits of total_xtx (the shard partials summed in shard order) and the
+    inverse the bits of a store whose partials were all computed beforehand."""
+    monkeypatch.setattr(reduce, "READ_AHEAD", 1)
+    n, p = 1250, 64
+    x = _x(n, p, alpha=1.0, seed=3).astype(np.float32)
+    a = _store_with_rows(tmp_path / "a", x, chunk_rows=250, shard_rows=250, partials=False)
+    b = _store_with_rows(tmp_path / "b", x, chunk_rows=250, shard_rows=250, partials=True)
+    for s in stored:
+        reduce.ensure_partial(a, 0, s)
+    seen = {}
+    real = reduce.solve_model
+
+    def spy(store, model_id, *args, xtx=None, **kw):
+        seen["xtx"] = np.array(xtx)
+        return real(store, model_id, *args, xtx=xtx, **kw)
+
+    monkeypatch.setattr(reduce, "solve_model", spy)
+    assert reduce.finalize_model(a, 0, 0.5) == reduce.finalize_model(b, 0, 0.5)
+    np.testing.assert_array_equal(seen["xtx"], reduce.total_xtx(b, 0))
+    np.testing.assert_array_equal(a.inverse(0), b.inverse(0))
+    np.testing.assert_array_equal(a.model(0).xtx_partials[:], b.model(0).xtx_partials[:])
+
+
 def test_fast_condition_estimate_is_close_to_the_exact_one():
     n, p = 3000, 768
     x = _x(n, p, alpha=1.0, seed=9)

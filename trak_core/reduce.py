@@ -407,42 +407,74 @@ def features_rows(store: TrakStore, model_id: int, a: int = 0, b: int | None = N
     return features_block(x, inv).numpy()
 
 
+#: stored XᵀX partials finalize reads ahead of the one it adds (each in its own thread and buffer of p² float64)
+READ_AHEAD = 2
+
+
 def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, RowSums, list]:
     """XᵀX and the :class:`RowSums` exactly as :func:`total_xtx` and :func:`total_row_sums` sum them (the shard
     partials in shard order), computing the missing partials on the way (:func:`ensure_partial`) and summing them
     from memory instead of reading them back. Their writes go to ``writer`` (one background thread) so that they
     overlap the next shard's work and the solve; returns (XᵀX, the row sums, the write futures)."""
     m = store.model(model_id)
+    p, shards = store.meta.proj_dim, store.meta.num_shards
     total, owned = None, False  # the running sum; 0 + P₀ is P₀ itself (the same bits as total_xtx's)
-    sums = np.zeros(store.meta.proj_dim + 3, dtype=np.float64)
+    sums = np.zeros(p + 3, dtype=np.float64)
     writes: list = []
+    done = np.asarray(m.partial_done[:], dtype=bool)  # one read each, not one per shard
+    stored_sums = np.asarray(m.rowsum_partials[:], dtype=np.float64) if done.any() else None
+    # the stored partials are read into reused buffers by READ_AHEAD background threads, the next ones while this
+    # one is added (a 32 MiB partial takes ~20 ms to read, 1 ms to add: the reads bound the sum)
+    bufs = [np.empty((1, p, p), dtype=np.float64) for _ in range(READ_AHEAD + 1 if done.any() else 0)]
+    free = list(range(len(bufs)))
+    queue = iter(np.flatnonzero(done).tolist())
+    reads: dict[int, tuple] = {}
+    reader = ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="trak-partial-read")
 
-    def add(part: np.ndarray) -> None:
+    def read_next() -> None:
+        while free and len(reads) < READ_AHEAD:
+            s = next(queue, None)
+            if s is None:
+                return
+            k = free.pop()
+            reads[s] = (reader.submit(m.xtx_partials.read_into, s, s + 1, bufs[k]), k)
+
+    def add(part: np.ndarray, reused: bool) -> None:
         nonlocal total, owned
-        if total is None:
-            total = part  # not modified in place while its write may be in flight
+        if total is None:  # not modified in place while its write may be in flight, nor overwritten when reused
+            total, owned = (part.copy(), True) if reused else (part, False)
         elif owned:
             total += part
         else:
             total, owned = total + part, True
 
-    for s in range(store.meta.num_shards):
-        if store.partial_done(model_id, s):
-            add(np.asarray(m.xtx_partials[s], dtype=np.float64))
-            sums += m.rowsum_partials[s]
-            continue
-        a, b = store.meta.shard_range(s)
-        if not store.shard_featurized(model_id, s):
-            raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {s} are not all featurized")
-        rows = np.asarray(m.grads[a:b])
-        part, part_q = shard_partial(store, model_id, s, rows=rows), shard_row_sums(store, model_id, s, rows)
-        for w in writes:  # one partial (p² float64) in flight at a time
-            w.result()
-        writes = [writer.submit(store.write_partial, model_id, s, part, part_q)]
-        add(part)
-        sums += part_q
+    read_next()
+    try:
+        for s in range(shards):
+            if done[s]:
+                fut, k = reads.pop(s)
+                fut.result()
+                add(bufs[k][0], reused=True)
+                free.append(k)
+                read_next()  # into the buffer just added, while the next ones are read
+                sums += stored_sums[s]  # type: ignore[index]
+                continue
+            a, b = store.meta.shard_range(s)
+            if not store.shard_featurized(model_id, s):
+                raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {s} are not all featurized")
+            rows = np.asarray(m.grads[a:b])
+            part, part_q = shard_partial(store, model_id, s, rows=rows), shard_row_sums(store, model_id, s, rows)
+            for w in writes:  # one partial (p² float64) in flight at a time
+                w.result()
+            writes = [writer.submit(store.write_partial, model_id, s, part, part_q)]
+            add(part, reused=False)
+            sums += part_q
+    finally:
+        for fut, _ in reads.values():
+            fut.cancel()
+        reader.shutdown(wait=True)
     if total is None:
-        total = np.zeros((store.meta.proj_dim,) * 2, dtype=np.float64)
+        total = np.zeros((p, p), dtype=np.float64)
     return total, RowSums.of(sums), writes
 
 

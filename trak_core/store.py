@@ -458,6 +458,14 @@ class StoredArray:
     def __setitem__(self, selection, value) -> None:  # a partial-chunk write reads the chunk first
         self._guard(self.array.__setitem__, selection, value)
 
+    def read_into(self, a: int, b: int, out: np.ndarray) -> None:
+        """``out[:] = self[a:b]`` along the first axis without allocating the result: zarr decodes the chunks
+        straight into ``out`` (a caller's reused buffer)."""
+        from zarr.core.buffer import default_buffer_prototype
+
+        nd = default_buffer_prototype().nd_buffer.from_numpy_array(out)
+        self._guard(lambda: self.array.get_basic_selection((slice(a, b),), out=nd))
+
     @property
     def oindex(self) -> _GuardedIndex:
         return _GuardedIndex(self, self.array.oindex)

@@ -140,14 +140,10 @@ def score_blocks(a: int, b: int, step: int, shard_rows: int | None = None) -> li
 
 def _read_into(array, a: int, b: int, out: np.ndarray) -> None:
     """``out[:] = array[a:b]`` without allocating: zarr decodes the chunks straight into ``out``."""
-    from zarr.core.buffer import default_buffer_prototype
-
-    inner = getattr(array, "array", None)
-    if inner is None:  # not a StoredArray (a plain zarr array or numpy)
+    if hasattr(array, "read_into"):  # a StoredArray
+        array.read_into(a, b, out)
+    else:  # a plain zarr array or numpy
         out[...] = array[a:b]
-        return
-    nd = default_buffer_prototype().nd_buffer.from_numpy_array(out)
-    array._guard(lambda: inner.get_basic_selection((slice(a, b),), out=nd))
 
 
 def score_pieces(
