@@ -1,19 +1,20 @@
 """Streaming scoring at GEMM speed: block sizes from the cache and memory sizes, and one worker thread per core,
-each reading, multiplying (one-thread GEMM) and writing its own row blocks.
+each reading, multiplying (one-thread GEMM) and writing its own pieces of rows.
 
 Scores of train rows [a, b) are Σ_c X_c[a:b] W_c combined with Q (:func:`trak_core.scoring.combine_checkpoints`),
 X_c the stored projected gradients and W_c = A_c G_cᵀ (:func:`grads_right_hand`): traker's Φ_c G_cᵀ with
-Φ_c = X_c A_c, at the same GEMM cost per row, without a features array (store schema 3). The work per (row
-block, checkpoint) is one Zarr read (float16 or float32), a conversion to float32 and one float32 GEMM; per row
-block one combination and one Zarr write.
-:func:`stream_scores` runs as many worker threads as torch has intra-op threads, each taking the next row block
-and doing all of its work: the reads (zarr's codecs and file reads release the GIL), the conversion (torch's
-vectorized copy into a preallocated float32 buffer, ~1 % of the GEMM), the GEMMs with **one** thread each
-(``addmm_``), the combination and the write. So the cores never wait at an OpenMP barrier: with one GEMM over
-both cores (the previous design: a reader and a writer thread beside it), whatever else ran on a core — the
-reads, the writes, the zarr event loop, another process — stalled that core's half of the GEMM while the other
-half spun in libgomp's barrier (perf: as many samples as the GEMM kernel at 256 targets). Here a core that reads
-or writes leaves the other one multiplying, and the blocks go to whichever worker is free.
+Φ_c = X_c A_c, at the same GEMM cost per row, without a features array (store schema 3).
+
+:func:`stream_scores` splits [a, b) into pieces (:func:`score_pieces`): whole store chunks within one chunk of the
+experiment's scores (about 8 MiB: a whole shard for a few hundred targets). It runs as many worker threads as
+torch has intra-op threads, each taking the next piece and doing all of its work: one Zarr read per checkpoint
+(zarr's codecs and file reads release the GIL), the conversion to float32 block by block (torch's vectorized copy
+into a preallocated buffer, ~1 % of the GEMM), the GEMMs with **one** thread each (``addmm_``), the combination;
+the worker that completes a score chunk writes it, and the one that completes a shard's score chunks writes the
+shard's flags (one chunk). So the cores never wait at an OpenMP barrier: with one GEMM over both cores (an earlier
+design, with a reader and a writer thread beside it), whatever else ran on a core — the reads, the writes, the
+zarr event loop, another process — stalled that core's half of the GEMM while the other half spun in libgomp's
+barrier. Here a core that reads or writes leaves the other one multiplying.
 
 The arithmetic is the one of the plain loop (zero the accumulator, ``acc.addmm_(X_c, W_c)`` per checkpoint in
 the given order, then :func:`~trak_core.scoring.combine_checkpoints`' float32 element-wise operations), and MKL's
@@ -226,12 +227,16 @@ def stream_scores(
     budget = int(memory_bytes() * MEMORY_FRACTION) // max(1, threads)  # a worker's read buffer
     max_rows = max(meta.rows_per_chunk, budget // max(1, itemsize * p) // meta.rows_per_chunk * meta.rows_per_chunk)
     pieces = score_pieces(a, b, writer.chunk_rows, meta.rows_per_chunk, threads, max_rows)
-    segs = sorted({i for _, _, i in pieces})
-    seg_range = {i: (min(s for s, _, j in pieces if j == i), max(e for _, e, j in pieces if j == i)) for i in segs}
-    seg_left = {i: sum(1 for *_, j in pieces if j == i) for i in segs}
+    seg_range: dict[int, tuple[int, int]] = {}  # segment → its rows [s0, s1)
+    seg_left: dict[int, int] = {}  # segment → its pieces not yet computed
+    for s, e, i in pieces:  # in row order
+        seg_range[i] = (seg_range[i][0], e) if i in seg_range else (s, e)
+        seg_left[i] = seg_left.get(i, 0) + 1
     # flag chunks: the segments each covers (marked done once they are all written)
-    flag_of = {i: seg_range[i][0] // writer.done_rows for i in segs}
-    flag_left = {f: sum(1 for i in segs if flag_of[i] == f) for f in set(flag_of.values())}
+    flag_of = {i: s0 // writer.done_rows for i, (s0, _) in seg_range.items()}
+    flag_left: dict[int, int] = {}
+    for chunk in flag_of.values():
+        flag_left[chunk] = flag_left.get(chunk, 0) + 1
     workers = max(1, min(threads, len(pieces)))
     piece_rows = max(e - s for s, e, _ in pieces)
     models = [store.model(mid) for mid in ids]  # open each array once, not per block
