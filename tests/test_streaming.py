@@ -160,6 +160,16 @@ def test_experiment_without_score_layout_keeps_its_chunks(tmp_path):
     np.testing.assert_array_equal(again.scores("e")[:], want)
 
 
+def test_score_layout_that_does_not_tile_the_shards_is_refused(tmp_path):
+    from trak_core.errors import StoreMismatchError
+
+    st = scored_store(tmp_path / "s", "float16", 1)
+    st.experiment("e").group.attrs["score_layout"] = {"chunk_rows": 48, "done_rows": 128}  # 48 does not divide 128
+    with pytest.raises(StoreMismatchError, match="score_layout"):
+        reduce.finalize_scores(st, "e")
+    assert "scores" not in st.experiment("e").group  # nothing created
+
+
 def test_score_pieces_tile_the_range():
     # one segment per score chunk, pieces of whole chunks, split until every worker has one
     assert streaming.score_pieces(0, 300, 128, 16, 1, 10**6) == [(0, 128, 0), (128, 256, 1), (256, 300, 2)]

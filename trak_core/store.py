@@ -117,7 +117,10 @@ def _score_layout(attrs: Mapping[str, Any], meta: StoreMetadata) -> tuple[int, i
         return meta.rows_per_chunk, meta.rows_per_chunk
     score_rows, done_rows = int(layout["chunk_rows"]), int(layout["done_rows"])
     if score_rows <= 0 or done_rows % score_rows or meta.rows_per_shard % done_rows:
-        raise ValueError(f"score_layout {layout} does not tile shards of {meta.rows_per_shard} rows")
+        raise StoreMismatchError(
+            f"score_layout: {layout} does not tile this store's shards of {meta.rows_per_shard} rows (chunk rows "
+            "dividing done rows dividing the shard)"
+        )
     return score_rows, done_rows
 
 
