@@ -13,6 +13,8 @@ per checkpoint, ``ckpts`` checkpoints) and m targets, times:
 * **X · (A Gᵀ)**: ``streaming.scores_from_grads`` (W from given inverses, the stored X streamed against it);
 * **finalize_scores**: ``trak_core.reduce.finalize_scores`` end to end (G A read from the store — written once —,
   Zarr reads of X, float16 → float32, the GEMMs, the combination, the Zarr writes of the scores, the returned array);
+* **finalize_scores, buffers in numpy's huge pages**: the same with the returned array and the workers' buffers
+  as plain numpy arrays (which ask for transparent huge pages), as before ``streaming.page_array``;
 * **score tasks**: what the pipeline's score step runs: ``reduce.score_rows`` per shard, each loading G A
   (``tasks.core.score_block`` without Prefect).
 
@@ -39,10 +41,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trak_core import reduce  # noqa: E402
+from trak_core import reduce, streaming  # noqa: E402
 from trak_core.scoring import combine_checkpoints  # noqa: E402
 from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
-from trak_core.streaming import cache_bytes, memory_bytes, score_block_rows, scores_from_grads  # noqa: E402
+from trak_core.streaming import (  # noqa: E402
+    cache_bytes,
+    memory_bytes,
+    page_array,
+    score_block_rows,
+    scores_from_grads,
+)
 
 START, END = "<!-- scoring_bench:start -->", "<!-- scoring_bench:end -->"
 #: the commit whose trak_core/streaming.py is the previous design (one-thread GEMM workers, a Zarr read, write and
@@ -245,20 +253,39 @@ def one_thread_gemm_cpu(x: torch.Tensor, w: torch.Tensor, rows: int = 8192) -> f
 
 
 def page_costs(gib: float = 1.0, idle: float = 5.0) -> dict:
-    """Seconds per GiB to fill memory the process has just freed (recycled pages) and memory that has been free
-    for ``idle`` seconds (fresh pages: on a virtual machine whose free pages go back to the host, every first touch
-    is a fault on the host too). Scoring touches fresh memory for the returned (n, m) array and for the page cache
-    of the score files it writes."""
+    """Seconds per GiB to fill memory the process has just freed (recycled) and memory that has been free for
+    ``idle`` seconds (fresh: on a virtual machine whose free pages go back to the host, a first touch is a fault
+    on the host too), for numpy arrays (which ask for transparent huge pages from 4 MiB on) and for
+    ``streaming.page_array`` (small pages: the scoring's large buffers)."""
     n = int(gib * (1 << 28))
-    np.ones(n, dtype=np.float32)  # fill and free once
-    t = time.perf_counter()
-    np.ones(n, dtype=np.float32)
-    recycled = time.perf_counter() - t
-    time.sleep(idle)
-    t = time.perf_counter()
-    np.ones(n, dtype=np.float32)
-    fresh = time.perf_counter() - t
-    return {"recycled": recycled / gib, "fresh": fresh / gib, "idle": idle}
+    out = {"idle": idle}
+    kinds = {"huge": lambda: np.empty(n, dtype=np.float32), "small": lambda: page_array((n,), np.float32)}
+    for kind, make in kinds.items():
+        make().fill(1.0)  # fill and free once
+        t = time.perf_counter()
+        make().fill(1.0)
+        recycled = time.perf_counter() - t
+        time.sleep(idle)
+        t = time.perf_counter()
+        make().fill(1.0)
+        out[kind] = {"recycled": recycled / gib, "fresh": (time.perf_counter() - t) / gib}
+    return out
+
+
+def numpy_buffers(fn):
+    """``fn`` run with the scoring's large buffers as plain numpy arrays (huge pages asked for, as before
+    ``streaming.page_array``): the A/B of that change in the same run."""
+
+    def run():
+        plain = lambda shape, dtype: np.empty(shape, dtype=dtype)  # noqa: E731
+        saved = streaming.page_array, reduce.page_array
+        streaming.page_array = reduce.page_array = plain
+        try:
+            return fn()
+        finally:
+            streaming.page_array, reduce.page_array = saved
+
+    return run
 
 
 def finalize_times(st: TrakStore, mid: int, lambda_reg, repeats: int) -> dict:
@@ -317,6 +344,9 @@ def run(a) -> dict:
                 {
                     "X · (A Gᵀ) (scores_from_grads)": lambda exp=exp: scores_from_grads(st, exp, inverses),
                     "finalize_scores (G A from the store)": lambda exp=exp: reduce.finalize_scores(st, exp),
+                    "finalize_scores, buffers in numpy's huge pages": numpy_buffers(
+                        lambda exp=exp: reduce.finalize_scores(st, exp)
+                    ),
                     "score tasks (score_rows per shard)": lambda exp=exp: score_tasks(st, exp, used),
                 }
             )
@@ -477,12 +507,15 @@ def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
             )
     if res.get("pages"):
         pg, big = res["pages"], max(a.targets)
+        hu, sm = pg["huge"], pg["small"]
         lines += [
             "",
-            f"Memory on this machine (`page_costs`): filling 1 GiB just freed takes {pg['recycled']:.2f} s, filling "
-            f"1 GiB free for {pg['idle']:.0f} s {pg['fresh']:.2f} s (a first touch of fresh pages). Scoring "
-            f"m = {big:,} targets touches {a.n * big * 4 / 2**30:.2f} GiB of fresh pages for the returned scores and "
-            "as many for the page cache of the score files it writes.",
+            f"Memory on this machine (`page_costs`, seconds to fill 1 GiB): numpy's arrays (transparent huge pages) "
+            f"{hu['recycled']:.2f} s just freed, {hu['fresh']:.2f} s free for {pg['idle']:.0f} s; "
+            f"`streaming.page_array` (small pages) {sm['recycled']:.2f} s and {sm['fresh']:.2f} s. Scoring "
+            f"m = {big:,} targets writes {a.n * big * 4 / 2**30:.2f} GiB of returned scores once, and as much page "
+            "cache for the score files; the scoring's large buffers are page arrays since this was measured "
+            "(the row *buffers in numpy's huge pages* is the same code with plain numpy buffers).",
         ]
     if res.get("same_as_previous"):
         lines += [

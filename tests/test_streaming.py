@@ -259,3 +259,54 @@ def test_block_rows_from_cache_and_memory():
         capped = streaming.score_block_rows(2048, 256, 16, cache=1 << 30, memory=64 << 20, workers=w)
         assert capped < small and w * capped * (2 * 2048 + 4 * 2048 + 4 * 256) <= (64 << 20) * streaming.MEMORY_FRACTION
     assert streaming.cache_bytes() > 0 and streaming.memory_bytes() > 0
+
+
+def _vm_flags(arr: np.ndarray) -> list[str] | None:
+    """The kernel's VmFlags of the mapping that holds ``arr``'s middle byte (None if smaps cannot be read):
+    ``nh`` marks MADV_NOHUGEPAGE, ``hg`` MADV_HUGEPAGE."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    ptr, inside = arr.__array_interface__["data"][0] + arr.nbytes // 2, False
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return None
+
+
+def test_page_array_is_zeroed_writable_and_declines_huge_pages():
+    """The scoring's large buffers: zero-filled, writable, of the asked shape and dtype, in a mapping marked
+    MADV_NOHUGEPAGE (where numpy's own large arrays are marked MADV_HUGEPAGE); small ones are plain arrays."""
+    big = streaming.page_array((1024, 1024), np.float32)  # 4 MiB
+    assert big.shape == (1024, 1024) and big.dtype == np.float32 and big.flags.writeable and big.flags.c_contiguous
+    assert not big.any()
+    big[-1, -1] = 3.0
+    assert big.sum() == 3.0
+    small = streaming.page_array((3, 5), np.float16)
+    assert small.shape == (3, 5) and small.dtype == np.float16 and not small.any()
+    flags = _vm_flags(big)
+    if flags is None:
+        pytest.skip("no /proc/self/smaps here")
+    assert "nh" in flags and "hg" not in flags
+    plain = np.ones((4096, 1024), dtype=np.float32)  # numpy madvises MADV_HUGEPAGE for arrays of 4 MiB and more
+    if "hg" not in (_vm_flags(plain) or []):
+        pytest.skip("numpy does not ask for huge pages here (no transparent huge pages)")
+
+
+def test_finalize_scores_returns_scores_in_small_pages(tmp_path, monkeypatch):
+    """The returned (n, m) array of a large experiment is a page_array (scores equal to the plain loop)."""
+    monkeypatch.setattr(streaming, "PAGE_ARRAY_BYTES", 1024)
+    st = scored_store(tmp_path / "s", "float16", 2, n=300, m=9)
+    got = reduce.finalize_scores(st, "e")
+    import mmap
+
+    base = got
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)
+    np.testing.assert_array_equal(got, plain_loop(st, "e", [0, 1], st.meta.shard_rows))

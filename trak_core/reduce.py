@@ -30,7 +30,7 @@ from .scoring import (
     symmetric_eigenvalues,
 )
 from .store import TrakStore
-from .streaming import grads_right_hand, stream_scores
+from .streaming import grads_right_hand, page_array, stream_scores
 from .verify import require_present
 
 
@@ -616,7 +616,7 @@ def finalize_scores(
     right = load_solved(store, exp_name, used)
     n = store.meta.train_set_size
     store.reset_scores(exp_name)  # a new combination: recompute all rows
-    out = np.empty((n, store.num_targets(exp_name)), dtype=np.float32)
+    out = page_array((n, store.num_targets(exp_name)), np.float32)
     stream_scores(
         store, exp_name, used, 0, n, right, block_rows=block_rows, out=out, progress=progress, rows_array="grads"
     )

@@ -25,6 +25,7 @@ tests/test_scores_from_grads.py check it).
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -44,8 +45,31 @@ DEFAULT_MEMORY_BYTES = 4 << 30
 MEMORY_FRACTION = 1 / 16
 #: a GEMM with fewer rows than this runs below the BLAS peak (the per-call cost and the edge tiles show)
 MIN_GEMM_ROWS = 256
+#: arrays of at least this many bytes get their own mapping of small pages (:func:`page_array`)
+PAGE_ARRAY_BYTES = 2 << 20
 #: the per-model row arrays :func:`stream_scores` can stream: the projected gradients X (the store keeps no Φ)
 ROWS_ARRAYS = ("grads",)
+
+
+def page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A writable, zero-filled array in an anonymous private mapping of its own that declines transparent huge
+    pages (``MADV_NOHUGEPAGE``): for the scoring's large buffers, each written once and soon freed.
+
+    numpy asks for huge pages for every array of 4 MiB or more. Where the host takes free memory back (a virtual
+    machine with free page reporting or ballooning: the free pages come back to the guest on first touch), a huge
+    page that has been free for a few seconds costs 3–6× more to fault in than the same bytes in small pages
+    (``benchmarks/scoring_bench.py`` prints both: ``page_costs``); on bare metal huge pages are somewhat cheaper.
+    Scoring writes its (n, m) result and its staging buffers exactly once, so the small pages' cost (~0.4 s/GiB
+    here, whatever the memory's history) is the predictable one. Smaller arrays are plain ``np.empty``."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    nbytes = count * dtype.itemsize
+    if nbytes < PAGE_ARRAY_BYTES or not hasattr(mmap, "MAP_PRIVATE"):
+        return np.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
 
 
 def _read_size(path: str) -> int | None:
@@ -255,7 +279,7 @@ def stream_scores(
         try:
             torch.set_num_threads(1)  # this thread's OpenMP/MKL: one-thread GEMMs, one per core
             f32 = meta.np_dtype == np.float32
-            local.raw = np.empty((piece_rows, p), dtype=meta.np_dtype)  # one piece of one checkpoint, as stored
+            local.raw = page_array((piece_rows, p), meta.np_dtype)  # one piece of one checkpoint, as stored
             # a block: ``step`` rows, or fewer than step + MIN_GEMM_ROWS where a remainder joined it
             local.x = None if f32 else torch.empty(min(step + MIN_GEMM_ROWS, piece_rows), p, dtype=torch.float32)
         except BaseException:
@@ -269,7 +293,7 @@ def stream_scores(
         with lock:
             if seg not in staging:
                 s0, s1 = seg_range[seg]
-                staging[seg] = np.empty((s1 - s0, m), dtype=np.float32)
+                staging[seg] = page_array((s1 - s0, m), np.float32)
             buf = staging[seg]
         s0 = seg_range[seg][0]
         return buf[s - s0 : e - s0]
@@ -388,7 +412,7 @@ def scores_from_grads(
         right[mid] = grads_right_hand(inverses[mid], g_t)
     store.reset_scores(exp_name)  # a new combination: recompute all rows
     if out is None:
-        out = np.empty((n, store.num_targets(exp_name)), dtype=np.float32)
+        out = page_array((n, store.num_targets(exp_name)), np.float32)
     stream_scores(
         store, exp_name, ids, 0, n, right, block_rows=block_rows, out=out, progress=progress, rows_array="grads"
     )
