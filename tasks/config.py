@@ -318,6 +318,11 @@ class AttributeConfig(_Base):
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")
     shard_size: PositiveInt = Field(4096, description="train rows per featurize task (a multiple of chunk_rows)")
+    score_task_rows: PositiveInt | None = Field(
+        None,
+        description="train rows per score task (a multiple of shard_size); null: as many shards as give a task "
+        "about 4e11 flops of GEMM, leaving at least 16 tasks (trak_core.streaming.score_task_ranges)",
+    )
     chunk_rows: PositiveInt | None = Field(
         None,
         description="Zarr chunk rows; default: as many rows as fit in "
@@ -453,6 +458,11 @@ class AttributeConfig(_Base):
             raise BadInputError(
                 f"chunk_rows: {self.chunk_rows} must divide shard_size={self.shard_size} "
                 "(each featurize task must own whole chunks)"
+            )
+        if self.score_task_rows is not None and self.score_task_rows % self.shard_size:
+            raise BadInputError(
+                f"score_task_rows: {self.score_task_rows} must be a multiple of shard_size={self.shard_size} "
+                "(each score task scores whole shards)"
             )
         self._checkpoint_paths = resolve_checkpoints(self.checkpoints, "checkpoints")
         return self

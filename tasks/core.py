@@ -41,10 +41,12 @@ from trak_core.reduce import (
     shard_partial,
     shard_row_sums,
     solve_targets,
+    unscored_ranges,
     usable_models,
 )
 from trak_core.scoring import parse_lambda_reg
 from trak_core.store import StoreMetadata, TrakStore
+from trak_core.streaming import score_task_ranges
 from trak_core.verify import repair_store, verify_store
 
 from . import progress
@@ -457,27 +459,32 @@ def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -
 
 def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
     """Which checkpoints are combined, each one's targets times its inverse (G A, written once), and score
-    blocks (one per shard). Forgets rows scored with another combination of checkpoints. Call once, before
-    fanning out score_block."""
+    blocks (whole shards each: ``score_task_rows``, or as many as make the task worth its fixed costs,
+    :func:`trak_core.streaming.score_task_ranges`). Forgets rows scored with another combination of checkpoints.
+    Call once, before fanning out score_block."""
     store = open_store(config)
     exp = config.exp_name
     used = usable_models(store, exp, model_ids)
     solve_targets(store, exp, used)
     store.begin_scores(exp, used)
-    blocks = tuple(store.meta.shard_range(s) for s in range(store.meta.num_shards))
+    meta, m, rows = store.meta, store.num_targets(exp), config.score_task_rows
+    blocks = score_task_ranges(meta.train_set_size, meta.rows_per_shard, meta.proj_dim, m, len(used), rows)
     return ScorePlan(model_ids=tuple(used), blocks=blocks)
 
 
 def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -> ScoreBlockManifest:
-    """Combined scores of train rows [a, b) against all targets."""
+    """Combined scores of train rows [a, b) against all targets: the rows not yet marked done (a rerun after a
+    crash inside the block computes only its shards that were not finished)."""
     t0 = time.perf_counter()
     store = open_store(config)
     exp = config.exp_name
-    if store.rows_scored(exp, a, b):
-        progress.advance("score", b - a)
+    todo = unscored_ranges(store, exp, a, b)
+    progress.advance("score", (b - a) - sum(e - s for s, e in todo))
+    if not todo:
         return ScoreBlockManifest.timed(t0, True, rows=(a, b))
-    score_rows(store, exp, model_ids, a, b, load_solved(store, exp, model_ids))
-    progress.advance("score", b - a)
+    right = load_solved(store, exp, model_ids)
+    for s, e in todo:
+        score_rows(store, exp, model_ids, s, e, right, progress=lambda rows: progress.advance("score", rows))
     return ScoreBlockManifest.timed(t0, False, rows=(a, b))
 
 

@@ -127,6 +127,8 @@ def test_writability_probe_leaves_nothing(tmp_path):
     "over,field",
     [
         (dict(chunk_rows=6), "chunk_rows"),
+        (dict(score_task_rows=24), "score_task_rows"),  # not whole shards of 16
+        (dict(score_task_rows=0), "score_task_rows"),
         (dict(lambda_reg=-1.0), "lambda_reg"),
         (dict(batch_size=0), "batch_size"),
         (dict(projector="sparse"), "projector"),

@@ -342,3 +342,30 @@ def test_corrupt_flag_chunk_is_found_by_the_plan_and_recomputed(clean, tmp_path)
     assert [(d.array, d.chunk, d.kind) for d in report.damage] == [("models/0/featurized", "c/1", "corrupt")]
     msgs = assert_recomputed(config(store, clean["ckpts"]), clean)
     assert any("array models/0/featurized, chunk c/1 (rows 8..15): fails its crc32c checksum" in m for m in msgs)
+
+
+def test_score_task_of_several_shards_resumes_with_its_unfinished_shards(clean, tmp_path, monkeypatch):
+    """A score task of two shards killed after its first shard's scores and flags were written: the rerun of the
+    task scores only the second shard; progress counts every row once; the scores equal the clean run's."""
+    from trak_core import reduce
+
+    store = copy(clean, "finalize", tmp_path / "s.zarr")
+    cfg = config(store, clean["ckpts"], score_task_rows=2 * SHARD)
+    plan = core.make_plan(cfg)
+    for m in plan.models:
+        core.featurize_targets(cfg, m.model_id, m.checkpoint)
+    sp = core.prepare_scores(cfg, plan.model_ids)
+    assert sp.blocks == ((0, 32), (32, 64))
+    st = TrakStore.open(cfg.store)
+    reduce.score_rows(st, cfg.exp_name, list(sp.model_ids), 0, SHARD)  # the first shard of the first task: done
+    calls, advanced = [], []
+    real = core.score_rows
+    monkeypatch.setattr(core, "score_rows", lambda *a, **k: calls.append(a[3:5]) or real(*a, **k))
+    monkeypatch.setattr(core.progress, "advance", lambda stage, amount=1: advanced.append((stage, amount)))
+    manifests = [core.score_block(cfg, list(sp.model_ids), a, b) for a, b in sp.blocks]
+    assert calls == [(SHARD, 2 * SHARD), (32, 64)]
+    assert not any(m.skipped for m in manifests)
+    assert {s for s, _ in advanced} == {"score"} and sum(a for _, a in advanced) == 64
+    np.testing.assert_array_equal(TrakStore.open(cfg.store, mode="r").scores(cfg.exp_name)[:], clean["scores"])
+    again = core.score_block(cfg, list(sp.model_ids), 0, 32)  # all rows done: skipped, nothing computed
+    assert again.skipped and calls == [(SHARD, 2 * SHARD), (32, 64)]

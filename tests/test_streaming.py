@@ -310,3 +310,39 @@ def test_finalize_scores_returns_scores_in_small_pages(tmp_path, monkeypatch):
         base = base.base
     assert isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)
     np.testing.assert_array_equal(got, plain_loop(st, "e", [0, 1], st.meta.shard_rows))
+
+
+def test_score_task_ranges_whole_shards_sized_by_work():
+    """Score tasks: whole shards tiling [0, n); by default enough shards for SCORE_TASK_FLOPS of GEMM, but at
+    least MIN_SCORE_TASKS tasks where the shards allow; an explicit size must be whole shards."""
+    from trak_core.errors import BadInputError
+
+    def check(ranges, n, shard):
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:], strict=False))
+        assert all(a % shard == 0 for a, _ in ranges)
+
+    n, shard = 1_281_167, 4096  # ImageNet-size, the pipeline's default shard_size: 313 shards
+    big = streaming.score_task_ranges(n, shard, 2048, 1000, 1)
+    check(big, n, shard)
+    per_row = 2 * 2048 * 1000
+    # 4e11 flops want 24 shards a task, which would leave 14 tasks: capped at 313 // 16 = 19 shards, 17 tasks
+    assert {b - a for a, b in big[:-1]} == {19 * shard} and len(big) == 17 >= streaming.MIN_SCORE_TASKS
+    assert 19 * shard * per_row < streaming.SCORE_TASK_FLOPS < 24 * shard * per_row
+    many = streaming.score_task_ranges(10 * n, shard, 2048, 1000, 1)  # 3,128 shards: the flops decide
+    check(many, 10 * n, shard)
+    assert {b - a for a, b in many[:-1]} == {24 * shard}
+    heavy = streaming.score_task_ranges(n, shard, 2048, 100_000, 4)  # each shard is work enough
+    assert heavy == tuple((a, min(a + shard, n)) for a in range(0, n, shard))
+    few = streaming.score_task_ranges(300, 16, 24, 9, 1)  # 19 shards: one task each
+    assert few == tuple((a, min(a + 16, 300)) for a in range(0, 300, 16))
+    assert streaming.score_task_ranges(300, 16, 24, 9, 1, rows=64) == (
+        (0, 64),
+        (64, 128),
+        (128, 192),
+        (192, 256),
+        (256, 300),
+    )
+    for bad in (24, 0):
+        with pytest.raises(BadInputError, match="score_task_rows"):
+            streaming.score_task_ranges(300, 16, 24, 9, 1, rows=bad)

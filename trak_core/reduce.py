@@ -587,15 +587,23 @@ def score_rows(
     b: int,
     targets: dict | None = None,
     block_rows: int | None = None,
+    progress=None,
 ) -> None:
     """Combined scores for train rows [a, b) written to the experiment's score array: X_c (A_c G_cᵀ) summed
     over the checkpoints as traker combines them. ``targets``: :func:`load_solved`'s W per model (read from
-    the store when not given; :func:`solve_targets` must have written them).
+    the store when not given; :func:`solve_targets` must have written them). ``progress(rows)`` is called as
+    rows are written.
 
     Streams in blocks of ``block_rows`` rows (default: chosen from the cache and memory sizes), reading the
     next block while multiplying this one (:func:`trak_core.streaming.stream_scores`)."""
     right = targets if targets is not None else load_solved(store, exp_name, model_ids)
-    stream_scores(store, exp_name, model_ids, a, b, right, block_rows=block_rows, rows_array="grads")
+    stream_scores(store, exp_name, model_ids, a, b, right, block_rows=block_rows, progress=progress, rows_array="grads")
+
+
+def unscored_ranges(store: TrakStore, exp_name: str, a: int, b: int) -> list[tuple[int, int]]:
+    """The runs [s, e) of train rows in [a, b) not marked scored, in order (empty when all are)."""
+    todo = np.flatnonzero(np.diff(np.r_[0, store.experiment(exp_name).scores_done[a:b] == 0, 0].astype(np.int8)))
+    return [(a + int(s), a + int(e)) for s, e in zip(todo[::2], todo[1::2], strict=True)]
 
 
 def finalize_scores(
