@@ -15,8 +15,9 @@ per checkpoint, ``ckpts`` checkpoints) and m targets, times:
   Zarr reads of X, float16 → float32, the GEMMs, the combination, the Zarr writes of the scores, the returned array);
 * **finalize_scores, buffers in numpy's huge pages**: the same with the returned array and the workers' buffers
   as plain numpy arrays (which ask for transparent huge pages), as before ``streaming.page_array``;
-* **score tasks**: what the pipeline's score step runs: ``reduce.score_rows`` per shard, each loading G A
-  (``tasks.core.score_block`` without Prefect).
+* **score tasks**: what the pipeline's score step runs: ``reduce.score_rows`` per task range
+  (``streaming.score_task_ranges``: whole shards, one each at this n), each loading G A (``tasks.core.score_block``
+  without Prefect).
 
 Each repetition times a 4096² matmul right before each measurement; the "interleaved" column is the median of
 (measurement GFLOP/s) / (that reference), robust to other jobs on the machine.
@@ -101,15 +102,21 @@ def _timed(fn) -> float:
 
 
 def score_tasks(store: TrakStore, exp: str, used: list[int]) -> np.ndarray:
-    """The pipeline's score step: prepare_scores (G A once, begin_scores), then score_rows per shard with G A loaded
-    per call."""
+    """The pipeline's score step: prepare_scores (G A once, begin_scores, the task ranges of
+    ``streaming.score_task_ranges``), then score_rows per task range with G A loaded per task."""
     reduce.solve_targets(store, exp, used)
     store.reset_scores(exp)
     store.begin_scores(exp, used)
-    for s in range(store.meta.num_shards):
-        a, b = store.meta.shard_range(s)
+    for a, b in task_ranges(store, exp, used):
         reduce.score_rows(store, exp, used, a, b, reduce.load_solved(store, exp, used))
     return store.scores(exp)[:]
+
+
+def task_ranges(store: TrakStore, exp: str, used: list[int]) -> tuple[tuple[int, int], ...]:
+    meta = store.meta
+    return streaming.score_task_ranges(
+        meta.train_set_size, meta.rows_per_shard, meta.proj_dim, store.num_targets(exp), len(used)
+    )
 
 
 def build_store(path: str, n: int, p: int, ms: list[int], ckpts: int, dtype: str, lambda_reg="adaptive") -> TrakStore:
@@ -347,7 +354,9 @@ def run(a) -> dict:
                     "finalize_scores, buffers in numpy's huge pages": numpy_buffers(
                         lambda exp=exp: reduce.finalize_scores(st, exp)
                     ),
-                    "score tasks (score_rows per shard)": lambda exp=exp: score_tasks(st, exp, used),
+                    f"score tasks ({len(task_ranges(st, exp, used))} of score_task_ranges)": lambda exp=exp: (
+                        score_tasks(st, exp, used)
+                    ),
                 }
             )
             res = {k: {"t": [], "frac": [], "cpu": []} for k in paths}

@@ -321,7 +321,8 @@ class AttributeConfig(_Base):
     score_task_rows: PositiveInt | None = Field(
         None,
         description="train rows per score task (a multiple of shard_size); null: as many shards as give a task "
-        "about 4e11 flops of GEMM, leaving at least 16 tasks (trak_core.streaming.score_task_ranges)",
+        "about 4e11 flops of GEMM, leaving at least 16 tasks and 4 per concurrent task (one shard each on an "
+        "existing Dask cluster, whose size the config does not say; trak_core.streaming.score_task_ranges)",
     )
     chunk_rows: PositiveInt | None = Field(
         None,
@@ -479,6 +480,18 @@ class AttributeConfig(_Base):
     def settings(self) -> TrakSettings:
         """The algorithm's settings of this config (what trak_core needs)."""
         return TrakSettings(**{k: getattr(self, k) for k in TrakSettings.model_fields})
+
+    @property
+    def task_slots(self) -> int | None:
+        """Tasks the configured runner executes at once; None on an existing Dask cluster (``dask_address``),
+        whose size the config does not say."""
+        if self.task_runner == "thread":
+            return self.max_workers
+        if self.task_runner == "process":
+            return len(self.gpus) if self.gpus else self.max_workers
+        if self.dask_address:
+            return None
+        return (len(self.gpus) if self.gpus else self.dask_n_workers) * self.dask_threads_per_worker
 
     @property
     def effective_chunk_rows(self) -> int:

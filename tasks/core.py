@@ -459,16 +459,19 @@ def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -
 
 def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
     """Which checkpoints are combined, each one's targets times its inverse (G A, written once), and score
-    blocks (whole shards each: ``score_task_rows``, or as many as make the task worth its fixed costs,
-    :func:`trak_core.streaming.score_task_ranges`). Forgets rows scored with another combination of checkpoints.
+    blocks (whole shards each: ``score_task_rows``, or as many as make the task worth its fixed costs while
+    leaving work for every task slot of the run, :func:`trak_core.streaming.score_task_ranges`). Forgets rows
+    scored with another combination of checkpoints.
     Call once, before fanning out score_block."""
     store = open_store(config)
     exp = config.exp_name
     used = usable_models(store, exp, model_ids)
     solve_targets(store, exp, used)
     store.begin_scores(exp, used)
-    meta, m, rows = store.meta, store.num_targets(exp), config.score_task_rows
-    blocks = score_task_ranges(meta.train_set_size, meta.rows_per_shard, meta.proj_dim, m, len(used), rows)
+    meta, m, rows, slots = store.meta, store.num_targets(exp), config.score_task_rows, config.task_slots
+    if rows is None and slots is None:  # an existing Dask cluster of unknown size: as many tasks as shards
+        rows = meta.rows_per_shard
+    blocks = score_task_ranges(meta.train_set_size, meta.rows_per_shard, meta.proj_dim, m, len(used), rows, slots or 1)
     return ScorePlan(model_ids=tuple(used), blocks=blocks)
 
 

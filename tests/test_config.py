@@ -374,3 +374,18 @@ def test_missing_module_says_where_modules_are_searched(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(BadInputError, match=r"model: cannot import module 'nosuch_pkg_42\.models'.*working directory"):
         load_object("nosuch_pkg_42.models:make", "model")
+
+
+@pytest.mark.parametrize(
+    "over,slots",
+    [
+        (dict(task_runner="thread", max_workers=3), 3),
+        (dict(task_runner="process", max_workers=5), 5),
+        (dict(task_runner="process", gpus=["0", "1"]), 2),
+        (dict(task_runner="dask", dask_n_workers=3, dask_threads_per_worker=2), 6),
+        (dict(task_runner="dask", dask_address="tcp://127.0.0.1:8786"), None),
+    ],
+)
+def test_task_slots_follow_the_runner(tmp_path, ckpts, over, slots):
+    """How many tasks run at once (what sizes the score tasks); unknown for an existing Dask cluster."""
+    assert AttributeConfig.model_validate(good(tmp_path, ckpts, **over)).task_slots == slots

@@ -51,8 +51,10 @@ PAGE_ARRAY_BYTES = 2 << 20
 #: task's fixed costs (opening the store, reading G A, starting its workers, the first read before any GEMM, the
 #: last write after it, the orchestrator's task run: ~0.2 s of one core) are a few per cent of it
 SCORE_TASK_FLOPS = 4e11
-#: ...but at least this many score tasks where the shards allow, so that the task slots of a run stay busy
+#: ...but at least this many score tasks where the shards allow, and TASKS_PER_SLOT per concurrent task slot, so
+#: that every slot of a run stays busy and uneven task times even out
 MIN_SCORE_TASKS = 16
+TASKS_PER_SLOT = 4
 #: the per-model row arrays :func:`stream_scores` can stream: the projected gradients X (the store keeps no Φ)
 ROWS_ARRAYS = ("grads",)
 
@@ -153,22 +155,29 @@ def score_block_rows(
 
 
 def score_task_ranges(
-    n: int, shard_rows: int, proj_dim: int, num_targets: int, checkpoints: int, rows: int | None = None
+    n: int,
+    shard_rows: int,
+    proj_dim: int,
+    num_targets: int,
+    checkpoints: int,
+    rows: int | None = None,
+    slots: int = 1,
 ) -> tuple[tuple[int, int], ...]:
     """The train-row ranges [a, b) of the pipeline's score tasks: whole shards of ``shard_rows`` rows (the last
     may be short), in order, tiling [0, n).
 
     ``rows``: rows per task (a multiple of ``shard_rows``). By default as many shards as give a task
     SCORE_TASK_FLOPS of GEMM (2 · proj_dim · num_targets · checkpoints per row), but no more than leave
-    MIN_SCORE_TASKS tasks, and at least one shard: one task per shard when each shard is work enough or when
-    there are few shards."""
+    max(MIN_SCORE_TASKS, TASKS_PER_SLOT · ``slots``) tasks (``slots``: tasks the run executes at once), and at
+    least one shard: one task per shard when each shard is work enough or when there are few shards."""
     if rows is not None and (rows <= 0 or rows % shard_rows):
         raise BadInputError(f"score_task_rows: {rows} must be a positive multiple of shard_size={shard_rows}")
     shards = -(-n // shard_rows)
     if rows is None:
         per_row = 2 * proj_dim * num_targets * max(1, checkpoints)
         want = -(-int(SCORE_TASK_FLOPS) // max(1, per_row * shard_rows))  # shards for the flops
-        rows = max(1, min(want, shards // MIN_SCORE_TASKS)) * shard_rows
+        tasks = max(MIN_SCORE_TASKS, TASKS_PER_SLOT * max(1, slots))
+        rows = max(1, min(want, shards // tasks)) * shard_rows
     return tuple((a, min(a + rows, n)) for a in range(0, n, rows))
 
 
