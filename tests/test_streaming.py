@@ -349,3 +349,25 @@ def test_score_task_ranges_whole_shards_sized_by_work():
     for bad in (24, 0):
         with pytest.raises(BadInputError, match="score_task_rows"):
             streaming.score_task_ranges(300, 16, 24, 9, 1, rows=bad)
+
+
+def test_staging_buffers_are_reused_across_segments(tmp_path, monkeypatch):
+    """Without an ``out`` array (the score tasks), each score chunk is staged until written; a written chunk's
+    buffer serves the next one, so a range of 16 score chunks allocates about one buffer per worker, and the
+    scores still equal the plain loop's."""
+    st = scored_store(tmp_path / "s", "float16", 2, n=2000, m=9)
+    reduce.solve_targets(st, "e", [0, 1])
+    made = []
+    real = streaming.page_array
+
+    def counting(shape, dtype):
+        made.append(tuple(shape))
+        return real(shape, dtype)
+
+    monkeypatch.setattr(streaming, "page_array", counting)
+    st.reset_scores("e")
+    reduce.score_rows(st, "e", [0, 1], 0, 2000, reduce.load_solved(st, "e", [0, 1]))
+    rows = st.experiment("e").scores.chunks[0]
+    staged = [s for s in made if s[1:] == (9,)]
+    assert -(-2000 // rows) >= 16 and 1 <= len(staged) <= torch.get_num_threads() + 1, (rows, staged)
+    np.testing.assert_array_equal(st.scores("e")[:], plain_loop(st, "e", [0, 1], st.meta.shard_rows))

@@ -67,7 +67,7 @@ def page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     machine with free page reporting or ballooning: the free pages come back to the guest on first touch), a huge
     page that has been free for a few seconds costs 3–6× more to fault in than the same bytes in small pages
     (``benchmarks/scoring_bench.py`` prints both: ``page_costs``); on bare metal huge pages are somewhat cheaper.
-    Scoring writes its (n, m) result and its staging buffers exactly once, so the small pages' cost (~0.4 s/GiB
+    Scoring writes its (n, m) result once and reuses its staging buffers, so the small pages' cost (~0.4 s/GiB
     here, whatever the memory's history) is the predictable one. Smaller arrays are plain ``np.empty``."""
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
@@ -306,6 +306,9 @@ def stream_scores(
         qsum_all += mm.out_to_loss[a:b].astype(np.float64)
     rights = [targets[mid] for mid in ids]
     staging: dict[int, np.ndarray] = {}  # without ``out``: a segment's scores until it is written
+    held: dict[int, np.ndarray] = {}  # the whole buffer (seg_rows × m) each staging view is of
+    spare: list[np.ndarray] = []  # buffers whose segment is written, for the next segments
+    seg_rows = max(e - s for s, e in seg_range.values())
     lock = threading.Lock()
     local = threading.local()
     ready = threading.Barrier(workers + 1)
@@ -328,7 +331,8 @@ def stream_scores(
         with lock:
             if seg not in staging:
                 s0, s1 = seg_range[seg]
-                staging[seg] = page_array((s1 - s0, m), np.float32)
+                held[seg] = spare.pop() if spare else page_array((seg_rows, m), np.float32)
+                staging[seg] = held[seg][: s1 - s0]
             buf = staging[seg]
         s0 = seg_range[seg][0]
         return buf[s - s0 : e - s0]
@@ -361,6 +365,8 @@ def stream_scores(
         writer.rows(s0, s1, out[s0:s1] if out is not None else staging[seg])
         with lock:
             staging.pop(seg, None)
+            if seg in held:
+                spare.append(held.pop(seg))
             flag_left[flag_of[seg]] -= 1
             flag_complete = not flag_left[flag_of[seg]]
         if flag_complete:
