@@ -524,8 +524,8 @@ def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
             f"{hu['recycled']:.2f} s just freed, {hu['fresh']:.2f} s free for {pg['idle']:.0f} s; "
             f"`streaming.page_array` (small pages) {sm['recycled']:.2f} s and {sm['fresh']:.2f} s. Scoring "
             f"m = {big:,} targets writes {a.n * big * 4 / 2**30:.2f} GiB of returned scores once, and as much page "
-            "cache for the score files; the scoring's large buffers are page arrays since this was measured "
-            "(the row *buffers in numpy's huge pages* is the same code with plain numpy buffers).",
+            "cache for the score files. The scoring's large buffers are `page_array`s; the row *buffers in numpy's "
+            "huge pages* runs the same code with plain numpy buffers.",
         ]
     if res.get("same_as_previous"):
         lines += [
