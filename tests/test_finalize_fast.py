@@ -109,12 +109,20 @@ def test_deff_with_another_part_takes_the_larger_lambda():
     assert two == pytest.approx(ref, rel=1e-4)
 
 
-def _store_with_rows(path, x: np.ndarray, *, chunk_rows: int, shard_rows: int, partials: bool = True) -> TrakStore:
+def _store_with_rows(
+    path, x: np.ndarray, *, chunk_rows: int, shard_rows: int, partials: bool = True, **meta_fields
+) -> TrakStore:
     import tempfile
 
     n, p = x.shape
     meta = StoreMetadata(
-        train_set_size=n, grad_dim=10 * p, proj_dim=p, dtype="float32", chunk_rows=chunk_rows, shard_rows=shard_rows
+        train_set_size=n,
+        grad_dim=10 * p,
+        proj_dim=p,
+        dtype="float32",
+        chunk_rows=chunk_rows,
+        shard_rows=shard_rows,
+        **meta_fields,
     )
     st = TrakStore.create_or_open(str(path or tempfile.mkdtemp()) + "/s", meta)
     st.init_model(0)
@@ -195,3 +203,51 @@ def test_fast_condition_estimate_is_close_to_the_exact_one():
     lam, inv, ev = reduce.solve_deff_fast(a, [0.1], n)
     _, cond = reduce.cholesky_inverse(torch.from_numpy(a), lam, n, eigenvalues=ev, inverse=inv)
     assert cond == pytest.approx(np.linalg.cond(a + lam * np.eye(p)), rel=1e-3)
+
+
+def test_pack_upper_round_trip_is_exact():
+    from trak_core.store import pack_upper, unpack_upper
+
+    for p in (1, 2, 7, 300):
+        x = _x(3 * p, p, seed=p)
+        a = x.T @ x  # one syrk: exactly symmetric
+        v = pack_upper(a)
+        assert v.shape == (p * (p + 1) // 2,) and v.dtype == np.float64
+        np.testing.assert_array_equal(unpack_upper(v, p), a)
+        assert v[0] == a[0, 0] and v[-1] == a[-1, -1]
+        if p > 1:  # row 0 (p entries), then row 1 from its diagonal
+            assert v[1] == a[0, 1] and v[p] == a[1, 1]
+
+
+@pytest.mark.parametrize("computed", [False, True])
+def test_packed_partials_half_the_bytes_same_inverse_as_a_schema_3_store(tmp_path, computed):
+    """Schema 4 stores each shard's XᵀX partial as its packed upper triangle: half the array, and finalize gives
+    the bits a schema-3 store (full partials, still opened and finalized in its own layout) gives — with the
+    partials stored beforehand or computed by finalize on the way."""
+    import os
+
+    from trak_core import store as store_mod
+
+    n, p = 2400, 300
+    x = _x(n, p, alpha=1.0, seed=9).astype(np.float32)
+    new = _store_with_rows(tmp_path / "v4", x, chunk_rows=200, shard_rows=800, partials=not computed)
+    old = _store_with_rows(tmp_path / "v3", x, chunk_rows=200, shard_rows=800, partials=not computed, schema_version=3)
+    assert new.meta.schema_version == store_mod.SCHEMA_VERSION == 4 and old.meta.schema_version == 3
+    info_new, info_old = reduce.finalize_model(new, 0, "adaptive"), reduce.finalize_model(old, 0, "adaptive")
+    assert info_new == info_old
+    np.testing.assert_array_equal(new.inverse(0), old.inverse(0))
+    np.testing.assert_array_equal(reduce.total_xtx(new, 0), reduce.total_xtx(old, 0))
+    packed, full = new.model(0).xtx_partials, old.model(0).xtx_partials
+    assert packed.shape == (3, p * (p + 1) // 2) and full.shape == (3, p, p)
+    for s in range(3):
+        np.testing.assert_array_equal(store_mod.unpack_upper(packed[s], p), full[s])
+
+    def size(st):
+        d = os.path.join(st.location, "models", "0", "xtx_partials")
+        return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
+
+    assert 0.49 < size(new) / size(old) < 0.52
+    # the schema-3 store reopens (arrays checked against its own layout), also with this version's metadata
+    meta = StoreMetadata(**{**old.meta.model_dump(), "schema_version": 4})
+    again = TrakStore.create_or_open(old.location, meta)
+    assert again.meta.schema_version == 3 and not again.array_problems()

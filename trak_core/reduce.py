@@ -29,7 +29,7 @@ from .scoring import (
     regularized_inverse,
     symmetric_eigenvalues,
 )
-from .store import TrakStore
+from .store import TrakStore, pack_upper, unpack_upper
 from .streaming import grads_right_hand, page_array, stream_scores
 from .verify import require_present
 
@@ -102,12 +102,13 @@ def ensure_partial(store: TrakStore, model_id: int, shard: int) -> None:
 
 
 def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:
-    """XᵀX as the sum of the shard partials in shard order (the one canonical order)."""
-    m = store.model(model_id)
-    total = np.zeros((store.meta.proj_dim, store.meta.proj_dim), dtype=np.float64)
-    for s in range(store.meta.num_shards):
+    """XᵀX as the sum of the shard partials in shard order (the one canonical order; packed partials are summed
+    packed, entry by entry the same additions)."""
+    m, meta = store.model(model_id), store.meta
+    total = np.zeros(meta.partial_shape, dtype=np.float64)
+    for s in range(meta.num_shards):
         total += m.xtx_partials[s]
-    return total
+    return unpack_upper(total, meta.proj_dim) if meta.packed_partials else total
 
 
 def total_row_sums(store: TrakStore, model_id: int) -> RowSums:
@@ -417,15 +418,16 @@ def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, 
     from memory instead of reading them back. Their writes go to ``writer`` (one background thread) so that they
     overlap the next shard's work and the solve; returns (XᵀX, the row sums, the write futures)."""
     m = store.model(model_id)
-    p, shards = store.meta.proj_dim, store.meta.num_shards
-    total, owned = None, False  # the running sum; 0 + P₀ is P₀ itself (the same bits as total_xtx's)
+    p, shards, packed = store.meta.proj_dim, store.meta.num_shards, store.meta.packed_partials
+    total, owned = None, False  # the running sum (packed as stored); 0 + P₀ is P₀ itself (total_xtx's bits)
     sums = np.zeros(p + 3, dtype=np.float64)
     writes: list = []
     done = np.asarray(m.partial_done[:], dtype=bool)  # one read each, not one per shard
     stored_sums = np.asarray(m.rowsum_partials[:], dtype=np.float64) if done.any() else None
     # the stored partials are read into reused buffers by READ_AHEAD background threads, the next ones while this
-    # one is added (a 32 MiB partial takes ~20 ms to read, 1 ms to add: the reads bound the sum)
-    bufs = [np.empty((1, p, p), dtype=np.float64) for _ in range(READ_AHEAD + 1 if done.any() else 0)]
+    # one is added (a 32 MiB partial, 16 MiB packed, takes ~20 ms to read, 1 ms to add: the reads bound the sum)
+    shape = (1, *store.meta.partial_shape)
+    bufs = [np.empty(shape, dtype=np.float64) for _ in range(READ_AHEAD + 1 if done.any() else 0)]
     free = list(range(len(bufs)))
     queue = iter(np.flatnonzero(done).tolist())
     reads: dict[int, tuple] = {}
@@ -467,15 +469,15 @@ def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, 
             for w in writes:  # one partial (p² float64) in flight at a time
                 w.result()
             writes = [writer.submit(store.write_partial, model_id, s, part, part_q)]
-            add(part, reused=False)
+            add(pack_upper(part) if packed else part, reused=False)
             sums += part_q
     finally:
         for fut, _ in reads.values():
             fut.cancel()
         reader.shutdown(wait=True)
     if total is None:
-        total = np.zeros((p, p), dtype=np.float64)
-    return total, RowSums.of(sums), writes
+        total = np.zeros(store.meta.partial_shape, dtype=np.float64)
+    return (unpack_upper(total, p) if packed else total), RowSums.of(sums), writes
 
 
 def finalize_model(store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, progress=None) -> dict:

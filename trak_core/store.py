@@ -7,7 +7,9 @@ Layout (one group; a local path or any fsspec URL such as ``memory://x``, ``file
     /models/<id>/grads          (n, p)  float16|float32   projected, normalized train gradients X
     /models/<id>/out_to_loss    (n,)    float32           Q
     /models/<id>/featurized     (n,)    uint8             row status: 1 once its grads and Q are written
-    /models/<id>/xtx_partials   (S, p, p) float64         Xₛᵀ Xₛ of each shard s of ``shard_rows`` rows
+    /models/<id>/xtx_partials   (S, p(p+1)/2) float64     Xₛᵀ Xₛ of each shard s of ``shard_rows`` rows, its upper
+                                                          triangle row by row (:func:`pack_upper`; (S, p, p) at
+                                                          schema 3)
     /models/<id>/rowsum_partials (S, p+3) float64       [Xₛᵀqₛ, qₛᵀqₛ, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²] of each shard (q: Q; damping)
     /models/<id>/partial_done   (S,)    uint8             status of both partials of a shard
     /models/<id>/inverse        (1, p, p) float32         A = (XᵀX + λI)⁻¹ (solved in float64, traker's rescale
@@ -28,6 +30,7 @@ Layout (one group; a local path or any fsspec URL such as ``memory://x``, ``file
 
 There are no features Φ = X A: scores are X (A Gᵀ), the stored gradients times ``solved``ᵀ, so a store holds
 the n-row arrays once, and finalize is the p × p solve (schema 3; a schema-2 store, which held Φ, is refused).
+Since schema 4 the XᵀX partials are packed upper triangles (a schema-3 store keeps its full ones and opens).
 
 Every array's chunks are encoded ``bytes`` then zarr v3's ``crc32c`` codec (a checksum of each chunk,
 checked by zarr on every read; no sharding: a chunk is the unit written, listed and verified). Each array's
@@ -74,9 +77,11 @@ from zarr.core.metadata import ArrayV3Metadata
 
 from .errors import BadInputError, LockLostError, StateError, StoreDamageError, StoreLockedError, StoreMismatchError
 
-#: 3: no features array — the inverse per model and G·A per (experiment, model) instead (2: features Φ stored;
-#: 1: no checksums); an older store is refused on open
-SCHEMA_VERSION = 3
+#: 4: each shard's XᵀX partial stored as its packed upper triangle (p(p+1)/2 float64: half the bytes); 3: no
+#: features array — the inverse per model and G·A per (experiment, model) instead (2: features Φ stored; 1: no
+#: checksums). A store of READABLE_SCHEMAS opens (3: its partials stay full p × p); an older one is refused
+SCHEMA_VERSION = 4
+READABLE_SCHEMAS = (3, 4)
 _META_KEY = "trakflow"
 _PIPELINE_KEY = "trakflow_pipeline"  # the pipeline's record (tasks/), kept beside the metadata
 
@@ -181,8 +186,31 @@ def _versions() -> dict:
 _SPEC_KEYS = ("kind", "proj_type", "seed", "grad_dim", "proj_dim")
 
 
+def pack_upper(a: np.ndarray) -> np.ndarray:
+    """The upper triangle of a (p, p) matrix, row by row: (p(p+1)/2,). Exact (a copy of the entries)."""
+    p = a.shape[0]
+    out = np.empty(p * (p + 1) // 2, dtype=a.dtype)
+    off = 0
+    for i in range(p):
+        out[off : off + p - i] = a[i, i:]
+        off += p - i
+    return out
+
+
+def unpack_upper(v: np.ndarray, p: int) -> np.ndarray:
+    """The symmetric (p, p) matrix whose upper triangle :func:`pack_upper` gave as ``v``."""
+    out = np.empty((p, p), dtype=v.dtype)
+    off = 0
+    for i in range(p):
+        out[i, i:] = v[off : off + p - i]
+        out[i:, i] = v[off : off + p - i]
+        off += p - i
+    return out
+
+
 class StoreMetadata(BaseModel):
-    """What a store was created with. Every field but ``versions`` must match on reopen."""
+    """What a store was created with. Every field but ``versions`` (and ``schema_version`` among the
+    readable ones) must match on reopen."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -212,6 +240,17 @@ class StoreMetadata(BaseModel):
         if self.shard_rows % self.chunk_rows:
             raise ValueError(f"shard_rows={self.shard_rows} must be a multiple of chunk_rows={self.chunk_rows}")
         return self
+
+    @property
+    def packed_partials(self) -> bool:
+        """Whether the XᵀX partials are stored as packed upper triangles (schema 4 on) or full (schema 3)."""
+        return self.schema_version >= 4
+
+    @property
+    def partial_shape(self) -> tuple[int, ...]:
+        """The shape of one stored XᵀX partial: (p(p+1)/2,) packed, else (p, p)."""
+        p = self.proj_dim
+        return (p * (p + 1) // 2,) if self.packed_partials else (p, p)
 
     @classmethod
     def from_projector(cls, spec: dict, **fields) -> StoreMetadata:
@@ -549,7 +588,8 @@ class ModelArrays:
 
     @property
     def xtx_partials(self) -> StoredArray:
-        """(S, p, p) float64 Xₛᵀ Xₛ of each shard."""
+        """Xₛᵀ Xₛ of each shard, float64: (S, p(p+1)/2) packed upper triangles (``meta.partial_shape``; (S, p, p)
+        at schema 3)."""
         return _stored(self.group, "xtx_partials")
 
     @property
@@ -955,11 +995,12 @@ class TrakStore:
             _refuse_orphan_arrays(location, storage_options)
             raise BadInputError(f"store: {location} is a Zarr group but not a trakflow store (no metadata)")
         meta = StoreMetadata.model_validate(g.attrs[_META_KEY])
-        if meta.schema_version != SCHEMA_VERSION:
+        if meta.schema_version not in READABLE_SCHEMAS:
             raise StoreMismatchError(
                 f"schema_version: the store at {location} has schema_version={meta.schema_version}, written by an "
                 f"earlier trakflow ({meta.versions.get('trakflow', 'unknown version')}); this version reads "
-                f"schema_version={SCHEMA_VERSION} (no features array: the inverse per checkpoint instead). Use a new "
+                f"schema_version {' and '.join(map(str, READABLE_SCHEMAS))} (no features array: the inverse per "
+                "checkpoint instead). Use a new "
                 "store location; the checkpoints and data are unchanged."
             )
         store = cls(location, g, meta)
@@ -998,8 +1039,8 @@ class TrakStore:
         have = self.meta.model_dump()
         want = expected.model_dump()
         for field in StoreMetadata.model_fields:
-            if field == "versions":
-                continue
+            if field == "versions" or (field == "schema_version" and have[field] in READABLE_SCHEMAS):
+                continue  # a store of an older readable schema is used in its own layout
             if have[field] != want[field]:
                 raise StoreMismatchError(
                     f"store at {self.location} was created with {field}={have[field]!r}, but this run asks "
@@ -1074,7 +1115,7 @@ class TrakStore:
                 "grads": rows(n, p, m.dtype),
                 "out_to_loss": rows(n, None, "float32"),
                 "featurized": rows(n, None, "uint8"),
-                "xtx_partials": ArraySpec((s, p, p), (1, p, p), "float64"),
+                "xtx_partials": ArraySpec((s, *m.partial_shape), (1, *m.partial_shape), "float64"),
                 "rowsum_partials": ArraySpec((s, p + 3), (1, p + 3), "float64"),
                 "partial_done": ArraySpec((s,), (1,), "uint8"),
                 "inverse": ArraySpec((1, p, p), (1, p, p), "float32"),
@@ -1257,12 +1298,15 @@ class TrakStore:
         self._row_array(g, "grads", m.dtype, m.proj_dim)
         self._row_array(g, "out_to_loss", "float32")
         self._row_array(g, "featurized", "uint8")
-        for name, rows, dtype in (("xtx_partials", m.num_shards, "float64"), ("inverse", 1, "float32")):
+        for name, rows, shape, dtype in (
+            ("xtx_partials", m.num_shards, m.partial_shape, "float64"),
+            ("inverse", 1, (m.proj_dim, m.proj_dim), "float32"),
+        ):
             if name not in g:
                 g.create_array(
                     name,
-                    shape=(rows, m.proj_dim, m.proj_dim),
-                    chunks=(1, m.proj_dim, m.proj_dim),
+                    shape=(rows, *shape),
+                    chunks=(1, *shape),
                     dtype=dtype,
                     compressors=_codecs(),
                     fill_value=0,
@@ -1348,9 +1392,10 @@ class TrakStore:
         _write_rows(m.featurized, rows, np.ones(grads.shape[0], dtype=np.uint8))
 
     def write_partial(self, model_id: int, shard: int, partial: np.ndarray, row_sums: np.ndarray) -> None:
-        """Write a shard's Xₛᵀ Xₛ (p, p) and its row sums (p + 3,), then mark the shard's partials done."""
+        """Write a shard's Xₛᵀ Xₛ (p, p, symmetric; stored packed at schema 4) and its row sums (p + 3,), then
+        mark the shard's partials done."""
         m = self.model(model_id)
-        m.xtx_partials[shard] = partial
+        m.xtx_partials[shard] = pack_upper(partial) if self.meta.packed_partials else partial
         m.rowsum_partials[shard] = row_sums
         self.check_lock()
         m.partial_done[shard] = 1
