@@ -468,8 +468,9 @@ def _sum_partials(store: TrakStore, model_id: int, writer) -> tuple[np.ndarray, 
             part, part_q = shard_partial(store, model_id, s, rows=rows), shard_row_sums(store, model_id, s, rows)
             for w in writes:  # one partial (p² float64) in flight at a time
                 w.result()
+            part = pack_upper(part) if packed else part  # packed once: written and summed as stored
             writes = [writer.submit(store.write_partial, model_id, s, part, part_q)]
-            add(pack_upper(part) if packed else part, reused=False)
+            add(part, reused=False)
             sums += part_q
     finally:
         for fut, _ in reads.values():

@@ -1392,10 +1392,10 @@ class TrakStore:
         _write_rows(m.featurized, rows, np.ones(grads.shape[0], dtype=np.uint8))
 
     def write_partial(self, model_id: int, shard: int, partial: np.ndarray, row_sums: np.ndarray) -> None:
-        """Write a shard's Xₛᵀ Xₛ (p, p, symmetric; stored packed at schema 4) and its row sums (p + 3,), then
-        mark the shard's partials done."""
+        """Write a shard's Xₛᵀ Xₛ (p, p, symmetric, or already :func:`pack_upper`-ed; stored packed at schema 4)
+        and its row sums (p + 3,), then mark the shard's partials done."""
         m = self.model(model_id)
-        m.xtx_partials[shard] = pack_upper(partial) if self.meta.packed_partials else partial
+        m.xtx_partials[shard] = pack_upper(partial) if self.meta.packed_partials and partial.ndim == 2 else partial
         m.rowsum_partials[shard] = row_sums
         self.check_lock()
         m.partial_done[shard] = 1
@@ -1519,9 +1519,6 @@ class TrakStore:
         if not e.has_scores:
             return np.zeros(self.meta.train_set_size, dtype=bool)
         return e.scores_done[:].astype(bool)
-
-    def rows_scored(self, exp_name: str, a: int, b: int) -> bool:
-        return bool(self.experiment(exp_name).scores_done[a:b].all())
 
     def write_score_rows(self, exp_name: str, a: int, b: int, scores: np.ndarray) -> None:
         """Write the combined scores of train rows [a, b) then mark them done."""
