@@ -469,9 +469,7 @@ def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
     solve_targets(store, exp, used)
     store.begin_scores(exp, used)
     meta, m, rows, slots = store.meta, store.num_targets(exp), config.score_task_rows, config.task_slots
-    if rows is None and slots is None:  # an existing Dask cluster of unknown size: as many tasks as shards
-        rows = meta.rows_per_shard
-    blocks = score_task_ranges(meta.train_set_size, meta.rows_per_shard, meta.proj_dim, m, len(used), rows, slots or 1)
+    blocks = score_task_ranges(meta.train_set_size, meta.rows_per_shard, meta.proj_dim, m, len(used), rows, slots)
     return ScorePlan(model_ids=tuple(used), blocks=blocks)
 
 

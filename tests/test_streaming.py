@@ -335,6 +335,8 @@ def test_score_task_ranges_whole_shards_sized_by_work():
     wide = streaming.score_task_ranges(n, shard, 2048, 1000, 1, slots=8)  # 8 task slots: at least 32 tasks
     check(wide, n, shard)
     assert {b - a for a, b in wide[:-1]} == {313 // 32 * shard} and len(wide) >= 4 * 8
+    unknown = streaming.score_task_ranges(n, shard, 2048, 1000, 1, slots=None)  # e.g. an existing Dask cluster
+    assert unknown == tuple((a, min(a + shard, n)) for a in range(0, n, shard))
     heavy = streaming.score_task_ranges(n, shard, 2048, 100_000, 4)  # each shard is work enough
     assert heavy == tuple((a, min(a + shard, n)) for a in range(0, n, shard))
     few = streaming.score_task_ranges(300, 16, 24, 9, 1)  # 19 shards: one task each

@@ -68,7 +68,7 @@ def page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     page that has been free for a few seconds costs 3–6× more to fault in than the same bytes in small pages
     (``benchmarks/scoring_bench.py`` prints both: ``page_costs``); on bare metal huge pages are somewhat cheaper.
     Scoring writes its (n, m) result once and reuses its staging buffers, so the small pages' cost (~0.4 s/GiB
-    here, whatever the memory's history) is the predictable one. Smaller arrays are plain ``np.empty``."""
+    here, whatever the memory's history) is the predictable one. Smaller arrays are plain ``np.zeros``."""
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
     nbytes = count * dtype.itemsize
@@ -161,22 +161,25 @@ def score_task_ranges(
     num_targets: int,
     checkpoints: int,
     rows: int | None = None,
-    slots: int = 1,
+    slots: int | None = 1,
 ) -> tuple[tuple[int, int], ...]:
     """The train-row ranges [a, b) of the pipeline's score tasks: whole shards of ``shard_rows`` rows (the last
     may be short), in order, tiling [0, n).
 
     ``rows``: rows per task (a multiple of ``shard_rows``). By default as many shards as give a task
     SCORE_TASK_FLOPS of GEMM (2 · proj_dim · num_targets · checkpoints per row), but no more than leave
-    max(MIN_SCORE_TASKS, TASKS_PER_SLOT · ``slots``) tasks (``slots``: tasks the run executes at once), and at
-    least one shard: one task per shard when each shard is work enough or when there are few shards."""
+    max(MIN_SCORE_TASKS, TASKS_PER_SLOT · ``slots``) tasks (``slots``: tasks the run executes at once; None when
+    that is unknown, e.g. an existing Dask cluster: one task per shard), and at least one shard: one task per shard
+    when each shard is work enough or when there are few shards."""
     if rows is not None and (rows <= 0 or rows % shard_rows):
         raise BadInputError(f"score_task_rows: {rows} must be a positive multiple of shard_size={shard_rows}")
     shards = -(-n // shard_rows)
+    if rows is None and slots is None:
+        rows = shard_rows
     if rows is None:
         per_row = 2 * proj_dim * num_targets * max(1, checkpoints)
         want = -(-int(SCORE_TASK_FLOPS) // max(1, per_row * shard_rows))  # shards for the flops
-        tasks = max(MIN_SCORE_TASKS, TASKS_PER_SLOT * max(1, slots))
+        tasks = max(MIN_SCORE_TASKS, TASKS_PER_SLOT * max(1, slots or 1))
         rows = max(1, min(want, shards // tasks)) * shard_rows
     return tuple((a, min(a + rows, n)) for a in range(0, n, rows))
 
