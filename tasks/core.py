@@ -479,13 +479,14 @@ def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -
     t0 = time.perf_counter()
     store = open_store(config)
     exp = config.exp_name
-    todo = unscored_ranges(store, exp, a, b)
-    progress.advance("score", (b - a) - sum(e - s for s, e in todo))
-    if not todo:
-        return ScoreBlockManifest.timed(t0, True, rows=(a, b))
-    right = load_solved(store, exp, model_ids)
-    for s, e in todo:
-        score_rows(store, exp, model_ids, s, e, right, progress=lambda rows: progress.advance("score", rows))
+    with store.pinned():  # this task's groups and arrays opened once
+        todo = unscored_ranges(store, exp, a, b)
+        progress.advance("score", (b - a) - sum(e - s for s, e in todo))
+        if not todo:
+            return ScoreBlockManifest.timed(t0, True, rows=(a, b))
+        right = load_solved(store, exp, model_ids)
+        for s, e in todo:
+            score_rows(store, exp, model_ids, s, e, right, progress=lambda rows: progress.advance("score", rows))
     return ScoreBlockManifest.timed(t0, False, rows=(a, b))
 
 

@@ -373,3 +373,119 @@ def test_staging_buffers_are_reused_across_segments(tmp_path, monkeypatch):
     staged = [s for s in made if s[1:] == (9,)]
     assert -(-2000 // rows) >= 16 and 1 <= len(staged) <= torch.get_num_threads() + 1, (rows, staged)
     np.testing.assert_array_equal(st.scores("e")[:], plain_loop(st, "e", [0, 1], st.meta.shard_rows))
+
+
+def test_reads_ahead_in_a_reader_thread_and_writes_in_the_callers(tmp_path, monkeypatch):
+    """The stored rows are read by one reader thread in piece order (a piece read ahead of the workers: at most
+    one read buffer more than the workers), the score chunks and flags written by the calling thread (progress
+    there too), and the scores equal the plain loop's."""
+    import threading
+
+    from trak_core import store as store_mod
+
+    st = scored_store(tmp_path / "s", "float16", 2, n=2000, m=9)
+    reduce.solve_targets(st, "e", [0, 1])
+    right = reduce.load_solved(st, "e", [0, 1])
+    seen: dict[str, list] = {"read": [], "rows": [], "done": [], "raw": []}
+    real_read, real_rows, real_done = streaming._read_into, store_mod.ScoreWriter.rows, store_mod.ScoreWriter.mark_done
+    real_page = streaming.page_array
+    monkeypatch.setattr(streaming, "PAGE_ARRAY_BYTES", 1024)  # every read buffer is a page_array here
+
+    def read(array, a, b, out):
+        seen["read"].append((threading.current_thread().name, a))
+        real_read(array, a, b, out)
+
+    def page(shape, dtype):
+        if np.dtype(dtype) == np.float16:
+            seen["raw"].append(tuple(shape))
+        return real_page(shape, dtype)
+
+    monkeypatch.setattr(streaming, "_read_into", read)
+    monkeypatch.setattr(streaming, "page_array", page)
+    monkeypatch.setattr(
+        store_mod.ScoreWriter,
+        "rows",
+        lambda w, a, b, x: (seen["rows"].append(threading.current_thread()), real_rows(w, a, b, x))[1],
+    )
+    monkeypatch.setattr(
+        store_mod.ScoreWriter,
+        "mark_done",
+        lambda w, a, b: (seen["done"].append(threading.current_thread()), real_done(w, a, b))[1],
+    )
+    st.reset_scores("e")
+    prog = []
+    reduce.score_rows(
+        st, "e", [0, 1], 0, 2000, right, block_rows=32, progress=lambda r: prog.append((threading.current_thread(), r))
+    )
+    main = threading.current_thread()
+    assert {name for name, _ in seen["read"]} == {"trak-read_0"}
+    starts = [a for _, a in seen["read"]]
+    assert starts == sorted(starts) and len(starts) == 2 * len(set(starts))  # in order, once per checkpoint
+    assert 1 <= len(seen["raw"]) <= torch.get_num_threads() + 1
+    assert seen["rows"] and set(seen["rows"]) == {main} and set(seen["done"]) == {main}
+    assert {t for t, _ in prog} == {main} and sum(r for _, r in prog) == 2000
+    np.testing.assert_array_equal(st.scores("e")[:], plain_loop(st, "e", [0, 1], st.meta.shard_rows))
+
+
+def test_a_worker_failing_mid_stream_raises_its_error_and_marks_no_unwritten_rows(tmp_path, monkeypatch):
+    """A GEMM failing in a worker after some score chunks are written: its error reaches the caller (the reader
+    and the other worker stop, nothing hangs), the rows marked done are exactly those written, and a rerun
+    completes them."""
+    st = scored_store(tmp_path / "s", "float16", 1, n=2000, m=9)
+    reduce.solve_targets(st, "e", [0])
+    right = reduce.load_solved(st, "e", [0])
+    real_blocks = streaming.score_blocks
+
+    def blocks(s, e, step, shard_rows=None):
+        if s >= 1000:
+            raise MemoryError(f"no memory for rows {s}..{e}")
+        return real_blocks(s, e, step, shard_rows)
+
+    monkeypatch.setattr(streaming, "score_blocks", blocks)
+    st.reset_scores("e")
+    with pytest.raises(MemoryError, match="no memory for rows"):
+        reduce.score_rows(st, "e", [0], 0, 2000, right, block_rows=32)
+    monkeypatch.undo()
+    done = st.scores_done_mask("e")
+    assert done[:1000].any() and not done[1000:].any()
+    want = plain_loop(st, "e", [0], st.meta.shard_rows)
+    np.testing.assert_array_equal(st.experiment("e").scores[:][done], want[done])
+    for s, e in reduce.unscored_ranges(st, "e", 0, 2000):
+        reduce.score_rows(st, "e", [0], s, e, right)
+    np.testing.assert_array_equal(st.scores("e")[:], want)
+
+
+def test_a_scoring_call_opens_each_group_and_array_once(tmp_path, monkeypatch):
+    """finalize_scores runs in TrakStore.pinned(): each group and array of the store is opened (its zarr.json
+    read) once per call, not once per use; outside the block nothing is kept, so a change made through another
+    handle of the store (another process) is seen by the next call."""
+    from collections import Counter
+
+    from trak_core import store as store_mod
+
+    st = scored_store(tmp_path / "s", "float16", 2, n=300, m=9)
+    want = reduce.finalize_scores(st, "e").copy()
+    opened: Counter = Counter()
+    real_group, real_array = store_mod.group_at, store_mod.array_at
+
+    def group_at(g, name):
+        opened[("group", g.path, name)] += 1
+        return real_group(g, name)
+
+    def array_at(g, name):
+        opened[("array", g.path, name)] += 1
+        return real_array(g, name)
+
+    monkeypatch.setattr(store_mod, "group_at", group_at)
+    monkeypatch.setattr(store_mod, "array_at", array_at)
+    np.testing.assert_array_equal(reduce.finalize_scores(st, "e"), want)
+    assert opened and max(opened.values()) == 1, opened.most_common(3)
+    assert st._pins is None  # the block is over: nothing kept
+    with st.pinned():
+        with st.pinned():  # nested: the outer block's handles
+            assert st.experiment("e") is st.experiment("e")
+        assert st._pins is not None
+    assert st.experiment("e") is not st.experiment("e")
+    other = TrakStore.open(str(tmp_path / "s"))
+    other.set_scored_with("e", [1, 0])
+    assert st.scored_with("e") == [1, 0]

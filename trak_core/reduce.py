@@ -599,8 +599,11 @@ def score_rows(
 
     Streams in blocks of ``block_rows`` rows (default: chosen from the cache and memory sizes), reading the
     next block while multiplying this one (:func:`trak_core.streaming.stream_scores`)."""
-    right = targets if targets is not None else load_solved(store, exp_name, model_ids)
-    stream_scores(store, exp_name, model_ids, a, b, right, block_rows=block_rows, progress=progress, rows_array="grads")
+    with store.pinned():
+        right = targets if targets is not None else load_solved(store, exp_name, model_ids)
+        stream_scores(
+            store, exp_name, model_ids, a, b, right, block_rows=block_rows, progress=progress, rows_array="grads"
+        )
 
 
 def unscored_ranges(store: TrakStore, exp_name: str, a: int, b: int) -> list[tuple[int, int]]:
@@ -622,14 +625,15 @@ def finalize_scores(
     ``block_rows``: rows per GEMM (default: chosen from the cache and memory sizes,
     :func:`trak_core.streaming.score_block_rows`). The returned array is the one the blocks were computed
     into (the store holds the same bits), not a read-back of the store."""
-    used = usable_models(store, exp_name, model_ids, allow_skip)
-    solve_targets(store, exp_name, used)
-    right = load_solved(store, exp_name, used)
-    n = store.meta.train_set_size
-    store.reset_scores(exp_name)  # a new combination: recompute all rows
-    out = page_array((n, store.num_targets(exp_name)), np.float32)
-    stream_scores(
-        store, exp_name, used, 0, n, right, block_rows=block_rows, out=out, progress=progress, rows_array="grads"
-    )
-    store.set_scored_with(exp_name, used)
+    with store.pinned():  # one call of the run: its groups and arrays opened once
+        used = usable_models(store, exp_name, model_ids, allow_skip)
+        solve_targets(store, exp_name, used)
+        right = load_solved(store, exp_name, used)
+        n = store.meta.train_set_size
+        store.reset_scores(exp_name)  # a new combination: recompute all rows
+        out = page_array((n, store.num_targets(exp_name)), np.float32)
+        stream_scores(
+            store, exp_name, used, 0, n, right, block_rows=block_rows, out=out, progress=progress, rows_array="grads"
+        )
+        store.set_scored_with(exp_name, used)
     return out

@@ -55,6 +55,7 @@ Every array and attribute above is read and written through this module (:class:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -64,7 +65,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 from urllib.parse import urlparse
@@ -404,7 +405,11 @@ def chunk_coords_of_rows(arr: zarr.Array, rows: np.ndarray) -> list[tuple[int, .
     """The chunks (coordinates) holding the given axis-0 indices (all chunks along the other axes)."""
     import itertools
 
-    firsts = np.unique(np.asarray(rows, dtype=np.int64).reshape(-1) // int(arr.chunks[0])).tolist()  # not per row
+    coords = np.asarray(rows, dtype=np.int64).reshape(-1) // int(arr.chunks[0])
+    if coords.size and bool(np.all(coords[1:] >= coords[:-1])):  # sorted rows (the usual np.arange): no hashing
+        firsts = coords[np.r_[True, coords[1:] != coords[:-1]]].tolist()
+    else:
+        firsts = np.unique(coords).tolist()
     rest = [range(math.ceil(s / c)) for s, c in zip(arr.shape[1:], arr.chunks[1:], strict=True)]
     return [(i, *other) for i in firsts for other in itertools.product(*rest)]
 
@@ -565,86 +570,106 @@ def _stored(group: zarr.Group, name: str) -> StoredArray:
     return StoredArray(arr.with_config({"write_empty_chunks": True}))
 
 
+class _Node:
+    """A group of the store and its arrays, opened on access; within :meth:`TrakStore.pinned` (``pins`` set)
+    each array is opened once."""
+
+    group: zarr.Group
+    pins: dict | None
+
+    def _array(self, name: str) -> StoredArray:
+        if self.pins is None:
+            return _stored(self.group, name)
+        key = ("array", self.group.path, name)
+        arr = self.pins.get(key)
+        if arr is None:
+            arr = self.pins[key] = _stored(self.group, name)
+        return arr
+
+
 @dataclass(frozen=True)
-class ModelArrays:
+class ModelArrays(_Node):
     """The arrays of one checkpoint (``/models/<id>``)."""
 
     group: zarr.Group
+    pins: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def grads(self) -> StoredArray:
         """(n, p) projected, normalized train gradients X."""
-        return _stored(self.group, "grads")
+        return self._array("grads")
 
     @property
     def out_to_loss(self) -> StoredArray:
         """(n,) float32 Q."""
-        return _stored(self.group, "out_to_loss")
+        return self._array("out_to_loss")
 
     @property
     def featurized(self) -> StoredArray:
         """(n,) uint8 row status: 1 once the row's grads and Q are written."""
-        return _stored(self.group, "featurized")
+        return self._array("featurized")
 
     @property
     def xtx_partials(self) -> StoredArray:
         """Xₛᵀ Xₛ of each shard, float64: (S, p(p+1)/2) packed upper triangles (``meta.partial_shape``; (S, p, p)
         at schema 3)."""
-        return _stored(self.group, "xtx_partials")
+        return self._array("xtx_partials")
 
     @property
     def rowsum_partials(self) -> StoredArray:
         """(S, p + 3) float64 [Xₛᵀqₛ, qₛᵀqₛ, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²] of each shard (reduce.RowSums)."""
-        return _stored(self.group, "rowsum_partials")
+        return self._array("rowsum_partials")
 
     @property
     def partial_done(self) -> StoredArray:
         """(S,) uint8 shard status of ``xtx_partials`` and ``rowsum_partials``."""
-        return _stored(self.group, "partial_done")
+        return self._array("partial_done")
 
     @property
     def inverse(self) -> StoredArray:
         """(1, p, p) float32 A = (XᵀX + λI)⁻¹ (traker's rescale applied)."""
-        return _stored(self.group, "inverse")
+        return self._array("inverse")
 
     @property
     def inverse_done(self) -> StoredArray:
         """(1,) uint8 status of ``inverse``."""
-        return _stored(self.group, "inverse_done")
+        return self._array("inverse_done")
 
 
 @dataclass(frozen=True)
-class TargetArrays:
+class TargetArrays(_Node):
     """The target gradients of one checkpoint in one experiment (``/experiments/<exp>/models/<id>``)."""
 
     group: zarr.Group
+    pins: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def grads(self) -> StoredArray:
         """(m, p) target gradients G."""
-        return _stored(self.group, "grads")
+        return self._array("grads")
 
     @property
     def scored(self) -> StoredArray:
         """(m,) uint8 row status of ``grads``."""
-        return _stored(self.group, "scored")
+        return self._array("scored")
 
     @property
     def solved(self) -> StoredArray:
         """(m, p) float32 G A: the target gradients times the model's inverse (scores are X · solvedᵀ)."""
-        return _stored(self.group, "solved")
+        return self._array("solved")
 
     @property
     def solved_done(self) -> StoredArray:
         """(m,) uint8 row status of ``solved``."""
-        return _stored(self.group, "solved_done")
+        return self._array("solved_done")
 
 
 @dataclass(frozen=True)
-class ExperimentArrays:
+class ExperimentArrays(_Node):
     """One experiment (``/experiments/<exp>``): its targets and its combined scores."""
 
     group: zarr.Group
+    pins: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -661,15 +686,21 @@ class ExperimentArrays:
     @property
     def scores(self) -> StoredArray:
         """(n, m) float32 combined scores."""
-        return _stored(self.group, "scores")
+        return self._array("scores")
 
     @property
     def scores_done(self) -> StoredArray:
         """(n,) uint8 row status of ``scores``."""
-        return _stored(self.group, "scores_done")
+        return self._array("scores_done")
 
     def _models(self) -> zarr.Group:
-        return group_at(self.group, "models")
+        if self.pins is None:
+            return group_at(self.group, "models")
+        key = ("group", self.group.path, "models")
+        g = self.pins.get(key)
+        if g is None:
+            g = self.pins[key] = group_at(self.group, "models")
+        return g
 
     def model_ids(self) -> list[int]:
         return sorted(int(k) for k in self._models().group_keys())
@@ -678,7 +709,13 @@ class ExperimentArrays:
         return str(int(model_id)) in self._models()
 
     def model(self, model_id: int) -> TargetArrays:
-        return TargetArrays(group_at(self._models(), str(int(model_id))))
+        if self.pins is None:
+            return TargetArrays(group_at(self._models(), str(int(model_id))))
+        key = ("target", self.group.path, int(model_id))
+        t = self.pins.get(key)
+        if t is None:
+            t = self.pins[key] = TargetArrays(group_at(self._models(), str(int(model_id))), self.pins)
+        return t
 
 
 # ---------------------------------------------------------------------------- run lock
@@ -967,6 +1004,7 @@ class TrakStore:
         self.location = str(location)
         self.root = group
         self.meta = meta
+        self._pins: dict | None = None  # handles opened once, within pinned()
         # the run lock this store was opened under (None: no lock); row flags are committed only while it holds
         self._lock_seen = StoreLock(self.location).fingerprint()
 
@@ -1075,11 +1113,36 @@ class TrakStore:
         )
 
     # ---------------------------------------------------------------- helpers
+    @contextlib.contextmanager
+    def pinned(self):
+        """Within the block, the groups and arrays the store's methods open are opened once and reused: each
+        open reads a zarr.json (~0.2 ms here), and a scoring call opens about a hundred. For a block in which no
+        other process adds or removes the groups and arrays it uses or changes their attributes — one scoring
+        call of the run that holds the store's lock. Blocks nest (the outer one's handles are kept); this
+        thread's calls only."""
+        if self._pins is not None:
+            yield self
+            return
+        self._pins = {}
+        try:
+            yield self
+        finally:
+            self._pins = None
+
+    def _pin(self, key: tuple, open_: Callable[[], Any]) -> Any:
+        pins = self._pins
+        if pins is None:
+            return open_()
+        node = pins.get(key)
+        if node is None:
+            node = pins[key] = open_()
+        return node
+
     def _models(self) -> zarr.Group:
-        return group_at(self.root, "models")
+        return self._pin(("group", "models"), lambda: group_at(self.root, "models"))
 
     def _experiments(self) -> zarr.Group:
-        return group_at(self.root, "experiments")
+        return self._pin(("group", "experiments"), lambda: group_at(self.root, "experiments"))
 
     def _row_array(
         self,
@@ -1326,11 +1389,15 @@ class TrakStore:
         return ModelArrays(g)
 
     def model(self, model_id: int) -> ModelArrays:
-        if not self.has_model(model_id):
-            raise BadInputError(
-                f"model_id={model_id} is not in the store at {self.location} (it has {self.model_ids()})"
-            )
-        return ModelArrays(group_at(self._models(), str(int(model_id))))
+        def open_() -> ModelArrays:
+            try:
+                return ModelArrays(group_at(self._models(), str(int(model_id))), self._pins)
+            except KeyError:
+                raise BadInputError(
+                    f"model_id={model_id} is not in the store at {self.location} (it has {self.model_ids()})"
+                ) from None
+
+        return self._pin(("model", int(model_id)), open_)
 
     def checkpoint_record(self, model_id: int) -> dict | None:
         """The checkpoint ``model_id`` was featurized from (``{"path", "sha256"}``), if recorded."""
@@ -1424,9 +1491,13 @@ class TrakStore:
         return ExperimentArrays(g)
 
     def experiment(self, exp_name: str) -> ExperimentArrays:
-        if exp_name not in self._experiments():
-            raise BadInputError(f"unknown experiment {exp_name!r}; the store has {self.experiments()}")
-        return ExperimentArrays(group_at(self._experiments(), exp_name))
+        def open_() -> ExperimentArrays:
+            try:
+                return ExperimentArrays(group_at(self._experiments(), exp_name), self._pins)
+            except KeyError:
+                raise BadInputError(f"unknown experiment {exp_name!r}; the store has {self.experiments()}") from None
+
+        return self._pin(("experiment", exp_name), open_)
 
     def num_targets(self, exp_name: str) -> int:
         return self.experiment(exp_name).num_targets
@@ -1483,11 +1554,14 @@ class TrakStore:
         t.solved_done[:] = 1
 
     def init_scores(self, exp_name: str) -> tuple[StoredArray, StoredArray]:
-        e = self.experiment(exp_name)
-        score_rows, done_rows = _score_layout(_attrs(e.group), self.meta)
-        scores = self._row_array(e.group, "scores", "float32", e.num_targets, chunk_rows=score_rows)
-        done = self._row_array(e.group, "scores_done", "uint8", chunk_rows=done_rows)
-        return scores, done
+        def open_() -> tuple[StoredArray, StoredArray]:
+            e = self.experiment(exp_name)
+            score_rows, done_rows = _score_layout(_attrs(e.group), self.meta)
+            scores = self._row_array(e.group, "scores", "float32", e.num_targets, chunk_rows=score_rows)
+            done = self._row_array(e.group, "scores_done", "uint8", chunk_rows=done_rows)
+            return scores, done
+
+        return self._pin(("scores", exp_name), open_)
 
     def scored_with(self, exp_name: str) -> list[int] | None:
         """The model ids the experiment's scores combine (None before any scoring)."""

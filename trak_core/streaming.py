@@ -6,15 +6,21 @@ X_c the stored projected gradients and W_c = A_c G_cᵀ (:func:`grads_right_hand
 Φ_c = X_c A_c, at the same GEMM cost per row, without a features array (store schema 3).
 
 :func:`stream_scores` splits [a, b) into pieces (:func:`score_pieces`): whole store chunks within one chunk of the
-experiment's scores (about 8 MiB: a whole shard for a few hundred targets). It runs as many worker threads as
-torch has intra-op threads, each taking the next piece and doing all of its work: one Zarr read per checkpoint
-(zarr's codecs and file reads release the GIL), the conversion to float32 block by block (torch's vectorized copy
-into a preallocated buffer, ~1 % of the GEMM), the GEMMs with **one** thread each (``addmm_``), the combination;
-the worker that completes a score chunk writes it, and the one that completes a shard's score chunks writes the
-shard's flags (one chunk). So the cores never wait at an OpenMP barrier: with one GEMM over both cores (an earlier
-design, with a reader and a writer thread beside it), whatever else ran on a core — the reads, the writes, the
-zarr event loop, another process — stalled that core's half of the GEMM while the other half spun in libgomp's
-barrier. Here a core that reads or writes leaves the other one multiplying.
+experiment's scores (about 8 MiB: a whole shard for a few hundred targets). Three kinds of thread share the work:
+
+* one **reader** thread reads the pieces in order, one Zarr read per checkpoint (zarr's codecs and file reads
+  release the GIL) into a free buffer of workers + 1 (so one piece waits read while every worker multiplies), and
+  each piece's Σ_c Q_c;
+* as many **workers** as torch has intra-op threads each take the next piece: the conversion to float32 block by
+  block (torch's vectorized copy into a preallocated buffer, ~1 % of the GEMM), the GEMMs with **one** thread each
+  (``addmm_``), the combination; the buffer goes back to the reader after each checkpoint's GEMMs;
+* the **calling** thread writes each score chunk once its pieces are computed, then the shard's flags (one chunk)
+  once all its score chunks are written, and reports progress.
+
+So the cores never wait at an OpenMP barrier: with one GEMM over both cores (an earlier design), whatever else ran
+on a core — the reads, the writes, the zarr event loop, another process — stalled that core's half of the GEMM
+while the other half spun in libgomp's barrier. Here a core that reads or writes leaves the others multiplying, and
+a worker goes from one piece's GEMMs to the next without waiting for a read or a write.
 
 The arithmetic is the one of the plain loop (zero the accumulator, ``acc.addmm_(X_c, W_c)`` per checkpoint in
 the given order, then :func:`~trak_core.scoring.combine_checkpoints`' float32 element-wise operations), and MKL's
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -267,10 +274,11 @@ def stream_scores(
     joining the last block of its piece); ``out``: an (n, m) float32 array that also receives the scores (the
     accumulators are its rows: no copy); ``progress(rows)`` as score chunks are written, in the calling thread.
 
-    The work is split into pieces (:func:`score_pieces`): whole store chunks within one score chunk, read with
-    one Zarr call per checkpoint, multiplied in blocks of ``block_rows``; the worker that completes a score
-    chunk writes it, and the one that completes a shard's score chunks writes its flags (one flag chunk per
-    shard: one write, not one per block)."""
+    The work is split into pieces (:func:`score_pieces`): whole store chunks within one score chunk, read ahead
+    by a reader thread with one Zarr call per checkpoint, multiplied in blocks of ``block_rows`` by the workers;
+    this thread writes each score chunk once computed, and a shard's flags (one flag chunk per shard: one
+    write, not one per block) once its score chunks are written. An error in any thread stops the others and
+    is raised here; the rows marked done are those written."""
     if rows_array not in ROWS_ARRAYS:
         raise BadInputError(f"rows_array={rows_array!r}: expected one of {ROWS_ARRAYS}")
     if a >= b:
@@ -286,7 +294,8 @@ def stream_scores(
     else:
         step = score_block_rows(p, m, meta.rows_per_chunk, meta.rows_per_shard, itemsize=itemsize, workers=threads)
         merge = meta.rows_per_shard
-    budget = int(memory_bytes() * MEMORY_FRACTION) // max(1, threads)  # a worker's read buffer
+    buffers = threads + 1  # one piece read ahead of the workers
+    budget = int(memory_bytes() * MEMORY_FRACTION) // buffers  # a read buffer
     max_rows = max(meta.rows_per_chunk, budget // max(1, itemsize * p) // meta.rows_per_chunk * meta.rows_per_chunk)
     pieces = score_pieces(a, b, writer.chunk_rows, meta.rows_per_chunk, threads, max_rows)
     seg_range: dict[int, tuple[int, int]] = {}  # segment → its rows [s0, s1)
@@ -303,10 +312,7 @@ def stream_scores(
     piece_rows = max(e - s for s, e, _ in pieces)
     models = [store.model(mid) for mid in ids]  # open each array once, not per block
     feats = [getattr(mm, rows_array) for mm in models]
-    # Σ_c Q_c of all the rows, summed in float64 in the checkpoints' order: one read per checkpoint
-    qsum_all = np.zeros(b - a, dtype=np.float64)
-    for mm in models:
-        qsum_all += mm.out_to_loss[a:b].astype(np.float64)
+    qs = [mm.out_to_loss for mm in models]
     rights = [targets[mid] for mid in ids]
     staging: dict[int, np.ndarray] = {}  # without ``out``: a segment's scores until it is written
     held: dict[int, np.ndarray] = {}  # the whole buffer (seg_rows × m) each staging view is of
@@ -315,18 +321,36 @@ def stream_scores(
     lock = threading.Lock()
     local = threading.local()
     ready = threading.Barrier(workers + 1)
+    raws = _Buffers(min(buffers, workers + 1), lambda: page_array((piece_rows, p), meta.np_dtype))
+    computed: queue.SimpleQueue = queue.SimpleQueue()  # segments whose pieces are all computed, or an error
 
     def start_worker() -> None:
         try:
             torch.set_num_threads(1)  # this thread's OpenMP/MKL: one-thread GEMMs, one per core
             f32 = meta.np_dtype == np.float32
-            local.raw = page_array((piece_rows, p), meta.np_dtype)  # one piece of one checkpoint, as stored
             # a block: ``step`` rows, or fewer than step + MIN_GEMM_ROWS where a remainder joined it
             local.x = None if f32 else torch.empty(min(step + MIN_GEMM_ROWS, piece_rows), p, dtype=torch.float32)
         except BaseException:
             ready.abort()  # the caller and the other workers stop waiting
             raise
         ready.wait()
+
+    def read_qsum(s: int, e: int) -> np.ndarray:
+        """Σ_c Q_c of rows [s, e), summed in float64 in the checkpoints' order (the reader thread)."""
+        total = np.zeros(e - s, dtype=np.float64)
+        for q in qs:
+            total += q[s:e].astype(np.float64)
+        return total
+
+    def read_piece(s: int, e: int, k: int) -> np.ndarray:
+        """Piece [s, e) of checkpoint k, as stored, in a free read buffer (the reader thread, in piece order)."""
+        raw = raws.take()
+        try:
+            _read_into(feats[k], s, e, raw[: e - s])
+        except BaseException:
+            raws.give(raw)
+            raise
+        return raw
 
     def accumulator(s: int, e: int, seg: int) -> np.ndarray:
         if out is not None:
@@ -340,49 +364,63 @@ def stream_scores(
         s0 = seg_range[seg][0]
         return buf[s - s0 : e - s0]
 
-    def score_piece(s: int, e: int, seg: int) -> int:
-        """Computes rows [s, e); writes the segment if this was its last piece. Returns the rows written."""
-        rows = e - s
+    def score_piece(j: int) -> None:
+        """Computes piece j's rows [s, e) from its reads; hands its segment to the caller once complete."""
+        s, e, seg = pieces[j]
         res = accumulator(s, e, seg)
         acc = torch.from_numpy(res)
         acc.zero_()
         blocks = score_blocks(s, e, step, merge)
         for k in range(len(ids)):
-            raw = local.raw[:rows]
-            _read_into(feats[k], s, e, raw)
-            for bs, be in blocks:
-                x = torch.from_numpy(raw[bs - s : be - s])
-                if local.x is not None:  # float16 store: convert into the GEMM's float32 operand (exact)
-                    x = local.x[: be - bs]
-                    x.copy_(torch.from_numpy(raw[bs - s : be - s]))
-                acc[bs - s : be - s].addmm_(x, rights[k])  # acc += X_c W_c, one GEMM per block and checkpoint
+            raw = reads[j * (len(ids) + 1) + 1 + k].result()
+            try:
+                for bs, be in blocks:
+                    x = torch.from_numpy(raw[bs - s : be - s])
+                    if local.x is not None:  # float16 store: convert into the GEMM's float32 operand (exact)
+                        x = local.x[: be - bs]
+                        x.copy_(torch.from_numpy(raw[bs - s : be - s]))
+                    acc[bs - s : be - s].addmm_(x, rights[k])  # acc += X_c W_c, one GEMM per block and checkpoint
+            finally:
+                raws.give(raw)
         # combine_checkpoints' float32 operations, element for element, in place (no piece-sized temporary)
         c = len(ids)
         np.divide(res, c, out=res)
-        np.multiply(res, qsum_all[s - a : e - a].astype(np.float32).reshape(-1, 1) / c, out=res)
+        qsum = reads[j * (len(ids) + 1)].result()
+        np.multiply(res, qsum.astype(np.float32).reshape(-1, 1) / c, out=res)
         with lock:
             seg_left[seg] -= 1
-            if seg_left[seg]:
-                return 0
+            if not seg_left[seg]:
+                computed.put(seg)
+
+    def write_segment(seg: int) -> int:
+        """Writes a computed segment, then its shard's flags if that was the shard's last (the caller's thread)."""
         s0, s1 = seg_range[seg]
         writer.rows(s0, s1, out[s0:s1] if out is not None else staging[seg])
         with lock:
             staging.pop(seg, None)
             if seg in held:
                 spare.append(held.pop(seg))
-            flag_left[flag_of[seg]] -= 1
-            flag_complete = not flag_left[flag_of[seg]]
-        if flag_complete:
+        flag_left[flag_of[seg]] -= 1
+        if not flag_left[flag_of[seg]]:
             f0 = flag_of[seg] * writer.done_rows
             writer.mark_done(max(a, f0), min(b, f0 + writer.done_rows))
         return s1 - s0
 
+    def report_error(f: Future) -> None:
+        if not f.cancelled() and f.exception() is not None:
+            computed.put(f.exception())
+
     pool = ThreadPoolExecutor(workers, thread_name_prefix="trak-score")
+    reader = ThreadPoolExecutor(1, thread_name_prefix="trak-read")
+    reads: list[Future] = []
     futures: list[Future] = []
     try:
         starts: list[Future] = []
         try:
             starts += [pool.submit(start_worker) for _ in range(workers)]  # one per thread: each waits at the barrier
+            for s, e, _ in pieces:  # in piece order: Q, then X of each checkpoint
+                reads.append(reader.submit(read_qsum, s, e))
+                reads += [reader.submit(read_piece, s, e, k) for k in range(len(ids))]
             ready.wait()
         except BaseException as e:
             ready.abort()  # frees the workers waiting when a thread could not start
@@ -393,15 +431,61 @@ def stream_scores(
             raise root from None  # the worker's own error (e.g. no memory for its buffers)
         finally:
             torch.set_num_threads(threads)  # the process default the workers changed; this thread's is unchanged
-        futures = [pool.submit(score_piece, s, e, i) for s, e, i in pieces]
+        futures = [pool.submit(score_piece, j) for j in range(len(pieces))]
         for f in futures:
-            rows = f.result()
-            if progress and rows:
+            f.add_done_callback(report_error)
+        for _ in range(len(seg_range)):  # the writes, here: the workers go on reading and multiplying
+            item = computed.get()
+            if isinstance(item, BaseException):
+                raise item
+            rows = write_segment(item)
+            if progress:
                 progress(rows)
     finally:
-        for f in futures:
+        raws.close()  # a read waiting for a buffer gives up
+        for f in (*futures, *reads):
             f.cancel()
         pool.shutdown(wait=True)
+        reader.shutdown(wait=True)
+
+
+class _Buffers:
+    """Up to ``count`` read buffers made on demand by ``make``: :meth:`take` waits for a free one (or raises
+    :class:`StateError` once closed), :meth:`give` returns it."""
+
+    def __init__(self, count: int, make: Callable[[], np.ndarray]):
+        self._free: list[np.ndarray] = []
+        self._left = count
+        self._make = make
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def take(self) -> np.ndarray:
+        with self._cond:
+            while not self._free and not self._left and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise StateError("streaming scores stopped")
+            if self._free:
+                return self._free.pop()
+            self._left -= 1
+        try:
+            return self._make()
+        except BaseException:
+            with self._cond:
+                self._left += 1
+                self._cond.notify()
+            raise
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
 
 def grads_right_hand(inverse: np.ndarray | torch.Tensor, target_t: torch.Tensor) -> torch.Tensor:
@@ -436,29 +520,30 @@ def scores_from_grads(
     checkpoint; the checkpoints need not be finalized."""
     from .verify import require_present
 
-    ids = [int(mid) for mid in inverses]
-    if not ids:
-        raise BadInputError(f"scores_from_grads: no checkpoint given for experiment {exp_name!r}")
-    n, p = store.meta.train_set_size, store.meta.proj_dim
-    rows, targets_idx = np.arange(n), np.arange(store.num_targets(exp_name))
-    right: dict[int, torch.Tensor] = {}
-    for mid in ids:
-        mask = store.featurized_mask(mid)
-        if not mask.all():
-            raise StateError(f"model_id={mid}: {int((~mask).sum())} of {n} train rows are not featurized")
-        if not store.targets_complete(exp_name, mid):
-            raise StateError(f"target gradients of experiment {exp_name!r} for model_id={mid} are incomplete")
-        mm, tg = store.model(mid), store.target_grads(exp_name, mid)
-        require_present(store, [(mm.grads, rows), (mm.out_to_loss, rows), (tg, targets_idx)])
-        g_t = torch.from_numpy(tg[:].astype(np.float32)).T.contiguous()
-        if tuple(np.shape(inverses[mid])) != (p, p):
-            raise BadInputError(f"inverses[{mid}] has shape {np.shape(inverses[mid])}, expected ({p}, {p})")
-        right[mid] = grads_right_hand(inverses[mid], g_t)
-    store.reset_scores(exp_name)  # a new combination: recompute all rows
-    if out is None:
-        out = page_array((n, store.num_targets(exp_name)), np.float32)
-    stream_scores(
-        store, exp_name, ids, 0, n, right, block_rows=block_rows, out=out, progress=progress, rows_array="grads"
-    )
-    store.set_scored_with(exp_name, ids)
+    with store.pinned():  # one call: its groups and arrays opened once
+        ids = [int(mid) for mid in inverses]
+        if not ids:
+            raise BadInputError(f"scores_from_grads: no checkpoint given for experiment {exp_name!r}")
+        n, p = store.meta.train_set_size, store.meta.proj_dim
+        rows, targets_idx = np.arange(n), np.arange(store.num_targets(exp_name))
+        right: dict[int, torch.Tensor] = {}
+        for mid in ids:
+            mask = store.featurized_mask(mid)
+            if not mask.all():
+                raise StateError(f"model_id={mid}: {int((~mask).sum())} of {n} train rows are not featurized")
+            if not store.targets_complete(exp_name, mid):
+                raise StateError(f"target gradients of experiment {exp_name!r} for model_id={mid} are incomplete")
+            mm, tg = store.model(mid), store.target_grads(exp_name, mid)
+            require_present(store, [(mm.grads, rows), (mm.out_to_loss, rows), (tg, targets_idx)])
+            g_t = torch.from_numpy(tg[:].astype(np.float32)).T.contiguous()
+            if tuple(np.shape(inverses[mid])) != (p, p):
+                raise BadInputError(f"inverses[{mid}] has shape {np.shape(inverses[mid])}, expected ({p}, {p})")
+            right[mid] = grads_right_hand(inverses[mid], g_t)
+        store.reset_scores(exp_name)  # a new combination: recompute all rows
+        if out is None:
+            out = page_array((n, store.num_targets(exp_name)), np.float32)
+        stream_scores(
+            store, exp_name, ids, 0, n, right, block_rows=block_rows, out=out, progress=progress, rows_array="grads"
+        )
+        store.set_scored_with(exp_name, ids)
     return out
