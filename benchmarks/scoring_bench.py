@@ -448,16 +448,33 @@ def run(a) -> dict:
     }
 
 
-def report(res: dict, a, cmd: str, wall: float, load: list) -> str:
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds all processes have used, this process's), or None without /proc/stat: their difference over
+    the run is what other processes took from the cores (the load average counts this benchmark's own threads)."""
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = f[0] + f[1] + f[2] + sum(f[5:8])  # user, nice, system, irq, softirq, steal (not idle, iowait)
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+def report(res: dict, a, cmd: str, wall: float, load: list, others: float | None = None) -> str:
+    """``others``: the fraction of the cores other processes used during the run (None: unknown)."""
     peak = res["peak"]
     load = [*load, *res["loads"]]
-    busy = max(load) > 0.75 * (os.cpu_count() or 1)
+    busy = others > 0.1 if others is not None else max(load) > 0.75 * (os.cpu_count() or 1)
+    shared = f"other processes used {others:.0%} of the cores during the run" if others is not None else ""
     lines = [
         "## Streaming scoring against the matmul peak (issue 15, item 3)",
         "",
         f"Produced by `{cmd}` in one run ({wall / 60:.1f} min) on {platform.processor() or 'x86_64'} "
         f"{_cpu()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads). "
-        f"Load average (1 min) at each measurement: {min(load):.1f}–{max(load):.1f} on {os.cpu_count()} cores"
+        f"Load average (1 min) at each measurement, this benchmark's own threads included: "
+        f"{min(load):.1f}–{max(load):.1f} on {os.cpu_count()} cores"
+        + (f"; {shared} (`/proc/stat` busy time less this process's CPU time)" if shared else "")
         + (
             ": **the machine was shared with other jobs**, so absolute GFLOP/s are noisy; "
             if busy
@@ -603,14 +620,18 @@ def main() -> None:
     shown = [x for i, x in enumerate(sys.argv[1:]) if x not in ("--results", "--json") and sys.argv[i] != "--json"]
     cmd = ".venv/bin/python benchmarks/scoring_bench.py " + " ".join(shown)  # the table's arguments
     load = [os.getloadavg()[0]]
-    t = time.perf_counter()
+    t, cpu0 = time.perf_counter(), cpu_seconds()
     res = run(a)
     load.append(os.getloadavg()[0])
+    cpu1, wall = cpu_seconds(), time.perf_counter() - t
+    others = None
+    if cpu0 and cpu1:
+        others = max(0.0, (cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / (wall * (os.cpu_count() or 1))
     try:
         res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     except OSError:
         pass
-    text = report(res, a, cmd, time.perf_counter() - t, load)
+    text = report(res, a, cmd, wall, load, others)
     print(text)
     if a.json:
         with open(a.json, "w") as fh:

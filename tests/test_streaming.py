@@ -481,11 +481,66 @@ def test_a_scoring_call_opens_each_group_and_array_once(tmp_path, monkeypatch):
     np.testing.assert_array_equal(reduce.finalize_scores(st, "e"), want)
     assert opened and max(opened.values()) == 1, opened.most_common(3)
     assert st._pins is None  # the block is over: nothing kept
+    import threading
+
     with st.pinned():
         with st.pinned():  # nested: the outer block's handles
             assert st.experiment("e") is st.experiment("e")
         assert st._pins is not None
+        seen = []  # another thread's calls are not in the block
+        t = threading.Thread(target=lambda: seen.append(st.experiment("e") is st.experiment("e")))
+        t.start()
+        t.join()
+        assert seen == [False]
     assert st.experiment("e") is not st.experiment("e")
     other = TrakStore.open(str(tmp_path / "s"))
     other.set_scored_with("e", [1, 0])
     assert st.scored_with("e") == [1, 0]
+
+
+def test_staged_score_chunks_are_bounded_while_the_writer_is_slow(tmp_path, monkeypatch):
+    """Without ``out`` (the score tasks) the workers stage at most workers + 1 score chunks: while the caller's
+    first write is held back, they stop at that many instead of computing the whole range into new buffers; the
+    scores still equal the plain loop's."""
+    import sys
+    import threading
+
+    from trak_core import store as store_mod
+
+    st = scored_store(tmp_path / "s", "float16", 2, n=2000, m=9)
+    reduce.solve_targets(st, "e", [0, 1])
+    right = reduce.load_solved(st, "e", [0, 1])
+    workers = torch.get_num_threads()
+    made = []
+    real_page, real_rows = streaming.page_array, store_mod.ScoreWriter.rows
+
+    def counting(shape, dtype):
+        if tuple(shape[1:]) == (9,):
+            made.append(tuple(shape))
+        return real_page(shape, dtype)
+
+    def waiting_for_a_buffer(ident: int) -> bool:
+        frame = sys._current_frames().get(ident)
+        names = []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        return "accumulator" in names and names[0] == "wait"
+
+    first = []
+
+    def slow_rows(w, a, b, x):
+        if not first:  # hold the first write until every worker waits for a staging buffer (or too many exist)
+            first.append(a)
+            scorers = [t for t in threading.enumerate() if t.name.startswith("trak-score")]
+            while len(made) <= workers + 1 and not all(waiting_for_a_buffer(t.ident) for t in scorers):
+                threading.Event().wait(0.001)
+        return real_rows(w, a, b, x)
+
+    monkeypatch.setattr(streaming, "page_array", counting)
+    monkeypatch.setattr(store_mod.ScoreWriter, "rows", slow_rows)
+    st.reset_scores("e")
+    reduce.score_rows(st, "e", [0, 1], 0, 2000, right)
+    rows = st.experiment("e").scores.chunks[0]
+    assert -(-2000 // rows) >= 8 and 1 <= len(made) <= workers + 1, (rows, made)
+    np.testing.assert_array_equal(st.scores("e")[:], plain_loop(st, "e", [0, 1], st.meta.shard_rows))

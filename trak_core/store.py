@@ -63,6 +63,7 @@ import os
 import re
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping
@@ -1004,7 +1005,7 @@ class TrakStore:
         self.location = str(location)
         self.root = group
         self.meta = meta
-        self._pins: dict | None = None  # handles opened once, within pinned()
+        self._pinned: dict[int, dict] = {}  # thread id → the handles opened once within its pinned() block
         # the run lock this store was opened under (None: no lock); row flags are committed only while it holds
         self._lock_seen = StoreLock(self.location).fingerprint()
 
@@ -1120,14 +1121,20 @@ class TrakStore:
         other process adds or removes the groups and arrays it uses or changes their attributes — one scoring
         call of the run that holds the store's lock. Blocks nest (the outer one's handles are kept); this
         thread's calls only."""
-        if self._pins is not None:
+        me = threading.get_ident()
+        if me in self._pinned:
             yield self
             return
-        self._pins = {}
+        self._pinned[me] = {}
         try:
             yield self
         finally:
-            self._pins = None
+            del self._pinned[me]
+
+    @property
+    def _pins(self) -> dict | None:
+        """This thread's handles within :meth:`pinned` (None outside it)."""
+        return self._pinned.get(threading.get_ident())
 
     def _pin(self, key: tuple, open_: Callable[[], Any]) -> Any:
         pins = self._pins

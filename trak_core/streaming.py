@@ -319,6 +319,8 @@ def stream_scores(
     spare: list[np.ndarray] = []  # buffers whose segment is written, for the next segments
     seg_rows = max(e - s for s, e in seg_range.values())
     lock = threading.Lock()
+    staged = threading.Condition(lock)  # without ``out``: at most workers + 1 score chunks staged at once
+    stopped = [False]  # set when the call ends (an error): a worker waiting for a staging buffer gives up
     local = threading.local()
     ready = threading.Barrier(workers + 1)
     raws = _Buffers(min(buffers, workers + 1), lambda: page_array((piece_rows, p), meta.np_dtype))
@@ -355,7 +357,12 @@ def stream_scores(
     def accumulator(s: int, e: int, seg: int) -> np.ndarray:
         if out is not None:
             return out[s:e]
-        with lock:
+        with staged:
+            # a new segment waits while workers + 1 are staged (computed ones wait for the caller's write)
+            while seg not in staging and len(staging) > workers and not stopped[0]:
+                staged.wait()
+            if stopped[0]:
+                raise StateError("streaming scores stopped")
             if seg not in staging:
                 s0, s1 = seg_range[seg]
                 held[seg] = spare.pop() if spare else page_array((seg_rows, m), np.float32)
@@ -396,10 +403,11 @@ def stream_scores(
         """Writes a computed segment, then its shard's flags if that was the shard's last (the caller's thread)."""
         s0, s1 = seg_range[seg]
         writer.rows(s0, s1, out[s0:s1] if out is not None else staging[seg])
-        with lock:
+        with staged:
             staging.pop(seg, None)
             if seg in held:
                 spare.append(held.pop(seg))
+            staged.notify_all()
         flag_left[flag_of[seg]] -= 1
         if not flag_left[flag_of[seg]]:
             f0 = flag_of[seg] * writer.done_rows
@@ -443,6 +451,9 @@ def stream_scores(
                 progress(rows)
     finally:
         raws.close()  # a read waiting for a buffer gives up
+        with staged:
+            stopped[0] = True
+            staged.notify_all()
         for f in (*futures, *reads):
             f.cancel()
         pool.shutdown(wait=True)
