@@ -18,7 +18,8 @@ def featurize(config: AttributeConfig, plan: Plan | None = None) -> dict:
     with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
         progress.start("featurize", plan.train_set_size * len(plan.models))
-        futures = [featurize_shard.submit(config, m.model_id, m.checkpoint, s) for m, s in plan.featurize_jobs()]
+        jobs = plan.featurize_jobs()
+        futures = [featurize_shard.submit(config, m.model_id, m.checkpoint, s, tasks=len(jobs)) for m, s in jobs]
         manifests = gather(futures, "featurize", lambda m: m.num_rows)
     out = summarize(manifests)
     get_run_logger().info(

@@ -18,7 +18,10 @@ def finalize(config: AttributeConfig, plan: Plan | None = None, upstream: dict |
     with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
         progress.start("finalize", len(plan.models))
-        manifests = gather([finalize_checkpoint.submit(config, mid) for mid in plan.model_ids], "finalize", lambda m: 1)
+        ids = plan.model_ids
+        manifests = gather(
+            [finalize_checkpoint.submit(config, mid, tasks=len(ids)) for mid in ids], "finalize", lambda m: 1
+        )
     out = summarize(manifests)
     log = get_run_logger()
     for m in manifests:

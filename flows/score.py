@@ -19,13 +19,17 @@ def score(config: AttributeConfig, plan: Plan | None = None, upstream: dict | No
         plan = plan or plan_attribution(config)
         progress.start("targets", len(plan.models))
         targets = gather(
-            [featurize_targets.submit(config, m.model_id, m.checkpoint) for m in plan.models], "targets", lambda m: 1
+            [featurize_targets.submit(config, m.model_id, m.checkpoint, tasks=len(plan.models)) for m in plan.models],
+            "targets",
+            lambda m: 1,
         )
         prep = prepare_scores(config, plan.model_ids)
         model_ids = list(prep.model_ids)
         progress.start("score", plan.train_set_size)
         blocks = gather(
-            [score_block.submit(config, model_ids, a, b) for a, b in prep.blocks], "score", lambda m: m.num_rows
+            [score_block.submit(config, model_ids, a, b, tasks=len(prep.blocks)) for a, b in prep.blocks],
+            "score",
+            lambda m: m.num_rows,
         )
     t, s = summarize(targets), summarize(blocks)
     get_run_logger().info(

@@ -12,7 +12,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
 from . import core, report
-from .common import GPU_TAG, should_retry
+from .common import GPU_TAG, should_retry, threads_per_task, torch_threads
 from .config import AttributeConfig
 from .plan import FinalizeManifest, Plan, ScoreBlockManifest, ScorePlan, ShardManifest, TargetsManifest
 
@@ -44,18 +44,24 @@ def plan_attribution(config: AttributeConfig) -> Plan:
 
 
 @task(name="featurize-shard", task_run_name="featurize-m{model_id}-s{shard}", tags=[GPU_TAG], **RETRIED_TASK)
-def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, shard: int) -> ShardManifest:
-    return core.featurize_shard(config, model_id, checkpoint, shard)
+def featurize_shard(
+    config: AttributeConfig, model_id: int, checkpoint: str, shard: int, tasks: int = 1
+) -> ShardManifest:
+    """``tasks``: the stage's number of tasks (this task's torch threads: tasks.common.threads_per_task)."""
+    with torch_threads(threads_per_task(config, tasks)):
+        return core.featurize_shard(config, model_id, checkpoint, shard)
 
 
 @task(name="finalize-checkpoint", task_run_name="finalize-m{model_id}", **RETRIED_TASK)
-def finalize_checkpoint(config: AttributeConfig, model_id: int) -> FinalizeManifest:
-    return core.finalize_checkpoint(config, model_id)
+def finalize_checkpoint(config: AttributeConfig, model_id: int, tasks: int = 1) -> FinalizeManifest:
+    with torch_threads(threads_per_task(config, tasks)):
+        return core.finalize_checkpoint(config, model_id)
 
 
 @task(name="featurize-targets", task_run_name="targets-m{model_id}", tags=[GPU_TAG], **RETRIED_TASK)
-def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -> TargetsManifest:
-    return core.featurize_targets(config, model_id, checkpoint)
+def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str, tasks: int = 1) -> TargetsManifest:
+    with torch_threads(threads_per_task(config, tasks)):
+        return core.featurize_targets(config, model_id, checkpoint)
 
 
 @task(name="prepare-scores", cache_policy=NONE, persist_result=False)
@@ -64,8 +70,9 @@ def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
 
 
 @task(name="score-block", task_run_name="score-rows-{a}-{b}", **RETRIED_TASK)
-def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -> ScoreBlockManifest:
-    return core.score_block(config, model_ids, a, b)
+def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int, tasks: int = 1) -> ScoreBlockManifest:
+    with torch_threads(threads_per_task(config, tasks)):
+        return core.score_block(config, model_ids, a, b)
 
 
 @task(name="report-top-k", cache_policy=NONE, persist_result=False)

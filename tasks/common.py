@@ -3,6 +3,7 @@ The plan and the manifests the tasks return are in tasks.plan."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -89,3 +90,57 @@ def load_checkpoint(path: str, device: str = "cpu", field: str = "checkpoints") 
     if not isinstance(sd, dict):
         raise BadInputError(f"{field}: {path} holds a {type(sd).__name__}, not a state_dict")
     return sd
+
+
+def cores() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def threads_per_task(config: AttributeConfig, tasks: int) -> int | None:
+    """torch's intra-op threads for one task of a stage of ``tasks`` tasks: this machine's cores divided by the
+    tasks the runner executes at once (min(``config.task_slots``, ``tasks``)), so concurrent tasks do not
+    oversubscribe the cores (two tasks of two OpenMP threads each on two cores spin at each other's barriers).
+    None — torch's own default — on an existing Dask cluster, whose size the config does not say."""
+    slots = config.task_slots
+    if slots is None:
+        return None
+    return max(1, cores() // max(1, min(slots, tasks)))
+
+
+_blas_lock = threading.Lock()
+_blas_users = [0, None]  # tasks inside torch_threads, and the BLAS limits to restore when the last one leaves
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the block with ``n`` torch threads in this thread and ``n`` threads in numpy's BLAS (OpenBLAS: the
+    stored XᵀX partials' syrk), then restore both (None: leave them as they are).
+
+    torch's count is this thread's (torch also makes it the default of threads started meanwhile); OpenBLAS's
+    is process-wide, so concurrent tasks share it: the first task in sets it, the last one out restores what it
+    was (tasks of one stage ask for the same count)."""
+    if n is None:
+        yield
+        return
+    from threadpoolctl import threadpool_limits
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    with _blas_lock:
+        limits = threadpool_limits(limits=n, user_api="blas")
+        if _blas_users[0] == 0:
+            _blas_users[1] = limits
+        _blas_users[0] += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_users[0] -= 1
+            if _blas_users[0] == 0 and _blas_users[1] is not None:
+                _blas_users[1].restore_original_limits()
+                _blas_users[1] = None
+        torch.set_num_threads(before)

@@ -389,3 +389,90 @@ def test_missing_module_says_where_modules_are_searched(tmp_path, monkeypatch):
 def test_task_slots_follow_the_runner(tmp_path, ckpts, over, slots):
     """How many tasks run at once (what sizes the score tasks); unknown for an existing Dask cluster."""
     assert AttributeConfig.model_validate(good(tmp_path, ckpts, **over)).task_slots == slots
+
+
+@pytest.mark.parametrize(
+    "over,tasks,cores,want",
+    [
+        (dict(task_runner="thread", max_workers=2), 313, 2, 1),  # two featurize tasks at once on two cores
+        (dict(task_runner="thread", max_workers=2), 1, 2, 2),  # one finalize task: all the cores
+        (dict(task_runner="thread", max_workers=4), 100, 16, 4),
+        (dict(task_runner="thread", max_workers=8), 3, 16, 5),  # 3 tasks run at once: 16 // 3
+        (dict(task_runner="process", max_workers=3), 9, 2, 1),  # never below one
+        (dict(task_runner="dask", dask_n_workers=2, dask_threads_per_worker=2), 50, 16, 4),
+        (dict(task_runner="dask", dask_address="tcp://127.0.0.1:8786"), 50, 16, None),  # cluster size unknown
+    ],
+)
+def test_threads_per_task_share_the_cores_among_concurrent_tasks(
+    tmp_path, ckpts, monkeypatch, over, tasks, cores, want
+):
+    from tasks import common
+
+    monkeypatch.setattr(common, "cores", lambda: cores)
+    config = AttributeConfig.model_validate(good(tmp_path, ckpts, **over))
+    assert common.threads_per_task(config, tasks) == want
+
+
+def test_pipeline_tasks_run_with_their_share_of_torch_and_blas_threads(tmp_path, ckpts, monkeypatch):
+    """A pipeline task runs its work with tasks.common.threads_per_task torch threads (its own thread) and as many
+    OpenBLAS threads (process-wide: the first task in sets it, the last one out restores it), then restores both;
+    None (an existing Dask cluster) leaves them as they are."""
+    import threading
+
+    import numpy as np
+    import torch
+    from threadpoolctl import threadpool_info
+
+    from tasks import attribution, common, core
+
+    np.ones((4, 4)) @ np.ones((4, 4))  # numpy's BLAS loaded
+    blas = [d for d in threadpool_info() if d["user_api"] == "blas"]
+    if not blas:
+        pytest.skip("no BLAS library that threadpoolctl controls")
+
+    def blas_threads() -> int:
+        return min(d["num_threads"] for d in threadpool_info() if d["user_api"] == "blas")
+
+    monkeypatch.setattr(common, "cores", lambda: 2)  # not above the machine's (OpenBLAS misbehaves past them)
+    config = AttributeConfig.model_validate(good(tmp_path, ckpts, task_runner="thread", max_workers=2))
+    seen = []
+    monkeypatch.setattr(core, "score_block", lambda *a: seen.append((torch.get_num_threads(), blas_threads())))
+    monkeypatch.setattr(core, "finalize_checkpoint", lambda *a: seen.append((torch.get_num_threads(), blas_threads())))
+    torch_before, blas_before = torch.get_num_threads(), blas_threads()
+    attribution.score_block.fn(config, [0], 0, 16, tasks=10)  # two of ten at once on two cores: one each
+    attribution.finalize_checkpoint.fn(config, 0, tasks=1)  # alone: both
+    assert seen == [(1, 1), (2, 2)]
+    assert (torch.get_num_threads(), blas_threads()) == (torch_before, blas_before)
+    dask = AttributeConfig.model_validate(good(tmp_path, ckpts, task_runner="dask", dask_address="tcp://h:8786"))
+    attribution.score_block.fn(dask, [0], 0, 16, tasks=10)
+    assert seen[-1] == (torch_before, blas_before)
+    # OpenBLAS's count is process-wide: with two tasks at once, only the last one out restores the limits
+    import threadpoolctl
+
+    calls = []
+
+    class Limits:
+        def __init__(self, limits, user_api):
+            calls.append(("set", limits, user_api))
+
+        def restore_original_limits(self):
+            calls.append(("restore",))
+
+    monkeypatch.setattr(threadpoolctl, "threadpool_limits", Limits)
+    inside, leave = threading.Event(), threading.Event()
+
+    def first():
+        with common.torch_threads(1):
+            inside.set()
+            leave.wait()
+
+    t = threading.Thread(target=first)
+    t.start()
+    inside.wait()
+    with common.torch_threads(1):
+        pass
+    assert calls == [("set", 1, "blas"), ("set", 1, "blas")]  # the first task is still in: nothing restored
+    leave.set()
+    t.join()
+    assert calls[2:] == [("restore",)]
+    monkeypatch.undo()

@@ -507,3 +507,35 @@ def test_prefect_yaml_entrypoints_resolve():
             cls = AttributeConfig if flow_obj.name == "attribute" else TrainConfig
             assert set(cfg) <= set(cls.model_fields)
     assert [s["cron"] for d in spec["deployments"] for s in d.get("schedules") or []] == ["0 3 * * *"]
+
+
+def test_stages_give_each_task_its_share_of_the_cores(tmp_path, monkeypatch):
+    """The flows tell each task how many tasks its stage has: on two cores with two task threads, each of the
+    featurize tasks multiplies with one torch thread, the one finalize task with both; the flow's own thread
+    keeps its count."""
+    import torch
+
+    from flows import featurize, finalize
+    from tasks import common, core
+
+    monkeypatch.setattr(common, "cores", lambda: 2)
+    seen: dict[str, list[int]] = {"featurize": [], "finalize": []}
+    real_shard, real_final = core.featurize_shard, core.finalize_checkpoint
+
+    def shard(*a):
+        seen["featurize"].append(torch.get_num_threads())
+        return real_shard(*a)
+
+    def final(*a):
+        seen["finalize"].append(torch.get_num_threads())
+        return real_final(*a)
+
+    monkeypatch.setattr(core, "featurize_shard", shard)
+    monkeypatch.setattr(core, "finalize_checkpoint", final)
+    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
+    cfg = config(tmp_path, paths, task_runner="thread", max_workers=2)
+    before = torch.get_num_threads()
+    featurize(cfg)
+    finalize(cfg)
+    assert seen == {"featurize": [1] * (N // SHARD), "finalize": [2]}
+    assert torch.get_num_threads() == before
