@@ -47,7 +47,8 @@ def plan_attribution(config: AttributeConfig) -> Plan:
 def featurize_shard(
     config: AttributeConfig, model_id: int, checkpoint: str, shard: int, tasks: int = 1
 ) -> ShardManifest:
-    """``tasks``: the stage's number of tasks (this task's torch threads: tasks.common.threads_per_task)."""
+    """``tasks``: the stage's number of tasks, which sets this task's torch and OpenBLAS threads
+    (tasks.common.threads_per_task); the other stages' tasks take it too."""
     with torch_threads(threads_per_task(config, tasks)):
         return core.featurize_shard(config, model_id, checkpoint, shard)
 
