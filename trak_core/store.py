@@ -571,6 +571,17 @@ def _stored(group: zarr.Group, name: str) -> StoredArray:
     return StoredArray(arr.with_config({"write_empty_chunks": True}))
 
 
+def _pinned(pins: dict | None, key: tuple, open_: Callable[[], Any]) -> Any:
+    """``open_()``, or within :meth:`TrakStore.pinned` (``pins``: the handles opened there) the one opened first
+    under ``key``."""
+    if pins is None:
+        return open_()
+    node = pins.get(key)
+    if node is None:
+        node = pins[key] = open_()
+    return node
+
+
 class _Node:
     """A group of the store and its arrays, opened on access; within :meth:`TrakStore.pinned` (``pins`` set)
     each array is opened once."""
@@ -579,13 +590,7 @@ class _Node:
     pins: dict | None
 
     def _array(self, name: str) -> StoredArray:
-        if self.pins is None:
-            return _stored(self.group, name)
-        key = ("array", self.group.path, name)
-        arr = self.pins.get(key)
-        if arr is None:
-            arr = self.pins[key] = _stored(self.group, name)
-        return arr
+        return _pinned(self.pins, ("array", self.group.path, name), lambda: _stored(self.group, name))
 
 
 @dataclass(frozen=True)
@@ -695,13 +700,7 @@ class ExperimentArrays(_Node):
         return self._array("scores_done")
 
     def _models(self) -> zarr.Group:
-        if self.pins is None:
-            return group_at(self.group, "models")
-        key = ("group", self.group.path, "models")
-        g = self.pins.get(key)
-        if g is None:
-            g = self.pins[key] = group_at(self.group, "models")
-        return g
+        return _pinned(self.pins, ("group", self.group.path, "models"), lambda: group_at(self.group, "models"))
 
     def model_ids(self) -> list[int]:
         return sorted(int(k) for k in self._models().group_keys())
@@ -710,13 +709,11 @@ class ExperimentArrays(_Node):
         return str(int(model_id)) in self._models()
 
     def model(self, model_id: int) -> TargetArrays:
-        if self.pins is None:
-            return TargetArrays(group_at(self._models(), str(int(model_id))))
-        key = ("target", self.group.path, int(model_id))
-        t = self.pins.get(key)
-        if t is None:
-            t = self.pins[key] = TargetArrays(group_at(self._models(), str(int(model_id))), self.pins)
-        return t
+        return _pinned(
+            self.pins,
+            ("target", self.group.path, int(model_id)),
+            lambda: TargetArrays(group_at(self._models(), str(int(model_id))), self.pins),
+        )
 
 
 # ---------------------------------------------------------------------------- run lock
@@ -1137,13 +1134,7 @@ class TrakStore:
         return self._pinned.get(threading.get_ident())
 
     def _pin(self, key: tuple, open_: Callable[[], Any]) -> Any:
-        pins = self._pins
-        if pins is None:
-            return open_()
-        node = pins.get(key)
-        if node is None:
-            node = pins[key] = open_()
-        return node
+        return _pinned(self._pins, key, open_)
 
     def _models(self) -> zarr.Group:
         return self._pin(("group", "models"), lambda: group_at(self.root, "models"))

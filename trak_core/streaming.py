@@ -323,7 +323,7 @@ def stream_scores(
     stopped = [False]  # set when the call ends (an error): a worker waiting for a staging buffer gives up
     local = threading.local()
     ready = threading.Barrier(workers + 1)
-    raws = _Buffers(min(buffers, workers + 1), lambda: page_array((piece_rows, p), meta.np_dtype))
+    raws = _Buffers(workers + 1, lambda: page_array((piece_rows, p), meta.np_dtype))  # workers <= threads
     computed: queue.SimpleQueue = queue.SimpleQueue()  # segments whose pieces are all computed, or an error
 
     def start_worker() -> None:
@@ -379,7 +379,7 @@ def stream_scores(
         acc.zero_()
         blocks = score_blocks(s, e, step, merge)
         for k in range(len(ids)):
-            raw = reads[j * (len(ids) + 1) + 1 + k].result()
+            raw = reads[j][1][k].result()
             try:
                 for bs, be in blocks:
                     x = torch.from_numpy(raw[bs - s : be - s])
@@ -392,7 +392,7 @@ def stream_scores(
         # combine_checkpoints' float32 operations, element for element, in place (no piece-sized temporary)
         c = len(ids)
         np.divide(res, c, out=res)
-        qsum = reads[j * (len(ids) + 1)].result()
+        qsum = reads[j][0].result()
         np.multiply(res, qsum.astype(np.float32).reshape(-1, 1) / c, out=res)
         with lock:
             seg_left[seg] -= 1
@@ -420,15 +420,15 @@ def stream_scores(
 
     pool = ThreadPoolExecutor(workers, thread_name_prefix="trak-score")
     reader = ThreadPoolExecutor(1, thread_name_prefix="trak-read")
-    reads: list[Future] = []
+    reads: list[tuple[Future, list[Future]]] = []  # per piece: its Σ_c Q_c, its X of each checkpoint
     futures: list[Future] = []
     try:
         starts: list[Future] = []
         try:
             starts += [pool.submit(start_worker) for _ in range(workers)]  # one per thread: each waits at the barrier
             for s, e, _ in pieces:  # in piece order: Q, then X of each checkpoint
-                reads.append(reader.submit(read_qsum, s, e))
-                reads += [reader.submit(read_piece, s, e, k) for k in range(len(ids))]
+                qsum = reader.submit(read_qsum, s, e)
+                reads.append((qsum, [reader.submit(read_piece, s, e, k) for k in range(len(ids))]))
             ready.wait()
         except BaseException as e:
             ready.abort()  # frees the workers waiting when a thread could not start
@@ -454,7 +454,7 @@ def stream_scores(
         with staged:
             stopped[0] = True
             staged.notify_all()
-        for f in (*futures, *reads):
+        for f in (*futures, *(r for q, xs in reads for r in (q, *xs))):
             f.cancel()
         pool.shutdown(wait=True)
         reader.shutdown(wait=True)
