@@ -8,6 +8,7 @@ import errno
 import hashlib
 import os
 import threading
+from typing import Any
 
 import torch
 
@@ -101,18 +102,23 @@ def cores() -> int:
 
 
 def threads_per_task(config: AttributeConfig, tasks: int) -> int | None:
-    """torch's intra-op threads for one task of a stage of ``tasks`` tasks: this machine's cores divided by the
+    """The torch and BLAS threads for one task of a stage of ``tasks`` tasks: this machine's cores divided by the
     tasks the runner executes at once (min(``config.task_slots``, ``tasks``)), so concurrent tasks do not
     oversubscribe the cores (two tasks of two OpenMP threads each on two cores spin at each other's barriers).
-    None — torch's own default — on an existing Dask cluster, whose size the config does not say."""
+    None — the libraries' own defaults — on an existing Dask cluster, whose size the config does not say."""
     slots = config.task_slots
     if slots is None:
         return None
     return max(1, cores() // max(1, min(slots, tasks)))
 
 
-_blas_lock = threading.Lock()
-_blas_users = [0, None]  # tasks inside torch_threads, and the BLAS limits to restore when the last one leaves
+class _BlasLimit:
+    """OpenBLAS's process-wide limit while pipeline tasks run: how many are inside :func:`torch_threads`, and
+    the limits the first one set (restored by the last one out)."""
+
+    lock = threading.Lock()
+    users = 0
+    first: Any = None
 
 
 @contextlib.contextmanager
@@ -130,17 +136,17 @@ def torch_threads(n: int | None):
 
     before = torch.get_num_threads()
     torch.set_num_threads(n)
-    with _blas_lock:
+    with _BlasLimit.lock:
         limits = threadpool_limits(limits=n, user_api="blas")
-        if _blas_users[0] == 0:
-            _blas_users[1] = limits
-        _blas_users[0] += 1
+        if _BlasLimit.users == 0:
+            _BlasLimit.first = limits
+        _BlasLimit.users += 1
     try:
         yield
     finally:
-        with _blas_lock:
-            _blas_users[0] -= 1
-            if _blas_users[0] == 0 and _blas_users[1] is not None:
-                _blas_users[1].restore_original_limits()
-                _blas_users[1] = None
+        with _BlasLimit.lock:
+            _BlasLimit.users -= 1
+            if _BlasLimit.users == 0 and _BlasLimit.first is not None:
+                _BlasLimit.first.restore_original_limits()
+                _BlasLimit.first = None
         torch.set_num_threads(before)
