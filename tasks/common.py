@@ -76,7 +76,10 @@ def clear_data_cache() -> None:
 
 
 def open_store(config: AttributeConfig, mode: str = "r+") -> TrakStore:
-    return TrakStore.open(config.store, config.storage_options, mode=mode)
+    """The store of a pipeline task: each array's zarr.json is checked as the task opens it (the run's plan
+    checked every array; re-reading all of them per task costs ~1 ms an array, hundreds in a store of many
+    checkpoints and experiments)."""
+    return TrakStore.open(config.store, config.storage_options, mode=mode, check_arrays="on_use")
 
 
 def load_checkpoint(path: str, device: str = "cpu", field: str = "checkpoints") -> dict:

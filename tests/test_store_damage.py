@@ -26,7 +26,7 @@ from examples import tiny
 from tasks import core
 from tasks.common import should_retry
 from tasks.config import AttributeConfig
-from trak_core.errors import StoreDamageError, StoreMismatchError
+from trak_core.errors import BadInputError, StoreDamageError, StoreMismatchError
 from trak_core.store import TrakStore
 from trak_core.traker import TRAKer
 from trak_core.verify import repair_store, verify_location, verify_store
@@ -235,6 +235,52 @@ def test_dtype_edited_in_array_zarr_json_is_refused(clean, tmp_path):
         TrakStore.open(cfg.store, mode="r").scores("tiny")  # `trakflow show` reads nothing either
     repair_store(TrakStore.open(cfg.store, check_arrays=False), verify_location(cfg.store))
     np.testing.assert_array_equal(run_steps(cfg), clean["scores"])
+
+
+def edit_dtype(store: Path, array: str, dtype: str = "int32") -> str:
+    """Edit the dtype in ``array``'s zarr.json; returns the original text."""
+    meta_path = store / array / "zarr.json"
+    text = meta_path.read_text()
+    meta_path.write_text(json.dumps({**json.loads(text), "data_type": dtype}))
+    return text
+
+
+def test_a_task_checks_the_arrays_it_opens_and_the_plan_checks_them_all(clean, tmp_path, monkeypatch):
+    """A pipeline task opens the store with check_arrays="on_use": a score task reads no zarr.json of an array it
+    does not use (an edited XᵀX partial, which only finalize reads, does not stop it), yet an edited array it
+    does open is refused naming it, before a row is marked done; the run's plan refuses either edit."""
+    from trak_core import store as store_mod
+
+    store = copy(clean, "score", tmp_path / "s.zarr")
+    cfg = config(store, clean["ckpts"])
+    sp = core.prepare_scores(cfg, [0, 1])
+    opened = []
+    real = store_mod.array_at
+    monkeypatch.setattr(store_mod, "array_at", lambda g, name: opened.append(f"{g.path}/{name}") or real(g, name))
+    TrakStore.open(cfg.store).reset_scores(cfg.exp_name)
+    opened.clear()
+    original = edit_dtype(store, "models/1/xtx_partials")
+    a, b = sp.blocks[0]
+    core.score_block(cfg, list(sp.model_ids), a, b)
+    assert opened and "models/1/xtx_partials" not in opened
+    assert all(p.startswith(("models/0/", "models/1/", f"experiments/{cfg.exp_name}/")) for p in opened), opened
+    assert TrakStore.open(cfg.store, check_arrays=False).scores_done_mask(cfg.exp_name)[a:b].all()
+    with pytest.raises(StoreDamageError, match=r"array models/1/xtx_partials: its zarr.json says dtype=int32"):
+        core.make_plan(cfg)
+
+    (store / "models/1/xtx_partials/zarr.json").write_text(original)
+    edit_dtype(store, "models/1/grads")  # read by every score task
+    before = TrakStore.open(cfg.store, check_arrays=False).scores_done_mask(cfg.exp_name).copy()
+    c, d = sp.blocks[-1]
+    with pytest.raises(StoreDamageError, match=r"array models/1/grads: its zarr.json says dtype=int32.*verify"):
+        core.score_block(cfg, list(sp.model_ids), c, d)
+    np.testing.assert_array_equal(TrakStore.open(cfg.store, check_arrays=False).scores_done_mask(cfg.exp_name), before)
+    assert not before[c:d].any()
+    with pytest.raises(StoreDamageError, match=r"array models/1/grads: its zarr.json says dtype=int32") as e:
+        core.make_plan(cfg)
+    assert "more" not in str(e.value)  # the partials' zarr.json is as it was
+    with pytest.raises(BadInputError, match="check_arrays='later'"):
+        TrakStore.open(cfg.store, check_arrays="later")
 
 
 @pytest.mark.parametrize("seed", [1, 0])

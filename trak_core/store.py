@@ -34,10 +34,11 @@ Since schema 4 the XᵀX partials are packed upper triangles (a schema-3 store k
 
 Every array's chunks are encoded ``bytes`` then zarr v3's ``crc32c`` codec (a checksum of each chunk,
 checked by zarr on every read; no sharding: a chunk is the unit written, listed and verified). Each array's
-zarr.json (shape, dtype, chunks, codecs) is checked on open against what the root metadata implies
-(:meth:`TrakStore.array_spec`); a chunk that fails its checksum raises :class:`StoreDamageError` naming the
-array and the chunk (:class:`StoredArray`); trak_core.verify finds missing and corrupt chunks of rows marked
-written, and repairs by unflagging them.
+zarr.json (shape, dtype, chunks, codecs) is checked against what the root metadata implies
+(:meth:`TrakStore.array_spec`): all of them on open, or each as it is opened (``check_arrays="on_use"``, the
+pipeline's tasks, after the run's plan checked them all); a chunk that fails its checksum raises
+:class:`StoreDamageError` naming the array and the chunk (:class:`StoredArray`); trak_core.verify finds missing
+and corrupt chunks of rows marked written, and repairs by unflagging them.
 
 The row arrays of the models and targets share ``chunk_rows``, so a writer that owns whole chunks owns their
 status too (zarr 3.1 loses data when two processes write the same chunk); an experiment's scores come in
@@ -559,7 +560,9 @@ def _attrs(node: zarr.Group | zarr.Array) -> MutableMapping[str, Any]:
     return cast(MutableMapping[str, Any], node.attrs)
 
 
-def _stored(group: zarr.Group, name: str) -> StoredArray:
+def _stored(group: zarr.Group, name: str, check: Callable[[zarr.Array], None] | None = None) -> StoredArray:
+    """The array ``name`` of ``group``; ``check(array)`` first when given (a store opened with
+    ``check_arrays="on_use"``: its zarr.json against the root metadata)."""
     try:
         arr = array_at(group, name)
     except KeyError:
@@ -568,7 +571,19 @@ def _stored(group: zarr.Group, name: str) -> StoredArray:
             f"store {group.store}: array {path} is missing (its zarr.json is gone). Run "
             f"`trakflow verify {group.store} --repair`, then rerun to recompute it."
         ) from None
+    if check is not None:
+        check(arr)
     return StoredArray(arr.with_config({"write_empty_chunks": True}))
+
+
+def _damaged_metadata(location: str, problems: list[str]) -> StoreDamageError:
+    """The error for arrays whose zarr.json differs from what the root metadata implies."""
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return StoreDamageError(
+        f"store {location}: {problems[0]}{more}. The array's metadata was edited or "
+        f"damaged: run `trakflow verify {location} --repair` (it recreates the array "
+        "and unflags its rows), then rerun."
+    )
 
 
 def _pinned(pins: dict | None, key: tuple, open_: Callable[[], Any]) -> Any:
@@ -584,13 +599,15 @@ def _pinned(pins: dict | None, key: tuple, open_: Callable[[], Any]) -> Any:
 
 class _Node:
     """A group of the store and its arrays, opened on access; within :meth:`TrakStore.pinned` (``pins`` set)
-    each array is opened once."""
+    each array is opened once; ``check`` (a store opened with ``check_arrays="on_use"``) checks each array's
+    zarr.json as it is opened."""
 
     group: zarr.Group
     pins: dict | None
+    check: Callable[[zarr.Array], None] | None
 
     def _array(self, name: str) -> StoredArray:
-        return _pinned(self.pins, ("array", self.group.path, name), lambda: _stored(self.group, name))
+        return _pinned(self.pins, ("array", self.group.path, name), lambda: _stored(self.group, name, self.check))
 
 
 @dataclass(frozen=True)
@@ -599,6 +616,7 @@ class ModelArrays(_Node):
 
     group: zarr.Group
     pins: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+    check: Callable[[zarr.Array], None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def grads(self) -> StoredArray:
@@ -648,6 +666,7 @@ class TargetArrays(_Node):
 
     group: zarr.Group
     pins: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+    check: Callable[[zarr.Array], None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def grads(self) -> StoredArray:
@@ -676,6 +695,7 @@ class ExperimentArrays(_Node):
 
     group: zarr.Group
     pins: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+    check: Callable[[zarr.Array], None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -712,7 +732,7 @@ class ExperimentArrays(_Node):
         return _pinned(
             self.pins,
             ("target", self.group.path, int(model_id)),
-            lambda: TargetArrays(group_at(self._models(), str(int(model_id))), self.pins),
+            lambda: TargetArrays(group_at(self._models(), str(int(model_id))), self.pins, self.check),
         )
 
 
@@ -998,10 +1018,12 @@ class StoreLock:
 class TrakStore:
     """A TRAK store. Create with :meth:`create_or_open`, open existing ones with :meth:`open`."""
 
-    def __init__(self, location: str, group: zarr.Group, meta: StoreMetadata):
+    def __init__(self, location: str, group: zarr.Group, meta: StoreMetadata, check_on_use: bool = False):
         self.location = str(location)
         self.root = group
         self.meta = meta
+        # check_arrays="on_use": each array's zarr.json is checked as it is opened, instead of all at open
+        self._check = self._check_array if check_on_use else None
         self._pinned: dict[int, dict] = {}  # thread id → the handles opened once within its pinned() block
         # the run lock this store was opened under (None: no lock); row flags are committed only while it holds
         self._lock_seen = StoreLock(self.location).fingerprint()
@@ -1017,11 +1039,18 @@ class TrakStore:
 
     @classmethod
     def open(
-        cls, location: str, storage_options: dict | None = None, mode: str = "r+", check_arrays: bool = True
+        cls,
+        location: str,
+        storage_options: dict | None = None,
+        mode: str = "r+",
+        check_arrays: bool | Literal["on_use"] = True,
     ) -> TrakStore:
         """Open an existing store (error if there is none). ``check_arrays``: check every array's zarr.json
-        against the root metadata (:class:`StoreDamageError` naming the array); trak_core.verify opens without
-        it and reports those itself."""
+        against the root metadata (:class:`StoreDamageError` naming the array); ``"on_use"``: check each array
+        as it is opened instead (a pipeline task, after the run's plan checked them all: a task opens a few
+        arrays of a store that may hold hundreds); False: never (trak_core.verify, which reports those itself)."""
+        if check_arrays not in (True, False, "on_use"):
+            raise BadInputError(f"check_arrays={check_arrays!r}: expected True, False or 'on_use'")
         try:
             g = _open_zarr(location, "r" if mode == "r" else "r+", storage_options)
         except Exception as e:  # zarr raises several types for a missing group
@@ -1039,17 +1068,19 @@ class TrakStore:
                 "checkpoint instead). Use a new "
                 "store location; the checkpoints and data are unchanged."
             )
-        store = cls(location, g, meta)
-        if check_arrays:
+        store = cls(location, g, meta, check_on_use=check_arrays == "on_use")
+        if check_arrays is True:
             problems = store.array_problems()
             if problems:
-                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                raise StoreDamageError(
-                    f"store {location}: {problems[0]}{more}. The array's metadata was edited or "
-                    f"damaged: run `trakflow verify {location} --repair` (it recreates the array "
-                    "and unflags its rows), then rerun."
-                )
+                raise _damaged_metadata(location, problems)
         return store
+
+    def _check_array(self, arr: zarr.Array) -> None:
+        """Raise :class:`StoreDamageError` when ``arr``'s zarr.json differs from what the root metadata implies."""
+        spec = self.array_spec(arr.path)
+        problem = spec.problem(arr) if spec is not None else None
+        if problem:
+            raise _damaged_metadata(self.location, [problem])
 
     @classmethod
     def create_or_open(
@@ -1153,7 +1184,7 @@ class TrakStore:
     ) -> StoredArray:
         n = rows if rows is not None else self.meta.train_set_size
         if name in g:
-            return _stored(g, name)
+            return _stored(g, name, self._check)
         shape = (n,) if width is None else (n, width)
         chunks = self.meta.row_chunks(width, np.dtype(dtype).itemsize, chunk_rows)
         g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=_codecs(), fill_value=0)
@@ -1384,12 +1415,12 @@ class TrakStore:
         for name, rows in (("partial_done", m.num_shards), ("inverse_done", 1)):
             if name not in g:
                 g.create_array(name, shape=(rows,), chunks=(1,), dtype="uint8", compressors=_codecs(), fill_value=0)
-        return ModelArrays(g)
+        return ModelArrays(g, check=self._check)
 
     def model(self, model_id: int) -> ModelArrays:
         def open_() -> ModelArrays:
             try:
-                return ModelArrays(group_at(self._models(), str(int(model_id))), self._pins)
+                return ModelArrays(group_at(self._models(), str(int(model_id))), self._pins, self._check)
             except KeyError:
                 raise BadInputError(
                     f"model_id={model_id} is not in the store at {self.location} (it has {self.model_ids()})"
@@ -1478,7 +1509,7 @@ class TrakStore:
             have = exps[exp_name].attrs.get("num_targets")
             if have != int(num_targets):
                 raise StoreMismatchError(f"experiment {exp_name!r} exists with num_targets={have}, not {num_targets}")
-            return ExperimentArrays(group_at(exps, exp_name))
+            return ExperimentArrays(group_at(exps, exp_name), check=self._check)
         g = exps.require_group(exp_name)
         g.require_group("models")
         g.attrs["num_targets"] = int(num_targets)
@@ -1486,12 +1517,12 @@ class TrakStore:
             "chunk_rows": self.meta.score_chunk_rows(int(num_targets)),
             "done_rows": self.meta.rows_per_shard,
         }
-        return ExperimentArrays(g)
+        return ExperimentArrays(g, check=self._check)
 
     def experiment(self, exp_name: str) -> ExperimentArrays:
         def open_() -> ExperimentArrays:
             try:
-                return ExperimentArrays(group_at(self._experiments(), exp_name), self._pins)
+                return ExperimentArrays(group_at(self._experiments(), exp_name), self._pins, self._check)
             except KeyError:
                 raise BadInputError(f"unknown experiment {exp_name!r}; the store has {self.experiments()}") from None
 
@@ -1515,7 +1546,7 @@ class TrakStore:
         self._row_array(g, "scored", "uint8", rows=m)
         self._row_array(g, "solved", "float32", self.meta.proj_dim, rows=m)
         self._row_array(g, "solved_done", "uint8", rows=m)
-        return TargetArrays(g)
+        return TargetArrays(g, check=self._check)
 
     def experiment_model_ids(self, exp_name: str) -> list[int]:
         return self.experiment(exp_name).model_ids()
