@@ -15,9 +15,13 @@ per checkpoint, ``ckpts`` checkpoints) and m targets, times:
   Zarr reads of X, float16 → float32, the GEMMs, the combination, the Zarr writes of the scores, the returned array);
 * **finalize_scores, buffers in numpy's huge pages**: the same with the returned array and the workers' buffers
   as plain numpy arrays (which ask for transparent huge pages), as before ``streaming.page_array``;
-* **score tasks**: what the pipeline's score step runs: ``reduce.score_rows`` per task range
-  (``streaming.score_task_ranges``: whole shards, one each at this n), each loading G A (``tasks.core.score_block``
-  without Prefect).
+* **score tasks**: what the pipeline's score step runs with its default config (``AttributeConfig``'s defaults:
+  the thread runner, ``max_workers`` task slots): ``tasks.core.prepare_scores`` (G A once, the task ranges of
+  ``streaming.score_task_ranges``), then ``tasks.core.score_block`` per range, ``task_slots`` at once, each with
+  its share of the cores (``tasks.common.threads_per_task``, as the Prefect task wrapper runs it) — without
+  Prefect;
+* **score tasks, one at a time**: the same tasks run one after another with all the cores each (the thread
+  runner with ``max_workers=1``).
 
 Each repetition times a 4096² matmul right before each measurement; the "interleaved" column is the median of
 (measurement GFLOP/s) / (that reference), robust to other jobs on the machine.
@@ -36,12 +40,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tasks import core  # noqa: E402
+from tasks.common import cores, threads_per_task, torch_threads  # noqa: E402
+from tasks.config import AttributeConfig  # noqa: E402
 from trak_core import reduce, streaming  # noqa: E402
 from trak_core.scoring import combine_checkpoints  # noqa: E402
 from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
@@ -101,21 +109,47 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def score_tasks(store: TrakStore, exp: str, used: list[int]):
-    """The pipeline's score step: prepare_scores (G A once, begin_scores, the task ranges of
-    ``streaming.score_task_ranges``), then score_rows per task range with G A loaded per task."""
-    reduce.solve_targets(store, exp, used)
-    store.reset_scores(exp)
-    store.begin_scores(exp, used)
-    for a, b in task_ranges(store, exp, used):
-        reduce.score_rows(store, exp, used, a, b, reduce.load_solved(store, exp, used))
+def pipeline_config(store: TrakStore, exp: str, **over) -> AttributeConfig:
+    """The pipeline's default config (no validation: only the fields its score step reads) on this store."""
+    return AttributeConfig.model_construct(store=store.location, exp_name=exp, **over)
+
+
+def score_tasks(store: TrakStore, exp: str, used: list[int], **over):
+    """The pipeline's score step (flows/score.py without Prefect): prepare_scores (G A once, begin_scores, the
+    task ranges), then score_block per range, ``task_slots`` at once, each in its share of the cores (what the
+    Prefect task wrapper runs). ``over``: config fields instead of the defaults (e.g. ``max_workers``)."""
+    config = pipeline_config(store, exp, **over)
+    store.reset_scores(exp)  # else the repetitions after the first find every row done
+    plan = core.prepare_scores(config, used)
+    threads = threads_per_task(config, len(plan.blocks))
+
+    def task(block: tuple[int, int]) -> None:
+        with torch_threads(threads):
+            core.score_block(config, list(plan.model_ids), *block)
+
+    with ThreadPoolExecutor(config.task_slots) as pool:
+        list(pool.map(task, plan.blocks))
     return lambda: store.scores(exp)[:]  # read back for the checks, after the timing
 
 
+def score_tasks_label(store: TrakStore, exp: str, used: list[int]) -> str:
+    config, n = pipeline_config(store, exp), len(task_ranges(store, exp, used))
+    return (
+        f"score tasks ({n} of score_task_ranges, {config.task_slots} at once, "
+        f"{threads_per_task(config, n)} thread(s) each)"
+    )
+
+
 def task_ranges(store: TrakStore, exp: str, used: list[int]) -> tuple[tuple[int, int], ...]:
-    meta = store.meta
+    meta, config = store.meta, pipeline_config(store, exp)
     return streaming.score_task_ranges(
-        meta.train_set_size, meta.rows_per_shard, meta.proj_dim, store.num_targets(exp), len(used)
+        meta.train_set_size,
+        meta.rows_per_shard,
+        meta.proj_dim,
+        store.num_targets(exp),
+        len(used),
+        config.score_task_rows,
+        config.task_slots,
     )
 
 
@@ -354,8 +388,9 @@ def run(a) -> dict:
                     "finalize_scores, buffers in numpy's huge pages": numpy_buffers(
                         lambda exp=exp: reduce.finalize_scores(st, exp)
                     ),
-                    f"score tasks ({len(task_ranges(st, exp, used))} of score_task_ranges)": lambda exp=exp: (
-                        score_tasks(st, exp, used)
+                    score_tasks_label(st, exp, used): lambda exp=exp: score_tasks(st, exp, used),
+                    f"score tasks, one at a time ({cores()} threads each)": lambda exp=exp: score_tasks(
+                        st, exp, used, max_workers=1
                     ),
                 }
             )
