@@ -28,7 +28,9 @@ def evaluate(config: EvaluateConfig) -> dict:
     plan = plan_truth_task(config)
     log.info("ground truth %s: %d subset models, %d to train", plan.folder, plan.models, plan.to_train)
     progress.start("lds-train", len(plan.jobs))
-    trained = gather([train_subset_model_task.submit(config, plan.folder, s, r) for s, r in plan.jobs])
+    trained = gather(
+        [train_subset_model_task.submit(config, plan.folder, s, r, tasks=len(plan.jobs)) for s, r in plan.jobs]
+    )
     stats = summarize(trained) if trained else {"tasks": 0, "computed": 0, "skipped": 0, "seconds": 0.0}
     truth = assemble_truth_task(config, plan.folder)
     result = compute_lds_task(config, truth, stats["computed"])

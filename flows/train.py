@@ -16,7 +16,7 @@ from tasks.training import train_model
 @flow(name="train", task_runner=ConfigTaskRunner(), validate_parameters=True)
 def train(config: TrainConfig) -> dict:
     progress.start("train", config.num_models * config.epochs)
-    records = gather([train_model.submit(config, i) for i in range(config.num_models)])
+    records = gather([train_model.submit(config, i, tasks=config.num_models) for i in range(config.num_models)])
     manifest = write_manifest(config, records)
     out = summarize(records)
     get_run_logger().info(

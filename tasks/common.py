@@ -15,7 +15,7 @@ import torch
 from trak_core.errors import BadInputError, StateError, StoreDamageError, StoreMismatchError
 from trak_core.store import TrakStore
 
-from .config import AttributeConfig, load_data
+from .config import AttributeConfig, EvaluateConfig, TrainConfig, load_data
 
 #: tag of tasks that run model code on the device: `prefect concurrency-limit create trakflow-gpu 1`
 GPU_TAG = "trakflow-gpu"
@@ -104,7 +104,7 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads_per_task(config: AttributeConfig, tasks: int) -> int | None:
+def threads_per_task(config: AttributeConfig | TrainConfig | EvaluateConfig, tasks: int) -> int | None:
     """The torch and BLAS threads for one task of a stage of ``tasks`` tasks: this machine's cores divided by the
     tasks the runner executes at once (min(``config.task_slots``, ``tasks``)), so concurrent tasks do not
     oversubscribe the cores (two tasks of two OpenMP threads each on two cores spin at each other's barriers).

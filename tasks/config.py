@@ -578,6 +578,11 @@ class TrainConfig(_Base):
         "the nine cases of benchmarks/RESULTS.md 'Going past TRAK', at 4x the featurize and scoring time",
     )
 
+    @property
+    def task_slots(self) -> int:
+        """Models trained at once (the runner's threads or processes: ``max_workers``)."""
+        return self.max_workers
+
     @field_validator("model")
     @classmethod
     def _model(cls, v):
@@ -651,6 +656,11 @@ class EvaluateConfig(_Base):
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     task_runner: Literal["thread", "process"] = Field("thread", description="where the subset models train")
     max_workers: PositiveInt = Field(2, description="subset models trained concurrently")
+
+    @property
+    def task_slots(self) -> int:
+        """Subset models trained at once (the runner's threads or processes: ``max_workers``)."""
+        return self.max_workers
 
     @field_validator("attribute", mode="before")
     @classmethod

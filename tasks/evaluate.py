@@ -34,7 +34,7 @@ from trak_core.store import TrakStore
 
 from . import progress
 from .attribution import RETRIED_TASK
-from .common import GPU_TAG, cached_data
+from .common import GPU_TAG, cached_data, threads_per_task, torch_threads
 from .config import EvaluateConfig, TrainConfig
 from .plan import SubsetModelManifest, TruthPlan
 from .report import image_markdown, store_artifact_key
@@ -295,8 +295,10 @@ def plan_truth_task(config: EvaluateConfig) -> TruthPlan:
 
 
 @task(name="train-subset-model", task_run_name="subset-{s}-seed-{r}", tags=[GPU_TAG], **RETRIED_TASK)
-def train_subset_model_task(config: EvaluateConfig, folder: str, s: int, r: int) -> SubsetModelManifest:
-    return train_subset_model(config, folder, s, r)
+def train_subset_model_task(config: EvaluateConfig, folder: str, s: int, r: int, tasks: int = 1) -> SubsetModelManifest:
+    """``tasks``: the subset models the flow trains, which sets this task's torch threads (threads_per_task)."""
+    with torch_threads(threads_per_task(config, tasks)):
+        return train_subset_model(config, folder, s, r)
 
 
 @task(name="assemble-truth", cache_policy=NONE, persist_result=False)

@@ -218,6 +218,22 @@ def test_larger_m_trains_only_new_subsets_and_recipe_changes_the_key(evaluated):
     assert other.folder != str(Path(first["truth"]).parent) and other.to_train == 10
 
 
+def test_subset_models_train_with_their_share_of_the_cores(evaluated, monkeypatch):
+    """The evaluate flow's subset models, two at a time on two cores, train with one torch thread each."""
+    from flows import evaluate
+    from tasks import common
+    from tasks import evaluate as ev
+
+    tmp, cfg, _ = evaluated
+    monkeypatch.setattr(common, "cores", lambda: 2)
+    seen: list[int] = []
+    real = ev.train_subset_model
+    monkeypatch.setattr(ev, "train_subset_model", lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+    before = torch.get_num_threads()
+    evaluate(cfg.model_copy(update={"num_subsets": 4, "cache_dir": str(tmp / "cache-threads"), "max_workers": 2}))
+    assert seen == [1, 1, 1, 1] and torch.get_num_threads() == before
+
+
 def test_unscored_experiment_without_run_attribute_names_the_field(evaluated):
     from flows import evaluate
 

@@ -373,6 +373,32 @@ def test_flows_run_tasks_on_their_configs_runner(tmp_path):
     assert probe(cfg) == (ThreadPoolTaskRunner.__name__, 3)
 
 
+def test_train_flow_gives_each_model_its_share_of_the_cores(tmp_path, monkeypatch):
+    """Two models trained at once on two cores train with one torch thread each, a lone model with both
+    (concurrent trainings on all the cores each spin at each other's OpenMP barriers); the flow's thread keeps
+    its count."""
+    import torch
+
+    from flows import train
+    from tasks import common, trainer
+
+    monkeypatch.setattr(common, "cores", lambda: 2)
+    seen: list[int] = []
+    real = trainer.train_one
+
+    def train_one(config, index):
+        seen.append(torch.get_num_threads())
+        return real(config, index)
+
+    monkeypatch.setattr(trainer, "train_one", train_one)
+    recipe = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data", epochs=1, batch_size=16)
+    before = torch.get_num_threads()
+    train(TrainConfig(**recipe, out_dir=str(tmp_path / "two"), num_models=2, max_workers=2))
+    assert seen == [1, 1]
+    train(TrainConfig(**recipe, out_dir=str(tmp_path / "one"), num_models=1, max_workers=2))
+    assert seen[2:] == [2] and torch.get_num_threads() == before
+
+
 def test_train_flow_manifest_and_rerun(tmp_path):
     from flows import train
 
