@@ -133,23 +133,11 @@ def score_tasks(store: TrakStore, exp: str, used: list[int], **over):
 
 
 def score_tasks_label(store: TrakStore, exp: str, used: list[int]) -> str:
-    config, n = pipeline_config(store, exp), len(task_ranges(store, exp, used))
+    config = pipeline_config(store, exp)
+    n = len(core.score_ranges(config, store, used))
     return (
         f"score tasks ({n} of score_task_ranges, {config.task_slots} at once, "
         f"{threads_per_task(config, n)} thread(s) each)"
-    )
-
-
-def task_ranges(store: TrakStore, exp: str, used: list[int]) -> tuple[tuple[int, int], ...]:
-    meta, config = store.meta, pipeline_config(store, exp)
-    return streaming.score_task_ranges(
-        meta.train_set_size,
-        meta.rows_per_shard,
-        meta.proj_dim,
-        store.num_targets(exp),
-        len(used),
-        config.score_task_rows,
-        config.task_slots,
     )
 
 

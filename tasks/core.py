@@ -468,9 +468,15 @@ def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
     used = usable_models(store, exp, model_ids)
     solve_targets(store, exp, used)
     store.begin_scores(exp, used)
-    meta, m, rows, slots = store.meta, store.num_targets(exp), config.score_task_rows, config.task_slots
-    blocks = score_task_ranges(meta.train_set_size, meta.rows_per_shard, meta.proj_dim, m, len(used), rows, slots)
-    return ScorePlan(model_ids=tuple(used), blocks=blocks)
+    return ScorePlan(model_ids=tuple(used), blocks=score_ranges(config, store, used))
+
+
+def score_ranges(config: AttributeConfig, store: TrakStore, used: list[int]) -> tuple[tuple[int, int], ...]:
+    """The train-row ranges of the score tasks (:func:`trak_core.streaming.score_task_ranges` for this run)."""
+    meta, m = store.meta, store.num_targets(config.exp_name)
+    return score_task_ranges(
+        meta.train_set_size, meta.rows_per_shard, meta.proj_dim, m, len(used), config.score_task_rows, config.task_slots
+    )
 
 
 def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -> ScoreBlockManifest:

@@ -597,14 +597,15 @@ def _pinned(pins: dict | None, key: tuple, open_: Callable[[], Any]) -> Any:
     return node
 
 
+@dataclass(frozen=True)
 class _Node:
     """A group of the store and its arrays, opened on access; within :meth:`TrakStore.pinned` (``pins`` set)
     each array is opened once; ``check`` (a store opened with ``check_arrays="on_use"``) checks each array's
     zarr.json as it is opened."""
 
     group: zarr.Group
-    pins: dict | None
-    check: Callable[[zarr.Array], None] | None
+    pins: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+    check: Callable[[zarr.Array], None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def _array(self, name: str) -> StoredArray:
         return _pinned(self.pins, ("array", self.group.path, name), lambda: _stored(self.group, name, self.check))
@@ -613,10 +614,6 @@ class _Node:
 @dataclass(frozen=True)
 class ModelArrays(_Node):
     """The arrays of one checkpoint (``/models/<id>``)."""
-
-    group: zarr.Group
-    pins: dict | None = dataclasses.field(default=None, repr=False, compare=False)
-    check: Callable[[zarr.Array], None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def grads(self) -> StoredArray:
@@ -664,10 +661,6 @@ class ModelArrays(_Node):
 class TargetArrays(_Node):
     """The target gradients of one checkpoint in one experiment (``/experiments/<exp>/models/<id>``)."""
 
-    group: zarr.Group
-    pins: dict | None = dataclasses.field(default=None, repr=False, compare=False)
-    check: Callable[[zarr.Array], None] | None = dataclasses.field(default=None, repr=False, compare=False)
-
     @property
     def grads(self) -> StoredArray:
         """(m, p) target gradients G."""
@@ -692,10 +685,6 @@ class TargetArrays(_Node):
 @dataclass(frozen=True)
 class ExperimentArrays(_Node):
     """One experiment (``/experiments/<exp>``): its targets and its combined scores."""
-
-    group: zarr.Group
-    pins: dict | None = dataclasses.field(default=None, repr=False, compare=False)
-    check: Callable[[zarr.Array], None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
