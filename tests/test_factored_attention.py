@@ -238,16 +238,22 @@ def test_separate_qkv_weights_and_bias_kv():
     assert set(other.params) == {"attn.in_proj_bias", "attn.bias_k", "attn.bias_v"}
 
 
-def test_benchmark_transformer_layout_and_fast_path():
-    """The text model of benchmarks/featurize_bench.py: everything but the LayerNorms is factored."""
+def _featurize_bench():
+    """benchmarks/featurize_bench.py as a module (its models and data)."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:
-        import featurize_bench as fb
+        import featurize_bench
     finally:
         sys.path.pop(0)
+    return featurize_bench
+
+
+def test_benchmark_transformer_layout_and_fast_path():
+    """The text model of benchmarks/featurize_bench.py: everything but the LayerNorms is factored."""
+    fb = _featurize_bench()
     model, shape, _ = fb.make_model("transformer")
     p = FactoredProjector.from_model(model, 2048)
     other = next(b for b in p.blocks if b.kind == "other")
@@ -259,6 +265,26 @@ def test_benchmark_transformer_layout_and_fast_path():
     grads = _brute_grads(model, (x, y), [n for n, _ in small.layout.param_shapes])
     want = _definition(small, grads, 3)
     torch.testing.assert_close(_fast(small, model, (x, y)), want, rtol=1e-8, atol=1e-10 * float(want.abs().max()))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_benchmark_transformer_fast_path_on_cuda_equals_the_cpu():
+    """On CUDA, scaled dot-product attention's fused kernels have backward passes that fail under the fast
+    path's vmap (memory-efficient attention: "LSE is not correctly aligned (strideH)", seen on an H100 with
+    torch 2.11): the fast path takes the math backend there too, and gives the CPU's numbers."""
+    from trak_core.featurize import Featurizer
+
+    fb = _featurize_bench()
+    model, shape, _ = fb.make_model("transformer")
+    x, y = fb.make_data(shape, "tokens", 64)
+    out = {}
+    for dev in ("cpu", "cuda"):
+        model = model.to(dev)
+        f = Featurizer(model, "image_classification", FactoredProjector.from_model(model, 512, device=dev), device=dev)
+        f.load_state(model.state_dict())
+        out[dev] = f.project_batch([x.to(dev), y.to(dev)], 0, list(range(64))).cpu().double()
+    assert float((out["cuda"] - out["cpu"]).abs().max() / out["cpu"].abs().max()) < 1e-4
 
 
 # ---------------------------------------------------------------------------- the projector contract

@@ -132,7 +132,6 @@ kernel: it would loop over examples); the numbers are the same up to rounding.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import warnings
@@ -789,17 +788,16 @@ def _per_example_grads(
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
-        with _attention_math(batch):
+        with _attention_math():
             return _per_example_grads_impl(out_fn, blocks, other_w, shared, batch, device, dtype, bsz)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
-def _attention_math(batch: Sequence[Tensor]):
-    """On the CPU: scaled dot-product attention's math backend (vmap has no batching rule for the fused CPU
-    kernel and would run it example by example); elsewhere: torch's choice."""
-    if any(t.device.type != "cpu" for t in batch):
-        return contextlib.nullcontext()
+def _attention_math():
+    """Scaled dot-product attention's math backend, on every device: on the CPU vmap has no batching rule
+    for the fused kernel (it would run example by example); on CUDA the fused kernels' backward passes fail
+    under vmap (memory-efficient attention: "LSE is not correctly aligned (strideH)", H100, torch 2.11)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(SDPBackend.MATH)
