@@ -389,7 +389,7 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
     a, b = store.meta.shard_range(shard)
     if store.shard_featurized(model_id, shard):
         if not store.partial_done(model_id, shard):
-            ensure_partial(store, model_id, shard)
+            ensure_partial(store, model_id, shard, device=config.resolved_device())
         progress.advance("featurize", b - a)
         return ShardManifest.timed(t0, True, model_id=model_id, shard=shard, rows=(a, b))
     if store.is_finalized(model_id):
@@ -410,9 +410,8 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
         progress.advance("featurize", e - s)
     x, q = np.concatenate(xs), np.concatenate(qs)
     store.write_train_rows(model_id, slice(a, b), x, q)
-    store.write_partial(
-        model_id, shard, shard_partial(store, model_id, shard, rows=x), shard_row_sums(store, model_id, shard, x, q)
-    )
+    part = shard_partial(store, model_id, shard, rows=x, device=feat.device)  # on the featurizer's GPU if any
+    store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, x, q))
     return ShardManifest.timed(t0, False, model_id=model_id, shard=shard, rows=(a, b))
 
 
@@ -427,7 +426,7 @@ def finalize_checkpoint(config: AttributeConfig, model_id: int) -> FinalizeManif
     st = config.settings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        info = finalize_model(store, model_id, st.lambda_reg, st.rescale_inverse)
+        info = finalize_model(store, model_id, st.lambda_reg, st.rescale_inverse, device=config.resolved_device())
     for w in caught:  # re-issue (the record hides them) and keep the text in the manifest
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     progress.advance("finalize", 1)

@@ -251,3 +251,36 @@ def test_packed_partials_half_the_bytes_same_inverse_as_a_schema_3_store(tmp_pat
     meta = StoreMetadata(**{**old.meta.model_dump(), "schema_version": 4})
     again = TrakStore.create_or_open(old.location, meta)
     assert again.meta.schema_version == 3 and not again.array_problems()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_device_gram_is_the_float64_gram_exactly_symmetric(monkeypatch, dtype):
+    """The GPU path of shard_partial (here run on the CPU through torch): the float64 xᵀx of the rows as stored,
+    summed over blocks of rows (a block size that does not divide n), mirrored from its upper triangle."""
+    monkeypatch.setattr(reduce, "DEVICE_BLOCK_BYTES", 8 * 64 * 37)  # 37 rows per block at p = 64
+    x = _x(500, 64, alpha=1.0, seed=3).astype(dtype)
+    got = reduce._device_gram(x, torch.device("cpu"))
+    want = x.astype(np.float64).T @ x.astype(np.float64)
+    assert got.dtype == np.float64 and np.array_equal(got, got.T)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13 * np.abs(want).max())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("setting", ["adaptive", 0.5])
+def test_finalize_on_a_gpu_equals_the_host(tmp_path, setting):
+    """Partials computed on a GPU (TRAKer's or a featurize task's device) are the host's float64 partials up to
+    summation order, and finalize gives the same λ and inverse to float64 round-off."""
+    n, p = 2500, 600
+    x = _x(n, p, alpha=1.0, seed=5).astype(np.float32)
+    a = _store_with_rows(tmp_path / "a", x, chunk_rows=250, shard_rows=1000, partials=False)
+    b = _store_with_rows(tmp_path / "b", x, chunk_rows=250, shard_rows=1000, partials=False)
+    for s in range(a.meta.num_shards):
+        host, gpu = reduce.shard_partial(a, 0, s), reduce.shard_partial(a, 0, s, device="cuda")
+        assert np.array_equal(gpu, gpu.T)
+        np.testing.assert_allclose(gpu, host, rtol=1e-12, atol=1e-13 * np.abs(host).max())
+    ia = reduce.finalize_model(a, 0, setting)
+    ib = reduce.finalize_model(b, 0, setting, device="cuda")
+    assert ia.keys() == ib.keys() and ia["lambda_reg"] == pytest.approx(ib["lambda_reg"], rel=1e-9)
+    inv_a, inv_b = a.model(0).inverse[:], b.model(0).inverse[:]
+    np.testing.assert_allclose(inv_b, inv_a, rtol=1e-7, atol=1e-9 * np.abs(inv_a).max())

@@ -337,7 +337,7 @@ class TRAKer:
             if self.store.is_finalized(mid):
                 self.logger.warning("model_id=%s already finalized, skipping", mid)
                 continue
-            finalize_model(self.store, mid, self.lambda_reg, self.rescale_inverse)
+            finalize_model(self.store, mid, self.lambda_reg, self.rescale_inverse, device=self.device)
         self._last_ind = 0
 
     def features(self, model_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:

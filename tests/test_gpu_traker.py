@@ -1,0 +1,64 @@
+"""TRAKer on a CUDA device against the same run on the CPU (marker ``cuda``; skipped without a GPU).
+
+On the GPU the per-example gradients, the projection and the XᵀX partials (float64) run on the device, the store
+stays on the host; the scores must be the CPU's up to float32 round-off of the projected gradients."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import trak_core
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _projector(kind: str, model: nn.Module, device: str):
+    """trak_core's projector on the CPU; on CUDA the GPU plugin's kernels (the same matrix), as installed users get."""
+    grad_dim = sum(p.numel() for p in model.parameters())
+    kw = {"c": 4} if kind == "sjlt" else {}
+    if device == "cuda":
+        from cuda_ext.projectors import CudaDenseProjector, CudaSJLTProjector
+
+        return (CudaDenseProjector if kind == "dense" else CudaSJLTProjector)(grad_dim, 64, 0, device=device, **kw)
+    return trak_core.projectors.make_projector(kind, grad_dim, 64, 0, device=device, **kw)
+
+
+def _run(tmp_path, device: str, projector: str, model: nn.Module, data) -> tuple[np.ndarray, dict]:
+    x, y, xt, yt = data
+    kw = {} if projector == "factored" else {"projector": _projector(projector, model, device)}
+    tr = trak_core.TRAKer(
+        model=model.to(device),
+        task="image_classification",
+        train_set_size=len(x),
+        save_dir=str(tmp_path / device),
+        device=device,
+        proj_dim=64,
+        logging_level=logging.ERROR,
+        **kw,
+    )
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    for a in range(0, len(x), 50):
+        tr.featurize((x[a : a + 50], y[a : a + 50]), num_samples=len(x[a : a + 50]))
+    tr.finalize_features()
+    tr.start_scoring_checkpoint("exp", model.state_dict(), model_id=0, num_targets=len(xt))
+    tr.score((xt, yt), num_samples=len(xt))
+    return np.asarray(tr.finalize_scores("exp"), dtype=np.float64), tr.store.finalize_info(0)
+
+
+@pytest.mark.parametrize("projector", ["factored", "dense", "sjlt"])
+def test_traker_on_cuda_gives_the_cpus_scores(tmp_path, projector):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randn(300, 20, generator=g), torch.randint(0, 4, (300,), generator=g))
+    data += (torch.randn(7, 20, generator=g), torch.randint(0, 4, (7,), generator=g))
+    cpu, info_cpu = _run(tmp_path, "cpu", projector, model, data)
+    gpu, info_gpu = _run(tmp_path, "cuda", projector, model, data)
+    assert cpu.shape == gpu.shape == (300, 7)
+    assert info_gpu["lambda_reg"] == pytest.approx(info_cpu["lambda_reg"], rel=1e-3)
+    assert float(np.abs(gpu - cpu).max() / np.abs(cpu).max()) < 1e-3
