@@ -24,8 +24,8 @@ the store's size on disk per array (allocated blocks, as ``du``).
     .venv/bin/python benchmarks/imagenet_scale.py --extrapolate /tmp/imagenet_scale_full.json
 
 ``--extrapolate`` prints the tables of a finished run again, with the host XᵀX partial timed on this machine. The
-extrapolation table scales the measured per-row costs to N workers and uses docs/gpu.md's H100 estimates: it is
-arithmetic, not a measurement.
+extrapolation table scales the measured per-row costs to N workers and uses the per-row costs measured on one H100
+(docs/gpu.md): it is arithmetic, not a measurement.
 
 The store goes under ``--workdir`` (default /tmp/imagenet_scale) and is deleted afterwards (``--keep`` keeps it).
 """
@@ -313,14 +313,14 @@ def report(info: dict) -> str:
 
 
 # ---------------------------------------------------------------------------- extrapolation (not measured)
-#: per-row cost on one H100 in µs, (low, high), from docs/gpu.md "Expected per-row cost of each stage on one H100"
-#: (on paper, for a 407k-parameter MLP at proj_dim 2048, float16 store, 1,000 targets: an upper bound for this
-#: benchmark's 34k-parameter MLP). featurize: the factored projection at batch 256 (~1 µs) + the Zarr write of X
-#: (2-4 µs); finalize: the shards' float64 XᵀX partials read back through Zarr (p² · 8 B per shard: 8 KiB per row at
-#: 4,096-row shards, 4-8 µs; there is no Φ = X A pass since store schema 3) + the solve (~1 ms per checkpoint);
-#: score: X (A Gᵀ) through Zarr.
-H100_US_PER_ROW = {"featurize": (3.0, 5.0), "finalize": (4.0, 8.0), "score": (4.0, 8.0)}
-H100_SOLVE_S = 1e-3
+#: per-row cost on one H100 in µs, (low, high), measured (docs/gpu.md "Measured on one H100"): featurize from the
+#: sum of its measured stages (factored fast path 1.75 + XᵀX partial on the GPU 0.15 + pageable copy to the host 3.2 +
+#: float16 Zarr write 5.3) to TRAKer's measured end-to-end featurize (2.58 s for 65,536 rows, float32 store);
+#: finalize: the host's sum of the stored partials (4.0 µs per row measured on the CPU machine; a GPU does not help)
+#: to twice that; score: the GEMM 0.09 + reading X 2.2, to that + writing the 1,000 scores at the write rate 5.3
+H100_US_PER_ROW = {"featurize": (10.4, 39.4), "finalize": (4.0, 8.0), "score": (2.3, 7.6)}
+#: float64 Cholesky + inverse at p = 2048 on the H100, measured (benchmarks/gpu_stages.py)
+H100_SOLVE_S = 3.2e-3
 #: stages with one task per (checkpoint, shard): N workers divide them; finalize and targets are one task per
 #: checkpoint (one checkpoint here), so N workers do not shorten them
 FANS_OUT = {"featurize": True, "finalize": False, "targets": False, "score": True}
@@ -347,15 +347,16 @@ def _sec(x: float) -> str:
 
 def extrapolate(info: dict, n_full: int = IMAGENET_ROWS, workers=(1, 8, 64), partial_s: float | None = None) -> str:
     """The table: measured per-row costs (stage wall / n on this machine) scaled to ``n_full`` rows on N machines
-    like this one, and docs/gpu.md's H100 per-row estimates on N H100 workers. Extrapolation, not measurement."""
+    like this one, and the per-row costs measured on one H100 (docs/gpu.md) on N H100 workers. Extrapolation, not
+    measurement of N workers."""
     n = info["rows"]
     st = info["stages"]
     shard = info["config"]["shard_size"]
     head = " / ".join(f"N={k}" for k in workers)
     lines = [
         f"| stage | fans out over workers | measured here: µs per row (stage wall / n) | {n_full:,} rows on N "
-        f"machines like this one ({head}), s | H100: µs per row (docs/gpu.md) | {n_full:,} rows on N H100 "
-        f"workers ({head}), s |",
+        f"machines like this one ({head}), s | H100: µs per row (measured stages, docs/gpu.md) | {n_full:,} rows "
+        f"on N H100 workers ({head}), s |",
         "|---|---|---|---|---|---|",
     ]
     tot_cpu = [0.0] * len(workers)
@@ -375,7 +376,7 @@ def extrapolate(info: dict, n_full: int = IMAGENET_ROWS, workers=(1, 8, 64), par
             lo, hi = H100_US_PER_ROW[s]
             fixed = H100_SOLVE_S if s == "finalize" else 0.0
             gpu = [[n_full * c * 1e-6 / (k if fan else 1) + fixed for c in (lo, hi)] for k in workers]
-            gper = f"{lo:g}–{hi:g}" + (" + 1 ms solve" if s == "finalize" else "")
+            gper = f"{lo:g}–{hi:g}" + (f" + {H100_SOLVE_S * 1e3:g} ms solve" if s == "finalize" else "")
         else:
             gpu = [[0.0, 0.0] for _ in workers]
             gper = "~0 (1,000 rows)"
@@ -399,8 +400,8 @@ def extrapolate(info: dict, n_full: int = IMAGENET_ROWS, workers=(1, 8, 64), par
             "",
             f"Host-side XᵀX partial (float16 → float64 syrk of one {shard}-row shard, as featurize does it today): "
             f"{partial_s:.3f} s per shard = {1e6 * partial_s / shard:.0f} µs per row on this machine "
-            f"(torch threads {torch.get_num_threads()}); not in the H100 column, which assumes it fused on the GPU "
-            "(0.1 µs per row, docs/gpu.md).",
+            f"(torch threads {torch.get_num_threads()}); a GPU worker computes it on its device instead "
+            "(0.15 µs per row measured on an H100, docs/gpu.md).",
         ]
     return "\n".join(lines)
 
