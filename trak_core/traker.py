@@ -40,7 +40,7 @@ from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from .modelout import AbstractModelOutput, resolve_task
 from .projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
-from .reduce import features_rows, finalize_model, finalize_scores
+from .reduce import features_rows, finalize_model, finalize_scores, shard_partial, shard_row_sums
 from .scoring import check_lambda
 from .store import StoreMetadata, TrakStore
 
@@ -212,6 +212,9 @@ class TRAKer:
         # marked featurized) when it reaches a chunk boundary or the last train row, or before anything else
         # this instance does with the store (see _flush_rows)
         self._pending: dict | None = None
+        # on a GPU: the written rows of the shard being featurized in one ascending run, kept until the shard is
+        # complete, when its XᵀX partial is computed on the device and stored (see _collect_shard_rows)
+        self._shard_run: dict | None = None
         _open_trakers.add(self)
 
     # ------------------------------------------------------------------ featurizing
@@ -221,6 +224,40 @@ class TRAKer:
         if pend is not None:
             x, q = np.concatenate(pend["x"]), np.concatenate(pend["q"])
             self.store.write_train_rows(pend["mid"], slice(pend["start"], pend["stop"]), x, q)
+            if self._partials_while_featurizing():
+                self._collect_shard_rows(pend["mid"], pend["start"], x, q)
+
+    def _partials_while_featurizing(self) -> bool:
+        """On a GPU each shard's XᵀX partial is computed as soon as the shard's rows are written, from the rows
+        still in memory: finalize then neither reads the rows back from the store nor copies them to the device
+        again (on the CPU finalize computes them, as before: the same work, and no shard of rows held)."""
+        return torch.device(self.device).type != "cpu"
+
+    def _collect_shard_rows(self, mid: int, start: int, x: np.ndarray, q: np.ndarray) -> None:
+        """Keep written rows [start, start + len(x)) of model ``mid`` while they continue one ascending run from the
+        first row of a shard; once the shard is complete, store its partial (:func:`shard_partial` on this device,
+        :func:`shard_row_sums`: the bits finalize would compute from the stored rows). Rows that do not continue
+        the run drop it (finalize computes that shard's partial)."""
+        meta = self.store.meta
+        stop = start + len(x)
+        for s in range(start // meta.rows_per_shard, (stop - 1) // meta.rows_per_shard + 1):
+            sa, sb = meta.shard_range(s)
+            a, b = max(start, sa), min(stop, sb)
+            run = self._shard_run
+            if a == sa:
+                run = self._shard_run = {"mid": mid, "shard": s, "next": sa, "x": [], "q": []}
+            elif run is None or (run["mid"], run["shard"], run["next"]) != (mid, s, a):
+                self._shard_run = None
+                continue
+            run["x"].append(x[a - start : b - start])
+            run["q"].append(q[a - start : b - start])
+            run["next"] = b
+            if b == sb:
+                self._shard_run = None
+                if self.store.shard_featurized(mid, s) and not self.store.partial_done(mid, s):
+                    rows, qs = np.concatenate(run["x"]), np.concatenate(run["q"])
+                    part = shard_partial(self.store, mid, s, rows=rows, device=self.device)
+                    self.store.write_partial(mid, s, part, shard_row_sums(self.store, mid, s, rows, qs))
 
     def __del__(self) -> None:
         try:
@@ -231,6 +268,7 @@ class TRAKer:
     def load_checkpoint(self, checkpoint: dict, model_id: int, _allow_featurizing_already_registered=False) -> None:
         """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
         self._flush_rows()
+        self._shard_run = None
         self.store.init_model(model_id)
         if not self.load_from_save_dir and model_id not in self._started_over:
             # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here,
@@ -303,6 +341,7 @@ class TRAKer:
         rows, x, q = inds[order], x[order], q[order]
         if rows.size == 0 or rows[-1] - rows[0] + 1 != rows.size:  # not one run of rows: written now
             self._flush_rows()
+            self._shard_run = None
             self.store.write_train_rows(mid, rows, x, q)
             return
         start, stop = int(rows[0]), int(rows[-1]) + 1

@@ -1,0 +1,104 @@
+"""TRAKer on a GPU stores each shard's XᵀX partial as soon as the shard's rows are written (from the rows still in
+memory), so finalize neither reads the rows back nor copies them to the device again. The policy is
+``TRAKer._partials_while_featurizing`` (device != cpu); here it is switched on for the CPU, where the partials must be
+the very bits finalize computes from the stored rows."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import trak_core
+from trak_core.traker import TRAKer
+
+N, CHUNK, SHARD = 150, 8, 32  # 5 shards, the last one short
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3)).eval()
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(N, 12, generator=g), torch.randint(0, 3, (N,), generator=g)
+
+
+def _traker(path, model, dtype_half=False):
+    return trak_core.TRAKer(
+        model=model,
+        task="image_classification",
+        train_set_size=N,
+        save_dir=str(path),
+        device="cpu",
+        proj_dim=24,
+        use_half_precision=dtype_half,
+        chunk_rows=CHUNK,
+        shard_rows=SHARD,
+        logging_level=logging.ERROR,
+    )
+
+
+def _featurize(tr, model, x, y, order):
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    for inds in order:
+        tr.featurize((x[inds], y[inds]), inds=np.asarray(inds))
+
+
+def _runs(batches):
+    """Consecutive ascending batches of the given sizes over all N rows."""
+    out, a = [], 0
+    for b in batches:
+        out.append(list(range(a, min(a + b, N))))
+        a += b
+    return [r for r in out if r]
+
+
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("batches", [[10] * 15, [5, 27, 40, 3, 75], [150]], ids=["10s", "ragged", "one"])
+def test_partials_stored_while_featurizing_are_finalizes_bits(tmp_path, monkeypatch, half, batches):
+    model = _model()
+    x, y = _data()
+    ref = _traker(tmp_path / "ref", model, half)
+    _featurize(ref, model, x, y, _runs(batches))
+    ref._flush_rows()
+    assert not ref.store.model(0).partial_done[:].any()  # the CPU policy: finalize computes them
+    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    tr = _traker(tmp_path / "gpu", model, half)
+    _featurize(tr, model, x, y, _runs(batches))
+    tr._flush_rows()
+    assert tr.store.model(0).partial_done[:].all()  # every shard's partial, before finalize
+    ref.finalize_features()
+    tr.finalize_features()
+    a, b = ref.store.model(0), tr.store.model(0)
+    np.testing.assert_array_equal(b.xtx_partials[:], a.xtx_partials[:])
+    np.testing.assert_array_equal(b.rowsum_partials[:], a.rowsum_partials[:])
+    np.testing.assert_array_equal(b.inverse[:], a.inverse[:])
+    assert tr.store.finalize_info(0) == ref.store.finalize_info(0)
+
+
+def test_rows_out_of_order_leave_their_shards_to_finalize(tmp_path, monkeypatch):
+    """A shard whose rows do not come in one ascending run from its first row (here: shard 1 begun mid-way, shard
+    3 interrupted by rows of shard 2 written on their own) gets no early partial; finalize computes it, and the
+    result is the reference's."""
+    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    model = _model()
+    x, y = _data()
+    order = [list(range(0, 32)), list(range(40, 64)), list(range(96, 110)), [70, 65, 66], list(range(110, 150))]
+    order += [list(range(32, 40)), [64], list(range(67, 70)), list(range(71, 96))]
+    tr = _traker(tmp_path / "t", model)
+    _featurize(tr, model, x, y, order)
+    tr._flush_rows()
+    done = tr.store.model(0).partial_done[:].astype(bool).tolist()
+    assert done == [True, False, False, False, True]
+    tr.finalize_features()
+    monkeypatch.undo()
+    ref = _traker(tmp_path / "ref", model)  # the same batches (a row's float32 gradient depends on its batch)
+    _featurize(ref, model, x, y, order)
+    ref.finalize_features()
+    np.testing.assert_array_equal(tr.store.model(0).xtx_partials[:], ref.store.model(0).xtx_partials[:])
+    np.testing.assert_array_equal(tr.store.model(0).inverse[:], ref.store.model(0).inverse[:])
