@@ -33,7 +33,7 @@ from .store import TrakStore, pack_upper, unpack_upper
 from .streaming import grads_right_hand, page_array, stream_scores
 from .verify import require_present
 
-#: rows per float64 block of :func:`shard_partial` on a GPU (64 MiB at proj_dim 2048)
+#: bytes of one float64 block of rows in :func:`shard_partial` on a GPU (4,096 rows at proj_dim 2048)
 DEVICE_BLOCK_BYTES = 64 << 20
 
 
@@ -44,8 +44,8 @@ def shard_partial(
 
     On a non-CPU ``device`` (TRAKer's or the featurize task's GPU) the float64 product runs there, in blocks of
     rows: the same float64 sum in another order (measured on an H100: 0.15 µs per row at proj_dim 2048 against
-    ~25 µs for the host's float64 syrk, which was most of finalize there); the upper triangle is mirrored so that
-    the result is exactly symmetric, as the host's syrk."""
+    11.6 µs for the float64 syrk on that machine's 16 host cores); the upper triangle is mirrored so that the result
+    is exactly symmetric, as the host's syrk."""
     if rows is None:
         a, b = store.meta.shard_range(shard)
         rows = store.model(model_id).grads[a:b]
