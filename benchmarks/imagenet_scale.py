@@ -326,18 +326,21 @@ H100_SOLVE_S = 3.2e-3
 FANS_OUT = {"featurize": True, "finalize": False, "targets": False, "score": True}
 
 
-def partial_seconds(shard_rows: int = 4096, p: int = 2048, repeats: int = 3) -> float:
+def partial_seconds(shard_rows: int = 4096, p: int = 2048, repeats: int = 3, threads: int | None = None) -> float:
     """Seconds of one shard's XᵀX partial as featurize computes it on the host (trak_core.reduce.shard_partial:
-    float16 rows → float64, one syrk), best of ``repeats``, with this process's thread settings."""
+    float16 rows → float64, one syrk), best of ``repeats``, with ``threads`` BLAS threads (None: this process's
+    setting; each of the pipeline's two concurrent featurize tasks runs with one)."""
     import numpy as np
+    from threadpoolctl import threadpool_limits
 
     rows = np.random.default_rng(0).standard_normal((shard_rows, p)).astype(np.float16)
     best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x = rows.astype(np.float64)
-        _ = x.T @ x
-        best = min(best, time.perf_counter() - t)
+    with threadpool_limits(limits=threads, user_api="blas"):
+        for _ in range(repeats):
+            t = time.perf_counter()
+            x = rows.astype(np.float64)
+            _ = x.T @ x
+            best = min(best, time.perf_counter() - t)
     return best
 
 
@@ -345,7 +348,7 @@ def _sec(x: float) -> str:
     return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
 
 
-def extrapolate(info: dict, n_full: int = IMAGENET_ROWS, workers=(1, 8, 64), partial_s: float | None = None) -> str:
+def extrapolate(info: dict, n_full: int = IMAGENET_ROWS, workers=(1, 8, 64), partial_s: dict | None = None) -> str:
     """The table: measured per-row costs (stage wall / n on this machine) scaled to ``n_full`` rows on N machines
     like this one, and the per-row costs measured on one H100 (docs/gpu.md) on N H100 workers. Extrapolation, not
     measurement of N workers."""
@@ -395,13 +398,19 @@ def extrapolate(info: dict, n_full: int = IMAGENET_ROWS, workers=(1, 8, 64), par
         + " / ".join(f"**{_sec(g[0])}–{_sec(g[1])}**" for g in tot_gpu)
         + " |"
     )
-    if partial_s is not None:
+    if partial_s:
+        task_us = 1e6 * st["featurize"]["task_s"] / n
+        per = "; ".join(
+            f"{k} BLAS thread{'s' if k > 1 else ''}: {v:.3f} s per shard = {1e6 * v / shard:.0f} µs per row"
+            for k, v in sorted(partial_s.items())
+        )
         lines += [
             "",
-            f"Host-side XᵀX partial (float16 → float64 syrk of one {shard}-row shard, as featurize does it today): "
-            f"{partial_s:.3f} s per shard = {1e6 * partial_s / shard:.0f} µs per row on this machine "
-            f"(torch threads {torch.get_num_threads()}); a GPU worker computes it on its device instead "
-            "(0.15 µs per row measured on an H100, docs/gpu.md).",
+            f"Host-side XᵀX partial (float16 → float64 syrk of one {shard}-row shard, as featurize does it on a CPU "
+            f"worker), timed alone on this machine: {per}. Each of the two concurrent featurize tasks runs it with "
+            f"one thread: {100 * 1e6 * partial_s[min(partial_s)] / shard / task_us:.0f} % of the featurize task time "
+            f"per row ({task_us:.0f} µs). A GPU worker computes it on its device instead (0.15 µs per row measured "
+            "on an H100, docs/gpu.md).",
         ]
     return "\n".join(lines)
 
@@ -423,7 +432,8 @@ def main(argv=None) -> None:
     if args.extrapolate:
         with open(args.extrapolate) as fh:
             info = json.load(fh)
-        print(report(info) + "\n\n" + extrapolate(info, partial_s=partial_seconds()), flush=True)
+        timed = {k: partial_seconds(threads=k) for k in (1, 2)}
+        print(report(info) + "\n\n" + extrapolate(info, partial_s=timed), flush=True)
         return
     info = run(args)
     print(report(info) + "\n\n" + extrapolate(info), flush=True)
