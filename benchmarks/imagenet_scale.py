@@ -326,10 +326,13 @@ H100_SOLVE_S = 3.2e-3
 FANS_OUT = {"featurize": True, "finalize": False, "targets": False, "score": True}
 
 
-def partial_seconds(shard_rows: int = 4096, p: int = 2048, repeats: int = 3, threads: int | None = None) -> float:
+def partial_seconds(
+    shard_rows: int = 4096, p: int = 2048, repeats: int = 3, threads: int | None = None, dtype=None
+) -> float:
     """Seconds of one shard's XᵀX partial as featurize computes it on the host (trak_core.reduce.shard_partial:
     float16 rows → float64, one syrk), best of ``repeats``, with ``threads`` BLAS threads (None: this process's
-    setting; each of the pipeline's two concurrent featurize tasks runs with one)."""
+    setting; each of the pipeline's two concurrent featurize tasks runs with one). ``dtype=np.float32``: the
+    alternative not adopted, a float32 syrk of the shard widened to float64 (see :func:`float32_partial_error`)."""
     import numpy as np
     from threadpoolctl import threadpool_limits
 
@@ -338,17 +341,30 @@ def partial_seconds(shard_rows: int = 4096, p: int = 2048, repeats: int = 3, thr
     with threadpool_limits(limits=threads, user_api="blas"):
         for _ in range(repeats):
             t = time.perf_counter()
-            x = rows.astype(np.float64)
-            _ = x.T @ x
+            x = rows.astype(dtype or np.float64)
+            _ = (x.T @ x).astype(np.float64, copy=False)
             best = min(best, time.perf_counter() - t)
     return best
+
+
+def float32_partial_error(shard_rows: int = 4096, p: int = 2048) -> float:
+    """max |P₃₂ − P₆₄| / max |P₆₄| of a shard's partial from a float32 syrk against the float64 one (float16 rows:
+    their products are exact in float32, only the float32 sums round)."""
+    import numpy as np
+
+    rows = np.random.default_rng(0).standard_normal((shard_rows, p)).astype(np.float16)
+    x64, x32 = rows.astype(np.float64), rows.astype(np.float32)
+    ref = x64.T @ x64
+    return float(np.abs((x32.T @ x32).astype(np.float64) - ref).max() / np.abs(ref).max())
 
 
 def _sec(x: float) -> str:
     return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
 
 
-def extrapolate(info: dict, n_full: int = IMAGENET_ROWS, workers=(1, 8, 64), partial_s: dict | None = None) -> str:
+def extrapolate(
+    info: dict, n_full: int = IMAGENET_ROWS, workers=(1, 8, 64), partial_s: dict | None = None, f32=None
+) -> str:
     """The table: measured per-row costs (stage wall / n on this machine) scaled to ``n_full`` rows on N machines
     like this one, and the per-row costs measured on one H100 (docs/gpu.md) on N H100 workers. Extrapolation, not
     measurement of N workers."""
@@ -412,6 +428,14 @@ def extrapolate(info: dict, n_full: int = IMAGENET_ROWS, workers=(1, 8, 64), par
             f"per row ({task_us:.0f} µs). A GPU worker computes it on its device instead (0.15 µs per row measured "
             "on an H100, docs/gpu.md).",
         ]
+    if f32 is not None:
+        sec, err = f32
+        lines += [
+            "",
+            f"Not adopted: a float32 syrk of the shard widened to float64 takes {sec:.3f} s per shard with one thread "
+            f"({1e6 * sec / shard:.0f} µs per row), max error {err:.1e} of the largest entry against float64 (the "
+            "float16 rows' products are exact in float32; only its sums round).",
+        ]
     return "\n".join(lines)
 
 
@@ -432,8 +456,11 @@ def main(argv=None) -> None:
     if args.extrapolate:
         with open(args.extrapolate) as fh:
             info = json.load(fh)
+        import numpy as np
+
         timed = {k: partial_seconds(threads=k) for k in (1, 2)}
-        print(report(info) + "\n\n" + extrapolate(info, partial_s=timed), flush=True)
+        f32 = (partial_seconds(threads=1, dtype=np.float32), float32_partial_error())
+        print(report(info) + "\n\n" + extrapolate(info, partial_s=timed, f32=f32), flush=True)
         return
     info = run(args)
     print(report(info) + "\n\n" + extrapolate(info), flush=True)
