@@ -125,15 +125,20 @@ def shard_row_sums(store: TrakStore, model_id: int, shard: int, rows=None, q=Non
     return row_sums_vec(rows, q, store.meta.np_dtype)
 
 
-def ensure_partial(store: TrakStore, model_id: int, shard: int, device=None) -> None:
+def ensure_partial(
+    store: TrakStore, model_id: int, shard: int, device=None, rows: np.ndarray | None = None, q=None
+) -> None:
+    """Store the shard's XᵀX partial and row sums unless they are there; from ``rows``/``q`` (the shard's rows as
+    written, still in the caller's memory) or read back from the store."""
     if not store.partial_done(model_id, shard):
         if not store.shard_featurized(model_id, shard):
             a, b = store.meta.shard_range(shard)
             raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {shard} are not all featurized")
-        a, b = store.meta.shard_range(shard)
-        rows = np.asarray(store.model(model_id).grads[a:b])
+        if rows is None:
+            a, b = store.meta.shard_range(shard)
+            rows = np.asarray(store.model(model_id).grads[a:b])
         part = shard_partial(store, model_id, shard, rows=rows, device=device)
-        store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, rows))
+        store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, rows, q))
 
 
 def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:

@@ -40,7 +40,7 @@ from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from .modelout import AbstractModelOutput, resolve_task
 from .projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
-from .reduce import features_rows, finalize_model, finalize_scores, shard_partial, shard_row_sums
+from .reduce import ensure_partial, features_rows, finalize_model, finalize_scores
 from .scoring import check_lambda
 from .store import StoreMetadata, TrakStore
 
@@ -254,10 +254,8 @@ class TRAKer:
             run["next"] = b
             if b == sb:
                 self._shard_run = None
-                if self.store.shard_featurized(mid, s) and not self.store.partial_done(mid, s):
-                    rows, qs = np.concatenate(run["x"]), np.concatenate(run["q"])
-                    part = shard_partial(self.store, mid, s, rows=rows, device=self.device)
-                    self.store.write_partial(mid, s, part, shard_row_sums(self.store, mid, s, rows, qs))
+                if self.store.shard_featurized(mid, s):
+                    ensure_partial(self.store, mid, s, self.device, np.concatenate(run["x"]), np.concatenate(run["q"]))
 
     def __del__(self) -> None:
         try:
