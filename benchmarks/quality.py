@@ -431,9 +431,14 @@ def check_inverse(case: Case, truth: dict, kind: str = "dense", proj_dim: int = 
 
 
 # ---------------------------------------------------------------------------- traker 0.3.2 itself
+def traker_cache(case: Case, truth: dict, proj_dim: int, num_ckpts: int = NUM_CKPTS) -> str:
+    """Where :func:`traker_lds` keeps traker's scores."""
+    return os.path.join(CACHE, f"traker-{case.name}-{truth['key']}-{proj_dim}-c{num_ckpts}.npz")
+
+
 def traker_lds(case: Case, truth: dict, proj_dim: int, num_ckpts: int = NUM_CKPTS) -> dict:
     """LDS of traker 0.3.2 with its defaults (CPU: BasicProjector, normal; float16 store; λ = 0); cached."""
-    path = os.path.join(CACHE, f"traker-{case.name}-{truth['key']}-{proj_dim}-c{num_ckpts}.npz")
+    path = traker_cache(case, truth, proj_dim, num_ckpts)
     if not os.path.exists(path):
         import logging
 

@@ -1,0 +1,143 @@
+"""Gauss-Newton curvature for TRAK (issue 14, item 5): LDS with XᵀRX in place of XᵀX, on the evaluation cases of
+``benchmarks/quality.py``.
+
+TRAK's estimator is one Newton step of the linearized model's logistic loss. That step's curvature is the
+Gauss-Newton matrix XᵀRX, R = diag(rᵢ) with rᵢ = ∂²loss/∂fᵢ² at train row i. For the margin output
+f = log(p/(1-p)) of every built-in task the loss is log(1 + e^(-f)), so with Q = ∂loss/∂f = 1 - p (traker's
+``out_to_loss``, stored per row) rᵢ = pᵢ(1 - pᵢ) = Qᵢ(1 - Qᵢ). traker 0.3.2 replaces XᵀRX by XᵀX (R = I).
+A confidently fitted row (p near 1) has rᵢ near 0: it hardly bends the loss, so it should hardly shape the
+inverse; XᵀX counts it as much as an uncertain row.
+
+Both are scored with quality.py's pipeline formula (``quality.Solver``: the curvature's eigendecomposition in
+float64, (H + λI)⁻¹ rescaled as traker does, scores X (H + λI)⁻¹ Gᵀ, traker's checkpoint combination) on its
+cached ground truth (100 half-subset models per case). Damping:
+
+* ``xtx``: H = XᵀX, λ by ``lambda_reg="adaptive"`` (today's default);
+* ``ggn``: H = XᵀRX, λ = (the λ ``adaptive`` gives XᵀX) × trace(XᵀRX) / trace(XᵀX): the same damping relative
+  to the curvature's scale. No constant is fitted here: ``adaptive``'s were chosen by leave-one-case-out in
+  quality.py, on XᵀX;
+* ``best fixed``: per case, kind and proj_dim the best of λ = rel:0.01 … rel:1000 × the curvature's mean
+  eigenvalue (an oracle), for each curvature.
+
+Δ is ggn − xtx with both at their rule (paired bootstrap over targets, 95 %); "vs traker" compares with
+traker 0.3.2 itself at the same checkpoints and proj_dim (quality.py's cached run, ``quality.traker_lds``).
+
+    .venv/bin/python benchmarks/curvature.py --kinds dense factored --proj-dims 128 256 512 1024 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import quality  # noqa: E402
+
+from trak_core.lds import bootstrap_ci, lds  # noqa: E402
+from trak_core.scoring import combine_checkpoints  # noqa: E402
+
+RULE = "adaptive"
+FIXED = [f"rel:{f:g}" for f in (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000)]
+
+
+def loss_curvature(q: np.ndarray) -> np.ndarray:
+    """rᵢ = ∂²loss/∂fᵢ² = pᵢ(1 − pᵢ) from Qᵢ = 1 − pᵢ (float64)."""
+    q = q.astype(np.float64)
+    return q * (1.0 - q)
+
+
+class GGNSolver(quality.Solver):
+    """quality.Solver with the curvature XᵀRX: its eigendecomposition from the rows scaled by √rᵢ, the scores
+    from the unscaled rows X. λ: ``transfer`` (the XᵀX rule's λ scaled by the traces' ratio) or rel:f."""
+
+    def __init__(self, f: dict, base: quality.Solver) -> None:
+        r = loss_curvature(f["Q"])
+        super().__init__({**f, "X": (f["X"] * np.sqrt(r)[:, None]).astype(np.float32)})
+        self.x = torch.from_numpy(f["X"])  # the scores' rows: X, not √R X
+        self.base = base
+        self.ratio = float(self.ev.sum() / base.ev.sum())
+
+    def resolve(self, setting) -> float:
+        if setting == "transfer":
+            return self.base.resolve(RULE) * self.ratio
+        return super().resolve(setting)
+
+
+def lds_of(solvers: list, settings: list, truth: dict) -> dict:
+    """{setting: (LDS, per-target correlations)} for the checkpoints' solvers."""
+    qsum = sum(s.q for s in solvers).astype(np.float32)
+    out = {}
+    for setting in settings:
+        acc = sum(s.scores(s.resolve(setting)) for s in solvers)
+        sc = combine_checkpoints(acc.numpy(), qsum, len(solvers)).astype(np.float64)
+        out[setting] = lds(sc, truth["masks"], truth["margins"])
+    return out
+
+
+def evaluate(case, truth, kind: str, proj_dim: int, num_ckpts: int) -> dict:
+    feats = [quality.features(case, truth, kind, proj_dim, c) for c in range(num_ckpts)]
+    base = [quality.Solver(f) for f in feats]
+    ggn = [GGNSolver(f, b) for f, b in zip(feats, base, strict=True)]
+    xb = lds_of(base, [RULE, *FIXED], truth)
+    xg = lds_of(ggn, ["transfer", *FIXED], truth)
+    row = {"case": case.name, "kind": kind, "proj_dim": base[0].x.shape[1]}
+    for name, res, rule in (("xtx", xb, RULE), ("ggn", xg, "transfer")):
+        val, per = res[rule]
+        best = max(FIXED, key=lambda s, res=res: res[s][0])
+        row[name] = {"lds": val, "ci": bootstrap_ci(per), "best": res[best][0], "best_setting": best}
+    row["delta"] = quality.paired_ci(xg["transfer"][1], xb[RULE][1])
+    row["per_ggn"] = xg["transfer"][1]
+    return row
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="*", default=None)
+    ap.add_argument("--kinds", nargs="*", default=["dense", "factored"])
+    ap.add_argument("--proj-dims", nargs="*", type=int, default=[128, 256, 512, 1024, 2048])
+    ap.add_argument("--json", default=None, help="write the result rows (without per-target values) here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    cases = quality.make_cases()
+    rows = []
+    print(
+        "| case | kind | proj_dim | XᵀX, adaptive | XᵀRX, transfer | Δ (paired) | XᵀX best fixed | XᵀRX best fixed |"
+        " XᵀRX − traker 0.3.2 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.cases or list(cases):
+        case = cases[name]
+        truth = quality.ground_truth(case, log=lambda *a: None)
+        for kind in args.kinds:
+            for p in args.proj_dims if kind != "noop" else [0]:
+                t0 = time.perf_counter()
+                r = evaluate(case, truth, kind, p, quality.NUM_CKPTS)
+                ref = ""
+                if kind != "noop" and os.path.exists(quality.traker_cache(case, truth, p)):
+                    tr = quality.traker_lds(case, truth, p)
+                    d, lo, hi = quality.paired_ci(r["per_ggn"], tr["per"])
+                    r["vs_traker"] = (d, lo, hi)
+                    ref = f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+                d, lo, hi = r["delta"]
+                x, g = r["xtx"], r["ggn"]
+                print(
+                    f"| {name} | {kind} | {r['proj_dim']} | {quality.fmt(x)} | {quality.fmt(g)} | "
+                    f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}] | {x['best']:.3f} ({x['best_setting']}) | "
+                    f"{g['best']:.3f} ({g['best_setting']}) | {ref or '—'} |",
+                    flush=True,
+                )
+                print(f"  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+                rows.append({k: v for k, v in r.items() if k != "per_ggn"})
+                if args.json:
+                    with open(args.json, "w") as fh:
+                        json.dump(rows, fh, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    main()
