@@ -23,6 +23,9 @@ cached ground truth (100 half-subset models per case). Damping:
 traker 0.3.2 itself at the same checkpoints and proj_dim (quality.py's cached run, ``quality.traker_lds``).
 
     .venv/bin/python benchmarks/curvature.py --kinds dense factored --proj-dims 128 256 512 1024 2048
+
+``--rules``: damping rules for XᵀRX (``RULES``: ``transfer`` scaled by constants or by the ratio of the rows'
+effective numbers), each case's worst gap to XᵀRX's best fixed λ and leave-one-case-out, on the dense projector.
 """
 
 from __future__ import annotations
@@ -64,9 +67,20 @@ class GGNSolver(quality.Solver):
         self.ratio = float(self.ev.sum() / base.ev.sum())
 
     def resolve(self, setting) -> float:
-        if setting == "transfer":
-            return self.base.resolve(RULE) * self.ratio
+        """``transfer``, ``transfer*k`` (k times it), ``transfer^a`` (times (n_eff / n_eff,R)^a: more damping
+        where R leaves fewer rows that count; n_eff = (trace)² / Σ‖row‖⁴ of X and of √R X), or a lambda_reg."""
+        if str(setting).startswith("transfer"):
+            lam = self.base.resolve(RULE) * self.ratio
+            if str(setting).startswith("transfer*"):
+                lam *= float(setting.split("*", 1)[1])
+            elif str(setting).startswith("transfer^"):
+                lam *= (self.effective_rows(self.base) / self.effective_rows(self)) ** float(setting.split("^", 1)[1])
+            return lam
         return super().resolve(setting)
+
+    @staticmethod
+    def effective_rows(s: quality.Solver) -> float:
+        return float(s.ev.sum()) ** 2 / float(s.norm4)
 
 
 def lds_of(solvers: list, settings: list, truth: dict) -> dict:
@@ -96,15 +110,53 @@ def evaluate(case, truth, kind: str, proj_dim: int, num_ckpts: int) -> dict:
     return row
 
 
+RULES = [f"transfer*{k:g}" for k in (1, 1.5, 2, 3)] + [f"transfer^{a:g}" for a in (0.25, 0.5, 1)]
+
+
+def rules(names: list[str], dims: list[int], cases: dict, num_ckpts: int) -> None:
+    """Damping rules for XᵀRX (dense): per case the worst LDS gap to XᵀRX's best fixed λ over ``dims``, and
+    leave-one-case-out (the rule with the best mean LDS over the other cases' dims, scored on the held-out one)."""
+    lds_of_rule: dict[tuple[str, int, str], float] = {}
+    for name in names:
+        case = cases[name]
+        truth = quality.ground_truth(case, log=lambda *a: None)
+        for p in dims:
+            feats = [quality.features(case, truth, "dense", p, c) for c in range(num_ckpts)]
+            ggn = [GGNSolver(f, quality.Solver(f)) for f in feats]
+            for setting, (val, _) in lds_of(ggn, RULES + FIXED, truth).items():
+                lds_of_rule[name, p, setting] = val
+
+    def gap(case: str, rule: str) -> float:
+        return min(lds_of_rule[case, p, rule] - max(lds_of_rule[case, p, f] for f in FIXED) for p in dims)
+
+    def mean(among: list[str], rule: str) -> float:
+        return float(np.mean([lds_of_rule[c, p, rule] for c in among for p in dims]))
+
+    print("| rule | " + " | ".join(names) + " | mean LDS |")
+    print("|---|" + "---|" * (len(names) + 1))
+    for rule in RULES:
+        print(f"| `{rule}` | " + " | ".join(f"{gap(c, rule):+.3f}" for c in names) + f" | {mean(names, rule):.4f} |")
+    print()
+    print("| held-out case | chosen on the others | its worst gap to the best fixed λ |")
+    print("|---|---|---|")
+    for held in names:
+        chosen = max(RULES, key=lambda r: mean([c for c in names if c != held], r))
+        print(f"| {held} | `{chosen}` | {gap(held, chosen):+.3f} |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", default=None)
     ap.add_argument("--kinds", nargs="*", default=["dense", "factored"])
     ap.add_argument("--proj-dims", nargs="*", type=int, default=[128, 256, 512, 1024, 2048])
     ap.add_argument("--json", default=None, help="write the result rows (without per-target values) here")
+    ap.add_argument("--rules", action="store_true", help="compare damping rules for XᵀRX (dense) instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cases = quality.make_cases()
+    if args.rules:
+        rules(args.cases or list(cases), args.proj_dims, cases, quality.NUM_CKPTS)
+        return
     rows = []
     print(
         "| case | kind | proj_dim | XᵀX, adaptive | XᵀRX, transfer | Δ (paired) | XᵀX best fixed | XᵀRX best fixed |"
