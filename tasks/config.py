@@ -52,7 +52,15 @@ from pydantic import (
 )
 
 from trak_core.errors import BadInputError
-from trak_core.settings import GradWrt, LambdaSetting, ProjectorKind, ProjType, StorageDtype, TrakSettings
+from trak_core.settings import (
+    Curvature,
+    GradWrt,
+    LambdaSetting,
+    ProjectorKind,
+    ProjType,
+    StorageDtype,
+    TrakSettings,
+)
 from trak_core.store import check_exp_name, check_writable
 
 _GLOB_CHARS = set("*?[")
@@ -315,6 +323,12 @@ class AttributeConfig(_Base):
         "'resid:<k>', 'cresid:<k>', or rules joined by ',' (their largest λ)",
     )
     rescale_inverse: bool = _setting("rescale_inverse", "divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
+    curvature: Curvature = _setting(
+        "curvature",
+        "H of the inverse (H + λI)⁻¹: 'xtx' (XᵀX, traker's; the default) or 'ggn' (XᵀRX, the Gauss-Newton matrix, "
+        "R = diag(Q(1 − Q)): +0.006…+0.056 LDS on converged models, one more p × p partial per shard; "
+        "benchmarks/RESULTS.md 'Gauss-Newton curvature'); λ's rule still reads XᵀX, scaled by the traces",
+    )
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")
     shard_size: PositiveInt = Field(4096, description="train rows per featurize task (a multiple of chunk_rows)")

@@ -36,6 +36,7 @@ from trak_core.projectors import make_projector
 from trak_core.reduce import (
     ensure_partial,
     finalize_model,
+    ggn_partial,
     load_solved,
     score_rows,
     shard_partial,
@@ -93,6 +94,7 @@ def build_metadata(config: AttributeConfig, train_set_size: int, model: torch.nn
         chunk_rows=config.chunk_rows,
         shard_rows=config.shard_size,
         task=type(task).__name__,
+        curvature=config.curvature,
     )
 
 
@@ -156,6 +158,7 @@ def check_memory(config: AttributeConfig, meta: StoreMetadata, model: torch.nn.M
             chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
             model_bytes=max((p.element_size() for p in params), default=4),
             num_targets=num_targets,
+            curvature=meta.curvature,
         ),
         projector=config.projector,
     )
@@ -411,7 +414,8 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
     x, q = np.concatenate(xs), np.concatenate(qs)
     store.write_train_rows(model_id, slice(a, b), x, q)
     part = shard_partial(store, model_id, shard, rows=x, device=feat.device)  # on the featurizer's GPU if any
-    store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, x, q))
+    ggn = ggn_partial(store, model_id, shard, x, q, feat.device)  # XᵀRX too, in a store of curvature "ggn"
+    store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, x, q), ggn)
     return ShardManifest.timed(t0, False, model_id=model_id, shard=shard, rows=(a, b))
 
 

@@ -30,7 +30,7 @@ def config(tmp: Path, ckpts, **over) -> AttributeConfig:
     return AttributeConfig.model_validate(tiny_attribute_config(tmp / "store.zarr", ckpts, **{**report, **over}))
 
 
-def traker_scores(tmp: Path, ckpt_paths, projector: str = "dense") -> np.ndarray:
+def traker_scores(tmp: Path, ckpt_paths, projector: str = "dense", curvature: str = "xtx") -> np.ndarray:
     """trak_core.TRAKer on the same inputs, same batches and the same store layout."""
     from trak_core.gradients import grad_dim_of
     from trak_core.projectors import make_projector
@@ -52,6 +52,7 @@ def traker_scores(tmp: Path, ckpt_paths, projector: str = "dense") -> np.ndarray
         chunk_rows=CHUNK,
         shard_rows=SHARD,
         projector=proj,
+        curvature=curvature,
     )
     sds = [torch.load(p, weights_only=True) for p in sorted(ckpt_paths)]
     for mid, sd in enumerate(sds):
@@ -114,6 +115,22 @@ def test_structured_projectors_equal_traker_exactly(tmp_path, projector):
     store = TrakStore.open(cfg.store, mode="r")
     assert store.meta.projector == projector
     np.testing.assert_array_equal(store.scores("tiny")[:], traker_scores(tmp_path, paths, projector))
+
+
+def test_ggn_curvature_equals_traker_exactly(tmp_path):
+    """curvature "ggn" through the pipeline's tasks (XᵀRX partials written by featurize) = TRAKer's, bit for bit,
+    and not the XᵀX scores."""
+    from flows import attribute
+
+    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0, 1))
+    cfg = config(tmp_path, paths, curvature="ggn", report_targets=0)
+    attribute(cfg)
+    store = TrakStore.open(cfg.store, mode="r")
+    assert store.meta.curvature == "ggn"
+    assert all(store.finalize_info(mid)["curvature"] == "ggn" for mid in (0, 1))
+    ours = store.scores("tiny")[:]
+    np.testing.assert_array_equal(ours, traker_scores(tmp_path, paths, curvature="ggn"))
+    assert not np.allclose(ours, traker_scores(tmp_path / "x", paths), rtol=1e-3)
 
 
 def test_second_run_recomputes_nothing(attributed, monkeypatch):

@@ -28,7 +28,7 @@ def _data():
     return torch.randn(N, 12, generator=g), torch.randint(0, 3, (N,), generator=g)
 
 
-def _traker(path, model, dtype_half=False):
+def _traker(path, model, dtype_half=False, curvature="xtx"):
     return trak_core.TRAKer(
         model=model,
         task="image_classification",
@@ -40,6 +40,7 @@ def _traker(path, model, dtype_half=False):
         chunk_rows=CHUNK,
         shard_rows=SHARD,
         logging_level=logging.ERROR,
+        curvature=curvature,
     )
 
 
@@ -58,17 +59,18 @@ def _runs(batches):
     return [r for r in out if r]
 
 
+@pytest.mark.parametrize("curvature", ["xtx", "ggn"])  # ggn: the XᵀRX partials too
 @pytest.mark.parametrize("half", [False, True])
 @pytest.mark.parametrize("batches", [[10] * 15, [5, 27, 40, 3, 75], [150]], ids=["10s", "ragged", "one"])
-def test_partials_stored_while_featurizing_are_finalizes_bits(tmp_path, monkeypatch, half, batches):
+def test_partials_stored_while_featurizing_are_finalizes_bits(tmp_path, monkeypatch, half, batches, curvature):
     model = _model()
     x, y = _data()
-    ref = _traker(tmp_path / "ref", model, half)
+    ref = _traker(tmp_path / "ref", model, half, curvature)
     _featurize(ref, model, x, y, _runs(batches))
     ref._flush_rows()
     assert not ref.store.model(0).partial_done[:].any()  # the CPU policy: finalize computes them
     monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
-    tr = _traker(tmp_path / "gpu", model, half)
+    tr = _traker(tmp_path / "gpu", model, half, curvature)
     _featurize(tr, model, x, y, _runs(batches))
     tr._flush_rows()
     assert tr.store.model(0).partial_done[:].all()  # every shard's partial, before finalize
@@ -77,6 +79,9 @@ def test_partials_stored_while_featurizing_are_finalizes_bits(tmp_path, monkeypa
     a, b = ref.store.model(0), tr.store.model(0)
     np.testing.assert_array_equal(b.xtx_partials[:], a.xtx_partials[:])
     np.testing.assert_array_equal(b.rowsum_partials[:], a.rowsum_partials[:])
+    if curvature == "ggn":
+        assert b.ggn_partials[:].any()
+        np.testing.assert_array_equal(b.ggn_partials[:], a.ggn_partials[:])
     np.testing.assert_array_equal(b.inverse[:], a.inverse[:])
     assert tr.store.finalize_info(0) == ref.store.finalize_info(0)
 

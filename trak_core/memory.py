@@ -86,16 +86,19 @@ def estimate_task_memory(
     chunk_bytes: int,
     model_bytes: int = 4,
     num_targets: int = 0,
+    curvature: str = "xtx",
 ) -> list[TaskMemory]:
     """The big buffers of a featurize task (one shard) and of a finalize task (one checkpoint).
 
     ``dtype_bytes``: the storage dtype's size; ``model_bytes``: the model's parameter size (8 for float64).
-    Batches and shards never hold more rows than the data has."""
+    ``curvature="ggn"``: XᵀRX's partials and sum beside XᵀX's. Batches and shards never hold more rows than the
+    data has."""
     n = int(train_set_size)
     b = min(int(batch_size), int(shard_rows), n)
     s = min(int(shard_rows), n)
     p, g = int(proj_dim), int(grad_dim)
     xtx = p * p * 8  # float64
+    grams = 2 if curvature == "ggn" else 1  # XᵀX, and XᵀRX in a store of curvature "ggn"
     featurize = TaskMemory(
         "featurize",
         (
@@ -106,14 +109,14 @@ def estimate_task_memory(
                 "shard_size",
                 s * p * (4 + 4 + int(dtype_bytes)) + 2 * b * p * 4,
             ),
-            Term(f"XᵀX partial (proj_dim² = {p}² float64)", "proj_dim", 2 * xtx),
+            Term(f"XᵀX partial{'s' * (grams > 1)} (proj_dim² = {p}² float64)", "proj_dim", 2 * grams * xtx),
             Term("Zarr chunk buffers", "chunk_rows", 2 * int(chunk_bytes)),
         ),
     )
     finalize = TaskMemory(
         "finalize",
         (
-            Term(f"XᵀX, its inverse and the solve (proj_dim² = {p}² float64)", "proj_dim", 4 * xtx),
+            Term(f"XᵀX, its inverse and the solve (proj_dim² = {p}² float64)", "proj_dim", (3 + grams) * xtx),
             Term(f"rows of one block (shard_size={s} × proj_dim={p}, float64)", "shard_size", 2 * s * p * 8),
             Term(f"scores of one block ({s} × {int(num_targets)} targets)", "shard_size", s * int(num_targets) * 4),
             Term("Zarr chunk buffers", "chunk_rows", 2 * int(chunk_bytes)),

@@ -25,6 +25,8 @@ from .scoring import (
     check_conditioning,
     effective_rows,
     features_block,
+    ggn_lambda,
+    loss_curvature,
     parse_lambda_reg,
     regularized_inverse,
     symmetric_eigenvalues,
@@ -38,9 +40,10 @@ DEVICE_BLOCK_BYTES = 64 << 20
 
 
 def shard_partial(
-    store: TrakStore, model_id: int, shard: int, rows: np.ndarray | None = None, device=None
+    store: TrakStore, model_id: int, shard: int, rows: np.ndarray | None = None, device=None, weights=None
 ) -> np.ndarray:
-    """Xₛᵀ Xₛ (float64) of one shard, from the stored (rounded) gradients or the given rows.
+    """Xₛᵀ Xₛ (float64) of one shard, from the stored (rounded) gradients or the given rows; with ``weights``
+    (rᵢ ≥ 0 per row, float64) Xₛᵀ Rₛ Xₛ, the rows scaled by √rᵢ in float64 first.
 
     On a non-CPU ``device`` (TRAKer's or the featurize task's GPU) the float64 product runs there, in blocks of
     rows: the same float64 sum in another order (measured on an H100: 0.15 µs per row at proj_dim 2048 against
@@ -50,21 +53,27 @@ def shard_partial(
         a, b = store.meta.shard_range(shard)
         rows = store.model(model_id).grads[a:b]
     x = np.asarray(rows).astype(store.meta.np_dtype, copy=False)
+    scale = None if weights is None else np.sqrt(np.asarray(weights, dtype=np.float64)).reshape(-1, 1)
     if device is not None and torch.device(device).type != "cpu":
-        return _device_gram(x, torch.device(device))
+        return _device_gram(x, torch.device(device), scale)
     x = x.astype(np.float64)
+    if scale is not None:
+        x *= scale
     # numpy turns ``x.T @ x`` into one BLAS syrk (half the flops of a GEMM; the result is exactly symmetric):
     # float64 XᵀX at the cost of a float32 GEMM
     return x.T @ x
 
 
-def _device_gram(x: np.ndarray, device: torch.device) -> np.ndarray:
-    """xᵀx in float64 on ``device``, block by block of rows, mirrored from its upper triangle."""
+def _device_gram(x: np.ndarray, device: torch.device, scale: np.ndarray | None = None) -> np.ndarray:
+    """xᵀx in float64 on ``device``, block by block of rows (each row times ``scale`` (n, 1) first, if given),
+    mirrored from its upper triangle."""
     p = x.shape[1]
     step = max(1, DEVICE_BLOCK_BYTES // (8 * max(p, 1)))
     acc = torch.zeros(p, p, dtype=torch.float64, device=device)
     for a in range(0, x.shape[0], step):
         t = torch.from_numpy(np.ascontiguousarray(x[a : a + step])).to(device).double()
+        if scale is not None:
+            t *= torch.from_numpy(scale[a : a + step]).to(device)
         acc.addmm_(t.T, t)
     upper = torch.triu(acc)
     return (upper + torch.triu(acc, 1).T).cpu().numpy()
@@ -134,11 +143,22 @@ def ensure_partial(
         if not store.shard_featurized(model_id, shard):
             a, b = store.meta.shard_range(shard)
             raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {shard} are not all featurized")
+        a, b = store.meta.shard_range(shard)
         if rows is None:
-            a, b = store.meta.shard_range(shard)
             rows = np.asarray(store.model(model_id).grads[a:b])
+        if q is None:
+            q = store.model(model_id).out_to_loss[a:b]
         part = shard_partial(store, model_id, shard, rows=rows, device=device)
-        store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, rows, q))
+        sums = shard_row_sums(store, model_id, shard, rows, q)
+        store.write_partial(model_id, shard, part, sums, ggn_partial(store, model_id, shard, rows, q, device))
+
+
+def ggn_partial(store: TrakStore, model_id: int, shard: int, rows: np.ndarray, q, device=None) -> np.ndarray | None:
+    """The shard's Xₛᵀ Rₛ Xₛ (rᵢ = :func:`~trak_core.scoring.loss_curvature` of its Q) from its ``rows`` and
+    ``q`` in a store of ``curvature="ggn"``; None in any other."""
+    if store.meta.curvature != "ggn":
+        return None
+    return shard_partial(store, model_id, shard, rows=rows, device=device, weights=loss_curvature(q))
 
 
 def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:
@@ -148,6 +168,15 @@ def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:
     total = np.zeros(meta.partial_shape, dtype=np.float64)
     for s in range(meta.num_shards):
         total += m.xtx_partials[s]
+    return unpack_upper(total, meta.proj_dim) if meta.packed_partials else total
+
+
+def total_ggn(store: TrakStore, model_id: int) -> np.ndarray:
+    """XᵀRX as the sum of the shards' ``ggn_partials`` in shard order (a store of ``curvature="ggn"``)."""
+    m, meta = store.model(model_id), store.meta
+    total = np.zeros(meta.partial_shape, dtype=np.float64)
+    for s in range(meta.num_shards):
+        total += m.ggn_partials[s]
     return unpack_upper(total, meta.proj_dim) if meta.packed_partials else total
 
 
@@ -384,13 +413,21 @@ def rows_row_sums(store: TrakStore, model_id: int, block_rows: int | None = None
 
 
 def solve_model(
-    store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, xtx=None, sums: RowSums | None = None
+    store: TrakStore,
+    model_id: int,
+    lambda_reg=0.0,
+    rescale: bool = True,
+    xtx=None,
+    sums: RowSums | None = None,
+    ggn=None,
 ) -> tuple[np.ndarray, dict]:
-    """(inverse (p, p) float64, info) for one model from its partials (or ``xtx``, their sum in shard order, and
-    ``sums``, :func:`total_row_sums`'). ``lambda_reg``: see parse_lambda_reg.
+    """(inverse (p, p) float64, info) for one model from its partials (or ``xtx``, their sum in shard order,
+    ``sums``, :func:`total_row_sums`', and ``ggn``, :func:`total_ggn`'s). ``lambda_reg``: see parse_lambda_reg.
 
     A ``deff`` rule (the ``"adaptive"`` default) resolves λ from float32 eigenvalues checked against the exact
-    effective dimension (:func:`solve_deff_fast`), falling back to float64 eigenvalues where that cannot decide."""
+    effective dimension (:func:`solve_deff_fast`), falling back to float64 eigenvalues where that cannot decide.
+    In a store of ``curvature="ggn"`` the rule still reads XᵀX; the inverse is (XᵀRX + λ')⁻¹ with
+    λ' = :func:`~trak_core.scoring.ggn_lambda` (info: ``lambda_reg`` = λ', ``lambda_xtx`` = λ)."""
     xtx_np = total_xtx(store, model_id) if xtx is None else xtx
     xtx_t = torch.from_numpy(xtx_np)
     n = store.meta.train_set_size
@@ -423,8 +460,15 @@ def solve_model(
             ev = None
         lam = rule.resolve(xtx_t, n_rows=n, **kw)
         inv_np = None
+    extra: dict[str, Any] = {}
+    if store.meta.curvature == "ggn":
+        ggn_np = total_ggn(store, model_id) if ggn is None else ggn
+        extra = {"curvature": "ggn", "lambda_xtx": lam, "ggn_trace": float(np.trace(ggn_np))}
+        lam = ggn_lambda(lam, float(np.trace(xtx_np)), extra["ggn_trace"])
+        xtx_t, ev, inv_np = torch.from_numpy(ggn_np), None, None  # the inverse of XᵀRX + λ'I, below
     inv, cond = cholesky_inverse(xtx_t, lam, n, model_id=model_id, rescale=rescale, eigenvalues=ev, inverse=inv_np)
     info = {
+        **extra,
         "lambda_reg": lam,
         "lambda_setting": rule.setting,
         "rescale": bool(rescale),
@@ -452,16 +496,20 @@ def features_rows(store: TrakStore, model_id: int, a: int = 0, b: int | None = N
 READ_AHEAD = 2
 
 
-def _sum_partials(store: TrakStore, model_id: int, writer, device=None) -> tuple[np.ndarray, RowSums, list]:
+def _sum_partials(
+    store: TrakStore, model_id: int, writer, device=None
+) -> tuple[np.ndarray, RowSums, list, np.ndarray | None]:
     """XᵀX and the :class:`RowSums` exactly as :func:`total_xtx` and :func:`total_row_sums` sum them (the shard
     partials in shard order), computing the missing partials on the way (:func:`ensure_partial`) and summing them
     from memory instead of reading them back. Their writes go to ``writer`` (one background thread) so that they
-    overlap the next shard's work and the solve; returns (XᵀX, the row sums, the write futures). Missing
+    overlap the next shard's work and the solve; returns (XᵀX, the row sums, the write futures, XᵀRX as
+    :func:`total_ggn` sums it in a store of ``curvature="ggn"``, else None). Missing
     partials are computed on ``device`` (:func:`shard_partial`)."""
     m = store.model(model_id)
     p, shards, packed = store.meta.proj_dim, store.meta.num_shards, store.meta.packed_partials
     total, owned = None, False  # the running sum (packed as stored); 0 + P₀ is P₀ itself (total_xtx's bits)
     sums = np.zeros(p + 3, dtype=np.float64)
+    ggn_total = np.zeros(store.meta.partial_shape, dtype=np.float64) if store.meta.curvature == "ggn" else None
     writes: list = []
     done = np.asarray(m.partial_done[:], dtype=bool)  # one read each, not one per shard
     stored_sums = np.asarray(m.rowsum_partials[:], dtype=np.float64) if done.any() else None
@@ -501,17 +549,24 @@ def _sum_partials(store: TrakStore, model_id: int, writer, device=None) -> tuple
                 free.append(k)
                 read_next()  # into the buffer just added, while the next ones are read
                 sums += stored_sums[s]  # type: ignore[index]
+                if ggn_total is not None:
+                    ggn_total += m.ggn_partials[s]
                 continue
             a, b = store.meta.shard_range(s)
             if not store.shard_featurized(model_id, s):
                 raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {s} are not all featurized")
             rows = np.asarray(m.grads[a:b])
             part = shard_partial(store, model_id, s, rows=rows, device=device)
-            part_q = shard_row_sums(store, model_id, s, rows)
+            q = np.asarray(m.out_to_loss[a:b])
+            part_q = shard_row_sums(store, model_id, s, rows, q)
+            part_r = ggn_partial(store, model_id, s, rows, q, device)
             for w in writes:  # one partial (p² float64) in flight at a time
                 w.result()
             part = pack_upper(part) if packed else part  # packed once: written and summed as stored
-            writes = [writer.submit(store.write_partial, model_id, s, part, part_q)]
+            if part_r is not None:
+                part_r = pack_upper(part_r) if packed else part_r
+                ggn_total += part_r
+            writes = [writer.submit(store.write_partial, model_id, s, part, part_q, part_r)]
             add(part, reused=False)
             sums += part_q
     finally:
@@ -520,7 +575,9 @@ def _sum_partials(store: TrakStore, model_id: int, writer, device=None) -> tuple
         reader.shutdown(wait=True)
     if total is None:
         total = np.zeros(store.meta.partial_shape, dtype=np.float64)
-    return (unpack_upper(total, p) if packed else total), RowSums.of(sums), writes
+    if ggn_total is not None and packed:
+        ggn_total = unpack_upper(ggn_total, p)
+    return (unpack_upper(total, p) if packed else total), RowSums.of(sums), writes, ggn_total
 
 
 def finalize_model(
@@ -536,13 +593,14 @@ def finalize_model(
     m = store.model(model_id)
     rows = np.arange(store.meta.train_set_size)
     done = np.flatnonzero(m.partial_done[:])
-    require_present(store, [(m.grads, rows), (m.out_to_loss, rows), (m.xtx_partials, done), (m.rowsum_partials, done)])
+    partials = [m.xtx_partials, m.rowsum_partials] + ([m.ggn_partials] if store.meta.curvature == "ggn" else [])
+    require_present(store, [(m.grads, rows), (m.out_to_loss, rows), *((arr, done) for arr in partials)])
     # the settings are recorded before anything is written: a rerun with another λ or rescale is refused naming
     # the field, never finalized with two settings
     store.record_feature_settings(model_id, parse_lambda_reg(lambda_reg).setting, rescale)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trak-partial") as writer:
-        total, sums, writes = _sum_partials(store, model_id, writer, device)
-        inv, info = solve_model(store, model_id, lambda_reg, rescale, xtx=total, sums=sums)
+        total, sums, writes, ggn = _sum_partials(store, model_id, writer, device)
+        inv, info = solve_model(store, model_id, lambda_reg, rescale, xtx=total, sums=sums, ggn=ggn)
         for w in writes:  # the partials are in the store before the inverse is
             w.result()
     store.write_inverse(model_id, inv)

@@ -324,6 +324,28 @@ def check_lambda(lambda_reg) -> None:
     parse_lambda_reg(lambda_reg)
 
 
+#: the curvatures H of A = (H + λI)⁻¹ (``StoreMetadata.curvature``): XᵀX (traker's) and XᵀRX (Gauss-Newton)
+CURVATURES = ("xtx", "ggn")
+
+
+def loss_curvature(q: np.ndarray | Tensor) -> np.ndarray:
+    """rᵢ = ∂²loss/∂fᵢ² (float64) of each row from its Qᵢ = −∂loss/∂fᵢ = 1 − pᵢ: for the margin output
+    f = log(p/(1 − p)) of every built-in task the loss is log(1 + e^(−f)), so rᵢ = pᵢ(1 − pᵢ) = Qᵢ(1 − Qᵢ).
+    XᵀRX, R = diag(r), is the Gauss-Newton matrix of TRAK's one Newton step; traker uses XᵀX (R = I)."""
+    qd = np.asarray(q, dtype=np.float32).astype(np.float64).reshape(-1)
+    return qd * (1.0 - qd)
+
+
+def ggn_lambda(lam_xtx: float, trace_xtx: float, trace_ggn: float) -> float:
+    """λ for XᵀRX from the λ that the damping rule gives XᵀX: the same damping relative to the curvature's
+    scale, λ · trace(XᵀRX) / trace(XᵀX) (benchmarks/curvature.py, "transfer"; 0 stays 0)."""
+    if lam_xtx == 0:
+        return 0.0
+    if not (trace_xtx > 0 and math.isfinite(trace_xtx) and math.isfinite(trace_ggn)):
+        raise BadInputError(f"curvature 'ggn': trace(XᵀX)={trace_xtx!r}, trace(XᵀRX)={trace_ggn!r} must be finite, > 0")
+    return float(lam_xtx) * float(trace_ggn) / float(trace_xtx)
+
+
 def xtx_partial(x_block: Tensor) -> Tensor:
     """Xᵀ X of one block of rows, accumulated in float64."""
     x = x_block.to(torch.float64)

@@ -18,6 +18,7 @@ from .scoring import LambdaRule, parse_lambda_reg
 ProjectorKind = Literal["dense", "sjlt", "factored", "noop"]
 ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
+Curvature = Literal["xtx", "ggn"]
 
 
 def normalize_lambda_reg(value: float | str) -> float | str:
@@ -54,6 +55,7 @@ class TrakSettings(BaseModel):
     lambda_reg: LambdaSetting = Field("adaptive", description="ridge term λ in (XᵀX + λI)⁻¹")
     rescale_inverse: bool = Field(True, description="divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
     dtype: StorageDtype = Field("float16", description="storage dtype of gradients")
+    curvature: Curvature = Field("xtx", description="H of (H + λI)⁻¹: 'xtx' (XᵀX, traker's) or 'ggn' (XᵀRX)")
     grad_wrt: GradWrt = Field(None, description="parameter names to take gradients for (all: None)")
 
     @property
@@ -66,6 +68,7 @@ __all__ = [
     "ProjectorKind",
     "ProjType",
     "StorageDtype",
+    "Curvature",
     "LambdaSetting",
     "GradWrt",
     "normalize_lambda_reg",

@@ -11,9 +11,12 @@ Layout (one group; a local path or any fsspec URL such as ``memory://x``, ``file
                                                           triangle row by row (:func:`pack_upper`; (S, p, p) at
                                                           schema 3)
     /models/<id>/rowsum_partials (S, p+3) float64       [Xₛᵀqₛ, qₛᵀqₛ, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²] of each shard (q: Q; damping)
-    /models/<id>/partial_done   (S,)    uint8             status of both partials of a shard
-    /models/<id>/inverse        (1, p, p) float32         A = (XᵀX + λI)⁻¹ (solved in float64, traker's rescale
-                                                          applied; float32 is the precision scores use it in)
+    /models/<id>/ggn_partials   (S, p(p+1)/2) float64     Xₛᵀ Rₛ Xₛ of each shard, packed as xtx_partials; only in a
+                                                          store of ``curvature="ggn"`` (R = diag(Q(1 − Q)))
+    /models/<id>/partial_done   (S,)    uint8             status of a shard's partials (all of them)
+    /models/<id>/inverse        (1, p, p) float32         A = (H + λI)⁻¹, H = XᵀX (or XᵀRX: ``curvature``) (solved
+                                                          in float64, traker's rescale applied; float32 is the
+                                                          precision scores use it in)
     /models/<id>/inverse_done   (1,)    uint8
     /models/<id>                attrs: {"checkpoint": {"path", "sha256"}} (pipeline), {"finalize": {...}} once
                                 the inverse is written
@@ -230,6 +233,10 @@ class StoreMetadata(BaseModel):
     shard_rows: PositiveInt | None = None  # None: 8 chunks
     chunk_bytes: PositiveInt = CHUNK_TARGET_BYTES  # the most bytes a chunk of a row array holds (row_chunks)
     task: str = ""
+    # the curvature H of the inverse A = (H + λI)⁻¹: "xtx" = XᵀX (traker's), "ggn" = XᵀRX, the Gauss-Newton matrix
+    # of the loss in the model output, R = diag(rᵢ), rᵢ = Qᵢ(1 − Qᵢ) (scoring.loss_curvature); set at creation: a
+    # "ggn" store keeps both partials per shard (λ's rule reads XᵀX's spectrum)
+    curvature: Literal["xtx", "ggn"] = "xtx"
     versions: dict[str, str] = Field(default_factory=_versions)
 
     @model_validator(mode="after")
@@ -459,7 +466,7 @@ def find_corrupt_chunk(arr: zarr.Array) -> tuple[tuple[int, ...], str] | None:
 
 def damaged_chunk_error(arr: zarr.Array, coords: tuple[int, ...], problem: str) -> StoreDamageError:
     a, b = chunk_rows_of(arr, coords)
-    unit = "shards" if arr.path.endswith(("xtx_partials", "rowsum_partials", "partial_done")) else "rows"
+    unit = "shards" if arr.path.endswith(SHARD_ARRAYS) else "rows"
     where, what = f" ({unit} {a}..{b - 1})", f"those {unit}"
     if arr.path.endswith(("inverse", "inverse_done")):  # one matrix: no rows to name
         where, what = "", "it"
@@ -611,6 +618,10 @@ class _Node:
         return _pinned(self.pins, ("array", self.group.path, name), lambda: _stored(self.group, name, self.check))
 
 
+#: the per-model arrays with one entry per shard (not per row)
+SHARD_ARRAYS = ("xtx_partials", "rowsum_partials", "ggn_partials", "partial_done")
+
+
 @dataclass(frozen=True)
 class ModelArrays(_Node):
     """The arrays of one checkpoint (``/models/<id>``)."""
@@ -642,8 +653,13 @@ class ModelArrays(_Node):
         return self._array("rowsum_partials")
 
     @property
+    def ggn_partials(self) -> StoredArray:
+        """(S, p(p+1)/2) float64 Xₛᵀ Rₛ Xₛ of each shard, packed (a store of ``curvature="ggn"`` only)."""
+        return self._array("ggn_partials")
+
+    @property
     def partial_done(self) -> StoredArray:
-        """(S,) uint8 shard status of ``xtx_partials`` and ``rowsum_partials``."""
+        """(S,) uint8 shard status of ``xtx_partials``, ``rowsum_partials`` (and ``ggn_partials``)."""
         return self._array("partial_done")
 
     @property
@@ -1192,7 +1208,10 @@ class TrakStore:
             )
 
         if len(parts) == 3 and parts[0] == "models":
+            if parts[2] == "ggn_partials" and m.curvature != "ggn":
+                return None
             return {
+                "ggn_partials": ArraySpec((s, *m.partial_shape), (1, *m.partial_shape), "float64"),
                 "grads": rows(n, p, m.dtype),
                 "out_to_loss": rows(n, None, "float32"),
                 "featurized": rows(n, None, "uint8"),
@@ -1381,6 +1400,7 @@ class TrakStore:
         self._row_array(g, "featurized", "uint8")
         for name, rows, shape, dtype in (
             ("xtx_partials", m.num_shards, m.partial_shape, "float64"),
+            *((("ggn_partials", m.num_shards, m.partial_shape, "float64"),) if m.curvature == "ggn" else ()),
             ("inverse", 1, (m.proj_dim, m.proj_dim), "float32"),
         ):
             if name not in g:
@@ -1476,12 +1496,23 @@ class TrakStore:
         self.check_lock()
         _write_rows(m.featurized, rows, np.ones(grads.shape[0], dtype=np.uint8))
 
-    def write_partial(self, model_id: int, shard: int, partial: np.ndarray, row_sums: np.ndarray) -> None:
-        """Write a shard's Xₛᵀ Xₛ (p, p, symmetric, or already :func:`pack_upper`-ed; stored packed at schema 4)
-        and its row sums (p + 3,), then mark the shard's partials done."""
+    def write_partial(
+        self, model_id: int, shard: int, partial: np.ndarray, row_sums: np.ndarray, ggn: np.ndarray | None = None
+    ) -> None:
+        """Write a shard's Xₛᵀ Xₛ (p, p, symmetric, or already :func:`pack_upper`-ed; stored packed at schema 4),
+        its row sums (p + 3,) and, in a store of ``curvature="ggn"`` (where it is required), its Xₛᵀ Rₛ Xₛ
+        (``ggn``, as ``partial``), then mark the shard's partials done."""
+        if (ggn is not None) != (self.meta.curvature == "ggn"):
+            raise BadInputError(
+                f"write_partial: the store's curvature is {self.meta.curvature!r}; "
+                + ("its Xₛᵀ Rₛ Xₛ partial (ggn=) is required" if ggn is None else "it keeps no Xₛᵀ Rₛ Xₛ partial")
+            )
         m = self.model(model_id)
-        m.xtx_partials[shard] = pack_upper(partial) if self.meta.packed_partials and partial.ndim == 2 else partial
+        packed = self.meta.packed_partials
+        m.xtx_partials[shard] = pack_upper(partial) if packed and partial.ndim == 2 else partial
         m.rowsum_partials[shard] = row_sums
+        if ggn is not None:
+            m.ggn_partials[shard] = pack_upper(ggn) if packed and ggn.ndim == 2 else ggn
         self.check_lock()
         m.partial_done[shard] = 1
 

@@ -36,6 +36,7 @@ import zarr
 
 from .errors import StoreDamageError
 from .store import (
+    SHARD_ARRAYS,
     StoredArray,
     TrakStore,
     array_at,
@@ -74,7 +75,7 @@ class ChunkDamage:
 
     @property
     def unit(self) -> str:
-        return "shards" if self.array.endswith(("xtx_partials", "rowsum_partials", "partial_done")) else "rows"
+        return "shards" if self.array.endswith(SHARD_ARRAYS) else "rows"
 
     def describe(self) -> str:
         a, b = self.rows
@@ -236,7 +237,8 @@ def verify_store(store: TrakStore, read_chunks: bool = True) -> VerifyReport:
     inconsistent: list[str] = []
     for mid in store.model_ids():
         g = store.model(mid).group
-        checks += _group_checks(store, g, _MODEL_DATA, _MODEL_FLAGS, damage, read_chunks)
+        data = {**_MODEL_DATA, "ggn_partials": "partial_done"} if store.meta.curvature == "ggn" else _MODEL_DATA
+        checks += _group_checks(store, g, data, _MODEL_FLAGS, damage, read_chunks)
         if store.finalize_info(mid) is not None and not _inverse_done(g):
             inconsistent.append(f"model {mid}: finalized, but its inverse is not marked written")
     for exp in store.experiments():
@@ -295,7 +297,7 @@ def _unflag(store: TrakStore, d: ChunkDamage, out: RepairResult) -> None:
         elif name in ("inverse", "inverse_done"):
             store.unflag_inverse(mid)
             out.actions.append(f"model {mid}: inverse unflagged (finalize, scores recomputed)")
-        elif name in ("xtx_partials", "rowsum_partials", "partial_done"):
+        elif name in SHARD_ARRAYS:
             store.model(mid).partial_done.oindex[rows] = 0
             out.actions.append(
                 f"model {mid}: XᵀX partials of shards {a}..{b - 1} unflagged (recomputed from the grads)"

@@ -1,0 +1,187 @@
+"""The Gauss-Newton curvature (``curvature="ggn"``): A = (XᵀRX + λ'I)⁻¹, R = diag(Q(1 − Q)), λ' = the XᵀX rule's λ
+× trace(XᵀRX) / trace(XᵀX) — against a float64 brute force from the stored rows, through the store (partials on the
+way, or computed by finalize), TRAKer and the pipeline's featurize/finalize tasks; a store keeps its curvature; verify
+sees damage to the XᵀRX partials."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trak_core import TRAKer, reduce
+from trak_core.errors import BadInputError, StoreMismatchError
+from trak_core.scoring import combine_checkpoints, ggn_lambda, loss_curvature
+from trak_core.store import StoreMetadata, TrakStore
+from trak_core.verify import verify_store
+
+N, P, M = 300, 24, 9
+
+
+def ggn_store(path, ckpts: int = 2, partials: bool = True, dtype: str = "float16") -> TrakStore:
+    rng = np.random.default_rng(5)
+    meta = StoreMetadata(train_set_size=N, grad_dim=100, proj_dim=P, dtype=dtype, chunk_rows=16, curvature="ggn")
+    st = TrakStore.create_or_open(str(path), meta)
+    st.init_experiment("e", M)
+    for mid in range(ckpts):
+        st.init_model(mid)
+        x = rng.standard_normal((N, P)) * rng.uniform(0.2, 3.0, P)
+        q = rng.uniform(0.0, 1.0, N) ** 3  # mostly confident rows (Q near 0), a few uncertain
+        st.write_train_rows(mid, slice(0, N), x.astype(np.float32), q.astype(np.float32))
+        if partials:
+            for s in range(st.meta.num_shards):
+                reduce.ensure_partial(st, mid, s)
+        st.init_experiment_model("e", mid)
+        st.write_target_rows("e", mid, slice(0, M), rng.standard_normal((M, P)).astype(np.float32))
+    return st
+
+
+def brute_force(st: TrakStore, ckpts: int, setting: str) -> tuple[np.ndarray, list[float]]:
+    """float64 from the stored (rounded) X, Q and G: λ by the rule on XᵀX (rel:f: f × its mean eigenvalue),
+    λ' = λ · tr(XᵀRX)/tr(XᵀX), A = (XᵀRX + λ'I)⁻¹ / mean|·|, scores combine(Σ X A Gᵀ)."""
+    f = float(setting.split(":")[1])
+    acc, qsum, lams = np.zeros((N, M)), np.zeros(N), []
+    for mid in range(ckpts):
+        x = st.model(mid).grads[:].astype(np.float64)
+        q = st.model(mid).out_to_loss[:].astype(np.float64)
+        g = st.target_grads("e", mid)[:].astype(np.float64)
+        r = q * (1 - q)
+        xtx, h = x.T @ x, x.T @ (x * r[:, None])
+        lam = f * np.trace(xtx) / P * np.trace(h) / np.trace(xtx)
+        lams.append(lam)
+        a = np.linalg.inv(h + lam * np.eye(P))
+        a /= np.abs(a).mean()
+        acc += (x @ a) @ g.T
+        qsum += q
+    return combine_checkpoints(acc, qsum, ckpts), lams
+
+
+def rel(got, want) -> float:
+    return float(np.abs(np.asarray(got, dtype=np.float64) - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("partials", [True, False])  # stored while featurizing, or computed by finalize
+def test_ggn_store_scores_match_brute_force(tmp_path, partials):
+    st = ggn_store(tmp_path / "s", partials=partials)
+    infos = [reduce.finalize_model(st, mid, lambda_reg="rel:0.3") for mid in range(2)]
+    want, lams = brute_force(st, 2, "rel:0.3")
+    for info, lam in zip(infos, lams, strict=True):
+        assert info["curvature"] == "ggn"
+        assert info["lambda_reg"] == pytest.approx(lam, rel=1e-9)
+        assert info["lambda_xtx"] > info["lambda_reg"]  # r ≤ 1/4: XᵀRX is smaller than XᵀX
+    got = reduce.finalize_scores(st, "e")
+    assert rel(got, want) < 2e-5
+    # the partials summed are XᵀRX's, in shard order
+    x = st.model(0).grads[:].astype(np.float64)
+    r = loss_curvature(st.model(0).out_to_loss[:])
+    np.testing.assert_allclose(reduce.total_ggn(st, 0), x.T @ (x * r[:, None]), rtol=1e-12, atol=1e-12)
+
+
+def test_ggn_differs_from_xtx_and_xtx_is_unchanged(tmp_path):
+    """The same rows in an XᵀX store give XᵀX's inverse (today's scores), not XᵀRX's."""
+    ggn = ggn_store(tmp_path / "g")
+    meta = StoreMetadata(train_set_size=N, grad_dim=100, proj_dim=P, dtype="float16", chunk_rows=16)
+    plain = TrakStore.create_or_open(str(tmp_path / "x"), meta)
+    plain.init_model(0)
+    plain.write_train_rows(0, slice(0, N), ggn.model(0).grads[:], ggn.model(0).out_to_loss[:])
+    for s in range(meta.num_shards):
+        reduce.ensure_partial(plain, 0, s)
+    a_ggn, info_g = reduce.solve_model(ggn, 0, "rel:0.3")
+    a_xtx, info_x = reduce.solve_model(plain, 0, "rel:0.3")
+    assert "curvature" not in info_x and "ggn_partials" not in plain.model(0).group
+    x = plain.model(0).grads[:].astype(np.float64)
+    want = np.linalg.inv(x.T @ x + info_x["lambda_reg"] * np.eye(P))
+    np.testing.assert_allclose(a_xtx, want / np.abs(want).mean(), rtol=1e-8)
+    assert info_g["lambda_xtx"] == pytest.approx(info_x["lambda_reg"], rel=1e-12)
+    assert not np.allclose(a_ggn, a_xtx, rtol=0.05)
+
+
+def test_ggn_lambda_zero_and_bad_traces():
+    assert ggn_lambda(0.0, 5.0, 1.0) == 0.0
+    assert ggn_lambda(2.0, 4.0, 1.0) == 0.5
+    with pytest.raises(BadInputError, match="trace"):
+        ggn_lambda(1.0, 0.0, 1.0)
+
+
+def test_store_keeps_its_curvature(tmp_path):
+    st = ggn_store(tmp_path / "s", ckpts=1)
+    meta = st.meta.model_copy(update={"curvature": "xtx"})
+    with pytest.raises(StoreMismatchError, match="curvature"):
+        TrakStore.create_or_open(str(tmp_path / "s"), meta)
+    with pytest.raises(BadInputError, match="required"):
+        st.write_partial(0, 0, np.eye(P), np.zeros(P + 3))
+
+
+def test_verify_sees_damaged_ggn_partials(tmp_path):
+    st = ggn_store(tmp_path / "s", ckpts=1)
+    assert verify_store(st).ok
+    chunk = tmp_path / "s" / "models" / "0" / "ggn_partials" / "c" / "1" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    report = verify_store(st)
+    assert not report.ok
+    assert [d.array for d in report.damage] == ["models/0/ggn_partials"]
+    assert report.damage[0].rows == (1, 2) and report.damage[0].unit == "shards"
+
+
+def _mlp_case(n: int = 96):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    x = torch.randn(n, 6)
+    y = torch.randint(0, 3, (n,))
+    return model, (x, y)
+
+
+def test_traker_ggn_matches_the_store_brute_force(tmp_path):
+    """TRAKer(curvature="ggn") end to end: its scores are the brute force from what it stored."""
+    model, (x, y) = _mlp_case()
+    tr = TRAKer(
+        model, "image_classification", len(y), save_dir=str(tmp_path / "t"), device="cpu", proj_dim=16,
+        lambda_reg="rel:0.3", curvature="ggn", use_half_precision=False,
+    )  # fmt: skip
+    for mid in range(2):
+        with torch.no_grad():
+            for prm in model.parameters():
+                prm.add_(0.05 * torch.randn_like(prm))
+        tr.load_checkpoint(model.state_dict(), model_id=mid)
+        tr.featurize((x, y), num_samples=len(y))
+    tr.finalize_features()
+    for mid in range(2):
+        tr.start_scoring_checkpoint("e", model.state_dict(), mid, 5)
+        tr.score((x[:5], y[:5]), num_samples=5)
+    got = tr.finalize_scores("e")
+    st = tr.store
+    assert st.meta.curvature == "ggn"
+    acc, qsum = np.zeros((len(y), 5)), np.zeros(len(y))
+    for mid in range(2):
+        xs = st.model(mid).grads[:].astype(np.float64)
+        q = st.model(mid).out_to_loss[:].astype(np.float64)
+        g = st.target_grads("e", mid)[:].astype(np.float64)
+        info = st.finalize_info(mid)
+        h = xs.T @ (xs * (q * (1 - q))[:, None])
+        lam = 0.3 * np.trace(xs.T @ xs) / 16 * np.trace(h) / np.trace(xs.T @ xs)
+        assert info["lambda_reg"] == pytest.approx(lam, rel=1e-9)
+        a = np.linalg.inv(h + lam * np.eye(16))
+        acc += xs @ (a / np.abs(a).mean()) @ g.T
+        qsum += q
+    assert rel(np.asarray(got), combine_checkpoints(acc, qsum, 2)) < 2e-5
+
+
+def test_traker_refuses_an_unknown_curvature(tmp_path):
+    model, (_, y) = _mlp_case()
+    with pytest.raises(BadInputError, match="curvature"):
+        TRAKer(model, "image_classification", len(y), save_dir=str(tmp_path / "t"), device="cpu", curvature="hessian")
+
+
+def test_device_gram_weights_rows_block_by_block(tmp_path, monkeypatch):
+    """The GPU path's float64 product (run here on the CPU device, in blocks of 7 rows) scales each row by √rᵢ as the
+    host's syrk does."""
+    st = ggn_store(tmp_path / "s", ckpts=1, partials=False)
+    rows = np.asarray(st.model(0).grads[0:80])
+    r = loss_curvature(st.model(0).out_to_loss[0:80])
+    monkeypatch.setattr(reduce, "DEVICE_BLOCK_BYTES", 7 * 8 * P)
+    host = reduce.shard_partial(st, 0, 0, rows=rows, weights=r)
+    dev = reduce._device_gram(rows, torch.device("cpu"), np.sqrt(r).reshape(-1, 1))
+    np.testing.assert_allclose(dev, host, rtol=1e-12, atol=1e-12 * np.abs(host).max())
+    np.testing.assert_array_equal(dev, dev.T)
