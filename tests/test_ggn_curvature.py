@@ -13,7 +13,7 @@ from trak_core import TRAKer, reduce
 from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.scoring import combine_checkpoints, ggn_lambda, loss_curvature
 from trak_core.store import StoreMetadata, TrakStore
-from trak_core.verify import verify_store
+from trak_core.verify import repair_store, verify_store
 
 N, P, M = 300, 24, 9
 
@@ -112,9 +112,10 @@ def test_store_keeps_its_curvature(tmp_path):
         st.write_partial(0, 0, np.eye(P), np.zeros(P + 3))
 
 
-def test_verify_sees_damaged_ggn_partials(tmp_path):
+def test_verify_sees_damaged_ggn_partials_and_repair_recomputes_them(tmp_path):
     st = ggn_store(tmp_path / "s", ckpts=1)
     assert verify_store(st).ok
+    before = np.asarray(st.model(0).ggn_partials[:])
     chunk = tmp_path / "s" / "models" / "0" / "ggn_partials" / "c" / "1" / "0"
     data = bytearray(chunk.read_bytes())
     data[10] ^= 0xFF
@@ -123,6 +124,11 @@ def test_verify_sees_damaged_ggn_partials(tmp_path):
     assert not report.ok
     assert [d.array for d in report.damage] == ["models/0/ggn_partials"]
     assert report.damage[0].rows == (1, 2) and report.damage[0].unit == "shards"
+    repair_store(st, report)
+    assert st.model(0).partial_done[:].tolist() == [1, 0] + [1] * (st.meta.num_shards - 2)
+    reduce.finalize_model(st, 0, lambda_reg="rel:0.3")  # recomputes shard 1's partials from its rows
+    np.testing.assert_array_equal(st.model(0).ggn_partials[:], before)
+    assert verify_store(st).ok
 
 
 def _mlp_case(n: int = 96):
