@@ -191,3 +191,17 @@ def test_device_gram_weights_rows_block_by_block(tmp_path, monkeypatch):
     dev = reduce._device_gram(rows, torch.device("cpu"), np.sqrt(r).reshape(-1, 1))
     np.testing.assert_allclose(dev, host, rtol=1e-12, atol=1e-12 * np.abs(host).max())
     np.testing.assert_array_equal(dev, dev.T)
+
+
+def test_singular_ggn_warning_names_xtrx(tmp_path):
+    """proj_dim ≥ n at λ = 0: the warning names the matrix inverted, XᵀRX."""
+    from trak_core.errors import IllConditionedWarning
+
+    n = 16
+    meta = StoreMetadata(train_set_size=n, grad_dim=100, proj_dim=P, dtype="float32", chunk_rows=16, curvature="ggn")
+    st = TrakStore.create_or_open(str(tmp_path / "s"), meta)
+    st.init_model(0)
+    rng = np.random.default_rng(2)
+    st.write_train_rows(0, slice(0, n), rng.standard_normal((n, P)).astype(np.float32), np.full(n, 0.5, np.float32))
+    with pytest.warns(IllConditionedWarning, match="XᵀRX has rank"):
+        reduce.finalize_model(st, 0, lambda_reg=0.0)

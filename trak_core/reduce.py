@@ -263,6 +263,7 @@ def cholesky_inverse(
     rescale: bool = True,
     eigenvalues: torch.Tensor | np.ndarray | None = None,
     inverse: np.ndarray | None = None,
+    matrix: str = "XᵀX",
 ) -> tuple[torch.Tensor, float]:
     """((XᵀX + λI)⁻¹ float64, optionally divided by its mean |entry| as traker does; the condition estimate).
 
@@ -271,13 +272,19 @@ def cholesky_inverse(
     else exact (eigendecomposition) for p ≤ EXACT_CONDITION_MAX_P or when the estimate comes within 10× of
     the warning threshold; otherwise λ_max(XᵀX + λI) · λ_max(inverse) by subspace iteration. A matrix that
     is not positive definite in float64 takes the general path (:func:`regularized_inverse`: LU, then the
-    pseudo-inverse) with condition ∞. Warnings: :func:`check_conditioning`.
+    pseudo-inverse) with condition ∞. Warnings: :func:`check_conditioning` (naming ``matrix``).
     """
     p = xtx.shape[0]
     inv_np = inverse if inverse is not None else lapack_inverse(xtx, lam)
     if inv_np is None:
         cond = check_conditioning(
-            xtx, lam, n_rows, model_id=model_id, stacklevel=4, cond=None if p <= EXACT_CONDITION_MAX_P else float("inf")
+            xtx,
+            lam,
+            n_rows,
+            model_id=model_id,
+            stacklevel=4,
+            cond=None if p <= EXACT_CONDITION_MAX_P else float("inf"),
+            matrix=matrix,
         )
         return regularized_inverse(xtx, lam, rescale=rescale), cond
     inv = torch.from_numpy(inv_np)
@@ -295,7 +302,7 @@ def cholesky_inverse(
     if est is not None and est < CONDITION_WARN and not (p >= n_rows and lam == 0):
         cond = est  # nothing to warn about (check_conditioning would only build XᵀX + λI for its message)
     else:
-        cond = check_conditioning(xtx, lam, n_rows, model_id=model_id, stacklevel=4, cond=est)
+        cond = check_conditioning(xtx, lam, n_rows, model_id=model_id, stacklevel=4, cond=est, matrix=matrix)
     if rescale:
         m = float(np.abs(inv_np).mean())
         if m > 0:
@@ -461,12 +468,15 @@ def solve_model(
         lam = rule.resolve(xtx_t, n_rows=n, **kw)
         inv_np = None
     extra: dict[str, Any] = {}
+    matrix = "XᵀX"
     if store.meta.curvature == "ggn":
         ggn_np = total_ggn(store, model_id) if ggn is None else ggn
         extra = {"curvature": "ggn", "lambda_xtx": lam, "ggn_trace": float(np.trace(ggn_np))}
         lam = ggn_lambda(lam, float(np.trace(xtx_np)), extra["ggn_trace"])
-        xtx_t, ev, inv_np = torch.from_numpy(ggn_np), None, None  # the inverse of XᵀRX + λ'I, below
-    inv, cond = cholesky_inverse(xtx_t, lam, n, model_id=model_id, rescale=rescale, eigenvalues=ev, inverse=inv_np)
+        xtx_t, ev, inv_np, matrix = torch.from_numpy(ggn_np), None, None, "XᵀRX"  # XᵀRX + λ'I is inverted below
+    inv, cond = cholesky_inverse(
+        xtx_t, lam, n, model_id=model_id, rescale=rescale, eigenvalues=ev, inverse=inv_np, matrix=matrix
+    )
     info = {
         **extra,
         "lambda_reg": lam,

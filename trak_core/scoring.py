@@ -378,9 +378,17 @@ def condition_number(mat: Tensor) -> tuple[float, Tensor]:
 
 
 def check_conditioning(
-    xtx: Tensor, lambda_reg: float, n_rows: int, *, model_id=None, stacklevel: int = 2, cond: float | None = None
+    xtx: Tensor,
+    lambda_reg: float,
+    n_rows: int,
+    *,
+    model_id=None,
+    stacklevel: int = 2,
+    cond: float | None = None,
+    matrix: str = "XᵀX",
 ) -> float:
-    """Warn (:class:`IllConditionedWarning`) when XᵀX + λI is singular or badly conditioned.
+    """Warn (:class:`IllConditionedWarning`) when XᵀX + λI (``matrix``: its name in the message, e.g. XᵀRX) is
+    singular or badly conditioned.
 
     Returns the condition estimate. traker 0.3.2 silently returns noise in these cases. ``cond``: a
     condition estimate computed by the caller (e.g. from its Cholesky factor); without it the exact
@@ -395,19 +403,19 @@ def check_conditioning(
         mean_eig = max(float(torch.trace(reg)) / p, 0.0)
     who = f" for model_id={model_id}" if model_id is not None else ""
     remedy = (
-        f"set lambda_reg > 0 (e.g. {1e-3 * mean_eig:.3g}, 1e-3 × the mean eigenvalue of XᵀX) "
+        f"set lambda_reg > 0 (e.g. {1e-3 * mean_eig:.3g}, 1e-3 × the mean eigenvalue of {matrix}) "
         f"or use a proj_dim well below the number of train examples"
     )
     if p >= n_rows and lambda_reg == 0:
         warnings.warn(
-            f"proj_dim={p} ≥ number of train examples n={n_rows}{who}: XᵀX has rank ≤ {n_rows} < {p} and is "
+            f"proj_dim={p} ≥ number of train examples n={n_rows}{who}: {matrix} has rank ≤ {n_rows} < {p} and is "
             f"singular (condition estimate {cond:.3g}); scores would be noise. Remedy: {remedy}.",
             IllConditionedWarning,
             stacklevel=stacklevel,
         )
     elif not cond < CONDITION_WARN:
         warnings.warn(
-            f"XᵀX + λI is badly conditioned{who} (condition estimate {cond:.3g} with lambda_reg={lambda_reg}, "
+            f"{matrix} + λI is badly conditioned{who} (condition estimate {cond:.3g} with lambda_reg={lambda_reg}, "
             f"proj_dim={p}, n={n_rows}); scores are dominated by round-off. Remedy: {remedy}.",
             IllConditionedWarning,
             stacklevel=stacklevel,
