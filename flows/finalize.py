@@ -27,8 +27,9 @@ def finalize(config: AttributeConfig, plan: Plan | None = None, upstream: dict |
     for m in manifests:
         info = m.info or {}
         log.info(
-            "model_id=%s: condition number of XᵀX+λI %.3g (lambda_reg=%s)%s",
+            "model_id=%s: condition number of %s+λI %.3g (lambda_reg=%s)%s",
             m.model_id,
+            "XᵀRX" if info.get("curvature") == "ggn" else "XᵀX",
             info.get("condition", float("nan")),
             info.get("lambda_reg"),
             " [skipped]" if m.skipped else "",
