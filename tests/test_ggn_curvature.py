@@ -205,3 +205,17 @@ def test_singular_ggn_warning_names_xtrx(tmp_path):
     st.write_train_rows(0, slice(0, n), rng.standard_normal((n, P)).astype(np.float32), np.full(n, 0.5, np.float32))
     with pytest.warns(IllConditionedWarning, match="XᵀRX has rank"):
         reduce.finalize_model(st, 0, lambda_reg=0.0)
+
+
+def test_memory_estimate_counts_the_second_gram():
+    """A featurize task holds two p × p float64 partials more (XᵀRX's), finalize one p × p more."""
+    from trak_core.memory import estimate_task_memory
+
+    kw = dict(
+        train_set_size=10_000, grad_dim=10_000, proj_dim=2048, num_params=10_000, batch_size=64, shard_rows=4096,
+        dtype_bytes=2, chunk_bytes=1 << 20,
+    )  # fmt: skip
+    xtx, ggn = estimate_task_memory(**kw), estimate_task_memory(**kw, curvature="ggn")
+    p2 = 2048 * 2048 * 8
+    assert ggn[0].total - xtx[0].total == 2 * p2  # featurize
+    assert ggn[1].total - xtx[1].total == p2  # finalize
