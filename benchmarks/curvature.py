@@ -25,7 +25,8 @@ traker 0.3.2 itself at the same checkpoints and proj_dim (quality.py's cached ru
     .venv/bin/python benchmarks/curvature.py --kinds dense factored --proj-dims 128 256 512 1024 2048
 
 ``--rules``: damping rules for XᵀRX (``RULES``: ``transfer`` scaled by constants or by the ratio of the rows'
-effective numbers), each case's worst gap to XᵀRX's best fixed λ and leave-one-case-out, on the dense projector.
+effective numbers, or ``deff:c`` on XᵀRX's own spectrum), each case's worst gap to XᵀRX's best fixed λ and
+leave-one-case-out, on the dense projector.
 """
 
 from __future__ import annotations
@@ -110,7 +111,11 @@ def evaluate(case, truth, kind: str, proj_dim: int, num_ckpts: int) -> dict:
     return row
 
 
-RULES = [f"transfer*{k:g}" for k in (1, 1.5, 2, 3)] + [f"transfer^{a:g}" for a in (0.25, 0.5, 1)]
+RULES = (
+    [f"transfer*{k:g}" for k in (1, 1.5, 2, 3)]
+    + [f"transfer^{a:g}" for a in (0.25, 0.5, 1)]
+    + [f"deff:{c:g}" for c in (0.05, 0.1, 0.2)]  # on XᵀRX alone: d_eff of XᵀRX = c·n
+)
 
 
 def rules(names: list[str], dims: list[int], cases: dict, num_ckpts: int) -> None:
