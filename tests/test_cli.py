@@ -79,6 +79,18 @@ def test_show_status(store):
     assert re.search(r"│ tiny\s+│ 8\s+│ 2/2 checkpoints\s+│ 64/64\s+│ \[0, 1\]", out), out
 
 
+def test_show_names_the_curvature(store, tmp_path):
+    loc, _ = store
+    assert "curvature" not in invoke("show", loc).output  # traker's XᵀX: nothing to say
+    from trak_core.store import TrakStore
+
+    meta = TrakStore.open(loc, mode="r").meta.model_copy(update={"curvature": "ggn"})
+    TrakStore.create_or_open(str(tmp_path / "g.zarr"), meta)
+    res = invoke("show", tmp_path / "g.zarr")
+    assert res.exit_code == 0, res.output
+    assert "curvature XᵀRX (ggn)" in res.output
+
+
 def test_show_top_k(store):
     loc, scores = store
     res = invoke("show", loc, "--target", 3, "--top-k", 4)

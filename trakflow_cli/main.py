@@ -495,6 +495,7 @@ def show(
         f"store [bold]{store}[/]: {meta['train_set_size']} train rows, grad_dim {meta['grad_dim']} → "
         f"proj_dim {meta['proj_dim']} ({meta['projector']}, {meta['proj_type']}, seed {meta['proj_seed']}), "
         f"{meta['dtype']}, shards of {meta['shard_rows']} rows, task {meta['task']}"
+        + (", curvature XᵀRX (ggn)" if meta.get("curvature") == "ggn" else "")
     )
     t = Table(title="checkpoints", title_justify="left")
     for col in ("model_id", "featurized rows", "XᵀX partials", "finalized", "condition"):
