@@ -60,8 +60,9 @@ class GGNSolver(quality.Solver):
     """quality.Solver with the curvature XᵀRX: its eigendecomposition from the rows scaled by √rᵢ, the scores
     from the unscaled rows X. λ: ``transfer`` (the XᵀX rule's λ scaled by the traces' ratio) or rel:f."""
 
-    def __init__(self, f: dict, base: quality.Solver) -> None:
+    def __init__(self, f: dict, base: quality.Solver, floor: float = 0.0) -> None:
         r = loss_curvature(f["Q"])
+        r = r + floor * r.mean()  # ``floor`` β: rᵢ + β·mean(r), XᵀRX + β·mean(r)·XᵀX (``--floors``)
         super().__init__({**f, "X": (f["X"] * np.sqrt(r)[:, None]).astype(np.float32)})
         self.x = torch.from_numpy(f["X"])  # the scores' rows: X, not √R X
         self.base = base
@@ -149,6 +150,48 @@ def rules(names: list[str], dims: list[int], cases: dict, num_ckpts: int) -> Non
         print(f"| {held} | `{chosen}` | {gap(held, chosen):+.3f} |")
 
 
+FLOORS = (0.0, 0.03, 0.1, 0.3, 1.0)
+
+
+def floors(names: list[str], dims: list[int], cases: dict, num_ckpts: int) -> None:
+    """A floor on the curvature weights, rᵢ + β·mean(r) (XᵀRX + β·mean(r)·XᵀX; β = 0 is XᵀRX, β → ∞ XᵀX), dense,
+    λ by ``transfer``: per β and case the mean LDS over ``dims`` against XᵀX with ``adaptive`` and the worst gap to
+    that β's best fixed λ; leave-one-case-out picks β by the mean LDS over the other cases."""
+    val: dict[tuple[str, int, float], float] = {}
+    gap: dict[tuple[str, int, float], float] = {}
+    base_val: dict[tuple[str, int], float] = {}
+    for name in names:
+        case = cases[name]
+        truth = quality.ground_truth(case, log=lambda *a: None)
+        for p in dims:
+            feats = [quality.features(case, truth, "dense", p, c) for c in range(num_ckpts)]
+            base = [quality.Solver(f) for f in feats]
+            base_val[name, p] = lds_of(base, [RULE], truth)[RULE][0]
+            for beta in FLOORS:
+                res = lds_of(
+                    [GGNSolver(f, b, beta) for f, b in zip(feats, base, strict=True)], ["transfer", *FIXED], truth
+                )
+                val[name, p, beta] = res["transfer"][0]
+                gap[name, p, beta] = res["transfer"][0] - max(res[f][0] for f in FIXED)
+
+    def mean(among: list[str], beta: float) -> float:
+        return float(np.mean([val[c, p, beta] for c in among for p in dims]))
+
+    print("| β | " + " | ".join(names) + " | mean LDS |")
+    print("|---|" + "---|" * (len(names) + 1))
+    for beta in FLOORS:
+        delta = {c: float(np.mean([val[c, p, beta] - base_val[c, p] for p in dims])) for c in names}
+        cells = [f"{delta[c]:+.3f} ({min(gap[c, p, beta] for p in dims):+.3f})" for c in names]
+        print(f"| {beta:g} | " + " | ".join(cells) + f" | {mean(names, beta):.4f} |")
+    print()
+    print("| held-out case | β chosen on the others | its mean Δ against XᵀX | its worst gap to the best fixed λ |")
+    print("|---|---|---|---|")
+    for held in names:
+        beta = max(FLOORS, key=lambda b: mean([c for c in names if c != held], b))
+        d = np.mean([val[held, p, beta] - base_val[held, p] for p in dims])
+        print(f"| {held} | {beta:g} | {d:+.3f} | {min(gap[held, p, beta] for p in dims):+.3f} |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", default=None)
@@ -156,11 +199,15 @@ def main(argv=None) -> None:
     ap.add_argument("--proj-dims", nargs="*", type=int, default=[128, 256, 512, 1024, 2048])
     ap.add_argument("--json", default=None, help="write the result rows (without per-target values) here")
     ap.add_argument("--rules", action="store_true", help="compare damping rules for XᵀRX (dense) instead")
+    ap.add_argument("--floors", action="store_true", help="compare floors β on the curvature weights (dense) instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cases = quality.make_cases()
     if args.rules:
         rules(args.cases or list(cases), args.proj_dims, cases, quality.NUM_CKPTS)
+        return
+    if args.floors:
+        floors(args.cases or list(cases), args.proj_dims, cases, quality.NUM_CKPTS)
         return
     rows = []
     print(
