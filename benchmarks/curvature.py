@@ -13,8 +13,9 @@ float64, (H + λI)⁻¹ rescaled as traker does, scores X (H + λI)⁻¹ Gᵀ, t
 cached ground truth (100 half-subset models per case). Damping:
 
 * ``xtx``: H = XᵀX, λ by ``lambda_reg="adaptive"`` (today's default);
-* ``ggn``: H = XᵀRX, λ = (the λ ``adaptive`` gives XᵀX) × trace(XᵀRX) / trace(XᵀX): the same damping relative
-  to the curvature's scale. No constant is fitted here: ``adaptive``'s were chosen by leave-one-case-out in
+* ``ggn``: H = XᵀRX + β·mean(r)·XᵀX (β = trak_core's GGN_FLOOR, 0.3: the row weights floored, as
+  ``curvature="ggn"`` builds it; ``--rules`` measures β = 0, ``--floors`` several β), λ = (the λ ``adaptive`` gives
+  XᵀX) × trace(H) / trace(XᵀX): the same damping relative to the curvature's scale. No constant is fitted here: ``adaptive``'s were chosen by leave-one-case-out in
   quality.py, on XᵀX;
 * ``best fixed``: per case, kind and proj_dim the best of λ = rel:0.01 … rel:1000 × the curvature's mean
   eigenvalue (an oracle), for each curvature.
@@ -44,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quality  # noqa: E402
 
 from trak_core.lds import bootstrap_ci, lds  # noqa: E402
-from trak_core.scoring import combine_checkpoints  # noqa: E402
+from trak_core.scoring import GGN_FLOOR, combine_checkpoints  # noqa: E402
 
 RULE = "adaptive"
 FIXED = [f"rel:{f:g}" for f in (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000)]
@@ -60,7 +61,7 @@ class GGNSolver(quality.Solver):
     """quality.Solver with the curvature XᵀRX: its eigendecomposition from the rows scaled by √rᵢ, the scores
     from the unscaled rows X. λ: ``transfer`` (the XᵀX rule's λ scaled by the traces' ratio) or rel:f."""
 
-    def __init__(self, f: dict, base: quality.Solver, floor: float = 0.0) -> None:
+    def __init__(self, f: dict, base: quality.Solver, floor: float = GGN_FLOOR) -> None:
         r = loss_curvature(f["Q"])
         r = r + floor * r.mean()  # ``floor`` β: rᵢ + β·mean(r), XᵀRX + β·mean(r)·XᵀX (``--floors``)
         super().__init__({**f, "X": (f["X"] * np.sqrt(r)[:, None]).astype(np.float32)})
@@ -128,7 +129,7 @@ def rules(names: list[str], dims: list[int], cases: dict, num_ckpts: int) -> Non
         truth = quality.ground_truth(case, log=lambda *a: None)
         for p in dims:
             feats = [quality.features(case, truth, "dense", p, c) for c in range(num_ckpts)]
-            ggn = [GGNSolver(f, quality.Solver(f)) for f in feats]
+            ggn = [GGNSolver(f, quality.Solver(f), floor=0.0) for f in feats]  # measured at β = 0 (no floor)
             for setting, (val, _) in lds_of(ggn, RULES + FIXED, truth).items():
                 lds_of_rule[name, p, setting] = val
 

@@ -326,7 +326,8 @@ class AttributeConfig(_Base):
     curvature: Curvature = _setting(
         "curvature",
         "H of the inverse (H + λI)⁻¹: 'xtx' (XᵀX, traker's; the default) or 'ggn' (XᵀRX, the Gauss-Newton matrix, "
-        "R = diag(Q(1 − Q)): +0.006…+0.056 LDS on converged models, one more p × p partial per shard; "
+        "R = diag(Q(1 − Q)), row weights floored at 0.3·mean: +0.020…+0.060 LDS on converged models, "
+        "one more p × p partial per shard; "
         "benchmarks/RESULTS.md 'Gauss-Newton curvature'); λ's rule still reads XᵀX, scaled by the traces",
     )
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients")

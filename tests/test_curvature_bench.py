@@ -1,7 +1,7 @@
 """benchmarks/curvature.py: the Gauss-Newton curvature it measures (issue 14, item 5) is the one it says.
 
 * rᵢ = Qᵢ(1 − Qᵢ) is the loss's second derivative in the margin, for the loss and margin of the built-in outputs;
-* ``GGNSolver`` scores X (XᵀRX + λI)⁻¹ Gᵀ with traker's rescale, against a brute-force float64 inverse;
+* ``GGNSolver`` scores X (XᵀRX + β·mean(r)·XᵀX + λI)⁻¹ Gᵀ with traker's rescale, against a brute-force float64 inverse;
 * its ``transfer`` λ is the XᵀX rule's λ times trace(XᵀRX) / trace(XᵀX).
 """
 
@@ -72,6 +72,7 @@ def test_ggn_solver_scores_against_a_brute_force_inverse(curvature, setting):
     ggn = curvature.GGNSolver(f, base)
     x = f["X"].astype(np.float64)
     r = f["Q"].astype(np.float64) * (1 - f["Q"].astype(np.float64))
+    r = r + curvature.GGN_FLOOR * r.mean()  # the floor on the weights, as trak_core's ggn_curvature
     h = x.T @ (x * r[:, None])
     lam = ggn.resolve(setting)  # to float32 rounding: GGNSolver keeps √R X in float32
     if setting == "transfer":

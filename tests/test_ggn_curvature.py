@@ -1,7 +1,7 @@
-"""The Gauss-Newton curvature (``curvature="ggn"``): A = (XᵀRX + λ'I)⁻¹, R = diag(Q(1 − Q)), λ' = the XᵀX rule's λ
-× trace(XᵀRX) / trace(XᵀX) — against a float64 brute force from the stored rows, through the store (partials on the
-way, or computed by finalize), TRAKer and the pipeline's featurize/finalize tasks; a store keeps its curvature; verify
-sees damage to the XᵀRX partials."""
+"""The Gauss-Newton curvature (``curvature="ggn"``): A = (H + λ'I)⁻¹, H = XᵀRX + β·mean(r)·XᵀX, R = diag(r),
+r = Q(1 − Q), β = GGN_FLOOR, λ' = the XᵀX rule's λ × trace(H) / trace(XᵀX) — against a float64 brute force from the
+stored rows, through the store (partials on the way, or computed by finalize), TRAKer and the pipeline's
+featurize/finalize tasks; a store keeps its curvature; verify sees damage to the XᵀRX partials."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from trak_core import TRAKer, reduce
 from trak_core.errors import BadInputError, StoreMismatchError
-from trak_core.scoring import combine_checkpoints, ggn_lambda, loss_curvature
+from trak_core.scoring import GGN_FLOOR, combine_checkpoints, ggn_lambda, loss_curvature
 from trak_core.store import StoreMetadata, TrakStore
 from trak_core.verify import repair_store, verify_store
 
@@ -38,7 +38,7 @@ def ggn_store(path, ckpts: int = 2, partials: bool = True, dtype: str = "float16
 
 def brute_force(st: TrakStore, ckpts: int, setting: str) -> tuple[np.ndarray, list[float]]:
     """float64 from the stored (rounded) X, Q and G: λ by the rule on XᵀX (rel:f: f × its mean eigenvalue),
-    λ' = λ · tr(XᵀRX)/tr(XᵀX), A = (XᵀRX + λ'I)⁻¹ / mean|·|, scores combine(Σ X A Gᵀ)."""
+    H = XᵀRX + β·mean(r)·XᵀX, λ' = λ · tr(H)/tr(XᵀX), A = (H + λ'I)⁻¹ / mean|·|, scores combine(Σ X A Gᵀ)."""
     f = float(setting.split(":")[1])
     acc, qsum, lams = np.zeros((N, M)), np.zeros(N), []
     for mid in range(ckpts):
@@ -46,7 +46,8 @@ def brute_force(st: TrakStore, ckpts: int, setting: str) -> tuple[np.ndarray, li
         q = st.model(mid).out_to_loss[:].astype(np.float64)
         g = st.target_grads("e", mid)[:].astype(np.float64)
         r = q * (1 - q)
-        xtx, h = x.T @ x, x.T @ (x * r[:, None])
+        xtx = x.T @ x
+        h = x.T @ (x * r[:, None]) + GGN_FLOOR * r.mean() * xtx
         lam = f * np.trace(xtx) / P * np.trace(h) / np.trace(xtx)
         lams.append(lam)
         a = np.linalg.inv(h + lam * np.eye(P))
@@ -68,7 +69,7 @@ def test_ggn_store_scores_match_brute_force(tmp_path, partials):
     for info, lam in zip(infos, lams, strict=True):
         assert info["curvature"] == "ggn"
         assert info["lambda_reg"] == pytest.approx(lam, rel=1e-9)
-        assert info["lambda_xtx"] > info["lambda_reg"]  # r ≤ 1/4: XᵀRX is smaller than XᵀX
+        assert info["lambda_xtx"] > info["lambda_reg"]  # r ≤ 1/4 (floored: ≤ 0.25 + β/4): H is smaller than XᵀX
     got = reduce.finalize_scores(st, "e")
     assert rel(got, want) < 2e-5
     # the partials summed are XᵀRX's, in shard order
@@ -165,7 +166,8 @@ def test_traker_ggn_matches_the_store_brute_force(tmp_path):
         q = st.model(mid).out_to_loss[:].astype(np.float64)
         g = st.target_grads("e", mid)[:].astype(np.float64)
         info = st.finalize_info(mid)
-        h = xs.T @ (xs * (q * (1 - q))[:, None])
+        r = q * (1 - q)
+        h = xs.T @ (xs * r[:, None]) + GGN_FLOOR * r.mean() * (xs.T @ xs)
         lam = 0.3 * np.trace(xs.T @ xs) / 16 * np.trace(h) / np.trace(xs.T @ xs)
         assert info["lambda_reg"] == pytest.approx(lam, rel=1e-9)
         a = np.linalg.inv(h + lam * np.eye(16))
@@ -194,7 +196,7 @@ def test_device_gram_weights_rows_block_by_block(tmp_path, monkeypatch):
 
 
 def test_singular_ggn_warning_names_xtrx(tmp_path):
-    """proj_dim ≥ n at λ = 0: the warning names the matrix inverted, XᵀRX."""
+    """proj_dim ≥ n at λ = 0: the warning names the matrix inverted (XᵀRX, floored)."""
     from trak_core.errors import IllConditionedWarning
 
     n = 16

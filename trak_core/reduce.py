@@ -25,6 +25,7 @@ from .scoring import (
     check_conditioning,
     effective_rows,
     features_block,
+    ggn_curvature,
     ggn_lambda,
     loss_curvature,
     parse_lambda_reg,
@@ -433,8 +434,9 @@ def solve_model(
 
     A ``deff`` rule (the ``"adaptive"`` default) resolves λ from float32 eigenvalues checked against the exact
     effective dimension (:func:`solve_deff_fast`), falling back to float64 eigenvalues where that cannot decide.
-    In a store of ``curvature="ggn"`` the rule still reads XᵀX; the inverse is (XᵀRX + λ')⁻¹ with
-    λ' = :func:`~trak_core.scoring.ggn_lambda` (info: ``lambda_reg`` = λ', ``lambda_xtx`` = λ)."""
+    In a store of ``curvature="ggn"`` the rule still reads XᵀX; the inverse is (H + λ'I)⁻¹ with H = XᵀRX + β·mean(r)·XᵀX
+    (:func:`~trak_core.scoring.ggn_curvature`, mean(r) from the stored Q) and λ' = :func:`~trak_core.scoring.ggn_lambda`
+    (info: ``lambda_reg`` = λ', ``lambda_xtx`` = λ)."""
     xtx_np = total_xtx(store, model_id) if xtx is None else xtx
     xtx_t = torch.from_numpy(xtx_np)
     n = store.meta.train_set_size
@@ -470,8 +472,9 @@ def solve_model(
     extra: dict[str, Any] = {}
     matrix = "XᵀX"
     if store.meta.curvature == "ggn":
-        ggn_np = total_ggn(store, model_id) if ggn is None else ggn
-        extra = {"curvature": "ggn", "lambda_xtx": lam, "ggn_trace": float(np.trace(ggn_np))}
+        mean_r = float(loss_curvature(store.model(model_id).out_to_loss[:]).mean())
+        ggn_np = ggn_curvature(total_ggn(store, model_id) if ggn is None else ggn, xtx_np, mean_r)
+        extra = {"curvature": "ggn", "mean_curvature": mean_r, "lambda_xtx": lam, "ggn_trace": float(np.trace(ggn_np))}
         lam = ggn_lambda(lam, float(np.trace(xtx_np)), extra["ggn_trace"])
         xtx_t, ev, inv_np, matrix = torch.from_numpy(ggn_np), None, None, "XᵀRX"  # XᵀRX + λ'I is inverted below
     inv, cond = cholesky_inverse(

@@ -336,6 +336,17 @@ def loss_curvature(q: np.ndarray | Tensor) -> np.ndarray:
     return qd * (1.0 - qd)
 
 
+#: β of the floor on the curvature weights in :func:`ggn_curvature` (benchmarks/curvature.py ``--floors``: within 0.02
+#: LDS of the best fixed λ on all 9 evaluation cases; leave-one-case-out picks 0.3 for 7 of them)
+GGN_FLOOR = 0.3
+
+
+def ggn_curvature(ggn: np.ndarray, xtx: np.ndarray, mean_r: float, floor: float = GGN_FLOOR) -> np.ndarray:
+    """H = XᵀRX + β·mean(r)·XᵀX: the Gauss-Newton matrix with each row's weight rᵢ floored to rᵢ + β·mean(r), so that
+    a confidently fitted row (rᵢ ≈ 0) still counts a little (β = 0: XᵀRX; β → ∞: XᵀX up to scale)."""
+    return ggn + (float(floor) * float(mean_r)) * xtx
+
+
 def ggn_lambda(lam_xtx: float, trace_xtx: float, trace_ggn: float) -> float:
     """λ for XᵀRX from the λ that the damping rule gives XᵀX: the same damping relative to the curvature's
     scale, λ · trace(XᵀRX) / trace(XᵀX) (benchmarks/curvature.py, "transfer"; 0 stays 0)."""
