@@ -15,8 +15,8 @@ cached ground truth (100 half-subset models per case). Damping:
 * ``xtx``: H = XᵀX, λ by ``lambda_reg="adaptive"`` (today's default);
 * ``ggn``: H = XᵀRX + β·mean(r)·XᵀX (β = trak_core's GGN_FLOOR, 0.3: the row weights floored, as
   ``curvature="ggn"`` builds it; ``--rules`` measures β = 0, ``--floors`` several β), λ = (the λ ``adaptive`` gives
-  XᵀX) × trace(H) / trace(XᵀX): the same damping relative to the curvature's scale. No constant is fitted here: ``adaptive``'s were chosen by leave-one-case-out in
-  quality.py, on XᵀX;
+  XᵀX) × trace(H) / trace(XᵀX): the same damping relative to the curvature's scale. ``adaptive``'s constants were
+  chosen by leave-one-case-out in quality.py, on XᵀX, and β by leave-one-case-out here (``--floors``);
 * ``best fixed``: per case, kind and proj_dim the best of λ = rel:0.01 … rel:1000 × the curvature's mean
   eigenvalue (an oracle), for each curvature.
 
