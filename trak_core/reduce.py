@@ -162,23 +162,24 @@ def ggn_partial(store: TrakStore, model_id: int, shard: int, rows: np.ndarray, q
     return shard_partial(store, model_id, shard, rows=rows, device=device, weights=loss_curvature(q))
 
 
-def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:
-    """XᵀX as the sum of the shard partials in shard order (the one canonical order; packed partials are summed
-    packed, entry by entry the same additions)."""
-    m, meta = store.model(model_id), store.meta
+def _sum_shard_grams(store: TrakStore, partials) -> np.ndarray:
+    """The sum of one Gram partial array's shards in shard order (the one canonical order; packed partials are
+    summed packed, entry by entry the same additions), unpacked."""
+    meta = store.meta
     total = np.zeros(meta.partial_shape, dtype=np.float64)
     for s in range(meta.num_shards):
-        total += m.xtx_partials[s]
+        total += partials[s]
     return unpack_upper(total, meta.proj_dim) if meta.packed_partials else total
+
+
+def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:
+    """XᵀX as the sum of the shard partials in shard order."""
+    return _sum_shard_grams(store, store.model(model_id).xtx_partials)
 
 
 def total_ggn(store: TrakStore, model_id: int) -> np.ndarray:
     """XᵀRX as the sum of the shards' ``ggn_partials`` in shard order (a store of ``curvature="ggn"``)."""
-    m, meta = store.model(model_id), store.meta
-    total = np.zeros(meta.partial_shape, dtype=np.float64)
-    for s in range(meta.num_shards):
-        total += m.ggn_partials[s]
-    return unpack_upper(total, meta.proj_dim) if meta.packed_partials else total
+    return _sum_shard_grams(store, store.model(model_id).ggn_partials)
 
 
 def total_row_sums(store: TrakStore, model_id: int) -> RowSums:
