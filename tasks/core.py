@@ -6,7 +6,7 @@ them). Each step maps onto the store exactly as trak_core.TRAKer does, so the sc
   checkpoint in the sorted list;
 * featurize: one call per (model_id, shard), batches of ``batch_size`` from the shard's first row,
   whole shards written at once, then the shard's XᵀX partial from the rounded rows
-  (``trak_core.reduce.shard_partial``);
+  (``trak_core.reduce.shard_grams``);
 * finalize: ``trak_core.reduce.finalize_model`` (partials summed in shard order, the solve, the inverse);
 * targets: batches of ``batch_size`` from row 0; scores: the targets times each inverse once
   (``trak_core.reduce.solve_targets``, in ``prepare_scores``), then ``trak_core.reduce.score_rows`` per shard
@@ -36,10 +36,9 @@ from trak_core.projectors import make_projector
 from trak_core.reduce import (
     ensure_partial,
     finalize_model,
-    ggn_partial,
     load_solved,
     score_rows,
-    shard_partial,
+    shard_grams,
     shard_row_sums,
     solve_targets,
     unscored_ranges,
@@ -413,8 +412,7 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
         progress.advance("featurize", e - s)
     x, q = np.concatenate(xs), np.concatenate(qs)
     store.write_train_rows(model_id, slice(a, b), x, q)
-    part = shard_partial(store, model_id, shard, rows=x, device=feat.device)  # on the featurizer's GPU if any
-    ggn = ggn_partial(store, model_id, shard, x, q, feat.device)  # XᵀRX too, in a store of curvature "ggn"
+    part, ggn = shard_grams(store, model_id, shard, x, q, feat.device)  # on the featurizer's GPU if any; XᵀRX too
     store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, x, q), ggn)
     return ShardManifest.timed(t0, False, model_id=model_id, shard=shard, rows=(a, b))
 

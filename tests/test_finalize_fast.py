@@ -9,7 +9,7 @@ import torch
 
 from trak_core import reduce
 from trak_core.scoring import parse_lambda_reg, resolve_lambda
-from trak_core.store import StoreMetadata, TrakStore
+from trak_core.store import StoreMetadata, TrakStore, mirror_upper
 
 
 def _x(n: int, p: int, *, alpha: float = 0.0, rank: int | None = None, seed: int = 0) -> np.ndarray:
@@ -39,7 +39,7 @@ def test_lapack_inverse_is_the_float64_inverse_and_exactly_symmetric():
 def test_mirror_upper_fills_the_lower_triangle():
     a = np.arange(49.0).reshape(7, 7)
     want = np.triu(a) + np.triu(a, 1).T
-    np.testing.assert_array_equal(reduce._mirror_upper(a.copy(), block=3), want)
+    np.testing.assert_array_equal(mirror_upper(a.copy(), block=3), want)
 
 
 CASES = [

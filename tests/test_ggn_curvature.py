@@ -221,3 +221,89 @@ def test_memory_estimate_counts_the_second_gram():
     p2 = 2048 * 2048 * 8
     assert ggn[0].total - xtx[0].total == 2 * p2  # featurize
     assert ggn[1].total - xtx[1].total == p2  # finalize
+
+
+@pytest.mark.parametrize("curvature", ["xtx", "ggn"])
+def test_shard_grams_are_shard_partials_bits(tmp_path, curvature):
+    """Both Grams from one float64 copy of the rows: the bits of XᵀX and of XᵀRX computed one at a time."""
+    st = ggn_store(tmp_path / "s", ckpts=1, partials=False)
+    if curvature == "xtx":
+        meta = st.meta.model_copy(update={"curvature": "xtx"})
+        st = TrakStore.create_or_open(str(tmp_path / "x"), meta)
+    rng = np.random.default_rng(9)
+    rows = rng.standard_normal((40, P)).astype(np.float32)
+    q = rng.uniform(0, 1, 40).astype(np.float32)
+    xtx, ggn = reduce.shard_grams(st, 0, 0, rows, q)
+    np.testing.assert_array_equal(xtx, reduce.shard_partial(st, 0, 0, rows=rows))
+    if curvature == "xtx":
+        assert ggn is None
+    else:
+        np.testing.assert_array_equal(ggn, reduce.shard_partial(st, 0, 0, rows=rows, weights=loss_curvature(q)))
+        assert not np.array_equal(ggn, xtx)
+
+
+def test_ggn_condition_bound_bounds_the_condition_number():
+    """0 ⪯ XᵀWX ⪯ max(w)·XᵀX: (max(w)·σ_max(XᵀX) + λ)/λ is at least the condition number of XᵀWX + λI, also from
+    float32-rounded eigenvalues; no bound without damping."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((200, 40)) * np.logspace(0, -2, 40)
+    w = rng.uniform(0, 1, 200) ** 4 + 0.01
+    h = x.T @ (x * w[:, None])
+    ev = np.linalg.eigvalsh(x.T @ x)
+    for lam in (1e-6, 1e-3, 1.0):
+        exact = np.linalg.cond(h + lam * np.eye(40))
+        for eig in (ev, ev.astype(np.float32)):
+            bound = reduce.ggn_condition_bound(eig, float(w.max()), lam)
+            assert bound is not None and exact <= bound
+        # the bound is what 0 ⪯ H ⪯ max(w)·XᵀX gives: tight when one row's weight dominates the top direction
+        assert bound == pytest.approx((w.max() * ev.max() + lam) / lam, rel=1e-3)
+    assert reduce.ggn_condition_bound(ev, float(w.max()), 0.0) is None
+
+
+def test_ggn_solve_takes_the_bound_instead_of_estimating_the_condition(tmp_path, monkeypatch):
+    """At proj_dim > EXACT_CONDITION_MAX_P with the default rule (XᵀX's eigenvalues known), the ggn solve reports the
+    bound as its condition estimate and runs no subspace iteration; its inverse is (H + λ'I)⁻¹ in float64."""
+    n, p = 900, reduce.EXACT_CONDITION_MAX_P + 40
+    rng = np.random.default_rng(6)
+    meta = StoreMetadata(
+        train_set_size=n, grad_dim=10_000, proj_dim=p, dtype="float32", chunk_rows=300, curvature="ggn"
+    )
+    st = TrakStore.create_or_open(str(tmp_path / "s"), meta)
+    st.init_model(0)
+    x = (rng.standard_normal((n, p)) * np.logspace(0, -1.5, p)).astype(np.float32)
+    q = (rng.uniform(0, 1, n) ** 3).astype(np.float32)
+    st.write_train_rows(0, slice(0, n), x, q)
+
+    def no_estimate(*_a, **_k):
+        raise AssertionError("the condition was estimated although a bound was known")
+
+    monkeypatch.setattr(reduce, "_top_eigenvalue", no_estimate)
+    info = reduce.finalize_model(st, 0, lambda_reg="adaptive")  # TRAKer's default
+    xd = x.astype(np.float64)
+    r = loss_curvature(q)
+    h = xd.T @ (xd * r[:, None]) + GGN_FLOOR * r.mean() * (xd.T @ xd)
+    reg = h + info["lambda_reg"] * np.eye(p)
+    assert np.linalg.cond(reg) <= info["condition"] < 1e7
+    want = np.linalg.inv(reg)
+    np.testing.assert_allclose(st.inverse(0), want / np.abs(want).mean(), rtol=1e-7, atol=1e-9)
+
+
+def test_shard_grams_on_a_device_are_the_hosts_grams(tmp_path, monkeypatch):
+    """The device branch (a GPU in production; here the CPU device standing in for it): XᵀX unweighted, XᵀRX
+    with √r, both equal to the host's syrk to float64 rounding."""
+    st = ggn_store(tmp_path / "s", ckpts=1, partials=False)
+    rows = np.asarray(st.model(0).grads[0:80])
+    q = np.asarray(st.model(0).out_to_loss[0:80])
+    real = reduce._device_gram
+    seen = []
+
+    def on_cpu(x, device, scale=None):
+        seen.append(device.type)
+        return real(x, torch.device("cpu"), scale)
+
+    monkeypatch.setattr(reduce, "_device_gram", on_cpu)
+    xtx, ggn = reduce.shard_grams(st, 0, 0, rows, q, device="meta")
+    assert seen == ["meta", "meta"]
+    host_xtx, host_ggn = reduce.shard_grams(st, 0, 0, rows, q)
+    np.testing.assert_allclose(xtx, host_xtx, rtol=1e-12, atol=1e-12 * np.abs(host_xtx).max())
+    np.testing.assert_allclose(ggn, host_ggn, rtol=1e-12, atol=1e-12 * np.abs(host_ggn).max())

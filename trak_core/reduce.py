@@ -22,6 +22,7 @@ import torch
 from .errors import BadInputError, StateError
 from .scoring import (
     CONDITION_WARN,
+    GGN_FLOOR,
     check_conditioning,
     effective_rows,
     features_block,
@@ -32,7 +33,7 @@ from .scoring import (
     regularized_inverse,
     symmetric_eigenvalues,
 )
-from .store import TrakStore, pack_upper, unpack_upper
+from .store import TrakStore, mirror_upper, pack_upper, unpack_upper
 from .streaming import grads_right_hand, page_array, stream_scores
 from .verify import require_present
 
@@ -50,19 +51,42 @@ def shard_partial(
     rows: the same float64 sum in another order (measured on an H100: 0.15 µs per row at proj_dim 2048 against
     11.6 µs for the float64 syrk on that machine's 16 host cores); the upper triangle is mirrored so that the result
     is exactly symmetric, as the host's syrk."""
+    return _grams(store, model_id, shard, rows, device, weights, both=False)[0]
+
+
+def shard_grams(
+    store: TrakStore, model_id: int, shard: int, rows: np.ndarray | None, q, device=None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(Xₛᵀ Xₛ, Xₛᵀ Rₛ Xₛ or None) of one shard: the Gram partials its store keeps, :func:`shard_partial`'s bits.
+    XᵀRX (rᵢ = :func:`~trak_core.scoring.loss_curvature` of the shard's ``q``) only in a store of
+    ``curvature="ggn"``; on the host both come from one float64 copy of the rows."""
+    if store.meta.curvature != "ggn":
+        return shard_partial(store, model_id, shard, rows=rows, device=device), None
+    return _grams(store, model_id, shard, rows, device, loss_curvature(q), both=True)
+
+
+def _grams(store, model_id, shard, rows, device, weights, both: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """(XᵀX, XᵀRX) when ``both``, else (XᵀX or XᵀRX by ``weights``, None): see :func:`shard_partial`."""
     if rows is None:
         a, b = store.meta.shard_range(shard)
         rows = store.model(model_id).grads[a:b]
     x = np.asarray(rows).astype(store.meta.np_dtype, copy=False)
     scale = None if weights is None else np.sqrt(np.asarray(weights, dtype=np.float64)).reshape(-1, 1)
     if device is not None and torch.device(device).type != "cpu":
-        return _device_gram(x, torch.device(device), scale)
+        dev = torch.device(device)
+        if both:
+            return _device_gram(x, dev), _device_gram(x, dev, scale)
+        return _device_gram(x, dev, scale), None
     x = x.astype(np.float64)
-    if scale is not None:
-        x *= scale
     # numpy turns ``x.T @ x`` into one BLAS syrk (half the flops of a GEMM; the result is exactly symmetric):
     # float64 XᵀX at the cost of a float32 GEMM
-    return x.T @ x
+    if scale is None:
+        return x.T @ x, None
+    plain = x.T @ x if both else None
+    x *= scale
+    if plain is None:
+        return x.T @ x, None
+    return plain, x.T @ x
 
 
 def _device_gram(x: np.ndarray, device: torch.device, scale: np.ndarray | None = None) -> np.ndarray:
@@ -149,17 +173,8 @@ def ensure_partial(
             rows = np.asarray(store.model(model_id).grads[a:b])
         if q is None:
             q = store.model(model_id).out_to_loss[a:b]
-        part = shard_partial(store, model_id, shard, rows=rows, device=device)
-        sums = shard_row_sums(store, model_id, shard, rows, q)
-        store.write_partial(model_id, shard, part, sums, ggn_partial(store, model_id, shard, rows, q, device))
-
-
-def ggn_partial(store: TrakStore, model_id: int, shard: int, rows: np.ndarray, q, device=None) -> np.ndarray | None:
-    """The shard's Xₛᵀ Rₛ Xₛ (rᵢ = :func:`~trak_core.scoring.loss_curvature` of its Q) from its ``rows`` and
-    ``q`` in a store of ``curvature="ggn"``; None in any other."""
-    if store.meta.curvature != "ggn":
-        return None
-    return shard_partial(store, model_id, shard, rows=rows, device=device, weights=loss_curvature(q))
+        part, ggn = shard_grams(store, model_id, shard, rows, q, device)
+        store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, rows, q), ggn)
 
 
 def _sum_shard_grams(store: TrakStore, partials) -> np.ndarray:
@@ -222,20 +237,6 @@ def _top_eigenvalue(mat: torch.Tensor, iters: int = 12, block: int = 6) -> float
     return float(torch.linalg.eigvalsh(v.T @ (mat @ v))[-1])
 
 
-def _mirror_upper(a: np.ndarray, block: int = 256) -> np.ndarray:
-    """Fill the strict lower triangle of the square C-ordered ``a`` from its upper triangle, in place, by
-    panels (cache-friendly transposed copies; about one pass over the matrix)."""
-    p = a.shape[0]
-    for i in range(0, p, block):
-        j = min(i + block, p)
-        d = a[i:j, i:j]
-        low = np.tri(j - i, k=-1, dtype=bool)
-        d[low] = d.T[low]
-        if j < p:
-            a[j:, i:j] = a[i:j, j:].T
-    return a
-
-
 def lapack_inverse(xtx: np.ndarray | torch.Tensor, lam: float) -> np.ndarray | None:
     """(XᵀX + λI)⁻¹ float64 (C order, exactly symmetric) by LAPACK's Cholesky (potrf) and Cholesky inverse
     (potri: a triangular inverse and a triangular product, 2p³/3 flops in all) through scipy, in place on one
@@ -253,7 +254,7 @@ def lapack_inverse(xtx: np.ndarray | torch.Tensor, lam: float) -> np.ndarray | N
     c, info = lapack.dpotri(c, lower=1, overwrite_c=1)
     if info != 0:
         return None
-    return _mirror_upper(reg)
+    return mirror_upper(reg)
 
 
 def cholesky_inverse(
@@ -266,6 +267,7 @@ def cholesky_inverse(
     eigenvalues: torch.Tensor | np.ndarray | None = None,
     inverse: np.ndarray | None = None,
     matrix: str = "XᵀX",
+    condition_bound: float | None = None,
 ) -> tuple[torch.Tensor, float]:
     """((XᵀX + λI)⁻¹ float64, optionally divided by its mean |entry| as traker does; the condition estimate).
 
@@ -275,6 +277,8 @@ def cholesky_inverse(
     the warning threshold; otherwise λ_max(XᵀX + λI) · λ_max(inverse) by subspace iteration. A matrix that
     is not positive definite in float64 takes the general path (:func:`regularized_inverse`: LU, then the
     pseudo-inverse) with condition ∞. Warnings: :func:`check_conditioning` (naming ``matrix``).
+    ``condition_bound``: an upper bound on the condition number known to the caller (:func:`ggn_condition_bound`);
+    below the warning threshold it is the estimate, and nothing more is computed.
     """
     p = xtx.shape[0]
     inv_np = inverse if inverse is not None else lapack_inverse(xtx, lam)
@@ -291,7 +295,9 @@ def cholesky_inverse(
         return regularized_inverse(xtx, lam, rescale=rescale), cond
     inv = torch.from_numpy(inv_np)
     est = None
-    if eigenvalues is not None:
+    if condition_bound is not None and condition_bound < CONDITION_WARN:
+        est = condition_bound  # cannot warn: the condition number is at most this
+    elif eigenvalues is not None:
         ev = torch.as_tensor(eigenvalues, dtype=torch.float64)
         low = max(float(ev.min()), 0.0) + lam
         est = (float(ev.max()) + lam) / low if low > 0 else float("inf")
@@ -310,6 +316,19 @@ def cholesky_inverse(
         if m > 0:
             inv = inv / m
     return inv, cond
+
+
+def ggn_condition_bound(xtx_eigenvalues: np.ndarray | torch.Tensor, weight_max: float, lam: float) -> float | None:
+    """An upper bound on the condition number of H + λI for H = Xᵀ W X with row weights 0 ≤ wᵢ ≤ ``weight_max``
+    (:func:`~trak_core.scoring.ggn_curvature`: wᵢ = rᵢ + β·mean(r)), from XᵀX's eigenvalues: 0 ⪯ H ⪯ w_max·XᵀX, so
+    κ ≤ (w_max·σ_max + λ) / λ. The eigenvalues may be float32's (relative error ≲ 1e-6 of σ_max: the bound takes
+    1e-4 more). None when λ = 0 (no bound without σ_min(H)): the caller estimates it then."""
+    if not lam > 0:
+        return None
+    top = float(torch.as_tensor(xtx_eigenvalues, dtype=torch.float64).max())
+    if not math.isfinite(top):
+        return None
+    return (max(weight_max, 0.0) * max(top, 0.0) * (1 + 1e-4) + lam) / lam
 
 
 def _float32_eigenvalues(xtx: np.ndarray) -> np.ndarray:
@@ -472,14 +491,26 @@ def solve_model(
         inv_np = None
     extra: dict[str, Any] = {}
     matrix = "XᵀX"
+    bound = None
     if store.meta.curvature == "ggn":
-        mean_r = float(loss_curvature(store.model(model_id).out_to_loss[:]).mean())
+        r = loss_curvature(store.model(model_id).out_to_loss[:])
+        mean_r = float(r.mean())
         ggn_np = ggn_curvature(total_ggn(store, model_id) if ggn is None else ggn, xtx_np, mean_r)
         extra = {"curvature": "ggn", "mean_curvature": mean_r, "lambda_xtx": lam, "ggn_trace": float(np.trace(ggn_np))}
         lam = ggn_lambda(lam, float(np.trace(xtx_np)), extra["ggn_trace"])
+        if ev is not None:
+            bound = ggn_condition_bound(ev, float(r.max(initial=0.0)) + GGN_FLOOR * mean_r, lam)
         xtx_t, ev, inv_np, matrix = torch.from_numpy(ggn_np), None, None, "XᵀRX"  # XᵀRX + λ'I is inverted below
     inv, cond = cholesky_inverse(
-        xtx_t, lam, n, model_id=model_id, rescale=rescale, eigenvalues=ev, inverse=inv_np, matrix=matrix
+        xtx_t,
+        lam,
+        n,
+        model_id=model_id,
+        rescale=rescale,
+        eigenvalues=ev,
+        inverse=inv_np,
+        matrix=matrix,
+        condition_bound=bound,
     )
     info = {
         **extra,
@@ -570,10 +601,9 @@ def _sum_partials(
             if not store.shard_featurized(model_id, s):
                 raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {s} are not all featurized")
             rows = np.asarray(m.grads[a:b])
-            part = shard_partial(store, model_id, s, rows=rows, device=device)
             q = np.asarray(m.out_to_loss[a:b])
+            part, part_r = shard_grams(store, model_id, s, rows, q, device)
             part_q = shard_row_sums(store, model_id, s, rows, q)
-            part_r = ggn_partial(store, model_id, s, rows, q, device)
             for w in writes:  # one partial (p² float64) in flight at a time
                 w.result()
             part = pack_upper(part) if packed else part  # packed once: written and summed as stored
