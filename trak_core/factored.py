@@ -638,9 +638,17 @@ class FactoredProjector(AbstractProjector):
 
     # ------------------------------------------------------------------ the fast path
     def featurize_batch(
-        self, model: nn.Module, task, weights: dict, buffers: dict, batch: Sequence[Tensor], model_id: int
-    ) -> Tensor | None:
-        """Projected per-example gradients (B, proj_dim) of ``task.get_output`` without materializing them.
+        self,
+        model: nn.Module,
+        task,
+        weights: dict,
+        buffers: dict,
+        batch: Sequence[Tensor],
+        model_id: int,
+        with_output: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor] | None:
+        """Projected per-example gradients (B, proj_dim) of ``task.get_output`` without materializing them;
+        with ``with_output``, (those, the outputs f (B,) of the same forward, detached).
 
         Returns None when the layout is not bound to a model (the caller then projects materialized
         gradients). ``weights`` holds all the model's parameters (detached), ``buffers`` its buffers.
@@ -661,7 +669,7 @@ class FactoredProjector(AbstractProjector):
         hooked = [b for b in self.layout.blocks if b.kind in HOOKED and b.name not in self._substitute]
         subst = [b for b in self.layout.blocks if b.kind == MATRIX or b.name in self._substitute]
         verify = bool(hooked) and id(model) not in self._verified
-        gz, go, fired, extra = self._grads(model, task, weights, buffers, batch, facs, hooked, subst, verify, wdt)
+        gz, go, fired, extra, out = self._grads(model, task, weights, buffers, batch, facs, hooked, subst, verify, wdt)
         fallback = [b.name for b in hooked if b.name not in fired or b.name in extra]
         if fallback:  # a weight used outside its module's forward: weight substitution is exact for any use
             warnings.warn(
@@ -672,7 +680,7 @@ class FactoredProjector(AbstractProjector):
                 stacklevel=2,
             )
             self._substitute.update(fallback)
-            return self.featurize_batch(model, task, weights, buffers, batch, model_id)
+            return self.featurize_batch(model, task, weights, buffers, batch, model_id, with_output)
         if verify:
             self._verified.add(id(model))
         bsz = batch[0].shape[0]
@@ -684,7 +692,8 @@ class FactoredProjector(AbstractProjector):
                 outs.append((g @ p_in) * w)
             else:
                 outs.append(gz[b.name].reshape(bsz, -1)[:, : b.k] * w)
-        return torch.cat(outs, dim=1)
+        x = torch.cat(outs, dim=1)
+        return (x, out) if with_output else x
 
     def _grads(
         self,
@@ -698,9 +707,10 @@ class FactoredProjector(AbstractProjector):
         subst: list,
         verify: bool,
         wdt: torch.dtype,
-    ) -> tuple[dict, dict, set, set]:
+    ) -> tuple[dict, dict, set, set, Tensor]:
         """(∂f_b/∂Z_b per factored block, ∂f_b/∂w per "__other__" parameter, the hooked layers whose hook
-        fired, the hooked layers whose weight has a use the hook missed (checked when ``verify``)).
+        fired, the hooked layers whose weight has a use the hook missed (checked when ``verify``), the outputs f_b
+        (B,), detached).
 
         The check: the hooked weights get W + s·R (s a zero scalar shared by the batch, R = P_out D P_inᵀ for
         a fixed ±1 matrix D); ∂(Σ_b f_b)/∂s = ⟨∂F/∂W over all uses, R⟩ while Σ_b ⟨D, ∂f_b/∂Z_b⟩ = ⟨∂F/∂W
@@ -755,7 +765,7 @@ class FactoredProjector(AbstractProjector):
                 return task.get_output(model, w, buffers, *sample)
 
             shared = {b.name: torch.zeros((), device=self.device, dtype=wdt) for b, _, _ in probes}
-            gz, go, gs = _per_example_grads(
+            gz, go, gs, out = _per_example_grads(
                 out_fn, hooked + subst, {n: weights[n] for n in other_names}, shared, batch, self.device, wdt
             )
         finally:
@@ -767,14 +777,14 @@ class FactoredProjector(AbstractProjector):
         for name, (total, hooks, terms) in sums.items():  # rounding: relative to the terms and the largest block
             if abs(total - hooks) > 1e-3 * max(abs(total), abs(hooks)) + 1e-4 * terms + 1e-6 * ref:
                 extra.add(name)
-        return gz, go, ctx["fired"], extra
+        return gz, go, ctx["fired"], extra, out
 
 
 def _per_example_grads(
     out_fn, blocks: list, other_w: dict, shared: dict, batch: Sequence[Tensor], device, dtype
-) -> tuple[dict, dict, dict]:
+) -> tuple[dict, dict, dict, Tensor]:
     """(∂f_b/∂Z_b per factored block, ∂f_b/∂w per "__other__" parameter w), each (B, ...), for every example b,
-    and ∂(Σ_b f_b)/∂s for the ``shared`` scalars s (one value for the whole batch).
+    ∂(Σ_b f_b)/∂s for the ``shared`` scalars s (one value for the whole batch), and the outputs f_b (B,), detached.
 
     Without ``torch.func.grad``: vmap runs the forward of each example with its own zero Z_b and its own
     copy of the other parameters (broadcast views of one tensor, so vmap's per-example semantics hold: no
@@ -803,7 +813,9 @@ def _attention_math():
     return sdpa_kernel(SDPBackend.MATH)
 
 
-def _per_example_grads_impl(out_fn, blocks, other_w, shared, batch, device, dtype, bsz) -> tuple[dict, dict, dict]:
+def _per_example_grads_impl(
+    out_fn, blocks, other_w, shared, batch, device, dtype, bsz
+) -> tuple[dict, dict, dict, Tensor]:
     with torch.enable_grad():
         zl = {
             b.name: torch.zeros(
@@ -828,7 +840,8 @@ def _per_example_grads_impl(out_fn, blocks, other_w, shared, batch, device, dtyp
         for g, leaf in zip(grads[: len(leaves)], leaves, strict=True)
     ]
     gs = {n: torch.zeros((), dtype=dtype) if g is None else g for n, g in zip(sl, grads[len(leaves) :], strict=True)}
-    return dict(zip(zl, full[: len(zl)], strict=True)), dict(zip(wl, full[len(zl) :], strict=True)), gs
+    zs, ws = dict(zip(zl, full[: len(zl)], strict=True)), dict(zip(wl, full[len(zl) :], strict=True))
+    return zs, ws, gs, out.detach().reshape(bsz)
 
 
 def _padding_hook(mod, inputs, output):

@@ -63,28 +63,68 @@ class Featurizer:
             raise NonFiniteGradientError(model_id, [indices[i] for i in bad], what="model outputs")
         return q
 
-    def _fast_path(self, batch: Sequence[Tensor], model_id: int) -> Tensor | None:
+    def _fast_path(self, batch: Sequence[Tensor], model_id: int, with_output: bool = False):
         """A projector with ``featurize_batch`` (e.g. the factored one) projects without materialized
-        per-example gradients; it returns None when it cannot (then: gradients + project)."""
+        per-example gradients; it returns None when it cannot (then: gradients + project). ``with_output``:
+        (X, the outputs f of the same forward)."""
         fast = getattr(self.projector, "featurize_batch", None)
         if fast is None or not isinstance(self.gradient_computer, FunctionalGradientComputer):
             return None
         gc = self.gradient_computer
+        if with_output:
+            return fast(self.model, self.task, gc._weights(), gc._buffers(), batch, model_id, with_output=True)
         return fast(self.model, self.task, gc._weights(), gc._buffers(), batch, model_id)
 
     def project_batch(self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int]) -> Tensor:
         x = self._fast_path(batch, model_id)
         if x is None:
-            grads = self.gradient_computer.compute_per_sample_grad(batch)
-            bad = sorted({i for g in grads.values() for i in _bad_rows(g)})
-            if bad:
-                raise NonFiniteGradientError(model_id, [indices[i] for i in bad])
-            x = self.projector.project(grads, model_id=model_id)
+            x = self._project(self.gradient_computer.compute_per_sample_grad(batch), model_id, indices)
+        return self._scaled(x, model_id, indices)
+
+    def _project(self, grads: dict[str, Tensor], model_id: int, indices: Sequence[int]) -> Tensor:
+        bad = sorted({i for g in grads.values() for i in _bad_rows(g)})
+        if bad:
+            raise NonFiniteGradientError(model_id, [indices[i] for i in bad])
+        return self.projector.project(grads, model_id=model_id)
+
+    def _scaled(self, x: Tensor, model_id: int, indices: Sequence[int]) -> Tensor:
         x = x.float() / self.normalize_factor
         bad = _bad_rows(x)
         if bad:
             raise NonFiniteGradientError(model_id, [indices[i] for i in bad], what="projected gradients")
         return x
+
+    def _one_forward(
+        self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int]
+    ) -> tuple[Tensor, Tensor] | None:
+        """(X, Q) from one forward pass — the factored fast path's, or torch.func's per-example gradients and
+        values — with Q from its outputs (the task's ``out_to_loss_from_output``), where the task allows it and the
+        gradients come from torch.func; else None. Where that Q is not finite (a label out of range, a non-finite
+        output) the task's own ``get_out_to_loss_grad`` runs, as :meth:`out_to_loss`: its error (or its Q) is what
+        the separate forward gives, raised before any check of the gradients."""
+        probe = getattr(self.task, "out_to_loss_from_output", None)
+        gc = self.gradient_computer
+        if probe is None or probe(torch.zeros(1)) is None or not isinstance(gc, FunctionalGradientComputer):
+            return None  # (the task says so whatever the outputs)
+        fast = self._fast_path(batch, model_id, with_output=True)
+        grads = None
+        if fast is None:
+            grads, out = gc.compute_per_sample_grad(batch, with_output=True)
+        else:
+            x, out = fast
+        q = probe(out)
+        if q is None or q.numel() != out.numel():
+            raise BadInputError(
+                f"{type(self.task).__name__}.out_to_loss_from_output gave "
+                f"{'None' if q is None else tuple(q.shape)} for {out.numel()} outputs: it must give one Q per "
+                "output whenever it gives one for any"
+            )
+        q = q.reshape(-1).float()
+        if not bool(torch.isfinite(q).all()):
+            q = self.out_to_loss(batch, model_id, indices)
+        if grads is not None:
+            x = self._project(grads, model_id, indices)
+        return self._scaled(x, model_id, indices), q
 
     def featurize(
         self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int] | None = None
@@ -95,8 +135,12 @@ class Featurizer:
         b = batch[0].shape[0]
         indices = list(range(b)) if indices is None else [int(i) for i in indices]
         try:
-            q = self.out_to_loss(batch, model_id, indices)
-            x = self.project_batch(batch, model_id, indices)
+            both = self._one_forward(batch, model_id, indices)
+            if both is None:
+                q = self.out_to_loss(batch, model_id, indices)
+                x = self.project_batch(batch, model_id, indices)
+            else:
+                x, q = both
         except RuntimeError as e:
             self._dtype_mismatch(batch, e)
             raise
@@ -105,17 +149,8 @@ class Featurizer:
     def target_features(
         self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int] | None = None
     ) -> np.ndarray:
-        """X for targets (no Q needed, but labels are still checked)."""
-        self.task.validate_batch(batch)
-        batch = self._to_device(batch)
-        b = batch[0].shape[0]
-        indices = list(range(b)) if indices is None else [int(i) for i in indices]
-        try:
-            self.out_to_loss(batch, model_id, indices)  # label range and finiteness checks
-            return self.project_batch(batch, model_id, indices).cpu().numpy()
-        except RuntimeError as e:
-            self._dtype_mismatch(batch, e)
-            raise
+        """X for targets: :meth:`featurize`'s X (Q is not needed, but its checks — labels, finite outputs — run)."""
+        return self.featurize(batch, model_id, indices)[0]
 
     def _dtype_mismatch(self, batch: Sequence[Tensor], e: RuntimeError) -> None:
         """A dtype error of the model's forward on inputs of another floating dtype (float64 inputs, float32

@@ -109,17 +109,20 @@ class FunctionalGradientComputer(AbstractGradientComputer):
     def _buffers(self):
         return self.func_buffers
 
-    def compute_per_sample_grad(self, batch: Sequence[Tensor]) -> dict[str, Tensor]:
+    def compute_per_sample_grad(self, batch: Sequence[Tensor], with_output: bool = False):
+        """{name: (B, *shape)} per-example gradients of ``task.get_output``; with ``with_output``, (those, the
+        outputs f (B,) of the same forward, detached)."""
         task, model, fixed = self.modelout_fn, self.model, self.fixed_weights
 
         def output(weights, buffers, *sample):
             return task.get_output(model, {**weights, **fixed}, buffers, *sample)
 
         per_sample = torch.func.vmap(
-            torch.func.grad(output), in_dims=(None, None, *([0] * len(batch))), randomness="different"
+            torch.func.grad_and_value(output), in_dims=(None, None, *([0] * len(batch))), randomness="different"
         )
-        grads = per_sample(self.func_weights, self.func_buffers, *batch)
-        return {n: grads[n] for n in self.param_names}
+        grads, out = per_sample(self.func_weights, self.func_buffers, *batch)
+        grads = {n: grads[n] for n in self.param_names}
+        return (grads, out.detach().reshape(-1)) if with_output else grads
 
 
 class IterativeGradientComputer(AbstractGradientComputer):

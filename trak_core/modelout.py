@@ -7,7 +7,9 @@ Q = 1 - p (p the softmax probability at ``temperature``).
 ``get_output(model, weights, buffers, *sample)`` is called on ONE example (no batch dimension) inside
 ``torch.func.vmap``; ``get_out_to_loss_grad(model, weights, buffers, batch)`` is called on a batch and
 returns Q with shape (B, 1) (CLIP: (B,)), as traker 0.3.2 does. Subclass :class:`AbstractModelOutput`
-for your own task.
+for your own task; where your Q is a function of f alone, ``out_to_loss_from_output(outputs)`` lets featurizing
+take it from the outputs of the forward that gives the gradients (one forward per batch instead of two, as the
+built-in classification tasks do at temperature 1).
 """
 
 from __future__ import annotations
@@ -23,12 +25,24 @@ from .errors import BadInputError
 
 
 def _margin(logits: Tensor, label: Tensor) -> Tensor:
-    """log(p_y / (1 - p_y)) = logit_y - logsumexp(other logits), for logits of shape (1, C)."""
+    """log(p_y / (1 - p_y)) = logit_y - logsumexp(other logits), for logits of shape (1, C); NaN for a label outside
+    [0, C) (a value is computed per example inside vmap, where nothing can be raised: the caller sees NaN)."""
     num_classes = logits.shape[-1]
     mask = torch.arange(num_classes, device=logits.device) == label.reshape(1, 1)
     correct = (logits * mask).sum(dim=-1)
     others = logits.masked_fill(mask, float("-inf")).logsumexp(dim=-1)
-    return (correct - others).sum()
+    margin = (correct - others).sum()
+    return torch.where(mask.any(), margin, torch.full_like(margin, float("nan")))
+
+
+def _softmax_margin_q(task: AbstractModelOutput, cls: type, outputs: Tensor) -> Tensor | None:
+    """Q = 1 − p_y = sigmoid(−f) from margins f = log(p_y/(1 − p_y)) (B,) — exact, and without the cancellation of
+    1 − p_y near p_y = 1 — for a ``cls`` task at temperature 1 whose get_output / get_out_to_loss_grad are cls's
+    own; None otherwise (another temperature, or a subclass that redefines either)."""
+    own = all(getattr(type(task), name) is getattr(cls, name) for name in ("get_output", "get_out_to_loss_grad"))
+    if not own or getattr(task, "loss_temperature", None) != 1.0:
+        return None
+    return torch.sigmoid(-outputs.detach()).reshape(-1)
 
 
 def _check_labels(labels: Tensor, num_classes: int) -> None:
@@ -54,6 +68,13 @@ class AbstractModelOutput(ABC):
     @abstractmethod
     def get_out_to_loss_grad(self, model, weights, buffers, batch: Sequence[Tensor]) -> Tensor:
         """Q = ∂loss/∂f for each example of the batch, shape (B, 1) or (B,)."""
+
+    def out_to_loss_from_output(self, outputs: Tensor) -> Tensor | None:
+        """Q (B,) from the outputs f (B,) of ``get_output`` alone, where Q is a function of f (the built-in
+        classification tasks at temperature 1: Q = sigmoid(−f)); None (the default), whatever the outputs, where
+        it is not — the caller then runs ``get_out_to_loss_grad``, a forward pass of its own. A non-finite Q (e.g.
+        a label out of range) makes the caller run ``get_out_to_loss_grad`` too, for its error."""
+        return None
 
     def validate_batch(self, batch: Sequence[Tensor]) -> None:
         """Raise :class:`BadInputError` for malformed batches (called before any compute)."""
@@ -104,6 +125,9 @@ class ImageClassificationModelOutput(AbstractModelOutput):
         p = torch.softmax(logits / self.loss_temperature, dim=-1)
         p_y = p.gather(-1, labels.reshape(-1, 1).long())
         return (1 - p_y).detach()
+
+    def out_to_loss_from_output(self, outputs: Tensor) -> Tensor | None:
+        return _softmax_margin_q(self, ImageClassificationModelOutput, outputs)
 
     def validate_batch(self, batch) -> None:
         check_batch(batch, expected_len=2)
@@ -157,6 +181,9 @@ class TextClassificationModelOutput(AbstractModelOutput):
         _check_labels(labels, logits.shape[-1])
         p = torch.softmax(logits / self.loss_temperature, dim=-1)
         return (1 - p.gather(-1, labels.reshape(-1, 1).long())).detach()
+
+    def out_to_loss_from_output(self, outputs: Tensor) -> Tensor | None:
+        return _softmax_margin_q(self, TextClassificationModelOutput, outputs)
 
     def validate_batch(self, batch) -> None:
         check_batch(batch, expected_len=4)
