@@ -15,12 +15,13 @@ install: $(STAMP)
 
 # torch first and alone (the CPU wheel); anything resolving torch later must find it satisfied, or
 # pip would pull GB of CUDA wheels. traker 0.3.2 (the reference implementation, a test oracle) without
-# its dependencies for the same reason.
+# its dependencies for the same reason. --no-cache-dir: no second copy of every downloaded wheel in pip's cache
+# (a CI machine once ran out of disk during this install).
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[test,lint]'
-	$(BIN)/python -m pip install -q --no-deps traker==0.3.2
+	$(BIN)/python -m pip install -q --no-cache-dir torch==2.13.0
+	$(BIN)/python -m pip install -q --no-cache-dir -c $(CONSTRAINTS) -e '.[test,lint]'
+	$(BIN)/python -m pip install -q --no-cache-dir --no-deps traker==0.3.2
 	@touch $(STAMP)
 
 demo: $(STAMP)
