@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -281,6 +282,45 @@ def one_thread_gemm_cpu(x: torch.Tensor, w: torch.Tensor, rows: int = 8192) -> f
     return best * len(x) / len(part)
 
 
+def _thread_cpu() -> dict[int, float]:
+    """CPU seconds of each live thread of this process (Linux: /proc/self/task), by native thread id."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                f = fh.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (int(f[11]) + int(f[12])) / tick  # utime + stime
+    return out
+
+
+def cpu_by_thread(fn) -> dict | None:
+    """Where the CPU time of ``fn()`` went, by thread (None without /proc): zarr's event-loop and I/O threads
+    (``zarr_io``, ``asyncio_*``: the Zarr reads and writes, crc32c, the copies into the caller's buffers), the
+    calling thread, the other threads alive before and after (torch's OpenMP pool), and the threads that ``fn``
+    started and ended (the scoring's workers and reader): the process's CPU time less the others'."""
+    if not os.path.isdir("/proc/self/task"):
+        return None
+    names = lambda: {t.native_id: t.name for t in threading.enumerate()}  # noqa: E731
+    before, c = _thread_cpu(), time.process_time()
+    fn()
+    total, after, named = time.process_time() - c, _thread_cpu(), names()
+    me = threading.get_native_id()
+    out = {"zarr": 0.0, "caller": 0.0, "other": 0.0}
+    for tid, v in after.items():
+        if tid not in before:  # started by fn and still alive: counted with fn's threads
+            continue
+        d = v - before[tid]
+        name = named.get(tid, "")
+        key = "caller" if tid == me else "zarr" if name == "zarr_io" or name.startswith("asyncio_") else "other"
+        out[key] += d
+    out["started"] = max(0.0, total - sum(out.values()))
+    out["total"] = total
+    return out
+
+
 def page_costs(gib: float = 1.0, idle: float = 5.0) -> dict:
     """Seconds per GiB to fill memory the process has just freed (recycled) and memory that has been free for
     ``idle`` seconds (fresh: on a virtual machine whose free pages go back to the host, a first touch is a fault
@@ -337,6 +377,7 @@ def run(a) -> dict:
     same_as_previous: dict[int, bool] = {}  # X · (A Gᵀ) from stream_scores == from the previous one, bitwise
     loads = [os.getloadavg()[0]]
     stages: dict[int, dict] = {}
+    threads_cpu: dict[int, dict] = {}
     meta = StoreMetadata(train_set_size=a.n, grad_dim=10 * a.p, proj_dim=a.p, dtype=a.dtype)
     block_rows = {
         m: score_block_rows(
@@ -425,6 +466,11 @@ def run(a) -> dict:
                 )
                 print(json.dumps(rows[-1]), flush=True)
             del out, base, checks, grads_r
+            split = cpu_by_thread(lambda exp=exp: reduce.finalize_scores(st, exp))
+            if split is not None:
+                split["gemm"], split["flops"] = gemm_cpu, flops
+                threads_cpu[m] = split
+                print(json.dumps({"m": m, "cpu_by_thread": split}), flush=True)
             stages[m] = stage_costs(st, exp, rows=block_rows[m])
             print(json.dumps({"m": m, "stages": stages[m]}), flush=True)
         sizes = {a.dtype: store_bytes(st, path, a.ckpts)}
@@ -463,6 +509,7 @@ def run(a) -> dict:
         "shard_rows": meta.shard_rows,
         "block_rows": block_rows,
         "stages": stages,
+        "threads_cpu": threads_cpu,
         "cache": cache_bytes(),
         "memory": memory_bytes(),
         "loads": loads,
@@ -554,6 +601,30 @@ def report(res: dict, a, cmd: str, wall: float, load: list, others: float | None
                 f"| {m} | {res['block_rows'][m]} | "
                 + " | ".join(f"{1e3 * v:.2f} ms" for v in st.values())
                 + f" | {100 * gemm / tot:.0f}% |"
+            )
+    if res.get("threads_cpu"):
+        cores = res["workers"]
+        lines += [
+            "",
+            "Where `finalize_scores`' CPU time goes, by thread (`cpu_by_thread`: one more call per m after the timed "
+            "ones; CPU seconds from /proc/self/task). *Workers and reader*: the threads the call starts and ends "
+            "(the process's CPU time less the others'); their GEMM alone is the one-thread GEMM's CPU time above. "
+            f"*Ceiling*: the speed if the {cores} cores did this CPU work with no idle moment (process CPU / {cores}), "
+            "as % of the matmul peak — what this path can reach on this machine while the Zarr I/O costs what it "
+            "does:",
+            "",
+            "| targets m | process CPU | GEMM (one thread) | workers and reader, besides the GEMM | zarr's threads "
+            "(`zarr_io`, `asyncio_*`) | calling thread | other threads | ceiling, % of the matmul peak | measured, "
+            "% of the matmul peak |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for m, t in res["threads_cpu"].items():
+            fin = next(r for r in res["rows"] if r["m"] == m and r["path"].startswith("finalize_scores (G A"))
+            ceiling = t["flops"] / (t["total"] / cores) / 1e9 / peak
+            lines.append(
+                f"| {m} | {t['total']:.2f} s | {t['gemm']:.2f} s | {max(0.0, t['started'] - t['gemm']):.2f} s | "
+                f"{t['zarr']:.2f} s | {t['caller']:.2f} s | {t['other']:.2f} s | {100 * ceiling:.0f}% | "
+                f"{100 * fin['gflops'] / peak:.0f}% |"
             )
     if res.get("pages"):
         pg, big = res["pages"], max(a.targets)
