@@ -303,10 +303,10 @@ def cpu_by_thread(fn) -> dict | None:
     started and ended (the scoring's workers and reader): the process's CPU time less the others'."""
     if not os.path.isdir("/proc/self/task"):
         return None
-    names = lambda: {t.native_id: t.name for t in threading.enumerate()}  # noqa: E731
     before, c = _thread_cpu(), time.process_time()
     fn()
-    total, after, named = time.process_time() - c, _thread_cpu(), names()
+    total, after = time.process_time() - c, _thread_cpu()
+    named = {t.native_id: t.name for t in threading.enumerate()}
     me = threading.get_native_id()
     out = {"zarr": 0.0, "caller": 0.0, "other": 0.0}
     for tid, v in after.items():

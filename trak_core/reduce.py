@@ -83,7 +83,7 @@ def _grams(store, model_id, shard, rows, device, weights, both: bool) -> tuple[n
     if scale is None:
         return x.T @ x, None
     plain = x.T @ x if both else None
-    x *= scale
+    x *= scale  # the rows times √w: (√w X)ᵀ(√w X) = XᵀWX, again one syrk
     if plain is None:
         return x.T @ x, None
     return plain, x.T @ x
