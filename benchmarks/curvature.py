@@ -1,4 +1,4 @@
-"""Gauss-Newton curvature for TRAK (issue 14, item 5): LDS with XᵀRX in place of XᵀX, on the evaluation cases of
+"""Gauss-Newton curvature for TRAK: LDS with XᵀRX in place of XᵀX, on the evaluation cases of
 ``benchmarks/quality.py``.
 
 TRAK's estimator is one Newton step of the linearized model's logistic loss. That step's curvature is the

@@ -1,4 +1,4 @@
-"""Damping variants against the best fixed λ, and leave-one-case-out under two criteria (issue 14, item 3).
+"""Damping variants against the best fixed λ, and leave-one-case-out under two criteria.
 
 Reads ``benchmarks/quality.py eval`` result files (``--json``, in ``.cache/lds/``) and prints, for every damping
 rule with dense rows on all cases and proj_dims and noop rows on all cases, its worst shortfall from the best

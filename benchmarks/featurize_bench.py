@@ -804,7 +804,7 @@ def report(res: dict, a) -> str:
     feats = res["featurize"]
     by = {(r["model"], r["impl"]): r for r in feats}
     out = [
-        "## Featurize + finalize: the floor, traker 0.3.2 (default and fastest), trakflow — cold and warm (issue 15)",
+        "## Featurize + finalize: the floor, traker 0.3.2 (default and fastest), trakflow — cold and warm",
         "",
         f"Produced by {res['command']} in one run ({res['featurize_seconds'] / 60:.1f} min) on "
         f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads), traker {m['traker']}, "
@@ -873,7 +873,7 @@ def report(res: dict, a) -> str:
 
 
 def report_extra(res: dict, a) -> str:
-    out = [f"## Scoring, memory and LDS (issue 5 sections of featurize_bench.py; {res['command']})", ""]
+    out = [f"## Scoring, memory and LDS (featurize_bench.py; {res['command']})", ""]
     if res.get("scoring"):
         out += ["### Scoring throughput against the matmul peak", "", score_table(res["scoring"], res["peak"]), ""]
     if res.get("memory"):
@@ -910,7 +910,7 @@ def decision(res: dict, a) -> list:
     out = [
         "### Default projector: the decision",
         "",
-        "Criteria (issue 5, against traker's fastest configuration since issue 15): featurize + finalize "
+        "Criteria (against traker's fastest configuration): featurize + finalize "
         "≥ 20× faster than traker on the 400k-parameter MLP at proj_dim 2048 (warm), and an LDS no more "
         "than 0.02 below dense projection at every damping λ tried (same proj_dim; an LDS above dense passes).",
         "",

@@ -1,4 +1,4 @@
-"""Per-row cost of each TRAK stage on one GPU, to check docs/gpu.md's on-paper table (issue 15, item 7).
+"""Per-row cost of each TRAK stage on one GPU, to check docs/gpu.md's on-paper table.
 
 Each stage is timed on the device alone (inputs already there, CUDA-synchronized, the median of several
 repeats after a warm-up), then the host side the pipeline adds (device → host copy of X, a Zarr write and

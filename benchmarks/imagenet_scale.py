@@ -1,4 +1,4 @@
-"""ImageNet-size on one machine (issue 15, item 4): the attribute flow on 1,281,167 synthetic train rows.
+"""ImageNet-size on one machine: the attribute flow on 1,281,167 synthetic train rows.
 
 What runs: ``flows.attribute.attribute`` (the thread runner, its default ``max_workers``) in this process, on
 

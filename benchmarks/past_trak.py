@@ -1,4 +1,4 @@
-"""Going past TRAK where it is cheap (issue 14, item 5): LDS of trajectory ensembles and of per-layer
+"""Going past TRAK where it is cheap: LDS of trajectory ensembles and of per-layer
 normalization of the projected gradients, on the evaluation cases of ``benchmarks/quality.py``.
 
 Everything is scored with quality.py's ground truth (100 half-subset models per case), its pipeline

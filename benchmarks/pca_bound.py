@@ -1,4 +1,4 @@
-"""Upper bound for a data-dependent projection at proj_dim k (issue 14, the traker margin at proj_dim 256).
+"""Upper bound for a data-dependent projection at proj_dim k (the traker margin at proj_dim 256).
 
 The exact per-example gradients (``noop``, cached by ``quality.py``) of each checkpoint projected on the top-k
 eigenvectors of that checkpoint's XᵀX (PCA, the best rank-k subspace for XᵀX), then scored as the pipeline does with

@@ -1,4 +1,4 @@
-"""Run the peers' own test suites against trak_core (issue 16).
+"""Run the peers' own test suites against trak_core.
 
 traker 0.3.2: its source distribution on the package registry ships its ``tests/``. This script downloads
 it at run time (nothing of it is kept in this repository), adapts it to CPU programmatically and runs it
@@ -78,8 +78,7 @@ TRAKER_DEFAULT_PROJECTOR_CUDA = [
     "test_score_finalize_full_precision",
     "test_grad_wrt_last_layer_cuda",
 ]
-# identity projection on ResNet-18 (11.7M-wide rows): trak_core's store sizes its row chunks in rows, not
-# bytes, until the chunk sizing of issue 16 (item 1) lands, and asks for 22-45 GiB here
+# identity projection on ResNet-18 (11.7M-wide rows): a chunk of rows that wide asks for 22-45 GiB here
 NOOP_RESNET = ["test_class_featurize_noop", "test_iterative_gradient_computer"]
 NOOP_REASON = "not run (--skip-noop): NoOpProjector on ResNet-18 keeps 11.7M coordinates per row"
 
@@ -419,7 +418,7 @@ def cockpit_problems():
             opt=lambda ps: torch.optim.Adam(ps, lr=0.01),
         ),
         dict(
-            name="issue 5: MSE on [B,1], Adam(lr=1e-3), B=2",
+            name="MSE on [B,1], Adam(lr=1e-3), B=2",
             model=lambda: nn.Sequential(nn.Flatten(), nn.Linear(3, 1)),
             data=lambda: linear_batches(2, 3, 1, 5),
             loss=mse,

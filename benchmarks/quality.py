@@ -1,4 +1,4 @@
-"""Attribution quality (LDS) over a set of evaluation cases, with cached ground truth (issue 14).
+"""Attribution quality (LDS) over a set of evaluation cases, with cached ground truth.
 
 Cases (``make_cases``): five trained to near convergence with full-batch Adam — the digits MLP, a conv net on the
 digits as 8×8 images, the text example, a tabular MLP on breast cancer, and wine (n = 100 train rows, so every
@@ -645,7 +645,7 @@ def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
         print(f"| {c} | best fixed (0, rel grid) | " + " | ".join(cells) + " | |")
         print(f"| {c} | adaptive − best fixed | " + " | ".join(gaps) + " | |")
 
-    print("\n### Goals of issue 14 per case (adaptive; dense unless named)\n")
+    print("\n### Quality goals per case (adaptive; dense unless named)\n")
     print(
         "| case | worst (adaptive − best fixed), 128…2048 | noop: adaptive − best fixed | 1024 − 256 (dense / "
         "factored) | factored adaptive − traker at 256 / 1024 / 2048 |"

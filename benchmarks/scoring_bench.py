@@ -1,4 +1,4 @@
-"""Streaming scoring against the float32 matmul peak, in one process (issue 15, item 3).
+"""Streaming scoring against the float32 matmul peak, in one process.
 
 For n train rows of proj_dim-dim float16 projected gradients X (a Zarr store at schema 3: no features, the inverse A
 per checkpoint, ``ckpts`` checkpoints) and m targets, times:
@@ -538,7 +538,7 @@ def report(res: dict, a, cmd: str, wall: float, load: list, others: float | None
     busy = others > 0.1 if others is not None else max(load) > 0.75 * (os.cpu_count() or 1)
     shared = f"other processes used {others:.0%} of the cores during the run" if others is not None else ""
     lines = [
-        "## Streaming scoring against the matmul peak (issue 15, item 3)",
+        "## Streaming scoring against the matmul peak",
         "",
         f"Produced by `{cmd}` in one run ({wall / 60:.1f} min) on {platform.processor() or 'x86_64'} "
         f"{_cpu()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads). "
@@ -650,7 +650,7 @@ def report(res: dict, a, cmd: str, wall: float, load: list, others: float | None
     fin, o = res["finalize"], res["other_dtype"]
     lines += [
         "",
-        "### Less to store, less to finalize (issue 15, item 6, adopted: store schema 3): measured in the same run",
+        "### Less to store, less to finalize: measured in the same run",
         "",
         f"Finalize of one checkpoint (n = {a.n:,}, proj_dim {a.p}, {a.dtype}, lambda_reg {a.lambda_reg!r}; best of "
         f"{a.repeats}): `reduce.finalize_model` (the shard partials summed, the solve, A written; no pass over the "

@@ -1,4 +1,4 @@
-"""What opening the store costs a pipeline task, by the number of checkpoints and experiments (issue 15).
+"""What opening the store costs a pipeline task, by the number of checkpoints and experiments.
 
 Builds an empty store (its groups and arrays, no chunks) with ``--ckpts`` checkpoints and ``--exps`` experiments
 of every checkpoint, then times, best of ``--repeats``:
