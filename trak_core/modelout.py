@@ -10,6 +10,19 @@ returns Q with shape (B, 1) (CLIP: (B,)), as traker 0.3.2 does. Subclass :class:
 for your own task; where your Q is a function of f alone, ``out_to_loss_from_output(outputs)`` lets featurizing
 take it from the outputs of the forward that gives the gradients (one forward per batch instead of two, as the
 built-in classification tasks do at temperature 1).
+
+Causal language models: ``task="causal_lm"`` (:class:`CausalLMModelOutput`, the log-odds of the target sequence;
+:mod:`trak_core.lm` builds batches and per-token targets). transformers models (a causal LM, or a sequence
+classifier for ``text_classification``) get their attention mask as a 4-D additive mask (:func:`additive_mask`):
+their own mask code reads the mask's values, which ``torch.func.vmap`` does not allow.
+
+Modes, BatchNorm, dropout and buffers: features are computed in eval mode. ``TRAKer.load_checkpoint`` /
+``start_scoring_checkpoint`` and the pipeline's featurizer load the checkpoint and call ``model.eval()`` (the model
+stays in eval mode afterwards), so BatchNorm normalizes with its running statistics and dropout is off (the same
+example always gives the same features). Buffers are passed to ``get_output`` as fixed inputs: never
+differentiated, never updated (featurizing leaves ``running_mean`` / ``running_var`` / ``num_batches_tracked`` as
+the checkpoint has them). A :class:`~trak_core.featurize.Featurizer` used directly, without ``load_state``, computes
+in whatever mode the model is in: put it in eval mode first.
 """
 
 from __future__ import annotations
