@@ -303,3 +303,24 @@ def test_label_beyond_the_vocabulary_names_the_position(gpt2_dir, tmp_path):
         with pytest.raises(BadInputError, match=r"\(1, 2\)"):
             tr.featurize((ids, mask, labels), num_samples=3)
     assert not tr.store.model(0).featurized[:].any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["noop", "dense", "sjlt", "factored"])
+def test_cuda_features_equal_cpu_with_padding(gpt2_dir, kind):
+    """On CUDA (attention's math backend under vmap), padded batches give the CPU's features of the unpadded
+    sequences."""
+    seqs = sequences(5, seed=11)
+    out = {}
+    for device in ("cpu", "cuda"):
+        model = load(gpt2_dir).to(device)
+        grad_dim = sum(p.numel() for p in model.parameters())
+        kw = {"model": model} if kind == "factored" else {}
+        proj = make_projector(kind, grad_dim, grad_dim if kind == "noop" else 64, seed=5, device=device, **kw)
+        feat = Featurizer(model, "causal_lm", proj, device=device)
+        if device == "cpu":
+            out[device] = np.concatenate([feat.featurize(causal_lm_batch([s]), model_id=0)[0] for s in seqs])
+        else:
+            out[device] = feat.featurize(mixed_batch(seqs), model_id=0)[0]
+    np.testing.assert_allclose(out["cuda"], out["cpu"], rtol=2e-3, atol=2e-4 * np.abs(out["cpu"]).max())
