@@ -53,7 +53,7 @@ def sequences(n: int, seed: int = 0, lo: int = 3, hi: int = 9) -> list[list[int]
     return [torch.randint(1, VOCAB, (n_,), generator=g).tolist() for n_ in lengths]
 
 
-def reference(model, seqs, scored=None):
+def reference(model, seqs, scored=None, grads=True):
     """float64 autograd on each unpadded sequence, called as transformers runs it (no mask, no vmap): (f, Q, the
     flat gradient of f) per sequence. f = log(p/(1−p)), p = Π over the scored positions (default: all but the
     first) of p(token_t | tokens < t)."""
@@ -67,9 +67,10 @@ def reference(model, seqs, scored=None):
         p = torch.exp(ll)
         f = torch.log(p) - torch.log1p(-p)
         fs.append(float(f.detach()))
-        qs.append(float(1 - p))
-        gs.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(f, params)]).double())
-    return np.array(fs), np.array(qs), torch.stack(gs)
+        qs.append(float(1 - p.detach()))
+        if grads:
+            gs.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(f, params)]).double())
+    return np.array(fs), np.array(qs), torch.stack(gs) if grads else None
 
 
 def mixed_batch(seqs, t=10):
@@ -324,3 +325,20 @@ def test_cuda_features_equal_cpu_with_padding(gpt2_dir, kind):
         else:
             out[device] = feat.featurize(mixed_batch(seqs), model_id=0)[0]
     np.testing.assert_allclose(out["cuda"], out["cpu"], rtol=2e-3, atol=2e-4 * np.abs(out["cpu"]).max())
+
+
+def test_model_output_contract(gpt2_dir):
+    """trak_core.testing's model output checks on the causal-LM task (float64 GPT-2, padded batch), with the
+    sequence log-odds of the unpadded sequences as the reference and the malformed batches refused."""
+    from trak_core.testing import check_model_output
+
+    model = load(gpt2_dir, torch.float64)
+    seqs = sequences(3, seed=12)
+    batch = mixed_batch(seqs)
+
+    def ref(m, b):
+        return torch.tensor(reference(m, seqs, grads=False)[0])
+
+    ids, mask, labels = batch
+    bad = [(ids, mask), (ids, mask.float(), labels), (ids, mask, torch.full_like(labels, -100))]
+    check_model_output(CausalLMModelOutput(), model, batch, reference=ref, bad_batches=bad, rtol=1e-9, atol=1e-12)
