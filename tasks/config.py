@@ -64,7 +64,7 @@ from trak_core.settings import (
 from trak_core.store import check_exp_name, check_writable
 
 _GLOB_CHARS = set("*?[")
-TASK_NAMES = ("image_classification", "text_classification", "clip", "iterative_image_classification")
+TASK_NAMES = ("image_classification", "text_classification", "clip", "iterative_image_classification", "causal_lm")
 
 
 # ---------------------------------------------------------------------------- import paths

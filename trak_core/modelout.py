@@ -10,10 +10,25 @@ returns Q with shape (B, 1) (CLIP: (B,)), as traker 0.3.2 does. Subclass :class:
 for your own task; where your Q is a function of f alone, ``out_to_loss_from_output(outputs)`` lets featurizing
 take it from the outputs of the forward that gives the gradients (one forward per batch instead of two, as the
 built-in classification tasks do at temperature 1).
+
+Causal language models: ``task="causal_lm"`` (:class:`CausalLMModelOutput`, the log-odds of the target sequence;
+:mod:`trak_core.lm` builds batches and per-token targets). transformers models (a causal LM, or a sequence
+classifier for ``text_classification``) get their attention mask as a 4-D additive mask (:func:`additive_mask`):
+their own mask code reads the mask's values, which ``torch.func.vmap`` does not allow.
+
+Modes, BatchNorm, dropout and buffers: features are computed in eval mode. ``TRAKer.load_checkpoint`` /
+``start_scoring_checkpoint`` and the pipeline's featurizer load the checkpoint and call ``model.eval()`` (the model
+stays in eval mode afterwards), so BatchNorm normalizes with its running statistics and dropout is off (the same
+example always gives the same features). Buffers are passed to ``get_output`` as fixed inputs: never
+differentiated, never updated (featurizing leaves ``running_mean`` / ``running_var`` / ``num_batches_tracked`` as
+the checkpoint has them). A :class:`~trak_core.featurize.Featurizer` used directly, without ``load_state``, computes
+in whatever mode the model is in: put it in eval mode first.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 
@@ -53,6 +68,51 @@ def _check_labels(labels: Tensor, num_classes: int) -> None:
             f"labels out of range [0, {num_classes}) at batch positions {bad.tolist()[:20]} "
             f"(values {labels[bad].tolist()[:20]})"
         )
+
+
+def is_transformers_model(model) -> bool:
+    """True for a transformers model (a class from the ``transformers`` package in its bases); no import."""
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def is_causal(model) -> bool:
+    """True when one of the model's attention modules says ``is_causal`` (transformers' convention)."""
+    return any(getattr(m, "is_causal", False) is True for m in model.modules())
+
+
+def additive_mask(attention_mask: Tensor, causal: bool, dtype: torch.dtype) -> Tensor:
+    """A (…, T) 0/1 padding mask as the (…, 1, T, T) additive float mask transformers takes as it is: 0 where query
+    t may attend to key s (s a real token, and s ≤ t when ``causal``), the dtype's most negative finite number
+    elsewhere (its softmax weight is exactly 0, so padding neither reaches a real token nor gets a gradient).
+
+    transformers builds this mask itself from a 2-D one, but reads the mask's values to decide whether it can skip
+    it (``padding_mask.all()``), which fails under ``torch.func.vmap`` ("data-dependent control flow"); a 4-D mask
+    is used as given."""
+    keys = attention_mask.bool().unsqueeze(-2)  # (…, 1, T): key s is a real token
+    t = attention_mask.shape[-1]
+    if causal:
+        keys = keys & torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril()
+    else:
+        keys = keys.expand(*attention_mask.shape[:-1], t, t)
+    zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
+    return torch.where(keys, zero, torch.finfo(dtype).min).unsqueeze(-3)
+
+
+def _float_dtype(weights: dict) -> torch.dtype:
+    return next((w.dtype for w in weights.values() if w.is_floating_point()), torch.get_default_dtype())
+
+
+def _call_logits(model, weights, buffers, kwargs: dict) -> Tensor:
+    """``model(**kwargs)``'s logits (the output, or its ``.logits``, or its first element) through functional_call,
+    with scaled dot-product attention's math backend (vmap has no batching rule for the fused CPU kernel and the
+    fused CUDA kernels' backward passes fail under it; the numbers are the same up to rounding)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        out = functional_call(model, (weights, buffers), args=(), kwargs=kwargs)
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 class AbstractModelOutput(ABC):
@@ -153,7 +213,9 @@ class IterativeImageClassificationModelOutput(ImageClassificationModelOutput):
 class TextClassificationModelOutput(AbstractModelOutput):
     """Margin for sequence classifiers called as ``model(input_ids=, token_type_ids=, attention_mask=)``.
 
-    batch = (input_ids, token_type_ids, attention_mask, labels).
+    batch = (input_ids, token_type_ids, attention_mask, labels). The model returns logits (B, C) or an object
+    with ``.logits`` (transformers' ``AutoModelForSequenceClassification``); a transformers model gets the
+    attention mask as the 4-D additive mask of :func:`additive_mask` (causal where its attention modules are).
     """
 
     def __init__(self, temperature: float = 1.0) -> None:
@@ -164,9 +226,10 @@ class TextClassificationModelOutput(AbstractModelOutput):
 
     @staticmethod
     def _logits(model, weights, buffers, input_ids, token_type_ids, attention_mask):
+        if is_transformers_model(model):  # a 4-D mask: transformers' own mask code cannot run under vmap
+            attention_mask = additive_mask(attention_mask, is_causal(model), _float_dtype(weights))
         kwargs = {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": attention_mask}
-        out = functional_call(model, (weights, buffers), args=(), kwargs=kwargs)
-        return out.logits if hasattr(out, "logits") else out
+        return _call_logits(model, weights, buffers, kwargs)
 
     @staticmethod
     def get_output(model, weights, buffers, input_id, token_type_id, attention_mask, label) -> Tensor:
@@ -191,6 +254,133 @@ class TextClassificationModelOutput(AbstractModelOutput):
         if len(set(shapes)) != 1:
             raise BadInputError(f"input_ids, token_type_ids and attention_mask must have one shape, got {shapes}")
         _check_labels(batch[3], 2**62)
+
+
+IGNORE_INDEX = -100  # transformers' label for a token that is not scored
+
+
+def sequence_log_prob(logits: Tensor, labels: Tensor) -> Tensor:
+    """log p(target) = Σ_t log p(labels_t | tokens < t) over the scored tokens (labels ≠ -100, position 0 never:
+    the shift inside, as transformers' causal-LM loss). logits (…, T, V), labels (…, T) → (…,); NaN for a row with
+    a label outside [0, V) (computed inside vmap, where nothing can be raised)."""
+    logp = torch.log_softmax(logits[..., :-1, :], dim=-1)
+    target = labels[..., 1:]
+    scored = target != IGNORE_INDEX
+    valid = (target >= 0) & (target < logits.shape[-1])
+    tok = logp.gather(-1, torch.where(valid, target, 0).unsqueeze(-1).long()).squeeze(-1)
+    total = torch.where(scored, tok, torch.zeros_like(tok)).sum(-1)
+    return torch.where((scored & ~valid).any(-1), torch.full_like(total, float("nan")), total)
+
+
+def log_odds(log_p: Tensor) -> Tensor:
+    """log(p / (1 − p)) from log p ≤ 0, without the cancellation of 1 − p near p = 1 or the underflow of p."""
+    log1mp = torch.where(log_p > -math.log(2.0), torch.log(-torch.expm1(log_p)), torch.log1p(-torch.exp(log_p)))
+    return log_p - log1mp
+
+
+class CausalLMModelOutput(AbstractModelOutput):
+    """The log-odds of a target sequence under a causal language model.
+
+    f(θ; z) = log(p / (1 − p)), p = Π_t p_θ(y_t | y_<t) the probability of the scored tokens of z (labels ≠ -100):
+    the model output function of the TRAK paper's fact-tracing experiments (Park et al., "TRAK: Attributing Model
+    Behavior at Scale", ICML 2023). The training loss of z, −log p = Σ_t cross-entropy_t, is −log σ(f), whose
+    derivative in f is −σ(−f): Q = 1 − p = σ(−f), as for classification. Per-token attribution: a sequence with ONE
+    scored token gets f = log(p_t / (1 − p_t)), that token's margin; :func:`trak_core.lm.per_token_targets` makes
+    one such target row per scored token.
+
+    batch = (input_ids, attention_mask, labels), each [B, T], transformers' conventions: labels -100 where not
+    scored, label t predicted from positions < t (the shift is inside), attention_mask 1 for real tokens. The model
+    is called as ``model(input_ids=, attention_mask=)`` and returns logits (B, T, V) or an object with ``.logits``.
+    A transformers model gets a 4-D additive causal mask (:func:`additive_mask`, vmap cannot run its own mask code),
+    ``position_ids`` counted over the real tokens (so a sequence's features do not depend on its padding, left or
+    right) and ``use_cache=False``, where its forward takes them; ``transformers_inputs=False`` passes the batch's
+    2-D mask alone, as to any other model.
+    """
+
+    def __init__(self, transformers_inputs: bool = True) -> None:
+        super().__init__()
+        self.transformers_inputs = transformers_inputs
+
+    def _logits(self, model, weights, buffers, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        kwargs: dict = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.transformers_inputs and is_transformers_model(model):
+            kwargs["attention_mask"] = additive_mask(attention_mask, True, _float_dtype(weights))
+            accepts = _forward_parameters(type(model))
+            if "position_ids" in accepts:
+                kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            if "use_cache" in accepts:
+                kwargs["use_cache"] = False
+        return _call_logits(model, weights, buffers, kwargs)
+
+    def get_output(self, model, weights, buffers, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> Tensor:
+        logits = self._logits(model, weights, buffers, input_ids.unsqueeze(0), attention_mask.unsqueeze(0))
+        return log_odds(sequence_log_prob(logits, labels.unsqueeze(0))).sum()
+
+    def get_out_to_loss_grad(self, model, weights, buffers, batch) -> Tensor:
+        input_ids, attention_mask, labels = batch
+        logits = self._logits(model, weights, buffers, input_ids, attention_mask)
+        _check_token_labels(labels, logits.shape[-1])
+        return (-torch.expm1(sequence_log_prob(logits, labels))).detach().reshape(-1, 1)
+
+    def out_to_loss_from_output(self, outputs: Tensor) -> Tensor | None:
+        own = all(
+            getattr(type(self), n) is getattr(CausalLMModelOutput, n) for n in ("get_output", "get_out_to_loss_grad")
+        )
+        return torch.sigmoid(-outputs.detach()).reshape(-1) if own else None
+
+    def validate_batch(self, batch) -> None:
+        check_batch(batch, expected_len=3)
+        input_ids, attention_mask, labels = batch
+        shapes = [tuple(x.shape) for x in batch]
+        if len(set(shapes)) != 1 or len(shapes[0]) != 2 or shapes[0][1] < 2:
+            raise BadInputError(
+                f"causal_lm: input_ids, attention_mask and labels must have one shape [B, T] with T ≥ 2, got {shapes}"
+            )
+        for name, x in (("input_ids", input_ids), ("labels", labels), ("attention_mask", attention_mask)):
+            if x.dtype.is_floating_point or x.dtype.is_complex:
+                raise BadInputError(f"causal_lm: {name} must be an integer (or bool) tensor, got {x.dtype}")
+        bad = ((attention_mask != 0) & (attention_mask != 1)).any(1).nonzero().reshape(-1).tolist()
+        if bad:
+            raise BadInputError(f"causal_lm: attention_mask must hold 0 and 1 only; rows {bad[:20]} do not")
+        _check_token_labels(labels, 2**62)
+        scored = labels[:, 1:] != IGNORE_INDEX
+        none = (~scored.any(1)).nonzero().reshape(-1).tolist()
+        if none:
+            raise BadInputError(
+                f"causal_lm: rows {none[:20]} score no token (labels[:, 1:] all -100; the label at position 0 is "
+                "never scored: label t is predicted from the tokens before t)"
+            )
+        real = (attention_mask[:, 1:] != 0) & (attention_mask[:, :-1] != 0)
+        padded = (scored & ~real).any(1).nonzero().reshape(-1).tolist()
+        if padded:
+            raise BadInputError(
+                f"causal_lm: rows {padded[:20]} score a token that is padding or follows padding (attention_mask 0 "
+                "at t or t − 1; a left-padded row's first token, like position 0, has nothing to be predicted "
+                "from): set those labels to -100"
+            )
+
+
+def _check_token_labels(labels: Tensor, vocab_size: int) -> None:
+    bad = ((labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))).nonzero()
+    if bad.numel():
+        where = [tuple(r) for r in bad.tolist()[:20]]
+        raise BadInputError(
+            f"causal_lm: labels must be -100 or in [0, {vocab_size}); (row, position) {where} are not "
+            f"(values {labels[bad[:, 0], bad[:, 1]].tolist()[:20]})"
+        )
+
+
+_FORWARD_PARAMETERS: dict[type, frozenset] = {}
+
+
+def _forward_parameters(cls: type[torch.nn.Module]) -> frozenset:
+    """The names ``cls.forward`` takes (kept per class)."""
+    if cls not in _FORWARD_PARAMETERS:
+        try:
+            _FORWARD_PARAMETERS[cls] = frozenset(inspect.signature(cls.forward).parameters)
+        except (TypeError, ValueError, AttributeError):
+            _FORWARD_PARAMETERS[cls] = frozenset()
+    return _FORWARD_PARAMETERS[cls]
 
 
 class CLIPModelOutput(AbstractModelOutput):
@@ -293,6 +483,7 @@ TASK_TO_MODELOUT: dict[str, type[AbstractModelOutput]] = {
     "text_classification": TextClassificationModelOutput,
     "clip": CLIPModelOutput,
     "iterative_image_classification": IterativeImageClassificationModelOutput,
+    "causal_lm": CausalLMModelOutput,
 }
 
 

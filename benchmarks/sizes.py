@@ -1,0 +1,259 @@
+"""Featurize at the sizes users run: a ResNet-18-shaped net (11.7M parameters) and a GPT-2-small-shaped model
+(124M, transformers' GPT2LMHeadModel), random init, TRAKer's defaults (factored projector, proj_dim 2048).
+
+Each measurement runs in a fresh subprocess, so its peak RSS (ru_maxrss) is its own: TRAKer featurize of ``--rows``
+rows in batches of ``--batch``; a training pass over the same batches (forward, backward, SGD step: the floor a
+user compares with); traker 0.3.2's fastest CPU configuration (BasicSingleBlockProjector, the matrix generated
+once), which needs the grad_dim × proj_dim matrix in memory: it is run only where that fits in half the machine's
+memory, else reported as not run with the bytes it would need.
+
+    .venv/bin/python benchmarks/sizes.py                                  # both models, 256 rows
+    .venv/bin/python benchmarks/sizes.py --models gpt2 --rows 32 --seq-len 32 --batch 4
+    .venv/bin/python benchmarks/sizes.py --models gpt2-linear --rows 8 --seq-len 32 --batch 4   # nn.Linear layers
+
+Prints one JSON line per measurement and a markdown table (rows/s, × the training pass, peak RSS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+
+CODE = r"""
+import json, logging, resource, sys, tempfile, time, warnings
+import torch
+warnings.filterwarnings("ignore")
+sys.path.insert(0, sys.argv[1])
+from benchmarks.sizes import build
+what, model_name, rows, batch, seq_len, image_size, proj_dim = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:9])
+model, task, make_batch = build(model_name, seq_len, image_size)
+params = sum(p.numel() for p in model.parameters())
+batches = [make_batch(min(batch, rows - a), a) for a in range(0, rows, batch)]
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter()
+if what == "featurize":
+    from trak_core import TRAKer
+    tr = TRAKer(model=model, task=task, train_set_size=rows, save_dir=tempfile.mkdtemp() + "/s", device="cpu",
+                proj_dim=proj_dim, logging_level=logging.ERROR)
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    t = time.perf_counter()
+    for b in batches:
+        tr.featurize(b, num_samples=b[0].shape[0])
+    tr._flush_rows()
+elif what == "train":
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for b in batches:
+        if model_name == "gpt2":
+            loss = model(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss
+        elif model_name == "gpt2-linear":
+            logits = model(input_ids=b[0], attention_mask=b[1])[:, :-1]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[2][:, 1:].reshape(-1))
+        else:
+            loss = torch.nn.functional.cross_entropy(model(b[0]), b[1])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+elif what == "traker":
+    from trak import TRAKer as Ref
+    from trak.projectors import BasicSingleBlockProjector, ProjectionType
+    proj = BasicSingleBlockProjector(grad_dim=params, proj_dim=proj_dim, seed=0, proj_type=ProjectionType.rademacher,
+                                     device="cpu", dtype=torch.float32)
+    tr = Ref(model=model, task=task, train_set_size=rows, save_dir=tempfile.mkdtemp() + "/s", device="cpu",
+             projector=proj, proj_dim=proj_dim, use_half_precision=False, logging_level=logging.ERROR)
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    t = time.perf_counter()
+    for b in batches:
+        tr.featurize(b, num_samples=b[0].shape[0])
+seconds = time.perf_counter() - t
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"model": model_name, "what": what, "params": params, "rows": rows, "batch": batch,
+                  "seq_len": seq_len, "image_size": image_size, "proj_dim": proj_dim, "seconds": round(seconds, 2),
+                  "rows_per_s": round(rows / seconds, 3), "peak_rss_mib": round(peak / 1024),
+                  "rss_before_mib": round(base / 1024)}))
+"""
+
+
+def resnet18(classes: int = 1000):
+    """ResNet-18's shape (BasicBlocks 2-2-2-2, widths 64-512, BatchNorm, 11.69M parameters at 1000 classes)."""
+    from torch import nn
+
+    def block(cin, cout, stride):
+        body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        )
+        skip = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
+        return Residual(body, skip)
+
+    class Residual(nn.Module):
+        def __init__(self, body, skip):
+            super().__init__()
+            self.body, self.skip = body, skip
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.skip(x))
+
+    import torch
+
+    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        layers += [block(cin, cout, stride), block(cout, cout, 1)]
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes)]
+    return nn.Sequential(*layers)
+
+
+def build(name: str, seq_len: int, image_size: int):
+    """(model in eval mode, task name, make_batch(size, offset) → a batch of random rows)."""
+    import torch
+
+    torch.manual_seed(0)
+    if name == "resnet18":
+        model = resnet18().eval()
+
+        def make_batch(b, a):
+            g = torch.Generator().manual_seed(a)
+            return torch.randn(b, 3, image_size, image_size, generator=g), torch.randint(0, 1000, (b,), generator=g)
+
+        return model, "image_classification", make_batch
+    if name == "gpt2":
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()  # 124M: GPT-2 small's shape
+
+        def make_batch(b, a):
+            g = torch.Generator().manual_seed(a)
+            ids = torch.randint(0, 50257, (b, seq_len), generator=g)
+            labels = ids.clone()
+            labels[:, 0] = -100
+            return ids, torch.ones_like(ids), labels
+
+        return model, "causal_lm", make_batch
+    if name == "gpt2-linear":
+        model = LinearGPT().eval()
+
+        def make_batch(b, a):
+            g = torch.Generator().manual_seed(a)
+            ids = torch.randint(0, 50257, (b, seq_len), generator=g)
+            labels = ids.clone()
+            labels[:, 0] = -100
+            return ids, torch.ones_like(ids), labels
+
+        return model, "causal_lm", make_batch
+    raise ValueError(f"unknown model {name!r}")
+
+
+def _linear_gpt():
+    """GPT-2 small's shape written with nn.Linear / nn.Embedding and an untied output layer (163M parameters):
+    every weight is a layer the factored projector hooks (transformers' GPT-2 has Conv1D layers and a head tied
+    to the embedding, which it projects by weight substitution, materializing per-example weights)."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, d: int, heads: int):
+            super().__init__()
+            self.heads = heads
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+            self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x, mask):
+            b, t, d = x.shape
+            h = self.ln1(x)
+            q, k, v = (m(h).reshape(b, t, self.heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self, vocab=50257, positions=1024, d=768, layers=12, heads=12):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(positions, d)
+            self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+            self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+        def forward(self, input_ids, attention_mask):
+            t = input_ids.shape[-1]
+            keep = attention_mask.bool().unsqueeze(-2) & torch.ones(t, t, dtype=torch.bool).tril()
+            x = self.wte(input_ids) + self.wpe(torch.arange(t))
+            for blk in self.blocks:
+                x = blk(x, keep.unsqueeze(-3))
+            return self.head(self.ln(x))
+
+    return GPT
+
+
+def LinearGPT():  # noqa: N802 - reads as the class it builds
+    return _linear_gpt()()
+
+
+def run(what: str, model: str, args) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = [sys.executable, "-c", CODE, root, what, model]
+    argv += [str(v) for v in (args.rows, args.batch, args.seq_len, args.image_size, args.proj_dim)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+    if out.returncode != 0:
+        return {"model": model, "what": what, "error": out.stderr.strip().splitlines()[-1:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["resnet18", "gpt2"])
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128, help="GPT-2 tokens per row")
+    ap.add_argument("--image-size", type=int, default=32, help="ResNet-18 input side (3 × side × side)")
+    ap.add_argument("--proj-dim", type=int, default=2048)
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per measurement")
+    args = ap.parse_args(argv)
+    results = []
+    for model in args.models:
+        for what in ("train", "featurize", "traker"):
+            if what == "traker":
+                if model.startswith("gpt2"):
+                    results.append({"model": model, "what": what, "error": "traker 0.3.2 has no causal-LM task"})
+                    print(json.dumps(results[-1]), flush=True)
+                    continue
+                params = results[-1].get("params", 0)
+                need = params * args.proj_dim * 4
+                if need > psutil.virtual_memory().total / 2:
+                    results.append({"model": model, "what": what, "error": f"needs a {need / 2**30:.0f} GiB matrix"})
+                    print(json.dumps(results[-1]), flush=True)
+                    continue
+            results.append(run(what, model, args))
+            print(json.dumps(results[-1]), flush=True)
+    print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
+    print("| model | params | measurement | rows/s | × training pass | peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
+    for model in args.models:
+        rs = {r["what"]: r for r in results if r["model"] == model}
+        floor = rs.get("train", {}).get("rows_per_s")
+        for what, r in rs.items():
+            if "error" in r:
+                print(f"| {model} | | {what} | not run: {r['error']} | | |")
+                continue
+            ratio = f"{r['rows_per_s'] / floor:.3f}" if floor else ""
+            print(
+                f"| {model} | {r['params'] / 1e6:.1f}M | {what} | {r['rows_per_s']} | {ratio} | {r['peak_rss_mib']} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
