@@ -211,3 +211,20 @@ def test_index_opens_the_store_read_only(built):
     _, _, (_, _, xt, yt), _ = built
     open_index(built).query((xt, yt), k=2)
     assert {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()} == before
+
+
+def test_query_both_is_one_pass_of_both_ends(built, monkeypatch):
+    """query_both: the two queries' answers from one featurization and one pass over the rows."""
+    import trak_core.index as index_mod
+
+    _, _, (_, _, xt, yt), _ = built
+    index = open_index(built)
+    calls = []
+    real = index_mod.stream_scores
+    monkeypatch.setattr(index_mod, "stream_scores", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    top, low = index.query_both((xt, yt), k=6)
+    assert len(calls) == 1
+    for res, opp in ((top, False), (low, True)):
+        one = index.query((xt, yt), k=6, opponents=opp)
+        np.testing.assert_array_equal(res.indices, one.indices)
+        np.testing.assert_array_equal(res.scores, one.scores)

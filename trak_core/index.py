@@ -101,12 +101,12 @@ class RunningTopK:
 
 
 class _TopKWriter:
-    """Where :func:`stream_scores` puts each chunk of scores (the interface of the store's ScoreWriter): into a
-    :class:`RunningTopK`; nothing is marked done, nothing written."""
+    """Where :func:`stream_scores` puts each chunk of scores (the interface of the store's ScoreWriter): into
+    running top-k's; nothing is marked done, nothing written."""
 
-    def __init__(self, chunk_rows: int, topk: RunningTopK):
+    def __init__(self, chunk_rows: int, topks: Sequence[RunningTopK]):
         self._chunk_rows = int(chunk_rows)
-        self.topk = topk
+        self.topks = list(topks)
 
     @property
     def chunk_rows(self) -> int:
@@ -117,7 +117,8 @@ class _TopKWriter:
         return self._chunk_rows
 
     def rows(self, a: int, b: int, scores: np.ndarray) -> None:
-        self.topk.add(a, scores[: b - a])
+        for t in self.topks:
+            t.add(a, scores[: b - a])
 
     def mark_done(self, a: int, b: int) -> None:
         """Nothing to mark: the scores are not stored."""
@@ -433,6 +434,12 @@ class TrakIndex:
         k = self.check_k(k)
         return self.query_vectors(self.featurize(batch), k, opponents)
 
+    def query_both(self, batch: Sequence[Tensor], k: int = 10) -> tuple[QueryResult, QueryResult]:
+        """(:meth:`query`, :meth:`query` with ``opponents=True``) from one featurization and one pass."""
+        k = self.check_k(k)
+        top, low = self._scan(self.featurize(batch), k, (False, True))
+        return top, low
+
     def query_vectors(
         self,
         vectors: Mapping[int, np.ndarray | Tensor],
@@ -440,8 +447,18 @@ class TrakIndex:
         opponents: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> QueryResult:
-        """:meth:`query` from the inputs' projected gradients {model_id: (m, proj_dim)} (e.g. :meth:`featurize`'s)."""
-        k = self.check_k(k)
+        """:meth:`query` from the inputs' projected gradients {model_id: (m, proj_dim)} (e.g. :meth:`featurize`'s).
+        ``progress(rows)`` as rows are scored."""
+        return self._scan(vectors, self.check_k(k), (bool(opponents),), progress)[0]
+
+    def _scan(
+        self,
+        vectors: Mapping[int, np.ndarray | Tensor],
+        k: int,
+        ends: tuple[bool, ...],
+        progress: Callable[[int], None] | None = None,
+    ) -> list[QueryResult]:
+        """One pass over the stored rows, a running top-k per entry of ``ends`` (False: highest, True: lowest)."""
         p = self.store.meta.proj_dim
         if set(vectors) != set(self.model_ids):
             ids = list(self.model_ids)
@@ -457,14 +474,17 @@ class TrakIndex:
                 raise BadInputError(f"vectors[{mid}]: NaN or inf")
             right[mid] = grads_right_hand(self._inverses[mid], g.T.contiguous())
         self._check_snapshot("since the index was opened")
-        topk = RunningTopK(m, k, opponents)
-        writer = _TopKWriter(self.store.meta.score_chunk_rows(m), topk)
+        topks = [RunningTopK(m, k, opp) for opp in ends]
+        writer = _TopKWriter(self.store.meta.score_chunk_rows(m), topks)
         view = cast(TrakStore, _RowsView(self.store, m, writer))
         with self.store.pinned():
             stream_scores(view, "query", list(self.model_ids), 0, self.n, right, progress=progress)
         self._check_snapshot("during the query")
-        idx, scores = topk.result()
-        return QueryResult(indices=idx, scores=scores, opponents=bool(opponents), model_ids=self.model_ids)
+        out = []
+        for t in topks:
+            idx, scores = t.result()
+            out.append(QueryResult(indices=idx, scores=scores, opponents=t.opponents, model_ids=self.model_ids))
+        return out
 
     def __repr__(self) -> str:
         return f"TrakIndex({self.location!r}, n={self.n}, model_ids={list(self.model_ids)})"
