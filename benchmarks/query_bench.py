@@ -8,9 +8,10 @@ without featurizing the inputs through a model). For each m it reports p50 / p95
 
 * **read**: one pass over every checkpoint's stored rows through the store API (Zarr reads of whole chunks into
   one reused buffer, decoded and checksummed), on the warm page cache as the queries see it;
-* **GEMM**: X (rows × p, float32, in memory) @ W (p × m) for every checkpoint, with all of torch's threads,
-  a block of rows repeated over the rows (the faster of a block that stays in the cache, as the scoring's
-  trak_core.streaming.score_block_rows, and 8192 rows; the best case of the GEMM: no conversion);
+* **GEMM**: X (rows × p, float32, in memory) @ W (p × m) for every checkpoint, a block of rows repeated over the
+  rows: the fastest of a block that stays in the cache (as the scoring's trak_core.streaming.score_block_rows)
+  and 8192 rows, each with all of torch's threads in one GEMM call or one-thread GEMMs in one thread per core
+  (the best case of the GEMM: no conversion, no read);
 
 floor = read + GEMM (each the faster of a measurement before and one after the queries), and each latency as a
 multiple of it. The peak extra resident memory during the queries
@@ -89,21 +90,42 @@ def time_read(store: TrakStore, ids: list[int], block: int) -> float:
     return time.perf_counter() - t0
 
 
-def time_gemm(n: int, p: int, m: int, checkpoints: int, block: int) -> float:
-    """Seconds for X W over n rows per checkpoint: a float32 block of rows (sized to stay in the cache, as the
-    scoring's: trak_core.streaming.score_block_rows) times W (p × m), repeated, with all of torch's threads."""
+def time_gemm(n: int, p: int, m: int, checkpoints: int, block: int, workers: int = 0) -> float:
+    """Seconds for X W over n rows per checkpoint: a float32 block of rows times W (p × m), repeated. ``workers``:
+    that many threads, each with one-thread GEMMs on its share of the blocks (as the scoring's workers); 0: one
+    GEMM call at a time with all of torch's threads."""
     x = torch.randn(block, p)
     w = torch.randn(p, m)
-    acc = torch.empty(block, m)
-    torch.mm(x, w, out=acc)  # warm
     full, rest = divmod(n, block)
+    sizes = [block] * (full * checkpoints) + [rest] * (checkpoints if rest else 0)
+
+    def run(share: list[int], threads: int) -> None:
+        torch.set_num_threads(threads)
+        acc = torch.empty(block, m)
+        for rows in share:
+            torch.mm(x[:rows], w, out=acc[:rows])
+
+    threads = torch.get_num_threads()
+    torch.mm(x, w)  # warm
     t0 = time.perf_counter()
-    for _ in range(checkpoints):
-        for _ in range(full):
-            torch.mm(x, w, out=acc)
-        if rest:
-            torch.mm(x[:rest], w, out=acc[:rest])
+    try:
+        if not workers:
+            run(sizes, threads)
+        else:
+            pool = [threading.Thread(target=run, args=(sizes[i::workers], 1)) for i in range(workers)]
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
+    finally:
+        torch.set_num_threads(threads)
     return time.perf_counter() - t0
+
+
+def best_gemm(n: int, p: int, m: int, checkpoints: int, blocks: list[int]) -> float:
+    """The fastest :func:`time_gemm` over the block sizes, all-thread GEMMs and one-thread GEMMs per worker."""
+    threads = torch.get_num_threads()
+    return min(time_gemm(n, p, m, checkpoints, b, w) for b in blocks for w in (0, threads))
 
 
 def rss_bytes() -> int:
@@ -168,7 +190,7 @@ def main() -> None:
         index.query_vectors(vectors, k=args.k)  # warm: threads, buffers, page cache
         read = time_read(store, ids, block)
         gemm_blocks = sorted({score_block_rows(p, m, chunk, store.meta.rows_per_shard, workers=1), block})
-        gemm = min(time_gemm(rows, p, m, len(ids), b) for b in gemm_blocks)
+        gemm = best_gemm(rows, p, m, len(ids), gemm_blocks)
         times = []
         with PeakRss() as mem:
             for _ in range(args.repeats):
@@ -176,7 +198,7 @@ def main() -> None:
                 index.query_vectors(vectors, k=args.k)
                 times.append(time.perf_counter() - t)
         read = min(read, time_read(store, ids, block))  # the floor: the faster of before and after the queries
-        gemm = min(gemm, *(time_gemm(rows, p, m, len(ids), b) for b in gemm_blocks))
+        gemm = min(gemm, best_gemm(rows, p, m, len(ids), gemm_blocks))
         floor = read + gemm
         times.sort()
         p50 = statistics.median(times)

@@ -159,6 +159,9 @@ def test_store_that_is_not_finalized(tmp_path):
     tr._flush_rows()
     with pytest.raises(StateError, match=r"model_id=0 in .* is not finalized: finalize it"):
         TrakIndex(tmp_path / "s", model=make_model(), checkpoints=checkpoints(1), device="cpu")
+    hold_lock(tmp_path / "s", os.getppid())  # a run is featurizing it: the error says which
+    with pytest.raises(StateError, match=r"is not finalized \(run nightly-42, pid \d+ on .*, holds the store\)"):
+        TrakIndex(tmp_path / "s", model=make_model(), checkpoints=checkpoints(1), device="cpu")
 
 
 # ---------------------------------------------------------------------------- a run holds the store

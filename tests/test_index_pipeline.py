@@ -187,3 +187,19 @@ def test_query_flow_refuses_bad_request_before_compute(attributed):
     tmp, _, _ = attributed
     with pytest.raises(ParameterTypeError, match=r"request.inputs: .*missing.pt' is not a file"):
         query({"store": str(tmp / "attr.yaml"), "inputs": str(tmp / "missing.pt")})
+
+
+def test_query_deployment_form_is_a_valid_request(tmp_path):
+    """serve.py's query/digits form names only QueryConfig's fields, and a run of it validates once the inputs
+    file is there."""
+    from deployments.serve import build_deployments
+    from tasks.query import QueryConfig
+
+    dep = next(d for d in build_deployments(str(tmp_path)) if d.flow_name == "query")
+    req = dep.parameters["request"]
+    assert set(req) <= set(QueryConfig.model_fields)
+    torch.save(tiny.target_data(), req["inputs"])
+    assert QueryConfig.model_validate(req).k == 5
+    spec = yaml.safe_load((Path(__file__).parent.parent / "deployments" / "prefect.yaml").read_text())
+    (entry,) = [d for d in spec["deployments"] if d["entrypoint"] == "flows/query.py:query"]
+    assert set(entry["parameters"]["request"]) <= set(QueryConfig.model_fields)
