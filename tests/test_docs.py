@@ -55,6 +55,7 @@ def test_prefect_yaml_deploys_the_demo_configs(monkeypatch):
         ("flows/demo.py:digits_demo", "nightly"),
         ("flows/attribute.py:attribute", "digits"),
         ("flows/train.py:train", "digits"),
+        ("flows/query.py:query", "digits"),
     }
 
     def full(cls, d: dict) -> dict:  # every field, defaults filled in (validation would need the checkpoints)
@@ -65,6 +66,9 @@ def test_prefect_yaml_deploys_the_demo_configs(monkeypatch):
     got = deps[("flows/train.py:train", "digits")]["parameters"]["config"]
     assert full(TrainConfig, got) == full(TrainConfig, rel(train.model_dump(mode="json", exclude_unset=True)))
     assert deps[("flows/demo.py:digits_demo", "nightly")]["schedules"][0]["cron"] == NIGHTLY_CRON
+    from deployments.serve import query_request
+
+    assert deps[("flows/query.py:query", "digits")]["parameters"]["request"] == rel(query_request(attr))
 
 
 def test_cli_reference_is_current():
