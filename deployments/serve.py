@@ -8,7 +8,9 @@ Deployments (``flow/deployment``):
 
 * ``digits-demo/nightly``   the embedded default end to end, on a cron schedule (03:00 UTC daily);
 * ``attribute/digits``      the attribute flow, its config pre-filled with the digits demo (UI form);
-* ``train/digits``          the train flow for the digits checkpoints.
+* ``train/digits``          the train flow for the digits checkpoints;
+* ``query/digits``          top-k train digits of new inputs against the demo's store (UI form: the inputs file,
+                            e.g. ``torch.save(examples.digits.target_data(), "trakflow_demo/query.pt")``, and k).
 
 Trigger one from the UI (Deployments → Run), the CLI (``prefect deployment run 'attribute/digits'`` or
 ``trakflow trigger attribute/digits``) or Python (``prefect.deployments.run_deployment("attribute/digits")``).
@@ -29,6 +31,7 @@ def build_deployments(demo_dir: str | None = None) -> list:
 
     from examples.digits import demo_configs
     from flows import attribute, digits_demo, train
+    from flows.query import query
 
     demo_dir = demo_dir or os.environ.get("TRAKFLOW_DEMO_DIR", "trakflow_demo")
     train_cfg, attr = demo_configs(demo_dir)
@@ -53,7 +56,26 @@ def build_deployments(demo_dir: str | None = None) -> list:
             description="train the digits checkpoints (skips complete ones)",
             **common,
         ),
+        query.to_deployment(
+            name="digits",
+            parameters={"request": query_request(attr)},
+            description="top-k train digits (proponents / opponents) of the inputs in a .pt/.npz file",
+            **common,
+        ),
     ]
+
+
+def query_request(attr: dict) -> dict:
+    """The query form pre-filled for a demo store (``attr``: its attribute config as a dict)."""
+    return {
+        "store": attr["store"],
+        "inputs": os.path.join(os.path.dirname(attr["store"]), "query.pt"),
+        "k": 5,
+        "model": attr["model"],
+        "train_data": attr["train_data"],
+        "show": attr.get("show"),
+        "report_dir": attr.get("report_dir"),
+    }
 
 
 def main() -> None:

@@ -312,6 +312,32 @@ def build_report(config: AttributeConfig) -> tuple[dict, dict[int, bytes]]:
     return summary, pngs
 
 
+def render_query(rows: list[dict], inputs: tuple, train: tuple | None, show, title: str) -> dict:
+    """A query's answer drawn as the attribute report draws targets: ``{"markdown", "pngs": {input: PNG},
+    "text"}``. ``rows``: :func:`top_k_table`'s form, one per input (``target`` = the input's position);
+    ``show`` (with ``train``) turns an input row into an image or a text, None for the table alone."""
+    text = add_texts(rows, show, train, inputs) if show is not None and train is not None else False
+    md = markdown_table(rows, title).replace("| target | label |", "| input | label |", 1)
+    pngs: dict[int, bytes] = {}
+    if show is not None and train is not None:
+        for r in rows:
+            pngs[r["target"]] = target_text_png(r) if text else target_png(r, show, train, inputs)
+    return {"markdown": md, "pngs": pngs, "text": text}
+
+
+def write_query_report(rendered: dict, out_dir: str, stem: str) -> list[str]:
+    """:func:`render_query`'s table and PNGs as files ``<stem>_query.md``, ``<stem>_input_<j>.png`` in
+    ``out_dir``; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / f"{stem}_query.md"]
+    files[0].write_text(rendered["markdown"])
+    for j, png in rendered["pngs"].items():
+        files.append(out / f"{stem}_input_{j}.png")
+        files[-1].write_bytes(png)
+    return [str(f) for f in files]
+
+
 def data_url(png: bytes) -> str:
     import base64
 
@@ -343,6 +369,8 @@ def artifact_key(*parts) -> str:
 
 __all__ = [
     "build_report",
+    "render_query",
+    "write_query_report",
     "top_k",
     "top_k_table",
     "markdown_table",

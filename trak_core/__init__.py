@@ -12,6 +12,7 @@ from .errors import (  # noqa: E402
     TrakError,
 )
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, IterativeGradientComputer, vectorize  # noqa: E402
+from .index import QueryResult, TrakIndex  # noqa: E402,F401
 from .modelout import (  # noqa: E402
     TASK_TO_MODELOUT,
     AbstractModelOutput,

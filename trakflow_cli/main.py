@@ -685,6 +685,9 @@ def trigger(
 from trakflow_cli.verify import verify as _verify  # noqa: E402  (trakflow verify STORE [--repair])
 
 app.command("verify")(_verify)
+from trakflow_cli.query import query as _query  # noqa: E402  (trakflow query STORE_OR_CONFIG --inputs FILE)
+
+app.command("query")(_query)
 
 
 def main() -> None:  # pragma: no cover

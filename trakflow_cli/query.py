@@ -1,0 +1,85 @@
+"""``trakflow query STORE_OR_CONFIG --inputs FILE --k 10``: the top-k proponents and opponents of new inputs.
+
+The inputs file is one batch: ``torch.save((x, y), "new.pt")`` or ``np.savez("new.npz", x, y)`` (tasks/query.py).
+Prints a table per input (``--json``: the answer as JSON on stdout). Runs in this process, without Prefect;
+the ``query`` flow (flows/query.py) is the same with artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def query(
+    store: str = typer.Argument(..., help="store path or URL, or the YAML file of the attribute config that built it"),
+    inputs: str = typer.Option(..., "--inputs", help="the batch: a .pt (torch.save((x, y))) or .npz (np.savez(x, y))"),
+    k: int = typer.Option(10, "--k", help="train examples per input, at each end"),
+    model: str | None = typer.Option(None, help="the model's import path pkg.mod:factory (with a store)"),
+    checkpoint: list[str] | None = typer.Option(
+        None, "--checkpoint", help="a checkpoint file, one per model_id in order (default: the store's records)"
+    ),
+    task: str | None = typer.Option(None, help="model output function (default: the config's or the store's)"),
+    device: str = typer.Option("cpu", help="cpu, cuda, cuda:N or auto"),
+    report_dir: str | None = typer.Option(None, "--report-dir", help="also write the markdown table and PNGs here"),
+    as_json: bool = typer.Option(False, "--json", help="print the answer as JSON"),
+) -> None:
+    """Top-k train examples (proponents and opponents) of each input, from one pass over the store."""
+    from pydantic import ValidationError
+
+    from tasks.query import QueryConfig, run_query
+    from trak_core.errors import TrakError
+
+    try:
+        qc = QueryConfig(
+            store=store,
+            inputs=inputs,
+            k=k,
+            model=model,
+            checkpoints=list(checkpoint) if checkpoint else None,
+            task=task,
+            device=device,
+            report_dir=report_dir,
+        )
+        out = run_query(qc)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "query"
+        _fail(f"{field}: {err['msg'].removeprefix('Value error, ')}")
+    except (TrakError, OSError) as e:
+        _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+    if as_json:
+        keep = ("store", "inputs", "k", "model_ids", "rows", "files")
+        print(json.dumps({key: out[key] for key in keep}, indent=1))
+        return
+    console.print(
+        f"[bold]{len(out['rows'])}[/] inputs against [bold]{escape(out['store'])}[/] "
+        f"(checkpoints {out['model_ids']}), top {k} at each end"
+    )
+    for r in out["rows"]:
+        lab = "" if r["label"] is None else f", label {r['label']}"
+        t = Table(title=f"input {r['target']}{lab}", title_justify="left")
+        for col in ("rank", "proponent", "score", "opponent", "score "):
+            t.add_column(col, justify="right" if col in ("rank",) or col.startswith("score") else "left")
+        for i in range(max(len(r["proponents"]), len(r["opponents"]))):
+            cells = [str(i + 1)]
+            for key in ("proponents", "opponents"):
+                e = r[key][i] if i < len(r[key]) else None
+                y = "" if e is None or e["label"] is None else f" y={e['label']}"
+                cells += ["", ""] if e is None else [f"#{e['index']}{y}", f"{e['score']:+.4g}"]
+            t.add_row(*cells)
+        console.print(t)
+    for f in out["files"]:
+        console.print(f"[dim]wrote {escape(f)}[/]")
+
+
+def _fail(msg: str) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
+    raise typer.Exit(2)
