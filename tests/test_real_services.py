@@ -114,7 +114,22 @@ def setup(tmp_path_factory):
         res = run_script(server, tmp, ref_cfg, "reference")
         assert res.returncode == 0, res.stderr[-3000:]
         yield server, tmp, ckpt_dir, scores(ref_cfg)
-        assert "InvalidRequestError" not in server.read_log(), "the server's services logged SQLAlchemy errors"
+        log = server.read_log()
+        assert "InvalidRequestError" not in log, "the server's services logged SQLAlchemy errors"
+        assert "IntegrityError" not in log, "a request conflicted with the server's database (a duplicate create?)"
+
+
+def test_second_run_on_a_store_logs_no_conflict(setup):
+    """A second run on a store finds the store's queue (a global concurrency limit) and does not create it
+    again: neither the server nor the run logs an IntegrityError."""
+    server, tmp, ckpt_dir, ref = setup
+    cfg = tiny_config(tmp, ckpt_dir, "twice")
+    for name in ("twice-1", "twice-2"):
+        res = run_script(server, tmp, cfg, name)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "IntegrityError" not in res.stdout + res.stderr, res.stderr[-3000:]
+    assert "IntegrityError" not in server.read_log(), server.read_log()[-3000:]
+    np.testing.assert_array_equal(scores(cfg), ref)
 
 
 def test_schedule_fires_and_completes(setup):
