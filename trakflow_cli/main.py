@@ -13,6 +13,7 @@ shadows an installed module. The repository's ``examples`` (the digits demo) are
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -26,11 +27,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from trakflow_cli.errors import INPUT_EXIT, ErrorHandlingGroup, debug_enabled, print_error, validation_lines
+
 if os.getcwd() not in sys.path and "" not in sys.path:
     sys.path.append(os.getcwd())
 
 app = typer.Typer(
-    help="TRAK data attribution as a Prefect pipeline.",
+    cls=ErrorHandlingGroup,
+    help="TRAK data attribution as a Prefect pipeline. A failure is reported as one `error:` line (exit code 2 "
+    "for bad input, 1 otherwise); `trakflow --debug COMMAND` (or TRAKFLOW_DEBUG=1) shows its traceback.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -58,10 +63,31 @@ def _prefect_env(verbose: bool, reuse_local_server: bool = False) -> None:
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     if reuse_local_server and not os.environ.get("PREFECT_API_URL"):
-        url = f"http://127.0.0.1:{os.environ.get('PREFECT_SERVER_API_PORT', '4200')}/api"
+        url = _local_api_url()
         if _answers(url + "/health"):
             os.environ["PREFECT_API_URL"] = url
             err_console.print(f"[dim]using the Prefect server at {url} (set PREFECT_API_URL to choose another)[/]")
+
+
+def _local_api_url() -> str:
+    """Where `prefect server start` answers on this machine (port PREFECT_SERVER_API_PORT, default 4200)."""
+    return f"http://127.0.0.1:{os.environ.get('PREFECT_SERVER_API_PORT', '4200')}/api"
+
+
+def _unreachable(url: str, timeout: float = 5.0) -> str | None:
+    """Why nothing answers at ``url`` (connection refused, unknown host, timeout), or None when a server
+    answers, with any HTTP status (a server asking for credentials answers 401)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        return " ".join(f"{type(reason).__name__}: {reason}".split())
 
 
 def _answers(url: str, timeout: float = 0.3) -> bool:
@@ -113,11 +139,18 @@ class _Bars:
         return False
 
 
-def _fail(msg: str, code: int = 2, hint: bool = False):
-    """One ``error:`` line (never wrapped: the message is printed as given), then exit with ``code``."""
-    from rich.markup import escape
+@app.callback()
+def _root(
+    debug: bool = typer.Option(
+        False, "--debug", envvar="TRAKFLOW_DEBUG", help="on a failure, show the traceback, not just the error line"
+    ),
+) -> None:
+    """TRAK data attribution as a Prefect pipeline."""
 
-    err_console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
+
+def _fail(msg: str | list[str], code: int = 2, hint: bool = False):
+    """One ``error:`` line per message (never wrapped: printed as given), then exit with ``code``."""
+    print_error([msg] if isinstance(msg, str) else msg)
     if hint:
         err_console.print("[dim](rerun with -v for the traceback and Prefect's logs)[/]")
     raise typer.Exit(code)
@@ -131,11 +164,20 @@ def _config_errors():
     return (ValidationError, TrakError)
 
 
+def _config_failure(e: Exception, where: str):
+    """Exit with one ``error:`` line per problem of a config: ``where: field.path: message``."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        _fail(validation_lines(e, f"{where}: "), INPUT_EXIT)
+    _fail(f"{where}: {' '.join(str(e).split())}", INPUT_EXIT)
+
+
 def _load_config(cls, path: Path):
     try:
         return cls.from_yaml(path)
     except _config_errors() as e:
-        _fail(f"invalid config {path}:\n{e}")
+        _config_failure(e, f"invalid config {path}")
 
 
 @contextlib.contextmanager
@@ -169,7 +211,7 @@ def _flow_guard(verbose: bool) -> Iterator[None]:
         with lifecycle.quiet_prefect_errors(not verbose):
             lifecycle.start_ephemeral_server()
             yield
-    except (click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
+    except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
         raise
     except (KeyboardInterrupt, TerminationSignal) as e:
         signum = getattr(e, "signum", None) or getattr(e, "signal", None) or signal.SIGINT
@@ -178,7 +220,7 @@ def _flow_guard(verbose: bool) -> Iterator[None]:
             lifecycle.exit_now(128 + signum)
         raise typer.Exit(128 + signum) from None
     except Exception as e:
-        if verbose:
+        if verbose or debug_enabled():
             import traceback
 
             traceback.print_exception(e)
@@ -323,10 +365,7 @@ def run(
     if flow == "attribute" and not always_run:
         from tasks.core import up_to_date
 
-        try:
-            plan = up_to_date(config)
-        except _config_errors() as e:
-            _fail(f"{type(e).__name__}: {e}", 1)
+        plan = up_to_date(config)  # a store refusing the config: one error line (trakflow_cli.errors)
         if plan is not None:
             console.print(
                 f"store [bold]{plan.store}[/], experiment [bold]{plan.exp_name}[/]: complete "
@@ -436,7 +475,7 @@ def evaluate(
         if over:
             config = EvaluateConfig.model_validate({**config.model_dump(), **over})
     except _config_errors() as e:
-        _fail(f"{type(e).__name__}: {e}")
+        _config_failure(e, "invalid evaluate config" if config_file is None else f"invalid config {config_file}")
     res = _run_flow(evaluate_flow, config, verbose=verbose)
     a, s = config.attribute, res["settings"]
     lam = ", ".join(f"{x:.3g}" for x in s["lambda_abs"] if x is not None)
@@ -486,9 +525,14 @@ def show(
         if store == str(config_file):
             store = config.store
     try:
-        st = TrakStore.open(store, None if config is None else config.storage_options, mode="r")
+        with _store_metadata(store):
+            st = TrakStore.open(store, None if config is None else config.storage_options, mode="r")
     except TrakError as e:
         _fail(str(e))
+    exps = st.experiments()
+    if exp is not None and exp not in exps:
+        have = ", ".join(repr(x) for x in exps) if exps else "none (nothing has been scored)"
+        _fail(f"--exp {exp!r}: store {store} has no experiment {exp!r}; its experiments: {have}")
     status = st.status()
     meta = status["metadata"]
     console.print(
@@ -530,7 +574,6 @@ def show(
     k = top_k or (config.top_k if config is not None else 5)
     if target is None and config is None:
         return
-    exps = st.experiments()
     if exp is None:
         exp = config.exp_name if config is not None else (exps[0] if len(exps) == 1 else "default")
     try:
@@ -608,8 +651,10 @@ def unlock(
 
 @app.command()
 def serve(verbose: bool = typer.Option(True, help="show Prefect's logs")) -> None:
-    """Register the deployments (one on a cron schedule) and serve them until interrupted."""
-    _prefect_env(verbose)
+    """Register the deployments (one on a cron schedule) and serve them until interrupted (SIGINT or SIGTERM).
+
+    On the server in PREFECT_API_URL, or a Prefect server answering on this machine."""
+    _prefect_env(verbose, reuse_local_server=True)
     from deployments.serve import main
 
     main()
@@ -665,7 +710,25 @@ def trigger(
                 f"{', '.join(sorted(_FLOW_CONFIGS))})"
             )
         params = {"config": _load_config(cls, config_file).model_dump(mode="json", exclude_unset=True)}
-    _prefect_env(verbose)
+    _prefect_env(verbose, reuse_local_server=True)
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():  # Prefect would start a throw-away server that holds no deployment
+        _fail(
+            f"no Prefect server to trigger {deployment!r} on: PREFECT_API_URL is not set and no server answers at "
+            f"{_local_api_url()}. Start one (`prefect server start`), serve the deployments on it "
+            f"(`PREFECT_API_URL={_local_api_url()} trakflow serve`), then trigger (or set PREFECT_API_URL to your "
+            "server)",
+            1,
+        )
+    url = str(PREFECT_API_URL.value())
+    reason = _unreachable(url.rstrip("/") + "/health")
+    if reason is not None:  # Prefect's client would retry for seconds, then raise a long traceback
+        _fail(
+            f"the Prefect API at {url} cannot be reached ({reason}): start the server (`prefect server start`) or "
+            "set PREFECT_API_URL to one that answers",
+            1,
+        )
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
 
@@ -682,9 +745,31 @@ def trigger(
         _fail(_failure_line(fr.state), 1)
 
 
+@contextlib.contextmanager
+def _store_metadata(store: str) -> Iterator[None]:
+    """A store whose trakflow metadata (the root group's ``trakflow`` attributes) does not parse: one line per
+    bad field, naming the store, exit 1 (the store is damaged, not the command)."""
+    from pydantic import ValidationError
+
+    try:
+        yield
+    except ValidationError as e:
+        if e.title != "StoreMetadata":
+            raise
+        _fail(
+            validation_lines(e, f"store {store}: malformed trakflow metadata (root zarr.json, attribute 'trakflow'): "),
+            1,
+        )
+
+
 from trakflow_cli.verify import verify as _verify  # noqa: E402  (trakflow verify STORE [--repair])
 
-app.command("verify")(_verify)
+
+@app.command("verify")
+@functools.wraps(_verify)
+def verify(**kwargs) -> None:
+    with _store_metadata(kwargs["store"]):
+        _verify(**kwargs)
 
 
 def main() -> None:  # pragma: no cover
