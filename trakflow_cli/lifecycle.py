@@ -241,3 +241,66 @@ def start_ephemeral_server() -> None:
         record = {"cli_pid": os.getpid(), "pid": proc.pid, "create_time": started, "port": server.port}
         f.write_text(json.dumps(record))
         atexit.register(f.unlink, missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------ long-lived children
+#: seconds a supervised serve loop or worker has, after SIGINT/SIGTERM, before the processes it started get
+#: SIGTERM too; at :data:`GRACE_SECONDS` whatever is left of them is killed
+HANDOVER_SECONDS = 4.0
+
+
+def supervise(cmd: list[str], grace: float = GRACE_SECONDS) -> int:
+    """Run ``cmd`` (a long-lived serve loop or worker) as a child process until it exits or a signal comes.
+
+    SIGINT/SIGTERM are passed on to the child (Prefect then stops taking runs and cancels its own); what
+    is left of it and of every process it started (flow runs, in their own sessions too) gets SIGTERM after
+    :data:`HANDOVER_SECONDS` and SIGKILL after ``grace`` seconds. The child also dies with this process
+    (Linux: ``PR_SET_PDEATHSIG``). Returns the child's exit code, or 128 + the signal's number.
+
+    Args:
+        cmd: the command line.
+        grace: seconds from the signal until everything left is killed.
+    Returns:
+        The exit code for the CLI.
+    """
+    import psutil
+
+    got: list[int] = []
+    proc = subprocess.Popen(cmd, preexec_fn=_pdeathsig_preexec())
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not got:
+            try:
+                return proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+        signum = got[0]
+        family = _family(proc.pid)
+        with contextlib.suppress(OSError):
+            proc.send_signal(signum)
+        _, alive = psutil.wait_procs(family, timeout=min(HANDOVER_SECONDS, grace))
+        alive = list({p.pid: p for p in alive + _family(proc.pid)}.values())  # started meanwhile, too
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(alive, timeout=max(grace - HANDOVER_SECONDS, 0.5))
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=2.0)
+        proc.poll()
+        return 128 + signum
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _family(pid: int) -> list:
+    """The process ``pid`` and its descendants now (those that still run)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []

@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from trakflow_cli.errors import INPUT_EXIT, ErrorHandlingGroup, debug_enabled, print_error, validation_lines
+from trakflow_cli.prefect_api import FLOW_CONFIGS, answers, deployment_names, failure_line, local_api_url, unreachable
 
 if os.getcwd() not in sys.path and "" not in sys.path:
     sys.path.append(os.getcwd())
@@ -63,41 +64,10 @@ def _prefect_env(verbose: bool, reuse_local_server: bool = False) -> None:
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     if reuse_local_server and not os.environ.get("PREFECT_API_URL"):
-        url = _local_api_url()
-        if _answers(url + "/health"):
+        url = local_api_url()
+        if answers(url + "/health"):
             os.environ["PREFECT_API_URL"] = url
             err_console.print(f"[dim]using the Prefect server at {url} (set PREFECT_API_URL to choose another)[/]")
-
-
-def _local_api_url() -> str:
-    """Where `prefect server start` answers on this machine (port PREFECT_SERVER_API_PORT, default 4200)."""
-    return f"http://127.0.0.1:{os.environ.get('PREFECT_SERVER_API_PORT', '4200')}/api"
-
-
-def _unreachable(url: str, timeout: float = 5.0) -> str | None:
-    """Why nothing answers at ``url`` (connection refused, unknown host, timeout), or None when a server
-    answers, with any HTTP status (a server asking for credentials answers 401)."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout):
-            return None
-    except urllib.error.HTTPError:
-        return None
-    except (OSError, ValueError) as e:
-        reason = getattr(e, "reason", None) or e
-        return " ".join(f"{type(reason).__name__}: {reason}".split())
-
-
-def _answers(url: str, timeout: float = 0.3) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except (OSError, ValueError):
-        return False
 
 
 class _Bars:
@@ -651,41 +621,29 @@ def unlock(
 
 @app.command()
 def serve(verbose: bool = typer.Option(True, help="show Prefect's logs")) -> None:
-    """Register the deployments (one on a cron schedule) and serve them until interrupted (SIGINT or SIGTERM).
+    """Register the deployments (one on a cron schedule) and serve them until SIGINT or SIGTERM.
 
-    On the server in PREFECT_API_URL, or a Prefect server answering on this machine."""
+    On the server in PREFECT_API_URL, or a Prefect server answering on this machine. A signal stops the
+    serving process and the runs it started within 10 s (exit 128 + the signal's number)."""
     _prefect_env(verbose, reuse_local_server=True)
-    from deployments.serve import main
+    from trakflow_cli.lifecycle import supervise
 
-    main()
-
-
-#: the config class each flow's deployments take as their ``config`` parameter
-_FLOW_CONFIGS = {
-    "attribute": "AttributeConfig",
-    "featurize": "AttributeConfig",
-    "finalize": "AttributeConfig",
-    "score": "AttributeConfig",
-    "train": "TrainConfig",
-    "evaluate": "EvaluateConfig",
-}
+    raise typer.Exit(supervise([sys.executable, "-m", "deployments.serve"]))
 
 
-def _deployment_names() -> list[str]:
-    """'flow/deployment' of every deployment the server knows."""
-    from prefect.client.orchestration import get_client
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def worker(
+    ctx: typer.Context,
+    pool: str = typer.Option(..., "--pool", "-p", help="the work pool whose runs to execute"),
+    verbose: bool = typer.Option(True, help="show Prefect's logs"),
+) -> None:
+    """`prefect worker start --pool POOL [ARGS]` (the work-pool route: deployments/prefect.yaml) until SIGINT or
+    SIGTERM, which stop the worker and the runs it started within 10 s (exit 128 + the signal's number).
+    Further arguments go to Prefect's worker (e.g. --limit 1)."""
+    _prefect_env(verbose, reuse_local_server=True)
+    from trakflow_cli.lifecycle import supervise
 
-    with get_client(sync_client=True) as client:
-        flows_by_id = {f.id: f.name for f in client.read_flows()}
-        return sorted(f"{flows_by_id.get(d.flow_id, '?')}/{d.name}" for d in client.read_deployments())
-
-
-def _failure_line(state) -> str:
-    """The failed run's cause in one line (Prefect's state message, without its boilerplate)."""
-    msg = (getattr(state, "message", None) or "").strip()
-    for prefix in ("Flow run encountered an exception: ", "Task run encountered an exception "):
-        msg = msg.replace(prefix, "")
-    return msg.splitlines()[0] if msg else f"the run ended {state.name if state else 'without a state'}"
+    raise typer.Exit(supervise([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, *ctx.args]))
 
 
 @app.command()
@@ -703,11 +661,11 @@ def trigger(
     if config_file is not None:
         import tasks.config
 
-        cls = getattr(tasks.config, _FLOW_CONFIGS.get(flow_name, ""), None)
+        cls = getattr(tasks.config, FLOW_CONFIGS.get(flow_name, ""), None)
         if cls is None:
             _fail(
                 f"--config: deployments of flow {flow_name!r} take no config (flows with one: "
-                f"{', '.join(sorted(_FLOW_CONFIGS))})"
+                f"{', '.join(sorted(FLOW_CONFIGS))})"
             )
         params = {"config": _load_config(cls, config_file).model_dump(mode="json", exclude_unset=True)}
     _prefect_env(verbose, reuse_local_server=True)
@@ -716,13 +674,13 @@ def trigger(
     if not PREFECT_API_URL.value():  # Prefect would start a throw-away server that holds no deployment
         _fail(
             f"no Prefect server to trigger {deployment!r} on: PREFECT_API_URL is not set and no server answers at "
-            f"{_local_api_url()}. Start one (`prefect server start`), serve the deployments on it "
-            f"(`PREFECT_API_URL={_local_api_url()} trakflow serve`), then trigger (or set PREFECT_API_URL to your "
+            f"{local_api_url()}. Start one (`prefect server start`), serve the deployments on it "
+            f"(`PREFECT_API_URL={local_api_url()} trakflow serve`), then trigger (or set PREFECT_API_URL to your "
             "server)",
             1,
         )
     url = str(PREFECT_API_URL.value())
-    reason = _unreachable(url.rstrip("/") + "/health")
+    reason = unreachable(url.rstrip("/") + "/health")
     if reason is not None:  # Prefect's client would retry for seconds, then raise a long traceback
         _fail(
             f"the Prefect API at {url} cannot be reached ({reason}): start the server (`prefect server start`) or "
@@ -735,14 +693,14 @@ def trigger(
     try:
         fr = run_deployment(deployment, parameters=params, timeout=None if wait else 0)
     except ObjectNotFound:
-        names = _deployment_names()
+        names = deployment_names()
         _fail(
             f"no deployment {deployment!r} on {os.environ.get('PREFECT_API_URL') or 'the ephemeral server'}; "
             + (f"available: {', '.join(names)}" if names else "none is registered (start `trakflow serve`)")
         )
     console.print(f"flow run {fr.name} ({fr.id}): {fr.state.name if fr.state else 'scheduled'}")
     if wait and fr.state and not fr.state.is_completed():
-        _fail(_failure_line(fr.state), 1)
+        _fail(failure_line(fr.state), 1)
 
 
 @contextlib.contextmanager
