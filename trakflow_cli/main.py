@@ -112,7 +112,10 @@ class _Bars:
 @app.callback()
 def _root(
     debug: bool = typer.Option(
-        False, "--debug", envvar="TRAKFLOW_DEBUG", help="on a failure, show the traceback, not just the error line"
+        False,
+        "--debug",
+        envvar="TRAKFLOW_DEBUG",
+        help="on a failure, show the traceback, not just the one error line (or set TRAKFLOW_DEBUG=1)",
     ),
 ) -> None:
     """TRAK data attribution as a Prefect pipeline."""
