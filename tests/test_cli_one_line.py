@@ -227,6 +227,27 @@ def test_any_exception_of_a_command_is_one_line(monkeypatch, tmp_path, exc, code
     assert invoke("unlock", tmp_path, env={"TRAKFLOW_DEBUG": "1"}).exception is exc
 
 
+def test_validation_errors_outside_a_config():
+    from pydantic import ValidationError
+
+    from trak_core.store import StoreMetadata
+
+    with pytest.raises(ValidationError) as ei:
+        StoreMetadata.model_validate({"proj_dim": "many"})
+    d = errors.describe(ei.value)
+    assert d.code == 1 and d.expected
+    assert "a store's trakflow metadata is malformed (root zarr.json, attribute 'trakflow'): proj_dim: " in d.lines[-1]
+    with pytest.raises(ValidationError) as ei:
+        from tasks.config import TrainConfig
+
+        TrainConfig.model_validate({"epochs": -1, "nope": 1})
+    d = errors.describe(RuntimeError("in a task"))
+    assert not d.expected
+    d = errors.describe(ei.value)
+    assert d.code == 2 and all(ln.startswith("invalid TrainConfig: ") for ln in d.lines), d.lines
+    assert any(ln.startswith("invalid TrainConfig: nope: Extra inputs are not permitted") for ln in d.lines)
+
+
 def test_httpx_errors_name_the_api(monkeypatch):
     import httpx
 

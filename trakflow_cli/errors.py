@@ -175,6 +175,9 @@ def describe(exc: BaseException) -> Described:
 
     cause = root_cause(exc)
     if isinstance(cause, ValidationError):
+        if cause.title == "StoreMetadata":  # read from a store: the store is damaged, not the input
+            where = "a store's trakflow metadata is malformed (root zarr.json, attribute 'trakflow'): "
+            return Described(validation_lines(cause, where), 1)
         return Described(validation_lines(cause, f"invalid {cause.title}: "), INPUT_EXIT)
     if isinstance(cause, (BadInputError, StoreMismatchError)):
         return Described([error_line(exc)], INPUT_EXIT)
