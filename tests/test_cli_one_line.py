@@ -84,6 +84,7 @@ def test_validation_lines_name_each_field():
         inner: Inner
         items: list[Inner] = []
         path: str = "x"
+        either: list[int] | str = "a"
 
         @field_validator("path")
         @classmethod
@@ -93,13 +94,16 @@ def test_validation_lines_name_each_field():
             return v
 
     with pytest.raises(ValidationError) as ei:
-        Outer.model_validate({"inner": {"size": 0}, "items": [{"size": 1}, {"size": "x"}], "path": "/a", "typo": 1})
+        Outer.model_validate(
+            {"inner": {"size": 0}, "items": [{"size": 1}, {"size": "x"}], "path": "/a", "either": 5, "typo": 1}
+        )
     lines = errors.validation_lines(ei.value, "invalid config c.yaml: ")
     assert lines == [
         "invalid config c.yaml: inner.size: Input should be greater than 0 (got 0)",
         "invalid config c.yaml: items[1].size: Input should be a valid integer, unable to parse string as an "
         "integer (got 'x')",
         "invalid config c.yaml: path: '/a' must be relative",
+        "invalid config c.yaml: either: Input should be a valid list or Input should be a valid string (got 5)",
         "invalid config c.yaml: typo: Extra inputs are not permitted (got 1)",
     ]
 

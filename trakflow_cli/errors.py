@@ -34,29 +34,46 @@ class Described:
     expected: bool = True
 
 
+#: loc parts pydantic adds for the members of a union (``lambda_reg.constrained-float``, ``x.list[str]``)
+_UNION_TAGS = {"str", "int", "float", "bool", "bytes", "none", "dict", "list", "tuple", "set", "is-instance"}
+
+
+def _is_tag(part) -> bool:
+    return isinstance(part, str) and ("[" in part or "-" in part or part in _UNION_TAGS)
+
+
 def _loc(loc: tuple) -> str:
     out = ""
     for part in loc:
+        if _is_tag(part):
+            continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
 
+def _message(err: dict, field: str) -> str:
+    msg = str(err.get("msg", "")).strip()
+    for p in _PYDANTIC_PREFIXES:
+        if msg.startswith(p):
+            msg = msg[len(p) :]
+    for name in filter(None, (field, field.rsplit(".", 1)[-1])):
+        if msg.startswith(name + ": "):
+            return msg[len(name) + 2 :]
+    return msg
+
+
 def validation_lines(exc, where: str = "") -> list[str]:
-    """One ``field.path: message`` line per error of a pydantic ``ValidationError`` (no input dump, no
-    link); ``where`` (e.g. ``invalid config c.yaml: ``) starts each line. A short scalar input is quoted
-    after the message when the message does not show it already."""
-    lines = []
+    """One ``field.path: message`` line per field of a pydantic ``ValidationError`` (no input dump, no link;
+    the members of a union that all failed on one line); ``where`` (e.g. ``invalid config c.yaml: ``) starts
+    each line. A short scalar input is quoted after the message when the message does not show it already."""
+    by_field: dict[str, list[dict]] = {}
     for err in exc.errors(include_url=False):
-        field = _loc(tuple(err.get("loc") or ()))
-        msg = str(err.get("msg", "")).strip()
-        for p in _PYDANTIC_PREFIXES:
-            if msg.startswith(p):
-                msg = msg[len(p) :]
-        for name in filter(None, (field, field.rsplit(".", 1)[-1])):
-            if msg.startswith(name + ": "):
-                msg = msg[len(name) + 2 :]
-                break
-        value = err.get("input")
+        by_field.setdefault(_loc(tuple(err.get("loc") or ())), []).append(err)
+    lines = []
+    for field, errs in by_field.items():
+        msgs = list(dict.fromkeys(_message(e, field) for e in errs))
+        msg = " or ".join(msgs)
+        value = errs[0].get("input")
         if isinstance(value, (int, float, str, bool)):
             shown = repr(value)
             if len(shown) <= 60 and not (isinstance(value, str) and value in msg):
