@@ -1,4 +1,4 @@
-"""Errors reach the user as one line (issue 12, item 6): a task's failure is one ``error:`` line naming its root
+"""Errors reach the user as one line: a task's failure is one ``error:`` line naming its root
 cause (Prefect's tracebacks only with -v); a full disk (ENOSPC) names the path and is not retried; SIGINT and
 SIGTERM leave no process behind (the ephemeral Prefect server included), and neither does SIGKILL."""
 

@@ -631,7 +631,9 @@ def serve(verbose: bool = typer.Option(True, help="show Prefect's logs")) -> Non
     _prefect_env(verbose, reuse_local_server=True)
     from trakflow_cli.lifecycle import supervise
 
-    raise typer.Exit(supervise([sys.executable, "-m", "deployments.serve"]))
+    # -P and the working directory appended: it never shadows an installed module (as in this process)
+    code = "import os, sys; sys.path.append(os.getcwd()); from deployments.serve import main; main()"
+    raise typer.Exit(supervise([sys.executable, "-P", "-c", code]))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
