@@ -249,7 +249,7 @@ def start_ephemeral_server() -> None:
 HANDOVER_SECONDS = 4.0
 
 
-def supervise(cmd: list[str], grace: float = GRACE_SECONDS) -> int:
+def supervise(cmd: list[str], grace: float = GRACE_SECONDS - 2) -> int:
     """Run ``cmd`` (a long-lived serve loop or worker) as a child process until it exits or a signal comes.
 
     SIGINT/SIGTERM are passed on to the child (Prefect then stops taking runs and cancels its own); what
