@@ -322,6 +322,7 @@ def test_supervised_command_and_its_runs_stop_within_10_s(tmp_path):
         t0 = time.monotonic()
         cli.send_signal(signal.SIGTERM)
         assert cli.wait(10) == 128 + signal.SIGTERM
+        print(f"supervised command exited {time.monotonic() - t0:.1f} s after SIGTERM")
         _, alive = psutil.wait_procs(procs, timeout=max(0.1, 10 - (time.monotonic() - t0)))
         assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], "processes left after SIGTERM"
     finally:

@@ -245,14 +245,14 @@ def start_ephemeral_server() -> None:
 
 # ------------------------------------------------------------------------------------------ long-lived children
 #: seconds a supervised serve loop or worker has, after SIGINT/SIGTERM, before the processes it started get
-#: SIGTERM too; at :data:`GRACE_SECONDS` whatever is left of them is killed
-HANDOVER_SECONDS = 4.0
+#: SIGTERM too (whatever is left is killed at :func:`supervise`'s ``grace``, 6 s: the CLI exits within 10 s)
+HANDOVER_SECONDS = 3.0
 
 
-def supervise(cmd: list[str], grace: float = GRACE_SECONDS - 2) -> int:
+def supervise(cmd: list[str], grace: float = GRACE_SECONDS - 4) -> int:
     """Run ``cmd`` (a long-lived serve loop or worker) as a child process until it exits or a signal comes.
 
-    SIGINT/SIGTERM are passed on to the child (Prefect then stops taking runs and cancels its own); what
+    SIGINT/SIGTERM are passed on to the child (Prefect's serve loop and worker then stop their runs); what
     is left of it and of every process it started (flow runs, in their own sessions too) gets SIGTERM after
     :data:`HANDOVER_SECONDS` and SIGKILL after ``grace`` seconds. The child also dies with this process
     (Linux: ``PR_SET_PDEATHSIG``). Returns the child's exit code, or 128 + the signal's number.
@@ -287,7 +287,7 @@ def supervise(cmd: list[str], grace: float = GRACE_SECONDS - 2) -> int:
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        psutil.wait_procs(alive, timeout=2.0)
+        psutil.wait_procs(alive, timeout=1.0)
         proc.poll()
         return 128 + signum
     finally:
