@@ -402,18 +402,10 @@ def store_queue(location: str) -> Iterator[None]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     name = queue_name(location)
     with get_client(sync_client=True) as client:
-        try:
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
-        except ObjectAlreadyExists:
-            pass
-        try:
-            busy = client.read_global_concurrency_limit_by_name(name).active_slots
-        except ObjectNotFound:  # pragma: no cover - deleted in between; concurrency() below says so
-            busy = 0
+        busy = _ensure_queue(client, name)
         if busy and _crashed_holder(location):
             # the slot's run died without releasing it (its lock file names a dead process of this host):
             # start the queue afresh rather than wait for the lease to expire
@@ -424,6 +416,38 @@ def store_queue(location: str) -> Iterator[None]:
         get_run_logger().info("store %s is in use by another run: queued (global concurrency limit %r)", location, name)
     with concurrency(name, occupy=1, strict=True, lease_duration=QUEUE_LEASE_SECONDS):
         yield
+
+
+def _ensure_queue(client, name: str) -> int:
+    """The busy slots of the global concurrency limit ``name``, created (one slot) if it does not exist.
+
+    Read first, create only when missing: a create that conflicts makes the server log a long
+    ``IntegrityError`` traceback. Runs of this host that start together take a file lock around the
+    read-then-create, so only one of them creates; a run of another host that loses the race is told
+    the limit exists (the server then logs that one conflict) and goes on."""
+    import fcntl
+    import tempfile
+
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    def read() -> int | None:
+        try:
+            return client.read_global_concurrency_limit_by_name(name).active_slots
+        except ObjectNotFound:
+            return None
+
+    busy = read()
+    if busy is not None:
+        return busy
+    with open(os.path.join(tempfile.gettempdir(), f"{name}.create.lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        busy = read()
+        if busy is None:
+            with contextlib.suppress(ObjectAlreadyExists):
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            busy = read() or 0
+    return busy
 
 
 def _crashed_holder(location: str) -> bool:

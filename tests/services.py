@@ -48,7 +48,14 @@ def start(cmd: list[str], log: Path, env: dict, cwd: Path = REPO) -> subprocess.
 
 
 def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM the process group, SIGKILL what is left after ``grace`` seconds."""
+    """SIGTERM the process group, SIGKILL what is left after ``grace`` seconds; then SIGKILL what is left
+    of the processes it had started in sessions of their own (a worker's flow runs)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -61,6 +68,9 @@ def stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
     else:  # the leader is gone; its group may not be
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
+    for p in descendants:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
     getattr(proc, "_log", None) and proc._log.close()  # type: ignore[attr-defined]
 
 

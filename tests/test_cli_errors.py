@@ -1,4 +1,4 @@
-"""Errors reach the user as one line (issue 12, item 6): a task's failure is one ``error:`` line naming its root
+"""Errors reach the user as one line: a task's failure is one ``error:`` line naming its root
 cause (Prefect's tracebacks only with -v); a full disk (ENOSPC) names the path and is not retried; SIGINT and
 SIGTERM leave no process behind (the ephemeral Prefect server included), and neither does SIGKILL."""
 
@@ -289,3 +289,47 @@ def test_next_run_stops_a_server_left_by_a_killed_cli(tmp_path):
         for p in (orphan, other):
             p.kill()
             p.wait()
+
+
+STUBBORN = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if sys.argv[1] == "parent":
+    child = subprocess.Popen([sys.executable, sys.argv[0], "child"], start_new_session=True)
+    open(sys.argv[2], "w").write(f"{os.getpid()} {child.pid}")
+time.sleep(300)
+"""
+
+
+def test_supervised_command_and_its_runs_stop_within_10_s(tmp_path):
+    """lifecycle.supervise (trakflow serve / worker): a child that ignores SIGTERM and has started a process in
+    a session of its own (as Prefect starts flow runs) — SIGTERM to the CLI ends all three within 10 s."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    pids = tmp_path / "pids"
+    code = (
+        "import sys\nfrom trakflow_cli.lifecycle import supervise\n"
+        f"sys.exit(supervise([sys.executable, {str(script)!r}, 'parent', {str(pids)!r}]))\n"
+    )
+    cli = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=cli_env(tmp_path / "home"))
+    procs: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and pids.read_text()):
+            assert cli.poll() is None and time.monotonic() < deadline, "the supervised child did not start"
+            time.sleep(0.1)
+        procs = [psutil.Process(int(p)) for p in pids.read_text().split()]
+        t0 = time.monotonic()
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(10) == 128 + signal.SIGTERM
+        print(f"supervised command exited {time.monotonic() - t0:.1f} s after SIGTERM")
+        _, alive = psutil.wait_procs(procs, timeout=max(0.1, 10 - (time.monotonic() - t0)))
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], "processes left after SIGTERM"
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

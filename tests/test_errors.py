@@ -1,4 +1,4 @@
-"""Bad input raised anywhere is a BadInputError (issue 12, item 6), so the pipeline never retries it.
+"""Bad input raised anywhere is a BadInputError, so the pipeline never retries it.
 
 One parametrized test over every input-validation site that used to raise a plain ValueError,
 TypeError or RuntimeError (alpha, cuda_ext, counter_rng, utils, the α plots, damping parsing): each raises

@@ -19,9 +19,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from services import REPO, dask_cluster, prefect_server, wait_for
 from trak_fixtures import tiny_attribute_config
@@ -114,7 +116,22 @@ def setup(tmp_path_factory):
         res = run_script(server, tmp, ref_cfg, "reference")
         assert res.returncode == 0, res.stderr[-3000:]
         yield server, tmp, ckpt_dir, scores(ref_cfg)
-        assert "InvalidRequestError" not in server.read_log(), "the server's services logged SQLAlchemy errors"
+        log = server.read_log()
+        assert "InvalidRequestError" not in log, "the server's services logged SQLAlchemy errors"
+        assert "IntegrityError" not in log, "a request conflicted with the server's database (a duplicate create?)"
+
+
+def test_second_run_on_a_store_logs_no_conflict(setup):
+    """A second run on a store finds the store's queue (a global concurrency limit) and does not create it
+    again: neither the server nor the run logs an IntegrityError."""
+    server, tmp, ckpt_dir, ref = setup
+    cfg = tiny_config(tmp, ckpt_dir, "twice")
+    for name in ("twice-1", "twice-2"):
+        res = run_script(server, tmp, cfg, name)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "IntegrityError" not in res.stdout + res.stderr, res.stderr[-3000:]
+    assert "IntegrityError" not in server.read_log(), server.read_log()[-3000:]
+    np.testing.assert_array_equal(scores(cfg), ref)
 
 
 def test_schedule_fires_and_completes(setup):
@@ -254,10 +271,10 @@ def served(setup):
 def _names(server) -> list[str]:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from trakflow_cli.main import _deployment_names
+    from trakflow_cli.prefect_api import deployment_names
 
     with temporary_settings({PREFECT_API_URL: server.api_url}):
-        return _deployment_names()
+        return deployment_names()
 
 
 def _logs(server, flow_run_id) -> str:
@@ -336,3 +353,68 @@ def test_flow_run_graph_shows_stage_order(setup):
     assert ids["featurize"] in parents["finalize"], by_label.keys()
     assert ids["finalize"] in parents["score"]
     assert ids["plan"] in parents["featurize"]
+
+
+def _featurizing(cfg: dict) -> bool:
+    grads = Path(cfg["store"]) / "models" / "0" / "grads" / "c"
+    return grads.is_dir() and any(grads.rglob("*"))
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_long_lived_commands_stop_on_sigterm(setup, command):
+    """`trakflow serve` and `trakflow worker` while a run of theirs is featurizing: SIGTERM to the command
+    ends it (exit 128 + 15) and every process it started (the run's too) within 10 s."""
+    server, tmp, ckpt_dir, _ = setup
+    cfg = tiny_config(
+        tmp, ckpt_dir, f"sig-{command}", model="services:make_slow_tiny_model", batch_size=2, max_workers=1
+    )
+    if command == "serve":
+        cmd, deployment = ["serve"], "attribute/digits"
+    else:
+        prefect = str(Path(sys.executable).parent / "prefect")
+        prefect_yaml = tmp / "prefect-sig.yaml"
+        prefect_yaml.write_text(
+            json.dumps(
+                {
+                    "name": "trakflow-sig",
+                    "build": None,
+                    "push": None,
+                    "pull": [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}],
+                    "deployments": [
+                        {
+                            "name": "sig",
+                            "entrypoint": "flows/attribute.py:attribute",
+                            "parameters": {},
+                            "work_pool": {"name": "sig-pool", "work_queue_name": "default"},
+                        }
+                    ],
+                }
+            )
+        )
+        for c in (
+            [prefect, "work-pool", "create", "sig-pool", "--type", "process"],
+            [prefect, "--no-prompt", "deploy", "--prefect-file", str(prefect_yaml), "--all"],
+        ):
+            res = subprocess.run(c, env=server.env, cwd=REPO, capture_output=True, text=True, timeout=180)
+            assert res.returncode == 0, f"{c[1:3]}: {res.stdout[-2000:]}{res.stderr[-2000:]}"
+        cmd, deployment = ["worker", "--pool", "sig-pool", "--limit", "1"], "attribute/sig"
+    proc = server.spawn(
+        [str(Path(sys.executable).parent / "trakflow"), *cmd], f"sig-{command}", TRAKFLOW_DEMO_DIR=str(tmp / "demo")
+    )
+    if command == "serve":
+        wait_for(lambda: deployment in _names(server), 120, f"deployment {deployment}", poll=1.0, proc=proc)
+
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}):
+        run_deployment(deployment, parameters={"config": cfg}, timeout=0)
+    wait_for(lambda: _featurizing(cfg), 240, f"a featurizing run of {deployment}", poll=0.2, proc=proc)
+    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    assert len(family) >= 3, [p.cmdline() for p in family]  # the command, Prefect's serve/worker, the run
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # to the command only, as a supervisor (systemd, k8s) sends it
+    assert proc.wait(10) == 128 + signal.SIGTERM, server.read_log(f"sig-{command}")[-3000:]
+    _, alive = psutil.wait_procs(family, timeout=max(0.1, 10 - (time.monotonic() - t0)))
+    left = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [" ".join(p.cmdline()) for p in left]

@@ -1,8 +1,9 @@
 """What the CLI does around a flow run (no Prefect import at module level).
 
-- A failure prints one line naming its cause: :func:`error_line` unwraps Prefect's wrappers and exception
-  chains to the error the code raised. Prefect's own ERROR records (the failed task and flow runs, with
-  their tracebacks) stay off the console unless ``-v``; they still reach the API (the UI shows them).
+- A failure prints one line naming its cause: :func:`~trakflow_cli.errors.error_line` unwraps Prefect's
+  wrappers and exception chains to the error the code raised. Prefect's own ERROR records (the failed task
+  and flow runs, with their tracebacks) stay off the console unless ``-v``; they still reach the API (the
+  UI shows them).
 - SIGINT and SIGTERM stop the run and every process it started (Prefect's ephemeral server, process-pool
   workers, a local Dask cluster), then exit with 128 + the signal's number. The flow unwinds first (its
   runs are marked crashed; Prefect waits for the running task to return); a second signal, or a run that
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import json
 import logging
 import os
@@ -28,15 +28,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from trakflow_cli.errors import error_line, root_cause  # noqa: F401  (the CLI's one-line errors)
+
 #: seconds a signalled run may take to unwind (mark its flow run crashed, stop its task runner) before the
 #: CLI kills what it started and exits anyway
 GRACE_SECONDS = 10.0
 #: marks the ephemeral server's command line (and the pid files that record it)
 SERVER_MARK = "prefect.server.api.server:create_app"
 PIDFILE_GLOB = "trakflow-ephemeral-server-*.json"
-
-#: modules whose exceptions only wrap the one that the task or flow raised
-_WRAPPERS = ("prefect.", "prefect_dask.", "distributed.", "concurrent.futures", "anyio.")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -48,57 +47,6 @@ class Interrupted(KeyboardInterrupt):
 
 
 # ------------------------------------------------------------------------------------------ error line
-def _is_wrapper(exc: BaseException) -> bool:
-    mod = type(exc).__module__ + "."
-    return mod.startswith(_WRAPPERS) or isinstance(exc, BaseExceptionGroup)
-
-
-def root_cause(exc: BaseException) -> BaseException:
-    """The error behind ``exc``: through Prefect's (and the executors') wrapper exceptions, one-member
-    exception groups and explicit ``raise ... from`` chains. trakflow's own errors (TrakError) already name
-    their cause and end the search."""
-    from trak_core.errors import TrakError
-
-    seen: set[int] = set()
-    while id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, TrakError):
-            break
-        if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-            exc = exc.exceptions[0]
-            continue
-        implicit = None if exc.__suppress_context__ else exc.__context__
-        inner = exc.__cause__ or (implicit if _is_wrapper(exc) else None)
-        if inner is None:
-            break
-        exc = inner
-    return exc
-
-
-def _one_line(exc: BaseException) -> str:
-    msg = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
-
-
-def error_line(exc: BaseException) -> str:
-    """``Type: message`` of the root cause, on one line; the outer error it was raised as, when that is not
-    a mere wrapper, in brackets. A full disk (ENOSPC) says so and names the path."""
-    cause = root_cause(exc)
-    line = _one_line(cause)
-    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-        where = f" writing {cause.filename}" if cause.filename else ""
-        line += (
-            f" — the disk is full{where}; free space (or move the store), then rerun: what was written is "
-            "kept (not retried)"
-        )
-    outer = exc
-    while outer is not cause and _is_wrapper(outer):
-        outer = outer.__cause__ or outer.__context__ or cause
-    if outer is not cause:
-        line += f" (raised as {_one_line(outer)})"
-    return line
-
-
 class _DropPrefectErrors(logging.Filter):
     """Drops Prefect's ERROR records (failed/crashed task and flow runs, their tracebacks) from the
     console: the CLI prints the failure's cause as one line."""
@@ -293,3 +241,66 @@ def start_ephemeral_server() -> None:
         record = {"cli_pid": os.getpid(), "pid": proc.pid, "create_time": started, "port": server.port}
         f.write_text(json.dumps(record))
         atexit.register(f.unlink, missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------ long-lived children
+#: seconds a supervised serve loop or worker has, after SIGINT/SIGTERM, before the processes it started get
+#: SIGTERM too (whatever is left is killed at :func:`supervise`'s ``grace``, 6 s: the CLI exits within 10 s)
+HANDOVER_SECONDS = 3.0
+
+
+def supervise(cmd: list[str], grace: float = GRACE_SECONDS - 4) -> int:
+    """Run ``cmd`` (a long-lived serve loop or worker) as a child process until it exits or a signal comes.
+
+    SIGINT/SIGTERM are passed on to the child (Prefect's serve loop and worker then stop their runs); what
+    is left of it and of every process it started (flow runs, in their own sessions too) gets SIGTERM after
+    :data:`HANDOVER_SECONDS` and SIGKILL after ``grace`` seconds. The child also dies with this process
+    (Linux: ``PR_SET_PDEATHSIG``). Returns the child's exit code, or 128 + the signal's number.
+
+    Args:
+        cmd: the command line.
+        grace: seconds from the signal until everything left is killed.
+    Returns:
+        The exit code for the CLI.
+    """
+    import psutil
+
+    got: list[int] = []
+    proc = subprocess.Popen(cmd, preexec_fn=_pdeathsig_preexec())
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not got:
+            try:
+                return proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+        signum = got[0]
+        family = _family(proc.pid)
+        with contextlib.suppress(OSError):
+            proc.send_signal(signum)
+        _, alive = psutil.wait_procs(family, timeout=min(HANDOVER_SECONDS, grace))
+        alive = list({p.pid: p for p in alive + _family(proc.pid)}.values())  # started meanwhile, too
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(alive, timeout=max(grace - HANDOVER_SECONDS, 0.5))
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=1.0)
+        proc.poll()
+        return 128 + signum
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _family(pid: int) -> list:
+    """The process ``pid`` and its descendants now (those that still run)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []

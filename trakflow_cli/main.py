@@ -13,6 +13,7 @@ shadows an installed module. The repository's ``examples`` (the digits demo) are
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -26,11 +27,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from trakflow_cli.errors import INPUT_EXIT, ErrorHandlingGroup, debug_enabled, print_error, validation_lines
+from trakflow_cli.prefect_api import FLOW_CONFIGS, answers, deployment_names, failure_line, local_api_url, unreachable
+
 if os.getcwd() not in sys.path and "" not in sys.path:
     sys.path.append(os.getcwd())
 
 app = typer.Typer(
-    help="TRAK data attribution as a Prefect pipeline.",
+    cls=ErrorHandlingGroup,
+    help="TRAK data attribution as a Prefect pipeline. A failure is reported as one `error:` line (exit code 2 "
+    "for bad input, 1 otherwise); `trakflow --debug COMMAND` (or TRAKFLOW_DEBUG=1) shows its traceback.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -58,20 +64,10 @@ def _prefect_env(verbose: bool, reuse_local_server: bool = False) -> None:
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     if reuse_local_server and not os.environ.get("PREFECT_API_URL"):
-        url = f"http://127.0.0.1:{os.environ.get('PREFECT_SERVER_API_PORT', '4200')}/api"
-        if _answers(url + "/health"):
+        url = local_api_url()
+        if answers(url + "/health"):
             os.environ["PREFECT_API_URL"] = url
             err_console.print(f"[dim]using the Prefect server at {url} (set PREFECT_API_URL to choose another)[/]")
-
-
-def _answers(url: str, timeout: float = 0.3) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except (OSError, ValueError):
-        return False
 
 
 class _Bars:
@@ -113,11 +109,21 @@ class _Bars:
         return False
 
 
-def _fail(msg: str, code: int = 2, hint: bool = False):
-    """One ``error:`` line (never wrapped: the message is printed as given), then exit with ``code``."""
-    from rich.markup import escape
+@app.callback()
+def _root(
+    debug: bool = typer.Option(
+        False,
+        "--debug",
+        envvar="TRAKFLOW_DEBUG",
+        help="on a failure, show the traceback, not just the one error line (or set TRAKFLOW_DEBUG=1)",
+    ),
+) -> None:
+    """TRAK data attribution as a Prefect pipeline."""
 
-    err_console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
+
+def _fail(msg: str | list[str], code: int = 2, hint: bool = False):
+    """One ``error:`` line per message (never wrapped: printed as given), then exit with ``code``."""
+    print_error([msg] if isinstance(msg, str) else msg)
     if hint:
         err_console.print("[dim](rerun with -v for the traceback and Prefect's logs)[/]")
     raise typer.Exit(code)
@@ -131,11 +137,20 @@ def _config_errors():
     return (ValidationError, TrakError)
 
 
+def _config_failure(e: Exception, where: str):
+    """Exit with one ``error:`` line per problem of a config: ``where: field.path: message``."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        _fail(validation_lines(e, f"{where}: "), INPUT_EXIT)
+    _fail(f"{where}: {' '.join(str(e).split())}", INPUT_EXIT)
+
+
 def _load_config(cls, path: Path):
     try:
         return cls.from_yaml(path)
     except _config_errors() as e:
-        _fail(f"invalid config {path}:\n{e}")
+        _config_failure(e, f"invalid config {path}")
 
 
 @contextlib.contextmanager
@@ -169,7 +184,7 @@ def _flow_guard(verbose: bool) -> Iterator[None]:
         with lifecycle.quiet_prefect_errors(not verbose):
             lifecycle.start_ephemeral_server()
             yield
-    except (click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
+    except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
         raise
     except (KeyboardInterrupt, TerminationSignal) as e:
         signum = getattr(e, "signum", None) or getattr(e, "signal", None) or signal.SIGINT
@@ -178,7 +193,7 @@ def _flow_guard(verbose: bool) -> Iterator[None]:
             lifecycle.exit_now(128 + signum)
         raise typer.Exit(128 + signum) from None
     except Exception as e:
-        if verbose:
+        if verbose or debug_enabled():
             import traceback
 
             traceback.print_exception(e)
@@ -323,10 +338,7 @@ def run(
     if flow == "attribute" and not always_run:
         from tasks.core import up_to_date
 
-        try:
-            plan = up_to_date(config)
-        except _config_errors() as e:
-            _fail(f"{type(e).__name__}: {e}", 1)
+        plan = up_to_date(config)  # a store refusing the config: one error line (trakflow_cli.errors)
         if plan is not None:
             console.print(
                 f"store [bold]{plan.store}[/], experiment [bold]{plan.exp_name}[/]: complete "
@@ -436,7 +448,7 @@ def evaluate(
         if over:
             config = EvaluateConfig.model_validate({**config.model_dump(), **over})
     except _config_errors() as e:
-        _fail(f"{type(e).__name__}: {e}")
+        _config_failure(e, "invalid evaluate config" if config_file is None else f"invalid config {config_file}")
     res = _run_flow(evaluate_flow, config, verbose=verbose)
     a, s = config.attribute, res["settings"]
     lam = ", ".join(f"{x:.3g}" for x in s["lambda_abs"] if x is not None)
@@ -486,9 +498,14 @@ def show(
         if store == str(config_file):
             store = config.store
     try:
-        st = TrakStore.open(store, None if config is None else config.storage_options, mode="r")
+        with _store_metadata(store):
+            st = TrakStore.open(store, None if config is None else config.storage_options, mode="r")
     except TrakError as e:
         _fail(str(e))
+    exps = st.experiments()
+    if exp is not None and exp not in exps:
+        have = ", ".join(repr(x) for x in exps) if exps else "none (nothing has been scored)"
+        _fail(f"--exp {exp!r}: store {store} has no experiment {exp!r}; its experiments: {have}")
     status = st.status()
     meta = status["metadata"]
     console.print(
@@ -530,7 +547,6 @@ def show(
     k = top_k or (config.top_k if config is not None else 5)
     if target is None and config is None:
         return
-    exps = st.experiments()
     if exp is None:
         exp = config.exp_name if config is not None else (exps[0] if len(exps) == 1 else "default")
     try:
@@ -608,39 +624,31 @@ def unlock(
 
 @app.command()
 def serve(verbose: bool = typer.Option(True, help="show Prefect's logs")) -> None:
-    """Register the deployments (one on a cron schedule) and serve them until interrupted."""
-    _prefect_env(verbose)
-    from deployments.serve import main
+    """Register the deployments (one on a cron schedule) and serve them until SIGINT or SIGTERM.
 
-    main()
+    On the server in PREFECT_API_URL, or a Prefect server answering on this machine. A signal stops the
+    serving process and the runs it started within 10 s (exit 128 + the signal's number)."""
+    _prefect_env(verbose, reuse_local_server=True)
+    from trakflow_cli.lifecycle import supervise
 
-
-#: the config class each flow's deployments take as their ``config`` parameter
-_FLOW_CONFIGS = {
-    "attribute": "AttributeConfig",
-    "featurize": "AttributeConfig",
-    "finalize": "AttributeConfig",
-    "score": "AttributeConfig",
-    "train": "TrainConfig",
-    "evaluate": "EvaluateConfig",
-}
+    # -P and the working directory appended: it never shadows an installed module (as in this process)
+    code = "import os, sys; sys.path.append(os.getcwd()); from deployments.serve import main; main()"
+    raise typer.Exit(supervise([sys.executable, "-P", "-c", code]))
 
 
-def _deployment_names() -> list[str]:
-    """'flow/deployment' of every deployment the server knows."""
-    from prefect.client.orchestration import get_client
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def worker(
+    ctx: typer.Context,
+    pool: str = typer.Option(..., "--pool", "-p", help="the work pool whose runs to execute"),
+    verbose: bool = typer.Option(True, help="show Prefect's logs"),
+) -> None:
+    """`prefect worker start --pool POOL [ARGS]` (the work-pool route: deployments/prefect.yaml) until SIGINT or
+    SIGTERM, which stop the worker and the runs it started within 10 s (exit 128 + the signal's number).
+    Further arguments go to Prefect's worker (e.g. --limit 1)."""
+    _prefect_env(verbose, reuse_local_server=True)
+    from trakflow_cli.lifecycle import supervise
 
-    with get_client(sync_client=True) as client:
-        flows_by_id = {f.id: f.name for f in client.read_flows()}
-        return sorted(f"{flows_by_id.get(d.flow_id, '?')}/{d.name}" for d in client.read_deployments())
-
-
-def _failure_line(state) -> str:
-    """The failed run's cause in one line (Prefect's state message, without its boilerplate)."""
-    msg = (getattr(state, "message", None) or "").strip()
-    for prefix in ("Flow run encountered an exception: ", "Task run encountered an exception "):
-        msg = msg.replace(prefix, "")
-    return msg.splitlines()[0] if msg else f"the run ended {state.name if state else 'without a state'}"
+    raise typer.Exit(supervise([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, *ctx.args]))
 
 
 @app.command()
@@ -658,33 +666,75 @@ def trigger(
     if config_file is not None:
         import tasks.config
 
-        cls = getattr(tasks.config, _FLOW_CONFIGS.get(flow_name, ""), None)
+        cls = getattr(tasks.config, FLOW_CONFIGS.get(flow_name, ""), None)
         if cls is None:
             _fail(
                 f"--config: deployments of flow {flow_name!r} take no config (flows with one: "
-                f"{', '.join(sorted(_FLOW_CONFIGS))})"
+                f"{', '.join(sorted(FLOW_CONFIGS))})"
             )
         params = {"config": _load_config(cls, config_file).model_dump(mode="json", exclude_unset=True)}
-    _prefect_env(verbose)
+    _prefect_env(verbose, reuse_local_server=True)
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():  # Prefect would start a throw-away server that holds no deployment
+        _fail(
+            f"no Prefect server to trigger {deployment!r} on: PREFECT_API_URL is not set and no server answers at "
+            f"{local_api_url()}. Start one (`prefect server start`), serve the deployments on it "
+            f"(`PREFECT_API_URL={local_api_url()} trakflow serve`), then trigger (or set PREFECT_API_URL to your "
+            "server)",
+            1,
+        )
+    url = str(PREFECT_API_URL.value())
+    reason = unreachable(url.rstrip("/") + "/health")
+    if reason is not None:  # Prefect's client would retry for seconds, then raise a long traceback
+        _fail(
+            f"the Prefect API at {url} cannot be reached ({reason}): start the server (`prefect server start`) or "
+            "set PREFECT_API_URL to one that answers",
+            1,
+        )
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
 
     try:
         fr = run_deployment(deployment, parameters=params, timeout=None if wait else 0)
     except ObjectNotFound:
-        names = _deployment_names()
+        names = deployment_names()
         _fail(
             f"no deployment {deployment!r} on {os.environ.get('PREFECT_API_URL') or 'the ephemeral server'}; "
             + (f"available: {', '.join(names)}" if names else "none is registered (start `trakflow serve`)")
         )
     console.print(f"flow run {fr.name} ({fr.id}): {fr.state.name if fr.state else 'scheduled'}")
     if wait and fr.state and not fr.state.is_completed():
-        _fail(_failure_line(fr.state), 1)
+        _fail(failure_line(fr.state), 1)
+
+
+@contextlib.contextmanager
+def _store_metadata(store: str) -> Iterator[None]:
+    """A store whose trakflow metadata (the root group's ``trakflow`` attributes) does not parse: one line per
+    bad field, naming the store, exit 1 (the store is damaged, not the command)."""
+    from pydantic import ValidationError
+
+    try:
+        yield
+    except ValidationError as e:
+        if e.title != "StoreMetadata":
+            raise
+        _fail(
+            validation_lines(e, f"store {store}: malformed trakflow metadata (root zarr.json, attribute 'trakflow'): "),
+            1,
+        )
 
 
 from trakflow_cli.verify import verify as _verify  # noqa: E402  (trakflow verify STORE [--repair])
 
-app.command("verify")(_verify)
+
+@app.command("verify")
+@functools.wraps(_verify)
+def verify(**kwargs) -> None:
+    with _store_metadata(kwargs["store"]):
+        _verify(**kwargs)
+
+
 from trakflow_cli.query import query as _query  # noqa: E402  (trakflow query STORE_OR_CONFIG --inputs FILE)
 
 app.command("query")(_query)

@@ -32,6 +32,9 @@ def _param(p) -> str:  # a (typer-vendored) click parameter
 def reference() -> str:
     group = typer.main.get_command(app)
     lines = ["| command | what it does |", "|---|---|"]
+    for p in group.params:  # options of every command: `trakflow --debug run ...`
+        if p.name != "help":
+            lines.append(f"| `trakflow {_param(p)} COMMAND ...` | {(p.help or '').replace('|', chr(92) + '|')} |")
     for name in sorted(group.commands):
         cmd = group.commands[name]  # type: ignore[attr-defined]
         usage = " ".join(["trakflow", name] + [_param(p) for p in cmd.params if p.name != "help"])
