@@ -26,9 +26,9 @@ from examples import tiny
 from tasks import core
 from tasks.common import should_retry
 from tasks.config import AttributeConfig
+from trak_core.compat.traker import TRAKer
 from trak_core.errors import BadInputError, StoreDamageError, StoreMismatchError
 from trak_core.store import TrakStore
-from trak_core.traker import TRAKer
 from trak_core.verify import repair_store, verify_location, verify_store
 
 SHARD, CHUNK = 16, 8

@@ -1,8 +1,7 @@
 """trak_core: TRAK data attribution as a pure library (no Prefect here)."""
 
-__version__ = "0.1.0"
-
-from .errors import (  # noqa: E402
+from .alpha import Alpha
+from .errors import (
     BadInputError,
     IllConditionedWarning,
     NonFiniteGradientError,
@@ -11,8 +10,8 @@ from .errors import (  # noqa: E402
     StoreMismatchError,
     TrakError,
 )
-from .gradients import AbstractGradientComputer, FunctionalGradientComputer, IterativeGradientComputer, vectorize  # noqa: E402
-from .modelout import (  # noqa: E402
+from .gradients import AbstractGradientComputer, FunctionalGradientComputer, IterativeGradientComputer, vectorize
+from .modelout import (
     TASK_TO_MODELOUT,
     AbstractModelOutput,
     CLIPModelOutput,
@@ -20,7 +19,7 @@ from .modelout import (  # noqa: E402
     IterativeImageClassificationModelOutput,
     TextClassificationModelOutput,
 )
-from .projectors import (  # noqa: E402
+from .projectors import (
     AbstractProjector,
     BasicProjector,
     BasicSingleBlockProjector,
@@ -29,15 +28,11 @@ from .projectors import (  # noqa: E402
     ProjectionType,
     make_projector,
 )
-from .store import StoreMetadata, TrakStore  # noqa: E402
-from .traker import TRAKer  # noqa: E402
-
-try:  # written in parallel; optional until it lands
-    from .alpha import Alpha  # noqa: E402,F401
-except ImportError:  # pragma: no cover
-    pass
+from .store import StoreMetadata, TrakStore
+from .version import __version__
 
 __all__ = [
+    "__version__",
     "TRAKer",
     "AbstractModelOutput",
     "ImageClassificationModelOutput",
@@ -68,25 +63,22 @@ __all__ = [
     "Alpha",
 ]
 
-# traker 0.3.2's remaining names (trak_core/compat.py, trak_core/utils.py) and the ``trak`` alias
-from .compat import (  # noqa: E402
-    AbstractSaver,
+# traker 0.3.2's names: the adapter package (imported here; no core module imports it)
+from .compat import (
     AbstractScoreComputer,
     BasicScoreComputer,
     BasicSingleBlockScoreComputer,
     ChunkedCudaProjector,
     CudaProjector,
-    MmapSaver,
+    TRAKer,
     install_trak_alias,
+    test_install,
 )
-from .errors import InputAssertionError, ModelIDException, StateAssertionError  # noqa: E402
-from .utils import test_install  # noqa: E402
+from .errors import InputAssertionError, ModelIDException, StateAssertionError
 
 __all__ += [
     "CudaProjector",
     "ChunkedCudaProjector",
-    "AbstractSaver",
-    "MmapSaver",
     "AbstractScoreComputer",
     "BasicScoreComputer",
     "BasicSingleBlockScoreComputer",

@@ -145,7 +145,7 @@ from torch import Tensor, nn
 from . import counter_rng
 from .errors import BadInputError
 from .gradients import grad_param_names, vectorize
-from .projectors import AbstractProjector, ProjectionType, as_proj_type, check_dims
+from .projector_base import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
 FLAT = "__flat__"
 # a small block (at most PAIRS_MAX_WEIGHTS weights and biases) whose paired projection costs at most

@@ -8,7 +8,7 @@ Differences from traker 0.3.2, on purpose:
 * bad input raises a clear exception before anything is written (traker asserts or logs and goes on); where
   traker asserted, the exception is also an ``AssertionError`` carrying traker's message;
 * ``saver=`` / ``score_computer=``: traker's defaults (``MmapSaver``, ``BasicScoreComputer``) are accepted,
-  ``BasicSingleBlockScoreComputer`` means the plain inverse, other classes are refused (trak_core/compat.py);
+  ``BasicSingleBlockScoreComputer`` means the plain inverse, other classes are refused;
 * the default projector is the factored per-layer projection (featurize + finalize 28× traker's fastest CPU
   configuration on a 400k-parameter MLP, within 0.02 LDS of dense on 9 evaluation cases; dense Rademacher for
   models it cannot factor); the matrices come
@@ -34,15 +34,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .compat import check_saver, score_computer_settings
-from .errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
-from .featurize import Featurizer
-from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
-from .modelout import AbstractModelOutput, resolve_task
-from .projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
-from .reduce import ensure_partial, features_rows, finalize_model, finalize_scores
-from .scoring import CURVATURES, check_lambda
-from .store import StoreMetadata, TrakStore
+from ..errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
+from ..featurize import Featurizer
+from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
+from ..modelout import AbstractModelOutput, resolve_task
+from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
+from ..reduce import ensure_partial, features_rows, finalize_model, finalize_scores
+from ..scoring import CURVATURES, check_lambda
+from ..store import StoreMetadata, TrakStore
+from .savers import check_saver
+from .score_computers import score_computer_settings
 
 #: TRAKer's default lambda_reg (traker 0.3.2: 0.0); see parse_lambda_reg and RESULTS.md "Attribution quality"
 DEFAULT_LAMBDA_REG = "adaptive"
@@ -141,7 +142,7 @@ class TRAKer:
         self.logger = logging.getLogger("trakflow")
         self.logger.setLevel(logging_level)
         # traker's defaults (MmapSaver, BasicScoreComputer) are what our store and scoring do; any other
-        # saver / score computer is refused with what to use instead (trak_core/compat.py)
+        # saver / score computer is refused with what to use instead (compat.savers, compat.score_computers)
         check_saver(saver)
         if lambda_reg is None:  # the default: adaptive damping; none where the score computer is the plain inverse
             plain = score_computer_settings(score_computer, 0.0).get("rescale_inverse") is False
