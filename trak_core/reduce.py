@@ -523,6 +523,15 @@ def solve_model(
     return inv.numpy(), info
 
 
+def finalized_settings(info: dict | None) -> tuple[Any, bool | None]:
+    """(λ setting, rescale) that a finalize record (:func:`solve_model`'s ``info``) says the inverse was computed
+    with; (None, None) for no record."""
+    if info is None:
+        return None, None
+    had = info.get("lambda_setting", info.get("lambda_reg"))
+    return (None if had is None else parse_lambda_reg(had).setting), info.get("rescale")
+
+
 def features_rows(store: TrakStore, model_id: int, a: int = 0, b: int | None = None) -> np.ndarray:
     """traker's features Φ = X A of train rows [a, b) of a finalized ``model_id`` ((b − a, p) float32), computed
     on demand from the stored gradients and inverse (the store keeps no Φ)."""

@@ -34,14 +34,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .. import engine
 from ..errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
 from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
 from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
-from ..reduce import ensure_partial, features_rows, finalize_model, finalize_scores
 from ..scoring import CURVATURES, check_lambda
-from ..store import StoreMetadata, TrakStore
 from .savers import check_saver
 from .score_computers import score_computer_settings
 
@@ -196,18 +195,18 @@ class TRAKer:
         self.proj_dim = projector.proj_dim
         self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
 
-        self.metadata = StoreMetadata.from_projector(
-            projector.spec(),
+        self.metadata = engine.store_metadata(
+            projector,
             train_set_size=self.train_set_size,
             dtype="float16" if use_half_precision else "float32",
+            task=self.task,
             chunk_rows=chunk_rows,
             shard_rows=shard_rows,
-            task=type(self.task).__name__,
             curvature=curvature,
         )
         self.save_dir = str(save_dir)
         self.load_from_save_dir = load_from_save_dir
-        self.store = TrakStore.create_or_open(self.save_dir, self.metadata, storage_options)
+        self.store = engine.open_run(self.save_dir, self.metadata, storage_options)
         self.featurizer = Featurizer(model, self.task, projector, gradient_computer, self.grad_wrt, self.device)
         self.gradient_computer = self.featurizer.gradient_computer
         self.ckpt_loaded: int | None = None
@@ -232,7 +231,7 @@ class TRAKer:
         pend, self._pending = self._pending, None
         if pend is not None:
             x, q = np.concatenate(pend["x"]), np.concatenate(pend["q"])
-            self.store.write_train_rows(pend["mid"], slice(pend["start"], pend["stop"]), x, q)
+            engine.write_rows(self.store, pend["mid"], slice(pend["start"], pend["stop"]), x, q)
             if self._partials_while_featurizing():
                 self._collect_shard_rows(pend["mid"], pend["start"], x, q)
 
@@ -264,7 +263,8 @@ class TRAKer:
             if b == sb:
                 self._shard_run = None
                 if self.store.shard_featurized(mid, s):
-                    ensure_partial(self.store, mid, s, self.device, np.concatenate(run["x"]), np.concatenate(run["q"]))
+                    x_s, q_s = np.concatenate(run["x"]), np.concatenate(run["q"])
+                    engine.complete_shard(self.store, mid, s, self.device, x_s, q_s)
 
     def __del__(self) -> None:
         try:
@@ -276,11 +276,11 @@ class TRAKer:
         """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
         self._flush_rows()
         self._shard_run = None
-        self.store.init_model(model_id)
-        if not self.load_from_save_dir and model_id not in self._started_over:
-            # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here,
-            # never reusing gradients (or features, targets, scores) of another checkpoint
-            self.store.reset_model(model_id)
+        # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here (once
+        # per instance), never reusing gradients (or features, targets, scores) of another checkpoint
+        start_over = not self.load_from_save_dir and model_id not in self._started_over
+        engine.plan_model(self.store, model_id, start_over=start_over)
+        if start_over:
             self._started_over.add(model_id)
         self.featurizer.load_state(checkpoint)
         self.ckpt_loaded = model_id
@@ -322,11 +322,7 @@ class TRAKer:
                 "Load a checkpoint using traker.load_checkpoint before featurizing "
                 "(call load_checkpoint(state_dict, model_id=...) first)"
             )
-        if self.store.is_finalized(mid):
-            raise StateError(
-                f"model_id={mid} is already finalized; featurizing it again would make its features "
-                "stale. Use a new model_id or a new store."
-            )
+        engine.require_not_finalized(self.store, mid)
         self.task.validate_batch(batch)
         inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
         pend = self._pending
@@ -349,7 +345,7 @@ class TRAKer:
         if rows.size == 0 or rows[-1] - rows[0] + 1 != rows.size:  # not one run of rows: written now
             self._flush_rows()
             self._shard_run = None
-            self.store.write_train_rows(mid, rows, x, q)
+            engine.write_rows(self.store, mid, rows, x, q)
             return
         start, stop = int(rows[0]), int(rows[-1]) + 1
         if pend is None or pend["stop"] != start:
@@ -380,28 +376,22 @@ class TRAKer:
                     f"Model ID {mid} not registered, not ready for finalizing: load_checkpoint and featurize it first"
                 )
         for mid in ids:
-            if self.store.is_finalized(mid):
+            _, skipped, _ = engine.finalize(self.store, mid, self.lambda_reg, self.rescale_inverse, self.device)
+            if skipped:
                 self.logger.warning("model_id=%s already finalized, skipping", mid)
-                continue
-            finalize_model(self.store, mid, self.lambda_reg, self.rescale_inverse, device=self.device)
         self._last_ind = 0
 
     def features(self, model_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """traker's features Φ = X A of train rows [start, stop) of a finalized ``model_id``, (rows, proj_dim)
         float32, computed on demand from the stored gradients and inverse."""
         self._flush_rows()
-        if not self.store.has_model(model_id) or not self.store.is_finalized(model_id):
-            raise StateError(f"model_id={model_id} is not finalized; call finalize_features first")
-        return features_rows(self.store, model_id, start, stop)
+        return engine.features(self.store, model_id, start, stop)
 
     # ------------------------------------------------------------------ scoring
     def start_scoring_checkpoint(self, exp_name: str, checkpoint: dict, model_id: int, num_targets: int) -> None:
         """Begin computing target gradients of experiment ``exp_name`` for checkpoint ``model_id``."""
         self._flush_rows()
-        if not self.store.is_finalized(model_id):
-            raise StateError(f"model_id={model_id} is not finalized; call finalize_features first")
-        self.store.init_experiment(exp_name, num_targets)
-        self.store.init_experiment_model(exp_name, model_id)
+        engine.begin_targets(self.store, exp_name, model_id, num_targets)
         self.featurizer.load_state(checkpoint)
         self.current_experiment_name = exp_name
         self.current_model_id = model_id
@@ -415,9 +405,7 @@ class TRAKer:
             raise StateError("call start_scoring_checkpoint(...) before score(...)")
         self.task.validate_batch(batch)
         inds = self._resolve_inds(batch, inds, num_samples, "_last_ind_target", self.store.num_targets(exp))
-        order = np.argsort(inds)
-        g = self.featurizer.target_features(batch, mid, inds)
-        self.store.write_target_rows(exp, mid, inds[order], g[order])
+        engine.target_rows(self.store, self.featurizer, exp, mid, batch, inds)
 
     def finalize_scores(
         self, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
@@ -428,6 +416,5 @@ class TRAKer:
             model_ids = list(model_ids)
             if not model_ids:
                 raise InputAssertionError("No model IDs to finalize scores for (model_ids is empty)")
-        self.store.experiment(exp_name)  # unknown experiment → clear error
-        self.scores = finalize_scores(self.store, exp_name, model_ids, allow_skip)
+        self.scores = engine.score_all(self.store, exp_name, model_ids, allow_skip)
         return self.scores
