@@ -2,7 +2,7 @@
 
 Scores are X (A Gᵀ): per checkpoint, finalize solves A = (XᵀX + λI)⁻¹ (p × p, nothing per row), the targets
 are multiplied by it once (G A, :func:`solve_targets`) and the stored gradients X are streamed against it
-(:func:`trak_core.streaming.stream_scores` with ``rows_array="grads"``). The features Φ = X A of traker are
+(:func:`trak_core.streaming.stream_scores`). The features Φ = X A of traker are
 never stored; :func:`features_rows` computes them for the rows a caller asks for.
 
 Memory is O(block × (p + m) + p²) whatever the number of train rows n.
@@ -757,9 +757,7 @@ def score_rows(
     next block while multiplying this one (:func:`trak_core.streaming.stream_scores`)."""
     with store.pinned():
         right = targets if targets is not None else load_solved(store, exp_name, model_ids)
-        stream_scores(
-            store, exp_name, model_ids, a, b, right, block_rows=block_rows, progress=progress, rows_array="grads"
-        )
+        stream_scores(store, exp_name, model_ids, a, b, right, block_rows=block_rows, progress=progress)
 
 
 def unscored_ranges(store: TrakStore, exp_name: str, a: int, b: int) -> list[tuple[int, int]]:
@@ -788,8 +786,6 @@ def finalize_scores(
         n = store.meta.train_set_size
         store.reset_scores(exp_name)  # a new combination: recompute all rows
         out = page_array((n, store.num_targets(exp_name)), np.float32)
-        stream_scores(
-            store, exp_name, used, 0, n, right, block_rows=block_rows, out=out, progress=progress, rows_array="grads"
-        )
+        stream_scores(store, exp_name, used, 0, n, right, block_rows=block_rows, out=out, progress=progress)
         store.set_scored_with(exp_name, used)
     return out
