@@ -292,8 +292,9 @@ def finalize(
     Returns:
         (the finalize record, whether it was there already, the texts of the warnings issued).
     """
-    if store.is_finalized(model_id):
-        return store.finalize_info(model_id), True, ()
+    recorded = store.finalize_info(model_id) if store.has_model(model_id) else None  # as store.is_finalized
+    if recorded is not None:
+        return recorded, True, ()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         info = finalize_model(store, model_id, lambda_reg, rescale, device=device)
