@@ -1,4 +1,4 @@
-"""The GPU kernels check themselves before their first use in a process (issue 12, item 8).
+"""The GPU kernels check themselves before their first use in a process.
 
 A CUDA projector whose kernels have never run on this GPU (new architecture, new driver, a miscompile)
 must not give wrong projections silently. Before its first projection with the kernel backend, each

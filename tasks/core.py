@@ -94,7 +94,7 @@ def _check_batch(task, data: tuple, rows: int, field: str) -> None:
         raise _prefixed(field, e) from None
 
 
-#: rows per block of the NaN/inf check: its temporaries stay O(block), not O(n) (issue 15, item 4)
+#: rows per block of the NaN/inf check: its temporaries stay O(block), not O(n)
 FINITE_CHECK_ROWS = 65_536
 
 

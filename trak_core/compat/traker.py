@@ -84,7 +84,7 @@ def check_device(device) -> str:
 
 
 def default_projector(model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None) -> AbstractProjector:
-    """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md, issue 5); the dense
+    """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md); the dense
     Rademacher projection, with a one-line warning, for models it cannot factor."""
     try:
         return make_projector(
