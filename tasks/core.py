@@ -5,7 +5,6 @@ too, and returns a manifest. Every step returns ``skipped=True`` when the store 
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ from trak_core.errors import BadInputError
 from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
 from trak_core.lds import array_fingerprint
-from trak_core.memory import check_task_memory, estimate_task_memory
 from trak_core.projectors import make_projector
 from trak_core.store import StoreMetadata, TrakStore
 from trak_core.streaming import score_task_ranges
@@ -114,29 +112,6 @@ def _check_finite(data: tuple, field: str) -> None:
                 )
 
 
-def check_memory(config: AttributeConfig, meta: StoreMetadata, model: torch.nn.Module, num_targets: int) -> None:
-    """Refuse, before the store is created, a proj_dim / shard_size / batch_size / chunk setting whose task
-    cannot fit in the available memory (trak_core.memory; BadInputError naming the field and the estimate)."""
-    params = list(model.parameters())
-    itemsize = meta.np_dtype.itemsize
-    check_task_memory(
-        estimate_task_memory(
-            train_set_size=meta.train_set_size,
-            grad_dim=meta.grad_dim,
-            proj_dim=meta.proj_dim,
-            num_params=sum(p.numel() for p in params),
-            batch_size=config.batch_size,
-            shard_rows=meta.shard_rows,
-            dtype_bytes=itemsize,
-            chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
-            model_bytes=max((p.element_size() for p in params), default=4),
-            num_targets=num_targets,
-            curvature=meta.curvature,
-        ),
-        projector=config.projector,
-    )
-
-
 # ---------------------------------------------------------------------------- plan
 @dataclass(frozen=True)
 class CheckedInputs:
@@ -202,7 +177,9 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
             f"proj_dim: {meta.proj_dim} ≥ number of train examples n={n} makes XᵀX singular "
             "(scores would be noise); use a proj_dim well below n, or lambda_reg > 0"
         )
-    check_memory(config, meta, model, int(targets[0].shape[0]))
+    engine.check_memory(
+        meta, model, batch_size=config.batch_size, num_targets=int(targets[0].shape[0]), projector=config.projector
+    )
     checkpoints = config.checkpoint_paths
     for i, path in enumerate(checkpoints):
         sd = load_checkpoint(path, "cpu", field=f"checkpoints[{i}]")

@@ -8,13 +8,19 @@ writes besides arrays) live here; the math is in :mod:`trak_core.reduce` and :mo
 
 from __future__ import annotations
 
+import hashlib
+import math
+import os
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+import torch
 
 from .errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
 from .featurize import Featurizer
+from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory
 from .projector_base import AbstractProjector
 from .reduce import (
     ensure_partial,
@@ -29,7 +35,7 @@ from .reduce import (
     usable_models,
 )
 from .scoring import parse_lambda_reg
-from .store import StoreMetadata, TrakStore
+from .store import StoreLock, StoreMetadata, TrakStore, check_writable
 
 Progress = Callable[[int], None] | None
 
@@ -70,9 +76,148 @@ def store_metadata(
     )
 
 
+def check_memory(
+    meta: StoreMetadata, model: torch.nn.Module, *, batch_size: int, num_targets: int = 0, projector: str = ""
+) -> None:
+    """Refuse (BadInputError naming the field and the estimate), before the store is created, settings whose
+    featurize or finalize step cannot fit in the available memory (:mod:`trak_core.memory`)."""
+    params = list(model.parameters())
+    itemsize = meta.np_dtype.itemsize
+    check_task_memory(
+        estimate_task_memory(
+            train_set_size=meta.train_set_size,
+            grad_dim=meta.grad_dim,
+            proj_dim=meta.proj_dim,
+            num_params=sum(p.numel() for p in params),
+            batch_size=batch_size,
+            shard_rows=meta.rows_per_shard,
+            dtype_bytes=itemsize,
+            chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
+            model_bytes=max((p.element_size() for p in params), default=4),
+            num_targets=num_targets,
+            curvature=meta.curvature,
+        ),
+        projector=projector,
+    )
+
+
+def check_featurize_memory(
+    meta: StoreMetadata, model: torch.nn.Module, *, rows_held: int, partials: bool, projector: str = ""
+) -> None:
+    """Refuse (BadInputError naming proj_dim and the estimate), before the store is created, a projection whose
+    featurizing cannot fit in the available memory, for a caller that holds ``rows_held`` projected rows at once
+    and, with ``partials``, computes each shard's XᵀX partial while featurizing (TRAKer, batch by batch)."""
+    params = list(model.parameters())
+    p, itemsize = meta.proj_dim, meta.np_dtype.itemsize
+    terms = [
+        Term("model and its state_dict", "model", 3 * sum(x.numel() * x.element_size() for x in params)),
+        Term(f"projected rows held ({rows_held} × proj_dim={p})", "proj_dim", rows_held * p * (8 + itemsize)),
+        Term("Zarr chunk buffers", "chunk_rows", 2 * math.prod(meta.row_chunks(p, itemsize)) * itemsize),
+    ]
+    if partials:
+        terms.append(Term(f"XᵀX partial (proj_dim² = {p}² float64)", "proj_dim", 2 * p * p * 8))
+    check_task_memory([TaskMemory("featurize", tuple(terms))], projector=projector)
+
+
+def check_finalize_memory(meta: StoreMetadata, num_targets: int = 0) -> None:
+    """Refuse (BadInputError naming the field) a finalize step that cannot fit in the available memory."""
+    itemsize = meta.np_dtype.itemsize
+    _, fin = estimate_task_memory(
+        train_set_size=meta.train_set_size,
+        grad_dim=meta.grad_dim,
+        proj_dim=meta.proj_dim,
+        num_params=0,
+        batch_size=1,
+        shard_rows=meta.rows_per_shard,
+        dtype_bytes=itemsize,
+        chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
+        num_targets=num_targets,
+        curvature=meta.curvature,
+    )
+    check_task_memory([fin], projector=meta.projector)
+
+
 def open_run(location: str, meta: StoreMetadata, storage_options: dict | None = None) -> TrakStore:
     """The store at ``location`` checked against ``meta``, created when there is none."""
     return TrakStore.create_or_open(location, meta, storage_options)
+
+
+#: the run locks this process holds for its TRAKers: store location → [lock, holders, folders created for it]
+_HELD: dict[str, list] = {}
+_HELD_GUARD = threading.Lock()
+
+
+def _lock_key(location: str) -> str:
+    loc = str(location)
+    return loc if "://" in loc else os.path.abspath(loc)
+
+
+def acquire_store(location: str, run: str) -> None:
+    """Take the run lock of the store at ``location`` (the pipeline's, :class:`~trak_core.store.StoreLock`) for
+    this process, or raise StoreLockedError naming the live holder. Counted: holders in one process share it,
+    and :func:`release_store` removes it after the last one. A new local store's folder is created for the lock
+    file (and removed by :func:`release_store` when the store was never created)."""
+    key = _lock_key(location)
+    with _HELD_GUARD:
+        held = _HELD.get(key)
+        if held is not None:
+            held[1] += 1
+            return
+        created: list[str] = []
+        if "://" not in key:
+            check_writable(key)  # a clear error, before any folder is made
+            probe = key
+            while not os.path.exists(probe):
+                created.append(probe)
+                probe = os.path.dirname(probe)
+            os.makedirs(key, exist_ok=True)
+        lock = StoreLock(location, run)
+        try:
+            lock.acquire()
+        except BaseException:
+            _remove_empty(created)
+            raise
+        _HELD[key] = [lock, 1, created]
+
+
+def release_store(location: str) -> None:
+    """Release one :func:`acquire_store` of this process (the lock file is removed after the last)."""
+    key = _lock_key(location)
+    with _HELD_GUARD:
+        held = _HELD.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0:
+            return
+        del _HELD[key]
+    try:
+        held[0].release()
+    finally:
+        _remove_empty(held[2])
+
+
+def _remove_empty(created: list[str]) -> None:
+    for d in created:  # deepest first; a folder holding anything stays
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
+
+
+def state_fingerprint(state_dict: dict) -> str:
+    """sha256 of a state_dict's tensors (names, dtypes, shapes, values), the identity of a checkpoint given
+    as an object rather than a file."""
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        v = state_dict[name]
+        if torch.is_tensor(v):
+            a = v.detach().cpu().contiguous()
+            h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
+            h.update(a.reshape(-1).view(torch.uint8).numpy().tobytes() if a.numel() else b"")
+        else:
+            h.update(f"{name}|{v!r}|".encode())
+    return h.hexdigest()
 
 
 def check_train_data(store: TrakStore, fingerprint: str) -> None:
@@ -104,10 +249,14 @@ def check_model(
     ones ``model_id`` was planned, featurized or finalized with. A model the store does not hold passes.
 
     Args:
-        checkpoint: ``{"path", "sha256"}`` of the checkpoint (None: not checked).
+        checkpoint: ``{"path", "sha256"}`` of a checkpoint file (the pipeline) or ``{"path", "state_sha256"}``
+            of a state_dict (:func:`state_fingerprint`, TRAKer); compared on the keys both records have
+            (None: not checked).
         lambda_setting: the λ rule's setting (``parse_lambda_reg(x).setting``; None: not checked).
         rescale: traker's rescale of the inverse (checked with ``lambda_setting``).
     """
+    if not isinstance(model_id, (int, np.integer)) or isinstance(model_id, bool) or model_id < 0:
+        raise BadInputError(f"model_id must be a non-negative integer, got {model_id!r}")
     if not store.has_model(model_id):
         return
     if lambda_setting is not None:
@@ -123,8 +272,8 @@ def check_model(
                     f"{want!r}; use a new store (or the same {field})"
                 )
     if checkpoint is not None:
-        old = store.checkpoint_record(model_id)
-        if old is not None and old.get("sha256") != checkpoint["sha256"]:
+        old = store.checkpoint_record(model_id) or {}
+        if any(k in old and k in checkpoint and old[k] != checkpoint[k] for k in ("sha256", "state_sha256")):
             raise StoreMismatchError(
                 f"checkpoints: model_id={model_id} in {store.location} was featurized from {old.get('path')}, "
                 f"but the checkpoint given for it now is {checkpoint.get('path')} with different content; use a "
@@ -295,6 +444,7 @@ def finalize(
     recorded = store.finalize_info(model_id) if store.has_model(model_id) else None  # as store.is_finalized
     if recorded is not None:
         return recorded, True, ()
+    check_finalize_memory(store.meta)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         info = finalize_model(store, model_id, lambda_reg, rescale, device=device)

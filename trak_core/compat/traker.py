@@ -55,10 +55,7 @@ _open_trakers: weakref.WeakSet = weakref.WeakSet()
 @atexit.register
 def _flush_open_trakers() -> None:
     for tr in list(_open_trakers):
-        try:
-            tr._flush_rows()
-        except Exception:  # the rows stay unmarked: featurized again by the next run
-            pass
+        tr._close()
 
 
 def default_device() -> str:
@@ -206,7 +203,25 @@ class TRAKer:
         )
         self.save_dir = str(save_dir)
         self.load_from_save_dir = load_from_save_dir
-        self.store = engine.open_run(self.save_dir, self.metadata, storage_options)
+        # nothing is created before the settings are known to fit in memory; then the store's run lock (as the
+        # pipeline's runs take it: another process on this save_dir is refused), held while this TRAKer lives
+        on_device = torch.device(self.device).type != "cpu"  # see _partials_while_featurizing
+        engine.check_featurize_memory(
+            self.metadata,
+            model,
+            rows_held=proj_max_batch_size
+            + (self.metadata.rows_per_shard if on_device else self.metadata.rows_per_chunk),
+            partials=on_device,
+            projector=projector.kind,
+        )
+        self._locked = False
+        engine.acquire_store(self.save_dir, run=f"TRAKer (pid {os.getpid()})")
+        self._locked = True
+        try:
+            self.store = engine.open_run(self.save_dir, self.metadata, storage_options)
+        except BaseException:
+            self._close()
+            raise
         self.featurizer = Featurizer(model, self.task, projector, gradient_computer, self.grad_wrt, self.device)
         self.gradient_computer = self.featurizer.gradient_computer
         self.ckpt_loaded: int | None = None
@@ -266,10 +281,20 @@ class TRAKer:
                     x_s, q_s = np.concatenate(run["x"]), np.concatenate(run["q"])
                     engine.complete_shard(self.store, mid, s, self.device, x_s, q_s)
 
-    def __del__(self) -> None:
+    def _close(self) -> None:
+        """Write the rows held back, then release the store's run lock (at exit, or when garbage collected)."""
         try:
             self._flush_rows()
         except Exception:  # interpreter shutdown or a closed store: the rows stay unmarked (featurized again)
+            pass
+        if getattr(self, "_locked", False):
+            self._locked = False
+            engine.release_store(self.save_dir)
+
+    def __del__(self) -> None:
+        try:
+            self._close()
+        except Exception:  # interpreter shutdown: a lock left by a dead process is taken over by the next run
             pass
 
     def load_checkpoint(self, checkpoint: dict, model_id: int, _allow_featurizing_already_registered=False) -> None:
@@ -279,10 +304,17 @@ class TRAKer:
         # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here (once
         # per instance), never reusing gradients (or features, targets, scores) of another checkpoint
         start_over = not self.load_from_save_dir and model_id not in self._started_over
-        engine.plan_model(self.store, model_id, start_over=start_over)
+        # the checkpoint's fingerprint is recorded: featurizing another checkpoint into model_id's rows is refused
+        record = {
+            "path": "state_dict given to TRAKer.load_checkpoint",
+            "state_sha256": engine.state_fingerprint(checkpoint),
+        }
+        if not start_over:
+            engine.check_model(self.store, model_id, checkpoint=record)
+        self.featurizer.load_state(checkpoint)  # a state_dict that does not fit the model is refused here
+        engine.plan_model(self.store, model_id, checkpoint=record, start_over=start_over)
         if start_over:
             self._started_over.add(model_id)
-        self.featurizer.load_state(checkpoint)
         self.ckpt_loaded = model_id
         self.current_model_id = model_id
         self._last_ind = 0
