@@ -166,16 +166,12 @@ def acquire_store(location: str, run: str) -> None:
         created: list[str] = []
         if "://" not in key:
             check_writable(key)  # a clear error, before any folder is made
-            probe = key
-            while not os.path.exists(probe):
-                created.append(probe)
-                probe = os.path.dirname(probe)
-            os.makedirs(key, exist_ok=True)
+            created = make_store_dir(key)
         lock = StoreLock(location, run)
         try:
             lock.acquire()
         except BaseException:
-            _remove_empty(created)
+            remove_empty(created)
             raise
         _HELD[key] = [lock, 1, created]
 
@@ -194,11 +190,24 @@ def release_store(location: str) -> None:
     try:
         held[0].release()
     finally:
-        _remove_empty(held[2])
+        remove_empty(held[2])
 
 
-def _remove_empty(created: list[str]) -> None:
-    for d in created:  # deepest first; a folder holding anything stays
+def make_store_dir(path: str) -> list[str]:
+    """Create the local folder ``path`` (for the lock file, before the store exists). Returns the folders
+    created, deepest first (:func:`remove_empty` takes them away again if nothing was written into them)."""
+    created: list[str] = []
+    probe = path
+    while not os.path.exists(probe):
+        created.append(probe)
+        probe = os.path.dirname(probe)
+    os.makedirs(path, exist_ok=True)
+    return created
+
+
+def remove_empty(created: list[str]) -> None:
+    """Remove the folders :func:`make_store_dir` created, deepest first, while they are empty."""
+    for d in created:
         try:
             os.rmdir(d)
         except OSError:
