@@ -1,8 +1,14 @@
-"""A drop-in for traker 0.3.2's ``TRAKer``: same constructor arguments and methods, our store and math.
+"""A drop-in for traker 0.3.2's ``TRAKer``: same constructor arguments and methods, our store and math. A
+stateful adapter over :mod:`trak_core.engine` (the steps the pipeline runs too): it keeps the current model and
+experiment, and the rows of consecutive batches until a chunk is complete.
 
 Differences from traker 0.3.2, on purpose:
 
-* the store is one Zarr group (``save_dir`` may be a path or an fsspec URL), validated on reopen;
+* the store is one Zarr group (``save_dir`` may be a path or an fsspec URL), validated on reopen; a TRAKer holds
+  the store's run lock while it lives (another process's TRAKer or pipeline run on it is refused), and refuses
+  settings that cannot fit in memory before creating anything;
+* each model_id records the fingerprint of the state_dict it was featurized from: loading another checkpoint
+  for it is refused (traker reuses the old features silently), unless ``load_from_save_dir=False``;
 * XᵀX is accumulated in float64 and inverted in float64 (traker: in the storage dtype / float32);
 * singular or badly conditioned XᵀX warns with the condition estimate and the remedy;
 * bad input raises a clear exception before anything is written (traker asserts or logs and goes on); where
