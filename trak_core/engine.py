@@ -34,7 +34,6 @@ from .reduce import (
     unscored_ranges,
     usable_models,
 )
-from .scoring import parse_lambda_reg
 from .store import StoreLock, StoreMetadata, TrakStore, check_writable
 
 Progress = Callable[[int], None] | None
@@ -555,8 +554,3 @@ def is_complete(store: TrakStore, exp_name: str, model_ids: list[int]) -> bool:
         if not (store.has_model(mid) and store.is_finalized(mid) and store.targets_complete(exp_name, mid)):
             return False
     return bool(store.scores_done_mask(exp_name).all())
-
-
-def lambda_setting(lambda_reg) -> object:
-    """The recorded form of a λ rule (what :func:`check_model` compares)."""
-    return parse_lambda_reg(lambda_reg).setting
