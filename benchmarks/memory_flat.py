@@ -32,7 +32,7 @@ model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.L
 proj = None
 if kind != "default":
     from trak_core.projectors import make_projector
-    from trak_core.utils import parameters_to_vector
+    from trak_core.compat.utils import parameters_to_vector
     extra = {"model": model} if kind == "factored" else {}
     proj = make_projector(kind, parameters_to_vector(model.parameters()).numel(), p, **extra)
 tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=n, save_dir=store, device="cpu",

@@ -26,7 +26,7 @@ from torch import Tensor
 from trak_core.errors import BadInputError
 from trak_core.projectors import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
-from .projectors import CudaBackendError
+from .selfcheck import CudaBackendError
 
 _LIMIT = 2**31 - 1
 _CHUNK_SEED_STEP = 7919  # seed offset of the coordinate chunks of a single example above 2**31 elements

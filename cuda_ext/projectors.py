@@ -38,7 +38,7 @@ from trak_core.projectors import (
 )
 
 from . import _build, selfcheck, torch_path
-from .selfcheck import CudaFallbackWarning, CudaSelfCheckWarning
+from .selfcheck import CudaBackendError, CudaFallbackWarning, CudaSelfCheckWarning
 
 __all__ = [
     "CudaFallbackWarning",
@@ -57,12 +57,6 @@ ALGOS = ("auto", "fma", "tc1", "tc2", "tc3")
 BACKENDS = ("auto", "kernel", "torch", "cpu")
 _ALGO_CODE = {"fma": 0, "tc1": 1, "tc2": 2, "tc3": 3}
 _KIND_CODE = {ProjectionType.rademacher: 0, ProjectionType.normal: 1}
-
-
-class CudaBackendError(BadInputError, RuntimeError):
-    """The backend asked for (``backend="kernel"``, ``projector="fast_jl"``) cannot run here: no CUDA, the
-    kernels did not build or failed their self-check. A :class:`~trak_core.errors.BadInputError` (retrying
-    cannot help; the pipeline does not retry it), and a ``RuntimeError`` as it was before."""
 
 
 def _fallback(owner: str, target: str, reason: str) -> None:

@@ -1,4 +1,4 @@
-"""The GPU kernels check themselves before their first use in a process (issue 12, item 8).
+"""The GPU kernels check themselves before their first use in a process.
 
 A CUDA projector whose kernels have never run on this GPU (new architecture, new driver, a miscompile)
 must not give wrong projections silently. Before its first projection with the kernel backend, each
@@ -42,7 +42,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trak_core.errors import BadInputError
+
 __all__ = [
+    "CudaBackendError",
     "CudaFallbackWarning",
     "CudaSelfCheckWarning",
     "Probe",
@@ -55,6 +58,13 @@ __all__ = [
     "TOLERANCE",
     "EXACT_REL",
 ]
+
+
+class CudaBackendError(BadInputError, RuntimeError):
+    """The backend asked for (``backend="kernel"``, ``projector="fast_jl"``) cannot run here: no CUDA, the
+    kernels did not build or failed their self-check. A :class:`~trak_core.errors.BadInputError` (retrying
+    cannot help; the pipeline does not retry it), and a ``RuntimeError`` as it was before."""
+
 
 PROBE_ROWS = 33  # > one 32-row batch tile
 PROBE_COLS = 70_001  # > 2 × 32,768 (three split-K splits), odd: ragged 32/64-coordinate steps

@@ -39,6 +39,7 @@ from typing import Any
 from prefect.futures import wait
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
+from trak_core.engine import make_store_dir, remove_empty
 from trak_core.store import StoreLock
 
 GPU_ENV = "CUDA_VISIBLE_DEVICES"
@@ -497,14 +498,8 @@ def _locked(location: str, root: str, name: str) -> Iterator[None]:
     """The outermost holder's part of :func:`run_lock`: take the store's lock file."""
     from trak_core.errors import StoreLockedError
 
-    created: list[str] = []
     path = _local_dir(location)
-    if path is not None:
-        probe = path
-        while not os.path.exists(probe):
-            created.append(probe)
-            probe = os.path.dirname(probe)
-        os.makedirs(path, exist_ok=True)
+    created = make_store_dir(path) if path is not None else []
     # the lock needs only the location (the store itself may not exist yet: the plan creates it)
     lock = StoreLock(location, name)
     try:
@@ -522,7 +517,7 @@ def _locked(location: str, root: str, name: str) -> Iterator[None]:
                 _held.pop(location, None)
             raise
     except BaseException:
-        _remove_empty(created)
+        remove_empty(created)
         raise
     try:
         yield
@@ -532,12 +527,4 @@ def _locked(location: str, root: str, name: str) -> Iterator[None]:
         finally:
             with _held_lock:
                 _held.pop(location, None)
-            _remove_empty(created)
-
-
-def _remove_empty(created: list[str]) -> None:
-    for d in created:  # deepest first
-        try:
-            os.rmdir(d)
-        except OSError:
-            break
+            remove_empty(created)

@@ -310,7 +310,8 @@ class AttributeConfig(_Base):
     projector: ProjectorKind = _setting(
         "projector",
         "'factored' (per-layer Kronecker projection, the default: fastest, see benchmarks/RESULTS.md), "
-        "'dense' (counter-RNG JL projection), 'sjlt' (sparse JL) or 'noop' (no projection)",
+        "'dense' (counter-RNG JL projection), 'sjlt' (sparse JL), 'noop' (no projection), or any other registered "
+        "projector (e.g. 'fast_jl', TRAK's CUDA projector, where cuda_ext and fast_jl are installed)",
     )
     proj_type: ProjType = _setting("proj_type", "'rademacher' (±1) or 'normal' projection entries")
     proj_seed: NonNegativeInt = _setting("proj_seed", "seed of the projection")

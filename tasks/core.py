@@ -1,50 +1,23 @@
-"""The attribution steps as plain functions over trak_core (no Prefect import; tasks/attribution.py wraps
-them). Each step maps onto the store exactly as trak_core.TRAKer does, so the scores are equal:
-
-* plan: metadata built like ``TRAKer.__init__`` (projector spec, task class name, shard_rows =
-  shard_size, chunk_rows); arrays created once, here, before any fan-out; ``model_id`` = index of the
-  checkpoint in the sorted list;
-* featurize: one call per (model_id, shard), batches of ``batch_size`` from the shard's first row,
-  whole shards written at once, then the shard's XᵀX partial from the rounded rows
-  (``trak_core.reduce.shard_grams``);
-* finalize: ``trak_core.reduce.finalize_model`` (partials summed in shard order, the solve, the inverse);
-* targets: batches of ``batch_size`` from row 0; scores: the targets times each inverse once
-  (``trak_core.reduce.solve_targets``, in ``prepare_scores``), then ``trak_core.reduce.score_rows`` per shard
-  (the stored gradients X times A Gᵀ).
-
-Every step first reads the store and returns ``skipped=True`` when its output is already complete.
+"""The attribution steps of the pipeline as plain functions (no Prefect import; tasks/attribution.py wraps
+them): each reads its inputs from the config, then calls the engine step (trak_core.engine) that TRAKer calls
+too, and returns a manifest. Every step returns ``skipped=True`` when the store already holds its output.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from trak_core.errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
+from trak_core import engine
+from trak_core.errors import BadInputError
 from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
 from trak_core.lds import array_fingerprint
-from trak_core.memory import check_task_memory, estimate_task_memory
 from trak_core.projectors import make_projector
-from trak_core.reduce import (
-    ensure_partial,
-    finalize_model,
-    load_solved,
-    score_rows,
-    shard_grams,
-    shard_row_sums,
-    solve_targets,
-    unscored_ranges,
-    usable_models,
-)
-from trak_core.scoring import parse_lambda_reg
 from trak_core.store import StoreMetadata, TrakStore
 from trak_core.streaming import score_task_ranges
 from trak_core.verify import repair_store, verify_store
@@ -80,19 +53,18 @@ def build_projector(config: AttributeConfig, grad_dim: int, device: str, model: 
 
 
 def build_metadata(config: AttributeConfig, train_set_size: int, model: torch.nn.Module, task) -> StoreMetadata:
-    """The store metadata, built the way trak_core.TRAKer.__init__ builds it."""
+    """The store metadata of the run (:func:`trak_core.engine.store_metadata`, as TRAKer builds it)."""
     try:
         grad_dim = grad_dim_of(model, config.grad_wrt)
     except BadInputError as e:
         raise _prefixed("grad_wrt", e) from None
-    spec = build_projector(config, grad_dim, "cpu", model).spec()
-    return StoreMetadata.from_projector(
-        spec,
+    return engine.store_metadata(
+        build_projector(config, grad_dim, "cpu", model),
         train_set_size=train_set_size,
         dtype=config.dtype,
+        task=task,
         chunk_rows=config.chunk_rows,
         shard_rows=config.shard_size,
-        task=type(task).__name__,
         curvature=config.curvature,
     )
 
@@ -120,7 +92,7 @@ def _check_batch(task, data: tuple, rows: int, field: str) -> None:
         raise _prefixed(field, e) from None
 
 
-#: rows per block of the NaN/inf check: its temporaries stay O(block), not O(n) (issue 15, item 4)
+#: rows per block of the NaN/inf check: its temporaries stay O(block), not O(n)
 FINITE_CHECK_ROWS = 65_536
 
 
@@ -138,29 +110,6 @@ def _check_finite(data: tuple, field: str) -> None:
                 raise BadInputError(
                     f"{field}: NaN or inf in tensor {i} at example indices {bad[:20]}{more}; nothing was written"
                 )
-
-
-def check_memory(config: AttributeConfig, meta: StoreMetadata, model: torch.nn.Module, num_targets: int) -> None:
-    """Refuse, before the store is created, a proj_dim / shard_size / batch_size / chunk setting whose task
-    cannot fit in the available memory (trak_core.memory; BadInputError naming the field and the estimate)."""
-    params = list(model.parameters())
-    itemsize = meta.np_dtype.itemsize
-    check_task_memory(
-        estimate_task_memory(
-            train_set_size=meta.train_set_size,
-            grad_dim=meta.grad_dim,
-            proj_dim=meta.proj_dim,
-            num_params=sum(p.numel() for p in params),
-            batch_size=config.batch_size,
-            shard_rows=meta.shard_rows,
-            dtype_bytes=itemsize,
-            chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
-            model_bytes=max((p.element_size() for p in params), default=4),
-            num_targets=num_targets,
-            curvature=meta.curvature,
-        ),
-        projector=config.projector,
-    )
 
 
 # ---------------------------------------------------------------------------- plan
@@ -228,7 +177,9 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
             f"proj_dim: {meta.proj_dim} ≥ number of train examples n={n} makes XᵀX singular "
             "(scores would be noise); use a proj_dim well below n, or lambda_reg > 0"
         )
-    check_memory(config, meta, model, int(targets[0].shape[0]))
+    engine.check_memory(
+        meta, model, batch_size=config.batch_size, num_targets=int(targets[0].shape[0]), projector=config.projector
+    )
     checkpoints = config.checkpoint_paths
     for i, path in enumerate(checkpoints):
         sd = load_checkpoint(path, "cpu", field=f"checkpoints[{i}]")
@@ -250,27 +201,6 @@ def fingerprint_inputs(inputs: CheckedInputs) -> Fingerprints:
     )
 
 
-#: the pipeline record's fingerprint scheme (trak_core.lds.array_fingerprint); stores without it used the
-#: scheme below (dtype repr instead of dtype.str), still accepted so that their runs resume
-FINGERPRINT_SCHEME = "array_fingerprint"
-
-
-def _fingerprint_v0(data: tuple) -> str:
-    """The data fingerprint stores made before FINGERPRINT_SCHEME was recorded hold (read-only, for the check)."""
-    h = hashlib.sha256()
-    for t in data:
-        a = t.detach().cpu().contiguous().numpy()
-        h.update(str((a.dtype, a.shape)).encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
-
-
-def _same_data(recorded: str | None, data: tuple, fingerprint: str, scheme: str | None) -> bool:
-    if recorded is None or recorded == fingerprint:
-        return True
-    return scheme is None and recorded == _fingerprint_v0(data)
-
-
 def check_against_store(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerprints) -> None:
     """Refuse (StoreMismatchError / BadInputError, naming the field) an existing store made with other
     settings, data, checkpoints, λ or targets, before anything is written. No store: nothing to check."""
@@ -278,66 +208,26 @@ def check_against_store(config: AttributeConfig, inputs: CheckedInputs, prints: 
         return
     store = TrakStore.open(config.store, config.storage_options)
     store.validate(inputs.meta)
-    record = store.pipeline_info()
-    scheme = record.get("fingerprint")
-    if not _same_data(record.get("train_data_sha256"), inputs.train, prints.train_data, scheme):
-        raise StoreMismatchError(
-            f"train_data: the store at {config.store} was featurized with different "
-            "train data (its fingerprint differs); use a new store"
-        )
-    want_lambda = config.settings.lambda_rule.setting
-    for mid, rec in enumerate(prints.checkpoints):
-        if not store.has_model(mid):
-            continue
-        # λ and rescale were recorded when the model was planned (finalize may have begun with them)
-        store.check_feature_settings(mid, want_lambda, config.rescale_inverse)
-        fin = store.finalize_info(mid)
-        if fin is not None:
-            had = fin.get("lambda_setting", fin.get("lambda_reg"))
-            for field, want, have in (
-                ("lambda_reg", want_lambda, None if had is None else parse_lambda_reg(had).setting),
-                ("rescale_inverse", config.rescale_inverse, fin.get("rescale")),
-            ):
-                if have is not None and have != want:
-                    raise StoreMismatchError(
-                        f"{field}: model_id={mid} in {config.store} was finalized with {field}={have!r}, not "
-                        f"{want!r}; use a new store (or the same {field})"
-                    )
-        old = store.checkpoint_record(mid)
-        if old is not None and old.get("sha256") != rec["sha256"]:
-            raise StoreMismatchError(
-                f"checkpoints: model_id={mid} in {config.store} was featurized from {old.get('path')} "
-                f"but checkpoint {mid} in sorted order is now {rec['path']} (different content); "
-                "use a new store or the same checkpoints"
-            )
-    if config.exp_name in store.experiments():
-        recorded = store.target_data_sha256(config.exp_name)
-        if store.num_targets(config.exp_name) != inputs.num_targets or not _same_data(
-            recorded, inputs.targets, prints.target_data, scheme
-        ):
-            raise StoreMismatchError(
-                f"exp_name: experiment {config.exp_name!r} in {config.store} was made "
-                "with other targets; choose a new exp_name"
-            )
+    engine.check_run(store, **_run_records(config, inputs, prints))
+
+
+def _run_records(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerprints) -> dict:
+    """What the engine checks an existing store against, and records in a new one."""
+    return dict(
+        train_data=prints.train_data,
+        checkpoints=prints.checkpoints,
+        lambda_setting=config.settings.lambda_rule.setting,
+        rescale=config.rescale_inverse,
+        exp_name=config.exp_name,
+        num_targets=inputs.num_targets,
+        target_data=prints.target_data,
+    )
 
 
 def create_plan(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerprints) -> Plan:
     """Create (or complete) the store's arrays and records, once, before any fan-out; return the plan."""
-    existing = TrakStore.exists(config.store, config.storage_options)
-    store = TrakStore.create_or_open(config.store, inputs.meta, config.storage_options)
-    if not existing:
-        store.set_pipeline_info({"train_data_sha256": prints.train_data, "fingerprint": FINGERPRINT_SCHEME})
-    for mid, rec in enumerate(prints.checkpoints):
-        store.init_model(mid)
-        if store.checkpoint_record(mid) is None:
-            store.set_checkpoint_record(mid, rec)
-        store.record_feature_settings(mid, config.settings.lambda_rule.setting, config.rescale_inverse)
-    store.init_experiment(config.exp_name, inputs.num_targets)
-    if store.target_data_sha256(config.exp_name) is None:
-        store.set_target_data_sha256(config.exp_name, prints.target_data)
-    for mid in range(len(prints.checkpoints)):
-        store.init_experiment_model(config.exp_name, mid)
-    store.init_scores(config.exp_name)
+    store = engine.open_run(config.store, inputs.meta, config.storage_options)
+    engine.plan_run(store, **_run_records(config, inputs, prints))
     check_chunks(store)
     return _plan_of(config, inputs)
 
@@ -388,53 +278,30 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
     """Projected gradients X and weights Q of one shard of train rows, then its XᵀX partial."""
     t0 = time.perf_counter()
     store = open_store(config)
-    a, b = store.meta.shard_range(shard)
-    if store.shard_featurized(model_id, shard):
-        if not store.partial_done(model_id, shard):
-            ensure_partial(store, model_id, shard, device=config.resolved_device())
-        progress.advance("featurize", b - a)
-        return ShardManifest.timed(t0, True, model_id=model_id, shard=shard, rows=(a, b))
-    if store.is_finalized(model_id):
-        raise StateError(f"model_id={model_id} is finalized but rows {a}..{b - 1} are not featurized")
-    feat = build_featurizer(config, checkpoint, store.meta.grad_dim)
     data = cached_data(config.train_data, "train_data")
-    xs, qs = [], []
-    for s in range(a, b, config.batch_size):
-        e = min(s + config.batch_size, b)
-        try:
-            x, q = feat.featurize([t[s:e] for t in data], model_id, range(s, e))
-        except NonFiniteGradientError:
-            raise  # names the example indices already
-        except BadInputError as err:  # e.g. a label out of range: say which rows
-            raise BadInputError(f"train_data rows {s}..{e - 1} (model_id={model_id}): {err}") from None
-        xs.append(x)
-        qs.append(q)
-        progress.advance("featurize", e - s)
-    x, q = np.concatenate(xs), np.concatenate(qs)
-    store.write_train_rows(model_id, slice(a, b), x, q)
-    part, ggn = shard_grams(store, model_id, shard, x, q, feat.device)  # on the featurizer's GPU if any; XᵀRX too
-    store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, x, q), ggn)
-    return ShardManifest.timed(t0, False, model_id=model_id, shard=shard, rows=(a, b))
+    skipped = engine.featurize_shard(
+        store,
+        model_id,
+        shard,
+        lambda: build_featurizer(config, checkpoint, store.meta.grad_dim),
+        lambda a, b: [t[a:b] for t in data],
+        config.batch_size,
+        device=config.resolved_device(),
+        progress=lambda n: progress.advance("featurize", n),
+    )
+    return ShardManifest.timed(t0, skipped, model_id=model_id, shard=shard, rows=store.meta.shard_range(shard))
 
 
 # ---------------------------------------------------------------------------- finalize
 def finalize_checkpoint(config: AttributeConfig, model_id: int) -> FinalizeManifest:
     """Σ shard partials (in shard order) → A = (XᵀX + λI)⁻¹ of one checkpoint, written to the store."""
     t0 = time.perf_counter()
-    store = open_store(config)
-    if store.is_finalized(model_id):
-        progress.advance("finalize", 1)
-        return FinalizeManifest.timed(t0, True, model_id=model_id, info=store.finalize_info(model_id))
     st = config.settings
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        info = finalize_model(store, model_id, st.lambda_reg, st.rescale_inverse, device=config.resolved_device())
-    for w in caught:  # re-issue (the record hides them) and keep the text in the manifest
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    progress.advance("finalize", 1)
-    return FinalizeManifest.timed(
-        t0, False, model_id=model_id, info=info, warnings=tuple(str(w.message) for w in caught)
+    info, skipped, caught = engine.finalize(
+        open_store(config), model_id, st.lambda_reg, st.rescale_inverse, device=config.resolved_device()
     )
+    progress.advance("finalize", 1)
+    return FinalizeManifest.timed(t0, skipped, model_id=model_id, info=info, warnings=caught)
 
 
 # ---------------------------------------------------------------------------- targets and scores
@@ -442,33 +309,24 @@ def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -
     """Projected gradients G of all targets of the experiment for one checkpoint."""
     t0 = time.perf_counter()
     store = open_store(config)
-    exp = config.exp_name
-    if store.targets_complete(exp, model_id):
-        progress.advance("targets", 1)
-        return TargetsManifest.timed(t0, True, model_id=model_id, exp_name=exp)
-    feat = build_featurizer(config, checkpoint, store.meta.grad_dim)
     data = cached_data(config.target_data, "target_data")
-    m = store.num_targets(exp)
-    gs = []
-    for s in range(0, m, config.batch_size):
-        e = min(s + config.batch_size, m)
-        gs.append(feat.target_features([t[s:e] for t in data], model_id, range(s, e)))
-    store.write_target_rows(exp, model_id, slice(0, m), np.concatenate(gs))
+    skipped = engine.featurize_targets(
+        store,
+        config.exp_name,
+        model_id,
+        lambda: build_featurizer(config, checkpoint, store.meta.grad_dim),
+        lambda a, b: [t[a:b] for t in data],
+        config.batch_size,
+    )
     progress.advance("targets", 1)
-    return TargetsManifest.timed(t0, False, model_id=model_id, exp_name=exp)
+    return TargetsManifest.timed(t0, skipped, model_id=model_id, exp_name=config.exp_name)
 
 
 def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
-    """Which checkpoints are combined, each one's targets times its inverse (G A, written once), and score
-    blocks (whole shards each: ``score_task_rows``, or as many as make the task worth its fixed costs while
-    leaving work for every task slot of the run, :func:`trak_core.streaming.score_task_ranges`). Forgets rows
-    scored with another combination of checkpoints.
-    Call once, before fanning out score_block."""
+    """Which checkpoints are combined (each one's G·A written once, :func:`trak_core.engine.prepare_scores`) and
+    the score blocks (:func:`score_ranges`). Call once, before fanning out score_block."""
     store = open_store(config)
-    exp = config.exp_name
-    used = usable_models(store, exp, model_ids)
-    solve_targets(store, exp, used)
-    store.begin_scores(exp, used)
+    used = engine.prepare_scores(store, config.exp_name, model_ids)
     return ScorePlan(model_ids=tuple(used), blocks=score_ranges(config, store, used))
 
 
@@ -484,17 +342,10 @@ def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -
     """Combined scores of train rows [a, b) against all targets: the rows not yet marked done (a rerun after a
     crash inside the block computes only its shards that were not finished)."""
     t0 = time.perf_counter()
-    store = open_store(config)
-    exp = config.exp_name
-    with store.pinned():  # this task's groups and arrays opened once
-        todo = unscored_ranges(store, exp, a, b)
-        progress.advance("score", (b - a) - sum(e - s for s, e in todo))
-        if not todo:
-            return ScoreBlockManifest.timed(t0, True, rows=(a, b))
-        right = load_solved(store, exp, model_ids)
-        for s, e in todo:
-            score_rows(store, exp, model_ids, s, e, right, progress=lambda rows: progress.advance("score", rows))
-    return ScoreBlockManifest.timed(t0, False, rows=(a, b))
+    skipped = engine.score_block(
+        open_store(config), config.exp_name, model_ids, a, b, progress=lambda n: progress.advance("score", n)
+    )
+    return ScoreBlockManifest.timed(t0, skipped, rows=(a, b))
 
 
 # ---------------------------------------------------------------------------- nothing to do?
@@ -509,13 +360,8 @@ def up_to_date(config: AttributeConfig) -> Plan | None:
     prints = fingerprint_inputs(inputs)
     check_against_store(config, inputs, prints)
     store = TrakStore.open(config.store, config.storage_options, mode="r")
-    exp, model_ids = config.exp_name, list(range(len(inputs.checkpoints)))
-    if exp not in store.experiments() or store.scored_with(exp) != model_ids:
-        return None
-    for mid in model_ids:
-        if not (store.has_model(mid) and store.is_finalized(mid) and store.targets_complete(exp, mid)):
-            return None
-    if not bool(store.scores_done_mask(exp).all()):
+    exp = config.exp_name
+    if not engine.is_complete(store, exp, list(range(len(inputs.checkpoints)))):
         return None
     if not verify_store(store, read_chunks=False).ok:  # a chunk gone since: the plan recomputes it
         return None

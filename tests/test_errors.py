@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trak_core import counter_rng, utils
+from trak_core import counter_rng
+from trak_core.compat import utils
 from trak_core.errors import BadInputError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,8 @@ from torch import nn
 from torch.func import grad, vmap
 
 import trak_core
-from trak_core import counter_rng, factored
+from trak_core import counter_rng
+from trak_core import factored_layout as factored
 from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.factored import (
     LAYOUT_VERSION,

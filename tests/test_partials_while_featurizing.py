@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import trak_core
-from trak_core.traker import TRAKer
+from trak_core.compat.traker import TRAKer
 
 N, CHUNK, SHARD = 150, 8, 32  # 5 shards, the last one short
 

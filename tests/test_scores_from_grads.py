@@ -123,8 +123,6 @@ def test_refusals(tmp_path):
         streaming.scores_from_grads(st, "e", {0: inv[0][:-1]})
     with pytest.raises(ValueError, match="no checkpoint"):
         streaming.scores_from_grads(st, "e", {})
-    with pytest.raises(ValueError, match="rows_array='phi'"):
-        streaming.stream_scores(st, "e", [0], 0, N, {0: torch.zeros(P, M)}, rows_array="phi")
     st.model(0).featurized[0:16] = np.zeros(16, dtype=np.uint8)
     with pytest.raises(StateError, match="model_id=0: 16 of 300 train rows are not featurized"):
         streaming.scores_from_grads(st, "e", inv)

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import trak_core
-from trak_core import counter_rng, factored
+from trak_core import counter_rng
+from trak_core import factored_layout as factored
 from trak_core.errors import BadInputError, NonFiniteGradientError
 from trak_core.factored import OTHER, SIDE_IN, SIDE_OUT, FactoredProjector, factor_key, factor_matrix, model_layout
 from trak_core.featurize import Featurizer

@@ -26,9 +26,9 @@ from examples import tiny
 from tasks import core
 from tasks.common import should_retry
 from tasks.config import AttributeConfig
+from trak_core.compat.traker import TRAKer
 from trak_core.errors import BadInputError, StoreDamageError, StoreMismatchError
 from trak_core.store import TrakStore
-from trak_core.traker import TRAKer
 from trak_core.verify import repair_store, verify_location, verify_store
 
 SHARD, CHUNK = 16, 8
@@ -405,8 +405,10 @@ def test_score_task_of_several_shards_resumes_with_its_unfinished_shards(clean, 
     st = TrakStore.open(cfg.store)
     reduce.score_rows(st, cfg.exp_name, list(sp.model_ids), 0, SHARD)  # the first shard of the first task: done
     calls, advanced = [], []
-    real = core.score_rows
-    monkeypatch.setattr(core, "score_rows", lambda *a, **k: calls.append(a[3:5]) or real(*a, **k))
+    from trak_core import engine
+
+    real = engine.score_rows
+    monkeypatch.setattr(engine, "score_rows", lambda *a, **k: calls.append(a[3:5]) or real(*a, **k))
     monkeypatch.setattr(core.progress, "advance", lambda stage, amount=1: advanced.append((stage, amount)))
     manifests = [core.score_block(cfg, list(sp.model_ids), a, b) for a, b in sp.blocks]
     assert calls == [(SHARD, 2 * SHARD), (32, 64)]

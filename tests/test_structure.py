@@ -1,11 +1,16 @@
 """The layout's rules, checked on the source (every import, function-local ones included):
 trak_core imports neither Prefect nor the pipeline nor cuda_ext, the top-level packages import each other
-without a cycle, and no production module reads a test hook."""
+without a cycle, the modules inside each package too, the core never imports its traker adapter
+(trak_core.compat), no production file is over MAX_LINES lines or cites an issue number, and no production
+module reads a test hook. Each checker is also run on a planted case it must catch."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("trak_core", "tasks", "flows", "cuda_ext", "deployments", "trakflow_cli")
@@ -57,8 +62,6 @@ def test_no_import_cycle_between_top_level_packages():
 
 def test_the_cycle_check_can_fail(monkeypatch):
     """The checker itself finds a planted cycle."""
-    import pytest
-
     planted = {p: set() for p in PACKAGES}
     planted["trak_core"] = {"tasks"}
     planted["tasks"] = {"trak_core"}
@@ -72,3 +75,176 @@ def test_no_test_hook_in_production_code():
         for path in (REPO / package).rglob("*.py"):
             text = path.read_text()
             assert "TRAKFLOW_TEST" not in text, f"{path} reads a test hook"
+
+
+# ---------------------------------------------------------------------------- modules inside a package
+#: being split into a package by another change: their own imports are not checked yet
+BEING_SPLIT = {"trak_core/store.py", "trak_core/verify.py"}
+MAX_LINES = 800
+
+
+def production_files() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (REPO / package).rglob("*.py"))
+
+
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(root: Path, package: str, skip: set[str] = frozenset()) -> dict[str, set[str]]:
+    """{module: modules of the same package it imports}, from every import statement (function-local ones
+    too). ``from X import a`` names module X.a when that is a module of the package, else module X (a name
+    defined in X, a package's ``__init__`` included); relative imports resolve against the importing module."""
+    files = {module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        deps: set[str] = set()
+        if str(path.relative_to(root)) not in skip:
+            base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    deps |= {a.name for a in node.names}
+                elif isinstance(node, ast.ImportFrom):
+                    if node.level:
+                        parent = base[: len(base) - (node.level - 1)]
+                        src = ".".join(parent + ([node.module] if node.module else []))
+                    else:
+                        src = node.module or ""
+                    deps |= {f"{src}.{a.name}" if f"{src}.{a.name}" in files else src for a in node.names}
+        graph[mod] = set()
+        for dep in deps:  # the longest module of the package that the dotted name starts with
+            parts = dep.split(".")
+            for i in range(len(parts), 0, -1):
+                candidate = ".".join(parts[:i])
+                if candidate in files:
+                    if candidate != mod:
+                        graph[mod].add(candidate)
+                    break
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_cycle_among_the_modules_of_a_package(package):
+    cycle = find_cycle(module_graph(REPO, package, BEING_SPLIT))
+    assert cycle is None, f"import cycle in {package}: {' -> '.join(cycle)}"
+
+
+def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        # a bottom-of-file import, as a circle is usually hidden
+        {"pkg/__init__.py": "", "pkg/a.py": "from .b import f\n", "pkg/b.py": "def f():\n    pass\nfrom .a import g\n"},
+        # a function-local import
+        {"pkg/__init__.py": "", "pkg/a.py": "import pkg.b\n", "pkg/b.py": "def f():\n    from pkg import a\n"},
+        # through the package's __init__: a module reading a name the __init__ defines
+        {"pkg/__init__.py": "from .a import x\nVERSION = 1\n", "pkg/a.py": "from . import VERSION\nx = 1\n"},
+        # a subpackage two levels up
+        {
+            "pkg/__init__.py": "",
+            "pkg/c.py": "from .sub.d import y\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/d.py": "from ..c import z\ny = 1\n",
+        },
+    ],
+)
+def test_the_module_cycle_check_can_fail(tmp_path, files):
+    assert find_cycle(module_graph(_plant(tmp_path, files), "pkg")) is not None
+
+
+def test_the_module_cycle_check_accepts_a_one_way_package(tmp_path):
+    """``from . import sub`` names the submodule, not the package: no cycle with an __init__ that imports it."""
+    root = _plant(
+        tmp_path,
+        {"pkg/__init__.py": "from .a import x\n", "pkg/a.py": "from . import b\nx = b.y\n", "pkg/b.py": "y = 1\n"},
+    )
+    assert module_graph(root, "pkg") == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": set()}
+    assert find_cycle(module_graph(root, "pkg")) is None
+
+
+def test_the_core_never_imports_its_traker_adapter():
+    """Only trak_core's __init__ and the adapter's own modules import trak_core.compat."""
+    graph = module_graph(REPO, "trak_core", BEING_SPLIT)
+    bad = [
+        mod
+        for mod, deps in graph.items()
+        if mod != "trak_core"
+        and not mod.startswith("trak_core.compat")
+        and any(d.startswith("trak_core.compat") for d in deps)
+    ]
+    assert not bad, f"core modules import the adapter: {bad}"
+
+
+# ---------------------------------------------------------------------------- file size, issue numbers
+def too_long(paths: list[Path], limit: int = MAX_LINES) -> list[str]:
+    return [f"{p}: {n} lines" for p in paths if (n := len(p.read_text().splitlines())) > limit]
+
+
+#: "issue 12", "issues 3 and 4", "#27" (a number after '#' that is not a colour or a comment's spacing)
+ISSUE_NUMBER = re.compile(r"\bissues? \d+|(?<![\w&#])#\d+\b", re.IGNORECASE)
+
+
+def issue_numbers(paths: list[Path]) -> list[str]:
+    return [
+        f"{p}:{i}: {line.strip()}"
+        for p in paths
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if ISSUE_NUMBER.search(line)
+    ]
+
+
+def test_no_production_file_over_the_line_limit():
+    files = [p for p in production_files() if str(p.relative_to(REPO)) not in BEING_SPLIT]
+    assert not too_long(files), too_long(files)
+
+
+def test_no_issue_numbers_in_production_code():
+    files = [p for p in production_files() if str(p.relative_to(REPO)) not in BEING_SPLIT]
+    found = issue_numbers(files)
+    assert not found, "\n".join(found)
+
+
+def test_the_size_and_issue_checks_can_fail(tmp_path):
+    long = tmp_path / "long.py"
+    long.write_text("x = 1\n" * (MAX_LINES + 1))
+    short = tmp_path / "short.py"
+    short.write_text("x = 1\n" * MAX_LINES)
+    assert too_long([long, short]) == [f"{long}: {MAX_LINES + 1} lines"]
+    cites = tmp_path / "cites.py"
+    cites.write_text('"""Fixed in issue 12."""\n# see #27\nx = 1  # issues 3\ncolour = "#fff"\n')
+    assert [line.split(":")[1] for line in issue_numbers([cites])] == ["1", "2", "3"]

@@ -1,8 +1,7 @@
 """trak_core: TRAK data attribution as a pure library (no Prefect here)."""
 
-__version__ = "0.1.0"
-
-from .errors import (  # noqa: E402
+from .alpha import Alpha
+from .errors import (
     BadInputError,
     IllConditionedWarning,
     NonFiniteGradientError,
@@ -11,17 +10,18 @@ from .errors import (  # noqa: E402
     StoreMismatchError,
     TrakError,
 )
-from .gradients import AbstractGradientComputer, FunctionalGradientComputer, IterativeGradientComputer, vectorize  # noqa: E402
-from .index import QueryResult, TrakIndex  # noqa: E402,F401
-from .modelout import (  # noqa: E402
+from .gradients import AbstractGradientComputer, FunctionalGradientComputer, IterativeGradientComputer, vectorize
+from .index import QueryResult, TrakIndex
+from .modelout import (
     TASK_TO_MODELOUT,
     AbstractModelOutput,
+    CausalLMModelOutput,
     CLIPModelOutput,
     ImageClassificationModelOutput,
     IterativeImageClassificationModelOutput,
     TextClassificationModelOutput,
 )
-from .projectors import (  # noqa: E402
+from .projectors import (
     AbstractProjector,
     BasicProjector,
     BasicSingleBlockProjector,
@@ -30,21 +30,18 @@ from .projectors import (  # noqa: E402
     ProjectionType,
     make_projector,
 )
-from .store import StoreMetadata, TrakStore  # noqa: E402
-from .traker import TRAKer  # noqa: E402
-
-try:  # written in parallel; optional until it lands
-    from .alpha import Alpha  # noqa: E402,F401
-except ImportError:  # pragma: no cover
-    pass
+from .store import StoreMetadata, TrakStore
+from .version import __version__
 
 __all__ = [
+    "__version__",
     "TRAKer",
     "AbstractModelOutput",
     "ImageClassificationModelOutput",
     "TextClassificationModelOutput",
     "CLIPModelOutput",
     "IterativeImageClassificationModelOutput",
+    "CausalLMModelOutput",
     "TASK_TO_MODELOUT",
     "AbstractProjector",
     "NoOpProjector",
@@ -67,27 +64,26 @@ __all__ = [
     "StoreLockedError",
     "IllConditionedWarning",
     "Alpha",
+    "TrakIndex",
+    "QueryResult",
 ]
 
-# traker 0.3.2's remaining names (trak_core/compat.py, trak_core/utils.py) and the ``trak`` alias
-from .compat import (  # noqa: E402
-    AbstractSaver,
+# traker 0.3.2's names: the adapter package (imported here; no core module imports it)
+from .compat import (
     AbstractScoreComputer,
     BasicScoreComputer,
     BasicSingleBlockScoreComputer,
     ChunkedCudaProjector,
     CudaProjector,
-    MmapSaver,
+    TRAKer,
     install_trak_alias,
+    test_install,
 )
-from .errors import InputAssertionError, ModelIDException, StateAssertionError  # noqa: E402
-from .utils import test_install  # noqa: E402
+from .errors import InputAssertionError, ModelIDException, StateAssertionError
 
 __all__ += [
     "CudaProjector",
     "ChunkedCudaProjector",
-    "AbstractSaver",
-    "MmapSaver",
     "AbstractScoreComputer",
     "BasicScoreComputer",
     "BasicSingleBlockScoreComputer",

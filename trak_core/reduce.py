@@ -2,7 +2,7 @@
 
 Scores are X (A Gᵀ): per checkpoint, finalize solves A = (XᵀX + λI)⁻¹ (p × p, nothing per row), the targets
 are multiplied by it once (G A, :func:`solve_targets`) and the stored gradients X are streamed against it
-(:func:`trak_core.streaming.stream_scores` with ``rows_array="grads"``). The features Φ = X A of traker are
+(:func:`trak_core.streaming.stream_scores`). The features Φ = X A of traker are
 never stored; :func:`features_rows` computes them for the rows a caller asks for.
 
 Memory is O(block × (p + m) + p²) whatever the number of train rows n.
@@ -523,6 +523,15 @@ def solve_model(
     return inv.numpy(), info
 
 
+def finalized_settings(info: dict | None) -> tuple[Any, bool | None]:
+    """(λ setting, rescale) that a finalize record (:func:`solve_model`'s ``info``) says the inverse was computed
+    with; (None, None) for no record."""
+    if info is None:
+        return None, None
+    had = info.get("lambda_setting", info.get("lambda_reg"))
+    return (None if had is None else parse_lambda_reg(had).setting), info.get("rescale")
+
+
 def features_rows(store: TrakStore, model_id: int, a: int = 0, b: int | None = None) -> np.ndarray:
     """traker's features Φ = X A of train rows [a, b) of a finalized ``model_id`` ((b − a, p) float32), computed
     on demand from the stored gradients and inverse (the store keeps no Φ)."""
@@ -748,9 +757,7 @@ def score_rows(
     next block while multiplying this one (:func:`trak_core.streaming.stream_scores`)."""
     with store.pinned():
         right = targets if targets is not None else load_solved(store, exp_name, model_ids)
-        stream_scores(
-            store, exp_name, model_ids, a, b, right, block_rows=block_rows, progress=progress, rows_array="grads"
-        )
+        stream_scores(store, exp_name, model_ids, a, b, right, block_rows=block_rows, progress=progress)
 
 
 def unscored_ranges(store: TrakStore, exp_name: str, a: int, b: int) -> list[tuple[int, int]]:
@@ -779,8 +786,6 @@ def finalize_scores(
         n = store.meta.train_set_size
         store.reset_scores(exp_name)  # a new combination: recompute all rows
         out = page_array((n, store.num_targets(exp_name)), np.float32)
-        stream_scores(
-            store, exp_name, used, 0, n, right, block_rows=block_rows, out=out, progress=progress, rows_array="grads"
-        )
+        stream_scores(store, exp_name, used, 0, n, right, block_rows=block_rows, out=out, progress=progress)
         store.set_scored_with(exp_name, used)
     return out

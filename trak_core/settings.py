@@ -13,9 +13,9 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from .errors import BadInputError
+from .projectors import load_projector_plugins, registered_projectors
 from .scoring import LambdaRule, parse_lambda_reg
 
-ProjectorKind = Literal["dense", "sjlt", "factored", "noop"]
 ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
 Curvature = Literal["xtx", "ggn"]
@@ -30,12 +30,24 @@ def normalize_lambda_reg(value: float | str) -> float | str:
         raise BadInputError(f"lambda_reg: {e}") from None
 
 
+def check_projector_kind(kind: str) -> str:
+    """``kind`` when a projector of that name is registered (trak_core's own, those registered on import, the
+    ``trakflow.projectors`` entry points); else an error listing the registered kinds."""
+    if kind not in registered_projectors():
+        load_projector_plugins()
+    if kind not in registered_projectors():
+        raise BadInputError(f"projector: unknown kind {kind!r}; registered: {', '.join(registered_projectors())}")
+    return kind
+
+
 def check_grad_wrt(value: list[str] | None) -> list[str] | None:
     if value is not None and not value:
         raise BadInputError("grad_wrt: an empty list selects no parameter; use null for all parameters")
     return value
 
 
+#: the name of a registered projector (trak_core.projectors.register_projector), e.g. ``"factored"`` or ``"fast_jl"``
+ProjectorKind = Annotated[str, AfterValidator(check_projector_kind)]
 #: a number ≥ 0, ``"auto"``, ``"rel:<f>"``, ``"adaptive"``, ``"deff:<c>"``, ``"resid:<k>"`` or parts joined by ``","``
 #: (trak_core.scoring.parse_lambda_reg)
 LambdaSetting = Annotated[NonNegativeFloat | str, AfterValidator(normalize_lambda_reg)]
@@ -72,5 +84,6 @@ __all__ = [
     "LambdaSetting",
     "GradWrt",
     "normalize_lambda_reg",
+    "check_projector_kind",
     "check_grad_wrt",
 ]

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from . import counter_rng
 from .errors import BadInputError
-from .projectors import AbstractProjector, ProjectionType, as_proj_type, check_dims
+from .projector_base import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
 DEFAULT_C = 4
 

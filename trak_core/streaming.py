@@ -62,8 +62,6 @@ SCORE_TASK_FLOPS = 4e11
 #: that every slot of a run stays busy and uneven task times even out
 MIN_SCORE_TASKS = 16
 TASKS_PER_SLOT = 4
-#: the per-model row arrays :func:`stream_scores` can stream: the projected gradients X (the store keeps no Φ)
-ROWS_ARRAYS = ("grads",)
 
 
 def page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -262,14 +260,13 @@ def stream_scores(
     block_rows: int | None = None,
     out: np.ndarray | None = None,
     progress: Callable[[int], None] | None = None,
-    rows_array: str = "grads",
 ) -> None:
     """Combined scores of train rows [a, b) from ``model_ids``' stored rows and the right-hand matrices
     ``targets`` ((p, m) float32 each), written to the experiment's score array one score chunk at a time, and
     each flag chunk (a shard) marked done once all its score chunks are written.
 
-    ``rows_array``: the per-model row array streamed: ``"grads"``, the projected gradients X, with ``targets`` =
-    W = A Gᵀ from :func:`grads_right_hand` (see :func:`scores_from_grads` and ``trak_core.reduce.solve_targets``).
+    The rows streamed are the stored projected gradients X; ``targets`` are W = A Gᵀ from :func:`grads_right_hand`
+    (see :func:`scores_from_grads` and ``trak_core.reduce.solve_targets``).
     ``block_rows``: rows per GEMM, exactly (default: :func:`score_block_rows`, a remainder below MIN_GEMM_ROWS
     joining the last block of its piece); ``out``: an (n, m) float32 array that also receives the scores (the
     accumulators are its rows: no copy); ``progress(rows)`` as score chunks are written, in the calling thread.
@@ -279,8 +276,6 @@ def stream_scores(
     this thread writes each score chunk once computed, and a shard's flags (one flag chunk per shard: one
     write, not one per block) once its score chunks are written. An error in any thread stops the others and
     is raised here; the rows marked done are those written."""
-    if rows_array not in ROWS_ARRAYS:
-        raise BadInputError(f"rows_array={rows_array!r}: expected one of {ROWS_ARRAYS}")
     if a >= b:
         return
     ids = [int(mid) for mid in model_ids]
@@ -311,7 +306,7 @@ def stream_scores(
     workers = max(1, min(threads, len(pieces)))
     piece_rows = max(e - s for s, e, _ in pieces)
     models = [store.model(mid) for mid in ids]  # open each array once, not per block
-    feats = [getattr(mm, rows_array) for mm in models]
+    feats = [mm.grads for mm in models]
     qs = [mm.out_to_loss for mm in models]
     rights = [targets[mid] for mid in ids]
     staging: dict[int, np.ndarray] = {}  # without ``out``: a segment's scores until it is written
@@ -522,7 +517,7 @@ def scores_from_grads(
     """The experiment's combined scores from the projected gradients X, without features: per checkpoint c
     with inverse A_c (``inverses[c]``, as :func:`trak_core.reduce.solve_model` returns it), W_c = A_c G_cᵀ
     (:func:`grads_right_hand`), then X_c W_c streamed exactly as Φ_c G_cᵀ is (:func:`stream_scores` with
-    ``rows_array="grads"``), combined with Q as :func:`trak_core.scoring.combine_checkpoints`. Returns the
+    the stored gradients), combined with Q as :func:`trak_core.scoring.combine_checkpoints`. Returns the
     (n, m) float32 scores (also stored; the checkpoints in ``inverses``' order are recorded as scored_with).
 
     The scores ``reduce.finalize_scores`` computes from the stored inverses, bit for bit (the inverse rounded to
@@ -553,8 +548,6 @@ def scores_from_grads(
         store.reset_scores(exp_name)  # a new combination: recompute all rows
         if out is None:
             out = page_array((n, store.num_targets(exp_name)), np.float32)
-        stream_scores(
-            store, exp_name, ids, 0, n, right, block_rows=block_rows, out=out, progress=progress, rows_array="grads"
-        )
+        stream_scores(store, exp_name, ids, 0, n, right, block_rows=block_rows, out=out, progress=progress)
         store.set_scored_with(exp_name, ids)
     return out

@@ -1,6 +1,6 @@
 """traker 0.3.2's ``trak.utils`` helpers, with its signatures, working on any device.
 
-``import trak_core.utils`` offers every public function of ``trak.utils`` so that a script written against
+``import trak_core.compat.utils`` offers every public function of ``trak.utils`` so that a script written against
 traker ports by changing the import. Where traker needs CUDA (pinned memory, CUDA streams, fast_jl) these
 fall back to plain torch on whatever device the tensors live on; the results are the same.
 """
@@ -15,7 +15,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import BadInputError
+from ..errors import BadInputError
+from .score_computers import (
+    get_free_memory,
+    get_matrix_mult,
+    get_matrix_mult_blockwise,
+    get_matrix_mult_standard,
+    get_output_memory,
+)
 
 __all__ = [
     "test_install",
@@ -37,12 +44,12 @@ _BUFFER_MARKERS = ("running_mean", "running_var", "num_batches_tracked")
 def test_install(use_fast_jl: bool = True):
     """Featurize a tiny linear model end to end; prints a line when it works.
 
-    ``use_fast_jl=True`` uses the CUDA projector name (:class:`~trak_core.compat.CudaProjector`, our dense
+    ``use_fast_jl=True`` uses the CUDA projector name (:class:`~trak_core.compat.projectors.CudaProjector`, our dense
     projection on any device) on CUDA when a GPU is present, else on CPU; ``False`` uses the identity
     projection on CPU, as traker does.
     """
-    from .compat import CudaProjector
-    from .projectors import AbstractProjector, NoOpProjector
+    from ..projectors import AbstractProjector, NoOpProjector
+    from .projectors import CudaProjector
     from .traker import TRAKer
 
     device = "cuda" if (use_fast_jl and torch.cuda.is_available()) else "cpu"
@@ -122,62 +129,6 @@ def vectorize(g, arr=None, device="cuda") -> Tensor:
         arr[:, offset : offset + c.shape[1]] = c.to(arr.device)
         offset += c.shape[1]
     return arr
-
-
-def get_output_memory(features: Tensor, target_grads: Tensor, target_dtype: torch.dtype):
-    """Bytes of the (n_train, n_targets) score matrix in ``target_dtype``."""
-    itemsize = torch.empty((), dtype=target_dtype).element_size()
-    return int(features.size(0)) * int(target_grads.size(0)) * itemsize
-
-
-def get_free_memory(device):
-    """Bytes free for new tensors: reserved-but-unallocated CUDA memory (traker's rule) on a GPU, the
-    available RAM elsewhere."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 0
-
-
-def get_matrix_mult_standard(features: Tensor, target_grads: Tensor, target_dtype: torch.dtype):
-    """``features @ target_grads.T`` in one product, returned as a new ``target_dtype`` tensor."""
-    return (features @ target_grads.t()).to(target_dtype).clone()
-
-
-def get_matrix_mult_blockwise(features: Tensor, target_grads: Tensor, target_dtype: torch.dtype, bs: int):
-    """``features @ target_grads.T`` in (bs × bs) blocks, on the CPU output (traker overlaps the blocks with
-    CUDA streams; the blocks here run on the device of the inputs, a GPU when one holds them)."""
-    n, m = features.shape[0], target_grads.shape[0]
-    bs = max(1, min(n, m, int(bs)))
-    out = torch.empty((n, m), dtype=target_dtype, device="cpu")
-    for i in range(0, n, bs):
-        fi = features[i : i + bs]
-        for j in range(0, m, bs):
-            out[i : i + bs, j : j + bs] = (fi @ target_grads[j : j + bs].t()).to(device="cpu", dtype=target_dtype)
-    return out
-
-
-def get_matrix_mult(
-    features: Tensor,
-    target_grads: Tensor,
-    target_dtype: torch.dtype | None = None,
-    batch_size: int = 8096,
-    use_blockwise: bool = False,
-) -> Tensor:
-    """``features @ target_grads.T`` (n × m), block-wise when asked or when the output would not fit in
-    free memory of the features' device; ``target_dtype`` defaults to the features' dtype."""
-    if target_dtype is None:
-        target_dtype = features.dtype
-    if use_blockwise:
-        return get_matrix_mult_blockwise(features, target_grads, target_dtype, batch_size)
-    if features.device.type == "cpu":
-        return get_matrix_mult_standard(features, target_grads, target_dtype)
-    if get_output_memory(features, target_grads, target_dtype) < get_free_memory(features.device):
-        return get_matrix_mult_standard(features, target_grads, target_dtype)
-    return get_matrix_mult_blockwise(features, target_grads, target_dtype, batch_size)
 
 
 def get_parameter_chunk_sizes(model: torch.nn.Module, batch_size: int):

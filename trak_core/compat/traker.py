@@ -1,14 +1,20 @@
-"""A drop-in for traker 0.3.2's ``TRAKer``: same constructor arguments and methods, our store and math.
+"""A drop-in for traker 0.3.2's ``TRAKer``: same constructor arguments and methods, our store and math. A
+stateful adapter over :mod:`trak_core.engine` (the steps the pipeline runs too): it keeps the current model and
+experiment, and the rows of consecutive batches until a chunk is complete.
 
 Differences from traker 0.3.2, on purpose:
 
-* the store is one Zarr group (``save_dir`` may be a path or an fsspec URL), validated on reopen;
+* the store is one Zarr group (``save_dir`` may be a path or an fsspec URL), validated on reopen; a TRAKer holds
+  the store's run lock while it lives (another process's TRAKer or pipeline run on it is refused), and refuses
+  settings that cannot fit in memory before creating anything;
+* each model_id records the fingerprint of the state_dict it was featurized from: loading another checkpoint
+  for it is refused (traker reuses the old features silently), unless ``load_from_save_dir=False``;
 * XᵀX is accumulated in float64 and inverted in float64 (traker: in the storage dtype / float32);
 * singular or badly conditioned XᵀX warns with the condition estimate and the remedy;
 * bad input raises a clear exception before anything is written (traker asserts or logs and goes on); where
   traker asserted, the exception is also an ``AssertionError`` carrying traker's message;
 * ``saver=`` / ``score_computer=``: traker's defaults (``MmapSaver``, ``BasicScoreComputer``) are accepted,
-  ``BasicSingleBlockScoreComputer`` means the plain inverse, other classes are refused (trak_core/compat.py);
+  ``BasicSingleBlockScoreComputer`` means the plain inverse, other classes are refused;
 * the default projector is the factored per-layer projection (featurize + finalize 28× traker's fastest CPU
   configuration on a 400k-parameter MLP, within 0.02 LDS of dense on 9 evaluation cases; dense Rademacher for
   models it cannot factor); the matrices come
@@ -34,15 +40,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .compat import check_saver, score_computer_settings
-from .errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
-from .featurize import Featurizer
-from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
-from .modelout import AbstractModelOutput, resolve_task
-from .projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
-from .reduce import ensure_partial, features_rows, finalize_model, finalize_scores
-from .scoring import CURVATURES, check_lambda
-from .store import StoreMetadata, TrakStore
+from .. import engine
+from ..errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
+from ..featurize import Featurizer
+from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
+from ..modelout import AbstractModelOutput, resolve_task
+from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
+from ..scoring import CURVATURES, check_lambda
+from .savers import check_saver
+from .score_computers import score_computer_settings
 
 #: TRAKer's default lambda_reg (traker 0.3.2: 0.0); see parse_lambda_reg and RESULTS.md "Attribution quality"
 DEFAULT_LAMBDA_REG = "adaptive"
@@ -55,10 +61,7 @@ _open_trakers: weakref.WeakSet = weakref.WeakSet()
 @atexit.register
 def _flush_open_trakers() -> None:
     for tr in list(_open_trakers):
-        try:
-            tr._flush_rows()
-        except Exception:  # the rows stay unmarked: featurized again by the next run
-            pass
+        tr._close()
 
 
 def default_device() -> str:
@@ -84,7 +87,7 @@ def check_device(device) -> str:
 
 
 def default_projector(model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None) -> AbstractProjector:
-    """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md, issue 5); the dense
+    """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md); the dense
     Rademacher projection, with a one-line warning, for models it cannot factor."""
     try:
         return make_projector(
@@ -141,7 +144,7 @@ class TRAKer:
         self.logger = logging.getLogger("trakflow")
         self.logger.setLevel(logging_level)
         # traker's defaults (MmapSaver, BasicScoreComputer) are what our store and scoring do; any other
-        # saver / score computer is refused with what to use instead (trak_core/compat.py)
+        # saver / score computer is refused with what to use instead (compat.savers, compat.score_computers)
         check_saver(saver)
         if lambda_reg is None:  # the default: adaptive damping; none where the score computer is the plain inverse
             plain = score_computer_settings(score_computer, 0.0).get("rescale_inverse") is False
@@ -195,18 +198,36 @@ class TRAKer:
         self.proj_dim = projector.proj_dim
         self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
 
-        self.metadata = StoreMetadata.from_projector(
-            projector.spec(),
+        self.metadata = engine.store_metadata(
+            projector,
             train_set_size=self.train_set_size,
             dtype="float16" if use_half_precision else "float32",
+            task=self.task,
             chunk_rows=chunk_rows,
             shard_rows=shard_rows,
-            task=type(self.task).__name__,
             curvature=curvature,
         )
         self.save_dir = str(save_dir)
         self.load_from_save_dir = load_from_save_dir
-        self.store = TrakStore.create_or_open(self.save_dir, self.metadata, storage_options)
+        # nothing is created before the settings are known to fit in memory; then the store's run lock (as the
+        # pipeline's runs take it: another process on this save_dir is refused), held while this TRAKer lives
+        on_device = torch.device(self.device).type != "cpu"  # see _partials_while_featurizing
+        engine.check_featurize_memory(
+            self.metadata,
+            model,
+            rows_held=proj_max_batch_size
+            + (self.metadata.rows_per_shard if on_device else self.metadata.rows_per_chunk),
+            partials=on_device,
+            projector=projector.kind,
+        )
+        self._locked = False
+        engine.acquire_store(self.save_dir, run=f"TRAKer (pid {os.getpid()})")
+        self._locked = True
+        try:
+            self.store = engine.open_run(self.save_dir, self.metadata, storage_options)
+        except BaseException:
+            self._close()
+            raise
         self.featurizer = Featurizer(model, self.task, projector, gradient_computer, self.grad_wrt, self.device)
         self.gradient_computer = self.featurizer.gradient_computer
         self.ckpt_loaded: int | None = None
@@ -231,7 +252,7 @@ class TRAKer:
         pend, self._pending = self._pending, None
         if pend is not None:
             x, q = np.concatenate(pend["x"]), np.concatenate(pend["q"])
-            self.store.write_train_rows(pend["mid"], slice(pend["start"], pend["stop"]), x, q)
+            engine.write_rows(self.store, pend["mid"], slice(pend["start"], pend["stop"]), x, q)
             if self._partials_while_featurizing():
                 self._collect_shard_rows(pend["mid"], pend["start"], x, q)
 
@@ -263,25 +284,43 @@ class TRAKer:
             if b == sb:
                 self._shard_run = None
                 if self.store.shard_featurized(mid, s):
-                    ensure_partial(self.store, mid, s, self.device, np.concatenate(run["x"]), np.concatenate(run["q"]))
+                    x_s, q_s = np.concatenate(run["x"]), np.concatenate(run["q"])
+                    engine.complete_shard(self.store, mid, s, self.device, x_s, q_s)
 
-    def __del__(self) -> None:
+    def _close(self) -> None:
+        """Write the rows held back, then release the store's run lock (at exit, or when garbage collected)."""
         try:
             self._flush_rows()
         except Exception:  # interpreter shutdown or a closed store: the rows stay unmarked (featurized again)
+            pass
+        if getattr(self, "_locked", False):
+            self._locked = False
+            engine.release_store(self.save_dir)
+
+    def __del__(self) -> None:
+        try:
+            self._close()
+        except Exception:  # interpreter shutdown: a lock left by a dead process is taken over by the next run
             pass
 
     def load_checkpoint(self, checkpoint: dict, model_id: int, _allow_featurizing_already_registered=False) -> None:
         """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
         self._flush_rows()
         self._shard_run = None
-        self.store.init_model(model_id)
-        if not self.load_from_save_dir and model_id not in self._started_over:
-            # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here,
-            # never reusing gradients (or features, targets, scores) of another checkpoint
-            self.store.reset_model(model_id)
+        # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here (once
+        # per instance), never reusing gradients (or features, targets, scores) of another checkpoint
+        start_over = not self.load_from_save_dir and model_id not in self._started_over
+        # the checkpoint's fingerprint is recorded: featurizing another checkpoint into model_id's rows is refused
+        record = {
+            "path": "state_dict given to TRAKer.load_checkpoint",
+            "state_sha256": engine.state_fingerprint(checkpoint),
+        }
+        if not start_over:
+            engine.check_model(self.store, model_id, checkpoint=record)
+        self.featurizer.load_state(checkpoint)  # a state_dict that does not fit the model is refused here
+        engine.plan_model(self.store, model_id, checkpoint=record, start_over=start_over)
+        if start_over:
             self._started_over.add(model_id)
-        self.featurizer.load_state(checkpoint)
         self.ckpt_loaded = model_id
         self.current_model_id = model_id
         self._last_ind = 0
@@ -321,11 +360,7 @@ class TRAKer:
                 "Load a checkpoint using traker.load_checkpoint before featurizing "
                 "(call load_checkpoint(state_dict, model_id=...) first)"
             )
-        if self.store.is_finalized(mid):
-            raise StateError(
-                f"model_id={mid} is already finalized; featurizing it again would make its features "
-                "stale. Use a new model_id or a new store."
-            )
+        engine.require_not_finalized(self.store, mid)
         self.task.validate_batch(batch)
         inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
         pend = self._pending
@@ -348,7 +383,7 @@ class TRAKer:
         if rows.size == 0 or rows[-1] - rows[0] + 1 != rows.size:  # not one run of rows: written now
             self._flush_rows()
             self._shard_run = None
-            self.store.write_train_rows(mid, rows, x, q)
+            engine.write_rows(self.store, mid, rows, x, q)
             return
         start, stop = int(rows[0]), int(rows[-1]) + 1
         if pend is None or pend["stop"] != start:
@@ -379,28 +414,22 @@ class TRAKer:
                     f"Model ID {mid} not registered, not ready for finalizing: load_checkpoint and featurize it first"
                 )
         for mid in ids:
-            if self.store.is_finalized(mid):
+            _, skipped, _ = engine.finalize(self.store, mid, self.lambda_reg, self.rescale_inverse, self.device)
+            if skipped:
                 self.logger.warning("model_id=%s already finalized, skipping", mid)
-                continue
-            finalize_model(self.store, mid, self.lambda_reg, self.rescale_inverse, device=self.device)
         self._last_ind = 0
 
     def features(self, model_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         """traker's features Φ = X A of train rows [start, stop) of a finalized ``model_id``, (rows, proj_dim)
         float32, computed on demand from the stored gradients and inverse."""
         self._flush_rows()
-        if not self.store.has_model(model_id) or not self.store.is_finalized(model_id):
-            raise StateError(f"model_id={model_id} is not finalized; call finalize_features first")
-        return features_rows(self.store, model_id, start, stop)
+        return engine.features(self.store, model_id, start, stop)
 
     # ------------------------------------------------------------------ scoring
     def start_scoring_checkpoint(self, exp_name: str, checkpoint: dict, model_id: int, num_targets: int) -> None:
         """Begin computing target gradients of experiment ``exp_name`` for checkpoint ``model_id``."""
         self._flush_rows()
-        if not self.store.is_finalized(model_id):
-            raise StateError(f"model_id={model_id} is not finalized; call finalize_features first")
-        self.store.init_experiment(exp_name, num_targets)
-        self.store.init_experiment_model(exp_name, model_id)
+        engine.begin_targets(self.store, exp_name, model_id, num_targets)
         self.featurizer.load_state(checkpoint)
         self.current_experiment_name = exp_name
         self.current_model_id = model_id
@@ -414,9 +443,7 @@ class TRAKer:
             raise StateError("call start_scoring_checkpoint(...) before score(...)")
         self.task.validate_batch(batch)
         inds = self._resolve_inds(batch, inds, num_samples, "_last_ind_target", self.store.num_targets(exp))
-        order = np.argsort(inds)
-        g = self.featurizer.target_features(batch, mid, inds)
-        self.store.write_target_rows(exp, mid, inds[order], g[order])
+        engine.target_rows(self.store, self.featurizer, exp, mid, batch, inds)
 
     def finalize_scores(
         self, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
@@ -427,6 +454,5 @@ class TRAKer:
             model_ids = list(model_ids)
             if not model_ids:
                 raise InputAssertionError("No model IDs to finalize scores for (model_ids is empty)")
-        self.store.experiment(exp_name)  # unknown experiment → clear error
-        self.scores = finalize_scores(self.store, exp_name, model_ids, allow_skip)
+        self.scores = engine.score_all(self.store, exp_name, model_ids, allow_skip)
         return self.scores

@@ -1,0 +1,556 @@
+"""The algorithm over a store, written once: plan → featurize → finalize a model → targets → scores.
+
+Both front doors call these functions and nothing else for a step: the pipeline's tasks (tasks/core.py, one
+step per task, fanned out) and :class:`~trak_core.compat.traker.TRAKer` (one step per method call, batch by
+batch). Each step's checks (what the store must hold first, what it must not contradict) and records (what it
+writes besides arrays) live here; the math is in :mod:`trak_core.reduce` and :mod:`trak_core.streaming`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from .errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
+from .featurize import Featurizer
+from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory
+from .projector_base import AbstractProjector
+from .reduce import (
+    ensure_partial,
+    features_rows,
+    finalize_model,
+    finalize_scores,
+    finalized_settings,
+    load_solved,
+    score_rows,
+    solve_targets,
+    unscored_ranges,
+    usable_models,
+)
+from .store import StoreLock, StoreMetadata, TrakStore, check_writable
+
+Progress = Callable[[int], None] | None
+
+
+def _advance(progress: Progress, n: int) -> None:
+    if progress is not None and n:
+        progress(n)
+
+
+# ---------------------------------------------------------------------------------------------- plan
+def store_metadata(
+    projector: AbstractProjector,
+    *,
+    train_set_size: int,
+    dtype: str,
+    task,
+    chunk_rows: int | None = None,
+    shard_rows: int | None = None,
+    curvature: str = "xtx",
+) -> StoreMetadata:
+    """The store's metadata for a run of ``projector`` over ``train_set_size`` rows.
+
+    Args:
+        projector: its ``spec()`` identifies the projection in the store.
+        dtype: storage dtype of the projected gradients, ``"float16"`` or ``"float32"``.
+        task: the model output function (its class name is recorded).
+    Returns:
+        The :class:`StoreMetadata` that creates or validates the store.
+    """
+    return StoreMetadata.from_projector(
+        projector.spec(),
+        train_set_size=int(train_set_size),
+        dtype=dtype,
+        chunk_rows=chunk_rows,
+        shard_rows=shard_rows,
+        task=type(task).__name__,
+        curvature=curvature,
+    )
+
+
+def check_memory(
+    meta: StoreMetadata, model: torch.nn.Module, *, batch_size: int, num_targets: int = 0, projector: str = ""
+) -> None:
+    """Refuse (BadInputError naming the field and the estimate), before the store is created, settings whose
+    featurize or finalize step cannot fit in the available memory (:mod:`trak_core.memory`)."""
+    params = list(model.parameters())
+    itemsize = meta.np_dtype.itemsize
+    check_task_memory(
+        estimate_task_memory(
+            train_set_size=meta.train_set_size,
+            grad_dim=meta.grad_dim,
+            proj_dim=meta.proj_dim,
+            num_params=sum(p.numel() for p in params),
+            batch_size=batch_size,
+            shard_rows=meta.rows_per_shard,
+            dtype_bytes=itemsize,
+            chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
+            model_bytes=max((p.element_size() for p in params), default=4),
+            num_targets=num_targets,
+            curvature=meta.curvature,
+        ),
+        projector=projector,
+    )
+
+
+def check_featurize_memory(
+    meta: StoreMetadata, model: torch.nn.Module, *, rows_held: int, partials: bool, projector: str = ""
+) -> None:
+    """Refuse (BadInputError naming proj_dim and the estimate), before the store is created, a projection whose
+    featurizing cannot fit in the available memory, for a caller that holds ``rows_held`` projected rows at once
+    and, with ``partials``, computes each shard's XᵀX partial while featurizing (TRAKer, batch by batch)."""
+    params = list(model.parameters())
+    p, itemsize = meta.proj_dim, meta.np_dtype.itemsize
+    terms = [
+        Term("model and its state_dict", "model", 3 * sum(x.numel() * x.element_size() for x in params)),
+        Term(f"projected rows held ({rows_held} × proj_dim={p})", "proj_dim", rows_held * p * (8 + itemsize)),
+        Term("Zarr chunk buffers", "chunk_rows", 2 * math.prod(meta.row_chunks(p, itemsize)) * itemsize),
+    ]
+    if partials:
+        terms.append(Term(f"XᵀX partial (proj_dim² = {p}² float64)", "proj_dim", 2 * p * p * 8))
+    check_task_memory([TaskMemory("featurize", tuple(terms))], projector=projector)
+
+
+def check_finalize_memory(meta: StoreMetadata, num_targets: int = 0) -> None:
+    """Refuse (BadInputError naming the field) a finalize step that cannot fit in the available memory."""
+    itemsize = meta.np_dtype.itemsize
+    _, fin = estimate_task_memory(
+        train_set_size=meta.train_set_size,
+        grad_dim=meta.grad_dim,
+        proj_dim=meta.proj_dim,
+        num_params=0,
+        batch_size=1,
+        shard_rows=meta.rows_per_shard,
+        dtype_bytes=itemsize,
+        chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
+        num_targets=num_targets,
+        curvature=meta.curvature,
+    )
+    check_task_memory([fin], projector=meta.projector)
+
+
+def open_run(location: str, meta: StoreMetadata, storage_options: dict | None = None) -> TrakStore:
+    """The store at ``location`` checked against ``meta``, created when there is none."""
+    return TrakStore.create_or_open(location, meta, storage_options)
+
+
+#: the run locks this process holds for its TRAKers: store location → [lock, holders, folders created for it]
+_HELD: dict[str, list] = {}
+_HELD_GUARD = threading.Lock()
+
+
+def _lock_key(location: str) -> str:
+    loc = str(location)
+    return loc if "://" in loc else os.path.abspath(loc)
+
+
+def acquire_store(location: str, run: str) -> None:
+    """Take the run lock of the store at ``location`` (the pipeline's, :class:`~trak_core.store.StoreLock`) for
+    this process, or raise StoreLockedError naming the live holder. Counted: holders in one process share it,
+    and :func:`release_store` removes it after the last one. A new local store's folder is created for the lock
+    file (and removed by :func:`release_store` when the store was never created)."""
+    key = _lock_key(location)
+    with _HELD_GUARD:
+        held = _HELD.get(key)
+        if held is not None:
+            held[1] += 1
+            return
+        created: list[str] = []
+        if "://" not in key:
+            check_writable(key)  # a clear error, before any folder is made
+            created = make_store_dir(key)
+        lock = StoreLock(location, run)
+        try:
+            lock.acquire()
+        except BaseException:
+            remove_empty(created)
+            raise
+        _HELD[key] = [lock, 1, created]
+
+
+def release_store(location: str) -> None:
+    """Release one :func:`acquire_store` of this process (the lock file is removed after the last)."""
+    key = _lock_key(location)
+    with _HELD_GUARD:
+        held = _HELD.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0:
+            return
+        del _HELD[key]
+    try:
+        held[0].release()
+    finally:
+        remove_empty(held[2])
+
+
+def make_store_dir(path: str) -> list[str]:
+    """Create the local folder ``path`` (for the lock file, before the store exists). Returns the folders
+    created, deepest first (:func:`remove_empty` takes them away again if nothing was written into them)."""
+    created: list[str] = []
+    probe = path
+    while not os.path.exists(probe):
+        created.append(probe)
+        probe = os.path.dirname(probe)
+    os.makedirs(path, exist_ok=True)
+    return created
+
+
+def remove_empty(created: list[str]) -> None:
+    """Remove the folders :func:`make_store_dir` created, deepest first, while they are empty."""
+    for d in created:
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
+
+
+def state_fingerprint(state_dict: dict) -> str:
+    """sha256 of a state_dict's tensors (names, dtypes, shapes, values), the identity of a checkpoint given
+    as an object rather than a file."""
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        v = state_dict[name]
+        if torch.is_tensor(v):
+            a = v.detach().cpu().contiguous()
+            h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
+            h.update(a.reshape(-1).view(torch.uint8).numpy().tobytes() if a.numel() else b"")
+        else:
+            h.update(f"{name}|{v!r}|".encode())
+    return h.hexdigest()
+
+
+def check_train_data(store: TrakStore, fingerprint: str) -> None:
+    """Refuse (StoreMismatchError) train data other than the store's recorded fingerprint (if any)."""
+    recorded = store.pipeline_info().get("train_data_sha256")
+    if recorded is not None and recorded != fingerprint:
+        raise StoreMismatchError(
+            f"train_data: the store at {store.location} was featurized with different train data "
+            "(its fingerprint differs); use a new store"
+        )
+
+
+def record_train_data(store: TrakStore, fingerprint: str) -> None:
+    """Record the train data's fingerprint (first time), or refuse other data."""
+    check_train_data(store, fingerprint)
+    if "train_data_sha256" not in store.pipeline_info():
+        store.set_pipeline_info({**store.pipeline_info(), "train_data_sha256": fingerprint})
+
+
+def check_model(
+    store: TrakStore,
+    model_id: int,
+    *,
+    checkpoint: dict | None = None,
+    lambda_setting=None,
+    rescale: bool | None = None,
+) -> None:
+    """Refuse (StoreMismatchError naming the field and ``model_id``) a checkpoint, λ or rescale other than the
+    ones ``model_id`` was planned, featurized or finalized with. A model the store does not hold passes.
+
+    Args:
+        checkpoint: ``{"path", "sha256"}`` of a checkpoint file (the pipeline) or ``{"path", "state_sha256"}``
+            of a state_dict (:func:`state_fingerprint`, TRAKer); compared on the keys both records have
+            (None: not checked).
+        lambda_setting: the λ rule's setting (``parse_lambda_reg(x).setting``; None: not checked).
+        rescale: traker's rescale of the inverse (checked with ``lambda_setting``).
+    """
+    if not isinstance(model_id, (int, np.integer)) or isinstance(model_id, bool) or model_id < 0:
+        raise BadInputError(f"model_id must be a non-negative integer, got {model_id!r}")
+    if not store.has_model(model_id):
+        return
+    if lambda_setting is not None:
+        store.check_feature_settings(model_id, lambda_setting, bool(rescale))
+        had_lambda, had_rescale = finalized_settings(store.finalize_info(model_id))
+        for field, want, have in (
+            ("lambda_reg", lambda_setting, had_lambda),
+            ("rescale_inverse", rescale, had_rescale),
+        ):
+            if have is not None and have != want:
+                raise StoreMismatchError(
+                    f"{field}: model_id={model_id} in {store.location} was finalized with {field}={have!r}, not "
+                    f"{want!r}; use a new store (or the same {field})"
+                )
+    if checkpoint is not None:
+        old = store.checkpoint_record(model_id) or {}
+        if any(k in old and k in checkpoint and old[k] != checkpoint[k] for k in ("sha256", "state_sha256")):
+            raise StoreMismatchError(
+                f"checkpoints: model_id={model_id} in {store.location} was featurized from {old.get('path')}, "
+                f"but the checkpoint given for it now is {checkpoint.get('path')} with different content; use a "
+                "new model_id, a new store, or the same checkpoint"
+            )
+
+
+def plan_model(
+    store: TrakStore,
+    model_id: int,
+    *,
+    checkpoint: dict | None = None,
+    lambda_setting=None,
+    rescale: bool | None = None,
+    start_over: bool = False,
+) -> None:
+    """Create ``model_id``'s arrays and record its checkpoint and settings (see :func:`check_model`).
+
+    Args:
+        start_over: forget everything the store holds for ``model_id`` first (traker's
+            ``load_from_save_dir=False``).
+    """
+    if not start_over:
+        check_model(store, model_id, checkpoint=checkpoint, lambda_setting=lambda_setting, rescale=rescale)
+    store.init_model(model_id)
+    if start_over:
+        store.reset_model(model_id)
+    if checkpoint is not None and store.checkpoint_record(model_id) is None:
+        store.set_checkpoint_record(model_id, checkpoint)
+    if lambda_setting is not None:
+        store.record_feature_settings(model_id, lambda_setting, bool(rescale))
+
+
+def check_experiment(store: TrakStore, exp_name: str, num_targets: int, target_data: str | None = None) -> None:
+    """Refuse (StoreMismatchError) an existing experiment ``exp_name`` made with other targets: another count,
+    or another recorded fingerprint ``target_data``."""
+    if exp_name not in store.experiments():
+        return
+    have, recorded = store.num_targets(exp_name), store.target_data_sha256(exp_name)
+    if have != num_targets or (target_data is not None and recorded is not None and recorded != target_data):
+        raise StoreMismatchError(
+            f"exp_name: experiment {exp_name!r} in {store.location} was made with other targets "
+            f"(num_targets={have}, given {num_targets}); choose a new exp_name"
+        )
+
+
+def plan_experiment(
+    store: TrakStore, exp_name: str, num_targets: int, model_ids: Iterable[int], target_data: str | None = None
+) -> None:
+    """Create experiment ``exp_name``'s arrays (target gradients of ``model_ids``, scores) and record its
+    targets' fingerprint."""
+    check_experiment(store, exp_name, num_targets, target_data)
+    store.init_experiment(exp_name, num_targets)
+    if target_data is not None and store.target_data_sha256(exp_name) is None:
+        store.set_target_data_sha256(exp_name, target_data)
+    for mid in model_ids:
+        store.init_experiment_model(exp_name, mid)
+    store.init_scores(exp_name)
+
+
+def check_run(
+    store: TrakStore,
+    *,
+    train_data: str,
+    checkpoints: Sequence[dict],
+    lambda_setting,
+    rescale: bool,
+    exp_name: str,
+    num_targets: int,
+    target_data: str,
+) -> None:
+    """Refuse an existing store whose records contradict a run (StoreMismatchError naming the field): other
+    train data, another checkpoint for a model id (``checkpoints[i]`` is model i's ``{"path", "sha256"}``),
+    another λ or rescale, other targets for the experiment. Reads only."""
+    check_train_data(store, train_data)
+    for mid, rec in enumerate(checkpoints):
+        check_model(store, mid, checkpoint=rec, lambda_setting=lambda_setting, rescale=rescale)
+    check_experiment(store, exp_name, num_targets, target_data)
+
+
+def plan_run(store: TrakStore, **records) -> None:
+    """Check the store against a run (:func:`check_run`, same arguments), then create every array and record
+    of it: its models, its experiment. Call once, before fanning out."""
+    check_run(store, **records)
+    record_train_data(store, records["train_data"])
+    for mid, rec in enumerate(records["checkpoints"]):
+        plan_model(store, mid, checkpoint=rec, lambda_setting=records["lambda_setting"], rescale=records["rescale"])
+    plan_experiment(
+        store, records["exp_name"], records["num_targets"], range(len(records["checkpoints"])), records["target_data"]
+    )
+
+
+# ---------------------------------------------------------------------------------------------- featurize
+def require_not_finalized(store: TrakStore, model_id: int) -> None:
+    """StateError when ``model_id`` is finalized (new rows would make its inverse stale)."""
+    if store.is_finalized(model_id):
+        raise StateError(
+            f"model_id={model_id} is already finalized; featurizing it again would make its features "
+            "stale. Use a new model_id or a new store."
+        )
+
+
+def write_rows(store: TrakStore, model_id: int, rows, x: np.ndarray, q: np.ndarray) -> None:
+    """Write featurized train rows (then mark them featurized)."""
+    store.write_train_rows(model_id, rows, x, q)
+
+
+def complete_shard(store: TrakStore, model_id: int, shard: int, device=None, x=None, q=None) -> None:
+    """Store the XᵀX partial (and row sums) of a shard whose rows are all featurized, unless it is there; from
+    ``x``/``q`` (the shard's rows as written, still in memory) or read back."""
+    ensure_partial(store, model_id, shard, device, x, q)
+
+
+def featurize_shard(
+    store: TrakStore,
+    model_id: int,
+    shard: int,
+    featurizer: Callable[[], Featurizer],
+    batch: Callable[[int, int], list],
+    batch_size: int,
+    device=None,
+    progress: Progress = None,
+) -> bool:
+    """Featurize one shard of train rows in batches, write it at once, then store its XᵀX partial.
+
+    Args:
+        featurizer: builds the featurizer (only called when the shard is not in the store yet).
+        batch: ``batch(a, b)`` is the batch of train examples [a, b).
+        device: where a partial missing beside stored rows is computed.
+        progress: called with the number of rows done.
+    Returns:
+        True when the store held the shard already (nothing featurized).
+    """
+    a, b = store.meta.shard_range(shard)
+    if store.shard_featurized(model_id, shard):
+        complete_shard(store, model_id, shard, device)
+        _advance(progress, b - a)
+        return True
+    require_not_finalized(store, model_id)
+    feat = featurizer()
+    xs, qs = [], []
+    for s in range(a, b, batch_size):
+        e = min(s + batch_size, b)
+        try:
+            x, q = feat.featurize(batch(s, e), model_id, range(s, e))
+        except NonFiniteGradientError:
+            raise  # names the example indices already
+        except BadInputError as err:  # e.g. a label out of range: say which rows
+            raise BadInputError(f"train_data rows {s}..{e - 1} (model_id={model_id}): {err}") from None
+        xs.append(x)
+        qs.append(q)
+        _advance(progress, e - s)
+    x, q = np.concatenate(xs), np.concatenate(qs)
+    write_rows(store, model_id, slice(a, b), x, q)
+    complete_shard(store, model_id, shard, feat.device, x, q)  # on the featurizer's device
+    return False
+
+
+# ---------------------------------------------------------------------------------------------- finalize
+def finalize(
+    store: TrakStore, model_id: int, lambda_reg, rescale: bool, device=None
+) -> tuple[dict, bool, tuple[str, ...]]:
+    """A = (XᵀX + λI)⁻¹ of ``model_id`` from its shard partials, written with its record (idempotent).
+
+    Returns:
+        (the finalize record, whether it was there already, the texts of the warnings issued).
+    """
+    recorded = store.finalize_info(model_id) if store.has_model(model_id) else None  # as store.is_finalized
+    if recorded is not None:
+        return recorded, True, ()
+    check_finalize_memory(store.meta)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = finalize_model(store, model_id, lambda_reg, rescale, device=device)
+    for w in caught:  # re-issued (the record hides them) and returned
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return info, False, tuple(str(w.message) for w in caught)
+
+
+def require_finalized(store: TrakStore, model_id: int) -> None:
+    if not (store.has_model(model_id) and store.is_finalized(model_id)):
+        raise StateError(f"model_id={model_id} is not finalized; call finalize_features first")
+
+
+def features(store: TrakStore, model_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """traker's features Φ = X A of train rows [start, stop) of a finalized model, (rows, p) float32."""
+    require_finalized(store, model_id)
+    return features_rows(store, model_id, start, stop)
+
+
+# ---------------------------------------------------------------------------------------------- targets
+def begin_targets(store: TrakStore, exp_name: str, model_id: int, num_targets: int) -> None:
+    """Make experiment ``exp_name`` ready for the target gradients of finalized ``model_id``."""
+    require_finalized(store, model_id)
+    plan_experiment(store, exp_name, num_targets, [model_id])
+
+
+def target_rows(store: TrakStore, featurizer: Featurizer, exp_name: str, model_id: int, batch, rows) -> None:
+    """Project the gradients of a batch of targets (rows ``rows``) and write them."""
+    rows = np.asarray(rows)
+    order = np.argsort(rows)
+    g = featurizer.target_features(batch, model_id, rows)
+    store.write_target_rows(exp_name, model_id, rows[order], g[order])
+
+
+def featurize_targets(
+    store: TrakStore,
+    exp_name: str,
+    model_id: int,
+    featurizer: Callable[[], Featurizer],
+    batch: Callable[[int, int], list],
+    batch_size: int,
+) -> bool:
+    """All target gradients of ``exp_name`` for ``model_id``, in batches, written at once.
+
+    Returns:
+        True when the store held them already.
+    """
+    if store.targets_complete(exp_name, model_id):
+        return True
+    feat = featurizer()
+    m = store.num_targets(exp_name)
+    gs = [
+        feat.target_features(batch(s, min(s + batch_size, m)), model_id, range(s, min(s + batch_size, m)))
+        for s in range(0, m, batch_size)
+    ]
+    store.write_target_rows(exp_name, model_id, slice(0, m), np.concatenate(gs))
+    return False
+
+
+# ---------------------------------------------------------------------------------------------- scores
+def prepare_scores(store: TrakStore, exp_name: str, model_ids: Sequence[int] | None = None) -> list[int]:
+    """The checkpoints the scores combine (finalized, targets complete), each one's G·A written once, and the
+    score rows of another combination forgotten. Call once before :func:`score_block`."""
+    used = usable_models(store, exp_name, model_ids)
+    solve_targets(store, exp_name, used)
+    store.begin_scores(exp_name, used)
+    return used
+
+
+def score_block(
+    store: TrakStore, exp_name: str, model_ids: list[int], a: int, b: int, progress: Progress = None
+) -> bool:
+    """Combined scores of train rows [a, b) not yet marked done. Returns True when all were done."""
+    with store.pinned():  # this block's groups and arrays opened once
+        todo = unscored_ranges(store, exp_name, a, b)
+        _advance(progress, (b - a) - sum(e - s for s, e in todo))
+        if not todo:
+            return True
+        right = load_solved(store, exp_name, model_ids)
+        for s, e in todo:
+            score_rows(store, exp_name, model_ids, s, e, right, progress=progress)
+    return False
+
+
+def score_all(
+    store: TrakStore, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
+) -> np.ndarray:
+    """All rows' combined scores computed again in one pass (traker's ``finalize_scores``), (n, m) float32."""
+    store.experiment(exp_name)  # an unknown experiment: a clear error
+    return finalize_scores(store, exp_name, model_ids, allow_skip)
+
+
+def is_complete(store: TrakStore, exp_name: str, model_ids: list[int]) -> bool:
+    """Whether the store holds every result of a run: each model finalized with its targets, every score row
+    combined from exactly ``model_ids``."""
+    if exp_name not in store.experiments() or store.scored_with(exp_name) != model_ids:
+        return False
+    for mid in model_ids:
+        if not (store.has_model(mid) and store.is_finalized(mid) and store.targets_complete(exp_name, mid)):
+            return False
+    return bool(store.scores_done_mask(exp_name).all())

@@ -1,0 +1,372 @@
+"""The factored projection's layout: how a model's parameters are cut into blocks (one 2-D view of a weight and
+its bias each), how each block's k output coordinates are split between its two sides, and the random side
+matrices (a pure function of seed, model id, parameter name and side, cached per process). The projection
+itself is :class:`trak_core.factored.FactoredProjector`; its module docstring describes both.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor, nn
+
+from . import counter_rng
+from .errors import BadInputError
+from .gradients import grad_param_names
+from .projector_base import ProjectionType, as_proj_type
+
+FLAT = "__flat__"
+# a small block (at most PAIRS_MAX_WEIGHTS weights and biases) whose paired projection costs at most
+# PAIRS_MAX_MACS multiply-adds per position, k · (d_in [+1] + d_out), gets one (p_j, q_j) pair per kept
+# coordinate instead of the k_out × k_in grid (see "Pairs for small layers" in the module docstring)
+PAIRS_MAX_WEIGHTS = 1 << 13
+PAIRS_MAX_MACS = 1 << 16
+OTHER = "__other__"
+SIDE_IN, SIDE_OUT, SIDE_DENSE = 0, 1, 2
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: recorded in spec(): 3 = identity sides, 2 = the embedding and matrix block kinds (1, unrecorded: linear/conv +
+#: "__other__")
+LAYOUT_VERSION = 3
+#: the kinds the fast path serves through forward hooks, and through weight substitution
+HOOKED = ("linear", "conv", "embedding")
+MATRIX = "matrix"
+#: the most bytes of factor matrices a process keeps for new projectors (least recently used dropped first)
+FACTOR_CACHE_BYTES = 256 * 2**20
+
+
+# ---------------------------------------------------------------------------- random factors
+def name_hash(name: str) -> int:
+    """FNV-1a (32-bit) of the UTF-8 name."""
+    h = 0x811C9DC5
+    for byte in name.encode("utf-8"):
+        h = ((h ^ byte) * 0x01000193) & counter_rng.MASK32
+    return h
+
+
+def factor_key(seed: int, model_id: int, name: str, side: int, sub: int = 0) -> int:
+    """The 32-bit key of one factor stream (see the module docstring)."""
+    base = counter_rng.stream_key(seed, model_id, counter_rng.STREAM_FACTOR)
+    k = counter_rng.mix32_int(base ^ name_hash(name))
+    return counter_rng.mix32_int((k + (4 * side + sub + 1) * counter_rng.GOLDEN) & counter_rng.MASK32)
+
+
+_CACHE: OrderedDict[tuple, Tensor] = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+
+
+def clear_factor_cache() -> None:
+    """Drop the factor matrices this process keeps (:data:`FACTOR_CACHE_BYTES`)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+def _cache_bytes() -> int:
+    return sum(t.numel() * t.element_size() for t in _CACHE.values())
+
+
+def factor_matrix(
+    seed: int, model_id: int, name: str, side: int, rows: int, cols: int, proj_type: str | ProjectionType, device=None
+) -> Tensor:
+    """rows × cols float32 factor of block ``name`` (±1 or standard normal entries), on ``device``.
+
+    The dense matrices of :mod:`trak_core.counter_rng` under the block's keys (see the module docstring).
+    Kept in a per-process LRU cache of at most :data:`FACTOR_CACHE_BYTES` (a pure function of the
+    arguments): the returned tensor is shared, callers must not modify it in place.
+    """
+    pt = as_proj_type(proj_type)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    key = (int(seed), int(model_id), name, int(side), int(rows), int(cols), pt.value, str(dev))
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            _CACHE.move_to_end(key)
+            return hit
+    if pt == ProjectionType.rademacher:
+        out = counter_rng.rademacher_from_key(factor_key(seed, model_id, name, side, 0), 0, rows, cols, device=dev)
+    else:
+        out = counter_rng.normal_from_keys(
+            factor_key(seed, model_id, name, side, 0),
+            factor_key(seed, model_id, name, side, 1),
+            0,
+            rows,
+            cols,
+            device=dev,
+        )
+    size = out.numel() * out.element_size()
+    if size <= FACTOR_CACHE_BYTES:
+        with _CACHE_LOCK:
+            _CACHE[key] = out
+            while _cache_bytes() > FACTOR_CACHE_BYTES:
+                _CACHE.popitem(last=False)
+    return out
+
+
+# ---------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class Block:
+    """One block of the gradient vector.
+
+    kind: "linear" | "conv" | "embedding" | "matrix" (factored), "flat" (the vector as a d_out × d_in matrix)
+    or "other" (dense); see the module docstring.
+    params: the parameter names in the block ((weight[, bias]) or the other parameters).
+    d_out, d_in: the factored shape (d_in without the bias coordinate); for "other" d_in = size, d_out = 1.
+    k, k_out, k_in: its share of proj_dim and the factor widths (k ≤ k_out · k_in).
+    pairs: k independent (p_outⱼ, p_inⱼ) pairs instead of the grid; id_out / id_in: that side is the identity
+    (k_out = d_out / k_in = d_in [+1]; "Identity sides" in the module docstring).
+    """
+
+    name: str
+    kind: str
+    params: tuple
+    d_out: int
+    d_in: int
+    bias: bool
+    size: int
+    k: int = 0
+    k_out: int = 0
+    k_in: int = 0
+    pairs: bool = False
+    id_out: bool = False
+    id_in: bool = False
+
+    @property
+    def in_rows(self) -> int:
+        return self.d_in + int(self.bias)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Blocks and the parameter order of the gradient vector ((name, shape) in vector order)."""
+
+    blocks: tuple
+    param_shapes: tuple
+    model_bound: bool
+
+    @property
+    def grad_dim(self) -> int:
+        return sum(math.prod(s) for _, s in self.param_shapes)
+
+    def offsets(self) -> dict:
+        out, o = {}, 0
+        for n, s in self.param_shapes:
+            out[n] = (o, tuple(s))
+            o += math.prod(s)
+        return out
+
+    def describe(self) -> list:
+        # "pairs", "id_out", "id_in" are appended only where used, so that other blocks describe themselves as before
+        return [
+            [
+                b.name,
+                b.kind,
+                b.d_out,
+                b.d_in,
+                b.bias,
+                b.k,
+                b.k_out,
+                b.k_in,
+                *(["pairs"] if b.pairs else []),
+                *(["id_out"] if b.id_out else []),
+                *(["id_in"] if b.id_in else []),
+            ]
+            for b in self.blocks
+        ]
+
+
+def _apportion(sizes: Sequence[int], total: int) -> list[int]:
+    """Largest-remainder split of ``total`` ∝ sizes, at least 1 each (ties: lower index first)."""
+    n = len(sizes)
+    if total < n:
+        raise BadInputError(
+            f"factored projection: proj_dim={total} is smaller than the number of blocks ({n}); "
+            "each layer needs at least one dimension"
+        )
+    s = sum(sizes)
+    spare = total - n  # 1 each, the rest proportional
+    raw = [spare * x / s for x in sizes]
+    base = [int(math.floor(r)) for r in raw]
+    left = spare - sum(base)
+    order = sorted(range(n), key=lambda i: (-(raw[i] - base[i]), i))
+    for i in order[:left]:
+        base[i] += 1
+    return [b + 1 for b in base]
+
+
+def _factor(k: int, out_dim: int, in_dim: int) -> tuple[int, int]:
+    k_out = min(out_dim, math.isqrt(k - 1) + 1)
+    k_in = -(-k // k_out)
+    if k_in > in_dim:
+        k_in = in_dim
+        k_out = -(-k // k_in)
+    return k_out, k_in
+
+
+def _identity_sides(k: int, k_out: int, k_in: int, d_out: int, in_rows: int) -> tuple[bool, bool]:
+    """(id_out, id_in) of a grid block (see "Identity sides" in the module docstring)."""
+    full_out, full_in = k_out == d_out, k_in == in_rows
+    if full_out and full_in and k == d_out * in_rows:  # the block itself, exactly
+        return True, True
+    # one identity side: each of its indices keeps ≥ 1 of the first k row-major coordinates (then unbiased)
+    out_ok = full_out and (k_out - 1) * k_in < k
+    in_ok = full_in and k >= k_in
+    if out_ok and in_ok:  # the smaller side: the random side then gets the most coordinates per identity index
+        return d_out <= in_rows, d_out > in_rows
+    return out_ok, in_ok
+
+
+def coordinate_counts(b: Block) -> Tensor | None:
+    """For a block with exactly one identity side: per kept coordinate (k,), the number c of kept coordinates
+    that share its identity index (row i for ``id_out``, column j for ``id_in`` of the row-major
+    (k_out, k_in) grid); None otherwise."""
+    if b.id_out == b.id_in:
+        return None
+    t = torch.arange(b.k)
+    idx = t // b.k_in if b.id_out else t % b.k_in
+    return torch.bincount(idx)[idx]
+
+
+def coordinate_weights(b: Block, proj_dim: int) -> float | Tensor:
+    """The weight of each kept coordinate of a factored block: √(proj_dim / k) (a float), √proj_dim when both
+    sides are the identity, and a (k,) float64 tensor √(proj_dim / c) with one identity side (the unbiased
+    weights of "Identity sides" in the module docstring)."""
+    if b.id_out and b.id_in:
+        return math.sqrt(proj_dim)
+    c = coordinate_counts(b)
+    if c is None:
+        return math.sqrt(proj_dim / b.k)
+    return torch.sqrt(proj_dim / c.to(torch.float64))
+
+
+def _with_split(blocks: list[Block], proj_dim: int) -> tuple:
+    ks = _apportion([b.size for b in blocks], proj_dim)
+    out = []
+    for b, k in zip(blocks, ks, strict=True):
+        if b.kind == "other":
+            out.append(Block(**{**asdict(b), "k": k, "k_out": 1, "k_in": k}))
+        elif (
+            b.size <= PAIRS_MAX_WEIGHTS
+            and k * (b.in_rows + (1 if b.kind == "embedding" else b.d_out)) <= PAIRS_MAX_MACS
+        ):
+            out.append(Block(**{**asdict(b), "k": k, "k_out": k, "k_in": k, "pairs": True}))
+        else:
+            ko, ki = _factor(k, b.d_out, b.in_rows)
+            io, ii = _identity_sides(k, ko, ki, b.d_out, b.in_rows)
+            out.append(Block(**{**asdict(b), "k": k, "k_out": ko, "k_in": ki, "id_out": io, "id_in": ii}))
+    names = [b.name for b in out]
+    hashes = {name_hash(n) for n in names}
+    if len(hashes) != len(names):
+        raise BadInputError(f"factored projection: two block names share a 32-bit hash ({names}); rename a module")
+    return tuple(out)
+
+
+def flat_layout(grad_dim: int, proj_dim: int) -> Layout:
+    d_in = math.isqrt(grad_dim - 1) + 1
+    d_out = -(-grad_dim // d_in)
+    blocks = _with_split([Block(FLAT, "flat", ("<vector>",), d_out, d_in, False, grad_dim)], proj_dim)
+    return Layout(blocks, (("<vector>", (grad_dim,)),), False)
+
+
+def _embedding_ok(mod: nn.Embedding) -> bool:
+    """An embedding the hook reproduces exactly (max_norm renormalizes the table in place, scale_grad_by_freq
+    rescales by in-batch counts, sparse gradients: those tables stay in "__other__")."""
+    return mod.max_norm is None and not mod.scale_grad_by_freq and not mod.sparse
+
+
+def _supported(mod: nn.Module) -> str | None:
+    if type(mod).__name__ == "NonDynamicallyQuantizableLinear":  # used by MultiheadAttention without forward
+        return None
+    if isinstance(mod, nn.Linear):
+        return "linear"
+    if isinstance(mod, _CONV) and mod.groups == 1:
+        return "conv"
+    if isinstance(mod, nn.Embedding) and _embedding_ok(mod):
+        return "embedding"
+    return None
+
+
+def _bias_name(wname: str) -> str | None:
+    """``x.bias`` for ``x.weight``, ``in_proj_bias`` for ``in_proj_weight`` (None: no such pairing)."""
+    if not wname.endswith("weight"):
+        return None
+    prefix = wname[: -len("weight")]
+    return prefix + "bias" if prefix == "" or prefix.endswith((".", "_")) else None
+
+
+def model_layout(
+    model: nn.Module, proj_dim: int, grad_wrt: Iterable[str] | None = None, other: str = "dense"
+) -> Layout:
+    """The per-layer layout of ``model``'s gradient (restricted to ``grad_wrt``), proj_dim split."""
+    if other not in ("dense", "error"):
+        raise BadInputError(f"other must be 'dense' or 'error', got {other!r}")
+    names = grad_param_names(model, grad_wrt)
+    params = dict(model.named_parameters())
+    keep = set(names)
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    layer_of: dict[str, Block] = {}
+    dense_only: set[int] = set()  # tables of unsupported embeddings: "__other__" as before
+    for mname, mod in model.named_modules():
+        if isinstance(mod, nn.Embedding) and not _embedding_ok(mod):
+            dense_only.add(id(mod.weight))
+        kind = _supported(mod)
+        if kind is None:
+            continue
+        prefix = f"{mname}." if mname else ""
+        wname, bname = prefix + "weight", prefix + "bias"
+        if wname not in keep or params.get(wname) is not mod.weight or uses[id(mod.weight)] > 1:
+            continue
+        bias = getattr(mod, "bias", None)
+        has_bias = bias is not None and bname in keep and params.get(bname) is bias and uses[id(bias)] == 1
+        w = params[wname]  # mod.weight (checked above), as the named parameter (never None)
+        d_out, d_in = w.shape[0], math.prod(w.shape[1:])
+        blk = Block(
+            mname, kind, (wname, bname) if has_bias else (wname,), d_out, d_in, has_bias, d_out * (d_in + int(has_bias))
+        )
+        layer_of[wname] = blk
+        if has_bias:
+            layer_of[bname] = blk
+    for n in names:  # every other parameter of ≥ 2 dimensions (≥ 2 rows and columns): weight substitution
+        w = params[n]
+        if n in layer_of or id(w) in dense_only or w.dim() < 2 or w.shape[0] < 2 or w[0].numel() < 2:
+            continue
+        bn = _bias_name(n) or ""
+        b = params.get(bn)
+        has_bias = b is not None and bn in keep and bn not in layer_of and b.dim() == 1 and b.shape[0] == w.shape[0]
+        d_out, d_in = w.shape[0], w[0].numel()
+        blk = Block(n, MATRIX, (n, bn) if has_bias else (n,), d_out, d_in, has_bias, d_out * (d_in + int(has_bias)))
+        layer_of[n] = blk
+        if has_bias:
+            layer_of[bn] = blk
+    blocks: list[Block] = []
+    seen: set[str] = set()
+    rest: list[str] = []
+    for n in names:  # blocks in the order of their first parameter in the gradient vector
+        layer = layer_of.get(n)
+        if layer is None:
+            rest.append(n)
+        elif layer.name not in seen:
+            seen.add(layer.name)
+            blocks.append(layer)
+    if rest:
+        if other == "error":
+            kinds = {}
+            for mname, mod in model.named_modules():
+                for pn, _ in mod.named_parameters(recurse=False):
+                    kinds[f"{mname}.{pn}" if mname else pn] = type(mod).__name__
+            shown = [f"{n} {tuple(params[n].shape)} ({kinds.get(n, '?')})" for n in rest[:10]]
+            raise BadInputError(
+                "factored projection factors nn.Linear, nn.Conv1d/2d/3d (groups=1), nn.Embedding (without "
+                "max_norm, scale_grad_by_freq, sparse) layers and parameters of at least 2 rows and 2 columns; "
+                f"these parameters are none of them: {shown}{' ...' if len(rest) > 10 else ''}. Restrict "
+                "grad_wrt, or pass other='dense' to project them densely"
+            )
+        size = sum(params[n].numel() for n in rest)
+        blocks.append(Block(OTHER, "other", tuple(rest), 1, size, False, size))
+    shapes = tuple((n, tuple(params[n].shape)) for n in names)
+    return Layout(_with_split(blocks, proj_dim), shapes, True)
