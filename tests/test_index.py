@@ -3,6 +3,7 @@ bit; ties ranked by the lower train index; bad input refused in one line; a stor
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -157,6 +158,11 @@ def test_store_that_is_not_finalized(tmp_path):
     tr.load_checkpoint(checkpoints(1)[0], model_id=0)
     tr.featurize((x, y), num_samples=40)
     tr._flush_rows()
+    # the TRAKer holds the store while it lives: the error names it
+    with pytest.raises(StateError, match=r"model_id=0 in .* is not finalized \(run TRAKer .*holds the store\)"):
+        TrakIndex(tmp_path / "s", model=make_model(), checkpoints=checkpoints(1), device="cpu")
+    del tr
+    gc.collect()
     with pytest.raises(StateError, match=r"model_id=0 in .* is not finalized: finalize it"):
         TrakIndex(tmp_path / "s", model=make_model(), checkpoints=checkpoints(1), device="cpu")
     hold_lock(tmp_path / "s", os.getppid())  # a run is featurizing it: the error says which
