@@ -372,6 +372,8 @@ def _open_zarr(
 ) -> zarr.Group:
     if str(location).startswith("file://"):  # fsspec's local files do not create parents: use zarr's LocalStore
         location = urlparse(str(location)).path
+    if not _is_url(location):  # zarr's LocalStore strips a relative root from keys by str.replace (`s/` in `models/`)
+        location = os.path.abspath(location)
     options = storage_options if storage_options and _is_url(location) else None  # None: zarr's default
     return zarr.open_group(store=str(location), mode=mode, zarr_format=3, storage_options=options)
 
