@@ -1,7 +1,6 @@
 """trak_core: TRAK data attribution as a pure library (no Prefect here)."""
 
-__version__ = "0.1.0"
-
+from ._version import __version__ as __version__
 from .errors import (  # noqa: E402
     BadInputError,
     IllConditionedWarning,
