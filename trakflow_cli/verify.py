@@ -46,8 +46,8 @@ def verify(
         for d in by_array.get(a.array, []):
             style = "red" if d.kind != "missing" else "yellow"
             status = d.kind if d.kind != "metadata" else f"metadata: {d.detail}"
-            if d.kind == "corrupt" and d.detail:
-                status = f"corrupt: {d.detail}"
+            if d.kind in ("corrupt", "misplaced") and d.detail:
+                status = f"{d.kind}: {d.detail}"
             table.add_row(d.array, d.chunk, f"{d.unit} {d.rows[0]}..{d.rows[1] - 1}", f"[{style}]{status}[/]")
         if details and a.array not in by_array:
             table.add_row(a.array, f"{a.chunks} chunks", "", "[green]intact[/]")
@@ -58,7 +58,7 @@ def verify(
     if report.ok:
         console.print(
             f"[green]intact[/]: {len(report.arrays)} arrays, every chunk of rows marked done is present"
-            + ("" if quick else " and passes its crc32c checksum")
+            + ("" if quick else ", passes its crc32c checksum and is the chunk recorded for its place")
         )
         return
     n = len(report.damage) + len(report.inconsistent)

@@ -12,6 +12,7 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from ..errors import BadInputError, StateError, StoreDamageError
+from .places import place_problems, record_places, touched_chunks
 from .schema import SHARD_ARRAYS
 
 
@@ -101,11 +102,13 @@ def damaged_chunk_error(arr: zarr.Array, coords: tuple[int, ...], problem: str) 
 class StoredArray:
     """An array of the store: zarr's array (every chunk written, zeros too, so a missing chunk is damage), whose
     reads and writes raise :class:`StoreDamageError` naming the array and the chunk when a chunk does not decode
-    (fails its crc32c checksum: flipped bits, truncation), instead of zarr's or numcodecs' own exception.
+    (fails its crc32c checksum) or, with the store's id ``sid``, is not the chunk recorded for its place
+    (:mod:`.places`: reads and partial writes check the chunks they touch, writes record them).
     Everything else is the zarr array's (``shape``, ``path``, ``get_block_selection``, ...)."""
 
-    def __init__(self, array: zarr.Array):
+    def __init__(self, array: zarr.Array, sid: str | None = None):
         self.array = array
+        self.sid = sid
 
     def __getattr__(self, name: str):
         return getattr(self.array, name)
@@ -129,11 +132,31 @@ class StoredArray:
                 raise
             raise damaged_chunk_error(self.array, *found) from None
 
+    def check_places(self, coords: list[tuple[int, ...]]) -> None:
+        """Raise :class:`StoreDamageError` for the first stored chunk of ``coords`` not sealed for its place."""
+        if self.sid is not None and coords:
+            bad = place_problems(self.array, self.sid, coords)
+            if bad:  # a chunk whose bytes are damaged (its crc32c fails) is named as such
+                coords, problem = bad[0]
+                raise damaged_chunk_error(self.array, coords, read_chunk(self.array, coords) or problem)
+
+    def _read(self, fn, selection):
+        if self.sid is not None:
+            self.check_places(touched_chunks(self.array, selection)[0])
+        return self._guard(fn, selection)
+
+    def _write(self, fn, selection, value) -> None:
+        every, partial = touched_chunks(self.array, selection) if self.sid is not None else ([], [])
+        self.check_places(partial)  # a partial write keeps the rest of the chunk: it must be this place's
+        self._guard(fn, selection, value)
+        if self.sid is not None:
+            record_places(self.array, self.sid, every)
+
     def __getitem__(self, selection):
-        return self._guard(self.array.__getitem__, selection)
+        return self._read(self.array.__getitem__, selection)
 
     def __setitem__(self, selection, value) -> None:  # a partial-chunk write reads the chunk first
-        self._guard(self.array.__setitem__, selection, value)
+        self._write(self.array.__setitem__, selection, value)
 
     def read_into(self, a: int, b: int, out: np.ndarray) -> None:
         """``out[:] = self[a:b]`` along the first axis without allocating the result: zarr decodes the chunks
@@ -141,7 +164,7 @@ class StoredArray:
         from zarr.core.buffer import default_buffer_prototype
 
         nd = default_buffer_prototype().nd_buffer.from_numpy_array(out)
-        self._guard(lambda: self.array.get_basic_selection((slice(a, b),), out=nd))
+        self._read(lambda sel: self.array.get_basic_selection(sel, out=nd), (slice(a, b),))
 
     @property
     def oindex(self) -> _GuardedIndex:
@@ -153,10 +176,10 @@ class _GuardedIndex:
         self.owner, self.index = owner, index
 
     def __getitem__(self, selection):
-        return self.owner._guard(self.index.__getitem__, selection)
+        return self.owner._read(self.index.__getitem__, selection)
 
     def __setitem__(self, selection, value) -> None:
-        self.owner._guard(self.index.__setitem__, selection, value)
+        self.owner._write(self.index.__setitem__, selection, value)
 
 
 def _member_kind_error(group: zarr.Group, name: str, want: str) -> StoreDamageError:
@@ -188,9 +211,11 @@ def _attrs(node: zarr.Group | zarr.Array) -> MutableMapping[str, Any]:
     return cast(MutableMapping[str, Any], node.attrs)
 
 
-def _stored(group: zarr.Group, name: str, check: Callable[[zarr.Array], None] | None = None) -> StoredArray:
+def _stored(
+    group: zarr.Group, name: str, check: Callable[[zarr.Array], None] | None = None, sid: str | None = None
+) -> StoredArray:
     """The array ``name`` of ``group``; ``check(array)`` first when given (a store opened with
-    ``check_arrays="on_use"``: its zarr.json against the root metadata)."""
+    ``check_arrays="on_use"``: its zarr.json against the root metadata); ``sid``: the store's id (place checks)."""
     try:
         arr = array_at(group, name)
     except KeyError:
@@ -201,7 +226,7 @@ def _stored(group: zarr.Group, name: str, check: Callable[[zarr.Array], None] | 
         ) from None
     if check is not None:
         check(arr)
-    return StoredArray(arr.with_config({"write_empty_chunks": True}))
+    return StoredArray(arr.with_config({"write_empty_chunks": True}), sid)
 
 
 def _damaged_metadata(location: str, problems: list[str]) -> StoreDamageError:

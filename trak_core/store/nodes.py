@@ -70,9 +70,11 @@ class _Node:
     group: zarr.Group
     pins: dict | None = dataclasses.field(default=None, repr=False, compare=False)
     check: Callable[[zarr.Array], None] | None = dataclasses.field(default=None, repr=False, compare=False)
+    sid: str | None = dataclasses.field(default=None, repr=False, compare=False)  # the store's id: place checks
 
     def _array(self, name: str) -> StoredArray:
-        return _pinned(self.pins, ("array", self.group.path, name), lambda: _stored(self.group, name, self.check))
+        key = ("array", self.group.path, name)
+        return _pinned(self.pins, key, lambda: _stored(self.group, name, self.check, self.sid))
 
 
 #: the per-model arrays with one entry per shard (not per row)
@@ -192,5 +194,5 @@ class ExperimentArrays(_Node):
         return _pinned(
             self.pins,
             ("target", self.group.path, int(model_id)),
-            lambda: TargetArrays(_arrays.group_at(self._models(), str(int(model_id))), self.pins, self.check),
+            lambda: TargetArrays(_arrays.group_at(self._models(), str(int(model_id))), self.pins, self.check, self.sid),
         )

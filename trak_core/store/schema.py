@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,9 +20,10 @@ from zarr.core.metadata import ArrayV3Metadata
 from .._version import __version__
 from ..errors import BadInputError, StateError, StoreMismatchError
 
-#: the layout this version writes and reads. 4: each shard's XᵀX partial stored as its packed upper triangle; 3: no
+#: the layout this version writes and reads. 5: a store id, and a place record per chunk (.places); 4: each
+#: shard's XᵀX partial stored as its packed upper triangle; 3: no
 #: features array (the inverse per model, G·A per experiment and model). A store of another schema is refused
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _META_KEY = "trakflow"
 _PIPELINE_KEY = "trakflow_pipeline"  # the pipeline's record (tasks/), kept beside the metadata
 
@@ -129,8 +131,8 @@ def mirror_upper(a: np.ndarray, block: int = 256) -> np.ndarray:
 
 
 class StoreMetadata(BaseModel):
-    """What a store was created with. Every field but ``versions`` (and ``schema_version`` among the
-    readable ones) must match on reopen."""
+    """What a store was created with. Every field but ``versions`` and ``store_id`` (random at creation) must
+    match on reopen."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -152,6 +154,8 @@ class StoreMetadata(BaseModel):
     # "ggn" store keeps both partials per shard (λ's rule reads XᵀX's spectrum)
     curvature: Literal["xtx", "ggn"] = "xtx"
     versions: dict[str, str] = Field(default_factory=_versions)
+    # random at creation: each chunk's place record is sealed with it (a chunk of another store does not pass)
+    store_id: str = Field(default_factory=lambda: uuid.uuid4().hex, pattern=r"^[0-9a-f]{32}$")
 
     @model_validator(mode="after")
     def _shards_whole_chunks(self):

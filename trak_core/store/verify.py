@@ -1,7 +1,8 @@
 """Verify a store (fsck) and repair it by unflagging what is damaged, so that a rerun recomputes exactly that.
 
 A row's status flag says it was written; the chunk's presence (one listing of the array's keys) and its crc32c
-checksum (zarr decodes every chunk through the ``crc32c`` codec) say it is still there. What each data array
+checksum (zarr decodes every chunk through the ``crc32c`` codec) say it is still there, and its place record
+(:mod:`.places`) that it is the chunk written at that place of this store. What each data array
 must hold, and which flag says so:
 
 ====================================  ==================  =====================================================
@@ -45,10 +46,11 @@ from .arrays import (
     read_chunk,
     stored_chunk_keys,
 )
+from .places import place_problems
 from .schema import SHARD_ARRAYS
 from .zarr_store import TrakStore
 
-Kind = Literal["missing", "corrupt", "metadata"]
+Kind = Literal["missing", "corrupt", "misplaced", "metadata"]
 
 #: data array → the flag array (same group) whose set rows it must hold
 _MODEL_DATA = {
@@ -83,6 +85,7 @@ class ChunkDamage:
         what = {
             "missing": "is missing",
             "corrupt": self.detail or "is corrupt",
+            "misplaced": self.detail or "does not belong here",
             "metadata": self.detail or "has wrong metadata",
         }[self.kind]
         where = "its zarr.json" if self.chunk == "zarr.json" else f"chunk {self.chunk}"
@@ -101,6 +104,7 @@ class ArrayCheck:
     missing: int = 0
     corrupt: int = 0
     metadata: bool = False
+    misplaced: int = 0
 
     @property
     def status(self) -> str:
@@ -108,6 +112,8 @@ class ArrayCheck:
             return "metadata"
         if self.corrupt:
             return "corrupt"
+        if self.misplaced:
+            return "misplaced"
         return "missing" if self.missing else "intact"
 
 
@@ -145,15 +151,19 @@ def _chunk_grid(arr: zarr.Array):
     return itertools.product(*(range(math.ceil(s / c)) for s, c in zip(arr.shape, arr.chunks, strict=True)))
 
 
-def _read_flags(arr: zarr.Array, damage: list[ChunkDamage], read_chunks: bool) -> np.ndarray:
-    """The flags of ``arr`` as bool; a flag chunk that does not decode counts as not set (and is damage)."""
+def _read_flags(arr: zarr.Array, damage: list[ChunkDamage], sid: str) -> np.ndarray:
+    """The flags of ``arr`` as bool; a flag chunk that does not decode or is not this place's counts as not set
+    (and is damage)."""
     out = np.zeros(arr.shape[0], dtype=bool)
     present = stored_chunk_keys(arr)
-    for coords in _chunk_grid(arr):
+    stored = [c for c in _chunk_grid(arr) if chunk_key(arr, c) in present]
+    misplaced = dict(place_problems(arr, sid, stored))
+    for coords in stored:
         key = chunk_key(arr, coords)
-        if key not in present:
-            continue
         a, b = chunk_rows_of(arr, coords)
+        if coords in misplaced:
+            damage.append(ChunkDamage(arr.path, key, (a, b), "misplaced", misplaced[coords]))
+            continue
         try:
             out[a:b] = np.asarray(arr.get_block_selection(coords)).astype(bool)
         except Exception as e:  # zarr/numcodecs raise several types for an undecodable chunk
@@ -161,27 +171,35 @@ def _read_flags(arr: zarr.Array, damage: list[ChunkDamage], read_chunks: bool) -
     return out
 
 
+def _damage(arr: zarr.Array, coords: tuple[int, ...], kind: Kind, detail: str) -> ChunkDamage:
+    return ChunkDamage(arr.path, chunk_key(arr, coords), chunk_rows_of(arr, coords), kind, detail)
+
+
 def _check_data(
-    arr: zarr.Array, flagged: np.ndarray, damage: list[ChunkDamage], read_chunks: bool, flag: str
+    arr: zarr.Array, flagged: np.ndarray, damage: list[ChunkDamage], read_chunks: bool, flag: str, sid: str
 ) -> ArrayCheck:
     rows = np.flatnonzero(flagged)
     expected = chunk_coords_of_rows(arr, rows) if rows.size else []
     present = stored_chunk_keys(arr)
-    missing = corrupt = 0
+    missing = corrupt = misplaced = 0
     for coords in expected:
         key = chunk_key(arr, coords)
         if key not in present:
             missing += 1
             damage.append(ChunkDamage(arr.path, key, chunk_rows_of(arr, coords), "missing"))
     if read_chunks:  # every stored chunk, flagged or not (a damaged unflagged chunk would break a partial write)
-        for coords in _chunk_grid(arr):
-            key = chunk_key(arr, coords)
-            if key in present:
-                problem = read_chunk(arr, coords)
-                if problem is not None:
-                    corrupt += 1
-                    damage.append(ChunkDamage(arr.path, key, chunk_rows_of(arr, coords), "corrupt", problem))
-    return ArrayCheck(arr.path, flag, len(expected), missing, corrupt)
+        stored = [c for c in _chunk_grid(arr) if chunk_key(arr, c) in present]
+        bad: dict[tuple[int, ...], str] = {}
+        for coords in stored:
+            problem = read_chunk(arr, coords)
+            if problem is not None:
+                bad[coords] = problem
+                corrupt += 1
+                damage.append(_damage(arr, coords, "corrupt", problem))
+        for coords, problem in place_problems(arr, sid, [c for c in stored if c not in bad]):
+            misplaced += 1
+            damage.append(_damage(arr, coords, "misplaced", problem))
+    return ArrayCheck(arr.path, flag, len(expected), missing, corrupt, misplaced=misplaced)
 
 
 def _group_checks(
@@ -215,7 +233,7 @@ def _group_checks(
     for name in flags:
         if name in arrays:
             before = len(damage)
-            flagged[name] = _read_flags(arrays[name], damage, read_chunks)
+            flagged[name] = _read_flags(arrays[name], damage, store.meta.store_id)
             bad = len(damage) - before
             checks.append(ArrayCheck(arrays[name].path, None, len(stored_chunk_keys(arrays[name])), corrupt=bad))
     for name, flag in data.items():
@@ -223,7 +241,7 @@ def _group_checks(
             mask = flagged.get(flag)
             if mask is None:  # its flag array is damaged: all its rows get unflagged anyway
                 mask = np.zeros(arrays[name].shape[0], dtype=bool)
-            checks.append(_check_data(arrays[name], mask, damage, read_chunks, flag))
+            checks.append(_check_data(arrays[name], mask, damage, read_chunks, flag, store.meta.store_id))
     return checks
 
 
@@ -341,12 +359,12 @@ def repair_store(store: TrakStore, report: VerifyReport) -> RepairResult:
             store.delete_array(d.array)
             _recreate(store, d.array)
             out.actions.append(f"{d.array}: removed and created again (its zarr.json was wrong)")
-        elif d.kind == "corrupt":
+        elif d.kind in ("corrupt", "misplaced"):
             arr = store.raw_array(d.array)
             if arr is not None:
                 coords = _coords_of_key(arr, d.chunk)
                 store.delete_chunk(arr, coords)
-                out.actions.append(f"{d.array}: chunk {d.chunk} removed (corrupt)")
+                out.actions.append(f"{d.array}: chunk {d.chunk} removed ({d.kind})")
     for d in report.damage:
         _unflag(store, d, out)
     for mid in store.model_ids():

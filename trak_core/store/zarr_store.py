@@ -30,6 +30,7 @@ from .arrays import (
 )
 from .lock import StoreLock, _is_url
 from .nodes import ExperimentArrays, ModelArrays, ScoreWriter, TargetArrays, _pinned
+from .places import drop_record
 from .schema import (
     _META_KEY,
     _PIPELINE_KEY,
@@ -169,7 +170,7 @@ class TrakStore:
         have = self.meta.model_dump()
         want = expected.model_dump()
         for field in StoreMetadata.model_fields:
-            if field == "versions":
+            if field in ("versions", "store_id"):
                 continue
             if have[field] != want[field]:
                 raise StoreMismatchError(
@@ -247,11 +248,11 @@ class TrakStore:
     ) -> StoredArray:
         n = rows if rows is not None else self.meta.train_set_size
         if name in g:
-            return _stored(g, name, self._check)
+            return _stored(g, name, self._check, self.meta.store_id)
         shape = (n,) if width is None else (n, width)
         chunks = self.meta.row_chunks(width, np.dtype(dtype).itemsize, chunk_rows)
         g.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=_codecs(), fill_value=0)
-        return _stored(g, name)
+        return _stored(g, name, sid=self.meta.store_id)
 
     def array_spec(self, path: str) -> ArraySpec | None:
         """What the array at ``path`` (e.g. ``models/0/grads``) must be, from the root metadata; None for a path
@@ -303,10 +304,11 @@ class TrakStore:
         return node if isinstance(node, zarr.Array) else None
 
     def delete_chunk(self, arr: zarr.Array, coords: tuple[int, ...]) -> None:
-        """Remove one chunk (a damaged one, before its rows are unflagged and recomputed)."""
+        """Remove one chunk and its place record (a damaged one, before its rows are unflagged and recomputed)."""
         from zarr.core.sync import sync
 
         sync(arr.store.delete(f"{arr.path}/{chunk_key(arr, coords)}"))
+        drop_record(arr, coords)
 
     def delete_array(self, path: str) -> None:
         """Remove an array (its zarr.json and chunks); the plan (init_model, ...) creates it again."""
@@ -447,12 +449,13 @@ class TrakStore:
         for name, rows in (("partial_done", m.num_shards), ("inverse_done", 1)):
             if name not in g:
                 g.create_array(name, shape=(rows,), chunks=(1,), dtype="uint8", compressors=_codecs(), fill_value=0)
-        return ModelArrays(g, check=self._check)
+        return ModelArrays(g, check=self._check, sid=self.meta.store_id)
 
     def model(self, model_id: int) -> ModelArrays:
         def open_() -> ModelArrays:
             try:
-                return ModelArrays(_arrays.group_at(self._models(), str(int(model_id))), self._pins, self._check)
+                g = _arrays.group_at(self._models(), str(int(model_id)))
+                return ModelArrays(g, self._pins, self._check, self.meta.store_id)
             except KeyError:
                 raise BadInputError(
                     f"model_id={model_id} is not in the store at {self.location} (it has {self.model_ids()})"
@@ -556,7 +559,7 @@ class TrakStore:
             have = exps[exp_name].attrs.get("num_targets")
             if have != int(num_targets):
                 raise StoreMismatchError(f"experiment {exp_name!r} exists with num_targets={have}, not {num_targets}")
-            return ExperimentArrays(_arrays.group_at(exps, exp_name), check=self._check)
+            return ExperimentArrays(_arrays.group_at(exps, exp_name), check=self._check, sid=self.meta.store_id)
         g = exps.require_group(exp_name)
         g.require_group("models")
         g.attrs["num_targets"] = int(num_targets)
@@ -564,12 +567,13 @@ class TrakStore:
             "chunk_rows": self.meta.score_chunk_rows(int(num_targets)),
             "done_rows": self.meta.rows_per_shard,
         }
-        return ExperimentArrays(g, check=self._check)
+        return ExperimentArrays(g, check=self._check, sid=self.meta.store_id)
 
     def experiment(self, exp_name: str) -> ExperimentArrays:
         def open_() -> ExperimentArrays:
             try:
-                return ExperimentArrays(_arrays.group_at(self._experiments(), exp_name), self._pins, self._check)
+                g = _arrays.group_at(self._experiments(), exp_name)
+                return ExperimentArrays(g, self._pins, self._check, self.meta.store_id)
             except KeyError:
                 raise BadInputError(f"unknown experiment {exp_name!r}; the store has {self.experiments()}") from None
 
@@ -593,7 +597,7 @@ class TrakStore:
         self._row_array(g, "scored", "uint8", rows=m)
         self._row_array(g, "solved", "float32", self.meta.proj_dim, rows=m)
         self._row_array(g, "solved_done", "uint8", rows=m)
-        return TargetArrays(g, check=self._check)
+        return TargetArrays(g, check=self._check, sid=self.meta.store_id)
 
     def experiment_model_ids(self, exp_name: str) -> list[int]:
         return self.experiment(exp_name).model_ids()
