@@ -137,8 +137,8 @@ class StoredArray:
         if self.sid is not None and coords:
             bad = place_problems(self.array, self.sid, coords)
             if bad:  # a chunk whose bytes are damaged (its crc32c fails) is named as such
-                coords, problem = bad[0]
-                raise damaged_chunk_error(self.array, coords, read_chunk(self.array, coords) or problem)
+                where, problem = bad[0]
+                raise damaged_chunk_error(self.array, where, read_chunk(self.array, where) or problem)
 
     def _read(self, fn, selection):
         if self.sid is not None:

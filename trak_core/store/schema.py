@@ -3,6 +3,7 @@ and the packed layout of the XᵀX partials."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -278,7 +279,35 @@ class ArraySpec:
                     f"array {arr.path}: its zarr.json says {field}={have}, but the store's metadata (root "
                     f"zarr.json) implies {field}={want}"
                 )
+        have_doc, want_doc = _document(arr.metadata), _expected_document(self)
+        for field in sorted(set(have_doc) | set(want_doc)):
+            if have_doc.get(field) != want_doc.get(field):
+                return (
+                    f"array {arr.path}: its zarr.json says {field}={json.dumps(have_doc.get(field))}, but the "
+                    f"store's schema says {field}={json.dumps(want_doc.get(field))}"
+                )
         return None
+
+
+def _document(metadata: ArrayV3Metadata) -> dict:
+    """An array's zarr.json as JSON values, without its attributes (the store's records, checked elsewhere)."""
+    doc = json.loads(json.dumps(metadata.to_dict(), default=str))
+    doc.pop("attributes", None)
+    return doc
+
+
+@functools.lru_cache(maxsize=256)
+def _expected_document(spec: ArraySpec) -> dict:
+    """The zarr.json (less attributes) of an array of ``spec`` as the store creates it (every field: codecs and
+    their configuration, fill value, chunk grid and key encoding), made once in memory."""
+    from zarr.storage import MemoryStore
+
+    g = zarr.open_group(store=MemoryStore(), mode="w", zarr_format=3)
+    arr = g.create_array(
+        "a", shape=spec.shape, chunks=spec.chunks, dtype=spec.dtype, compressors=[Crc32cCodec()], fill_value=0
+    )
+    assert isinstance(arr.metadata, ArrayV3Metadata)
+    return _document(arr.metadata)
 
 
 def array_spec(m: StoreMetadata, path: str, experiment_attrs: Mapping[str, Any] | None = None) -> ArraySpec | None:

@@ -28,12 +28,15 @@ the rows one step is about to read (TRAKer's finalize and scoring).
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 import zarr
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
 
 from ..errors import StoreDamageError
 from .arrays import (
@@ -47,7 +50,8 @@ from .arrays import (
     stored_chunk_keys,
 )
 from .places import place_problems
-from .schema import SHARD_ARRAYS
+from .root import write_root
+from .schema import SHARD_ARRAYS, ArraySpec, _expected_document
 from .zarr_store import TrakStore
 
 Kind = Literal["missing", "corrupt", "misplaced", "metadata"]
@@ -126,15 +130,16 @@ class VerifyReport:
     arrays: tuple[ArrayCheck, ...]
     damage: tuple[ChunkDamage, ...]
     inconsistent: tuple[str, ...] = ()  # e.g. a finalize record while the inverse is not marked written
+    root: tuple[str, ...] = ()  # the root metadata or a sealed copy damaged (arrays checked against the intact one)
 
     @property
     def ok(self) -> bool:
-        return not self.damage and not self.inconsistent
+        return not self.damage and not self.inconsistent and not self.root
 
     def summary(self) -> str:
         if self.ok:
             return f"store {self.location}: {len(self.arrays)} arrays intact"
-        lines = [d.describe() for d in self.damage] + list(self.inconsistent)
+        lines = list(self.root) + [d.describe() for d in self.damage] + list(self.inconsistent)
         more = f" (and {len(lines) - 5} more)" if len(lines) > 5 else ""
         return f"store {self.location}: " + "; ".join(lines[:5]) + more
 
@@ -264,7 +269,9 @@ def verify_store(store: TrakStore, read_chunks: bool = True) -> VerifyReport:
             checks += _group_checks(store, e.group, _EXP_DATA, ("scores_done",), damage, read_chunks)
         for mid in e.model_ids():
             checks += _group_checks(store, e.model(mid).group, _TARGET_DATA, _TARGET_FLAGS, damage, read_chunks)
-    return VerifyReport(store.location, read_chunks, tuple(checks), tuple(damage), tuple(inconsistent))
+    return VerifyReport(
+        store.location, read_chunks, tuple(checks), tuple(damage), tuple(inconsistent), store.root_problems
+    )
 
 
 def _inverse_done(g: zarr.Group) -> bool:
@@ -339,27 +346,35 @@ def _unflag(store: TrakStore, d: ChunkDamage, out: RepairResult) -> None:
             out.actions.append(f"experiment {exp}: score rows {a}..{b - 1} unflagged")
 
 
-def _recreate(store: TrakStore, path: str) -> None:
-    parts = path.split("/")
-    if parts[0] == "models":
-        store.init_model(int(parts[1]))
-    elif len(parts) == 5:
-        store.init_experiment_model(parts[1], int(parts[3]))
-    else:
-        store.init_scores(parts[1])
-
-
 def repair_store(store: TrakStore, report: VerifyReport) -> RepairResult:
-    """Unflag the damaged rows and what depends on them, so that a rerun recomputes exactly those: corrupt
-    chunks are removed, arrays with wrong metadata removed and created again, then the rows unflagged. Take the
-    store's run lock around it (``trakflow verify --repair`` does)."""
+    """Make the store whole without deleting intact data, then unflag what is lost so that a rerun recomputes
+    exactly that: a damaged root metadata is restored from its sealed copy; an array whose zarr.json differs from
+    the schema gets the schema's zarr.json back (its chunks kept, then checked); chunks that are corrupt or not
+    their place's are removed; their rows, and what depends on them, unflagged. Take the store's run lock
+    around it (``trakflow verify --repair`` does)."""
     out = RepairResult()
-    for d in report.damage:  # first remove what cannot be read, so that writing flags never reads it
+    if report.root:
+        write_root(store.root, store.meta.model_dump(mode="json"))
+        out.actions.append(
+            "root metadata and its copies restored from the sealed copy (" + "; ".join(report.root) + ")"
+        )
+    restored = False
+    for d in report.damage:
         if d.kind == "metadata":
-            store.delete_array(d.array)
-            _recreate(store, d.array)
-            out.actions.append(f"{d.array}: removed and created again (its zarr.json was wrong)")
-        elif d.kind in ("corrupt", "misplaced"):
+            spec = store.array_spec(d.array)
+            if spec is None:
+                out.actions.append(f"{d.array}: not an array of this store's schema; left as it is")
+                continue
+            _restore_array_metadata(store, d.array, spec)
+            restored = True
+            out.actions.append(f"{d.array}: zarr.json restored from the schema ({d.detail}); its chunks kept")
+    if restored:  # the restored arrays' chunks are checked now (their rows were not, under the wrong zarr.json)
+        report = verify_store(store, read_chunks=True)
+        for d in report.damage:
+            if d.kind == "metadata":
+                raise StoreDamageError(f"store {store.location}: {d.describe()}, still after restoring it; refusing")
+    for d in report.damage:  # first remove what cannot be read, so that writing flags never reads it
+        if d.kind in ("corrupt", "misplaced"):
             arr = store.raw_array(d.array)
             if arr is not None:
                 coords = _coords_of_key(arr, d.chunk)
@@ -372,6 +387,13 @@ def repair_store(store: TrakStore, report: VerifyReport) -> RepairResult:
             store.unflag_inverse(mid)
             out.actions.append(f"model {mid}: finalize record removed (inverse not written; finalize recomputes it)")
     return out
+
+
+def _restore_array_metadata(store: TrakStore, path: str, spec: ArraySpec) -> None:
+    """Write the schema's zarr.json for the array at ``path`` (no attributes: the store keeps none on arrays)."""
+    doc = {**_expected_document(spec), "attributes": {}}
+    buf = default_buffer_prototype().buffer.from_bytes(json.dumps(doc, indent=2).encode())
+    sync(store.root.store.set(f"{path.strip('/')}/zarr.json", buf))
 
 
 def _coords_of_key(arr: zarr.Array, key: str) -> tuple[int, ...]:

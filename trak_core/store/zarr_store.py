@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 import zarr
+from pydantic import ValidationError
 
 from ..errors import BadInputError, LockLostError, StateError, StoreDamageError, StoreMismatchError
 from . import arrays as _arrays
@@ -31,6 +32,7 @@ from .arrays import (
 from .lock import StoreLock, _is_url
 from .nodes import ExperimentArrays, ModelArrays, ScoreWriter, TargetArrays, _pinned
 from .places import drop_record
+from .root import read_root, write_root
 from .schema import (
     _META_KEY,
     _PIPELINE_KEY,
@@ -93,6 +95,8 @@ class TrakStore:
         self._pinned: dict[int, dict] = {}  # thread id → the handles opened once within its pinned() block
         # the run lock this store was opened under (None: no lock); row flags are committed only while it holds
         self._lock_seen = StoreLock(self.location).fingerprint()
+        # what is wrong with the root metadata or its sealed copies (set by open; trak_core.store.verify reports it)
+        self.root_problems: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------- open / create
     @classmethod
@@ -125,14 +129,36 @@ class TrakStore:
         if _META_KEY not in g.attrs:
             _refuse_orphan_arrays(location, storage_options)
             raise BadInputError(f"store: {location} is a Zarr group but not a trakflow store (no metadata)")
-        meta = StoreMetadata.model_validate(g.attrs[_META_KEY])
-        if meta.schema_version != SCHEMA_VERSION:
+        raw = _attrs(g)[_META_KEY]
+        version = raw.get("schema_version") if isinstance(raw, dict) else None
+        if isinstance(version, int) and version != SCHEMA_VERSION:  # another layout (malformed: checked by its seal)
+            written = raw.get("versions", {}).get("trakflow", "?") if isinstance(raw, dict) else "?"
             raise StoreMismatchError(
-                f"schema_version: the store at {location} has schema_version={meta.schema_version} (trakflow "
-                f"{meta.versions.get('trakflow', '?')}); this version reads {SCHEMA_VERSION} only. Use a new store "
-                "location and rerun (the checkpoints and data are unchanged)"
+                f"schema_version: the store at {location} has schema_version={version} (trakflow {written}); this "
+                f"version reads {SCHEMA_VERSION} only. Use a new store location and rerun (the checkpoints and data "
+                "are unchanged)"
             )
+        try:
+            doc, root_problem, copy_problems = read_root(g)
+        except KeyError as e:
+            raise StoreDamageError(
+                f"store {location}: {e.args[0]}; restore the root zarr.json from a backup, or use a new store"
+            ) from None
+        if root_problem and check_arrays is not False:
+            raise StoreDamageError(
+                f"store {location}: {root_problem}. Run `trakflow verify {location} --repair`: it restores the root "
+                "from its sealed copy (the arrays are not touched)"
+            )
+        try:
+            meta = StoreMetadata.model_validate(doc)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"]) or "metadata"
+            raise StoreDamageError(
+                f"store {location}: its trakflow metadata is malformed: {where}: {err['msg']}"
+            ) from None
         store = cls(location, g, meta, check_on_use=check_arrays == "on_use")
+        store.root_problems = tuple(p for p in (root_problem, *copy_problems) if p)
         if check_arrays is True:
             problems = store.array_problems()
             if problems:
@@ -160,9 +186,7 @@ class TrakStore:
         _refuse_orphan_arrays(location, storage_options)
         check_writable(location)
         g = _open_zarr(location, "a", storage_options)
-        g.require_group("models")
-        g.require_group("experiments")
-        g.attrs[_META_KEY] = meta.model_dump(mode="json")
+        write_root(g, meta.model_dump(mode="json"))
         return cls(location, g, meta)
 
     def validate(self, expected: StoreMetadata) -> None:
