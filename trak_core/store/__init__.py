@@ -16,9 +16,14 @@ Layout (a local path or any fsspec URL such as ``memory://x``, ``s3://b/x``)::
     /experiments/<exp>/models/<id>/{grads, scored, solved, solved_done}   target gradients G and G·A
     /experiments/<exp>/{scores (n, m) float32, scores_done (n,) uint8}
 
-Modules, by job: :mod:`.schema` (metadata, array layout), :mod:`.arrays` (chunks and the damage guard),
-:mod:`.nodes` (views of the groups), :mod:`.lock` (the run lock), :mod:`.zarr_store` (:class:`TrakStore`),
-:mod:`.verify` (fsck and repair), :mod:`.protocol` (what the algorithm needs from a store).
+Every chunk ends with zarr's crc32c and has a place record ``<array>/d/<coords>`` sealing it to (store id,
+array, coordinates); the root metadata is sealed and kept twice more (``models/``, ``experiments/``).
+
+Modules, by job: :mod:`.schema` (metadata, array layout), :mod:`.root` (the sealed root metadata),
+:mod:`.arrays` (chunks and the damage guard), :mod:`.places` (the chunks' place records), :mod:`.nodes` (views
+of the groups), :mod:`.location` (paths, URLs), :mod:`.lock` (the run lock), :mod:`.zarr_store`
+(:class:`TrakStore`), :mod:`.verify` (fsck and repair), :mod:`.protocol` (what the algorithm needs from a store).
+A new backend implements :class:`RunStore` and passes ``trak_core.testing.check_store``.
 """
 
 from .arrays import (

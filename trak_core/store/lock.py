@@ -12,10 +12,7 @@ import uuid
 from urllib.parse import urlparse
 
 from ..errors import StoreLockedError
-
-
-def _is_url(location: str) -> bool:
-    return "://" in str(location)
+from .location import _is_url
 
 
 class StoreLock:
