@@ -11,9 +11,11 @@ chunk and before the rows' flags; reads and partial writes check the chunks they
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import math
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,6 +52,58 @@ def _ckey(arr: zarr.Array, coords: tuple[int, ...]) -> str:
     return arr.metadata.encode_chunk_key(tuple(coords))
 
 
+def _local_root(store) -> str | None:
+    """The folder of a local store (its files are read and written directly: a zarr store call per small
+    record costs more than the chunk read it guards); None for other stores."""
+    from zarr.storage import LocalStore
+
+    return str(store.root) if isinstance(store, LocalStore) else None
+
+
+def _read_local(path: str, tail: bool) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        if not tail:
+            return os.read(fd, 64)
+        size = os.fstat(fd).st_size
+        return os.pread(fd, 4, max(0, size - 4))
+    finally:
+        os.close(fd)
+
+
+def _write_local(path: str, data: bytes | None) -> None:
+    if data is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    try:
+        fh = open(path, "wb")  # noqa: SIM115
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fh = open(path, "wb")  # noqa: SIM115
+    with fh:
+        fh.write(data)
+
+
+def _fetch(store, keys: list[str], record_keys: list[str]) -> tuple[list[bytes | None], list[bytes | None]]:
+    """The crc32c trailers of the chunks ``keys`` and the records ``record_keys``."""
+    root = _local_root(store)
+    if root is not None:
+        return (
+            [_read_local(os.path.join(root, k), True) for k in keys],
+            [_read_local(os.path.join(root, k), False) for k in record_keys],
+        )
+
+    async def both():
+        return await asyncio.gather(_get_all(store, keys, _TRAILER), _get_all(store, record_keys, None))
+
+    trailers, records = sync(both())
+    return trailers, records
+
+
 async def _get_all(store, keys: list[str], byte_range) -> list[bytes | None]:
     proto = default_buffer_prototype()
 
@@ -69,14 +123,7 @@ def place_problems(
         return []
     ckeys = [_ckey(arr, c) for c in coords]
     path = arr.path
-
-    async def fetch():
-        return await asyncio.gather(
-            _get_all(arr.store, [f"{path}/{k}" for k in ckeys], _TRAILER),
-            _get_all(arr.store, [record_key(path, k) for k in ckeys], None),
-        )
-
-    trailers, records = sync(fetch())
+    trailers, records = _fetch(arr.store, [f"{path}/{k}" for k in ckeys], [record_key(path, k) for k in ckeys])
     out = []
     for c, k, t, r in zip(coords, ckeys, trailers, records, strict=True):
         if t is None:
@@ -94,6 +141,12 @@ def record_places(arr: zarr.Array, store_id: str, coords: Sequence[tuple[int, ..
         return
     ckeys = [_ckey(arr, c) for c in coords]
     path, store = arr.path, arr.store
+    root = _local_root(store)
+    if root is not None:
+        for k in ckeys:
+            t = _read_local(os.path.join(root, path, k), True)
+            _write_local(os.path.join(root, record_key(path, k)), None if t is None else seal(store_id, path, k, t))
+        return
     proto = default_buffer_prototype()
 
     async def write() -> None:
