@@ -55,22 +55,33 @@ def traker_times(save: str, a, x, y, xt, yt) -> dict:
     model = mlp(0)
     t = TRAKer(model, "image_classification", a.n, save_dir=save, device="cpu", proj_dim=a.traker_p, lambda_reg=1e-3)
     out = {}
-    start = time.perf_counter()
+    start = clock()
     for mid in range(a.ckpts):
         t.load_checkpoint(mlp(mid).state_dict(), model_id=mid)
         for s in range(0, a.n, 64):
             t.featurize([x[s : s + 64], y[s : s + 64]], num_samples=min(64, a.n - s))
-    out["featurize"] = time.perf_counter() - start
-    start = time.perf_counter()
+    out["featurize"] = since(start)
+    start = clock()
     t.finalize_features()
-    out["finalize"] = time.perf_counter() - start
-    start = time.perf_counter()
+    out["finalize"] = since(start)
+    start = clock()
     for mid in range(a.ckpts):
         t.start_scoring_checkpoint("e", mlp(mid).state_dict(), model_id=mid, num_targets=a.targets)
         t.score([xt, yt], num_samples=a.targets)
     t.finalize_scores("e")
-    out["targets + scoring"] = time.perf_counter() - start
+    out["targets + scoring"] = since(start)
     return out
+
+
+def clock() -> tuple[float, float]:
+    """(wall, CPU) seconds now; CPU: user + system of this process, every thread."""
+    t = os.times()
+    return time.perf_counter(), t.user + t.system
+
+
+def since(start: tuple[float, float]) -> tuple[float, float]:
+    now = clock()
+    return now[0] - start[0], now[1] - start[1]
 
 
 def score_store(path: str, a) -> TrakStore:
@@ -107,7 +118,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(a.n, 64, generator=g), torch.randint(0, 10, (a.n,), generator=g)
     xt, yt = torch.randn(a.targets, 64, generator=g), torch.randint(0, 10, (a.targets,), generator=g)
-    times: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
+    times: dict[str, dict[str, list[tuple[float, float]]]] = {"on": {}, "off": {}}
     with tempfile.TemporaryDirectory() as tmp:
         stores = {}
         for variant in ("on", "off"):  # a store written without place records is read without them
@@ -118,19 +129,23 @@ def main() -> None:
                 with places(variant == "on"):
                     got = traker_times(os.path.join(tmp, f"t{r}{variant}"), a, x, y, xt, yt)
                     stores[variant].reset_scores("e")
-                    start = time.perf_counter()
+                    start = clock()
                     reduce.finalize_scores(stores[variant], "e")
-                    got["stream scoring"] = time.perf_counter() - start
+                    got["stream scoring"] = since(start)
                 for k, v in got.items():
                     times[variant].setdefault(k, []).append(v)
     print(
         f"load {open('/proc/loadavg').read().split()[:3]}, {a.rounds} rounds, torch threads {torch.get_num_threads()}"
     )
-    print(f"{'stage':<20} {'checks off (s)':>15} {'checks on (s)':>15} {'on / off':>9}")
+    print(f"{'stage':<20} {'wall off':>9} {'wall on':>9} {'on/off':>7} {'CPU off':>9} {'CPU on':>9} {'on/off':>7}")
     for k in times["on"]:
-        off, on = statistics.median(times["off"][k]), statistics.median(times["on"][k])
-        ratios = [b / c for b, c in zip(times["on"][k], times["off"][k], strict=True)]
-        print(f"{k:<20} {off:>15.3f} {on:>15.3f} {statistics.median(ratios):>9.3f}")
+        row = f"{k:<20}"
+        for i in (0, 1):  # wall, CPU
+            off = [v[i] for v in times["off"][k]]
+            on = [v[i] for v in times["on"][k]]
+            ratio = statistics.median(b / c for b, c in zip(on, off, strict=True))
+            row += f" {statistics.median(off):>9.3f} {statistics.median(on):>9.3f} {ratio:>7.3f}"
+        print(row)
 
 
 if __name__ == "__main__":

@@ -164,3 +164,32 @@ def test_a_partial_write_does_not_adopt_a_misplaced_chunk(tmp_path):
     np.testing.assert_array_equal(st.model(0).grads[0:8], x[:8])
     with pytest.raises(StoreDamageError, match=rf"chunk c/1/0 \(rows 8\.\.15\) {MISPLACED}"):
         st.model(0).grads[8:16]
+
+
+def test_touched_chunks_of_each_kind_of_selection():
+    """The chunks a read or write touches (and those it covers in part) for slices, ints, Ellipsis, index arrays
+    and masks, in an array of 20 rows in chunks of 8 (the last one short) and 2 column chunks."""
+    import zarr
+
+    from trak_core.store.places import touched_chunks
+
+    g = zarr.open_group(store=zarr.storage.MemoryStore(), mode="w", zarr_format=3)
+    arr = g.create_array("a", shape=(20, 6), chunks=(8, 3), dtype="float32")
+    both = [0, 1]
+
+    def rows(sel):
+        every, partial = touched_chunks(arr, sel)
+        return sorted({c[0] for c in every}), sorted({c[0] for c in partial}), len(every)
+
+    assert rows(slice(0, 16)) == ([0, 1], [], 4)
+    assert rows(slice(4, 17)) == ([0, 1, 2], [0, 2], 6)
+    assert rows(slice(16, 20)) == ([2], [], 2)  # the short last chunk, whole
+    assert rows(...) == ([0, 1, 2], [], 6)
+    assert rows(9) == ([1], [1], 2) and rows(-1) == ([2], [2], 2)
+    assert rows(np.arange(8, 16)) == ([1], [], 2)
+    assert rows(np.array([1, 17, 3])) == ([0, 2], both[:1] + [2], 4)
+    mask = np.zeros(20, dtype=bool)
+    mask[16:] = True
+    assert rows(mask) == ([2], [], 2)
+    assert rows((slice(0, 8), slice(0, 3))) == ([0], [0], 2)  # narrower along axis 1: partial
+    assert rows((slice(0, 8), slice(None))) == ([0], [], 2)

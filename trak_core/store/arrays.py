@@ -46,15 +46,16 @@ def chunk_coords_of_rows(arr: zarr.Array, rows: np.ndarray) -> list[tuple[int, .
 
 
 def stored_chunk_keys(arr: zarr.Array) -> set[str]:
-    """The chunk keys (relative to the array) present in the store: one listing, no chunk is read."""
+    """The chunk keys (relative to the array, ``c/...``) present in the store: one listing of the array's ``c/``
+    folder (not its place records), no chunk is read."""
     from zarr.core.sync import sync
 
     prefix = arr.path.rstrip("/") + "/"
 
     async def _list() -> list[str]:
-        return [k async for k in arr.store.list_prefix(prefix)]
+        return [k async for k in arr.store.list_prefix(prefix + "c/")]
 
-    return {k[len(prefix) :] for k in sync(_list())} - {"zarr.json"}
+    return {k[len(prefix) :] for k in sync(_list())}
 
 
 def _decode_problem(e: BaseException) -> str:

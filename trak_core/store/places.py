@@ -176,7 +176,7 @@ def touched_chunks(arr: zarr.Array, selection) -> tuple[list[tuple[int, ...]], l
     if isinstance(selection, tuple) and not selection:
         first = slice(None)
     n, c = int(arr.shape[0]), int(arr.chunks[0])
-    narrow = any(not (r is Ellipsis or r == slice(None)) for r in rest)
+    narrow = any(not (r is Ellipsis or (isinstance(r, slice) and r == slice(None))) for r in rest)
     if first is Ellipsis:
         first = slice(None)
     if isinstance(first, (int, np.integer)):
@@ -187,7 +187,13 @@ def touched_chunks(arr: zarr.Array, selection) -> tuple[list[tuple[int, ...]], l
         ids: list[int] = list(range(a // c, (b - 1) // c + 1)) if b > a else []
         part = {i for i in ids if not (a <= i * c and min((i + 1) * c, n) <= b)}
     else:
-        rows = np.unique(np.arange(n)[first] if isinstance(first, slice) else np.asarray(first).reshape(-1))
+        sel = np.asarray(first) if not isinstance(first, slice) else None
+        if sel is None:
+            rows = np.arange(n)[first]
+        elif sel.dtype == bool:  # a mask
+            rows = np.flatnonzero(sel)
+        else:
+            rows = np.unique(sel.reshape(-1) % max(n, 1))
         chunk_of = rows // c
         uniq, counts = np.unique(chunk_of, return_counts=True)
         ids = [int(i) for i in uniq]
