@@ -130,19 +130,33 @@ def test_pipeline_swapped_grads_and_deleted_inverse_then_rerun(clean, tmp_path):
     np.testing.assert_array_equal(repaired_scores(store, clean), clean["scores"])
 
 
-def test_traker_swapped_grads_chunks_named_then_repaired(clean, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("array,first,second", [("grads", "c/2/0", "c/5/0"), ("out_to_loss", "c/2", "c/5")])
+def test_traker_swapped_chunks_named_then_repaired(clean, tmp_path, array, first, second):  # noqa: F811
     save = tmp_path / "t.zarr"
     traker_run(save, clean["ckpts"], stages=("featurize",))
-    swap(save / "models/0/grads/c/2/0", save / "models/0/grads/c/5/0")
-    with pytest.raises(StoreDamageError, match=rf"array models/0/grads, chunk c/2/0 \(rows 16\.\.23\) {MISPLACED}"):
+    swap(save / "models/0" / array / first, save / "models/0" / array / second)
+    with pytest.raises(StoreDamageError, match=rf"array models/0/{array}, chunk {first} \(rows 16\.\.23\) {MISPLACED}"):
         traker_run(save, clean["ckpts"], stages=("finalize", "score"))
     report = verify_location(str(save))
     assert {(d.array, d.chunk, d.kind) for d in report.damage} == {
-        ("models/0/grads", "c/2/0", "misplaced"),
-        ("models/0/grads", "c/5/0", "misplaced"),
+        (f"models/0/{array}", first, "misplaced"),
+        (f"models/0/{array}", second, "misplaced"),
     }
     repair_store(TrakStore.open(str(save)), report)
     traker_run(save, clean["ckpts"][:1], stages=("featurize",))  # model 0's unflagged rows again
+    np.testing.assert_array_equal(traker_run(save, clean["ckpts"], stages=("finalize", "score")), clean["traker"])
+
+
+def test_traker_model_1s_inverse_over_model_0s(clean, tmp_path):  # noqa: F811
+    save = tmp_path / "t.zarr"
+    traker_run(save, clean["ckpts"], stages=("featurize", "finalize"))
+    chunk = "inverse/c/0/0/0"
+    shutil.copyfile(save / "models/1" / chunk, save / "models/0" / chunk)
+    with pytest.raises(StoreDamageError, match=rf"array models/0/inverse, chunk c/0/0/0 {MISPLACED}"):
+        traker_run(save, clean["ckpts"], stages=("score",))
+    report = verify_location(str(save))
+    assert [(d.array, d.chunk, d.kind) for d in report.damage] == [("models/0/inverse", "c/0/0/0", "misplaced")]
+    repair_store(TrakStore.open(str(save)), report)
     np.testing.assert_array_equal(traker_run(save, clean["ckpts"], stages=("finalize", "score")), clean["traker"])
 
 

@@ -52,22 +52,26 @@ def _differences(have: Any, want: dict) -> str:
     return ", ".join(f"{k}={have.get(k)!r} (sealed: {want.get(k)!r})" for k in fields[:4]) or "its seal differs"
 
 
-def read_root(group: zarr.Group) -> tuple[dict, str | None, list[str]]:
+def read_root(group: zarr.Group, check_copies: bool = True) -> tuple[dict, str | None, list[str]]:
     """The root metadata the seals vouch for: ``(doc, root_problem, copy_problems)``. ``root_problem`` (None:
     intact) says what in the root differs from an intact copy (``doc`` is then the copy's); ``copy_problems``
-    names each copy that is missing or fails its seal. Raises KeyError when no intact record exists, with what
-    was found."""
-    attrs = dict(group.attrs)
+    names each copy that is missing or fails its seal (read only with ``check_copies`` or a damaged root).
+    Raises KeyError when no intact record exists, with what was found."""
+    attrs: dict[str, Any] = dict(group.attrs)
     doc = attrs.get(META_KEY)
+    intact = isinstance(doc, dict) and attrs.get(SEAL_KEY) == seal(doc)
+    root: dict = doc if isinstance(doc, dict) else {}
+    if intact and not check_copies:
+        return root, None, []
     copies = _copies(group)
     good = [c for _, c in copies if c is not None]
-    if isinstance(doc, dict) and attrs.get(SEAL_KEY) == seal(doc):
+    if intact:
         why = {
             name: "is missing or fails its seal" if c is None else "differs from the root"
             for name, c in copies
             if c != doc
         }
-        return doc, None, [f"{name}/zarr.json: its copy of the root metadata {w}" for name, w in why.items()]
+        return root, None, [f"{name}/zarr.json: its copy of the root metadata {w}" for name, w in why.items()]
     copy_problems = [
         f"{name}/zarr.json: its copy of the root metadata is missing or fails its seal"
         for name, c in copies

@@ -100,7 +100,7 @@ class TrakStore:
                 "are unchanged)"
             )
         try:
-            doc, root_problem, copy_problems = read_root(g)
+            doc, root_problem, copy_problems = read_root(g, check_copies=check_arrays is False)
         except KeyError as e:
             raise StoreDamageError(
                 f"store {location}: {e.args[0]}; restore the root zarr.json from a backup, or use a new store"
