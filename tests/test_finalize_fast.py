@@ -220,37 +220,34 @@ def test_pack_upper_round_trip_is_exact():
 
 
 @pytest.mark.parametrize("computed", [False, True])
-def test_packed_partials_half_the_bytes_same_inverse_as_a_schema_3_store(tmp_path, computed):
-    """Schema 4 stores each shard's XᵀX partial as its packed upper triangle: half the array, and finalize gives
-    the bits a schema-3 store (full partials, still opened and finalized in its own layout) gives — with the
-    partials stored beforehand or computed by finalize on the way."""
+def test_packed_partials_are_each_shards_xtx_in_half_the_bytes(tmp_path, computed):
+    """Each shard's XᵀX is stored as its packed upper triangle (p(p+1)/2 float64 entries, about half of p × p):
+    unpacked, it is the float64 XₛᵀXₛ to round-off, with the partials stored beforehand or computed by finalize
+    on the way; a store of the older, full-partial schema is refused in one line."""
+    import json
     import os
 
-    from trak_core import store as store_mod
+    from trak_core.errors import StoreMismatchError
+    from trak_core.store import SCHEMA_VERSION, unpack_upper
 
     n, p = 2400, 300
     x = _x(n, p, alpha=1.0, seed=9).astype(np.float32)
-    new = _store_with_rows(tmp_path / "v4", x, chunk_rows=200, shard_rows=800, partials=not computed)
-    old = _store_with_rows(tmp_path / "v3", x, chunk_rows=200, shard_rows=800, partials=not computed, schema_version=3)
-    assert new.meta.schema_version == store_mod.SCHEMA_VERSION == 4 and old.meta.schema_version == 3
-    info_new, info_old = reduce.finalize_model(new, 0, "adaptive"), reduce.finalize_model(old, 0, "adaptive")
-    assert info_new == info_old
-    np.testing.assert_array_equal(new.inverse(0), old.inverse(0))
-    np.testing.assert_array_equal(reduce.total_xtx(new, 0), reduce.total_xtx(old, 0))
-    packed, full = new.model(0).xtx_partials, old.model(0).xtx_partials
-    assert packed.shape == (3, p * (p + 1) // 2) and full.shape == (3, p, p)
+    st = _store_with_rows(tmp_path / "v", x, chunk_rows=200, shard_rows=800, partials=not computed)
+    reduce.finalize_model(st, 0, "adaptive")
+    packed = st.model(0).xtx_partials
+    assert packed.shape == (3, p * (p + 1) // 2)
     for s in range(3):
-        np.testing.assert_array_equal(store_mod.unpack_upper(packed[s], p), full[s])
-
-    def size(st):
-        d = os.path.join(st.location, "models", "0", "xtx_partials")
-        return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
-
-    assert 0.49 < size(new) / size(old) < 0.52
-    # the schema-3 store reopens (arrays checked against its own layout), also with this version's metadata
-    meta = StoreMetadata(**{**old.meta.model_dump(), "schema_version": 4})
-    again = TrakStore.create_or_open(old.location, meta)
-    assert again.meta.schema_version == 3 and not again.array_problems()
+        xs = x[800 * s : 800 * (s + 1)].astype(np.float64)
+        np.testing.assert_allclose(unpack_upper(packed[s], p), xs.T @ xs, rtol=1e-9, atol=1e-9)
+    d = os.path.join(st.location, "models", "0", "xtx_partials")
+    stored = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs if f != "zarr.json")
+    assert 0.49 < stored / (3 * p * p * 8) < 0.52
+    root = os.path.join(st.location, "zarr.json")
+    doc = json.load(open(root))
+    doc["attributes"]["trakflow"]["schema_version"] = SCHEMA_VERSION - 1
+    json.dump(doc, open(root, "w"))
+    with pytest.raises(StoreMismatchError, match=r"^schema_version: .* reads \d+ only\. Use a new store location"):
+        TrakStore.open(st.location)
 
 
 @pytest.mark.parametrize("block", [1, 7, 256])

@@ -249,7 +249,7 @@ def test_a_task_checks_the_arrays_it_opens_and_the_plan_checks_them_all(clean, t
     """A pipeline task opens the store with check_arrays="on_use": a score task reads no zarr.json of an array it
     does not use (an edited XᵀX partial, which only finalize reads, does not stop it), yet an edited array it
     does open is refused naming it, before a row is marked done; the run's plan refuses either edit."""
-    from trak_core import store as store_mod
+    from trak_core.store import arrays as store_mod
 
     store = copy(clean, "score", tmp_path / "s.zarr")
     cfg = config(store, clean["ckpts"])

@@ -467,7 +467,7 @@ def test_a_scoring_call_opens_each_group_and_array_once(tmp_path, monkeypatch):
     handle of the store (another process) is seen by the next call."""
     from collections import Counter
 
-    from trak_core import store as store_mod
+    from trak_core.store import arrays as store_mod
 
     st = scored_store(tmp_path / "s", "float16", 2, n=300, m=9)
     want = reduce.finalize_scores(st, "e").copy()

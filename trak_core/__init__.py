@@ -31,7 +31,7 @@ from .projectors import (
     make_projector,
 )
 from .store import StoreMetadata, TrakStore
-from .version import __version__
+from ._version import __version__
 
 __all__ = [
     "__version__",

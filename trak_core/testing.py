@@ -67,6 +67,7 @@ __all__ = [
     "ModelOutputCase",
     "check_projector",
     "check_model_output",
+    "check_store",
     "projector_checks",
     "model_output_checks",
     "parametrize_with_checks",
@@ -628,3 +629,66 @@ def parametrize_with_checks(objects: Sequence[Any]):
 
     params = [pytest.param(case, check, id=ident, marks=marks) for case, check, ident, marks in iter_checks(objects)]
     return pytest.mark.parametrize("obj, check", params)
+
+
+# ---------------------------------------------------------------------------------------------- store checks
+def check_store(make_store: Callable[[Any], Any]) -> None:
+    """Run the store contract (:class:`~trak_core.store.RunStore`) on a backend: ``make_store(meta)`` returns a
+    new, empty store for a :class:`~trak_core.store.StoreMetadata`. Rows read back as written (in the store's
+    dtype), flags follow their rows, unfinished results are refused; the first failure raises AssertionError."""
+    import numpy as np
+
+    from .errors import StateError, StoreMismatchError
+    from .store import RunStore, StoreMetadata
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise AssertionError(f"check_store: {what}")
+
+    n, p, m = 24, 6, 5
+    meta = StoreMetadata(train_set_size=n, grad_dim=40, proj_dim=p, dtype="float32", chunk_rows=4, shard_rows=8)
+    st = make_store(meta)
+    need(isinstance(st, RunStore), f"{type(st).__name__} lacks methods of RunStore")
+    need(st.meta.model_dump(exclude={"versions"}) == meta.model_dump(exclude={"versions"}), "meta differs")
+    rng = np.random.default_rng(0)
+    x, q = rng.standard_normal((n, p)).astype(np.float32), rng.random(n).astype(np.float32)
+    st.init_model(0)
+    st.init_model(0)  # idempotent
+    need(not st.featurized_mask(0).any(), "a new model has rows marked written")
+    st.write_train_rows(0, slice(0, 8), x[:8], q[:8])
+    st.write_train_rows(0, np.arange(12, 16), x[12:16], q[12:16])
+    want = np.zeros(n, dtype=bool)
+    want[:8] = want[12:16] = True
+    need(np.array_equal(st.featurized_mask(0), want), "featurized_mask is not the rows written")
+    g, qq = st.read_train_rows(0, 2, 14)
+    need(np.array_equal(g[:6], x[2:8]) and np.array_equal(qq[10:], q[12:14]), "rows read back differ")
+    try:
+        st.inverse(0)
+        need(False, "inverse() of an unfinalized model returned")
+    except StateError:
+        pass
+    for s in range(meta.num_shards):
+        xs = x[8 * s : 8 * (s + 1)].astype(np.float64)
+        st.write_partial(0, s, xs.T @ xs, np.zeros(p + 3))
+    a = np.linalg.inv(x.T.astype(np.float64) @ x + np.eye(p))
+    st.write_inverse(0, a)
+    st.set_finalize_info(0, {"lambda_reg": 1.0})
+    need(np.array_equal(st.inverse(0), a.astype(np.float32)), "the inverse reads back other than float32(A)")
+    st.init_experiment("e", m)
+    try:
+        st.init_experiment("e", m + 1)
+        need(False, "an experiment reopened with another num_targets was accepted")
+    except StoreMismatchError:
+        pass
+    st.init_experiment_model("e", 0)
+    st.write_target_rows("e", 0, slice(0, m), x[:m])
+    scores = rng.standard_normal((n, m)).astype(np.float32)
+    st.begin_scores("e", [0])
+    st.write_score_rows("e", 0, 8, scores[:8])
+    try:
+        st.scores("e")
+        need(False, "scores() returned while rows were not done")
+    except StateError:
+        pass
+    st.write_score_rows("e", 8, n, scores[8:])
+    need(np.array_equal(np.asarray(st.scores("e")[:]), scores), "scores read back differ")

@@ -46,11 +46,13 @@ def verify(
         for d in by_array.get(a.array, []):
             style = "red" if d.kind != "missing" else "yellow"
             status = d.kind if d.kind != "metadata" else f"metadata: {d.detail}"
-            if d.kind == "corrupt" and d.detail:
-                status = f"corrupt: {d.detail}"
+            if d.kind in ("corrupt", "misplaced") and d.detail:
+                status = f"{d.kind}: {d.detail}"
             table.add_row(d.array, d.chunk, f"{d.unit} {d.rows[0]}..{d.rows[1] - 1}", f"[{style}]{status}[/]")
         if details and a.array not in by_array:
             table.add_row(a.array, f"{a.chunks} chunks", "", "[green]intact[/]")
+    for line in report.root:  # the root (or a copy) is the damaged side: the arrays are checked against the seal
+        table.add_row("zarr.json (root)", "", "", f"[red]metadata: {line}[/]")
     for line in report.inconsistent:
         table.add_row("", "", "", f"[red]{line}[/]")
     if not report.ok or details:
@@ -58,14 +60,15 @@ def verify(
     if report.ok:
         console.print(
             f"[green]intact[/]: {len(report.arrays)} arrays, every chunk of rows marked done is present"
-            + ("" if quick else " and passes its crc32c checksum")
+            + ("" if quick else ", passes its crc32c checksum and is the chunk recorded for its place")
         )
         return
-    n = len(report.damage) + len(report.inconsistent)
+    n = len(report.damage) + len(report.inconsistent) + len(report.root)
     if not repair:
         err_console.print(
-            f"[bold red]damaged[/]: {n} problem(s). `trakflow verify {store} --repair` unflags the "
-            "damaged rows (and what depends on them); a rerun then recomputes them.",
+            f"[bold red]damaged[/]: {n} problem(s). `trakflow verify {store} --repair` restores damaged metadata "
+            "from its sealed copy or the schema, removes damaged chunks and unflags their rows (and what depends on "
+            "them); a rerun then recomputes them.",
             highlight=False,
         )
         raise typer.Exit(1)

@@ -9,7 +9,7 @@ import warnings
 
 from .. import gradients, modelout, projectors
 from ..errors import ModelIDException
-from ..version import __version__
+from .._version import __version__
 from . import traker, utils
 from .projectors import ChunkedCudaProjector, CudaProjector
 from .score_computers import AbstractScoreComputer, BasicScoreComputer, BasicSingleBlockScoreComputer

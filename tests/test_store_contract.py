@@ -1,0 +1,67 @@
+"""The store contract (trak_core.testing.check_store) on the Zarr store, local and in memory; the check fails on
+a store that breaks it."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from trak_core.store import TrakStore
+from trak_core.testing import check_store
+
+
+def test_zarr_store_passes_the_contract(tmp_path):
+    check_store(lambda meta: TrakStore.create_or_open(str(tmp_path / "s"), meta))
+
+
+def test_zarr_store_in_memory_passes_the_contract():
+    check_store(lambda meta: TrakStore.create_or_open(f"memory://{uuid.uuid4().hex}", meta))
+
+
+def test_the_contract_fails_a_store_that_loses_flags(tmp_path):
+    class Forgetful(TrakStore):
+        def featurized_mask(self, model_id: int) -> np.ndarray:
+            return np.zeros(self.meta.train_set_size, dtype=bool)
+
+    def make(meta):
+        st = TrakStore.create_or_open(str(tmp_path / "f"), meta)
+        return Forgetful(st.location, st.root, st.meta)
+
+    with pytest.raises(AssertionError, match="check_store: featurized_mask"):
+        check_store(make)
+
+
+def test_store_package_modules_import_one_way_and_stay_small():
+    """No import circle among trak_core.store's modules (function-local imports included); each < 800 lines."""
+    import ast
+    from pathlib import Path
+
+    import trak_core.store as pkg
+
+    root = Path(pkg.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.glob("*.py"):
+        text = path.read_text()
+        assert len(text.splitlines()) < 800, path
+        deps = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module} if node.module else {a.name for a in node.names}
+        graph[path.stem] = {d.split(".")[0] for d in deps} - {path.stem}
+    graph["__init__"] = set()  # the package's own re-exports; no module imports it (relative level 1 only)
+    state: dict[str, int] = {}
+
+    def visit(n: str, trail: list[str]) -> None:
+        state[n] = 1
+        for d in sorted(graph.get(n, ())):
+            assert state.get(d) != 1, f"import circle: {' -> '.join([*trail, n, d])}"
+            if d not in state:
+                visit(d, [*trail, n])
+        state[n] = 2
+
+    for n in graph:
+        if n not in state:
+            visit(n, [])
+    assert "zarr_store" in graph["verify"] and "schema" in graph["arrays"]

@@ -1,3 +1,0 @@
-"""trak_core's version."""
-
-__version__ = "0.1.0"
