@@ -1,5 +1,6 @@
 """trak_core: TRAK data attribution as a pure library (no Prefect here)."""
 
+from ._version import __version__
 from .alpha import Alpha
 from .errors import (
     BadInputError,
@@ -31,7 +32,6 @@ from .projectors import (
     make_projector,
 )
 from .store import StoreMetadata, TrakStore
-from ._version import __version__
 
 __all__ = [
     "__version__",

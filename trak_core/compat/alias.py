@@ -8,8 +8,8 @@ import types
 import warnings
 
 from .. import gradients, modelout, projectors
-from ..errors import ModelIDException
 from .._version import __version__
+from ..errors import ModelIDException
 from . import traker, utils
 from .projectors import ChunkedCudaProjector, CudaProjector
 from .score_computers import AbstractScoreComputer, BasicScoreComputer, BasicSingleBlockScoreComputer
