@@ -13,7 +13,7 @@ from trak_core import TRAKer, reduce
 from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.scoring import GGN_FLOOR, combine_checkpoints, ggn_lambda, loss_curvature
 from trak_core.store import StoreMetadata, TrakStore
-from trak_core.verify import repair_store, verify_store
+from trak_core.store.verify import repair_store, verify_store
 
 N, P, M = 300, 24, 9
 

@@ -29,7 +29,7 @@ from tasks.config import AttributeConfig
 from trak_core.compat.traker import TRAKer
 from trak_core.errors import BadInputError, StoreDamageError, StoreMismatchError
 from trak_core.store import TrakStore
-from trak_core.verify import repair_store, verify_location, verify_store
+from trak_core.store.verify import repair_store, verify_location, verify_store
 
 SHARD, CHUNK = 16, 8
 

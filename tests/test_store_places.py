@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from examples import tiny
 from trak_core.errors import StoreDamageError
 from trak_core.store import TrakStore
-from trak_core.verify import repair_store, verify_location
+from trak_core.store.verify import repair_store, verify_location
 
 MISPLACED = "does not belong here"
 

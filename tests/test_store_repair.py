@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from trak_core.errors import StoreDamageError
 from trak_core.store import TrakStore
-from trak_core.verify import repair_store, verify_location
+from trak_core.store.verify import repair_store, verify_location
 
 
 def cli(*args: str):

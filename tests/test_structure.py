@@ -78,8 +78,6 @@ def test_no_test_hook_in_production_code():
 
 
 # ---------------------------------------------------------------------------- modules inside a package
-#: being split into a package by another change: their own imports are not checked yet
-BEING_SPLIT = {"trak_core/store.py", "trak_core/verify.py"}
 MAX_LINES = 800
 
 
@@ -153,7 +151,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycle_among_the_modules_of_a_package(package):
-    cycle = find_cycle(module_graph(REPO, package, BEING_SPLIT))
+    cycle = find_cycle(module_graph(REPO, package))
     assert cycle is None, f"import cycle in {package}: {' -> '.join(cycle)}"
 
 
@@ -199,7 +197,7 @@ def test_the_module_cycle_check_accepts_a_one_way_package(tmp_path):
 
 def test_the_core_never_imports_its_traker_adapter():
     """Only trak_core's __init__ and the adapter's own modules import trak_core.compat."""
-    graph = module_graph(REPO, "trak_core", BEING_SPLIT)
+    graph = module_graph(REPO, "trak_core")
     bad = [
         mod
         for mod, deps in graph.items()
@@ -229,12 +227,12 @@ def issue_numbers(paths: list[Path]) -> list[str]:
 
 
 def test_no_production_file_over_the_line_limit():
-    files = [p for p in production_files() if str(p.relative_to(REPO)) not in BEING_SPLIT]
+    files = production_files()
     assert not too_long(files), too_long(files)
 
 
 def test_no_issue_numbers_in_production_code():
-    files = [p for p in production_files() if str(p.relative_to(REPO)) not in BEING_SPLIT]
+    files = production_files()
     found = issue_numbers(files)
     assert not found, "\n".join(found)
 

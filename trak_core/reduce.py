@@ -35,7 +35,7 @@ from .scoring import (
 )
 from .store import TrakStore, mirror_upper, pack_upper, unpack_upper
 from .streaming import grads_right_hand, page_array, stream_scores
-from .verify import require_present
+from .store.verify import require_present
 
 #: bytes of one float64 block of rows in :func:`shard_partial` on a GPU (4,096 rows at proj_dim 2048)
 DEVICE_BLOCK_BYTES = 64 << 20

@@ -524,7 +524,7 @@ def scores_from_grads(
     float32 either way); traker's Φ Gᵀ up to rounding ((X A) Gᵀ and X (A Gᵀ) round differently, and traker
     rounds Φ to the store's dtype). Needs every train row featurized and every target written for each
     checkpoint; the checkpoints need not be finalized."""
-    from .verify import require_present
+    from .store.verify import require_present
 
     with store.pinned():  # one call: its groups and arrays opened once
         ids = [int(mid) for mid in inverses]

@@ -1,7 +1,7 @@
 """``trakflow verify STORE [--repair]``: check every array, flag and checksum of a store (fsck).
 
 Prints a table of what is intact, missing or corrupt (array, chunk, rows); exits 1 on damage, 0 when intact
-(or repaired). The logic is trak_core.verify; this module only prints.
+(or repaired). The logic is trak_core.store.verify; this module only prints.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def verify(
     """Check every array, flag and checksum of a store; exit 1 on damage (0 after --repair)."""
     from trak_core.errors import TrakError
     from trak_core.store import TrakStore
-    from trak_core.verify import repair_store, verify_store
+    from trak_core.store.verify import repair_store, verify_store
 
     try:
         st = TrakStore.open(store, check_arrays=False)

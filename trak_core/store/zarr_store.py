@@ -79,7 +79,7 @@ class TrakStore:
         """Open an existing store (error if there is none). ``check_arrays``: check every array's zarr.json
         against the root metadata (:class:`StoreDamageError` naming the array); ``"on_use"``: check each array
         as it is opened instead (a pipeline task, after the run's plan checked them all: a task opens a few
-        arrays of a store that may hold hundreds); False: never (trak_core.verify, which reports those itself)."""
+        arrays of a store that may hold hundreds); False: never (trak_core.store.verify, which reports those itself)."""
         if check_arrays not in (True, False, "on_use"):
             raise BadInputError(f"check_arrays={check_arrays!r}: expected True, False or 'on_use'")
         try:
