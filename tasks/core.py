@@ -19,8 +19,8 @@ from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
 from trak_core.lds import array_fingerprint
 from trak_core.projectors import make_projector
 from trak_core.store import StoreMetadata, TrakStore
-from trak_core.streaming import score_task_ranges
 from trak_core.store.verify import repair_store, verify_store
+from trak_core.streaming import score_task_ranges
 
 from . import progress
 from .common import cached_data, load_checkpoint, open_store

@@ -35,8 +35,8 @@ from .gradients import AbstractGradientComputer, FunctionalGradientComputer, gra
 from .modelout import AbstractModelOutput, check_batch, resolve_task
 from .projectors import AbstractProjector, make_projector
 from .store import StoreLock, StoreMetadata, TrakStore
-from .streaming import grads_right_hand, stream_scores
 from .store.verify import require_present
+from .streaming import grads_right_hand, stream_scores
 
 #: the metadata fields that identify a projection (compared with a rebuilt or given projector)
 PROJECTION_FIELDS = ("projector", "proj_type", "proj_seed", "grad_dim", "proj_dim", "projector_params")

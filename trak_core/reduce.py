@@ -34,8 +34,8 @@ from .scoring import (
     symmetric_eigenvalues,
 )
 from .store import TrakStore, mirror_upper, pack_upper, unpack_upper
-from .streaming import grads_right_hand, page_array, stream_scores
 from .store.verify import require_present
+from .streaming import grads_right_hand, page_array, stream_scores
 
 #: bytes of one float64 block of rows in :func:`shard_partial` on a GPU (4,096 rows at proj_dim 2048)
 DEVICE_BLOCK_BYTES = 64 << 20
