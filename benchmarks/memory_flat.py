@@ -7,7 +7,7 @@ row). ``delta_rss_mib`` is the peak minus the RSS after the imports (the phase's
 
     .venv/bin/python benchmarks/memory_flat.py --sizes 50000 200000 --proj-dim 512
 
-tests/test_memory_flat.py runs the same phases at moderate n and fails when a phase's peak grows with n.
+tests/trak_core/test_memory_flat.py runs the same phases at moderate n and fails when a phase's peak grows with n.
 """
 
 from __future__ import annotations

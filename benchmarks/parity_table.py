@@ -1,5 +1,5 @@
 """The README's "Agreement with traker 0.3.2" table: max |ours − traker| / max |traker| of the scores, for the
-recipes tests/test_traker_parity.py asserts (identity projection; 1 and 3 checkpoints; float32 without λ on the
+recipes tests/compat/test_traker_parity.py asserts (identity projection; 1 and 3 checkpoints; float32 without λ on the
 first layer, float32 with λ = 1e-2 on all parameters, float16 on the first layer), run through both libraries.
 
     .venv/bin/python benchmarks/parity_table.py      # a few seconds; needs traker 0.3.2 (make test installs it)

@@ -246,3 +246,17 @@ def test_the_size_and_issue_checks_can_fail(tmp_path):
     cites = tmp_path / "cites.py"
     cites.write_text('"""Fixed in issue 12."""\n# see #27\nx = 1  # issues 3\ncolour = "#fff"\n')
     assert [line.split(":")[1] for line in issue_numbers([cites])] == ["1", "2", "3"]
+
+
+def test_tests_mirror_the_source_tree():
+    """A test lives in the folder of what it tests (tests/trak_core/..., tests/pipeline/, tests/cli/, ...); only
+    the repository-wide checks stay at the top."""
+    folders = {"trak_core", "trak_core/store", "compat", "pipeline", "cli", "cuda_ext", "benchmarks"}
+    tests = REPO / "tests"
+    top = sorted(p.name for p in tests.glob("test_*.py"))
+    assert top == ["test_docs.py", "test_structure.py"], top
+    for path in tests.rglob("test_*.py"):
+        folder = str(path.parent.relative_to(tests))
+        assert folder == "." or folder in folders, f"{path}: tests/{folder} mirrors no part of the source tree"
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), "two test files share a name (pytest imports them by basename)"

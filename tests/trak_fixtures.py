@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -86,3 +87,8 @@ def tiny_attribute_config(store, checkpoints, /, **over) -> dict:
     )
     cfg.update(over)
     return cfg
+
+
+#: the repository's root and the tests' root folder, for tests in any subfolder of tests/
+TESTS_ROOT = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_ROOT.parent

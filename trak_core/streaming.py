@@ -25,8 +25,8 @@ a worker goes from one piece's GEMMs to the next without waiting for a read or a
 The arithmetic is the one of the plain loop (zero the accumulator, ``acc.addmm_(X_c, W_c)`` per checkpoint in
 the given order, then :func:`~trak_core.scoring.combine_checkpoints`' float32 element-wise operations), and MKL's
 GEMM gives every row the same bits whatever the number of rows in the call and whatever its number of threads,
-so the scores are bit-identical to the unpipelined loop for any block size (tests/test_streaming.py,
-tests/test_scores_from_grads.py check it).
+so the scores are bit-identical to the unpipelined loop for any block size (tests/trak_core/test_streaming.py,
+tests/trak_core/test_scores_from_grads.py check it).
 """
 
 from __future__ import annotations

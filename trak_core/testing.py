@@ -1,7 +1,7 @@
 """The contracts of projectors and model outputs as check functions you can run on your own ones.
 
 scikit-learn's ``check_estimator`` for trakflow: every projector we ship and every model output class is
-checked by these same functions (``tests/test_projector_contract.py``); a projector or a model output you
+checked by these same functions (``tests/trak_core/test_projector_contract.py``); a projector or a model output you
 write passes them before the pipeline uses it. Each check raises :class:`AssertionError` whose message
 starts with the check's name and says what failed. pytest is not needed to import this module (only
 :func:`parametrize_with_checks` imports it, lazily).

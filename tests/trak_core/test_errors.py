@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
+from trak_fixtures import REPO_ROOT
 
 from trak_core import counter_rng
 from trak_core.compat import utils
 from trak_core.errors import BadInputError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 def _alpha_track_twice():

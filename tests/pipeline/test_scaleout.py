@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from trak_fixtures import tiny_attribute_config
+from trak_fixtures import REPO_ROOT, tiny_attribute_config
 
 from examples import tiny
 from tasks.config import AttributeConfig
@@ -27,7 +27,7 @@ from trak_core.store import StoreLock, TrakStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 N, M, SHARD = tiny.NUM_TRAIN, tiny.NUM_TARGETS, 16
 SHARDS = N // SHARD
 MODELS = 2

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from trak_fixtures import tiny_attribute_config
+from trak_fixtures import REPO_ROOT, tiny_attribute_config
 
 from examples import tiny
 from tasks.config import AttributeConfig, TrainConfig
@@ -530,7 +530,7 @@ def test_prefect_yaml_entrypoints_resolve():
 
     import yaml
 
-    spec = yaml.safe_load((Path(__file__).parent.parent / "deployments" / "prefect.yaml").read_text())
+    spec = yaml.safe_load((REPO_ROOT / "deployments" / "prefect.yaml").read_text())
     assert spec["deployments"]
     from prefect import Flow
 

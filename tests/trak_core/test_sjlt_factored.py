@@ -1,7 +1,7 @@
 """SJLT and factored projections: the definitions, the fast path, TRAKer end to end, bad input.
 
 (The shared contract — shapes, batch invariance, dict == flat, JL inner products — is checked for both
-kinds by tests/test_projector_contract.py.)
+kinds by tests/trak_core/test_projector_contract.py.)
 """
 
 import logging

@@ -14,7 +14,7 @@ import pytest
 import yaml
 import zarr
 from services import free_port
-from trak_fixtures import tiny_attribute_config
+from trak_fixtures import REPO_ROOT, TESTS_ROOT, tiny_attribute_config
 from typer.testing import CliRunner
 
 from examples import tiny
@@ -22,8 +22,8 @@ from trak_core.errors import BadInputError, StoreDamageError
 from trakflow_cli import errors
 from trakflow_cli.main import app
 
-REPO = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
+REPO = REPO_ROOT
+TESTS = TESTS_ROOT
 ENV = {"COLUMNS": "200", "NO_COLOR": "1", "TRAKFLOW_DEBUG": ""}
 runner = CliRunner()
 

@@ -123,7 +123,7 @@ PROJECTORS = [
     ProjectorCase(
         _cuda("CudaSJLTProjector", c=2, device="cuda", backend="torch"), id="cuda-sjlt-torchpath", marks=needs_cuda
     ),
-    # not here: fast_jl (TRAK's kernel, optional; its matrix is not ours), see tests/test_cuda_ext.py
+    # not here: fast_jl (TRAK's kernel, optional; its matrix is not ours), see tests/cuda_ext/test_cuda_ext.py
 ]
 
 

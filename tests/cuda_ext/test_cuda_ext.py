@@ -11,7 +11,7 @@ With a GPU (marker ``cuda``): the kernels against the CPU, for several shapes, a
 dtypes, a grad_dim × batch > 2**31 case (marker ``slow`` too), determinism, fast_jl interop.
 
 On the lent GPU machine: ``pip install ninja`` if missing, then
-``python -m pytest -m cuda tests/test_cuda_ext.py`` (see docs/gpu.md).
+``python -m pytest -m cuda tests/cuda_ext/test_cuda_ext.py`` (see docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/cuda_ext/ is two folders down)
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 try:
@@ -455,6 +455,7 @@ def test_fast_jl_is_optional_with_a_clear_error():
 
 
 # ---------------------------------------------------------------------- the kernels' self-check (CPU)
+
 from cuda_ext import selfcheck  # noqa: E402
 from cuda_ext.projectors import CudaBackendError, CudaSelfCheckWarning  # noqa: E402
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 from torch.func import grad, vmap
+from trak_fixtures import REPO_ROOT
 
 import trak_core
 from trak_core import counter_rng
@@ -242,9 +243,8 @@ def test_separate_qkv_weights_and_bias_kv():
 def _featurize_bench():
     """benchmarks/featurize_bench.py as a module (its models and data)."""
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     try:
         import featurize_bench
     finally:

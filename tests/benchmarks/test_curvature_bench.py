@@ -14,10 +14,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from trak_fixtures import REPO_ROOT
 
 from trak_core.modelout import ImageClassificationModelOutput
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,11 @@ import socket
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from trak_fixtures import tiny_attribute_config
+from trak_fixtures import REPO_ROOT, tiny_attribute_config
 
 from examples import tiny
 from tasks.config import AttributeConfig
@@ -23,7 +22,7 @@ from trak_core import engine
 from trak_core.compat.traker import TRAKer
 from trak_core.errors import BadInputError, StoreLockedError, StoreMismatchError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 SHARD = 16
 
 

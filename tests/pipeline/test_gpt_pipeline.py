@@ -2,7 +2,6 @@
 finalize and score flows, on a few rows of the example's docstring corpus, against TRAKer on the same inputs."""
 
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +9,8 @@ import torch
 import yaml
 
 pytest.importorskip("transformers")
+
+from trak_fixtures import REPO_ROOT
 
 from examples import gpt  # noqa: E402
 from tasks.config import AttributeConfig  # noqa: E402
@@ -19,7 +20,7 @@ from trak_core.projectors import make_projector  # noqa: E402
 from trak_core.store import TrakStore  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
-YAML = Path(__file__).resolve().parent.parent / "examples" / "gpt.yaml"
+YAML = REPO_ROOT / "examples" / "gpt.yaml"
 N, M, PROJ, LAM = 32, 4, 32, 1e-2
 
 

@@ -10,8 +10,9 @@ import importlib.util
 import os
 
 import pytest
+from trak_fixtures import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 SMALL, LARGE, PROJ_DIM = 20_000, 80_000, 256
 
 

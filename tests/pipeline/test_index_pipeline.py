@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from trak_fixtures import tiny_attribute_config
+from trak_fixtures import REPO_ROOT, tiny_attribute_config
 from typer.testing import CliRunner
 
 from examples import tiny
@@ -200,6 +200,6 @@ def test_query_deployment_form_is_a_valid_request(tmp_path):
     assert set(req) <= set(QueryConfig.model_fields)
     torch.save(tiny.target_data(), req["inputs"])
     assert QueryConfig.model_validate(req).k == 5
-    spec = yaml.safe_load((Path(__file__).parent.parent / "deployments" / "prefect.yaml").read_text())
+    spec = yaml.safe_load((REPO_ROOT / "deployments" / "prefect.yaml").read_text())
     (entry,) = [d for d in spec["deployments"] if d["entrypoint"] == "flows/query.py:query"]
     assert set(entry["parameters"]["request"]) <= set(QueryConfig.model_fields)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 from pydantic import ValidationError
+from trak_fixtures import REPO_ROOT
 
 from examples import tiny
 from tasks.config import AttributeConfig, TrainConfig, check_store_location, load_object, resolve_checkpoints
@@ -182,11 +183,10 @@ def test_train_config(tmp_path):
 
 
 def test_example_yaml_files_name_real_fields():
-    from pathlib import Path
 
     import yaml
 
-    root = Path(__file__).parent.parent / "examples"
+    root = REPO_ROOT / "examples"
     attr = yaml.safe_load((root / "digits.yaml").read_text())
     assert set(attr) <= set(AttributeConfig.model_fields)
     train = TrainConfig.from_yaml(root / "digits_train.yaml")  # validates; writes nothing

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from trak_fixtures import tiny_attribute_config
+from trak_fixtures import REPO_ROOT, tiny_attribute_config
 from typer.testing import CliRunner
 
 from examples import tiny
 from trak_core import TRAKer
 from trakflow_cli.main import app
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 
 runner = CliRunner()
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
