@@ -15,7 +15,7 @@ A configuration is (projector kind, proj_dim, lambda_reg setting, number of chec
 the pipeline's formula (float64 XᵀX; (XᵀX + λI)⁻¹ divided by its mean |entry| as traker does; traker's
 checkpoint combination), computed in XᵀX's eigenbasis from one eigendecomposition per checkpoint so that many
 settings are cheap (``check_scores`` compares with the pipeline's float32 path; λ = 0 goes through
-``trak_core.reduce.cholesky_inverse``). Settings are anything ``lambda_reg`` accepts, e.g. ``deff:0.1``,
+``trak_core.damping.cholesky_inverse``). Settings are anything ``lambda_reg`` accepts, e.g. ``deff:0.1``,
 ``resid:3`` or ``deff:0.1,resid:3`` (the larger λ). ``traker`` rows run traker 0.3.2 itself (its CPU
 defaults: normal projection, float16 store, λ = 0) at the same checkpoints and proj_dim. LDS = mean over
 targets of the Spearman correlation over subsets; intervals are 95 % percentile bootstraps over targets.
@@ -46,12 +46,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from trak_core.damping import parse_lambda_reg  # noqa: E402
 from trak_core.featurize import Featurizer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds, margins_from_logits, subset_masks, truth_key  # noqa: E402
 from trak_core.projectors import make_projector  # noqa: E402
 from trak_core.reduce import RowSums, cholesky_inverse  # noqa: E402
-from trak_core.scoring import combine_checkpoints, features_block, parse_lambda_reg, scores_block  # noqa: E402
+from trak_core.scoring import combine_checkpoints, features_block, scores_block  # noqa: E402
 
 CACHE = os.path.join(ROOT, ".cache", "lds")
 NUM_SUBSETS = 100
@@ -360,7 +361,7 @@ class Solver:
     def scores(self, lam: float) -> torch.Tensor:
         """X (XᵀX + λI)⁻¹ Gᵀ with traker's rescale (float32 out). λ > 0: in XᵀX's eigenbasis, float64 —
         (XV) diag(1/(σ+λ)) (GV)ᵀ / mean|V diag(1/(σ+λ)) Vᵀ|, n·p·m per λ instead of n·p² (the pipeline's
-        float32 path to ~1e-6 relative, ``check_scores``); λ = 0 through reduce.cholesky_inverse."""
+        float32 path to ~1e-6 relative, ``check_scores``); λ = 0 through damping.cholesky_inverse."""
         if lam == 0:
             return scores_block(features_block(self.x, self.inverse(lam)), self.g)
         if self._xv is None:
@@ -415,7 +416,7 @@ def evaluate(
 
 def check_scores(case: Case, truth: dict, kind: str = "dense", proj_dim: int = 512, setting="rel:0.3") -> float:
     """max |difference| / max |score| of Solver.scores (eigenbasis) against the pipeline's float32 formula
-    (features_block, scores_block) with reduce.cholesky_inverse's rescaled inverse."""
+    (features_block, scores_block) with damping.cholesky_inverse's rescaled inverse."""
     s = Solver(features(case, truth, kind, proj_dim, 0))
     lam = s.resolve(setting)
     ref = scores_block(features_block(s.x, cholesky_inverse(s.xtx, lam, s.n, rescale=True)[0]), s.g)
@@ -423,7 +424,7 @@ def check_scores(case: Case, truth: dict, kind: str = "dense", proj_dim: int = 5
 
 
 def check_inverse(case: Case, truth: dict, kind: str = "dense", proj_dim: int = 512, setting="rel:0.3") -> float:
-    """max relative difference of the eigen path's inverse against reduce.cholesky_inverse (one setting)."""
+    """max relative difference of the eigen path's inverse against damping.cholesky_inverse (one setting)."""
     s = Solver(features(case, truth, kind, proj_dim, 0))
     lam = s.resolve(setting)
     ref = cholesky_inverse(s.xtx, lam, s.n, rescale=True)[0]

@@ -163,9 +163,10 @@ def acquire_store(location: str, run: str) -> None:
             held[1] += 1
             return
         created: list[str] = []
-        if "://" not in key:
-            check_writable(key)  # a clear error, before any folder is made
-            created = make_store_dir(key)
+        local = key.removeprefix("file://")  # a file:// URL is a local folder too
+        if "://" not in local:
+            check_writable(local)  # a clear error, before any folder is made
+            created = make_store_dir(local)
         lock = StoreLock(location, run)
         try:
             lock.acquire()

@@ -10,7 +10,6 @@ Memory is O(block × (p + m) + p²) whatever the number of train rows n.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,21 +18,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .damping import LambdaRule, loss_curvature, parse_lambda_reg, solve
 from .errors import BadInputError, StateError
-from .scoring import (
-    CONDITION_WARN,
-    GGN_FLOOR,
-    check_conditioning,
-    effective_rows,
-    features_block,
-    ggn_curvature,
-    ggn_lambda,
-    loss_curvature,
-    parse_lambda_reg,
-    regularized_inverse,
-    symmetric_eigenvalues,
-)
-from .store import TrakStore, mirror_upper, pack_upper, unpack_upper
+from .scoring import features_block
+from .store import TrakStore, pack_upper, unpack_upper
 from .store.verify import require_present
 from .streaming import grads_right_hand, page_array, stream_scores
 
@@ -58,7 +46,7 @@ def shard_grams(
     store: TrakStore, model_id: int, shard: int, rows: np.ndarray | None, q, device=None
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """(Xₛᵀ Xₛ, Xₛᵀ Rₛ Xₛ or None) of one shard: the Gram partials its store keeps, :func:`shard_partial`'s bits.
-    XᵀRX (rᵢ = :func:`~trak_core.scoring.loss_curvature` of the shard's ``q``) only in a store of
+    XᵀRX (rᵢ = :func:`~trak_core.damping.loss_curvature` of the shard's ``q``) only in a store of
     ``curvature="ggn"``; on the host both come from one float64 copy of the rows."""
     if store.meta.curvature != "ggn":
         return shard_partial(store, model_id, shard, rows=rows, device=device), None
@@ -216,218 +204,6 @@ def require_featurized(store: TrakStore, model_id: int) -> None:
         )
 
 
-# up to this proj_dim the exact condition number (a symmetric eigendecomposition) is cheap; above it, finalize
-# estimates it from the Cholesky factorization it needs anyway (the eigendecomposition cost 5× the rest of the
-# solve at p = 2048)
-EXACT_CONDITION_MAX_P = 512
-
-#: the deff λ from float32 eigenvalues is kept when the exact effective dimension at that λ (from the float64
-#: inverse finalize computes anyway) moves log λ by at most this much (a Newton step); otherwise Newton steps
-#: with a new factorization each, then the float64 eigenvalues
-DEFF_LOG_TOL = 1e-4
-DEFF_NEWTON_STEPS = 2
-
-
-def _top_eigenvalue(mat: torch.Tensor, iters: int = 12, block: int = 6) -> float:
-    """The largest eigenvalue of a symmetric PSD matrix by subspace iteration + Rayleigh–Ritz (a lower bound,
-    typically within a fraction of a percent; O(iters · block · p²))."""
-    v = torch.randn(mat.shape[0], block, dtype=mat.dtype, generator=torch.Generator().manual_seed(0))
-    for _ in range(iters):
-        v, _ = torch.linalg.qr(mat @ v)
-    return float(torch.linalg.eigvalsh(v.T @ (mat @ v))[-1])
-
-
-def lapack_inverse(xtx: np.ndarray | torch.Tensor, lam: float) -> np.ndarray | None:
-    """(XᵀX + λI)⁻¹ float64 (C order, exactly symmetric) by LAPACK's Cholesky (potrf) and Cholesky inverse
-    (potri: a triangular inverse and a triangular product, 2p³/3 flops in all) through scipy, in place on one
-    copy; None when XᵀX + λI is not positive definite in float64. Faster here than torch.linalg.cholesky +
-    torch.cholesky_inverse (which also leaves a column-major result)."""
-    from scipy.linalg import lapack
-
-    reg = np.array(xtx.numpy() if isinstance(xtx, torch.Tensor) else xtx, dtype=np.float64, order="C", copy=True)
-    reg.flat[:: reg.shape[0] + 1] += lam
-    # symmetric: the transpose view is Fortran-ordered, so LAPACK works on this buffer without copying
-    # (its lower triangle is our upper one)
-    c, info = lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)
-    if info != 0:
-        return None
-    c, info = lapack.dpotri(c, lower=1, overwrite_c=1)
-    if info != 0:
-        return None
-    return mirror_upper(reg)
-
-
-def cholesky_inverse(
-    xtx: torch.Tensor,
-    lam: float,
-    n_rows: int,
-    *,
-    model_id=None,
-    rescale: bool = True,
-    eigenvalues: torch.Tensor | np.ndarray | None = None,
-    inverse: np.ndarray | None = None,
-    matrix: str = "XᵀX",
-    condition_bound: float | None = None,
-) -> tuple[torch.Tensor, float]:
-    """((XᵀX + λI)⁻¹ float64, optionally divided by its mean |entry| as traker does; the condition estimate).
-
-    Cholesky + its triangular inverse in float64 (:func:`lapack_inverse`; ``inverse``: that result, computed
-    by the caller). The condition number is (σ_max + λ) / (σ_min + λ) from ``eigenvalues`` of XᵀX when given;
-    else exact (eigendecomposition) for p ≤ EXACT_CONDITION_MAX_P or when the estimate comes within 10× of
-    the warning threshold; otherwise λ_max(XᵀX + λI) · λ_max(inverse) by subspace iteration. A matrix that
-    is not positive definite in float64 takes the general path (:func:`regularized_inverse`: LU, then the
-    pseudo-inverse) with condition ∞. Warnings: :func:`check_conditioning` (naming ``matrix``).
-    ``condition_bound``: an upper bound on the condition number known to the caller (:func:`ggn_condition_bound`);
-    below the warning threshold it is the estimate, and nothing more is computed.
-    """
-    p = xtx.shape[0]
-    inv_np = inverse if inverse is not None else lapack_inverse(xtx, lam)
-    if inv_np is None:
-        cond = check_conditioning(
-            xtx,
-            lam,
-            n_rows,
-            model_id=model_id,
-            stacklevel=4,
-            cond=None if p <= EXACT_CONDITION_MAX_P else float("inf"),
-            matrix=matrix,
-        )
-        return regularized_inverse(xtx, lam, rescale=rescale), cond
-    inv = torch.from_numpy(inv_np)
-    est = None
-    if condition_bound is not None and condition_bound < CONDITION_WARN:
-        est = condition_bound  # cannot warn: the condition number is at most this
-    elif eigenvalues is not None:
-        ev = torch.as_tensor(eigenvalues, dtype=torch.float64)
-        low = max(float(ev.min()), 0.0) + lam
-        est = (float(ev.max()) + lam) / low if low > 0 else float("inf")
-    elif p > EXACT_CONDITION_MAX_P:
-        reg = xtx.to(torch.float64) + lam * torch.eye(p, dtype=torch.float64)
-        hi, inv_hi = _top_eigenvalue(reg), _top_eigenvalue(inv)
-        est = hi * inv_hi if hi > 0 and inv_hi > 0 else float("inf")
-        if est >= CONDITION_WARN / 10 and not (p >= n_rows and lam == 0):
-            est = None  # near the threshold: decide on the exact number
-    if est is not None and est < CONDITION_WARN and not (p >= n_rows and lam == 0):
-        cond = est  # nothing to warn about (check_conditioning would only build XᵀX + λI for its message)
-    else:
-        cond = check_conditioning(xtx, lam, n_rows, model_id=model_id, stacklevel=4, cond=est, matrix=matrix)
-    if rescale:
-        m = float(np.abs(inv_np).mean())
-        if m > 0:
-            inv = inv / m
-    return inv, cond
-
-
-def ggn_condition_bound(xtx_eigenvalues: np.ndarray | torch.Tensor, weight_max: float, lam: float) -> float | None:
-    """An upper bound on the condition number of H + λI for H = Xᵀ W X with row weights 0 ≤ wᵢ ≤ ``weight_max``
-    (:func:`~trak_core.scoring.ggn_curvature`: wᵢ = rᵢ + β·mean(r)), from XᵀX's eigenvalues: 0 ⪯ H ⪯ w_max·XᵀX, so
-    κ ≤ (w_max·σ_max + λ) / λ. The eigenvalues may be float32's (relative error ≲ 1e-6 of σ_max: the bound takes
-    1e-4 more). None when λ = 0 (no bound without σ_min(H)): the caller estimates it then."""
-    if not lam > 0:
-        return None
-    top = float(torch.as_tensor(xtx_eigenvalues, dtype=torch.float64).max())
-    if not math.isfinite(top):
-        return None
-    return (max(weight_max, 0.0) * max(top, 0.0) * (1 + 1e-4) + lam) / lam
-
-
-def _float32_eigenvalues(xtx: np.ndarray) -> np.ndarray:
-    """Eigenvalues (ascending, as float64) of the symmetric XᵀX rounded to float32, by LAPACK's MRRR driver in
-    float32: about half the time of float64. Their error is ~1e-7 × the largest (measured on the quality
-    cases' projected gradients and on power-law spectra: ≤ 2e-6 × σ_max at p = 2048)."""
-    import scipy.linalg
-
-    a32 = np.asarray(xtx, dtype=np.float32)
-    a32 = np.array(a32, order="C", copy=a32 is xtx or not a32.flags.c_contiguous)
-    # symmetric: the Fortran-ordered transpose view lets LAPACK overwrite this copy instead of copying it again
-    ev = scipy.linalg.eigvalsh(a32.T, driver="evr", overwrite_a=True, check_finite=False)
-    return np.sort(ev.astype(np.float64))
-
-
-def _exact_deff_terms(inv: np.ndarray, lam: float) -> tuple[float, float]:
-    """(d_eff(λ), −d d_eff / d log λ) of XᵀX exactly, from (XᵀX + λI)⁻¹ (float64, before any rescale):
-    d_eff = Σ σ/(σ+λ) = p − λ tr(inv), −d d_eff/d log λ = Σ σλ/(σ+λ)² = λ (tr(inv) − λ ‖inv‖_F²)."""
-    tr = float(np.trace(inv))
-    fro2 = float(np.vdot(inv.reshape(-1), inv.reshape(-1)))
-    return inv.shape[0] - lam * tr, lam * (tr - lam * fro2)
-
-
-def solve_deff_fast(
-    xtx: np.ndarray, fractions, n_rows: int, lam_floor: float = 0.0
-) -> tuple[float, np.ndarray, np.ndarray] | None:
-    """(λ, (XᵀX + λI)⁻¹ float64 unscaled, the eigenvalues used) for ``deff`` rules without a float64
-    eigendecomposition, or None where this cannot decide (the caller then takes the float64 path).
-
-    λ = max(``lam_floor``, the ``deff:<c>`` λ of each fraction c in ``fractions``): a rule such as
-    ``"deff:0.1,resid:3"`` passes its other parts' (exact, cheap) λ as ``lam_floor``. An entry of ``fractions``
-    may be a pair (c, rows): its target is min(c · rows, rank / 2) (the ``neff`` rule's effective number of rows),
-    while the rank bounds still use ``n_rows``.
-
-    1. eigenvalues of XᵀX in float32 (:func:`_float32_eigenvalues`);
-    2. a target min(c·n, rank / 2) needs the numerical rank only when it is below 2 c n: the rank is taken as
-       certain when the count of float32 eigenvalues far above their round-off (> 8√p · ε₃₂ · σ_max) and
-       min(n, p) give the same targets, or, for n ≥ p, when XᵀX − θI (θ the rule's rank threshold) has a
-       float64 Cholesky factorization (rank p); otherwise None;
-    3. each deff λ by the rule (scoring.deff_lambda) on those eigenvalues (the p − n smallest set to 0 when
-       n < p: they are exact zeros, and float32 noise would bias d_eff);
-    4. the float64 inverse at λ gives the exact d_eff(λ) and its slope (:func:`_exact_deff_terms`), hence a
-       Newton estimate of each deff λ; λ is kept when max(lam_floor, those estimates) moves log λ by at most
-       DEFF_LOG_TOL, else that is the next λ (a factorization each, up to DEFF_NEWTON_STEPS), else None.
-    """
-    from .scoring import deff_lambda, deff_target
-
-    p = xtx.shape[0]
-    pairs = [(float(c[0]), float(c[1])) if isinstance(c, tuple) else (float(c), None) for c in fractions]
-    if p <= EXACT_CONDITION_MAX_P or n_rows is None or not pairs or not np.isfinite(xtx).all():
-        return None
-    ev = _float32_eigenvalues(xtx)
-    top = float(ev[-1])
-    if not top > 0:
-        return None
-    n = int(n_rows)
-    pairs = [(c, n if rows is None else rows) for c, rows in pairs]
-    max_rank = min(n, p)
-    theta = top * p * 1e-13  # scoring.deff_target's rank threshold
-    if n < p:
-        ev[: p - n] = 0.0  # rank ≤ n: these are zeros
-    tau = 8.0 * math.sqrt(p) * float(np.finfo(np.float32).eps) * top
-    sure = np.where(ev > tau, ev, 0.0)
-    full = ev.copy()
-    full[p - max_rank :] = np.maximum(full[p - max_rank :], 2.0 * theta)  # rank min(n, p)
-    targets = [deff_target(full, c, rows) for c, rows in pairs]
-    if [deff_target(sure, c, rows) for c, rows in pairs] != targets:
-        if n < p:
-            return None
-        reg = np.array(xtx, dtype=np.float64, order="C", copy=True)
-        reg.flat[:: p + 1] -= theta
-        from scipy.linalg import lapack
-
-        if lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)[1] != 0:
-            return None  # rank < p: decided on the float64 eigenvalues
-        del reg
-    lam = max([float(lam_floor)] + [deff_lambda(full, c, rows) for c, rows in pairs])
-    for _ in range(1 + DEFF_NEWTON_STEPS):
-        if not (lam > 0 and math.isfinite(lam)):
-            return None
-        inv = lapack_inverse(xtx, lam)
-        if inv is None:
-            return None
-        d, slope = _exact_deff_terms(inv, lam)
-        if not slope > 0:
-            return None
-        # d_eff falls as log λ grows: the Newton estimate of each deff λ from here
-        est = [lam * math.exp(max(min((d - t) / slope, 1.0), -1.0)) for t in targets]
-        new = max([float(lam_floor)] + est)
-        if abs(math.log(new / lam)) <= DEFF_LOG_TOL:
-            return lam, inv, full
-        lam = new
-    return None
-
-
-def _has_deff(rule) -> bool:
-    return bool(rule.deff or rule.neff) or any(_has_deff(r) for r in getattr(rule, "parts", ()))
-
-
 def rows_row_sums(store: TrakStore, model_id: int, block_rows: int | None = None) -> RowSums:
     """:class:`RowSums` by a pass over the stored train rows in blocks (of a shard by default); the reference that
     the per-shard partials (:func:`total_row_sums`) reproduce bit for bit."""
@@ -449,78 +225,39 @@ def solve_model(
     sums: RowSums | None = None,
     ggn=None,
 ) -> tuple[np.ndarray, dict]:
-    """(inverse (p, p) float64, info) for one model from its partials (or ``xtx``, their sum in shard order,
-    ``sums``, :func:`total_row_sums`', and ``ggn``, :func:`total_ggn`'s). ``lambda_reg``: see parse_lambda_reg.
+    """(inverse (p, p) float64, finalize's record) of one model: the store's inputs of :func:`damping.solve`.
 
-    A ``deff`` rule (the ``"adaptive"`` default) resolves λ from float32 eigenvalues checked against the exact
-    effective dimension (:func:`solve_deff_fast`), falling back to float64 eigenvalues where that cannot decide.
-    In a store of ``curvature="ggn"`` the rule still reads XᵀX; the inverse is (H + λ'I)⁻¹ with H = XᵀRX + β·mean(r)·XᵀX
-    (:func:`~trak_core.scoring.ggn_curvature`, mean(r) from the stored Q) and λ' = :func:`~trak_core.scoring.ggn_lambda`
-    (info: ``lambda_reg`` = λ', ``lambda_xtx`` = λ)."""
+    Args:
+        lambda_reg: a setting or a parsed rule (:func:`~trak_core.damping.parse_lambda_reg`).
+        xtx, sums, ggn: XᵀX, the row sums and XᵀRX when the caller has them (their sums in shard order, as
+            :func:`total_xtx`, :func:`total_row_sums` and :func:`total_ggn` compute them from the store).
+    """
+    rule = lambda_reg if isinstance(lambda_reg, LambdaRule) else parse_lambda_reg(lambda_reg)
     xtx_np = total_xtx(store, model_id) if xtx is None else xtx
-    xtx_t = torch.from_numpy(xtx_np)
-    n = store.meta.train_set_size
-    rule = parse_lambda_reg(lambda_reg)
+    sums = total_row_sums(store, model_id) if sums is None and _needs_row_sums(rule) else sums
+    ggn = total_ggn(store, model_id) if ggn is None and store.meta.curvature == "ggn" else ggn
+    kw = _solve_inputs(store, model_id, rule, sums, ggn)
+    return solve(xtx_np, store.meta.train_set_size, rule, rescale, model_id=model_id, **kw)
+
+
+def _needs_row_sums(rule: LambdaRule) -> bool:
+    return bool(rule.needs_xtq or rule.needs_row_norm4 or rule.needs_q2x2)
+
+
+def _solve_inputs(store: TrakStore, model_id: int, rule: LambdaRule, sums: RowSums | None, ggn) -> dict[str, Any]:
+    """The keyword inputs of :func:`damping.solve` besides XᵀX: the row sums ``rule`` reads and, in a store of
+    ``curvature="ggn"``, XᵀRX and the stored Q."""
     kw: dict[str, Any] = {}
-    if rule.needs_xtq or rule.needs_row_norm4 or rule.needs_q2x2:  # sums over the rows, from the shard partials
-        rs = total_row_sums(store, model_id) if sums is None else sums
+    if _needs_row_sums(rule) and sums is not None:  # sums over the rows, from the shard partials
         if rule.needs_xtq:
-            kw["xtq"], kw["qtq"] = rs.xtq, rs.qtq
+            kw["xtq"], kw["qtq"] = sums.xtq, sums.qtq
         if rule.needs_row_norm4:
-            kw["row_norm4"] = rs.row_norm4
+            kw["row_norm4"] = sums.row_norm4
         if rule.needs_q2x2:
-            kw["q2x2"] = rs.q2x2
-    fast = None
-    parts = tuple(getattr(rule, "parts", ())) or (rule,)
-    if _has_deff(rule) and not any(getattr(r, "parts", ()) for r in parts):
-        # the deff/neff parts from float32 eigenvalues, checked; the others exactly (cheap)
-        others = [r.resolve(xtx_t, n_rows=n, **kw) for r in parts if not (r.deff or r.neff)]
-        targets = [
-            (r.factor, effective_rows(xtx_t, kw.get("row_norm4")) if r.neff else n) for r in parts if r.deff or r.neff
-        ]
-        fast = solve_deff_fast(xtx_np, targets, n, max(others, default=0.0))
-    ev: Any
-    if fast is not None:
-        lam, inv_np, ev = fast
-    else:
-        if _has_deff(rule) and bool(torch.isfinite(xtx_t).all()):
-            kw["eigenvalues"] = ev = symmetric_eigenvalues(xtx_t)
-        else:
-            ev = None
-        lam = rule.resolve(xtx_t, n_rows=n, **kw)
-        inv_np = None
-    extra: dict[str, Any] = {}
-    matrix = "XᵀX"
-    bound = None
+            kw["q2x2"] = sums.q2x2
     if store.meta.curvature == "ggn":
-        r = loss_curvature(store.model(model_id).out_to_loss[:])
-        mean_r = float(r.mean())
-        ggn_np = ggn_curvature(total_ggn(store, model_id) if ggn is None else ggn, xtx_np, mean_r)
-        extra = {"curvature": "ggn", "mean_curvature": mean_r, "lambda_xtx": lam, "ggn_trace": float(np.trace(ggn_np))}
-        lam = ggn_lambda(lam, float(np.trace(xtx_np)), extra["ggn_trace"])
-        if ev is not None:
-            bound = ggn_condition_bound(ev, float(r.max(initial=0.0)) + GGN_FLOOR * mean_r, lam)
-        xtx_t, ev, inv_np, matrix = torch.from_numpy(ggn_np), None, None, "XᵀRX"  # XᵀRX + λ'I is inverted below
-    inv, cond = cholesky_inverse(
-        xtx_t,
-        lam,
-        n,
-        model_id=model_id,
-        rescale=rescale,
-        eigenvalues=ev,
-        inverse=inv_np,
-        matrix=matrix,
-        condition_bound=bound,
-    )
-    info = {
-        **extra,
-        "lambda_reg": lam,
-        "lambda_setting": rule.setting,
-        "rescale": bool(rescale),
-        "condition": float(cond),
-        "xtx_trace": float(np.trace(xtx_np)),
-    }
-    return inv.numpy(), info
+        kw["ggn"], kw["out_to_loss"] = ggn, store.model(model_id).out_to_loss[:]
+    return kw
 
 
 def finalized_settings(info: dict | None) -> tuple[Any, bool | None]:
@@ -650,10 +387,12 @@ def finalize_model(
     require_present(store, [(m.grads, rows), (m.out_to_loss, rows), *((arr, done) for arr in partials)])
     # the settings are recorded before anything is written: a rerun with another λ or rescale is refused naming
     # the field, never finalized with two settings
-    store.record_feature_settings(model_id, parse_lambda_reg(lambda_reg).setting, rescale)
+    rule = parse_lambda_reg(lambda_reg)
+    store.record_feature_settings(model_id, rule.setting, rescale)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trak-partial") as writer:
         total, sums, writes, ggn = _sum_partials(store, model_id, writer, device)
-        inv, info = solve_model(store, model_id, lambda_reg, rescale, xtx=total, sums=sums, ggn=ggn)
+        kw = _solve_inputs(store, model_id, rule, sums, ggn)
+        inv, info = solve(total, store.meta.train_set_size, rule, rescale, model_id=model_id, **kw)
         for w in writes:  # the partials are in the store before the inverse is
             w.result()
     store.write_inverse(model_id, inv)

@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
+from .damping import LambdaRule, parse_lambda_reg
 from .errors import BadInputError
 from .projectors import load_projector_plugins, registered_projectors
-from .scoring import LambdaRule, parse_lambda_reg
 
 ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
@@ -49,7 +49,7 @@ def check_grad_wrt(value: list[str] | None) -> list[str] | None:
 #: the name of a registered projector (trak_core.projectors.register_projector), e.g. ``"factored"`` or ``"fast_jl"``
 ProjectorKind = Annotated[str, AfterValidator(check_projector_kind)]
 #: a number ≥ 0, ``"auto"``, ``"rel:<f>"``, ``"adaptive"``, ``"deff:<c>"``, ``"resid:<k>"`` or parts joined by ``","``
-#: (trak_core.scoring.parse_lambda_reg)
+#: (trak_core.damping.parse_lambda_reg)
 LambdaSetting = Annotated[NonNegativeFloat | str, AfterValidator(normalize_lambda_reg)]
 #: parameter names to take gradients for; None: all parameters
 GradWrt = Annotated[list[str] | None, AfterValidator(check_grad_wrt)]

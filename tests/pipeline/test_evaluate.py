@@ -349,7 +349,7 @@ def test_planted_duplicate_is_top_proponent_and_mislabeled_copy_top_opponent(pla
 # ---------------------------------------------------------------------------- damping settings in the config
 def test_attribute_config_lambda_reg_settings(tmp_path):
     from tasks.config import AttributeConfig
-    from trak_core.scoring import ADAPTIVE, AUTO_DAMPING, resolve_lambda
+    from trak_core.damping import ADAPTIVE, AUTO_DAMPING, resolve_lambda
 
     ck = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
     base = _eval_dict(tmp_path, ck)["attribute"]

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trak_core.errors import BadInputError
-from trak_core.scoring import (
+from trak_core.damping import (
     ADAPTIVE,
     ADAPTIVE_NEFF,
     AUTO_DAMPING,
@@ -18,6 +17,7 @@ from trak_core.scoring import (
     parse_lambda_reg,
     resolve_lambda,
 )
+from trak_core.errors import BadInputError
 
 
 def _xtx(n: int, p: int, seed: int = 0, decay: float = 0.9) -> torch.Tensor:
@@ -175,7 +175,7 @@ def test_existing_settings_unchanged():
 def test_symmetric_eigenvalues_equal_torch_eigvalsh():
     """The fast CPU eigenvalue path (LAPACK's MRRR driver) gives torch.linalg.eigvalsh's values to round-off,
     on a full-rank and a rank-deficient (n < p) XᵀX."""
-    from trak_core.scoring import symmetric_eigenvalues
+    from trak_core.damping import symmetric_eigenvalues
 
     g = torch.Generator().manual_seed(3)
     for n, p in ((300, 64), (40, 64)):

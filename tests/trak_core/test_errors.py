@@ -69,7 +69,7 @@ def _plot_gauge(tmp_path):
 
 
 def _lambda(value):
-    from trak_core.scoring import parse_lambda_reg
+    from trak_core.damping import parse_lambda_reg
 
     parse_lambda_reg(value)
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from trak_core import reduce
-from trak_core.scoring import parse_lambda_reg, resolve_lambda
+from trak_core import damping, reduce
+from trak_core.damping import parse_lambda_reg, resolve_lambda
 from trak_core.store import StoreMetadata, TrakStore, mirror_upper
 
 
@@ -28,12 +28,12 @@ def test_lapack_inverse_is_the_float64_inverse_and_exactly_symmetric():
         x = _x(2 * p, p, alpha=1.0, seed=p)
         a = x.T @ x
         lam = 1e-3 * np.trace(a) / p
-        inv = reduce.lapack_inverse(a, lam)
+        inv = damping.lapack_inverse(a, lam)
         ref = np.linalg.inv(a + lam * np.eye(p))
         assert inv.flags.c_contiguous and np.array_equal(inv, inv.T)
         np.testing.assert_allclose(inv, ref, rtol=1e-9, atol=1e-12 * np.abs(ref).max())
     bad = -np.eye(5)
-    assert reduce.lapack_inverse(bad, 0.0) is None
+    assert damping.lapack_inverse(bad, 0.0) is None
 
 
 def test_mirror_upper_fills_the_lower_triangle():
@@ -61,7 +61,7 @@ def test_fast_deff_lambda_matches_the_float64_rule(n, p, alpha, rank, c):
     x = _x(n, p, alpha=alpha, rank=rank, seed=n + p)
     a = x.T @ x
     ref = resolve_lambda(f"deff:{c}", torch.from_numpy(a), n_rows=n)
-    out = reduce.solve_deff_fast(a, [c], n)
+    out = damping.solve_deff_fast(a, [c], n)
     if out is None:  # it could not decide: solve_model takes the float64 path
         assert alpha >= 3.0, "the fast path should decide these spectra"
         return
@@ -76,7 +76,7 @@ def test_rank_deficient_with_many_rows_is_decided_exactly():
     n, p, r = 6000, 640, 200
     x = _x(n, p, rank=r, seed=1)
     a = x.T @ x
-    assert reduce.solve_deff_fast(a, [0.1], n) is None
+    assert damping.solve_deff_fast(a, [0.1], n) is None
     st = _store_with_rows(None, x.astype(np.float32), chunk_rows=1000, shard_rows=2000)
     inv, info = reduce.solve_model(st, 0, "adaptive", rescale=False)
     assert info["lambda_reg"] == pytest.approx(_reference_lambda("adaptive", x, n), rel=1e-12)
@@ -103,9 +103,9 @@ def test_deff_with_another_part_takes_the_larger_lambda():
     x = _x(n, p, alpha=1.0, seed=2)
     a = x.T @ x
     ref = resolve_lambda("deff:0.1", torch.from_numpy(a), n_rows=n)
-    assert reduce.solve_deff_fast(a, [0.1], n, 3.0 * ref)[0] == 3.0 * ref
-    assert reduce.solve_deff_fast(a, [0.1], n, 0.5 * ref)[0] == pytest.approx(ref, rel=1e-4)
-    two = reduce.solve_deff_fast(a, [0.1, 0.3], n)[0]  # the larger deff λ: the smaller fraction
+    assert damping.solve_deff_fast(a, [0.1], n, 3.0 * ref)[0] == 3.0 * ref
+    assert damping.solve_deff_fast(a, [0.1], n, 0.5 * ref)[0] == pytest.approx(ref, rel=1e-4)
+    two = damping.solve_deff_fast(a, [0.1, 0.3], n)[0]  # the larger deff λ: the smaller fraction
     assert two == pytest.approx(ref, rel=1e-4)
 
 
@@ -183,13 +183,13 @@ def test_finalize_reads_stored_partials_ahead_and_sums_in_shard_order(tmp_path, 
     for s in stored:
         reduce.ensure_partial(a, 0, s)
     seen = {}
-    real = reduce.solve_model
+    real = reduce.solve
 
-    def spy(store, model_id, *args, xtx=None, **kw):
+    def spy(xtx, *args, **kw):
         seen["xtx"] = np.array(xtx)
-        return real(store, model_id, *args, xtx=xtx, **kw)
+        return real(xtx, *args, **kw)
 
-    monkeypatch.setattr(reduce, "solve_model", spy)
+    monkeypatch.setattr(reduce, "solve", spy)
     assert reduce.finalize_model(a, 0, 0.5) == reduce.finalize_model(b, 0, 0.5)
     np.testing.assert_array_equal(seen["xtx"], reduce.total_xtx(b, 0))
     np.testing.assert_array_equal(a.inverse(0), b.inverse(0))
@@ -200,8 +200,8 @@ def test_fast_condition_estimate_is_close_to_the_exact_one():
     n, p = 3000, 768
     x = _x(n, p, alpha=1.0, seed=9)
     a = x.T @ x
-    lam, inv, ev = reduce.solve_deff_fast(a, [0.1], n)
-    _, cond = reduce.cholesky_inverse(torch.from_numpy(a), lam, n, eigenvalues=ev, inverse=inv)
+    lam, inv, ev = damping.solve_deff_fast(a, [0.1], n)
+    _, cond = damping.cholesky_inverse(torch.from_numpy(a), lam, n, eigenvalues=ev, inverse=inv)
     assert cond == pytest.approx(np.linalg.cond(a + lam * np.eye(p)), rel=1e-3)
 
 

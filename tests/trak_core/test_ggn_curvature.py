@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from trak_core import TRAKer, reduce
+from trak_core import TRAKer, damping, reduce
+from trak_core.damping import GGN_FLOOR, ggn_lambda, loss_curvature
 from trak_core.errors import BadInputError, StoreMismatchError
-from trak_core.scoring import GGN_FLOOR, combine_checkpoints, ggn_lambda, loss_curvature
+from trak_core.scoring import combine_checkpoints
 from trak_core.store import StoreMetadata, TrakStore
 from trak_core.store.verify import repair_store, verify_store
 
@@ -253,17 +254,17 @@ def test_ggn_condition_bound_bounds_the_condition_number():
     for lam in (1e-6, 1e-3, 1.0):
         exact = np.linalg.cond(h + lam * np.eye(40))
         for eig in (ev, ev.astype(np.float32)):
-            bound = reduce.ggn_condition_bound(eig, float(w.max()), lam)
+            bound = damping.ggn_condition_bound(eig, float(w.max()), lam)
             assert bound is not None and exact <= bound
         # the bound is what 0 ⪯ H ⪯ max(w)·XᵀX gives: tight when one row's weight dominates the top direction
         assert bound == pytest.approx((w.max() * ev.max() + lam) / lam, rel=1e-3)
-    assert reduce.ggn_condition_bound(ev, float(w.max()), 0.0) is None
+    assert damping.ggn_condition_bound(ev, float(w.max()), 0.0) is None
 
 
 def test_ggn_solve_takes_the_bound_instead_of_estimating_the_condition(tmp_path, monkeypatch):
     """At proj_dim > EXACT_CONDITION_MAX_P with the default rule (XᵀX's eigenvalues known), the ggn solve reports the
     bound as its condition estimate and runs no subspace iteration; its inverse is (H + λ'I)⁻¹ in float64."""
-    n, p = 900, reduce.EXACT_CONDITION_MAX_P + 40
+    n, p = 900, damping.EXACT_CONDITION_MAX_P + 40
     rng = np.random.default_rng(6)
     meta = StoreMetadata(
         train_set_size=n, grad_dim=10_000, proj_dim=p, dtype="float32", chunk_rows=300, curvature="ggn"
@@ -277,7 +278,7 @@ def test_ggn_solve_takes_the_bound_instead_of_estimating_the_condition(tmp_path,
     def no_estimate(*_a, **_k):
         raise AssertionError("the condition was estimated although a bound was known")
 
-    monkeypatch.setattr(reduce, "_top_eigenvalue", no_estimate)
+    monkeypatch.setattr(damping, "_top_eigenvalue", no_estimate)
     info = reduce.finalize_model(st, 0, lambda_reg="adaptive")  # TRAKer's default
     xd = x.astype(np.float64)
     r = loss_curvature(q)

@@ -41,12 +41,12 @@ import torch
 from torch import Tensor
 
 from .. import engine
+from ..damping import CURVATURES, check_lambda
 from ..errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
 from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
 from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
-from ..scoring import CURVATURES, check_lambda
 from .savers import check_saver
 from .score_computers import score_computer_settings
 
@@ -105,7 +105,7 @@ class TRAKer:
     such that the effective dimension of each checkpoint's XᵀX is min(0.1·n, rank/2), chosen by
     leave-one-case-out (benchmarks/RESULTS.md, "Attribution quality"). It may also be a number,
     ``"auto"`` / ``"rel:<f>"`` (damping relative to the mean eigenvalue of XᵀX) or ``"deff:<c>"`` (see
-    :func:`trak_core.scoring.parse_lambda_reg`). Extra keyword arguments: ``rescale_inverse``
+    :func:`trak_core.damping.parse_lambda_reg`). Extra keyword arguments: ``rescale_inverse``
     (traker's division of (XᵀX+λI)⁻¹ by its mean |entry|; default True for parity),
     ``chunk_rows``/``shard_rows`` (store layout; by default a chunk holds at most 32 MiB and 1,024 rows, a
     shard 8 chunks: trak_core.store.choose_chunk_rows), ``storage_options`` (fsspec), ``curvature``: the H of

@@ -151,7 +151,7 @@ class StoreMetadata(BaseModel):
     chunk_bytes: PositiveInt = CHUNK_TARGET_BYTES  # the most bytes a chunk of a row array holds (row_chunks)
     task: str = ""
     # the curvature H of the inverse A = (H + λI)⁻¹: "xtx" = XᵀX (traker's), "ggn" = XᵀRX, the Gauss-Newton matrix
-    # of the loss in the model output, R = diag(rᵢ), rᵢ = Qᵢ(1 − Qᵢ) (scoring.loss_curvature); set at creation: a
+    # of the loss in the model output, R = diag(rᵢ), rᵢ = Qᵢ(1 − Qᵢ) (damping.loss_curvature); set at creation: a
     # "ggn" store keeps both partials per shard (λ's rule reads XᵀX's spectrum)
     curvature: Literal["xtx", "ggn"] = "xtx"
     versions: dict[str, str] = Field(default_factory=_versions)

@@ -305,15 +305,15 @@ def test_crash_during_finalize_then_other_lambda_is_refused(clean, tmp_path, mon
 
     store = copy(clean, "featurize", tmp_path / "s.zarr")
     cfg = config(store, clean["ckpts"])
-    original = reduce.solve_model
+    original = reduce.solve
 
     def crash(*a, **k):
         raise KeyboardInterrupt("crash during finalize")
 
-    monkeypatch.setattr(reduce, "solve_model", crash)
+    monkeypatch.setattr(reduce, "solve", crash)
     with pytest.raises(KeyboardInterrupt):
         core.finalize_checkpoint(cfg, 0)
-    monkeypatch.setattr(reduce, "solve_model", original)
+    monkeypatch.setattr(reduce, "solve", original)
     st = TrakStore.open(cfg.store)
     assert not st.is_finalized(0) and not st.model(0).inverse_done[:].any()  # settled on λ=1e-3, nothing written
     with pytest.raises(StoreMismatchError, match=r"lambda_reg: model_id=0 .* was planned with lambda_reg=0.001"):
@@ -328,11 +328,11 @@ def test_traker_crash_during_finalize_then_other_lambda_is_refused(clean, tmp_pa
 
     save = tmp_path / "t.zarr"
     t = traker_run(save, clean["ckpts"], stages=("featurize",))
-    original = reduce.solve_model
-    monkeypatch.setattr(reduce, "solve_model", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    original = reduce.solve
+    monkeypatch.setattr(reduce, "solve", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         t.finalize_features()
-    monkeypatch.setattr(reduce, "solve_model", original)
+    monkeypatch.setattr(reduce, "solve", original)
     t2 = traker_run(save, clean["ckpts"], lambda_reg=0.5, stages=())
     with pytest.raises(StoreMismatchError, match="lambda_reg: model_id=0"):
         t2.finalize_features()

@@ -8,7 +8,7 @@ import torch
 from trak_fixtures import checkpoints, make_data, rel_err, run_traker
 
 import trak_core
-from trak_core import reduce, scoring
+from trak_core import damping, reduce
 from trak_core.errors import IllConditionedWarning, StoreMismatchError
 from trak_core.store import StoreMetadata, TrakStore
 
@@ -107,26 +107,26 @@ def test_condition_warnings_and_clean_case():
     xtx = x.T @ x
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cond = scoring.check_conditioning(xtx, 0.0, 100)
+        cond = damping.check_conditioning(xtx, 0.0, 100)
     assert cond == pytest.approx(float(torch.linalg.cond(xtx)), rel=1e-6)
     singular = xtx.clone()
     singular[:, 0] = singular[:, 1]
     singular[0, :] = singular[1, :]
     with pytest.warns(IllConditionedWarning, match="badly conditioned"):
-        scoring.check_conditioning(singular, 0.0, 100)
+        damping.check_conditioning(singular, 0.0, 100)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        scoring.check_conditioning(singular, 1.0, 100)  # λ fixes it
+        damping.check_conditioning(singular, 1.0, 100)  # λ fixes it
 
 
 def test_inverse_float64_and_rescale():
     rng = np.random.default_rng(4)
     a = rng.standard_normal((20, 4))
     xtx = torch.from_numpy(a.T @ a)
-    inv = scoring.regularized_inverse(xtx, 0.5, rescale=False)
+    inv = damping.regularized_inverse(xtx, 0.5, rescale=False)
     assert inv.dtype == torch.float64
     np.testing.assert_allclose(inv.numpy(), np.linalg.inv(a.T @ a + 0.5 * np.eye(4)), rtol=1e-12)
-    r = scoring.regularized_inverse(xtx, 0.5, rescale=True)
+    r = damping.regularized_inverse(xtx, 0.5, rescale=True)
     assert float(r.abs().mean()) == pytest.approx(1.0)
 
 
@@ -149,14 +149,14 @@ def test_relative_damping_resolves_against_mean_eigenvalue():
     a = rng.standard_normal((40, 6))
     xtx = torch.from_numpy(a.T @ a)
     mean_eig = float(np.linalg.eigvalsh(a.T @ a).mean())
-    assert scoring.resolve_lambda("rel:0.5", xtx) == pytest.approx(0.5 * mean_eig)
-    assert scoring.resolve_lambda("auto", xtx) == pytest.approx(scoring.AUTO_DAMPING * mean_eig)
-    assert scoring.resolve_lambda(0.25, xtx) == 0.25
+    assert damping.resolve_lambda("rel:0.5", xtx) == pytest.approx(0.5 * mean_eig)
+    assert damping.resolve_lambda("auto", xtx) == pytest.approx(damping.AUTO_DAMPING * mean_eig)
+    assert damping.resolve_lambda(0.25, xtx) == 0.25
     # scale-free: scaling the gradients by s scales λ by s²
-    assert scoring.resolve_lambda("rel:0.5", 9 * xtx) == pytest.approx(9 * 0.5 * mean_eig)
+    assert damping.resolve_lambda("rel:0.5", 9 * xtx) == pytest.approx(9 * 0.5 * mean_eig)
     for bad in ("fancy", "rel:x", "rel:-1", -0.1):
         with pytest.raises(ValueError, match="lambda_reg"):
-            scoring.resolve_lambda(bad, xtx)
+            damping.resolve_lambda(bad, xtx)
 
 
 def test_relative_damping_in_finalize_equals_absolute(tmp_path):

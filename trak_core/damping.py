@@ -1,0 +1,754 @@
+"""Damping and the solve of one checkpoint: λ from its rule, (XᵀX + λI)⁻¹ and its condition, in float64.
+
+* :func:`parse_lambda_reg` reads a ``lambda_reg`` setting (a number, ``"auto"``, ``"rel:<c>"``, ``"adaptive"``,
+  ``"deff:<c>"``, ``"neff:<c>"``, ``"resid:<c>"``, ``"cresid:<c>"`` or several joined by ``,``) into a
+  :class:`LambdaRule`; the rule resolves λ from XᵀX (and the row sums some rules need).
+* :func:`solve` turns one checkpoint's XᵀX (the sum of its shard partials) into the inverse and finalize's
+  record: the ``deff`` rules from float32 eigenvalues checked against the exact effective dimension
+  (:func:`solve_deff_fast`), the Gauss-Newton curvature (``curvature="ggn"``), the conditioning warning.
+* :func:`regularized_inverse` / :func:`cholesky_inverse` are the inverses; :func:`check_conditioning` warns
+  when (XᵀX + λI) is ill-conditioned or rank deficient.
+
+No store here: :mod:`trak_core.reduce` reads the partials and writes what this returns.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .errors import BadInputError, IllConditionedWarning
+from .store import mirror_upper
+
+# above this condition number of (XᵀX + λI) the float32 features are dominated by round-off
+CONDITION_WARN = 1e7
+
+
+# "auto": λ = AUTO_DAMPING × mean eigenvalue of XᵀX. Chosen by benchmarks/damping.py (LDS on the digits demo,
+# digits trained longer and the text example, proj_dim 128/512/1024): see "Damping and LDS" in RESULTS.md.
+AUTO_DAMPING = 0.3
+
+
+# "adaptive" = ADAPTIVE = "neff:0.12,cresid:10": the larger of the λ at which the effective dimension
+# Σ σᵢ/(σᵢ+λ) of XᵀX is min(ADAPTIVE_NEFF × n_eff, rank(XᵀX) / 2), n_eff = (Σ‖xᵢ‖²)²/Σ‖xᵢ‖⁴ the rows' effective
+# number, and ADAPTIVE_CRESID × the part of ‖Xᵀq‖²/‖q‖² that the rows' residual gradients share (the implicit
+# ridge of a training run stopped before convergence). Within 0.02 LDS of the best fixed λ on benchmarks/quality.py's
+# nine cases (five converged, four stopped early) at every proj_dim, and its constants chosen by leave-one-case-out
+# (until 2026-11-24: "deff:0.1,resid:3"): see "Attribution quality" in RESULTS.md.
+ADAPTIVE_NEFF = 0.12
+
+
+ADAPTIVE_CRESID = 10.0
+
+
+ADAPTIVE = f"neff:{ADAPTIVE_NEFF:g},cresid:{ADAPTIVE_CRESID:g}"
+
+
+_FORMS = (
+    "a number >= 0, 'auto', 'rel:<factor>', 'adaptive', 'deff:<fraction in (0, 1)>', 'neff:<fraction in (0, 1)>', "
+    "'resid:<factor>', 'cresid:<factor>' or several of these joined by ',' (their largest λ)"
+)
+
+
+@dataclass(frozen=True)
+class LambdaRule:
+    """A parsed ``lambda_reg`` setting: an absolute λ, ``factor`` × the mean eigenvalue of XᵀX (``relative``),
+    (``deff``) the λ at which XᵀX's effective dimension is min(``factor`` × n, rank / 2), (``resid``) ``factor`` ×
+    the Rayleigh quotient ‖Xᵀq‖² / ‖q‖² of XXᵀ at the train rows' out-to-loss vector q, (``cresid``) ``factor`` ×
+    its part shared between rows (‖Xᵀq‖² − Σᵢqᵢ²‖xᵢ‖²)₊ / ‖q‖², (``neff``) the ``deff``
+    rule with n replaced by the rows' effective number (Σ‖xᵢ‖²)² / Σ‖xᵢ‖⁴, or (``parts``) the largest λ of
+    several rules.
+
+    ``setting`` is the normalized form, what a store records and compares: a float, ``"auto"``,
+    ``"rel:<f>"``, ``"deff:<c>"``, ``"resid:<k>"`` or such parts joined by ``","`` (lower case, stripped);
+    ``"adaptive"`` is recorded as its parts (:data:`ADAPTIVE`), so that a store finalized under an earlier
+    meaning of ``"adaptive"`` is refused (naming lambda_reg) instead of mixing two rules."""
+
+    setting: float | str
+    factor: float
+    relative: bool
+    deff: bool = False
+    resid: bool = False
+    parts: tuple[LambdaRule, ...] = ()
+    neff: bool = False
+    cresid: bool = False
+
+    @property
+    def needs_row_norm4(self) -> bool:
+        """Whether :meth:`resolve` needs Σᵢ‖xᵢ‖⁴ over the train rows (a ``neff`` part)."""
+        return self.neff or any(r.needs_row_norm4 for r in self.parts)
+
+    @property
+    def needs_q2x2(self) -> bool:
+        """Whether :meth:`resolve` needs Σᵢqᵢ²‖xᵢ‖² over the train rows (a ``cresid`` part)."""
+        return self.cresid or any(r.needs_q2x2 for r in self.parts)
+
+    @property
+    def needs_xtq(self) -> bool:
+        """Whether :meth:`resolve` needs Xᵀq and qᵀq (a ``resid`` part)."""
+        return self.resid or self.cresid or any(r.needs_xtq for r in self.parts)
+
+    def resolve(
+        self,
+        xtx: Tensor,
+        n_rows: int | None = None,
+        eigenvalues: Tensor | None = None,
+        xtq: Tensor | np.ndarray | None = None,
+        qtq: float | None = None,
+        row_norm4: float | None = None,
+        q2x2: float | None = None,
+    ) -> float:
+        """The absolute λ for this XᵀX (trace / p is its mean eigenvalue). ``n_rows`` (the number of train rows
+        summed into XᵀX) and precomputed ``eigenvalues`` are used by the ``deff`` rule only; ``xtq`` = Xᵀq (p,)
+        and ``qtq`` = qᵀq, with q the train rows' out-to-loss weights Q (both sums over rows, accumulated like
+        XᵀX), by the ``resid`` rule only; ``row_norm4`` = Σᵢ‖xᵢ‖⁴ over the train rows (a sum over rows like XᵀX)
+        by the ``neff`` rule only, ``q2x2`` = Σᵢqᵢ²‖xᵢ‖² by the ``cresid`` rule only."""
+        if self.parts:
+            if eigenvalues is None and any(r.deff or r.neff for r in self.parts):
+                eigenvalues = _checked_eigenvalues(xtx)
+            return max(
+                r.resolve(xtx, n_rows, eigenvalues, xtq, qtq, row_norm4=row_norm4, q2x2=q2x2) for r in self.parts
+            )
+        if self.neff:
+            if eigenvalues is None:
+                eigenvalues = _checked_eigenvalues(xtx)
+            return deff_lambda(eigenvalues, self.factor, effective_rows(xtx, row_norm4))
+        if self.deff:
+            if eigenvalues is None:
+                eigenvalues = _checked_eigenvalues(xtx)
+            return deff_lambda(eigenvalues, self.factor, n_rows)
+        if self.resid:
+            return self.factor * residual_rayleigh(xtq, qtq)
+        if self.cresid:
+            return self.factor * coherent_residual(xtq, qtq, q2x2)
+        if not self.relative:
+            return self.factor
+        return float(self.factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
+
+
+def _checked_eigenvalues(xtx: Tensor) -> Tensor:
+    if not bool(torch.isfinite(xtx).all()):
+        raise BadInputError("lambda_reg 'adaptive'/'deff': XᵀX is not finite (no positive eigenvalue)")
+    return symmetric_eigenvalues(xtx)
+
+
+def residual_rayleigh(xtq: Tensor | np.ndarray | None, qtq: float | None) -> float:
+    """‖Xᵀq‖² / ‖q‖² (float64): the Rayleigh quotient of XXᵀ at q, the train rows' out-to-loss weights.
+
+    Why (the ``resid`` rule): Xᵀq is the projected gradient of the training loss at the checkpoint (Q = −∂loss/∂
+    margin). Training fits the directions of XᵀX with large eigenvalues first — gradient descent stopped after T
+    steps at rate η acts like a ridge of λ ≈ 1/(ηT) — and leaves its residual q in the directions with σ ≲ that
+    λ; the Rayleigh quotient is the σ at which the residual sits, so it estimates the implicit ridge of the
+    training run: about 0 at convergence, large far from it. It does not depend on proj_dim (a JL sketch keeps
+    ‖Xᵀq‖)."""
+    if xtq is None or qtq is None:
+        raise BadInputError(
+            "lambda_reg 'resid'/'adaptive' needs Xᵀq and qᵀq (q: the train rows' out-to-loss weights) besides XᵀX"
+        )
+    g = torch.as_tensor(xtq, dtype=torch.float64).reshape(-1)
+    q2 = float(qtq)
+    num = float(g @ g)
+    if not (math.isfinite(num) and math.isfinite(q2)) or q2 < 0:
+        raise BadInputError(f"lambda_reg 'resid'/'adaptive': Xᵀq or qᵀq is not finite (qᵀq={q2!r})")
+    return num / q2 if q2 > 0 else 0.0
+
+
+def coherent_residual(xtq: Tensor | np.ndarray | None, qtq: float | None, q2x2: float | None) -> float:
+    """(‖Xᵀq‖² − Σᵢqᵢ²‖xᵢ‖²)₊ / ‖q‖² (float64): the part of the ``resid`` Rayleigh quotient that the rows'
+    residual gradients qᵢxᵢ share (the cross terms Σ_{i≠j} qᵢqⱼ xᵢᵀxⱼ), 0 when they cancel.
+
+    Why (the ``cresid`` rule): a run stopped before convergence leaves a residual along directions it has not fit
+    yet, which the residual rows' gradients share; a converged fit of noisy labels leaves a residual on a few
+    rows whose gradients do not add up, and its Rayleigh quotient is then their own ‖qᵢxᵢ‖², not an implicit
+    ridge. Σᵢqᵢ²‖xᵢ‖² is a sum over rows (accumulated like XᵀX)."""
+    if q2x2 is None:
+        raise BadInputError("lambda_reg 'cresid' needs Σᵢqᵢ²‖xᵢ‖² over the train rows (q2x2) besides Xᵀq and qᵀq")
+    d = float(q2x2)
+    if not math.isfinite(d) or d < 0:
+        raise BadInputError(f"lambda_reg 'cresid': Σᵢqᵢ²‖xᵢ‖² must be finite and >= 0, got {d!r}")
+    total = residual_rayleigh(xtq, qtq)
+    q2 = float(qtq or 0.0)  # not None, finite and >= 0: checked by residual_rayleigh
+    return max(total - d / q2, 0.0) if q2 > 0 else 0.0
+
+
+def effective_rows(xtx: Tensor, row_norm4: float | None) -> float:
+    """(Σᵢ‖xᵢ‖²)² / Σᵢ‖xᵢ‖⁴ = trace(XᵀX)² / ``row_norm4`` (float64): the participation ratio of the rows' squared
+    gradient norms — n when all rows have the same norm, about the number of rows that carry the gradient when
+    a few dominate.
+
+    Why (the ``neff`` rule): the ``deff`` target c·n counts examples per kept direction; rows whose projected
+    gradients are small hardly estimate any direction, so they should not count as whole examples."""
+    if row_norm4 is None:
+        raise BadInputError("lambda_reg 'neff' needs Σᵢ‖xᵢ‖⁴ over the train rows (row_norm4) besides XᵀX")
+    tr = float(torch.trace(xtx.to(torch.float64)))
+    r4 = float(row_norm4)
+    if not (math.isfinite(tr) and math.isfinite(r4)) or not (r4 > 0 and tr > 0):
+        raise BadInputError(f"lambda_reg 'neff': trace(XᵀX)={tr!r} and Σ‖xᵢ‖⁴={r4!r} must be finite and > 0")
+    return tr * tr / r4
+
+
+def effective_dimension(eigenvalues: Tensor | np.ndarray, lam: float) -> float:
+    """d_eff(λ) = Σ σᵢ / (σᵢ + λ) over the eigenvalues σ of XᵀX (negative round-off clipped to 0), float64.
+    At λ = 0 it is the number of positive eigenvalues."""
+    ev = torch.as_tensor(eigenvalues, dtype=torch.float64).clamp(min=0)
+    if lam <= 0:
+        return float((ev > 0).sum())
+    return float((ev / (ev + lam)).sum())
+
+
+def deff_target(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: float | None = None) -> float:
+    """The effective dimension the ``deff:<fraction>`` rule aims for: min(fraction × n, rank / 2), with n the
+    number of train rows in XᵀX (``n_rows``; the numerical rank of XᵀX when not given) and rank the number of
+    eigenvalues above top × p × 1e-13 (≤ min(n, p))."""
+    ev = torch.as_tensor(eigenvalues, dtype=torch.float64).reshape(-1).clamp(min=0)
+    top = float(ev.max()) if ev.numel() else 0.0
+    if not top > 0 or not math.isfinite(top):
+        raise BadInputError(
+            "lambda_reg 'adaptive'/'deff': XᵀX has no positive eigenvalue (all projected gradients are zero "
+            "or not finite); check the model's outputs and gradients, or give an absolute lambda_reg"
+        )
+    rank = int((ev > top * ev.numel() * 1e-13).sum())
+    n = rank if n_rows is None else float(n_rows)  # float: the 'neff' rule's effective number of rows
+    return min(fraction * n, rank / 2.0)
+
+
+def deff_lambda(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: float | None = None) -> float:
+    """The λ > 0 with d_eff(λ) = Σ σᵢ/(σᵢ+λ) = :func:`deff_target` (float64 bisection on log λ, to relative
+    precision ~1e-12; d_eff is strictly decreasing in λ).
+
+    Why this rule: d_eff(λ) is the number of directions of XᵀX that the damped inverse keeps (σ ≫ λ kept,
+    σ ≪ λ shrunk); like the degrees of freedom of a ridge fit it should grow with the number of examples that
+    estimate those directions (fraction × n: 1/fraction examples per kept direction), not with proj_dim —
+    a fixed λ keeps ever more poorly estimated directions as proj_dim grows. A sketch of p < 2·fraction·n
+    dimensions keeps half of its directions (rank / 2): the rest carry the projection's noise."""
+    if not 0.0 < fraction < 1.0:
+        raise BadInputError(f"lambda_reg: the deff fraction must be in (0, 1), got {fraction!r}")
+    ev = torch.as_tensor(eigenvalues, dtype=torch.float64).reshape(-1).clamp(min=0)
+    target = deff_target(ev, fraction, n_rows)
+    top = float(ev.max())
+    lo, hi = math.log(top * 1e-14), math.log(top * 1e8)  # d_eff(lo) ≈ rank > target, d_eff(hi) ≤ p·1e-8 < target
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if effective_dimension(ev, math.exp(mid)) > target:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-13:
+            break
+    return math.exp(0.5 * (lo + hi))
+
+
+def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
+    """The one parser of a ``lambda_reg`` setting: a number ≥ 0 (also as text, e.g. from a command line),
+    ``"auto"`` (= ``rel:AUTO_DAMPING``), ``"rel:<f>"`` with f ≥ 0, ``"deff:<c>"`` with 0 < c < 1,
+    ``"resid:<k>"`` / ``"cresid:<k>"`` with k ≥ 0, ``"neff:<c>"`` with 0 < c < 1, several of these joined by
+    ``","`` (the largest of their λ), or ``"adaptive"`` (= :data:`ADAPTIVE`). Raises BadInputError (a ValueError)
+    naming lambda_reg.
+
+    Relative settings scale with the mean eigenvalue of XᵀX (trace / p), so they do not depend on the
+    gradient scale, the model size or proj_dim: ``"rel:0.1"`` adds 0.1 × the mean eigenvalue. ``deff``
+    settings solve for the λ at which the effective dimension Σ σᵢ/(σᵢ+λ) of XᵀX is min(c × n, rank / 2)
+    (see :func:`deff_lambda`; n = ``n_rows`` of :meth:`LambdaRule.resolve`): the damping follows proj_dim and n.
+    ``resid`` settings are k × ‖Xᵀq‖² / ‖q‖² (:func:`residual_rayleigh`): the damping follows how far the
+    checkpoint is from convergence. ``neff`` settings are ``deff`` with n replaced by the rows' effective number
+    (:func:`effective_rows`; ``row_norm4`` of :meth:`LambdaRule.resolve`); ``cresid`` settings count only the part
+    of ``resid`` that the rows' residual gradients share (:func:`coherent_residual`; ``q2x2``).
+    """
+    if isinstance(lambda_reg, LambdaRule):
+        return lambda_reg
+    if isinstance(lambda_reg, str):
+        text = lambda_reg.strip().lower()
+        try:
+            number = float(text)  # a number given as text
+        except ValueError:
+            number = None
+        if number is not None:
+            return parse_lambda_reg(number)
+        if text in ("adaptive", "deff"):
+            return parse_lambda_reg(ADAPTIVE)
+        if "," in text:
+            parts = tuple(_parse_part(part.strip(), lambda_reg) for part in text.split(","))
+            setting = ",".join(str(r.setting) for r in parts)
+            return LambdaRule(setting=setting, factor=0.0, relative=False, parts=parts)
+        return _parse_part(text, lambda_reg)
+    if isinstance(lambda_reg, bool):
+        raise BadInputError(f"lambda_reg must be {_FORMS}, got {lambda_reg!r}")
+    try:
+        value = float(lambda_reg)
+    except (TypeError, ValueError):
+        raise BadInputError(f"lambda_reg must be {_FORMS}, got {lambda_reg!r}") from None
+    if not value >= 0:
+        raise BadInputError(f"lambda_reg must be >= 0, got {lambda_reg!r}")
+    return LambdaRule(setting=value, factor=value, relative=False)
+
+
+def _parse_part(text: str, given) -> LambdaRule:
+    """One rule of a ``lambda_reg`` text (lower case, stripped): a number, auto, rel:, deff:, neff:, resid: or
+    cresid:."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None:
+        if not value >= 0:
+            raise BadInputError(f"lambda_reg={given!r}: {text!r} must be >= 0")
+        return LambdaRule(setting=value, factor=value, relative=False)
+    if text == "auto":
+        return LambdaRule(setting="auto", factor=AUTO_DAMPING, relative=True)
+    name, sep, arg = text.partition(":")
+    if not sep or name not in ("rel", "deff", "neff", "resid", "cresid"):
+        raise BadInputError(f"lambda_reg={given!r}: use {_FORMS}")
+    try:
+        factor = float(arg)
+    except ValueError:
+        raise BadInputError(f"lambda_reg={given!r}: expected '{name}:<number>'") from None
+    if name in ("deff", "neff"):
+        if not 0.0 < factor < 1.0:
+            raise BadInputError(f"lambda_reg={given!r}: the {name} fraction must be in (0, 1)")
+        if name == "neff":
+            return LambdaRule(setting=f"neff:{factor:g}", factor=factor, relative=False, neff=True)
+        return LambdaRule(setting=f"deff:{factor:g}", factor=factor, relative=False, deff=True)
+    if not factor >= 0 or not math.isfinite(factor):
+        raise BadInputError(f"lambda_reg={given!r}: the factor must be >= 0")
+    if name == "resid":
+        return LambdaRule(setting=f"resid:{factor:g}", factor=factor, relative=False, resid=True)
+    if name == "cresid":
+        return LambdaRule(setting=f"cresid:{factor:g}", factor=factor, relative=False, cresid=True)
+    return LambdaRule(setting=text, factor=factor, relative=True)
+
+
+def resolve_lambda(lambda_reg, xtx: Tensor, n_rows: int | None = None) -> float:
+    """The absolute λ for a ``lambda_reg`` setting (see :func:`parse_lambda_reg`) and this XᵀX of n_rows rows."""
+    return parse_lambda_reg(lambda_reg).resolve(xtx, n_rows=n_rows)
+
+
+def check_lambda(lambda_reg) -> None:
+    """Validate a lambda_reg setting without data (raises ValueError naming the problem)."""
+    parse_lambda_reg(lambda_reg)
+
+
+#: the curvatures H of A = (H + λI)⁻¹ (``StoreMetadata.curvature``): XᵀX (traker's) and XᵀRX (Gauss-Newton)
+CURVATURES = ("xtx", "ggn")
+
+
+def loss_curvature(q: np.ndarray | Tensor) -> np.ndarray:
+    """rᵢ = ∂²loss/∂fᵢ² (float64) of each row from its Qᵢ = −∂loss/∂fᵢ = 1 − pᵢ: for the margin output
+    f = log(p/(1 − p)) of every built-in task the loss is log(1 + e^(−f)), so rᵢ = pᵢ(1 − pᵢ) = Qᵢ(1 − Qᵢ).
+    XᵀRX, R = diag(r), is the Gauss-Newton matrix of TRAK's one Newton step; traker uses XᵀX (R = I)."""
+    qd = np.asarray(q, dtype=np.float32).astype(np.float64).reshape(-1)
+    return qd * (1.0 - qd)
+
+
+#: β of the floor on the curvature weights in :func:`ggn_curvature` (benchmarks/curvature.py ``--floors``: within 0.02
+#: LDS of the best fixed λ on all 9 evaluation cases; leave-one-case-out picks 0.3 for 7 of them)
+GGN_FLOOR = 0.3
+
+
+def ggn_curvature(ggn: np.ndarray, xtx: np.ndarray, mean_r: float, floor: float = GGN_FLOOR) -> np.ndarray:
+    """H = XᵀRX + β·mean(r)·XᵀX: the Gauss-Newton matrix with each row's weight rᵢ floored to rᵢ + β·mean(r), so that
+    a confidently fitted row (rᵢ ≈ 0) still counts a little (β = 0: XᵀRX; β → ∞: XᵀX up to scale)."""
+    return ggn + (float(floor) * float(mean_r)) * xtx
+
+
+def ggn_lambda(lam_xtx: float, trace_xtx: float, trace_ggn: float) -> float:
+    """λ for XᵀRX from the λ that the damping rule gives XᵀX: the same damping relative to the curvature's
+    scale, λ · trace(XᵀRX) / trace(XᵀX) (benchmarks/curvature.py, "transfer"; 0 stays 0)."""
+    if lam_xtx == 0:
+        return 0.0
+    if not (trace_xtx > 0 and math.isfinite(trace_xtx) and math.isfinite(trace_ggn)):
+        raise BadInputError(f"curvature 'ggn': trace(XᵀX)={trace_xtx!r}, trace(XᵀRX)={trace_ggn!r} must be finite, > 0")
+    return float(lam_xtx) * float(trace_ggn) / float(trace_xtx)
+
+
+def symmetric_eigenvalues(mat: Tensor) -> Tensor:
+    """Eigenvalues (ascending, float64) of a symmetric matrix. On the CPU through LAPACK's MRRR driver
+    (``scipy.linalg.eigvalsh(driver="evr")``): the same values as ``torch.linalg.eigvalsh`` to round-off, and
+    steadier on shared cores (p = 2048, 6 runs under load: min 0.26 s / median 0.28 s, against 0.32 s / 0.75 s)."""
+    m = mat.detach().to(torch.float64)
+    if m.device.type != "cpu":
+        return torch.linalg.eigvalsh(m)
+    import scipy.linalg
+
+    ev = scipy.linalg.eigvalsh(m.numpy(), driver="evr", check_finite=False)
+    return torch.from_numpy(np.ascontiguousarray(ev))
+
+
+def condition_number(mat: Tensor) -> tuple[float, Tensor]:
+    """(condition number, eigenvalues) of a symmetric PSD matrix, in float64."""
+    ev = symmetric_eigenvalues(mat)
+    top = float(ev[-1])
+    low = float(ev[0])
+    if top <= 0:
+        return math.inf, ev
+    if low <= top * 1e-300 or low <= 0:
+        return math.inf, ev
+    return top / low, ev
+
+
+def check_conditioning(
+    xtx: Tensor,
+    lambda_reg: float,
+    n_rows: int,
+    *,
+    model_id=None,
+    stacklevel: int = 2,
+    cond: float | None = None,
+    matrix: str = "XᵀX",
+) -> float:
+    """Warn (:class:`IllConditionedWarning`) when XᵀX + λI (``matrix``: its name in the message, e.g. XᵀRX) is
+    singular or badly conditioned.
+
+    Returns the condition estimate. traker 0.3.2 silently returns noise in these cases. ``cond``: a
+    condition estimate computed by the caller (e.g. from its Cholesky factor); without it the exact
+    condition number is computed here (a symmetric eigendecomposition, O(p³)).
+    """
+    p = xtx.shape[0]
+    reg = xtx.to(torch.float64) + lambda_reg * torch.eye(p, dtype=torch.float64, device=xtx.device)
+    if cond is None:
+        cond, ev = condition_number(reg)
+        mean_eig = float(ev.clamp(min=0).mean())
+    else:
+        mean_eig = max(float(torch.trace(reg)) / p, 0.0)
+    who = f" for model_id={model_id}" if model_id is not None else ""
+    remedy = (
+        f"set lambda_reg > 0 (e.g. {1e-3 * mean_eig:.3g}, 1e-3 × the mean eigenvalue of {matrix}) "
+        f"or use a proj_dim well below the number of train examples"
+    )
+    if p >= n_rows and lambda_reg == 0:
+        warnings.warn(
+            f"proj_dim={p} ≥ number of train examples n={n_rows}{who}: {matrix} has rank ≤ {n_rows} < {p} and is "
+            f"singular (condition estimate {cond:.3g}); scores would be noise. Remedy: {remedy}.",
+            IllConditionedWarning,
+            stacklevel=stacklevel,
+        )
+    elif not cond < CONDITION_WARN:
+        warnings.warn(
+            f"{matrix} + λI is badly conditioned{who} (condition estimate {cond:.3g} with lambda_reg={lambda_reg}, "
+            f"proj_dim={p}, n={n_rows}); scores are dominated by round-off. Remedy: {remedy}.",
+            IllConditionedWarning,
+            stacklevel=stacklevel,
+        )
+    return cond
+
+
+def regularized_inverse(xtx: Tensor, lambda_reg: float = 0.0, rescale: bool = True) -> Tensor:
+    """(XᵀX + λI)⁻¹ in float64; divided by its mean |entry| when ``rescale`` (traker 0.3.2 does)."""
+    p = xtx.shape[0]
+    reg = xtx.to(torch.float64) + lambda_reg * torch.eye(p, dtype=torch.float64, device=xtx.device)
+    try:
+        inv = torch.linalg.inv(reg)
+    except RuntimeError:  # exactly singular: the pseudo-inverse keeps the output finite
+        inv = torch.linalg.pinv(reg, hermitian=True)
+    if rescale:
+        m = inv.abs().mean()
+        if m > 0:
+            inv = inv / m
+    return inv
+
+
+# up to this proj_dim the exact condition number (a symmetric eigendecomposition) is cheap; above it, finalize
+# estimates it from the Cholesky factorization it needs anyway (the eigendecomposition cost 5× the rest of the
+# solve at p = 2048)
+EXACT_CONDITION_MAX_P = 512
+
+
+#: the deff λ from float32 eigenvalues is kept when the exact effective dimension at that λ (from the float64
+#: inverse finalize computes anyway) moves log λ by at most this much (a Newton step); otherwise Newton steps
+#: with a new factorization each, then the float64 eigenvalues
+DEFF_LOG_TOL = 1e-4
+
+
+DEFF_NEWTON_STEPS = 2
+
+
+def _top_eigenvalue(mat: torch.Tensor, iters: int = 12, block: int = 6) -> float:
+    """The largest eigenvalue of a symmetric PSD matrix by subspace iteration + Rayleigh–Ritz (a lower bound,
+    typically within a fraction of a percent; O(iters · block · p²))."""
+    v = torch.randn(mat.shape[0], block, dtype=mat.dtype, generator=torch.Generator().manual_seed(0))
+    for _ in range(iters):
+        v, _ = torch.linalg.qr(mat @ v)
+    return float(torch.linalg.eigvalsh(v.T @ (mat @ v))[-1])
+
+
+def lapack_inverse(xtx: np.ndarray | torch.Tensor, lam: float) -> np.ndarray | None:
+    """(XᵀX + λI)⁻¹ float64 (C order, exactly symmetric) by LAPACK's Cholesky (potrf) and Cholesky inverse
+    (potri: a triangular inverse and a triangular product, 2p³/3 flops in all) through scipy, in place on one
+    copy; None when XᵀX + λI is not positive definite in float64. Faster here than torch.linalg.cholesky +
+    torch.cholesky_inverse (which also leaves a column-major result)."""
+    from scipy.linalg import lapack
+
+    reg = np.array(xtx.numpy() if isinstance(xtx, torch.Tensor) else xtx, dtype=np.float64, order="C", copy=True)
+    reg.flat[:: reg.shape[0] + 1] += lam
+    # symmetric: the transpose view is Fortran-ordered, so LAPACK works on this buffer without copying
+    # (its lower triangle is our upper one)
+    c, info = lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)
+    if info != 0:
+        return None
+    c, info = lapack.dpotri(c, lower=1, overwrite_c=1)
+    if info != 0:
+        return None
+    return mirror_upper(reg)
+
+
+def cholesky_inverse(
+    xtx: torch.Tensor,
+    lam: float,
+    n_rows: int,
+    *,
+    model_id=None,
+    rescale: bool = True,
+    eigenvalues: torch.Tensor | np.ndarray | None = None,
+    inverse: np.ndarray | None = None,
+    matrix: str = "XᵀX",
+    condition_bound: float | None = None,
+) -> tuple[torch.Tensor, float]:
+    """((XᵀX + λI)⁻¹ float64, optionally divided by its mean |entry| as traker does; the condition estimate).
+
+    Cholesky + its triangular inverse in float64 (:func:`lapack_inverse`; ``inverse``: that result, computed
+    by the caller). The condition number is (σ_max + λ) / (σ_min + λ) from ``eigenvalues`` of XᵀX when given;
+    else exact (eigendecomposition) for p ≤ EXACT_CONDITION_MAX_P or when the estimate comes within 10× of
+    the warning threshold; otherwise λ_max(XᵀX + λI) · λ_max(inverse) by subspace iteration. A matrix that
+    is not positive definite in float64 takes the general path (:func:`regularized_inverse`: LU, then the
+    pseudo-inverse) with condition ∞. Warnings: :func:`check_conditioning` (naming ``matrix``).
+    ``condition_bound``: an upper bound on the condition number known to the caller (:func:`ggn_condition_bound`);
+    below the warning threshold it is the estimate, and nothing more is computed.
+    """
+    p = xtx.shape[0]
+    inv_np = inverse if inverse is not None else lapack_inverse(xtx, lam)
+    if inv_np is None:
+        cond = check_conditioning(
+            xtx,
+            lam,
+            n_rows,
+            model_id=model_id,
+            stacklevel=4,
+            cond=None if p <= EXACT_CONDITION_MAX_P else float("inf"),
+            matrix=matrix,
+        )
+        return regularized_inverse(xtx, lam, rescale=rescale), cond
+    inv = torch.from_numpy(inv_np)
+    est = None
+    if condition_bound is not None and condition_bound < CONDITION_WARN:
+        est = condition_bound  # cannot warn: the condition number is at most this
+    elif eigenvalues is not None:
+        ev = torch.as_tensor(eigenvalues, dtype=torch.float64)
+        low = max(float(ev.min()), 0.0) + lam
+        est = (float(ev.max()) + lam) / low if low > 0 else float("inf")
+    elif p > EXACT_CONDITION_MAX_P:
+        reg = xtx.to(torch.float64) + lam * torch.eye(p, dtype=torch.float64)
+        hi, inv_hi = _top_eigenvalue(reg), _top_eigenvalue(inv)
+        est = hi * inv_hi if hi > 0 and inv_hi > 0 else float("inf")
+        if est >= CONDITION_WARN / 10 and not (p >= n_rows and lam == 0):
+            est = None  # near the threshold: decide on the exact number
+    if est is not None and est < CONDITION_WARN and not (p >= n_rows and lam == 0):
+        cond = est  # nothing to warn about (check_conditioning would only build XᵀX + λI for its message)
+    else:
+        cond = check_conditioning(xtx, lam, n_rows, model_id=model_id, stacklevel=4, cond=est, matrix=matrix)
+    if rescale:
+        m = float(np.abs(inv_np).mean())
+        if m > 0:
+            inv = inv / m
+    return inv, cond
+
+
+def ggn_condition_bound(xtx_eigenvalues: np.ndarray | torch.Tensor, weight_max: float, lam: float) -> float | None:
+    """An upper bound on the condition number of H + λI for H = Xᵀ W X with row weights 0 ≤ wᵢ ≤ ``weight_max``
+    (:func:`ggn_curvature`: wᵢ = rᵢ + β·mean(r)), from XᵀX's eigenvalues: 0 ⪯ H ⪯ w_max·XᵀX, so
+    κ ≤ (w_max·σ_max + λ) / λ. The eigenvalues may be float32's (relative error ≲ 1e-6 of σ_max: the bound takes
+    1e-4 more). None when λ = 0 (no bound without σ_min(H)): the caller estimates it then."""
+    if not lam > 0:
+        return None
+    top = float(torch.as_tensor(xtx_eigenvalues, dtype=torch.float64).max())
+    if not math.isfinite(top):
+        return None
+    return (max(weight_max, 0.0) * max(top, 0.0) * (1 + 1e-4) + lam) / lam
+
+
+def _float32_eigenvalues(xtx: np.ndarray) -> np.ndarray:
+    """Eigenvalues (ascending, as float64) of the symmetric XᵀX rounded to float32, by LAPACK's MRRR driver in
+    float32: about half the time of float64. Their error is ~1e-7 × the largest (measured on the quality
+    cases' projected gradients and on power-law spectra: ≤ 2e-6 × σ_max at p = 2048)."""
+    import scipy.linalg
+
+    a32 = np.asarray(xtx, dtype=np.float32)
+    a32 = np.array(a32, order="C", copy=a32 is xtx or not a32.flags.c_contiguous)
+    # symmetric: the Fortran-ordered transpose view lets LAPACK overwrite this copy instead of copying it again
+    ev = scipy.linalg.eigvalsh(a32.T, driver="evr", overwrite_a=True, check_finite=False)
+    return np.sort(ev.astype(np.float64))
+
+
+def _exact_deff_terms(inv: np.ndarray, lam: float) -> tuple[float, float]:
+    """(d_eff(λ), −d d_eff / d log λ) of XᵀX exactly, from (XᵀX + λI)⁻¹ (float64, before any rescale):
+    d_eff = Σ σ/(σ+λ) = p − λ tr(inv), −d d_eff/d log λ = Σ σλ/(σ+λ)² = λ (tr(inv) − λ ‖inv‖_F²)."""
+    tr = float(np.trace(inv))
+    fro2 = float(np.vdot(inv.reshape(-1), inv.reshape(-1)))
+    return inv.shape[0] - lam * tr, lam * (tr - lam * fro2)
+
+
+def solve_deff_fast(
+    xtx: np.ndarray, fractions, n_rows: int, lam_floor: float = 0.0
+) -> tuple[float, np.ndarray, np.ndarray] | None:
+    """(λ, (XᵀX + λI)⁻¹ float64 unscaled, the eigenvalues used) for ``deff`` rules without a float64
+    eigendecomposition, or None where this cannot decide (the caller then takes the float64 path).
+
+    λ = max(``lam_floor``, the ``deff:<c>`` λ of each fraction c in ``fractions``): a rule such as
+    ``"deff:0.1,resid:3"`` passes its other parts' (exact, cheap) λ as ``lam_floor``. An entry of ``fractions``
+    may be a pair (c, rows): its target is min(c · rows, rank / 2) (the ``neff`` rule's effective number of rows),
+    while the rank bounds still use ``n_rows``.
+
+    1. eigenvalues of XᵀX in float32 (:func:`_float32_eigenvalues`);
+    2. a target min(c·n, rank / 2) needs the numerical rank only when it is below 2 c n: the rank is taken as
+       certain when the count of float32 eigenvalues far above their round-off (> 8√p · ε₃₂ · σ_max) and
+       min(n, p) give the same targets, or, for n ≥ p, when XᵀX − θI (θ the rule's rank threshold) has a
+       float64 Cholesky factorization (rank p); otherwise None;
+    3. each deff λ by the rule (:func:`deff_lambda`) on those eigenvalues (the p − n smallest set to 0 when
+       n < p: they are exact zeros, and float32 noise would bias d_eff);
+    4. the float64 inverse at λ gives the exact d_eff(λ) and its slope (:func:`_exact_deff_terms`), hence a
+       Newton estimate of each deff λ; λ is kept when max(lam_floor, those estimates) moves log λ by at most
+       DEFF_LOG_TOL, else that is the next λ (a factorization each, up to DEFF_NEWTON_STEPS), else None.
+    """
+    p = xtx.shape[0]
+    pairs = [(float(c[0]), float(c[1])) if isinstance(c, tuple) else (float(c), None) for c in fractions]
+    if p <= EXACT_CONDITION_MAX_P or n_rows is None or not pairs or not np.isfinite(xtx).all():
+        return None
+    ev = _float32_eigenvalues(xtx)
+    top = float(ev[-1])
+    if not top > 0:
+        return None
+    n = int(n_rows)
+    pairs = [(c, n if rows is None else rows) for c, rows in pairs]
+    max_rank = min(n, p)
+    theta = top * p * 1e-13  # deff_target's rank threshold
+    if n < p:
+        ev[: p - n] = 0.0  # rank ≤ n: these are zeros
+    tau = 8.0 * math.sqrt(p) * float(np.finfo(np.float32).eps) * top
+    sure = np.where(ev > tau, ev, 0.0)
+    full = ev.copy()
+    full[p - max_rank :] = np.maximum(full[p - max_rank :], 2.0 * theta)  # rank min(n, p)
+    targets = [deff_target(full, c, rows) for c, rows in pairs]
+    if [deff_target(sure, c, rows) for c, rows in pairs] != targets:
+        if n < p:
+            return None
+        reg = np.array(xtx, dtype=np.float64, order="C", copy=True)
+        reg.flat[:: p + 1] -= theta
+        from scipy.linalg import lapack
+
+        if lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)[1] != 0:
+            return None  # rank < p: decided on the float64 eigenvalues
+        del reg
+    lam = max([float(lam_floor)] + [deff_lambda(full, c, rows) for c, rows in pairs])
+    for _ in range(1 + DEFF_NEWTON_STEPS):
+        if not (lam > 0 and math.isfinite(lam)):
+            return None
+        inv = lapack_inverse(xtx, lam)
+        if inv is None:
+            return None
+        d, slope = _exact_deff_terms(inv, lam)
+        if not slope > 0:
+            return None
+        # d_eff falls as log λ grows: the Newton estimate of each deff λ from here
+        est = [lam * math.exp(max(min((d - t) / slope, 1.0), -1.0)) for t in targets]
+        new = max([float(lam_floor)] + est)
+        if abs(math.log(new / lam)) <= DEFF_LOG_TOL:
+            return lam, inv, full
+        lam = new
+    return None
+
+
+def _has_deff(rule) -> bool:
+    return bool(rule.deff or rule.neff) or any(_has_deff(r) for r in getattr(rule, "parts", ()))
+
+
+def solve(
+    xtx: np.ndarray,
+    n_rows: int,
+    rule: LambdaRule,
+    rescale: bool = True,
+    *,
+    model_id=None,
+    xtq=None,
+    qtq=None,
+    row_norm4=None,
+    q2x2=None,
+    ggn: np.ndarray | None = None,
+    out_to_loss: np.ndarray | None = None,
+) -> tuple[np.ndarray, dict]:
+    """The inverse of one checkpoint and its finalize record.
+
+    Args:
+        xtx: XᵀX (p, p) float64, the sum of the shard partials in shard order.
+        n_rows: the number of train rows.
+        rule: the parsed ``lambda_reg`` (:func:`parse_lambda_reg`).
+        rescale: divide the inverse by its mean |entry|, as traker does.
+        xtq, qtq, row_norm4, q2x2: the row sums the rule asks for (``rule.needs_*``), else None.
+        ggn, out_to_loss: XᵀRX's partial sum and the stored Q, for ``curvature="ggn"``; None for XᵀX.
+    Returns:
+        (inverse (p, p) float64, record): the record holds ``lambda_reg`` (the λ used), ``lambda_setting``,
+        ``rescale``, ``condition``, ``xtx_trace`` and, for the Gauss-Newton curvature, ``curvature``,
+        ``mean_curvature``, ``lambda_xtx`` (λ of the rule on XᵀX) and ``ggn_trace``.
+    """
+    xtx_t = torch.from_numpy(xtx)
+    n = n_rows
+    kw: dict[str, Any] = {}
+    for name, value in (("xtq", xtq), ("qtq", qtq), ("row_norm4", row_norm4), ("q2x2", q2x2)):
+        if value is not None:
+            kw[name] = value
+    fast = None
+    parts = tuple(getattr(rule, "parts", ())) or (rule,)
+    if _has_deff(rule) and not any(getattr(r, "parts", ()) for r in parts):
+        # the deff/neff parts from float32 eigenvalues, checked; the others exactly (cheap)
+        others = [r.resolve(xtx_t, n_rows=n, **kw) for r in parts if not (r.deff or r.neff)]
+        targets = [
+            (r.factor, effective_rows(xtx_t, kw.get("row_norm4")) if r.neff else n) for r in parts if r.deff or r.neff
+        ]
+        fast = solve_deff_fast(xtx, targets, n, max(others, default=0.0))
+    ev: Any
+    if fast is not None:
+        lam, inv_np, ev = fast
+    else:
+        if _has_deff(rule) and bool(torch.isfinite(xtx_t).all()):
+            kw["eigenvalues"] = ev = symmetric_eigenvalues(xtx_t)
+        else:
+            ev = None
+        lam = rule.resolve(xtx_t, n_rows=n, **kw)
+        inv_np = None
+    extra: dict[str, Any] = {}
+    matrix = "XᵀX"
+    bound = None
+    if ggn is not None:
+        if out_to_loss is None:
+            raise ValueError("solve: the Gauss-Newton curvature needs out_to_loss (the stored Q)")
+        r = loss_curvature(out_to_loss)
+        mean_r = float(r.mean())
+        ggn_np = ggn_curvature(ggn, xtx, mean_r)
+        extra = {"curvature": "ggn", "mean_curvature": mean_r, "lambda_xtx": lam, "ggn_trace": float(np.trace(ggn_np))}
+        lam = ggn_lambda(lam, float(np.trace(xtx)), extra["ggn_trace"])
+        if ev is not None:
+            bound = ggn_condition_bound(ev, float(r.max(initial=0.0)) + GGN_FLOOR * mean_r, lam)
+        xtx_t, ev, inv_np, matrix = torch.from_numpy(ggn_np), None, None, "XᵀRX"  # XᵀRX + λ'I is inverted below
+    inv, cond = cholesky_inverse(
+        xtx_t,
+        lam,
+        n,
+        model_id=model_id,
+        rescale=rescale,
+        eigenvalues=ev,
+        inverse=inv_np,
+        matrix=matrix,
+        condition_bound=bound,
+    )
+    info = {
+        **extra,
+        "lambda_reg": lam,
+        "lambda_setting": rule.setting,
+        "rescale": bool(rescale),
+        "condition": float(cond),
+        "xtx_trace": float(np.trace(xtx)),
+    }
+    return inv.numpy(), info
