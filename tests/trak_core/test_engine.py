@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,7 +145,7 @@ def test_concurrent_traker_on_one_save_dir_is_refused(tmp_path):
     assert (save_dir / "trakflow.lock").exists()
     script = textwrap.dedent(f"""
         import sys
-        sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+        sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}, {str(Path(__file__).parent)!r}]
         from test_engine import _traker
         from trak_core.errors import StoreLockedError
         try:
