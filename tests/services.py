@@ -20,6 +20,13 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+def tests_path() -> list[str]:
+    """tests/ and each of its subfolders: a config that names a function of a test module (``test_x:fn``)
+    imports it in the processes the tests start."""
+    tests = REPO / "tests"
+    return [str(tests), *sorted(str(d) for d in tests.rglob("*") if d.is_dir() and d.name != "__pycache__")]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -119,7 +126,7 @@ def prefect_env(home: Path, api_url: str | None = None) -> dict:
         PREFECT_HOME=str(home),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_LOGGING_LEVEL="INFO",
-        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(REPO), *tests_path(), env.get("PYTHONPATH", "")]),
     )
     if api_url:
         env["PREFECT_API_URL"] = api_url
