@@ -1,4 +1,4 @@
-"""benchmarks/curvature.py: the Gauss-Newton curvature it measures (issue 14, item 5) is the one it says.
+"""benchmarks/curvature.py: the Gauss-Newton curvature it measures is the one it says.
 
 * rᵢ = Qᵢ(1 − Qᵢ) is the loss's second derivative in the margin, for the loss and margin of the built-in outputs;
 * ``GGNSolver`` scores X (XᵀRX + β·mean(r)·XᵀX + λI)⁻¹ Gᵀ with traker's rescale, against a brute-force float64 inverse;

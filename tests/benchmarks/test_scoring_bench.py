@@ -1,5 +1,5 @@
 """benchmarks/scoring_bench.py: ``cpu_by_thread`` puts a call's CPU time on the threads that spent it (the split the
-RESULTS table of issue 15, item 3 reports: workers, zarr's threads, the caller)."""
+RESULTS scoring table reports: workers, zarr's threads, the caller)."""
 
 from __future__ import annotations
 

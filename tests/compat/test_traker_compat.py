@@ -1,6 +1,6 @@
 """traker 0.3.2 drop-in: every public name of traker's modules exists in trak_core with traker's signature,
 traker's asserts are AssertionErrors with its messages, the CUDA projector names work on CPU, and the
-``trak`` alias resolves to trak_core (issue 16). The installed traker (``trak``) is the oracle."""
+``trak`` alias resolves to trak_core. The installed traker (``trak``) is the oracle."""
 
 from __future__ import annotations
 

@@ -193,7 +193,7 @@ def test_example_yaml_files_name_real_fields():
     assert train.num_models == 3 and train.model_seeds() == [0, 1, 2]
 
 
-# ---------------------------------------------------------------------------- issue 12, items 5 and 7
+# ---------------------------------------------------------------------------- bad configs, clear lines
 @pytest.mark.parametrize("name", ["..", ".", "a/b", "new\\sub", "../up", "a..b", ".hidden", "-x", "", "x y", "x" * 129])
 def test_unsafe_exp_name_is_refused(tmp_path, ckpts, name):
     cfg = good(tmp_path, ckpts, exp_name=name)

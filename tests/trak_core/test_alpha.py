@@ -498,7 +498,7 @@ def test_plots_write_png(tmp_path):
         assert len(data) > 1000 and data[:8] == PNG_MAGIC, path
 
 
-# ------------------------------------------------------------------ cockpit's types and loss shapes (issue 16)
+# ------------------------------------------------------------------ cockpit's types and loss shapes
 def test_concave_fit_is_the_int_minus_one_and_linear_the_float():
     # cockpit returns the int -1 for a < 0 and compares outputs type-strictly (int vs float fails)
     concave = fit_alpha(1.0, 0.0, -1.0, 0.0, -2.0, 0.1, 0.1, 0.1, 0.1)

@@ -253,7 +253,7 @@ def test_default_projector_is_factored_also_for_non_linear_parameters(tmp_path):
     assert other.store.model(0).featurized[:].all()
 
 
-# ---------------------------------------------------------------------------- issue 12, item 5
+# ---------------------------------------------------------------------------- more bad input
 def test_empty_save_dir_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for save_dir in ("", "   ", None):

@@ -1,4 +1,4 @@
-"""finalize's fast solve (issue 15, item 1) against float64 references: the LAPACK Cholesky inverse, the deff λ
+"""finalize's fast solve against float64 references: the LAPACK Cholesky inverse, the deff λ
 from float32 eigenvalues checked against the exact effective dimension, and the partials summed from memory."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Peak memory of featurize and finalize does not grow with the number of train rows (issue 15, item 5).
+"""Peak memory of featurize and finalize does not grow with the number of train rows.
 
 Each phase runs in a fresh interpreter (benchmarks/memory_flat.py's phase code: TRAKer with its default
 projector, a small MLP, proj_dim 256, float16 store) at n = 20,000 and n = 80,000; the peak RSS is that process's

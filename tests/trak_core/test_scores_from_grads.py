@@ -1,4 +1,4 @@
-"""Scores from the projected gradients without features (issue 15, item 6; the store keeps no Φ since schema 3):
+"""Scores from the projected gradients without features (the store keeps no Φ):
 X (A Gᵀ) streamed through trak_core.streaming, as finalize_scores and the pipeline compute it, against the features
 path Φ Gᵀ = (X A) Gᵀ (Φ on demand, and Φ rounded to float16 as traker stores it) and a float64 brute force, for 1–3
 checkpoints, float16/float32 stores and block sizes that do not divide n."""

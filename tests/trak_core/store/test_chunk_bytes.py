@@ -1,4 +1,4 @@
-"""Zarr chunks are sized in bytes (issue 16, item 1): a NoOpProjector on a multi-million-parameter model
+"""Zarr chunks are sized in bytes: a NoOpProjector on a multi-million-parameter model
 featurizes within a few hundred MiB, as traker does (1,024 rows × proj_dim per chunk asked for GiBs)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fault injection (issue 12): a small store (examples.tiny) damaged on disk between runs, as an interrupted
+"""Fault injection: a small store (examples.tiny) damaged on disk between runs, as an interrupted
 rsync, a partial copy or bit rot does. Every case ends in a clear error naming the array and the chunk, or in a
 recomputation giving the undamaged scores (bit for bit) — never in other scores with exit code 0.
 

@@ -85,7 +85,7 @@ def test_force_unlock_reports_previous_holder(tmp_path):
     assert st.lock.holder() is None
 
 
-# ---------------------------------------------------------------------------- racing takeovers (issue 12, item 4)
+# ---------------------------------------------------------------------------- racing takeovers
 def _dead_pid() -> int:
     return int(
         subprocess.run(
