@@ -237,6 +237,16 @@ def test_no_issue_numbers_in_production_code():
     assert not found, "\n".join(found)
 
 
+def test_no_issue_numbers_in_tests_benchmarks_or_examples():
+    """The same for the tests (but the two checkers, which plant citations on purpose), benchmarks and examples."""
+    checkers = {REPO / "tests" / "test_structure.py", REPO / "tests" / "test_docs.py"}
+    files = [
+        p for d in ("tests", "benchmarks", "examples") for p in sorted((REPO / d).rglob("*.py")) if p not in checkers
+    ]
+    found = issue_numbers(files)
+    assert not found, "\n".join(found)
+
+
 def test_the_size_and_issue_checks_can_fail(tmp_path):
     long = tmp_path / "long.py"
     long.write_text("x = 1\n" * (MAX_LINES + 1))
