@@ -28,8 +28,9 @@ Block kinds (``Layout.describe()`` names them; the store records the description
 * ``"matrix"``: every other parameter with at least 2 dimensions and at least 2 rows and 2 columns in
   ``grad_wrt`` (``nn.MultiheadAttention``'s ``in_proj_weight`` and ``out_proj.weight``, a position table
   ``nn.Parameter``, weights shared between modules, grouped convolutions, transformers' ``Conv1D`` weights
-  [in, out], ...), viewed as shape[0] × ∏shape[1:]. Its bias is the 1-D parameter named like the weight with ``bias`` for ``weight`` (``in_proj_bias``
-  for ``in_proj_weight``, ``out_proj.bias`` for ``out_proj.weight``) when that parameter is in ``grad_wrt``,
+  [in, out], ...), viewed as shape[0] × ∏shape[1:]. Its bias is the 1-D parameter named like the weight with
+  ``bias`` for ``weight`` (``in_proj_bias`` for ``in_proj_weight``, ``out_proj.bias`` for ``out_proj.weight``)
+  when that parameter is in ``grad_wrt``,
   has shape[0] entries and is not claimed by a layer above. The pairing is a layout choice only: the
   projection is exact for any use of the two parameters.
 * ``"other"``: the one ``"__other__"`` block of the remaining parameters (1-D norms and biases, scalars,
