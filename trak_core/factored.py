@@ -30,9 +30,8 @@ Block kinds (``Layout.describe()`` names them; the store records the description
   ``nn.Parameter``, weights shared between modules, grouped convolutions, transformers' ``Conv1D`` weights
   [in, out], ...), viewed as shape[0] × ∏shape[1:]. Its bias is the 1-D parameter named like the weight with
   ``bias`` for ``weight`` (``in_proj_bias`` for ``in_proj_weight``, ``out_proj.bias`` for ``out_proj.weight``)
-  when that parameter is in ``grad_wrt``,
-  has shape[0] entries and is not claimed by a layer above. The pairing is a layout choice only: the
-  projection is exact for any use of the two parameters.
+  when that parameter is in ``grad_wrt``, has shape[0] entries and is not claimed by a layer above. The pairing
+  is a layout choice only: the projection is exact for any use of the two parameters.
 * ``"other"``: the one ``"__other__"`` block of the remaining parameters (1-D norms and biases, scalars,
   tiny matrices, unsupported embeddings), projected densely (±1 or N(0, 1) entries, materialized
   per-example gradients of those parameters only) — or refused with ``other="error"``.
