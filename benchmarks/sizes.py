@@ -10,6 +10,7 @@ memory, else reported as not run with the bytes it would need.
     .venv/bin/python benchmarks/sizes.py                                  # both models, 256 rows
     .venv/bin/python benchmarks/sizes.py --models gpt2 --rows 32 --seq-len 32 --batch 4
     .venv/bin/python benchmarks/sizes.py --models gpt2-linear --rows 8 --seq-len 32 --batch 4   # nn.Linear layers
+    .venv/bin/python benchmarks/sizes.py --models gpt2 --rows 16 --seq-len 32 --batch 8 --what featurize
 
 Prints one JSON line per measurement and a markdown table (rows/s, × the training pass, peak RSS).
 """
@@ -222,16 +223,19 @@ def main(argv=None) -> None:
     ap.add_argument("--image-size", type=int, default=32, help="ResNet-18 input side (3 × side × side)")
     ap.add_argument("--proj-dim", type=int, default=2048)
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per measurement")
+    ap.add_argument(
+        "--what", nargs="+", default=["train", "featurize", "traker"], choices=["train", "featurize", "traker"]
+    )
     args = ap.parse_args(argv)
     results = []
     for model in args.models:
-        for what in ("train", "featurize", "traker"):
+        for what in args.what:
             if what == "traker":
                 if model.startswith("gpt2"):
                     results.append({"model": model, "what": what, "error": "traker 0.3.2 has no causal-LM task"})
                     print(json.dumps(results[-1]), flush=True)
                     continue
-                params = results[-1].get("params", 0)
+                params = next((r["params"] for r in results if r["model"] == model and "params" in r), 0)
                 need = params * args.proj_dim * 4
                 if need > psutil.virtual_memory().total / 2:
                     results.append({"model": model, "what": what, "error": f"needs a {need / 2**30:.0f} GiB matrix"})

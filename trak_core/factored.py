@@ -27,11 +27,11 @@ Block kinds (``Layout.describe()`` names them; the store records the description
   gradient, as in torch).
 * ``"matrix"``: every other parameter with at least 2 dimensions and at least 2 rows and 2 columns in
   ``grad_wrt`` (``nn.MultiheadAttention``'s ``in_proj_weight`` and ``out_proj.weight``, a position table
-  ``nn.Parameter``, weights shared between modules, grouped convolutions, ...), viewed as shape[0] ×
-  ∏shape[1:]. Its bias is the 1-D parameter named like the weight with ``bias`` for ``weight`` (``in_proj_bias``
-  for ``in_proj_weight``, ``out_proj.bias`` for ``out_proj.weight``) when that parameter is in ``grad_wrt``,
-  has shape[0] entries and is not claimed by a layer above. The pairing is a layout choice only: the
-  projection is exact for any use of the two parameters.
+  ``nn.Parameter``, weights shared between modules, grouped convolutions, transformers' ``Conv1D`` weights
+  [in, out], ...), viewed as shape[0] × ∏shape[1:]. Its bias is the 1-D parameter named like the weight with
+  ``bias`` for ``weight`` (``in_proj_bias`` for ``in_proj_weight``, ``out_proj.bias`` for ``out_proj.weight``)
+  when that parameter is in ``grad_wrt``, has shape[0] entries and is not claimed by a layer above. The pairing
+  is a layout choice only: the projection is exact for any use of the two parameters.
 * ``"other"``: the one ``"__other__"`` block of the remaining parameters (1-D norms and biases, scalars,
   tiny matrices, unsupported embeddings), projected densely (±1 or N(0, 1) entries, materialized
   per-example gradients of those parameters only) — or refused with ``other="error"``.
@@ -119,7 +119,14 @@ the gradient computer) with a zero k_out × k_in matrix Z per block and differen
   have no other use (``F.linear(x, layer.weight)``, a functionally tied output layer) by comparing
   ⟨∂F/∂W, R⟩ over all uses (a shared zero scalar s in W + s·R) with what the hooks saw; blocks that fail,
   or whose hook never fires, switch to weight substitution below (the same projection) with a warning;
-* matrix blocks ("weight substitution"): the output function gets W + P_out Z P_inᵀ (and b + P_out Z
+* matrix blocks whose weight (and bias) the model holds only as the ``weight`` (``bias``) of ``nn.Linear``,
+  ``nn.Embedding`` or transformers' ``Conv1D`` modules (recognized by duck typing: class name ``Conv1D``, attribute
+  ``nf``, weight [nx, nf], y = x W + b): forward hooks on each of those modules add what W + P_out Z P_inᵀ would
+  add to its output (a Conv1D: a (P_out Z) P_inᵀ [+ P_out Z p_in,last], the block's nx × nf view being the
+  weight's own), so the projection is the matrix block's, unchanged. A weight tied between modules (a token
+  embedding and an output head) gets one hook per module on the same Z: ∂f/∂Z sums both uses, as the gradient
+  does. The check above covers these hooks too;
+* the other matrix blocks ("weight substitution"): the output function gets W + P_out Z P_inᵀ (and b + P_out Z
   p_in,last) in place of W (and b) through ``functional_call``; this works for any use of the parameter.
   Cost per example: the d_out × d_in perturbed weight (materialized per example, as the per-example
   gradient of that one parameter would be) and its use through batched instead of shared matmuls.
@@ -157,6 +164,7 @@ from .factored_layout import (
     factor_key,
     factor_matrix,
     flat_layout,
+    matrix_uses,
     model_layout,
     name_hash,
 )
@@ -354,10 +362,15 @@ class FactoredProjector(AbstractProjector):
         wdt = next((w.dtype for w in weights.values() if w.is_floating_point()), self.dtype)
         if wdt != self.dtype:  # e.g. a float64 model: the factors follow the model's dtype
             facs = {k: tuple(t.to(wdt) if torch.is_tensor(t) else t for t in f) for k, f in facs.items()}
-        hooked = [b for b in self.layout.blocks if b.kind in HOOKED and b.name not in self._substitute]
-        subst = [b for b in self.layout.blocks if b.kind == MATRIX or b.name in self._substitute]
+        uses = matrix_uses(model, self.layout)
+        hooked = [
+            b for b in self.layout.blocks if (b.kind in HOOKED or b.name in uses) and b.name not in self._substitute
+        ]
+        subst = [b for b in self.layout.blocks if b.kind in (*HOOKED, MATRIX) and b not in hooked]
         verify = bool(hooked) and id(model) not in self._verified
-        gz, go, fired, extra, out = self._grads(model, task, weights, buffers, batch, facs, hooked, subst, verify, wdt)
+        gz, go, fired, extra, out = self._grads(
+            model, task, weights, buffers, batch, facs, hooked, subst, verify, wdt, uses
+        )
         fallback = [b.name for b in hooked if b.name not in fired or b.name in extra]
         if fallback:  # a weight used outside its module's forward: weight substitution is exact for any use
             warnings.warn(
@@ -395,6 +408,7 @@ class FactoredProjector(AbstractProjector):
         subst: list,
         verify: bool,
         wdt: torch.dtype,
+        uses: dict,
     ) -> tuple[dict, dict, set, set, Tensor]:
         """(∂f_b/∂Z_b per factored block, ∂f_b/∂w per "__other__" parameter, the hooked layers whose hook
         fired, the hooked layers whose weight has a use the hook missed (checked when ``verify``), the outputs f_b
@@ -422,8 +436,9 @@ class FactoredProjector(AbstractProjector):
         handles = []
         try:
             for b in hooked:
-                mod = model.get_submodule(b.name)
-                handles.append(mod.register_forward_hook(_make_hook(b, facs[b.name], ctx)))
+                for mname, use, with_bias in uses.get(b.name, ((b.name, b.kind, b.bias),)):
+                    hook = _make_hook(b, facs[b.name], ctx, use, with_bias)
+                    handles.append(model.get_submodule(mname).register_forward_hook(hook))
             per_example = substituted | set(other_names)
             for mname, mod in model.named_modules():
                 if (
@@ -540,8 +555,10 @@ def _padding_hook(mod, inputs, output):
     return torch.where(pad, output.detach(), output)
 
 
-def _make_hook(b: Block, factors, ctx: dict):
-    """The forward hook of a linear / conv / embedding block: output + P_out Z P_inᵀ [a; 1] per position.
+def _make_hook(b: Block, factors, ctx: dict, use: str, with_bias: bool):
+    """The forward hook of a linear / conv / embedding block, or of one module using a matrix block's weight
+    (``use``: its kind, or "conv1d"; ``with_bias``: the module's bias is the block's): output + P_out Z P_inᵀ [a; 1]
+    per position (conv1d, whose weight is the block's view in × out: output + aᵀ P_out Z P_inᵀ [+ P_out Z p_in,last]).
 
     The layer's input is detached: ∂(P_out Z P_inᵀ a)/∂a = P_out Z P_inᵀ is zero at Z = 0, so no gradient
     flows back through the added term but the one to Z (exact, and no backward pass through P_in). The
@@ -550,9 +567,20 @@ def _make_hook(b: Block, factors, ctx: dict):
     (embeddings: P_out[ids] (Z P_inᵀ), likewise)."""
     p_in, p_out, _ = factors
     p_w = p_in[: b.d_in]
-    p_b = p_in[b.d_in] if b.bias else None
+    p_b = p_in[b.d_in] if b.bias and with_bias else None
 
-    if b.kind == "linear":
+    if use == "conv1d":
+
+        def conv1d_hook(mod, inputs, output):
+            ctx["fired"].add(b.name)
+            z = ctx["z"][b.name]
+            m = (p_out * z) if b.pairs else (p_out @ z)  # (d_in of the module = the block's d_out) × k_in
+            v = (inputs[0].detach() @ m) @ p_w.T
+            return output + (v if p_b is None else v + m @ p_b)
+
+        return conv1d_hook
+
+    if use == "linear":
 
         def hook(mod, inputs, output):
             ctx["fired"].add(b.name)
@@ -566,7 +594,7 @@ def _make_hook(b: Block, factors, ctx: dict):
 
         return hook
 
-    if b.kind == "embedding":
+    if use == "embedding":
 
         def emb_hook(mod, inputs, output):
             ctx["fired"].add(b.name)

@@ -370,3 +370,58 @@ def model_layout(
         blocks.append(Block(OTHER, "other", tuple(rest), 1, size, False, size))
     shapes = tuple((n, tuple(params[n].shape)) for n in names)
     return Layout(_with_split(blocks, proj_dim), shapes, True)
+
+
+# ---------------------------------------------------------------------------- hooked matrix blocks
+def is_conv1d(mod: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (recognized by duck typing: class name, ``nf``, weight [nx, nf]; y = x W + b)."""
+    w = getattr(mod, "weight", None)
+    return (
+        type(mod).__name__ == "Conv1D"
+        and isinstance(getattr(mod, "nf", None), int)
+        and isinstance(w, Tensor)
+        and w.dim() == 2
+        and w.shape[1] == mod.nf
+    )
+
+
+def _use_kind(mod: nn.Module) -> str | None:
+    """How a module uses its ``weight`` in its forward, where the fast path can hook it (None: it cannot)."""
+    if is_conv1d(mod):
+        return "conv1d"
+    kind = _supported(mod)
+    return kind if kind in ("linear", "embedding") else None
+
+
+def matrix_uses(model: nn.Module, layout: Layout) -> dict[str, tuple]:
+    """The matrix blocks whose weight (and bias) the model uses only through module forwards the fast path hooks:
+    {block name: ((module name, use, with_bias), ...)}, use "linear" / "embedding" (the block's d_out × d_in
+    view is the module's) or "conv1d" (transformers' Conv1D: W [in, out], the view in × out); with_bias: that
+    module's bias is the block's bias. A weight tied between modules (an embedding and an output head) lists each.
+    """
+    if not layout.model_bound:
+        return {}
+    blocks = {b.params[0]: b for b in layout.blocks if b.kind == MATRIX}
+    if not blocks:
+        return {}
+    params = dict(model.named_parameters())
+    owners: dict[int, list] = {}  # id(parameter) → [(module name, module, attribute)]
+    for mname, mod in model.named_modules():
+        for pn, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mname, mod, pn))
+    out: dict[str, tuple] = {}
+    for wname, b in blocks.items():
+        w = params[wname]
+        uses = owners.get(id(w), [])
+        if not uses or any(pn != "weight" or _use_kind(mod) is None for _, mod, pn in uses):
+            continue
+        bias = params[b.params[1]] if b.bias else None
+        if bias is not None:
+            mods = {id(mod) for _, mod, _ in uses}
+            bias_owners = owners.get(id(bias), [])
+            if any(pn != "bias" or id(mod) not in mods for _, mod, pn in bias_owners):
+                continue
+        out[b.name] = tuple(
+            (mname, _use_kind(mod), bias is not None and getattr(mod, "bias", None) is bias) for mname, mod, _ in uses
+        )
+    return out
