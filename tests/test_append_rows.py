@@ -105,3 +105,40 @@ def test_changed_old_row_or_fewer_rows_refused(tmp_path):
     after = TrakStore.open(str(tmp_path / "s.zarr"), mode="r")
     assert after.meta == before.meta  # nothing written
     np.testing.assert_array_equal(after.scores("tiny")[:], before.scores("tiny")[:])
+
+
+def test_growth_interrupted_before_the_root_is_written(tmp_path, monkeypatch):
+    """A run that dies while growing the store (arrays resized, root metadata not yet written): the store is
+    refused on open, `verify --repair` puts its arrays back to the root's size (no chunk deleted), and the rerun
+    grows it and scores as one run over all rows."""
+    from flows import attribute
+    from trak_core.errors import StoreDamageError
+    from trak_core.store import grow
+    from trak_core.store.verify import repair_store, verify_location
+
+    grow_root, once = tmp_path / "grow", tmp_path / "once"
+    for root in (grow_root, once):
+        tiny.save_checkpoints(root / "ck", seeds=(0, 1))
+    clear_data_cache()
+    attribute(cfg(grow_root, "test_append_rows:first_48"))
+    old = TrakStore.open(str(grow_root / "s.zarr"), mode="r")
+    kept = old.model(0).grads[:].copy()
+
+    def dies(*a, **k):
+        raise RuntimeError("killed while growing")
+
+    with monkeypatch.context() as m:
+        m.setattr(grow, "write_root", dies)
+        with pytest.raises(RuntimeError, match="killed while growing"):
+            attribute(cfg(grow_root))
+    location = str(grow_root / "s.zarr")
+    with pytest.raises(StoreDamageError, match="shape"):
+        TrakStore.open(location)
+    report = verify_location(location)
+    repair_store(TrakStore.open(location, check_arrays=False), report)
+    assert verify_location(location).ok
+    np.testing.assert_array_equal(TrakStore.open(location, mode="r").model(0).grads[:], kept)
+    attribute(cfg(grow_root))
+    attribute(cfg(once))
+    grown, ref = TrakStore.open(location, mode="r"), TrakStore.open(str(once / "s.zarr"), mode="r")
+    np.testing.assert_array_equal(grown.scores("tiny")[:], ref.scores("tiny")[:])
