@@ -497,6 +497,7 @@ def featurize_shard(
         old_x, old_q = store.read_train_rows(model_id, a, start)
         xs.append(old_x.astype(np.float32))
         qs.append(old_q)
+        _advance(progress, start - a)
     for s in range(start, b, batch_size):
         e = min(s + batch_size, b)
         try:
