@@ -50,7 +50,10 @@ def _stores(tmp_path, first: str, **over):
     clear_data_cache()
     attribute(cfg(grow, first, **over))
     old = TrakStore.open(str(grow / "s.zarr"), mode="r")
-    kept = {mid: (old.model(mid).grads[:].copy(), old.model(mid).out_to_loss[:].copy()) for mid in (0, 1)}
+    kept = {
+        mid: tuple(np.asarray(getattr(old.model(mid), k)[:]).copy() for k in ("grads", "out_to_loss", "xtx_partials"))
+        for mid in (0, 1)
+    }
     out = attribute(cfg(grow, **over))
     attribute(cfg(once, **over))
     return grow, once, kept, out
@@ -66,6 +69,8 @@ def test_two_appends_equal_one_run_bit_for_bit(tmp_path):
     for mid in (0, 1):
         np.testing.assert_array_equal(grown.model(mid).grads[:48], kept[mid][0])  # the old rows, untouched
         np.testing.assert_array_equal(grown.model(mid).out_to_loss[:48], kept[mid][1])
+        np.testing.assert_array_equal(grown.model(mid).xtx_partials[:3], kept[mid][2])  # old shards' partials
+        assert grown.num_partials_done(mid) == 4 and grown.featurized_mask(mid).all()
         np.testing.assert_array_equal(grown.model(mid).grads[:], ref.model(mid).grads[:])
         np.testing.assert_array_equal(grown.inverse(mid), ref.inverse(mid))
     np.testing.assert_array_equal(grown.scores("tiny")[:], ref.scores("tiny")[:])
@@ -142,3 +147,15 @@ def test_growth_interrupted_before_the_root_is_written(tmp_path, monkeypatch):
     attribute(cfg(once))
     grown, ref = TrakStore.open(location, mode="r"), TrakStore.open(str(once / "s.zarr"), mode="r")
     np.testing.assert_array_equal(grown.scores("tiny")[:], ref.scores("tiny")[:])
+    # a store that recorded the whole data's fingerprint only (before row fingerprints): its rows as one range
+    from trak_core import engine
+    from trak_core.lds import array_fingerprint
+
+    store = TrakStore.open(str(tmp_path / "s.zarr"))
+    info = store.pipeline_info()
+    del info["train_data_rows"]
+    store.set_pipeline_info(info)
+    full, changed = tiny.train_data(), row_5_changed()
+    engine.check_train_data(store, array_fingerprint(full), tiny.NUM_TRAIN, engine.train_rows_print(full))
+    with pytest.raises(StoreMismatchError, match=r"train_data: rows 0\.\.47 differ"):
+        engine.check_train_data(store, array_fingerprint(changed), tiny.NUM_TRAIN, engine.train_rows_print(changed))
