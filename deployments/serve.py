@@ -6,7 +6,10 @@
 
 Deployments (``flow/deployment``):
 
-* ``digits-demo/nightly``   the embedded default end to end, on a cron schedule (03:00 UTC daily);
+* ``digits-demo/nightly``   the embedded default end to end, on a cron schedule (03:00 UTC daily), over the
+                            train files of ``<demo_dir>/train`` (``examples.folder_data``; seeded with the
+                            digits train set): files added there since are appended to the store, and the run
+                            featurizes only their rows, solves each checkpoint again and refreshes the report;
 * ``attribute/digits``      the attribute flow, its config pre-filled with the digits demo (UI form);
 * ``train/digits``          the train flow for the digits checkpoints;
 * ``query/digits``          top-k train digits of new inputs against the demo's store (UI form: the inputs file,
@@ -40,8 +43,9 @@ def build_deployments(demo_dir: str | None = None) -> list:
         digits_demo.to_deployment(
             name="nightly",
             cron=NIGHTLY_CRON,
-            parameters={"demo_dir": demo_dir},
-            description="digits demo end to end: train checkpoints if absent, attribute",
+            parameters={"demo_dir": demo_dir, "train_folder": True},
+            description="digits demo end to end: train checkpoints if absent, attribute the train files of "
+            "<demo_dir>/train (new files are appended: only their rows are featurized)",
             **common,
         ),
         attribute.to_deployment(

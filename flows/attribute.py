@@ -33,6 +33,15 @@ def attribute(config: AttributeConfig) -> dict:
             plan.proj_dim,
             plan.store,
         )
+        if plan.grown_from is not None:
+            log.info(
+                "the store grew from %d to %d train rows: featurizing the new rows only, solving every checkpoint "
+                "again (XᵀX changed) and recomputing experiment %r's scores over all %d rows",
+                plan.grown_from,
+                plan.train_set_size,
+                plan.exp_name,
+                plan.train_set_size,
+            )
         f = featurize.with_options(task_runner=runner())(config, plan)
         # upstream=: the previous stage's result, so the UI's graph draws featurize → finalize → score
         fi = finalize.with_options(task_runner=runner())(config, plan, upstream=f)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -19,9 +20,16 @@ def digits_demo(
     epochs: int = 4,
     proj_dim: int = 512,
     lambda_reg: float | str = "adaptive",
+    train_folder: bool = False,
 ) -> dict:
     """scikit-learn's digits, a 64→32→10 MLP: ``num_models`` checkpoints (trained only when absent),
-    then the attribute flow on 5 held-out digits. Returns the train result (or None) and the attribution."""
+    then the attribute flow on 5 held-out digits. Returns the train result (or None) and the attribution.
+
+    Args:
+        train_folder: attribute the train data of the folder ``<demo_dir>/train`` (the files of
+            :mod:`examples.folder_data`, seeded with the digits train set): files added there since the last
+            run are appended to the store, which featurizes only their rows (the nightly deployment).
+    """
     from examples.digits import demo_configs
 
     train_cfg, attr = demo_configs(
@@ -34,8 +42,27 @@ def digits_demo(
         log.info("checkpoints present in %s: not retraining", train_cfg.out_dir)
     else:
         trained = train(train_cfg)
+    if train_folder:
+        attr["train_data"] = use_train_folder(Path(demo_dir).absolute() / "train", log)
     config = AttributeConfig.model_validate(attr)
     Path(demo_dir).mkdir(parents=True, exist_ok=True)
     (Path(demo_dir) / "attribute.yaml").write_text(config.to_yaml())
     result = attribute(config)
     return {"train": trained, "attribute": result, "config": str(Path(demo_dir) / "attribute.yaml")}
+
+
+def use_train_folder(folder: Path, log) -> str:
+    """Point :func:`examples.folder_data.train_folder` at ``folder`` (seeded with the digits train set when it
+    holds no data file) and forget this process's cached data, so files added since are read. Returns the
+    ``train_data`` import path."""
+    from examples import digits, folder_data
+    from tasks.common import clear_data_cache
+
+    files = folder_data.part_files(folder) if folder.is_dir() else []
+    if not files:
+        files = [folder_data.save_part(folder, digits.train_data(), 0)]
+        log.info("train data: %s seeded with the digits train set", files[0])
+    os.environ[folder_data.TRAIN_DIR_ENV] = str(folder)
+    clear_data_cache()
+    log.info("train data: %d files in %s (%s)", len(files), folder, ", ".join(p.name for p in files))
+    return "examples.folder_data:train_folder"

@@ -134,6 +134,7 @@ class Fingerprints:
     train_data: str
     target_data: str
     checkpoints: tuple[dict, ...]  # {"path", "sha256"} per model_id
+    train_rows: engine.RowsPrint | None = None  # the fingerprint of train rows [a, b): names changed rows
 
 
 def _check_dtypes(model: torch.nn.Module, data: tuple, field: str) -> None:
@@ -165,7 +166,7 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     _check_dtypes(model, train, "train_data")
     _check_dtypes(model, targets, "target_data")
     n = int(train[0].shape[0])
-    meta = build_metadata(config, n, model, task)
+    meta = _stored_layout(config, build_metadata(config, n, model, task))
     if meta.proj_dim >= n and config.settings.lambda_rule.setting == 0:
         if config.projector == "noop":
             raise BadInputError(
@@ -193,11 +194,27 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     return CheckedInputs(meta=meta, checkpoints=tuple(checkpoints), train=train, targets=targets)
 
 
+def _stored_layout(config: AttributeConfig, meta: StoreMetadata) -> StoreMetadata:
+    """``meta`` with the chunk and shard rows of the existing store where the config leaves them to be chosen
+    (they are chosen by the number of rows: a store that grows keeps its own)."""
+    if (config.chunk_rows is not None and config.shard_size is not None) or not TrakStore.exists(
+        config.store, config.storage_options
+    ):
+        return meta
+    stored = TrakStore.open(config.store, config.storage_options, mode="r", check_arrays=False).meta
+    if stored.train_set_size >= meta.train_set_size:
+        return meta
+    layout = {"chunk_rows": config.chunk_rows or stored.chunk_rows}
+    layout["shard_rows"] = config.shard_size or stored.shard_rows
+    return StoreMetadata.model_validate({**meta.model_dump(), **layout})
+
+
 def fingerprint_inputs(inputs: CheckedInputs) -> Fingerprints:
     return Fingerprints(
         train_data=array_fingerprint(inputs.train),
         target_data=array_fingerprint(inputs.targets),
         checkpoints=tuple({"path": p, "sha256": file_fingerprint(p)} for p in inputs.checkpoints),
+        train_rows=engine.train_rows_print(inputs.train),
     )
 
 
@@ -207,7 +224,7 @@ def check_against_store(config: AttributeConfig, inputs: CheckedInputs, prints: 
     if not TrakStore.exists(config.store, config.storage_options):
         return
     store = TrakStore.open(config.store, config.storage_options)
-    store.validate(inputs.meta)
+    store.validate(inputs.meta, grow=True)  # more train rows than the store: the plan appends them
     engine.check_run(store, **_run_records(config, inputs, prints))
 
 
@@ -221,18 +238,22 @@ def _run_records(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerp
         exp_name=config.exp_name,
         num_targets=inputs.num_targets,
         target_data=prints.target_data,
+        train_set_size=inputs.meta.train_set_size,
+        train_rows=prints.train_rows,
     )
 
 
 def create_plan(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerprints) -> Plan:
     """Create (or complete) the store's arrays and records, once, before any fan-out; return the plan."""
-    store = engine.open_run(config.store, inputs.meta, config.storage_options)
+    store = engine.open_run(config.store, inputs.meta, config.storage_options, grow=True)
+    before = store.meta.train_set_size
     engine.plan_run(store, **_run_records(config, inputs, prints))
     check_chunks(store)
-    return _plan_of(config, inputs)
+    grown = before if before < inputs.meta.train_set_size else None
+    return _plan_of(config, inputs, grown_from=grown)
 
 
-def _plan_of(config: AttributeConfig, inputs: CheckedInputs) -> Plan:
+def _plan_of(config: AttributeConfig, inputs: CheckedInputs, grown_from: int | None = None) -> Plan:
     meta = inputs.meta
     models = tuple(PlannedModel(model_id=mid, checkpoint=path) for mid, path in enumerate(inputs.checkpoints))
     return Plan(
@@ -246,6 +267,7 @@ def _plan_of(config: AttributeConfig, inputs: CheckedInputs) -> Plan:
         chunk_rows=meta.chunk_rows,
         num_shards=meta.num_shards,
         models=models,
+        grown_from=grown_from,
     )
 
 
@@ -361,6 +383,8 @@ def up_to_date(config: AttributeConfig) -> Plan | None:
     check_against_store(config, inputs, prints)
     store = TrakStore.open(config.store, config.storage_options, mode="r")
     exp = config.exp_name
+    if store.meta.train_set_size != inputs.meta.train_set_size:  # new train rows: the plan appends them
+        return None
     if not engine.is_complete(store, exp, list(range(len(inputs.checkpoints)))):
         return None
     if not verify_store(store, read_chunks=False).ok:  # a chunk gone since: the plan recomputes it

@@ -44,6 +44,7 @@ class Plan(_Frozen):
     chunk_rows: PositiveInt
     num_shards: PositiveInt
     models: tuple[PlannedModel, ...]
+    grown_from: PositiveInt | None = None  # the store's train rows before this plan appended the rest
 
     @property
     def model_ids(self) -> list[int]:

@@ -20,6 +20,7 @@ import torch
 
 from .errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
 from .featurize import Featurizer
+from .lds import array_fingerprint
 from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory
 from .projector_base import AbstractProjector
 from .reduce import (
@@ -35,6 +36,7 @@ from .reduce import (
     usable_models,
 )
 from .store import StoreLock, StoreMetadata, TrakStore, check_writable
+from .store.grow import grow_train_rows
 
 Progress = Callable[[int], None] | None
 
@@ -136,8 +138,13 @@ def check_finalize_memory(meta: StoreMetadata, num_targets: int = 0) -> None:
     check_task_memory([fin], projector=meta.projector)
 
 
-def open_run(location: str, meta: StoreMetadata, storage_options: dict | None = None) -> TrakStore:
-    """The store at ``location`` checked against ``meta``, created when there is none."""
+def open_run(location: str, meta: StoreMetadata, storage_options: dict | None = None, grow: bool = False) -> TrakStore:
+    """The store at ``location`` checked against ``meta``, created when there is none. With ``grow``, a store of
+    fewer train rows than ``meta`` passes (:func:`plan_run` grows it)."""
+    if grow and TrakStore.exists(location, storage_options):
+        store = TrakStore.open(location, storage_options)
+        store.validate(meta, grow=True)
+        return store
     return TrakStore.create_or_open(location, meta, storage_options)
 
 
@@ -229,21 +236,77 @@ def state_fingerprint(state_dict: dict) -> str:
     return h.hexdigest()
 
 
-def check_train_data(store: TrakStore, fingerprint: str) -> None:
-    """Refuse (StoreMismatchError) train data other than the store's recorded fingerprint (if any)."""
-    recorded = store.pipeline_info().get("train_data_sha256")
-    if recorded is not None and recorded != fingerprint:
+#: fingerprints of row ranges of the train data: ``rows(a, b)`` is the sha256 of rows [a, b) of every tensor
+RowsPrint = Callable[[int, int], str]
+
+
+def train_rows_print(data: Sequence) -> RowsPrint:
+    """``rows(a, b)``: sha256 over dtype, shape and bytes of rows [a, b) of each tensor of ``data``; rows [0, n)
+    of all n rows give the fingerprint of the whole data (``trak_core.lds.array_fingerprint``)."""
+    return lambda a, b: array_fingerprint([t[a:b] for t in data])
+
+
+def check_train_data(
+    store: TrakStore, fingerprint: str, train_set_size: int | None = None, rows: RowsPrint | None = None
+) -> None:
+    """Refuse (StoreMismatchError naming the rows) train data other than the store's: the rows the store holds
+    must be unchanged; rows beyond them (``train_set_size`` more than the store's) are new rows to append.
+
+    Args:
+        fingerprint: the whole train data's fingerprint.
+        train_set_size: its number of rows (None: the store's).
+        rows: the fingerprint of a row range (:func:`train_rows_print`): names the changed rows, and checks the
+            old rows of a longer data set (required when ``train_set_size`` exceeds the store's).
+    """
+    info = store.pipeline_info()
+    recorded = info.get("train_data_sha256")
+    n_old = store.meta.train_set_size
+    n = n_old if train_set_size is None else int(train_set_size)
+    if n < n_old:
         raise StoreMismatchError(
-            f"train_data: the store at {store.location} was featurized with different train data "
-            "(its fingerprint differs); use a new store"
+            f"train_data: {n} rows, but the store at {store.location} holds {n_old}; a store only grows (use a new "
+            "store for fewer rows)"
+        )
+    if recorded is None or (n == n_old and recorded == fingerprint):
+        return
+    if rows is None:
+        if n == n_old:
+            raise StoreMismatchError(
+                f"train_data: the store at {store.location} was featurized with different train data "
+                "(its fingerprint differs); use a new store"
+            )
+        raise BadInputError(f"train_data: checking the {n_old} stored rows of {n} needs their row fingerprints")
+    ranges = info.get("train_data_rows")
+    if not ranges:  # a store recorded by the whole data only: its rows [0, n_old) as one range
+        ranges = [[0, n_old, recorded]]
+    changed = [(a, b) for a, b, sha in ranges if b > n or rows(a, b) != sha]
+    if changed:
+        named = ", ".join(f"{a}..{b - 1}" for a, b in changed[:5]) + (" and more" if len(changed) > 5 else "")
+        raise StoreMismatchError(
+            f"train_data: rows {named} differ from the rows the store at {store.location} was featurized with; "
+            "only rows after the stored ones may be added (use a new store for changed data)"
         )
 
 
-def record_train_data(store: TrakStore, fingerprint: str) -> None:
-    """Record the train data's fingerprint (first time), or refuse other data."""
-    check_train_data(store, fingerprint)
-    if "train_data_sha256" not in store.pipeline_info():
-        store.set_pipeline_info({**store.pipeline_info(), "train_data_sha256": fingerprint})
+def record_train_data(store: TrakStore, fingerprint: str, rows: RowsPrint | None = None) -> None:
+    """Record the train data's fingerprint (first time, or after the store grew) and, with ``rows``, each
+    shard's (so a changed row is named when new rows are added); or refuse other data."""
+    check_train_data(store, fingerprint, rows=rows)
+    info = store.pipeline_info()
+    if info.get("train_data_sha256") == fingerprint and (rows is None or "train_data_rows" in info):
+        return
+    info["train_data_sha256"] = fingerprint
+    if rows is not None:
+        shards = (store.meta.shard_range(s) for s in range(store.meta.num_shards))
+        info["train_data_rows"] = [[a, b, rows(a, b)] for a, b in shards]
+    store.set_pipeline_info(info)
+
+
+def grow_run(store: TrakStore, train_set_size: int) -> int:
+    """Grow the store to ``train_set_size`` train rows (:func:`trak_core.store.grow.grow_train_rows`): the stored
+    rows, flags, partials and place records kept; every checkpoint's inverse and every experiment's scores marked
+    to be computed again. Returns the number of rows the store had (the same when it had them all)."""
+    return grow_train_rows(store, train_set_size)
 
 
 def check_model(
@@ -353,21 +416,27 @@ def check_run(
     exp_name: str,
     num_targets: int,
     target_data: str,
+    train_set_size: int | None = None,
+    train_rows: RowsPrint | None = None,
 ) -> None:
     """Refuse an existing store whose records contradict a run (StoreMismatchError naming the field): other
-    train data, another checkpoint for a model id (``checkpoints[i]`` is model i's ``{"path", "sha256"}``),
-    another λ or rescale, other targets for the experiment. Reads only."""
-    check_train_data(store, train_data)
+    train data (changed stored rows: ``train_rows`` names them; rows beyond the store's, up to ``train_set_size``,
+    are new rows the plan appends), another checkpoint for a model id (``checkpoints[i]`` is model i's
+    ``{"path", "sha256"}``), another λ or rescale, other targets for the experiment. Reads only."""
+    check_train_data(store, train_data, train_set_size, train_rows)
     for mid, rec in enumerate(checkpoints):
         check_model(store, mid, checkpoint=rec, lambda_setting=lambda_setting, rescale=rescale)
     check_experiment(store, exp_name, num_targets, target_data)
 
 
 def plan_run(store: TrakStore, **records) -> None:
-    """Check the store against a run (:func:`check_run`, same arguments), then create every array and record
-    of it: its models, its experiment. Call once, before fanning out."""
+    """Check the store against a run (:func:`check_run`, same arguments), grow it to ``train_set_size`` rows
+    when the run has more, then create every array and record of it: its models, its experiment. Call once,
+    before fanning out."""
     check_run(store, **records)
-    record_train_data(store, records["train_data"])
+    if records.get("train_set_size") is not None:
+        grow_run(store, records["train_set_size"])
+    record_train_data(store, records["train_data"], records.get("train_rows"))
     for mid, rec in enumerate(records["checkpoints"]):
         plan_model(store, mid, checkpoint=rec, lambda_setting=records["lambda_setting"], rescale=records["rescale"])
     plan_experiment(
@@ -422,9 +491,15 @@ def featurize_shard(
         _advance(progress, b - a)
         return True
     require_not_finalized(store, model_id)
+    start = a + _featurized_prefix(store, model_id, a, b)  # a shard the store grew into keeps its stored rows
     feat = featurizer()
     xs, qs = [], []
-    for s in range(a, b, batch_size):
+    if start > a:
+        old_x, old_q = store.read_train_rows(model_id, a, start)
+        xs.append(old_x.astype(np.float32))
+        qs.append(old_q)
+        _advance(progress, start - a)
+    for s in range(start, b, batch_size):
         e = min(s + batch_size, b)
         try:
             x, q = feat.featurize(batch(s, e), model_id, range(s, e))
@@ -436,9 +511,17 @@ def featurize_shard(
         qs.append(q)
         _advance(progress, e - s)
     x, q = np.concatenate(xs), np.concatenate(qs)
-    write_rows(store, model_id, slice(a, b), x, q)
+    write_rows(store, model_id, slice(start, b), x[start - a :], q[start - a :])
     complete_shard(store, model_id, shard, feat.device, x, q)  # on the featurizer's device
     return False
+
+
+def _featurized_prefix(store: TrakStore, model_id: int, a: int, b: int) -> int:
+    """How many leading rows of [a, b) are featurized when exactly those are (the old rows of the last shard of
+    a store that grew); 0 otherwise (the shard is featurized whole)."""
+    done = store.model(model_id).featurized[a:b].astype(bool)
+    k = int(np.argmin(done)) if not done.all() else len(done)
+    return k if not done[k:].any() else 0
 
 
 # ---------------------------------------------------------------------------------------------- finalize

@@ -418,3 +418,58 @@ def test_long_lived_commands_stop_on_sigterm(setup, command):
     _, alive = psutil.wait_procs(family, timeout=max(0.1, 10 - (time.monotonic() - t0)))
     left = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [" ".join(p.cmdline()) for p in left]
+
+
+def test_nightly_schedule_appends_new_train_files(setup):
+    """The digits demo's nightly deployment (its parameters from deployments/serve.py; a small demo: one
+    checkpoint, one epoch) on a schedule due in a few seconds, after a first run and a new train file in the
+    demo's train folder: the scheduled run completes, the store holds the new rows too, and the old rows' chunk
+    files were not rewritten."""
+    from examples import digits, folder_data
+
+    server, tmp, _, _ = setup
+    demo = tmp / "nightly"
+    small = dict(num_models=1, epochs=1, proj_dim=64, lambda_reg=1.0)
+    prelude = (
+        "import json, sys\nfrom deployments.serve import build_deployments\n"
+        "nightly = build_deployments(sys.argv[1])[0]\nassert nightly.name == 'nightly'\n"
+        f"params = {{**nightly.parameters, **{small!r}}}\n"
+    )
+    first = prelude + "from flows import digits_demo\ndigits_demo(**params)\n"
+    res = subprocess.run(
+        [sys.executable, "-c", first, str(demo)], env=server.env, cwd=REPO, capture_output=True, text=True, timeout=400
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    store = str(demo / "store.zarr")
+    old = TrakStore.open(store, mode="r")
+    assert old.meta.train_set_size == digits.NUM_TRAIN
+    old_rows = old.model(0).grads[:].copy()
+    chunk_files = sorted((demo / "store.zarr" / "models" / "0" / "grads" / "c").rglob("*"))
+    mtimes = {p: p.stat().st_mtime_ns for p in chunk_files if p.is_file()}
+
+    x, y = digits.heldout_data()
+    folder_data.save_part(demo / "train", (x[digits.NUM_TARGETS :], y[digits.NUM_TARGETS :]), 1)
+    script = tmp / "serve_nightly.py"
+    script.write_text(
+        prelude
+        + textwrap.dedent("""
+        from datetime import datetime, timedelta, timezone
+        from prefect import serve
+        from prefect.schedules import Interval
+        from flows import digits_demo
+
+        first = datetime.now(timezone.utc) + timedelta(seconds=8)
+        serve(digits_demo.to_deployment(name="nightly-now", parameters=params,
+                                        schedule=Interval(timedelta(hours=1), anchor_date=first)))
+    """)
+    )
+    proc = server.spawn([sys.executable, str(script), str(demo)], "serve-nightly")
+    run = wait_terminal(server, "nightly-now", timeout=300, proc=proc)
+    assert run.auto_scheduled, "the run was not created by the scheduler"
+    assert run.state_type.value == "COMPLETED", server.read_log("serve-nightly")[-3000:]
+    grown = TrakStore.open(store, mode="r")
+    n = digits.NUM_TRAIN + len(y) - digits.NUM_TARGETS
+    assert grown.meta.train_set_size == n and bool(grown.featurized_mask(0).all())
+    np.testing.assert_array_equal(grown.model(0).grads[: digits.NUM_TRAIN], old_rows)
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes  # the old rows' chunks were not written again
+    assert grown.scores("digits")[:].shape == (n, digits.NUM_TARGETS)

@@ -150,12 +150,20 @@ class TrakStore:
         write_root(g, meta.model_dump(mode="json"))
         return cls(location, g, meta)
 
-    def validate(self, expected: StoreMetadata) -> None:
-        """Refuse (:class:`StoreMismatchError`) when ``expected`` differs from the stored metadata."""
+    def validate(self, expected: StoreMetadata, grow: bool = False) -> None:
+        """Refuse (:class:`StoreMismatchError`) when ``expected`` differs from the stored metadata; with ``grow``,
+        more train rows than the store holds pass (:meth:`grow_train_rows` adds them), fewer are refused."""
         have = self.meta.model_dump()
         want = expected.model_dump()
         for field in StoreMetadata.model_fields:
             if field in ("versions", "store_id"):
+                continue
+            if grow and field == "train_set_size" and want[field] != have[field]:
+                if want[field] < have[field]:
+                    raise StoreMismatchError(
+                        f"train_data: {want[field]} rows, but the store at {self.location} holds {have[field]}; a "
+                        "store only grows (use a new store for fewer rows)"
+                    )
                 continue
             if have[field] != want[field]:
                 raise StoreMismatchError(
