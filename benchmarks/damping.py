@@ -36,18 +36,12 @@ if ROOT not in sys.path:
 from tasks.config import TrainConfig  # noqa: E402
 from tasks.trainer import forward, split_xy, train_on_rows  # noqa: E402
 from trak_core import TRAKer  # noqa: E402
+from trak_core.damping import regularized_inverse, resolve_lambda  # noqa: E402
 from trak_core.featurize import Featurizer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds, margins_from_logits, subset_masks  # noqa: E402
 from trak_core.projectors import make_projector  # noqa: E402
-from trak_core.scoring import (  # noqa: E402
-    combine_checkpoints,
-    features_block,
-    regularized_inverse,
-    resolve_lambda,
-    scores_block,
-    xtx_partial,
-)
+from trak_core.scoring import combine_checkpoints, features_block, scores_block, xtx_partial  # noqa: E402
 
 SETTINGS = [
     0.0,

@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quality import _num  # noqa: E402  (a number, i.e. an absolute λ)
 
-from trak_core.scoring import ADAPTIVE  # noqa: E402
+from trak_core.damping import ADAPTIVE  # noqa: E402
 
 CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "lds")
 CASES = ["digits-mlp", "digits-conv", "text", "cancer", "wine", "digits-sgd", "conv-sgd", "cancer-sgd", "wine-sgd"]

@@ -55,11 +55,10 @@ for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
 import quality  # noqa: E402
 from quality import Solver, ground_truth, make_cases, paired_ci  # noqa: E402
 
-from trak_core.damping import parse_lambda_reg  # noqa: E402
+from trak_core.damping import cholesky_inverse, parse_lambda_reg  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds  # noqa: E402
 from trak_core.projectors import make_projector  # noqa: E402
-from trak_core.reduce import cholesky_inverse  # noqa: E402
 from trak_core.scoring import combine_checkpoints, features_block, scores_block  # noqa: E402
 
 CACHE = os.path.join(ROOT, ".cache", "past_trak")

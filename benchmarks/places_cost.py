@@ -28,10 +28,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trak_core import reduce  # noqa: E402
+from trak_core import TRAKer, reduce  # noqa: E402
 from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
 from trak_core.store import arrays as store_arrays  # noqa: E402
-from trak_core.traker import TRAKer  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -46,12 +46,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from trak_core.damping import parse_lambda_reg  # noqa: E402
+from trak_core.damping import cholesky_inverse, parse_lambda_reg  # noqa: E402
 from trak_core.featurize import Featurizer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds, margins_from_logits, subset_masks, truth_key  # noqa: E402
 from trak_core.projectors import make_projector  # noqa: E402
-from trak_core.reduce import RowSums, cholesky_inverse  # noqa: E402
+from trak_core.reduce import RowSums  # noqa: E402
 from trak_core.scoring import combine_checkpoints, features_block, scores_block  # noqa: E402
 
 CACHE = os.path.join(ROOT, ".cache", "lds")
