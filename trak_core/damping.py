@@ -723,7 +723,7 @@ def solve(
     bound = None
     if ggn is not None:
         if out_to_loss is None:
-            raise ValueError("solve: the Gauss-Newton curvature needs out_to_loss (the stored Q)")
+            raise BadInputError("solve: the Gauss-Newton curvature needs out_to_loss (the stored Q)")
         r = loss_curvature(out_to_loss)
         mean_r = float(r.mean())
         ggn_np = ggn_curvature(ggn, xtx, mean_r)
