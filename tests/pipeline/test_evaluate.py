@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -209,11 +210,15 @@ def test_larger_m_trains_only_new_subsets_and_recipe_changes_the_key(evaluated):
     from tasks.evaluate import plan_truth
 
     tmp, cfg, first = evaluated
-    more = cfg.model_copy(update={"num_subsets": 12, "run_attribute": False})
+    # on a copy of the cache: the shared fixture's truth (10 subsets) stays as the other tests read it
+    cache = tmp / "cache-larger"
+    shutil.copytree(cfg.cache_dir, cache)
+    more = cfg.model_copy(update={"num_subsets": 12, "run_attribute": False, "cache_dir": str(cache)})
     res = evaluate(more)
     assert res["trained"] == 2 and res["num_subsets"] == 12
-    assert Path(res["truth"]).parent == Path(first["truth"]).parent
+    assert Path(res["truth"]).parent.name == Path(first["truth"]).parent.name
     np.testing.assert_array_equal(np.load(res["truth"])["margins"][:10], np.load(first["truth"])["margins"])
+    assert np.load(first["truth"])["masks"].shape[0] == 10
     other = plan_truth(cfg.model_copy(update={"lr": 0.01}))
     assert other.folder != str(Path(first["truth"]).parent) and other.to_train == 10
 
