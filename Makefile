@@ -6,6 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONSTRAINTS := requirements/constraints.txt
 STAMP := $(VENV)/.trakflow-installed
+TEST_WORKERS ?= 2
 
 .PHONY: all install demo test lint format serve server clean-demo
 
@@ -27,8 +28,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 demo: $(STAMP)
 	$(BIN)/trakflow demo
 
+# two pytest-xdist workers, a test module per worker at a time (module fixtures such as a real Prefect server are
+# shared by its tests): most tests wait on process starts and services, so two workers fit two cores
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # ruff (lint + format check) on the whole tree, mypy on trak_core; settings in pyproject.toml
 lint: $(STAMP)

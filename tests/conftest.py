@@ -11,6 +11,10 @@ if "PREFECT_HOME" not in os.environ:
     atexit.register(shutil.rmtree, _home, True)
     os.environ["PREFECT_HOME"] = _home
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# a rich Console made while COLUMNS is set keeps that width for good, so the CLI's module-level consoles would
+# keep whatever a terminal (or a pytest-xdist worker) had at import; tests choose a width per invocation instead
+for _var in ("COLUMNS", "LINES"):
+    os.environ.pop(_var, None)
 
 import pytest  # noqa: E402
 
@@ -22,3 +26,11 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules that start real services run first: under ``pytest -n 2 --dist loadfile`` (``make test``) the
+    longest modules then overlap the rest instead of running alone at the end. A module's tests stay together
+    and in their order (a stable sort by module)."""
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("services")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)

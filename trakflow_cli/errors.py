@@ -241,6 +241,6 @@ def print_error(lines: list[str], prefix: str = "[bold red]error:[/] ") -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     for line in lines:
         err.print(f"{prefix}{escape(line)}" if prefix else f"[dim]{escape(line)}[/]", soft_wrap=True, highlight=False)

@@ -41,8 +41,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+console = Console(soft_wrap=True)  # text lines (paths) never hard-wrap; tables still fit the width
+err_console = Console(stderr=True, soft_wrap=True)
 
 STAGES = {
     "train": "train (epochs)",

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(soft_wrap=True)  # text lines (paths) never hard-wrap; tables still fit the width
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def query(

@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
-err_console = Console(stderr=True)
+console = Console(soft_wrap=True)  # text lines (paths) never hard-wrap; tables still fit the width
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def verify(
