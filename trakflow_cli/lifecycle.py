@@ -36,6 +36,9 @@ GRACE_SECONDS = 10.0
 #: marks the ephemeral server's command line (and the pid files that record it)
 SERVER_MARK = "prefect.server.api.server:create_app"
 PIDFILE_GLOB = "trakflow-ephemeral-server-*.json"
+#: seconds the ephemeral server may take to answer its first request: Prefect's default (20 s) is exceeded on a
+#: busy 2-core machine; PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, when set, is used instead
+EPHEMERAL_STARTUP_SECONDS = 120
 
 
 class Interrupted(KeyboardInterrupt):
@@ -226,7 +229,8 @@ def start_ephemeral_server() -> None:
                 subprocess.Popen = popen  # type: ignore[misc]
 
         server._run_uvicorn_command = run_uvicorn  # type: ignore[method-assign]
-    server.start()
+    chosen = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in os.environ
+    server.start(timeout=None if chosen else EPHEMERAL_STARTUP_SECONDS)
     proc = server.server_process
     if proc is None:  # pragma: no cover
         return

@@ -334,3 +334,30 @@ def test_supervised_command_and_its_runs_stop_within_10_s(tmp_path):
                 p.kill()
             except psutil.Error:
                 pass
+
+
+@pytest.mark.parametrize("env_timeout", [None, "7"])
+def test_ephemeral_server_gets_a_startup_timeout_a_busy_machine_meets(tmp_path, monkeypatch, env_timeout):
+    """The CLI waits up to EPHEMERAL_STARTUP_SECONDS for Prefect's ephemeral server (Prefect's own 20 s are
+    exceeded on a loaded 2-core machine), unless PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS is set, in
+    which case Prefect's setting decides."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    seen = []
+
+    def fake_start(self, timeout=None):
+        seen.append(timeout)
+        self.server_process = None
+
+    monkeypatch.setattr(SubprocessASGIServer, "start", fake_start)
+    monkeypatch.setattr(SubprocessASGIServer, "running", False, raising=False)
+    if env_timeout is None:
+        monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", raising=False)
+    else:
+        monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", env_timeout)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        lifecycle.start_ephemeral_server()
+    assert lifecycle.EPHEMERAL_STARTUP_SECONDS > 20
+    assert seen == [lifecycle.EPHEMERAL_STARTUP_SECONDS if env_timeout is None else None]
