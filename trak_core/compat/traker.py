@@ -244,17 +244,30 @@ class TRAKer:
         # on a GPU: the written rows of the shard being featurized in one ascending run, kept until the shard is
         # complete, when its XᵀX partial is computed on the device and stored (see _collect_shard_rows)
         self._shard_run: dict | None = None
+        # while featurizing one model: the store's groups and arrays opened once (store.pinned), and the model known
+        # not to be finalized; both dropped by every other step (load_checkpoint, finalize, scoring, close)
+        self._handles: dict = {}
+        self._writable: int | None = None
         _open_trakers.add(self)
 
     # ------------------------------------------------------------------ featurizing
+    def _forget_handles(self) -> None:
+        """Drop what featurizing one model keeps between calls (a step other than featurize may change it)."""
+        self._handles = {}
+        self._writable = None
+
     def _flush_rows(self) -> None:
         """Write the featurized rows held back by :meth:`featurize` (then mark them featurized)."""
         pend, self._pending = self._pending, None
         if pend is not None:
-            x, q = np.concatenate(pend["x"]), np.concatenate(pend["q"])
-            engine.write_rows(self.store, pend["mid"], slice(pend["start"], pend["stop"]), x, q)
-            if self._partials_while_featurizing():
-                self._collect_shard_rows(pend["mid"], pend["start"], x, q)
+            with self.store.pinned(self._handles):
+                self._write_pending(pend)
+
+    def _write_pending(self, pend: dict) -> None:
+        x, q = np.concatenate(pend["x"]), np.concatenate(pend["q"])
+        stored = engine.write_rows(self.store, pend["mid"], slice(pend["start"], pend["stop"]), x, q)
+        if self._partials_while_featurizing():  # the rows as stored: the partial rounds them so anyway
+            self._collect_shard_rows(pend["mid"], pend["start"], stored, q)
 
     def _partials_while_featurizing(self) -> bool:
         """On a GPU each shard's XᵀX partial is computed as soon as the shard's rows are written, from the rows
@@ -306,6 +319,7 @@ class TRAKer:
     def load_checkpoint(self, checkpoint: dict, model_id: int, _allow_featurizing_already_registered=False) -> None:
         """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
         self._flush_rows()
+        self._forget_handles()
         self._shard_run = None
         # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here (once
         # per instance), never reusing gradients (or features, targets, scores) of another checkpoint
@@ -360,7 +374,13 @@ class TRAKer:
                 "Load a checkpoint using traker.load_checkpoint before featurizing "
                 "(call load_checkpoint(state_dict, model_id=...) first)"
             )
-        engine.require_not_finalized(self.store, mid)
+        with self.store.pinned(self._handles):
+            self._featurize(mid, batch, inds, num_samples)
+
+    def _featurize(self, mid: int, batch, inds, num_samples) -> None:
+        if self._writable != mid:
+            engine.require_not_finalized(self.store, mid)
+            self._writable = mid
         self.task.validate_batch(batch)
         inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
         pend = self._pending
@@ -377,9 +397,11 @@ class TRAKer:
             sel = torch.as_tensor(keep)
             batch = [x[sel] for x in batch]
             inds = inds[keep]
-        order = np.argsort(inds)
         x, q = self.featurizer.featurize(batch, mid, inds)
-        rows, x, q = inds[order], x[order], q[order]
+        rows = inds
+        if inds.size > 1 and not bool((inds[1:] > inds[:-1]).all()):  # in ascending order (no copy when they are)
+            order = np.argsort(inds)
+            rows, x, q = inds[order], x[order], q[order]
         if rows.size == 0 or rows[-1] - rows[0] + 1 != rows.size:  # not one run of rows: written now
             self._flush_rows()
             self._shard_run = None
@@ -401,6 +423,7 @@ class TRAKer:
         Φ = X A are not (:meth:`features` computes them). ``del_grads``: ignored with a warning, scoring reads
         the gradients."""
         self._flush_rows()
+        self._forget_handles()
         if del_grads:
             warnings.warn(
                 "del_grads=True is ignored: trak_core keeps no features and scores from the stored gradients "
@@ -429,6 +452,7 @@ class TRAKer:
     def start_scoring_checkpoint(self, exp_name: str, checkpoint: dict, model_id: int, num_targets: int) -> None:
         """Begin computing target gradients of experiment ``exp_name`` for checkpoint ``model_id``."""
         self._flush_rows()
+        self._forget_handles()
         engine.begin_targets(self.store, exp_name, model_id, num_targets)
         self.featurizer.load_state(checkpoint)
         self.current_experiment_name = exp_name
