@@ -30,6 +30,7 @@ Differences from traker 0.3.2, on purpose:
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import warnings
@@ -47,6 +48,7 @@ from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
 from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
+from ..store.writer import BackgroundWriter
 from .savers import check_saver
 from .score_computers import score_computer_settings
 
@@ -112,7 +114,10 @@ class TRAKer:
     (H + λI)⁻¹, ``"xtx"`` (XᵀX, traker's; the default) or ``"ggn"`` (XᵀRX, the Gauss-Newton matrix of the loss in
     the model output, R = diag(Q(1 − Q)) for the built-in tasks, row weights floored at 0.3·mean(r): +0.020 to +0.060
     LDS on converged models at one more p × p partial per shard; benchmarks/RESULTS.md, "Gauss-Newton curvature").
-    A store keeps its curvature.
+    A store keeps its curvature. ``write_behind``: rows are written by a background thread while the next batches
+    are featurized (a GPU then waits less on the store), so a :meth:`featurize` call returns before its rows are in
+    the store and a write's error is raised by a later call; by default each call returns with its complete chunks
+    written. Either way rows are flagged only once written (a killed process featurizes the rest again).
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class TRAKer:
         shard_rows: int | None = None,
         storage_options: dict | None = None,
         curvature: str = "xtx",
+        write_behind: bool = False,
     ) -> None:
         self.logger = logging.getLogger("trakflow")
         self.logger.setLevel(logging_level)
@@ -209,6 +215,7 @@ class TRAKer:
         )
         self.save_dir = str(save_dir)
         self.load_from_save_dir = load_from_save_dir
+        self.write_behind = bool(write_behind)
         # nothing is created before the settings are known to fit in memory; then the store's run lock (as the
         # pipeline's runs take it: another process on this save_dir is refused), held while this TRAKer lives
         on_device = torch.device(self.device).type != "cpu"  # see _partials_while_featurizing
@@ -242,12 +249,17 @@ class TRAKer:
         # this instance does with the store (see _flush_rows)
         self._pending: dict | None = None
         # on a GPU: the written rows of the shard being featurized in one ascending run, kept until the shard is
-        # complete, when its XᵀX partial is computed on the device and stored (see _collect_shard_rows)
-        self._shard_run: dict | None = None
+        # complete, when its XᵀX partial is computed on the device and stored (_ShardRuns, run by the writer)
+        self._shards = _ShardRuns(self.device)
+        # writes the rows handed over (in order, on its own thread) while the next batch is featurized
+        self._writer: BackgroundWriter | None = None
         # while featurizing one model: the store's groups and arrays opened once (store.pinned), and the model known
         # not to be finalized; both dropped by every other step (load_checkpoint, finalize, scoring, close)
         self._handles: dict = {}
         self._writable: int | None = None
+        # (model id, its rows' featurized flags as read once and updated by this TRAKer's own writes): a row flagged
+        # there is read again from the store before it is skipped; a row not flagged is featurized without a read
+        self._flags: tuple[int, np.ndarray] | None = None
         _open_trakers.add(self)
 
     # ------------------------------------------------------------------ featurizing
@@ -255,19 +267,43 @@ class TRAKer:
         """Drop what featurizing one model keeps between calls (a step other than featurize may change it)."""
         self._handles = {}
         self._writable = None
+        self._flags = None
+
+    def _known_flags(self, mid: int) -> np.ndarray:
+        if self._flags is None or self._flags[0] != mid:
+            self._flags = (mid, self.store.featurized_mask(mid))
+        return self._flags[1]
+
+    def _hand_over(self, mid: int, rows, xs: list, qs: list) -> None:
+        """Write rows ``rows`` (a slice, or sorted indices) of ``mid``, then flag them (on a GPU, then store a
+        completed shard's partial); with ``write_behind``, queued for the background writer, which does so while
+        this thread featurizes on, and an error of an earlier write is raised here (its rows and the ones queued
+        after it stay unflagged)."""
+        flags = self._flags[1] if self._flags is not None and self._flags[0] == mid else None
+        shards = self._shards if self._partials_while_featurizing() else None
+        job = functools.partial(_write_rows_job, self.store, self._handles, mid, rows, xs, qs, flags, shards)
+        if not self.write_behind:
+            self._on_writer(job)
+            return
+        if self._writer is None:
+            self._writer = BackgroundWriter(depth=2)
+        self._on_writer(self._writer.submit, job)
+
+    def _on_writer(self, call, *args) -> None:
+        try:
+            call(*args)
+        except BaseException:
+            self._flags = None  # rows of the failed write (and those queued after it) are unflagged: read again
+            raise
 
     def _flush_rows(self) -> None:
-        """Write the featurized rows held back by :meth:`featurize` (then mark them featurized)."""
+        """Write the featurized rows held back by :meth:`featurize` and wait until every queued write is done (its
+        error, if any, raised here)."""
         pend, self._pending = self._pending, None
         if pend is not None:
-            with self.store.pinned(self._handles):
-                self._write_pending(pend)
-
-    def _write_pending(self, pend: dict) -> None:
-        x, q = np.concatenate(pend["x"]), np.concatenate(pend["q"])
-        stored = engine.write_rows(self.store, pend["mid"], slice(pend["start"], pend["stop"]), x, q)
-        if self._partials_while_featurizing():  # the rows as stored: the partial rounds them so anyway
-            self._collect_shard_rows(pend["mid"], pend["start"], stored, q)
+            self._hand_over(pend["mid"], slice(pend["start"], pend["stop"]), pend["x"], pend["q"])
+        if self._writer is not None:
+            self._on_writer(self._writer.drain)
 
     def _partials_while_featurizing(self) -> bool:
         """On a GPU each shard's XᵀX partial is computed as soon as the shard's rows are written, from the rows
@@ -275,37 +311,18 @@ class TRAKer:
         again (on the CPU finalize computes them, as before: the same work, and no shard of rows held)."""
         return torch.device(self.device).type != "cpu"
 
-    def _collect_shard_rows(self, mid: int, start: int, x: np.ndarray, q: np.ndarray) -> None:
-        """Keep written rows [start, start + len(x)) of model ``mid`` while they continue one ascending run from the
-        first row of a shard; once the shard is complete, store its partial (:func:`shard_partial` on this device,
-        :func:`shard_row_sums`: the bits finalize would compute from the stored rows). Rows that do not continue
-        the run drop it (finalize computes that shard's partial)."""
-        meta = self.store.meta
-        stop = start + len(x)
-        for s in range(start // meta.rows_per_shard, (stop - 1) // meta.rows_per_shard + 1):
-            sa, sb = meta.shard_range(s)
-            a, b = max(start, sa), min(stop, sb)
-            run = self._shard_run
-            if a == sa:
-                run = self._shard_run = {"mid": mid, "shard": s, "next": sa, "x": [], "q": []}
-            elif run is None or (run["mid"], run["shard"], run["next"]) != (mid, s, a):
-                self._shard_run = None
-                continue
-            run["x"].append(x[a - start : b - start])
-            run["q"].append(q[a - start : b - start])
-            run["next"] = b
-            if b == sb:
-                self._shard_run = None
-                if self.store.shard_featurized(mid, s):
-                    x_s, q_s = np.concatenate(run["x"]), np.concatenate(run["q"])
-                    engine.complete_shard(self.store, mid, s, self.device, x_s, q_s)
-
     def _close(self) -> None:
         """Write the rows held back, then release the store's run lock (at exit, or when garbage collected)."""
         try:
             self._flush_rows()
         except Exception:  # interpreter shutdown or a closed store: the rows stay unmarked (featurized again)
             pass
+        writer, self._writer = getattr(self, "_writer", None), None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:  # as above
+                pass
         if getattr(self, "_locked", False):
             self._locked = False
             engine.release_store(self.save_dir)
@@ -320,7 +337,7 @@ class TRAKer:
         """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
         self._flush_rows()
         self._forget_handles()
-        self._shard_run = None
+        self._shards.run = None
         # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here (once
         # per instance), never reusing gradients (or features, targets, scores) of another checkpoint
         start_over = not self.load_from_save_dir and model_id not in self._started_over
@@ -385,9 +402,12 @@ class TRAKer:
         inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
         pend = self._pending
         if pend is not None and pend["mid"] != mid:
-            self._flush_rows()
+            self._pending = None
+            self._hand_over(pend["mid"], slice(pend["start"], pend["stop"]), pend["x"], pend["q"])
             pend = None
-        done = self.store.model(mid).featurized.oindex[inds].astype(bool)
+        done = self._known_flags(mid)[inds]
+        if done.any():  # flagged when last seen: the store says whether they still are
+            done = self.store.model(mid).featurized.oindex[inds].astype(bool)
         if pend is not None:
             done |= (inds >= pend["start"]) & (inds < pend["stop"])
         if done.all():
@@ -402,21 +422,29 @@ class TRAKer:
         if inds.size > 1 and not bool((inds[1:] > inds[:-1]).all()):  # in ascending order (no copy when they are)
             order = np.argsort(inds)
             rows, x, q = inds[order], x[order], q[order]
-        if rows.size == 0 or rows[-1] - rows[0] + 1 != rows.size:  # not one run of rows: written now
-            self._flush_rows()
-            self._shard_run = None
-            engine.write_rows(self.store, mid, rows, x, q)
+        run = rows.size > 0 and rows[-1] - rows[0] + 1 == rows.size
+        if pend is not None and (not run or pend["stop"] != rows[0]):  # the rows held are handed over first
+            self._pending = None
+            self._hand_over(pend["mid"], slice(pend["start"], pend["stop"]), pend["x"], pend["q"])
+            pend = None
+        if not run:  # not one run of rows: written now
+            self._hand_over(mid, rows, [x], [q])
             return
         start, stop = int(rows[0]), int(rows[-1]) + 1
-        if pend is None or pend["stop"] != start:
-            self._flush_rows()
+        if pend is None:
             pend = self._pending = {"mid": mid, "start": start, "stop": start, "x": [], "q": []}
         pend["x"].append(x)
         pend["q"].append(q)
         pend["stop"] = stop
         chunk = self.store.meta.rows_per_chunk
         if stop == self.train_set_size or stop // chunk > start // chunk:  # reached the end or a chunk boundary
-            self._flush_rows()
+            cut = stop if stop == self.train_set_size else stop // chunk * chunk  # whole chunks written, rest held
+            xs, qs, keep = pend["x"], pend["q"], stop - cut
+            self._pending = None
+            if keep:  # the rows after the boundary: the end of this batch
+                self._pending = {"mid": mid, "start": cut, "stop": stop, "x": [x[-keep:]], "q": [q[-keep:]]}
+                xs, qs = [*xs[:-1], x[:-keep]], [*qs[:-1], q[:-keep]]
+            self._hand_over(mid, slice(pend["start"], cut), xs, qs)
 
     def finalize_features(self, model_ids: Iterable[int] | None = None, del_grads: bool = False) -> None:
         """XᵀX and A = (XᵀX + λI)⁻¹ for each model (all registered ones by default), stored; the features
@@ -480,3 +508,51 @@ class TRAKer:
                 raise InputAssertionError("No model IDs to finalize scores for (model_ids is empty)")
         self.scores = engine.score_all(self.store, exp_name, model_ids, allow_skip)
         return self.scores
+
+
+def _write_rows_job(store, handles: dict, mid: int, rows, xs: list, qs: list, flags, shards) -> None:
+    """The background writer's job for :meth:`TRAKer._hand_over`: write rows (then their flags), note them in
+    ``flags`` (the TRAKer's known flags), and on a GPU (``shards``) collect them for their shard's partial. It
+    keeps no reference to the TRAKer (one dropped with writes queued is still collected)."""
+    x = xs[0] if len(xs) == 1 else np.concatenate(xs)
+    q = qs[0] if len(qs) == 1 else np.concatenate(qs)
+    with store.pinned(handles):
+        stored = engine.write_rows(store, mid, rows, x, q)
+        if flags is not None:
+            flags[rows] = True
+        if shards is not None:
+            if isinstance(rows, slice):  # the rows as stored: the partial rounds them so anyway
+                shards.add(store, mid, rows.start, stored, q)
+            else:
+                shards.run = None  # not one run: their shards' partials are left to finalize
+
+
+class _ShardRuns:
+    """The written rows of the shard being featurized in one ascending run from its first row, kept until the shard
+    is complete, when its partial is stored (:func:`engine.complete_shard` on ``device``: the bits finalize would
+    compute from the stored rows). Rows that do not continue the run drop it (finalize computes that partial)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.run: dict | None = None
+
+    def add(self, store, mid: int, start: int, x: np.ndarray, q: np.ndarray) -> None:
+        meta = store.meta
+        stop = start + len(x)
+        for s in range(start // meta.rows_per_shard, (stop - 1) // meta.rows_per_shard + 1):
+            sa, sb = meta.shard_range(s)
+            a, b = max(start, sa), min(stop, sb)
+            run = self.run
+            if a == sa:
+                run = self.run = {"mid": mid, "shard": s, "next": sa, "x": [], "q": []}
+            elif run is None or (run["mid"], run["shard"], run["next"]) != (mid, s, a):
+                self.run = None
+                continue
+            run["x"].append(x[a - start : b - start])
+            run["q"].append(q[a - start : b - start])
+            run["next"] = b
+            if b == sb:
+                self.run = None
+                if store.shard_featurized(mid, s):
+                    x_s, q_s = np.concatenate(run["x"]), np.concatenate(run["q"])
+                    engine.complete_shard(store, mid, s, self.device, x_s, q_s)
