@@ -439,11 +439,11 @@ class TRAKer:
         chunk = self.store.meta.rows_per_chunk
         if stop == self.train_set_size or stop // chunk > start // chunk:  # reached the end or a chunk boundary
             cut = stop if stop == self.train_set_size else stop // chunk * chunk  # whole chunks written, rest held
-            xs, qs, keep = pend["x"], pend["q"], stop - cut
+            xs, qs, tail = pend["x"], pend["q"], stop - cut
             self._pending = None
-            if keep:  # the rows after the boundary: the end of this batch
-                self._pending = {"mid": mid, "start": cut, "stop": stop, "x": [x[-keep:]], "q": [q[-keep:]]}
-                xs, qs = [*xs[:-1], x[:-keep]], [*qs[:-1], q[:-keep]]
+            if tail:  # the rows after the boundary: the end of this batch
+                self._pending = {"mid": mid, "start": cut, "stop": stop, "x": [x[-tail:]], "q": [q[-tail:]]}
+                xs, qs = [*xs[:-1], x[:-tail]], [*qs[:-1], q[:-tail]]
             self._hand_over(mid, slice(pend["start"], cut), xs, qs)
 
     def finalize_features(self, model_ids: Iterable[int] | None = None, del_grads: bool = False) -> None:
