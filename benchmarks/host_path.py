@@ -7,6 +7,9 @@ paths, with the model's arithmetic replaced by slices of those arrays:
   store write: float16 conversion, crc32c, chunk files, place records, row flags), in the GPU setting where each
   shard's XᵀX partial is stored as soon as its rows are written (the p × p Gram itself, the device's arithmetic, is
   a precomputed matrix; the row sums, the packing and the partial's write are timed);
+* ``traker-behind``: the same with ``TRAKer(write_behind=True)`` (the writes on a background thread, overlapping
+  the next batches; here there is no model arithmetic to overlap, so this shows what the writer thread takes off
+  the caller);
 * ``shard``: :func:`trak_core.engine.featurize_shard`, the pipeline task's step (a shard written at once, then its
   partial, the Gram again precomputed).
 
@@ -132,14 +135,20 @@ def _gram_precomputed(pool: _Pool):
         reduce.shard_grams = real
 
 
-def run_traker(folder: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int | None) -> float:
-    """Wall seconds of TRAKer.featurize over ``n`` rows (GPU setting: partials while featurizing)."""
+def run_traker(
+    folder: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int | None, write_behind: bool = False
+) -> float:
+    """Wall seconds of TRAKer.featurize over ``n`` rows (GPU setting: partials while featurizing), the last write
+    included; ``write_behind``: TRAKer(write_behind=True)."""
     from trak_core.compat.traker import TRAKer
     from trak_core.projectors import DenseProjector, ProjectionType
 
     model = torch.nn.Linear(4, 2)
     proj = DenseProjector(10, p, 0, ProjectionType.rademacher, "cpu")
-    tr = TRAKer(model, "image_classification", n, save_dir=folder, projector=proj, device="cpu", chunk_rows=chunk_rows)
+    extra = {"write_behind": True} if write_behind else {}
+    tr = TRAKer(
+        model, "image_classification", n, save_dir=folder, projector=proj, device="cpu", chunk_rows=chunk_rows, **extra
+    )
     tr.load_checkpoint(model.state_dict(), 0)
     state = {"next": 0}
 
@@ -207,9 +216,12 @@ def measure(path: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int 
         spent: dict = defaultdict(float)
         try:
             with timed_stages(spent), _gram_precomputed(pool):
-                run = run_traker if path == "traker" else run_shard
                 cpu = time.process_time()
-                wall = run(os.path.join(folder, "store"), n, p, batch, pool, chunk_rows)
+                where = os.path.join(folder, "store")
+                if path == "shard":
+                    wall = run_shard(where, n, p, batch, pool, chunk_rows)
+                else:
+                    wall = run_traker(where, n, p, batch, pool, chunk_rows, write_behind=path == "traker-behind")
                 cpu = time.process_time() - cpu
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -244,7 +256,9 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=65536, help="train rows")
     ap.add_argument("--p", type=int, default=2048, help="proj_dim")
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 2048])
-    ap.add_argument("--paths", nargs="+", default=["traker", "shard"], choices=["traker", "shard"])
+    ap.add_argument(
+        "--paths", nargs="+", default=["traker", "traker-behind", "shard"], choices=["traker", "traker-behind", "shard"]
+    )
     ap.add_argument("--chunk-rows", type=int, default=None, help="store chunk rows (default: the store's choice)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is reported")
     ap.add_argument("--pool", type=int, default=8192, help="rows of precomputed X cycled through")

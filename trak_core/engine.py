@@ -454,9 +454,9 @@ def require_not_finalized(store: TrakStore, model_id: int) -> None:
         )
 
 
-def write_rows(store: TrakStore, model_id: int, rows, x: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Write featurized train rows (then mark them featurized). Returns ``x`` as stored (the store's dtype: what
-    the shard's partial is computed from)."""
+def write_rows(store: TrakStore, model_id: int, rows, x, q: np.ndarray) -> np.ndarray:
+    """Write featurized train rows (then mark them featurized); ``x`` an array or a list of arrays of consecutive
+    rows (batches). Returns ``x`` as stored (the store's dtype: what the shard's partial is computed from)."""
     return store.write_train_rows(model_id, rows, x, q)
 
 
@@ -513,7 +513,7 @@ def featurize_shard(
         qs.append(q)
         _advance(progress, e - s)
     q = np.concatenate(qs)
-    stored = write_rows(store, model_id, slice(start, b), np.concatenate(xs), q[start - a :])
+    stored = write_rows(store, model_id, slice(start, b), xs, q[start - a :])
     x = np.concatenate([*old, stored]) if old else stored  # the shard's rows as stored
     complete_shard(store, model_id, shard, feat.device, x, q)  # on the featurizer's device
     return False

@@ -514,7 +514,7 @@ def _write_rows_job(store, handles: dict, mid: int, rows, xs: list, qs: list, fl
     """The background writer's job for :meth:`TRAKer._hand_over`: write rows (then their flags), note them in
     ``flags`` (the TRAKer's known flags), and on a GPU (``shards``) collect them for their shard's partial. It
     keeps no reference to the TRAKer (one dropped with writes queued is still collected)."""
-    x = xs[0] if len(xs) == 1 else np.concatenate(xs)
+    x = xs[0] if len(xs) == 1 else xs  # batches: converted into the stored rows one by one
     q = qs[0] if len(qs) == 1 else np.concatenate(qs)
     with store.pinned(handles):
         stored = engine.write_rows(store, mid, rows, x, q)

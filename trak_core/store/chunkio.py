@@ -50,19 +50,36 @@ def direct_layout(arr: zarr.Array) -> str | None:
     return os.path.join(str(store.root), arr.path)
 
 
-def to_dtype(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``values.astype(dtype)`` as a C-ordered array (``values`` itself when it is one already), bit for bit;
-    float32 → float16 by torch (several times faster than numpy's conversion, the same rounding), by numpy where a
-    value is NaN (its payload bits)."""
+def to_dtype(values: np.ndarray, dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
+    """``values.astype(dtype)`` as a C-ordered array (``values`` itself when it is one already), or written into
+    ``out``, bit for bit; float32 → float16 by torch (several times faster than numpy's conversion, the same
+    rounding), by numpy where a value is NaN (its payload bits)."""
     values = np.asarray(values)
     dtype = np.dtype(dtype)
+    if out is None:
+        if values.dtype == dtype:
+            return np.ascontiguousarray(values)
+        out = np.empty(values.shape, dtype=dtype)
     if values.dtype == dtype:
-        return np.ascontiguousarray(values)
-    out = np.empty(values.shape, dtype=dtype)
-    if values.dtype in _TORCH and dtype in _TORCH and values.size and not np.isnan(values.max()):
+        np.copyto(out, values)
+    elif values.dtype in _TORCH and dtype in _TORCH and values.size and not np.isnan(values.max()):
         torch.from_numpy(out).copy_(torch.from_numpy(np.ascontiguousarray(values)))
     else:
         np.copyto(out, values, casting="unsafe")
+    return out
+
+
+def stack_dtype(pieces, dtype: np.dtype) -> np.ndarray:
+    """``np.concatenate(pieces).astype(dtype)`` without the concatenated copy in the pieces' dtype: each piece
+    converted (:func:`to_dtype`) straight into its rows of the result."""
+    pieces = [np.asarray(v) for v in pieces]
+    if len(pieces) == 1:
+        return to_dtype(pieces[0], dtype)
+    out = np.empty((sum(v.shape[0] for v in pieces), *pieces[0].shape[1:]), dtype=dtype)
+    i = 0
+    for v in pieces:
+        to_dtype(v, dtype, out[i : i + v.shape[0]])
+        i += v.shape[0]
     return out
 
 

@@ -77,4 +77,3 @@ class BackgroundWriter:
                 self._jobs.put(None)
                 self._thread.join()
         self._raise()
-

@@ -26,6 +26,7 @@ from .arrays import (
     chunk_rows_of,
     stored_chunk_keys,
 )
+from .chunkio import stack_dtype
 from .location import _open_zarr, _refuse_orphan_arrays, check_writable
 from .lock import StoreLock
 from .nodes import ExperimentArrays, ModelArrays, ScoreWriter, TargetArrays, _pinned
@@ -503,15 +504,18 @@ class TrakStore:
     def is_finalized(self, model_id: int) -> bool:
         return self.has_model(model_id) and self.finalize_info(model_id) is not None
 
-    def write_train_rows(self, model_id: int, rows, grads: np.ndarray, out_to_loss: np.ndarray) -> np.ndarray:
-        """Write rows (slice or sorted index array) then mark them featurized. Returns the grads as stored (in the
-        store's dtype)."""
+    def write_train_rows(self, model_id: int, rows, grads, out_to_loss: np.ndarray) -> np.ndarray:
+        """Write rows (slice or sorted index array) then mark them featurized. ``grads``: an array, or a list of
+        arrays of consecutive rows (converted to the store's dtype piece by piece, never concatenated first).
+        Returns the grads as stored (in the store's dtype)."""
         if self.is_finalized(model_id):
             raise StateError(
                 f"model_id={model_id} is already finalized; featurizing it again would make its "
                 "inverse stale. Use a new model_id or a new store."
             )
         m = self.model(model_id)
+        if isinstance(grads, (list, tuple)):
+            grads = stack_dtype(grads, self.meta.np_dtype)
         stored = _write_rows(m.grads, rows, grads)
         _write_rows(m.out_to_loss, rows, np.asarray(out_to_loss, dtype=np.float32))
         self.check_lock()

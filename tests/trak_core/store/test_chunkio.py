@@ -163,3 +163,18 @@ def test_a_write_failing_part_way_leaves_the_shard_to_featurize_again(tmp_path, 
     assert np.array_equal(np.asarray(again.model(0).grads[:]), x.astype(np.float16))
     assert again.featurized_mask(0).all() and again.num_partials_done(0) == 2
     assert verify_location(str(tmp_path / "s")).ok
+
+
+def test_batches_converted_into_the_stored_rows_are_the_concatenation_converted(tmp_path):
+    rng = np.random.default_rng(3)
+    pieces = [rng.standard_normal((k, 24), dtype=np.float32) for k in (5, 1, 17)]
+    pieces[1][0, 3] = np.nan  # a piece holding a NaN: numpy's bits for it
+    want = np.concatenate(pieces).astype(np.float16)
+    got = chunkio.stack_dtype(pieces, np.float16)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    n = 23
+    st = TrakStore.create_or_open(str(tmp_path / "s"), _meta(n, 24))
+    st.init_model(0)
+    stored = st.write_train_rows(0, slice(0, n), pieces, np.zeros(n, dtype=np.float32))
+    assert np.array_equal(stored.view(np.uint16), want.view(np.uint16))
+    assert np.array_equal(np.asarray(st.model(0).grads[:]).view(np.uint16), want.view(np.uint16))
