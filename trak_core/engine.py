@@ -454,10 +454,11 @@ def require_not_finalized(store: TrakStore, model_id: int) -> None:
         )
 
 
-def write_rows(store: TrakStore, model_id: int, rows, x, q: np.ndarray) -> np.ndarray:
+def write_rows(store: TrakStore, model_id: int, rows, x, q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Write featurized train rows (then mark them featurized); ``x`` an array or a list of arrays of consecutive
-    rows (batches). Returns ``x`` as stored (the store's dtype: what the shard's partial is computed from)."""
-    return store.write_train_rows(model_id, rows, x, q)
+    rows (batches). Returns ``x`` as stored (the store's dtype: what the shard's partial is computed from), in
+    ``out`` when given (a reused buffer of those rows)."""
+    return store.write_train_rows(model_id, rows, x, q, out)
 
 
 def complete_shard(store: TrakStore, model_id: int, shard: int, device=None, x=None, q=None) -> None:

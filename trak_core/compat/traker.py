@@ -511,30 +511,56 @@ class TRAKer:
 
 
 def _write_rows_job(store, handles: dict, mid: int, rows, xs: list, qs: list, flags, shards) -> None:
-    """The background writer's job for :meth:`TRAKer._hand_over`: write rows (then their flags), note them in
-    ``flags`` (the TRAKer's known flags), and on a GPU (``shards``) collect them for their shard's partial. It
-    keeps no reference to the TRAKer (one dropped with writes queued is still collected)."""
+    """The job of :meth:`TRAKer._hand_over`: write rows (then their flags), note them in ``flags`` (the TRAKer's
+    known flags), and on a GPU (``shards``) collect them for their shard's partial, converted straight into the
+    shard's buffer where they continue its run. It keeps no reference to the TRAKer (one dropped with writes
+    queued is still collected)."""
     x = xs[0] if len(xs) == 1 else xs  # batches: converted into the stored rows one by one
     q = qs[0] if len(qs) == 1 else np.concatenate(qs)
     with store.pinned(handles):
-        stored = engine.write_rows(store, mid, rows, x, q)
+        run = shards is not None and isinstance(rows, slice)
+        out = shards.slot(store.meta, mid, rows.start, rows.stop) if run else None
+        stored = engine.write_rows(store, mid, rows, x, q, out)
         if flags is not None:
             flags[rows] = True
-        if shards is not None:
-            if isinstance(rows, slice):  # the rows as stored: the partial rounds them so anyway
-                shards.add(store, mid, rows.start, stored, q)
-            else:
-                shards.run = None  # not one run: their shards' partials are left to finalize
+        if run:
+            shards.add(store, mid, rows.start, stored, q)  # the rows as stored: the partial rounds them so anyway
+        elif shards is not None:
+            shards.run = None  # not one run: their shards' partials are left to finalize
 
 
 class _ShardRuns:
-    """The written rows of the shard being featurized in one ascending run from its first row, kept until the shard
-    is complete, when its partial is stored (:func:`engine.complete_shard` on ``device``: the bits finalize would
-    compute from the stored rows). Rows that do not continue the run drop it (finalize computes that partial)."""
+    """The written rows of the shard being featurized in one ascending run from its first row, kept (in one buffer
+    of a shard's rows in the store's dtype, reused shard after shard) until the shard is complete, when its
+    partial is stored (:func:`engine.complete_shard` on ``device``: the bits finalize would compute from the
+    stored rows). Rows that do not continue the run drop it (finalize computes that shard's partial)."""
 
     def __init__(self, device):
         self.device = device
         self.run: dict | None = None
+        self.buf: np.ndarray | None = None
+
+    def _buffer(self, meta) -> np.ndarray:
+        shape = (meta.rows_per_shard, meta.proj_dim)
+        if self.buf is None or self.buf.shape != shape or self.buf.dtype != meta.np_dtype:
+            self.buf = np.empty(shape, dtype=meta.np_dtype)
+        return self.buf
+
+    def _continues(self, meta, mid: int, a: int) -> bool:
+        s = a // meta.rows_per_shard
+        run = self.run
+        return a == s * meta.rows_per_shard or (
+            run is not None and (run["mid"], run["shard"], run["next"]) == (mid, s, a)
+        )
+
+    def slot(self, meta, mid: int, start: int, stop: int) -> np.ndarray | None:
+        """Where rows [start, stop) go in the buffer, when they lie in one shard and continue (or begin) its run."""
+        if start >= stop or start // meta.rows_per_shard != (stop - 1) // meta.rows_per_shard:
+            return None
+        if not self._continues(meta, mid, start):
+            return None
+        sa = start // meta.rows_per_shard * meta.rows_per_shard
+        return self._buffer(meta)[start - sa : stop - sa]
 
     def add(self, store, mid: int, start: int, x: np.ndarray, q: np.ndarray) -> None:
         meta = store.meta
@@ -542,17 +568,21 @@ class _ShardRuns:
         for s in range(start // meta.rows_per_shard, (stop - 1) // meta.rows_per_shard + 1):
             sa, sb = meta.shard_range(s)
             a, b = max(start, sa), min(stop, sb)
-            run = self.run
-            if a == sa:
-                run = self.run = {"mid": mid, "shard": s, "next": sa, "x": [], "q": []}
-            elif run is None or (run["mid"], run["shard"], run["next"]) != (mid, s, a):
+            if not self._continues(meta, mid, a):
                 self.run = None
                 continue
-            run["x"].append(x[a - start : b - start])
+            if a == sa:
+                self.run = {"mid": mid, "shard": s, "next": sa, "q": []}
+            run = self.run
+            assert run is not None
+            place = self._buffer(meta)[a - sa : b - sa]
+            rows = x[a - start : b - start]
+            if place.__array_interface__["data"][0] != rows.__array_interface__["data"][0]:  # not written in place
+                place[...] = rows
             run["q"].append(q[a - start : b - start])
             run["next"] = b
             if b == sb:
                 self.run = None
                 if store.shard_featurized(mid, s):
-                    x_s, q_s = np.concatenate(run["x"]), np.concatenate(run["q"])
-                    engine.complete_shard(store, mid, s, self.device, x_s, q_s)
+                    rows_s = self._buffer(meta)[: sb - sa]
+                    engine.complete_shard(store, mid, s, self.device, rows_s, np.concatenate(run["q"]))

@@ -69,13 +69,18 @@ def to_dtype(values: np.ndarray, dtype: np.dtype, out: np.ndarray | None = None)
     return out
 
 
-def stack_dtype(pieces, dtype: np.dtype) -> np.ndarray:
+def stack_dtype(pieces, dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
     """``np.concatenate(pieces).astype(dtype)`` without the concatenated copy in the pieces' dtype: each piece
-    converted (:func:`to_dtype`) straight into its rows of the result."""
+    converted (:func:`to_dtype`) straight into its rows of the result, or of ``out`` (a caller's reused buffer of
+    exactly those rows)."""
     pieces = [np.asarray(v) for v in pieces]
-    if len(pieces) == 1:
+    if out is None and len(pieces) == 1:
         return to_dtype(pieces[0], dtype)
-    out = np.empty((sum(v.shape[0] for v in pieces), *pieces[0].shape[1:]), dtype=dtype)
+    shape = (sum(v.shape[0] for v in pieces), *pieces[0].shape[1:])
+    if out is None:
+        out = np.empty(shape, dtype=dtype)
+    elif out.shape != shape or out.dtype != np.dtype(dtype) or not out.flags.c_contiguous:
+        raise ValueError(f"out: {out.shape} {out.dtype} buffer for {shape} rows of {np.dtype(dtype)}")
     i = 0
     for v in pieces:
         to_dtype(v, dtype, out[i : i + v.shape[0]])

@@ -504,18 +504,20 @@ class TrakStore:
     def is_finalized(self, model_id: int) -> bool:
         return self.has_model(model_id) and self.finalize_info(model_id) is not None
 
-    def write_train_rows(self, model_id: int, rows, grads, out_to_loss: np.ndarray) -> np.ndarray:
+    def write_train_rows(
+        self, model_id: int, rows, grads, out_to_loss: np.ndarray, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Write rows (slice or sorted index array) then mark them featurized. ``grads``: an array, or a list of
         arrays of consecutive rows (converted to the store's dtype piece by piece, never concatenated first).
-        Returns the grads as stored (in the store's dtype)."""
+        Returns the grads as stored (in the store's dtype), in ``out`` when given (a caller's reused buffer)."""
         if self.is_finalized(model_id):
             raise StateError(
                 f"model_id={model_id} is already finalized; featurizing it again would make its "
                 "inverse stale. Use a new model_id or a new store."
             )
         m = self.model(model_id)
-        if isinstance(grads, (list, tuple)):
-            grads = stack_dtype(grads, self.meta.np_dtype)
+        if out is not None or isinstance(grads, (list, tuple)):
+            grads = stack_dtype(grads if isinstance(grads, (list, tuple)) else [grads], self.meta.np_dtype, out)
         stored = _write_rows(m.grads, rows, grads)
         _write_rows(m.out_to_loss, rows, np.asarray(out_to_loss, dtype=np.float32))
         self.check_lock()

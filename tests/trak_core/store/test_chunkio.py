@@ -178,3 +178,8 @@ def test_batches_converted_into_the_stored_rows_are_the_concatenation_converted(
     stored = st.write_train_rows(0, slice(0, n), pieces, np.zeros(n, dtype=np.float32))
     assert np.array_equal(stored.view(np.uint16), want.view(np.uint16))
     assert np.array_equal(np.asarray(st.model(0).grads[:]).view(np.uint16), want.view(np.uint16))
+    buf = np.full((n, 24), 7, dtype=np.float16)  # a reused buffer: the rows land in it
+    again = st.write_train_rows(0, slice(0, n), pieces, np.zeros(n, dtype=np.float32), out=buf)
+    assert again is buf and np.array_equal(buf.view(np.uint16), want.view(np.uint16))
+    with pytest.raises(ValueError, match="buffer"):
+        st.write_train_rows(0, slice(0, n), pieces, np.zeros(n, dtype=np.float32), out=buf[:5])
