@@ -19,6 +19,7 @@ including the final write, and the process's CPU time (all threads), per row. On
 are the steadier figures.
 
     PYTHONPATH=. .venv/bin/python benchmarks/host_path.py                 # 65,536 rows, batches 256 and 2,048
+    PYTHONPATH=. .venv/bin/python benchmarks/host_path.py --threads 1     # one torch and BLAS thread
     PYTHONPATH=. .venv/bin/python benchmarks/host_path.py --smoke         # every code path, tiny sizes
 """
 
@@ -262,17 +263,25 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-rows", type=int, default=None, help="store chunk rows (default: the store's choice)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is reported")
     ap.add_argument("--pool", type=int, default=8192, help="rows of precomputed X cycled through")
+    ap.add_argument("--threads", type=int, default=None, help="torch and BLAS threads (default: as they are)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: every code path")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     if args.smoke:
         args.n, args.p, args.batches, args.repeats, args.pool, args.chunk_rows = 300, 64, [32, 128], 1, 256, 64
+    limit = contextlib.nullcontext()
+    if args.threads:
+        from threadpoolctl import threadpool_limits
+
+        torch.set_num_threads(args.threads)
+        limit = threadpool_limits(args.threads)
     pool = _Pool(args.pool, args.p)
-    rows = [
-        measure(path, args.n, args.p, b, pool, args.chunk_rows, args.repeats)
-        for path in args.paths
-        for b in args.batches
-    ]
+    with limit:
+        rows = [
+            measure(path, args.n, args.p, b, pool, args.chunk_rows, args.repeats)
+            for path in args.paths
+            for b in args.batches
+        ]
     with open("/proc/loadavg") as fh:
         load = fh.read().split()[:3]
     print(f"n={args.n} proj_dim={args.p} float16, torch threads {torch.get_num_threads()}, loadavg {' '.join(load)}")
