@@ -381,10 +381,11 @@ class TRAKer:
         """Project the gradients of a batch of train examples and store them (rows ``inds``).
 
         Consecutive batches of ascending rows (``num_samples``, or contiguous ``inds``) are written to the
-        store together, once a chunk of rows is complete or the last train row is reached (one Zarr write per
-        chunk instead of a read-modify-write of the chunk per batch); every other TRAKer call, and the end of
-        the process, writes what is held first. Rows are marked featurized only once written: a process
-        killed in between leaves them unmarked, and they are featurized again on the next run."""
+        store together, in whole chunks, once a chunk boundary or the last train row is reached (the rows after
+        the boundary are held for the next write: one write per chunk instead of a read-modify-write of the chunk
+        per batch); every other TRAKer call, and the end of the process, writes what is held first. Rows are
+        marked featurized only once written: a process killed in between leaves them unmarked, and they are
+        featurized again on the next run."""
         mid = self.current_model_id
         if self.ckpt_loaded is None or mid is None:  # the two are set together (load_checkpoint)
             raise StateAssertionError(
