@@ -454,9 +454,11 @@ def require_not_finalized(store: TrakStore, model_id: int) -> None:
         )
 
 
-def write_rows(store: TrakStore, model_id: int, rows, x: np.ndarray, q: np.ndarray) -> None:
-    """Write featurized train rows (then mark them featurized)."""
-    store.write_train_rows(model_id, rows, x, q)
+def write_rows(store: TrakStore, model_id: int, rows, x, q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Write featurized train rows (then mark them featurized); ``x`` an array or a list of arrays of consecutive
+    rows (batches). Returns ``x`` as stored (the store's dtype: what the shard's partial is computed from), in
+    ``out`` when given (a reused buffer of those rows)."""
+    return store.write_train_rows(model_id, rows, x, q, out)
 
 
 def complete_shard(store: TrakStore, model_id: int, shard: int, device=None, x=None, q=None) -> None:
@@ -494,9 +496,10 @@ def featurize_shard(
     start = a + _featurized_prefix(store, model_id, a, b)  # a shard the store grew into keeps its stored rows
     feat = featurizer()
     xs, qs = [], []
+    old: list[np.ndarray] = []
     if start > a:
         old_x, old_q = store.read_train_rows(model_id, a, start)
-        xs.append(old_x.astype(np.float32))
+        old.append(old_x)
         qs.append(old_q)
         _advance(progress, start - a)
     for s in range(start, b, batch_size):
@@ -510,8 +513,9 @@ def featurize_shard(
         xs.append(x)
         qs.append(q)
         _advance(progress, e - s)
-    x, q = np.concatenate(xs), np.concatenate(qs)
-    write_rows(store, model_id, slice(start, b), x[start - a :], q[start - a :])
+    q = np.concatenate(qs)
+    stored = write_rows(store, model_id, slice(start, b), xs, q[start - a :])
+    x = np.concatenate([*old, stored]) if old else stored  # the shard's rows as stored
     complete_shard(store, model_id, shard, feat.device, x, q)  # on the featurizer's device
     return False
 

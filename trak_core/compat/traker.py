@@ -30,6 +30,7 @@ Differences from traker 0.3.2, on purpose:
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import warnings
@@ -47,6 +48,7 @@ from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
 from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
+from ..store.writer import BackgroundWriter
 from .savers import check_saver
 from .score_computers import score_computer_settings
 
@@ -112,7 +114,10 @@ class TRAKer:
     (H + λI)⁻¹, ``"xtx"`` (XᵀX, traker's; the default) or ``"ggn"`` (XᵀRX, the Gauss-Newton matrix of the loss in
     the model output, R = diag(Q(1 − Q)) for the built-in tasks, row weights floored at 0.3·mean(r): +0.020 to +0.060
     LDS on converged models at one more p × p partial per shard; benchmarks/RESULTS.md, "Gauss-Newton curvature").
-    A store keeps its curvature.
+    A store keeps its curvature. ``write_behind``: rows are written by a background thread while the next batches
+    are featurized (a GPU then waits less on the store), so a :meth:`featurize` call returns before its rows are in
+    the store and a write's error is raised by a later call; by default each call returns with its complete chunks
+    written. Either way rows are flagged only once written (a killed process featurizes the rest again).
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class TRAKer:
         shard_rows: int | None = None,
         storage_options: dict | None = None,
         curvature: str = "xtx",
+        write_behind: bool = False,
     ) -> None:
         self.logger = logging.getLogger("trakflow")
         self.logger.setLevel(logging_level)
@@ -209,6 +215,7 @@ class TRAKer:
         )
         self.save_dir = str(save_dir)
         self.load_from_save_dir = load_from_save_dir
+        self.write_behind = bool(write_behind)
         # nothing is created before the settings are known to fit in memory; then the store's run lock (as the
         # pipeline's runs take it: another process on this save_dir is refused), held while this TRAKer lives
         on_device = torch.device(self.device).type != "cpu"  # see _partials_while_featurizing
@@ -242,19 +249,61 @@ class TRAKer:
         # this instance does with the store (see _flush_rows)
         self._pending: dict | None = None
         # on a GPU: the written rows of the shard being featurized in one ascending run, kept until the shard is
-        # complete, when its XᵀX partial is computed on the device and stored (see _collect_shard_rows)
-        self._shard_run: dict | None = None
+        # complete, when its XᵀX partial is computed on the device and stored (_ShardRuns, run by the writer)
+        self._shards = _ShardRuns(self.device)
+        # writes the rows handed over (in order, on its own thread) while the next batch is featurized
+        self._writer: BackgroundWriter | None = None
+        # while featurizing one model: the store's groups and arrays opened once (store.pinned), and the model known
+        # not to be finalized; both dropped by every other step (load_checkpoint, finalize, scoring, close)
+        self._handles: dict = {}
+        self._writable: int | None = None
+        # (model id, its rows' featurized flags as read once and updated by this TRAKer's own writes): a row flagged
+        # there is read again from the store before it is skipped; a row not flagged is featurized without a read
+        self._flags: tuple[int, np.ndarray] | None = None
         _open_trakers.add(self)
 
     # ------------------------------------------------------------------ featurizing
+    def _forget_handles(self) -> None:
+        """Drop what featurizing one model keeps between calls (a step other than featurize may change it)."""
+        self._handles = {}
+        self._writable = None
+        self._flags = None
+
+    def _known_flags(self, mid: int) -> np.ndarray:
+        if self._flags is None or self._flags[0] != mid:
+            self._flags = (mid, self.store.featurized_mask(mid))
+        return self._flags[1]
+
+    def _hand_over(self, mid: int, rows, xs: list, qs: list) -> None:
+        """Write rows ``rows`` (a slice, or sorted indices) of ``mid``, then flag them (on a GPU, then store a
+        completed shard's partial); with ``write_behind``, queued for the background writer, which does so while
+        this thread featurizes on, and an error of an earlier write is raised here (its rows and the ones queued
+        after it stay unflagged)."""
+        flags = self._flags[1] if self._flags is not None and self._flags[0] == mid else None
+        shards = self._shards if self._partials_while_featurizing() else None
+        job = functools.partial(_write_rows_job, self.store, self._handles, mid, rows, xs, qs, flags, shards)
+        if not self.write_behind:
+            self._on_writer(job)
+            return
+        if self._writer is None:
+            self._writer = BackgroundWriter(depth=2)
+        self._on_writer(self._writer.submit, job)
+
+    def _on_writer(self, call, *args) -> None:
+        try:
+            call(*args)
+        except BaseException:
+            self._flags = None  # rows of the failed write (and those queued after it) are unflagged: read again
+            raise
+
     def _flush_rows(self) -> None:
-        """Write the featurized rows held back by :meth:`featurize` (then mark them featurized)."""
+        """Write the featurized rows held back by :meth:`featurize` and wait until every queued write is done (its
+        error, if any, raised here)."""
         pend, self._pending = self._pending, None
         if pend is not None:
-            x, q = np.concatenate(pend["x"]), np.concatenate(pend["q"])
-            engine.write_rows(self.store, pend["mid"], slice(pend["start"], pend["stop"]), x, q)
-            if self._partials_while_featurizing():
-                self._collect_shard_rows(pend["mid"], pend["start"], x, q)
+            self._hand_over(pend["mid"], slice(pend["start"], pend["stop"]), pend["x"], pend["q"])
+        if self._writer is not None:
+            self._on_writer(self._writer.drain)
 
     def _partials_while_featurizing(self) -> bool:
         """On a GPU each shard's XᵀX partial is computed as soon as the shard's rows are written, from the rows
@@ -262,37 +311,18 @@ class TRAKer:
         again (on the CPU finalize computes them, as before: the same work, and no shard of rows held)."""
         return torch.device(self.device).type != "cpu"
 
-    def _collect_shard_rows(self, mid: int, start: int, x: np.ndarray, q: np.ndarray) -> None:
-        """Keep written rows [start, start + len(x)) of model ``mid`` while they continue one ascending run from the
-        first row of a shard; once the shard is complete, store its partial (:func:`shard_partial` on this device,
-        :func:`shard_row_sums`: the bits finalize would compute from the stored rows). Rows that do not continue
-        the run drop it (finalize computes that shard's partial)."""
-        meta = self.store.meta
-        stop = start + len(x)
-        for s in range(start // meta.rows_per_shard, (stop - 1) // meta.rows_per_shard + 1):
-            sa, sb = meta.shard_range(s)
-            a, b = max(start, sa), min(stop, sb)
-            run = self._shard_run
-            if a == sa:
-                run = self._shard_run = {"mid": mid, "shard": s, "next": sa, "x": [], "q": []}
-            elif run is None or (run["mid"], run["shard"], run["next"]) != (mid, s, a):
-                self._shard_run = None
-                continue
-            run["x"].append(x[a - start : b - start])
-            run["q"].append(q[a - start : b - start])
-            run["next"] = b
-            if b == sb:
-                self._shard_run = None
-                if self.store.shard_featurized(mid, s):
-                    x_s, q_s = np.concatenate(run["x"]), np.concatenate(run["q"])
-                    engine.complete_shard(self.store, mid, s, self.device, x_s, q_s)
-
     def _close(self) -> None:
         """Write the rows held back, then release the store's run lock (at exit, or when garbage collected)."""
         try:
             self._flush_rows()
         except Exception:  # interpreter shutdown or a closed store: the rows stay unmarked (featurized again)
             pass
+        writer, self._writer = getattr(self, "_writer", None), None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:  # as above
+                pass
         if getattr(self, "_locked", False):
             self._locked = False
             engine.release_store(self.save_dir)
@@ -306,7 +336,8 @@ class TRAKer:
     def load_checkpoint(self, checkpoint: dict, model_id: int, _allow_featurizing_already_registered=False) -> None:
         """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
         self._flush_rows()
-        self._shard_run = None
+        self._forget_handles()
+        self._shards.run = None
         # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here (once
         # per instance), never reusing gradients (or features, targets, scores) of another checkpoint
         start_over = not self.load_from_save_dir and model_id not in self._started_over
@@ -350,24 +381,34 @@ class TRAKer:
         """Project the gradients of a batch of train examples and store them (rows ``inds``).
 
         Consecutive batches of ascending rows (``num_samples``, or contiguous ``inds``) are written to the
-        store together, once a chunk of rows is complete or the last train row is reached (one Zarr write per
-        chunk instead of a read-modify-write of the chunk per batch); every other TRAKer call, and the end of
-        the process, writes what is held first. Rows are marked featurized only once written: a process
-        killed in between leaves them unmarked, and they are featurized again on the next run."""
+        store together, in whole chunks, once a chunk boundary or the last train row is reached (the rows after
+        the boundary are held for the next write: one write per chunk instead of a read-modify-write of the chunk
+        per batch); every other TRAKer call, and the end of the process, writes what is held first. Rows are
+        marked featurized only once written: a process killed in between leaves them unmarked, and they are
+        featurized again on the next run."""
         mid = self.current_model_id
         if self.ckpt_loaded is None or mid is None:  # the two are set together (load_checkpoint)
             raise StateAssertionError(
                 "Load a checkpoint using traker.load_checkpoint before featurizing "
                 "(call load_checkpoint(state_dict, model_id=...) first)"
             )
-        engine.require_not_finalized(self.store, mid)
+        with self.store.pinned(self._handles):
+            self._featurize(mid, batch, inds, num_samples)
+
+    def _featurize(self, mid: int, batch, inds, num_samples) -> None:
+        if self._writable != mid:
+            engine.require_not_finalized(self.store, mid)
+            self._writable = mid
         self.task.validate_batch(batch)
         inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
         pend = self._pending
         if pend is not None and pend["mid"] != mid:
-            self._flush_rows()
+            self._pending = None
+            self._hand_over(pend["mid"], slice(pend["start"], pend["stop"]), pend["x"], pend["q"])
             pend = None
-        done = self.store.model(mid).featurized.oindex[inds].astype(bool)
+        done = self._known_flags(mid)[inds]
+        if done.any():  # flagged when last seen: the store says whether they still are
+            done = self.store.model(mid).featurized.oindex[inds].astype(bool)
         if pend is not None:
             done |= (inds >= pend["start"]) & (inds < pend["stop"])
         if done.all():
@@ -377,30 +418,41 @@ class TRAKer:
             sel = torch.as_tensor(keep)
             batch = [x[sel] for x in batch]
             inds = inds[keep]
-        order = np.argsort(inds)
         x, q = self.featurizer.featurize(batch, mid, inds)
-        rows, x, q = inds[order], x[order], q[order]
-        if rows.size == 0 or rows[-1] - rows[0] + 1 != rows.size:  # not one run of rows: written now
-            self._flush_rows()
-            self._shard_run = None
-            engine.write_rows(self.store, mid, rows, x, q)
+        rows = inds
+        if inds.size > 1 and not bool((inds[1:] > inds[:-1]).all()):  # in ascending order (no copy when they are)
+            order = np.argsort(inds)
+            rows, x, q = inds[order], x[order], q[order]
+        run = rows.size > 0 and rows[-1] - rows[0] + 1 == rows.size
+        if pend is not None and (not run or pend["stop"] != rows[0]):  # the rows held are handed over first
+            self._pending = None
+            self._hand_over(pend["mid"], slice(pend["start"], pend["stop"]), pend["x"], pend["q"])
+            pend = None
+        if not run:  # not one run of rows: written now
+            self._hand_over(mid, rows, [x], [q])
             return
         start, stop = int(rows[0]), int(rows[-1]) + 1
-        if pend is None or pend["stop"] != start:
-            self._flush_rows()
+        if pend is None:
             pend = self._pending = {"mid": mid, "start": start, "stop": start, "x": [], "q": []}
         pend["x"].append(x)
         pend["q"].append(q)
         pend["stop"] = stop
         chunk = self.store.meta.rows_per_chunk
         if stop == self.train_set_size or stop // chunk > start // chunk:  # reached the end or a chunk boundary
-            self._flush_rows()
+            cut = stop if stop == self.train_set_size else stop // chunk * chunk  # whole chunks written, rest held
+            xs, qs, tail = pend["x"], pend["q"], stop - cut
+            self._pending = None
+            if tail:  # the rows after the boundary: the end of this batch
+                self._pending = {"mid": mid, "start": cut, "stop": stop, "x": [x[-tail:]], "q": [q[-tail:]]}
+                xs, qs = [*xs[:-1], x[:-tail]], [*qs[:-1], q[:-tail]]
+            self._hand_over(mid, slice(pend["start"], cut), xs, qs)
 
     def finalize_features(self, model_ids: Iterable[int] | None = None, del_grads: bool = False) -> None:
         """XᵀX and A = (XᵀX + λI)⁻¹ for each model (all registered ones by default), stored; the features
         Φ = X A are not (:meth:`features` computes them). ``del_grads``: ignored with a warning, scoring reads
         the gradients."""
         self._flush_rows()
+        self._forget_handles()
         if del_grads:
             warnings.warn(
                 "del_grads=True is ignored: trak_core keeps no features and scores from the stored gradients "
@@ -429,6 +481,7 @@ class TRAKer:
     def start_scoring_checkpoint(self, exp_name: str, checkpoint: dict, model_id: int, num_targets: int) -> None:
         """Begin computing target gradients of experiment ``exp_name`` for checkpoint ``model_id``."""
         self._flush_rows()
+        self._forget_handles()
         engine.begin_targets(self.store, exp_name, model_id, num_targets)
         self.featurizer.load_state(checkpoint)
         self.current_experiment_name = exp_name
@@ -456,3 +509,81 @@ class TRAKer:
                 raise InputAssertionError("No model IDs to finalize scores for (model_ids is empty)")
         self.scores = engine.score_all(self.store, exp_name, model_ids, allow_skip)
         return self.scores
+
+
+def _write_rows_job(store, handles: dict, mid: int, rows, xs: list, qs: list, flags, shards) -> None:
+    """The job of :meth:`TRAKer._hand_over`: write rows (then their flags), note them in ``flags`` (the TRAKer's
+    known flags), and on a GPU (``shards``) collect them for their shard's partial, converted straight into the
+    shard's buffer where they continue its run. It keeps no reference to the TRAKer (one dropped with writes
+    queued is still collected)."""
+    x = xs[0] if len(xs) == 1 else xs  # batches: converted into the stored rows one by one
+    q = qs[0] if len(qs) == 1 else np.concatenate(qs)
+    with store.pinned(handles):
+        run = shards is not None and isinstance(rows, slice)
+        out = shards.slot(store.meta, mid, rows.start, rows.stop) if run else None
+        stored = engine.write_rows(store, mid, rows, x, q, out)
+        if flags is not None:
+            flags[rows] = True
+        if run:
+            shards.add(store, mid, rows.start, stored, q)  # the rows as stored: the partial rounds them so anyway
+        elif shards is not None:
+            shards.run = None  # not one run: their shards' partials are left to finalize
+
+
+class _ShardRuns:
+    """The written rows of the shard being featurized in one ascending run from its first row, kept (in one buffer
+    of a shard's rows in the store's dtype, reused shard after shard) until the shard is complete, when its
+    partial is stored (:func:`engine.complete_shard` on ``device``: the bits finalize would compute from the
+    stored rows). Rows that do not continue the run drop it (finalize computes that shard's partial)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.run: dict | None = None
+        self.buf: np.ndarray | None = None
+
+    def _buffer(self, meta) -> np.ndarray:
+        shape = (meta.rows_per_shard, meta.proj_dim)
+        if self.buf is None or self.buf.shape != shape or self.buf.dtype != meta.np_dtype:
+            self.buf = np.empty(shape, dtype=meta.np_dtype)
+        return self.buf
+
+    def _continues(self, meta, mid: int, a: int) -> bool:
+        s = a // meta.rows_per_shard
+        run = self.run
+        return a == s * meta.rows_per_shard or (
+            run is not None and (run["mid"], run["shard"], run["next"]) == (mid, s, a)
+        )
+
+    def slot(self, meta, mid: int, start: int, stop: int) -> np.ndarray | None:
+        """Where rows [start, stop) go in the buffer, when they lie in one shard and continue (or begin) its run."""
+        if start >= stop or start // meta.rows_per_shard != (stop - 1) // meta.rows_per_shard:
+            return None
+        if not self._continues(meta, mid, start):
+            return None
+        sa = start // meta.rows_per_shard * meta.rows_per_shard
+        return self._buffer(meta)[start - sa : stop - sa]
+
+    def add(self, store, mid: int, start: int, x: np.ndarray, q: np.ndarray) -> None:
+        meta = store.meta
+        stop = start + len(x)
+        for s in range(start // meta.rows_per_shard, (stop - 1) // meta.rows_per_shard + 1):
+            sa, sb = meta.shard_range(s)
+            a, b = max(start, sa), min(stop, sb)
+            if not self._continues(meta, mid, a):
+                self.run = None
+                continue
+            if a == sa:
+                self.run = {"mid": mid, "shard": s, "next": sa, "q": []}
+            run = self.run
+            assert run is not None
+            place = self._buffer(meta)[a - sa : b - sa]
+            rows = x[a - start : b - start]
+            if place.__array_interface__["data"][0] != rows.__array_interface__["data"][0]:  # not written in place
+                place[...] = rows
+            run["q"].append(q[a - start : b - start])
+            run["next"] = b
+            if b == sb:
+                self.run = None
+                if store.shard_featurized(mid, s):
+                    rows_s = self._buffer(meta)[: sb - sa]
+                    engine.complete_shard(store, mid, s, self.device, rows_s, np.concatenate(run["q"]))

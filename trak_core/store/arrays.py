@@ -12,7 +12,8 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from ..errors import BadInputError, StateError, StoreDamageError
-from .places import place_problems, record_places, touched_chunks
+from . import chunkio
+from .places import place_problems, record_places, record_trailers, touched_chunks
 from .schema import SHARD_ARRAYS
 
 
@@ -167,6 +168,26 @@ class StoredArray:
         nd = default_buffer_prototype().nd_buffer.from_numpy_array(out)
         self._read(lambda sel: self.array.get_basic_selection(sel, out=nd), (slice(a, b),))
 
+    def write_rows(self, a: int, values: np.ndarray) -> np.ndarray:
+        """``self[a:a + len(values)] = values``; returns the rows as stored (``values`` in the array's dtype).
+        Whole chunks of a local store (``a`` and the end multiples of the chunk rows, or the end the array's) are
+        written straight to their files (:mod:`.chunkio`): zarr's bytes, their place records sealed."""
+        arr = self.array
+        n, c = int(arr.shape[0]), int(arr.chunks[0])
+        dtype = np.dtype(arr.dtype)
+        b = a + int(values.shape[0])
+        whole = b > a and a % c == 0 and (b % c == 0 or b == n) and b <= n and values.shape[1:] == arr.shape[1:]
+        folder = chunkio.direct_layout(arr) if whole else None
+        if folder is None:
+            stored = chunkio.to_dtype(values, dtype)
+            self[a:b] = stored
+            return stored
+        stored, parts = chunkio.encode_rows(values, dtype, c, n, a)
+        coords = chunkio.write_chunk_files(arr, folder, stored, parts)
+        if self.sid is not None:
+            record_trailers(arr, self.sid, coords, [part[-1] for part in parts])
+        return stored
+
     @property
     def oindex(self) -> _GuardedIndex:
         return _GuardedIndex(self, self.array.oindex)
@@ -240,12 +261,16 @@ def _damaged_metadata(location: str, problems: list[str]) -> StoreDamageError:
     )
 
 
-def _write_rows(arr: StoredArray, rows, values: np.ndarray) -> None:
+def _write_rows(arr: StoredArray, rows, values: np.ndarray) -> np.ndarray:
+    """Write ``values`` to ``rows`` (a slice or an index array) of ``arr``. Returns them as stored (its dtype)."""
     if isinstance(rows, slice):
+        start, stop, step = rows.indices(int(arr.shape[0]))
+        if step == 1 and stop - start == values.shape[0]:
+            return arr.write_rows(start, values)
         arr[rows] = values
-        return
+        return np.asarray(values).astype(arr.dtype, copy=False)
     rows = np.asarray(rows)
     if rows.size and np.all(np.diff(rows) == 1):
-        arr[int(rows[0]) : int(rows[-1]) + 1] = values
-    else:
-        arr.oindex[rows] = values
+        return arr.write_rows(int(rows[0]), values)
+    arr.oindex[rows] = values
+    return np.asarray(values).astype(arr.dtype, copy=False)

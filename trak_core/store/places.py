@@ -203,3 +203,28 @@ def touched_chunks(arr: zarr.Array, selection) -> tuple[list[tuple[int, ...]], l
     every = [(i, *o) for i in ids for o in others]
     partial = every if narrow else [(i, *o) for i in ids if i in part for o in others]
     return every, partial
+
+
+def record_trailers(
+    arr: zarr.Array, store_id: str, coords: Sequence[tuple[int, ...]], trailers: Sequence[bytes]
+) -> None:
+    """Seal the chunks of ``coords`` just written with the crc32c ``trailers`` their writer computed (no read back:
+    :func:`record_places`' records)."""
+    path, store = arr.path, arr.store
+    ckeys = [_ckey(arr, c) for c in coords]
+    root = _local_root(store)
+    if root is not None:
+        for k, t in zip(ckeys, trailers, strict=True):
+            _write_local(os.path.join(root, record_key(path, k)), seal(store_id, path, k, t))
+        return
+    proto = default_buffer_prototype()
+
+    async def write() -> None:
+        await asyncio.gather(
+            *(
+                store.set(record_key(path, k), proto.buffer.from_bytes(seal(store_id, path, k, t)))
+                for k, t in zip(ckeys, trailers, strict=True)
+            )
+        )
+
+    sync(write())

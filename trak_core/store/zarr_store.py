@@ -26,6 +26,7 @@ from .arrays import (
     chunk_rows_of,
     stored_chunk_keys,
 )
+from .chunkio import stack_dtype
 from .location import _open_zarr, _refuse_orphan_arrays, check_writable
 from .lock import StoreLock
 from .nodes import ExperimentArrays, ModelArrays, ScoreWriter, TargetArrays, _pinned
@@ -200,17 +201,18 @@ class TrakStore:
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
-    def pinned(self):
+    def pinned(self, handles: dict | None = None):
         """Within the block, the groups and arrays the store's methods open are opened once and reused: each
         open reads a zarr.json (~0.2 ms here), and a scoring call opens about a hundred. For a block in which no
         other process adds or removes the groups and arrays it uses or changes their attributes — one scoring
         call of the run that holds the store's lock. Blocks nest (the outer one's handles are kept); this
-        thread's calls only."""
+        thread's calls only. ``handles``: a dict the caller keeps to reuse them over several blocks (a TRAKer's
+        featurize calls on one model; it drops them when anything else may have changed)."""
         me = threading.get_ident()
         if me in self._pinned:
             yield self
             return
-        self._pinned[me] = {}
+        self._pinned[me] = {} if handles is None else handles
         try:
             yield self
         finally:
@@ -502,18 +504,25 @@ class TrakStore:
     def is_finalized(self, model_id: int) -> bool:
         return self.has_model(model_id) and self.finalize_info(model_id) is not None
 
-    def write_train_rows(self, model_id: int, rows, grads: np.ndarray, out_to_loss: np.ndarray) -> None:
-        """Write rows (slice or sorted index array) then mark them featurized."""
+    def write_train_rows(
+        self, model_id: int, rows, grads, out_to_loss: np.ndarray, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Write rows (slice or sorted index array) then mark them featurized. ``grads``: an array, or a list of
+        arrays of consecutive rows (converted to the store's dtype piece by piece, never concatenated first).
+        Returns the grads as stored (in the store's dtype), in ``out`` when given (a caller's reused buffer)."""
         if self.is_finalized(model_id):
             raise StateError(
                 f"model_id={model_id} is already finalized; featurizing it again would make its "
                 "inverse stale. Use a new model_id or a new store."
             )
         m = self.model(model_id)
-        _write_rows(m.grads, rows, grads.astype(self.meta.np_dtype, copy=False))
-        _write_rows(m.out_to_loss, rows, out_to_loss.astype(np.float32, copy=False))
+        if out is not None or isinstance(grads, (list, tuple)):
+            grads = stack_dtype(grads if isinstance(grads, (list, tuple)) else [grads], self.meta.np_dtype, out)
+        stored = _write_rows(m.grads, rows, grads)
+        _write_rows(m.out_to_loss, rows, np.asarray(out_to_loss, dtype=np.float32))
         self.check_lock()
         _write_rows(m.featurized, rows, np.ones(grads.shape[0], dtype=np.uint8))
+        return stored
 
     def read_train_rows(self, model_id: int, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Returns: the grads (b - a, p) and Q (b - a,) of train rows [a, b) of ``model_id`` as stored."""
@@ -532,10 +541,10 @@ class TrakStore:
                 + ("its Xₛᵀ Rₛ Xₛ partial (ggn=) is required" if ggn is None else "it keeps no Xₛᵀ Rₛ Xₛ partial")
             )
         m = self.model(model_id)
-        m.xtx_partials[shard] = pack_upper(partial) if partial.ndim == 2 else partial
-        m.rowsum_partials[shard] = row_sums
+        _arrays._write_rows(m.xtx_partials, slice(shard, shard + 1), _packed(partial)[None])
+        _arrays._write_rows(m.rowsum_partials, slice(shard, shard + 1), np.asarray(row_sums)[None])
         if ggn is not None:
-            m.ggn_partials[shard] = pack_upper(ggn) if ggn.ndim == 2 else ggn
+            _arrays._write_rows(m.ggn_partials, slice(shard, shard + 1), _packed(ggn)[None])
         self.check_lock()
         m.partial_done[shard] = 1
 
@@ -717,6 +726,11 @@ class TrakStore:
             info["scores_rows_done"] = int(self.scores_done_mask(exp).sum())
             out["experiments"][exp] = info
         return out
+
+
+def _packed(gram: np.ndarray) -> np.ndarray:
+    """A (p, p) symmetric Gram partial packed (:func:`pack_upper`), or one already packed as it is."""
+    return pack_upper(gram) if gram.ndim == 2 else np.asarray(gram)
 
 
 def _natural(key: str):

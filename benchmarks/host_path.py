@@ -1,0 +1,296 @@
+"""The host path of featurizing, in µs per row: everything a featurize step does except the model's arithmetic.
+
+Precomputed X (float32, rows × proj_dim) and Q, as a GPU hands them over, are fed through the production write
+paths, with the model's arithmetic replaced by slices of those arrays:
+
+* ``traker``: :meth:`TRAKer.featurize` batch by batch (its checks, the rows held until a chunk is complete, the
+  store write: float16 conversion, crc32c, chunk files, place records, row flags), in the GPU setting where each
+  shard's XᵀX partial is stored as soon as its rows are written (the p × p Gram itself, the device's arithmetic, is
+  a precomputed matrix; the row sums, the packing and the partial's write are timed);
+* ``traker-behind``: the same with ``TRAKer(write_behind=True)`` (the writes on a background thread, overlapping
+  the next batches; here there is no model arithmetic to overlap, so this shows what the writer thread takes off
+  the caller);
+* ``shard``: :func:`trak_core.engine.featurize_shard`, the pipeline task's step (a shard written at once, then its
+  partial, the Gram again precomputed).
+
+Each stage is the time spent inside the named production functions, wall / CPU of the calling thread (wrapped for
+the run; inclusive, so a stage may contain the one below it); ``total`` is the wall time of the whole loop,
+including the final write, and the process's CPU time (all threads), per row. On a loaded machine the CPU times
+are the steadier figures.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/host_path.py                 # 65,536 rows, batches 256 and 2,048
+    PYTHONPATH=. .venv/bin/python benchmarks/host_path.py --threads 1     # one torch and BLAS thread
+    PYTHONPATH=. .venv/bin/python benchmarks/host_path.py --smoke         # every code path, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+#: (label, module, attribute) of each timed stage; names a version of the code lacks are skipped
+STAGES = [
+    ("store write (all arrays)", "trak_core.store.zarr_store", "TrakStore.write_train_rows"),
+    ("  zarr array read/write (guarded)", "trak_core.store.arrays", "StoredArray._guard"),
+    ("  chunk encode (convert + crc32c)", "trak_core.store.chunkio", "encode_rows"),
+    ("  crc32c (zarr codec)", "zarr.codecs.crc32c_", "Crc32cCodec._encode_sync"),
+    ("  chunk files written", "trak_core.store.chunkio", "write_chunk_files"),
+    ("  place records (check + write)", "trak_core.store.arrays", "record_places"),
+    ("  place checks", "trak_core.store.arrays", "place_problems"),
+    ("  lock check", "trak_core.store.zarr_store", "TrakStore.check_lock"),
+    ("finalized check", "trak_core.store.zarr_store", "TrakStore.is_finalized"),
+    ("XᵀX partial (Gram precomputed)", "trak_core.engine", "complete_shard"),
+    ("  row sums (host float64)", "trak_core.reduce", "shard_row_sums"),
+    ("  partial written", "trak_core.store.zarr_store", "TrakStore.write_partial"),
+]
+
+
+def _resolve(module: str, attr: str):
+    try:
+        owner = importlib.import_module(module)
+    except ImportError:
+        return None
+    parts = attr.split(".")
+    for name in parts[:-1]:
+        owner = getattr(owner, name, None)
+        if owner is None:
+            return None
+    return (owner, parts[-1]) if hasattr(owner, parts[-1]) else None
+
+
+@contextlib.contextmanager
+def timed_stages(spent: dict):
+    """Wrap each stage's function to add its wall seconds to ``spent[label]`` and the calling thread's CPU seconds to
+    ``spent["cpu " + label]``; restored after."""
+    import threading
+
+    guard = threading.Lock()
+    undo = []
+    for label, module, attr in STAGES:
+        found = _resolve(module, attr)
+        if found is None:
+            continue
+        owner, name = found
+        real = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+        def wrapper(*a, _real=real, _label=label, **k):
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return _real(*a, **k)
+            finally:
+                with guard:
+                    spent[_label] += time.perf_counter() - t
+                    spent["cpu " + _label] += time.thread_time() - c
+
+        setattr(owner, name, wrapper)
+        undo.append((owner, name, real))
+    try:
+        yield
+    finally:
+        for owner, name, real in reversed(undo):
+            setattr(owner, name, real)
+
+
+class _Pool:
+    """X and Q handed over batch by batch: rows of a pool (views; never written to)."""
+
+    def __init__(self, rows: int, p: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.x = rng.standard_normal((rows, p), dtype=np.float32) * np.float32(0.02)
+        self.q = rng.random(rows, dtype=np.float32)
+        self.gram = np.eye(p, dtype=np.float64)
+
+    def take(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        n = len(self.q)
+        i = a % n
+        j = i + (b - a)
+        if j <= n:  # a view: the device → host copy is not part of what is timed here
+            return self.x[i:j], self.q[i:j]
+        idx = np.arange(a, b) % n
+        return self.x[idx], self.q[idx]
+
+
+@contextlib.contextmanager
+def _gram_precomputed(pool: _Pool):
+    """The device's Gram arithmetic replaced by the precomputed matrix (what ``.cpu().numpy()`` hands back)."""
+    from trak_core import reduce
+
+    real = reduce.shard_grams
+    reduce.shard_grams = lambda store, mid, shard, rows, q, device=None: (pool.gram.copy(), None)
+    try:
+        yield
+    finally:
+        reduce.shard_grams = real
+
+
+def run_traker(
+    folder: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int | None, write_behind: bool = False
+) -> float:
+    """Wall seconds of TRAKer.featurize over ``n`` rows (GPU setting: partials while featurizing), the last write
+    included; ``write_behind``: TRAKer(write_behind=True)."""
+    from trak_core.compat.traker import TRAKer
+    from trak_core.projectors import DenseProjector, ProjectionType
+
+    model = torch.nn.Linear(4, 2)
+    proj = DenseProjector(10, p, 0, ProjectionType.rademacher, "cpu")
+    extra = {"write_behind": True} if write_behind else {}
+    tr = TRAKer(
+        model, "image_classification", n, save_dir=folder, projector=proj, device="cpu", chunk_rows=chunk_rows, **extra
+    )
+    tr.load_checkpoint(model.state_dict(), 0)
+    state = {"next": 0}
+
+    def handed_over(b, model_id, inds):
+        a = state["next"]
+        state["next"] += len(inds)
+        return pool.take(a, a + len(inds))
+
+    tr.featurizer.featurize = handed_over
+    tr._partials_while_featurizing = lambda: True  # the GPU setting (the Gram is precomputed)
+    inputs, labels = torch.zeros(batch, 4), torch.zeros(batch, dtype=torch.long)
+    t = time.perf_counter()
+    for s in range(0, n, batch):
+        k = min(batch, n - s)
+        tr.featurize([inputs[:k], labels[:k]], num_samples=k)
+    tr._flush_rows()
+    wall = time.perf_counter() - t
+    done = tr.store.featurized_mask(0)
+    parts = tr.store.num_partials_done(0)
+    tr._close()
+    if not done.all() or parts != tr.store.meta.num_shards:
+        raise RuntimeError(f"traker path: {int(done.sum())} of {n} rows, {parts} partials stored")
+    return wall
+
+
+class _HandedOver:
+    """A Featurizer stand-in for featurize_shard: X and Q from the pool."""
+
+    device = "cpu"
+
+    def __init__(self, pool: _Pool):
+        self.pool = pool
+
+    def featurize(self, batch, model_id, indices):
+        return self.pool.take(indices.start, indices.stop)
+
+
+def run_shard(folder: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int | None) -> float:
+    """Wall seconds of engine.featurize_shard over every shard of ``n`` rows."""
+    from trak_core import engine
+    from trak_core.modelout import resolve_task
+    from trak_core.projectors import DenseProjector, ProjectionType
+
+    proj = DenseProjector(10, p, 0, ProjectionType.rademacher, "cpu")
+    meta = engine.store_metadata(
+        proj, train_set_size=n, dtype="float16", task=resolve_task("image_classification"), chunk_rows=chunk_rows
+    )
+    store = engine.open_run(folder, meta)
+    engine.plan_model(store, 0)
+    feat = _HandedOver(pool)
+    t = time.perf_counter()
+    for shard in range(meta.num_shards):
+        engine.featurize_shard(store, 0, shard, lambda: feat, lambda a, b: [], batch)
+    wall = time.perf_counter() - t
+    if not store.featurized_mask(0).all() or store.num_partials_done(0) != meta.num_shards:
+        raise RuntimeError("shard path: not every row or partial stored")
+    return wall
+
+
+def measure(path: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int | None, repeats: int) -> dict:
+    """Best-of-``repeats`` total and that run's stages, µs per row."""
+    best: dict | None = None
+    for _ in range(repeats):
+        folder = tempfile.mkdtemp(prefix="host_path_")
+        spent: dict = defaultdict(float)
+        try:
+            with timed_stages(spent), _gram_precomputed(pool):
+                cpu = time.process_time()
+                where = os.path.join(folder, "store")
+                if path == "shard":
+                    wall = run_shard(where, n, p, batch, pool, chunk_rows)
+                else:
+                    wall = run_traker(where, n, p, batch, pool, chunk_rows, write_behind=path == "traker-behind")
+                cpu = time.process_time() - cpu
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        row = {"path": path, "batch": batch, "total": wall / n * 1e6, "total cpu": cpu / n * 1e6}
+        for label, _, _ in STAGES:
+            if label in spent:
+                row[label] = [spent[label] / n * 1e6, spent["cpu " + label] / n * 1e6]
+        if best is None or row["total"] < best["total"]:
+            best = row
+    assert best is not None
+    return best
+
+
+def table(rows: list[dict]) -> str:
+    labels = [label for label, _, _ in STAGES if any(label in r for r in rows)]
+    head = "| stage (µs per row, wall / CPU) | " + " | ".join(f"{r['path']} b{r['batch']}" for r in rows) + " |"
+    lines = [head, "|---" * (len(rows) + 1) + "|"]
+    lines.append(
+        "| **total** (wall / process CPU) | "
+        + " | ".join(f"**{r['total']:.2f}** / {r['total cpu']:.2f}" for r in rows)
+        + " |"
+    )
+    for label in labels:
+        cells = [f"{r[label][0]:.2f} / {r[label][1]:.2f}" if label in r else "—" for r in rows]
+        name = "· " + label.strip() if label.startswith(" ") else label
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=65536, help="train rows")
+    ap.add_argument("--p", type=int, default=2048, help="proj_dim")
+    ap.add_argument("--batches", type=int, nargs="+", default=[256, 2048])
+    ap.add_argument(
+        "--paths", nargs="+", default=["traker", "traker-behind", "shard"], choices=["traker", "traker-behind", "shard"]
+    )
+    ap.add_argument("--chunk-rows", type=int, default=None, help="store chunk rows (default: the store's choice)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is reported")
+    ap.add_argument("--pool", type=int, default=8192, help="rows of precomputed X cycled through")
+    ap.add_argument("--threads", type=int, default=None, help="torch and BLAS threads (default: as they are)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: every code path")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.n, args.p, args.batches, args.repeats, args.pool, args.chunk_rows = 300, 64, [32, 128], 1, 256, 64
+    limit = contextlib.nullcontext()
+    if args.threads:
+        from threadpoolctl import threadpool_limits
+
+        torch.set_num_threads(args.threads)
+        limit = threadpool_limits(args.threads)
+    pool = _Pool(args.pool, args.p)
+    with limit:
+        rows = [
+            measure(path, args.n, args.p, b, pool, args.chunk_rows, args.repeats)
+            for path in args.paths
+            for b in args.batches
+        ]
+    with open("/proc/loadavg") as fh:
+        load = fh.read().split()[:3]
+    print(f"n={args.n} proj_dim={args.p} float16, torch threads {torch.get_num_threads()}, loadavg {' '.join(load)}")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"n": args.n, "p": args.p, "loadavg": load, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
