@@ -324,6 +324,9 @@ def worker(spec: dict) -> dict:
         "warm_s": warm["total_s"] if warm else None,
         "peak_rss_mib": peak / 1024,
         "baseline_rss_mib": base / 1024,
+        "code": os.path.dirname(
+            os.path.abspath(sys.modules[impl.startswith("traker") and "trak" or "trak_core"].__file__)
+        ),
     }
 
 
@@ -401,13 +404,18 @@ def pipeline_worker(spec: dict) -> dict:
 
 def run_worker(spec: dict, timeout: int = 900) -> dict:
     """Run one measurement in a fresh interpreter (this parent process never imports torch, so the
-    children's peak RSS — inherited through fork — is theirs)."""
+    children's peak RSS — inherited through fork — is theirs). ``spec["tree"]``: a checkout whose
+    ``trak_core`` the worker imports (first on its path), e.g. the code before a change."""
     load0 = os.getloadavg()[0]
+    env = None
+    if spec.get("tree"):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([spec["tree"], os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
     if out.returncode != 0:
         raise RuntimeError(f"worker {spec} failed:\n{out.stderr[-3000:]}")

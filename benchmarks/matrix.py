@@ -8,7 +8,9 @@ Every cell runs in fresh processes through ``featurize_bench``'s worker (the sam
   Cholesky inverse, X·A), warm;
 * **traker-fastest**: traker 0.3.2 with ``BasicSingleBlockProjector`` (the matrix made once, kept), where that
   grad_dim × proj_dim matrix fits in ``--traker-max-gib``;
-* **trakflow**: ``TRAKer`` defaults (factored projector, adaptive λ), cold (first pass in the process) and warm.
+* **trakflow**: ``TRAKer`` defaults (factored projector, adaptive λ), cold (first pass in the process) and warm;
+* with ``--baseline DIR``: the same trakflow cells with the ``trak_core`` of another checkout (e.g. the code before
+  a change), interleaved with the others, as a *before* column.
 The table gives warm seconds, × floor, cold/warm, × traker's fastest, and where the warm pass goes (set-up,
 featurize, finalize).
 """
@@ -48,6 +50,8 @@ def cells(a) -> list[dict]:
                 impls.append("traker-fastest")
             for i in impls:
                 out.append({"model": m, "impl": i, "n": n, "batch": bs, "proj_dim": p, "warm_runs": a.warm_runs})
+            if a.baseline:
+                out.append({**out[-len(impls) + 1], "tree": os.path.abspath(a.baseline)})  # the factored cell
     return out
 
 
@@ -63,24 +67,36 @@ def best(runs: list[dict]) -> dict:
     return r
 
 
+def _key(r: dict) -> tuple:
+    return (r["model"], r["proj_dim"], r["impl"] + (" (baseline)" if r.get("tree") else ""))
+
+
 def table(res: dict, command: str) -> str:
+    by = {_key(r): r for r in res["cells"]}
+    base = any(k[2].endswith("(baseline)") for k in by)
     lines = [
         "| model | parameters | rows | proj_dim | floor s | trakflow warm s | × floor | cold/warm | "
-        "traker-fastest s | × traker | warm split: set-up / featurize / finalize |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        + ("before: warm s | × floor | cold/warm | " if base else "")
+        + "traker-fastest s | × traker | warm split: set-up / featurize / finalize |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if base else ""),
     ]
-    by = {(r["model"], r["proj_dim"], r["impl"]): r for r in res["cells"]}
     for (m, p, impl), r in by.items():
         if impl != "factored":
             continue
         fl, tk = by.get((m, p, "floor")), by.get((m, p, "traker-fastest"))
+        b = by.get((m, p, "factored (baseline)"))
         w = r["warm"] or {}
         fl_s = fl["warm_s"] if fl else None
         tk_s = tk["warm_s"] if tk else None
         lines.append(
             f"| {bench_models.LABELS.get(m, m)} | {r['grad_dim']:,} | {r['n']} | {p} | "
             f"{fl_s:.2f} | {r['warm_s']:.2f} | {r['warm_s'] / fl_s:.1f}× | {r['cold_s'] / r['warm_s']:.2f} | "
-            + (f"{tk_s:.2f} | {tk_s / r['warm_s']:.1f}× | " if tk_s else "— (matrix too large) | — | ")
+            + (
+                f"{b['warm_s']:.2f} | {b['warm_s'] / fl_s:.1f}× | {b['cold_s'] / b['warm_s']:.2f} | "
+                if b
+                else ("— | — | — | " if base else "")
+            )
+            + (f"{tk_s:.2f} | {tk_s / r['warm_s']:.1f}× | " if tk_s else "— (not run) | — | ")
             + f"{w.get('init_s', 0):.2f} / {w.get('featurize_s', 0):.2f} / {w.get('finalize_s', 0):.2f} |"
         )
     loads = [v for r in res["cells"] for v in r["load_avg"]]
@@ -101,6 +117,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="fresh processes per cell, interleaved; best kept")
     ap.add_argument("--warm-runs", type=int, default=1)
     ap.add_argument("--traker-max-gib", type=float, default=4.0, help="largest traker matrix tried")
+    ap.add_argument("--baseline", default=None, help="a checkout whose trak_core gives a 'before' column")
     ap.add_argument("--json", default=None, help="write the raw results here")
     a = ap.parse_args()
     command = shlex.join([".venv/bin/python", "benchmarks/matrix.py", *sys.argv[1:]])
@@ -110,8 +127,9 @@ def main() -> None:
     for _ in range(a.repeats):
         for spec in specs:
             r = fb.run_worker(spec, timeout=3600)
-            runs.setdefault((spec["model"], spec["proj_dim"], spec["impl"]), []).append(r)
-            print(json.dumps({k: r.get(k) for k in ("model", "proj_dim", "impl", "cold_s", "warm_s")}), flush=True)
+            runs.setdefault(_key(spec), []).append(r)
+            keys = ("model", "proj_dim", "impl", "code", "cold_s", "warm_s")
+            print(json.dumps({k: r.get(k) for k in keys}), flush=True)
     res = {"cells": [best(v) for v in runs.values()], "seconds": time.perf_counter() - t0}
     if a.json:
         with open(a.json, "w") as fh:

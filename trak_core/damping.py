@@ -511,11 +511,12 @@ def cholesky_inverse(
     """((XᵀX + λI)⁻¹ float64, optionally divided by its mean |entry| as traker does; the condition estimate).
 
     Cholesky + its triangular inverse in float64 (:func:`lapack_inverse`; ``inverse``: that result, computed
-    by the caller). The condition number is (σ_max + λ) / (σ_min + λ) from ``eigenvalues`` of XᵀX when given;
-    else exact (eigendecomposition) for p ≤ EXACT_CONDITION_MAX_P or when the estimate comes within 10× of
-    the warning threshold; otherwise λ_max(XᵀX + λI) · λ_max(inverse) by subspace iteration. A matrix that
-    is not positive definite in float64 takes the general path (:func:`regularized_inverse`: LU, then the
-    pseudo-inverse) with condition ∞. Warnings: :func:`check_conditioning` (naming ``matrix``).
+    by the caller and handed over: divided in place when rescaled). The condition number is (σ_max + λ) /
+    (σ_min + λ) from ``eigenvalues`` of XᵀX when given; else exact (eigendecomposition) for
+    p ≤ EXACT_CONDITION_MAX_P or when the estimate comes within 10× of the warning threshold; otherwise
+    λ_max(XᵀX + λI) · λ_max(inverse) by subspace iteration. A matrix that is not positive definite in float64
+    takes the general path (:func:`regularized_inverse`: LU, then the pseudo-inverse) with condition ∞.
+    Warnings: :func:`check_conditioning` (naming ``matrix``).
     ``condition_bound``: an upper bound on the condition number known to the caller (:func:`ggn_condition_bound`);
     below the warning threshold it is the estimate, and nothing more is computed.
     """
@@ -553,7 +554,7 @@ def cholesky_inverse(
     if rescale:
         m = float(np.abs(inv_np).mean())
         if m > 0:
-            inv = inv / m
+            inv.div_(m)  # in place: the inverse is this function's (or the caller's ``inverse``, handed over)
     return inv, cond
 
 
@@ -615,7 +616,8 @@ def solve_deff_fast(
     """
     p = xtx.shape[0]
     pairs = [(float(c[0]), float(c[1])) if isinstance(c, tuple) else (float(c), None) for c in fractions]
-    if p <= EXACT_CONDITION_MAX_P or n_rows is None or not pairs or not np.isfinite(xtx).all():
+    # a finite sum proves every entry finite (a NaN or an infinity propagates; an overflow only means the slow path)
+    if p <= EXACT_CONDITION_MAX_P or n_rows is None or not pairs or not math.isfinite(float(np.sum(xtx))):
         return None
     ev = _float32_eigenvalues(xtx)
     top = float(ev[-1])

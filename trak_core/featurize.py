@@ -19,7 +19,17 @@ from .projectors import AbstractProjector
 
 
 def _bad_rows(t: Tensor) -> list[int]:
+    """The rows (first index) of ``t`` with a non-finite entry; one reduction when there are none."""
+    if _all_finite(t):
+        return []
     return (~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)).nonzero().reshape(-1).tolist()
+
+
+def _all_finite(t: Tensor) -> bool:
+    """Whether every entry of the floating tensor ``t`` is finite, by one sum: a NaN or an infinity makes the sum
+    non-finite, so a finite sum proves it; a sum that is not finite (that may be an overflow of finite entries)
+    is decided entry by entry."""
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
 class Featurizer:
@@ -58,7 +68,7 @@ class Featurizer:
 
     def out_to_loss(self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int]) -> Tensor:
         q = self.gradient_computer.compute_loss_grad(batch).reshape(-1).float()
-        bad = (~torch.isfinite(q)).nonzero().reshape(-1).tolist()
+        bad = [] if _all_finite(q) else (~torch.isfinite(q)).nonzero().reshape(-1).tolist()
         if bad:
             raise NonFiniteGradientError(model_id, [indices[i] for i in bad], what="model outputs")
         return q
@@ -120,7 +130,7 @@ class Featurizer:
                 "output whenever it gives one for any"
             )
         q = q.reshape(-1).float()
-        if not bool(torch.isfinite(q).all()):
+        if not _all_finite(q):
             q = self.out_to_loss(batch, model_id, indices)
         if grads is not None:
             x = self._project(grads, model_id, indices)

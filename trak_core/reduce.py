@@ -303,6 +303,10 @@ def _sum_partials(
     ggn_total = np.zeros(store.meta.partial_shape, dtype=np.float64) if store.meta.curvature == "ggn" else None
     writes: list = []
     done = np.asarray(m.partial_done[:], dtype=bool)  # one read each, not one per shard
+    # every partial computed here (none stored): summed unpacked, each one exactly symmetric, so every entry is
+    # the same additions as the packed sum's and nothing is packed on this thread or unpacked at the end (the
+    # store packs each one in the writer thread)
+    full = packed and not done.any()
     stored_sums = np.asarray(m.rowsum_partials[:], dtype=np.float64) if done.any() else None
     # the stored partials are read into reused buffers by READ_AHEAD background threads, the next ones while this
     # one is added (a 32 MiB partial, 16 MiB packed, takes ~20 ms to read, 1 ms to add: the reads bound the sum)
@@ -352,7 +356,7 @@ def _sum_partials(
             part_q = shard_row_sums(store, model_id, s, rows, q)
             for w in writes:  # one partial (p² float64) in flight at a time
                 w.result()
-            part = pack_upper(part) if packed else part  # packed once: written and summed as stored
+            part = pack_upper(part) if packed and not full else part  # packed once: written and summed as stored
             if part_r is not None:
                 part_r = pack_upper(part_r) if packed else part_r
                 ggn_total += part_r
@@ -364,10 +368,10 @@ def _sum_partials(
             fut.cancel()
         reader.shutdown(wait=True)
     if total is None:
-        total = np.zeros(store.meta.partial_shape, dtype=np.float64)
+        total, full = np.zeros(store.meta.partial_shape, dtype=np.float64), False
     if ggn_total is not None and packed:
         ggn_total = unpack_upper(ggn_total, p)
-    return (unpack_upper(total, p) if packed else total), RowSums.of(sums), writes, ggn_total
+    return (unpack_upper(total, p) if packed and not full else total), RowSums.of(sums), writes, ggn_total
 
 
 def finalize_model(

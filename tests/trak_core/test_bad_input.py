@@ -330,3 +330,28 @@ def test_float64_inputs_to_a_float32_model_get_a_clear_error(tmp_path):
     ):
         tr.featurize((x[:8].double(), y[:8]), num_samples=8)
     assert snapshot(tmp_path / "store") == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_bad_rows_by_one_sum_equal_the_entry_by_entry_check(dtype):
+    """The finiteness check by one sum names exactly the rows an entry-by-entry check names, also where finite
+    entries sum to an overflow, where +inf and -inf would cancel to NaN, and with no bad row at all."""
+    from trak_core.featurize import _all_finite, _bad_rows
+
+    big = torch.finfo(dtype).max
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for bad in ([], [1], [0, 5], [7]):
+        t = torch.randn(8, 3, 4, generator=g).to(dtype)
+        cases.append((t, bad))
+    cases[0][0][:, 0, 0] = big  # finite, but the sum overflows: no bad row
+    cases[1][0][1, 2, 3] = float("nan")
+    cases[2][0][0, 0, 1], cases[2][0][5, 1, 1] = float("inf"), float("-inf")  # the sum: NaN
+    cases[3][0][:, 0, 0] = big  # an overflowing sum beside a real infinity
+    cases[3][0][7, 1, 0] = float("inf")
+    for t, bad in cases:
+        ref = [i for i in range(t.shape[0]) if not bool(torch.isfinite(t[i]).all())]
+        assert ref == bad
+        assert _bad_rows(t) == bad
+        assert _all_finite(t) == (not bad)
+        assert _all_finite(t.reshape(-1)[:0])  # empty

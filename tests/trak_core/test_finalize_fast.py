@@ -170,11 +170,11 @@ def test_finalize_sums_partials_from_memory_like_the_stored_ones(tmp_path, setti
     assert 1.0 <= ia["condition"] < 1e7
 
 
-@pytest.mark.parametrize("stored", [[0, 1, 2, 3, 4], [1, 2, 4], [0], [3, 4]])
+@pytest.mark.parametrize("stored", [[0, 1, 2, 3, 4], [1, 2, 4], [0], [3, 4], []])
 def test_finalize_reads_stored_partials_ahead_and_sums_in_shard_order(tmp_path, monkeypatch, stored):
     """Stored partials are read ahead into reused buffers (fewer buffers than shards here), the missing ones
     computed on the way: XᵀX has the bits of total_xtx (the shard partials summed in shard order) and the
-    inverse the bits of a store whose partials were all computed beforehand."""
+    inverse the bits of a store whose partials were all computed beforehand (none stored: the unpacked sum)."""
     monkeypatch.setattr(reduce, "READ_AHEAD", 1)
     n, p = 1250, 64
     x = _x(n, p, alpha=1.0, seed=3).astype(np.float32)
