@@ -264,6 +264,33 @@ def test_row_sums_in_blocks_are_the_float64_sums(monkeypatch, block):
     np.testing.assert_allclose(got, want, rtol=1e-13)
 
 
+def test_float16_widening_is_numpys_exactly():
+    """reduce._widen (float16 through torch's float32) gives numpy's float64 values bit for bit: every finite
+    float16 (subnormals and -0 included), ±inf and NaN, from a strided view too."""
+    every = np.arange(2**16, dtype=np.uint16).view(np.float16).reshape(256, 256)
+    for x in (every, every[:, ::3], every[::2].T):
+        got, want = reduce._widen(x), x.astype(np.float64)
+        assert got.dtype == np.float64 and np.array_equal(
+            got.view(np.uint64)[~np.isnan(want)], want.view(np.uint64)[~np.isnan(want)]
+        )
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+
+
+def test_row_sums_equal_the_numpy_blocked_sums_bit_for_bit():
+    """row_sums_vec (torch widening, one BLAS thread) gives the bits of the same blocked sums done with numpy's
+    widening and the default BLAS threads, at a store's width."""
+    g = np.random.default_rng(5)
+    x, q = g.standard_normal((700, 2048)).astype(np.float16), g.standard_normal(700).astype(np.float32)
+    qd = q.astype(np.float64)
+    rn, xtq = np.empty(700), np.zeros(2048)
+    for a in range(0, 700, reduce.ROW_SUMS_BLOCK):
+        xb = x[a : a + reduce.ROW_SUMS_BLOCK].astype(np.float64)
+        rn[a : a + reduce.ROW_SUMS_BLOCK] = np.einsum("ij,ij->i", xb, xb)
+        xtq += qd[a : a + reduce.ROW_SUMS_BLOCK] @ xb
+    want = np.concatenate([xtq, [qd @ qd, rn @ rn, (qd * qd) @ rn]])
+    assert np.array_equal(reduce.row_sums_vec(x, q, np.float16), want)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_device_gram_is_the_float64_gram_exactly_symmetric(monkeypatch, dtype):
     """The GPU path of shard_partial (here run on the CPU through torch): the float64 xᵀx of the rows as stored,
