@@ -24,7 +24,7 @@ def prefect_harness():
     """A temporary Prefect server + SQLite database for the whole session."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with prefect_test_harness(server_startup_timeout=300):
         yield
 
 

@@ -135,7 +135,7 @@ def prefect_env(home: Path, api_url: str | None = None) -> dict:
 
 @contextlib.contextmanager
 def prefect_server(
-    home: Path, scheduler_loop_seconds: float = 2.0, timeout: float = 120.0, auth_string: str | None = None
+    home: Path, scheduler_loop_seconds: float = 2.0, timeout: float = 300.0, auth_string: str | None = None
 ) -> Iterator[PrefectServer]:
     """`prefect server start` on a free port with its own SQLite database under ``home``; the scheduler
     service polls every ``scheduler_loop_seconds`` so a schedule fires within seconds. With ``auth_string``
@@ -188,7 +188,7 @@ class DaskCluster:
 
 
 @contextlib.contextmanager
-def dask_cluster(home: Path, env: dict, n_workers: int = 2, timeout: float = 90.0) -> Iterator[DaskCluster]:
+def dask_cluster(home: Path, env: dict, n_workers: int = 2, timeout: float = 300.0) -> Iterator[DaskCluster]:
     """`dask scheduler` and ``n_workers`` `dask worker` processes (one thread each, no nanny, so killing a
     worker's process kills the worker) on 127.0.0.1."""
     home.mkdir(parents=True, exist_ok=True)

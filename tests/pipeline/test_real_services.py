@@ -156,7 +156,7 @@ def test_schedule_fires_and_completes(setup):
     """)
     )
     proc = server.spawn([sys.executable, str(script), str(tmp / "scheduled.json")], "serve-scheduled")
-    run = wait_terminal(server, "scheduled", timeout=240, proc=proc)
+    run = wait_terminal(server, "scheduled", timeout=480, proc=proc)
     assert run.auto_scheduled, "the run was not created by the scheduler"
     assert run.state_type.value == "COMPLETED", server.read_log("serve-scheduled")[-3000:]
     np.testing.assert_array_equal(scores(cfg), ref)
@@ -191,7 +191,7 @@ def test_work_pool_route_with_ui_parameters(setup):
         [prefect, "work-pool", "create", "test-pool", "--type", "process"],
         [prefect, "--no-prompt", "deploy", "--prefect-file", str(prefect_yaml), "--all"],
     ):
-        res = subprocess.run(cmd, env=server.env, cwd=REPO, capture_output=True, text=True, timeout=180)
+        res = subprocess.run(cmd, env=server.env, cwd=REPO, capture_output=True, text=True, timeout=400)
         assert res.returncode == 0, f"{cmd[1:3]}: {res.stdout[-2000:]}{res.stderr[-2000:]}"
     worker = server.spawn([prefect, "worker", "start", "--pool", "test-pool", "--limit", "1"], "worker")
 
@@ -200,7 +200,7 @@ def test_work_pool_route_with_ui_parameters(setup):
 
     with temporary_settings({PREFECT_API_URL: server.api_url}):
         run_deployment("attribute/pool", parameters={"config": cfg}, timeout=0)
-    run = wait_terminal(server, "pool", timeout=240, proc=worker)
+    run = wait_terminal(server, "pool", timeout=480, proc=worker)
     assert run.state_type.value == "COMPLETED", server.read_log("worker")[-3000:]
     np.testing.assert_array_equal(scores(cfg), ref)
 
@@ -243,7 +243,7 @@ def test_real_dask_cluster_and_worker_kill(setup):
                 return False
             return bool(mask.any())
 
-        wait_for(first_shard_done, 240, "the first featurized shard", poll=0.2, proc=run)
+        wait_for(first_shard_done, 480, "the first featurized shard", poll=0.2, proc=run)
         victim = cluster.workers[0]
         os.kill(victim.pid, signal.SIGKILL)
         status = TrakStore.open(cfg["store"], mode="r")
@@ -264,7 +264,7 @@ def served(setup):
         "from prefect import serve\nfrom flows import attribute\nserve(attribute.to_deployment(name='served'))\n"
     )
     proc = server.spawn([sys.executable, str(script)], "serve-plain")
-    wait_for(lambda: "attribute/served" in _names(server), 120, "deployment attribute/served", poll=1.0, proc=proc)
+    wait_for(lambda: "attribute/served" in _names(server), 300, "deployment attribute/served", poll=1.0, proc=proc)
     return proc
 
 
@@ -303,7 +303,7 @@ def test_busy_store_queues(setup, served):
         states = [r.state_type.value for r in flow_runs(server, "served") if r.id in {x.id for x in runs}]
         return len(states) == 2 and all(s in TERMINAL for s in states) and states
 
-    states = wait_for(finished, 300, "both queued runs", poll=1.0, proc=served)
+    states = wait_for(finished, 600, "both queued runs", poll=1.0, proc=served)
     assert states == ["COMPLETED", "COMPLETED"], server.read_log("serve-plain")[-3000:]
     assert any("queued" in _logs(server, r.id) for r in runs), "no run waited in the store's queue"
     np.testing.assert_array_equal(scores(cfg), ref)
@@ -395,21 +395,21 @@ def test_long_lived_commands_stop_on_sigterm(setup, command):
             [prefect, "work-pool", "create", "sig-pool", "--type", "process"],
             [prefect, "--no-prompt", "deploy", "--prefect-file", str(prefect_yaml), "--all"],
         ):
-            res = subprocess.run(c, env=server.env, cwd=REPO, capture_output=True, text=True, timeout=180)
+            res = subprocess.run(c, env=server.env, cwd=REPO, capture_output=True, text=True, timeout=400)
             assert res.returncode == 0, f"{c[1:3]}: {res.stdout[-2000:]}{res.stderr[-2000:]}"
         cmd, deployment = ["worker", "--pool", "sig-pool", "--limit", "1"], "attribute/sig"
     proc = server.spawn(
         [str(Path(sys.executable).parent / "trakflow"), *cmd], f"sig-{command}", TRAKFLOW_DEMO_DIR=str(tmp / "demo")
     )
     if command == "serve":
-        wait_for(lambda: deployment in _names(server), 120, f"deployment {deployment}", poll=1.0, proc=proc)
+        wait_for(lambda: deployment in _names(server), 300, f"deployment {deployment}", poll=1.0, proc=proc)
 
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: server.api_url}):
         run_deployment(deployment, parameters={"config": cfg}, timeout=0)
-    wait_for(lambda: _featurizing(cfg), 240, f"a featurizing run of {deployment}", poll=0.2, proc=proc)
+    wait_for(lambda: _featurizing(cfg), 480, f"a featurizing run of {deployment}", poll=0.2, proc=proc)
     family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     assert len(family) >= 3, [p.cmdline() for p in family]  # the command, Prefect's serve/worker, the run
     t0 = time.monotonic()

@@ -503,7 +503,7 @@ def test_second_run_on_a_locked_store_is_refused(ref):
         assert file_mtimes(cfg.store) == before
         holder.stdin.write("\n")
         holder.stdin.flush()
-        assert holder.wait(timeout=60) == 0
+        assert holder.wait(timeout=300) == 0
     finally:
         holder.kill()
     assert TrakStore.open(cfg.store).lock.holder() is None

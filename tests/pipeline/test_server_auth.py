@@ -26,7 +26,7 @@ DEPLOY = (
 )
 
 
-def run(cmd, env, timeout=120):
+def run(cmd, env, timeout=400):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

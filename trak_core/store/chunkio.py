@@ -110,16 +110,20 @@ def encode_rows(rows: np.ndarray, dtype: np.dtype, chunk_rows: int, array_rows: 
     return stored, parts
 
 
+def open_for_write(path: str):
+    """``open(path, "wb")``, creating the missing folders first when there are any."""
+    try:
+        return open(path, "wb")  # noqa: SIM115
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return open(path, "wb")  # noqa: SIM115
+
+
 def _put(path: str, block: np.ndarray, pad: int, trailer: bytes) -> None:
     """One chunk file, written as zarr's local store writes one: a temporary file renamed over it."""
     tmp = f"{path}.{uuid.uuid4().hex}.partial"
     try:
-        try:
-            fh = open(tmp, "wb")  # noqa: SIM115
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(tmp), exist_ok=True)
-            fh = open(tmp, "wb")  # noqa: SIM115
-        with fh:
+        with open_for_write(tmp) as fh:
             fh.write(np.ascontiguousarray(block).reshape(-1).view(np.uint8).data)
             if pad:
                 fh.write(bytes(pad))

@@ -24,6 +24,8 @@ from zarr.abc.store import SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
+from .chunkio import open_for_write
+
 #: the folder of an array's place records (beside zarr's ``c``)
 RECORD_DIR = "d"
 _TRAILER = SuffixByteRequest(4)  # zarr's crc32c codec appends the checksum as the chunk's last 4 bytes
@@ -79,12 +81,7 @@ def _write_local(path: str, data: bytes | None) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return
-    try:
-        fh = open(path, "wb")  # noqa: SIM115
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fh = open(path, "wb")  # noqa: SIM115
-    with fh:
+    with open_for_write(path) as fh:
         fh.write(data)
 
 

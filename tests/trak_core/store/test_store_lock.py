@@ -45,7 +45,7 @@ def test_second_live_run_is_refused_and_lock_released(tmp_path):
             st.lock.acquire("second")
         holder.stdin.write("\n")
         holder.stdin.flush()
-        assert holder.wait(timeout=60) == 0
+        assert holder.wait(timeout=300) == 0
     finally:
         holder.kill()
     with st.lock.held("second"):
@@ -143,7 +143,7 @@ def race(tmp_path, rounds: int, racers: int) -> dict:
             _write_dead_lock(loc, dead)
             for q in queues:
                 q.put(loc)
-            outcome = [results.get(timeout=60) for _ in range(racers)]
+            outcome = [results.get(timeout=300) for _ in range(racers)]
             won = [i for _, i, o in outcome if o == "won"]
             odd += [o for _, _, o in outcome if o not in ("won", "lost")]
             winners_per_round[len(won)] = winners_per_round.get(len(won), 0) + 1
