@@ -29,9 +29,10 @@ demo: $(STAMP)
 	$(BIN)/trakflow demo
 
 # two pytest-xdist workers, a test module per worker at a time (module fixtures such as a real Prefect server are
-# shared by its tests): most tests wait on process starts and services, so two workers fit two cores
+# shared by its tests): most tests wait on process starts and services, so two workers fit two cores. Modules go
+# out in collection order (tests/conftest.py puts the long real-service modules first), not by their test count
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # ruff (lint + format check) on the whole tree, mypy on trak_core; settings in pyproject.toml
 lint: $(STAMP)
