@@ -814,7 +814,7 @@ def report(res: dict, a) -> str:
     feats = res["featurize"]
     by = {(r["model"], r["impl"]): r for r in feats}
     out = [
-        "## Featurize + finalize: the floor, traker 0.3.2 (default and fastest), trakflow — cold and warm",
+        "### Featurize + finalize: the floor, traker 0.3.2 (default and fastest), trakflow — cold and warm",
         "",
         f"Produced by {res['command']} in one run ({res['featurize_seconds'] / 60:.1f} min) on "
         f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads), traker {m['traker']}, "
