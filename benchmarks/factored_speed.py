@@ -4,9 +4,9 @@ they cost at most ``PAIRS_MAX_RATIO`` × the layer's forward), layout version 3'
 small blocks only), and a training pass over the same rows (forward + backward + SGD step: the floor).
 
     .venv/bin/python benchmarks/quality.py truth --cases wide-mlp bn-conv   # the checkpoints
-    .venv/bin/python benchmarks/factored_speed.py --proj-dims 512 2048 --rows 1000 --repeats 3
+    .venv/bin/python benchmarks/factored_speed.py --proj-dims 512 2048 --rows 1500 --repeats 5
 
-Each configuration featurizes ``--rows`` train rows of checkpoint 0 in batches of 250 with the pipeline's
+``--ratios`` times the current layout under other ``PAIRS_MAX_RATIO`` values too. Each configuration featurizes ``--rows`` train rows of checkpoint 0 in batches of 250 with the pipeline's
 featurizer (one warm-up batch first); the configurations take turns ``--repeats`` times and the best time is
 kept. One thread; the load average is printed (other processes may share the cores).
 """

@@ -5,7 +5,12 @@ digits as 8×8 images, the text example, a tabular MLP on breast cancer, and win
 proj_dim ≥ 128 has n ≤ proj_dim) — and four stopped far from convergence with the pipeline's own mini-batch SGD
 (``tasks.trainer``): ``digits-sgd`` (the digits demo's recipe, examples/digits.py ``demo_configs``: 4 epochs,
 lr 0.01, batch 64, ~90 % train accuracy — its checkpoints are the demo's), ``conv-sgd``, ``cancer-sgd`` and
-``wine-sgd``. Per case, C checkpoints are trained on all train rows and M models on random half subsets
+``wine-sgd``. Two more have realistic compression (10⁵–10⁶ parameters: proj_dim 256–4096 compresses their
+gradients 70–1,700×; ``LARGE_CASES``, models in examples/digits_large.py, 8 / 6 epochs of mini-batch Adam with the
+pipeline's trainer, about a minute or two of training for their ground truth on one core): ``wide-mlp`` (digits,
+64→512→512→256→10, 429,834 parameters) and ``bn-conv`` (digits as 8×8 images, three conv + BatchNorm layers and
+two linear, 293,290 parameters). Their noop rows are out of reach (grad_dim² XᵀX).
+Per case, C checkpoints are trained on all train rows and M models on random half subsets
 (``trak_core.lds.subset_masks``, one init seed per subset), each with the case's recipe; the ground truth is
 the subset models' margin log(p/(1−p)) on the held-out targets. It is cached under ``.cache/lds/`` (keyed by
 ``trak_core.lds.truth_key`` of the recipe), and so are the projected gradients X, Q, G per (case, projector
@@ -25,6 +30,8 @@ targets of the Spearman correlation over subsets; intervals are 95 % percentile 
         --settings 0 rel:0.3 deff:0.1 resid:3 deff:0.1,resid:3 --json dense.json
     .venv/bin/python benchmarks/quality.py traker --proj-dims 256 1024 2048 --json traker.json
     .venv/bin/python benchmarks/quality.py report --json dense.json,traker.json --proj-dims 128 256 512 1024 2048
+    .venv/bin/python benchmarks/quality.py eval --cases wide-mlp bn-conv --kinds dense factored factored-v3 \
+        --proj-dims 512 2048 --settings adaptive --json large.json   # factored-v3: layout version 3's split
 """
 
 from __future__ import annotations
