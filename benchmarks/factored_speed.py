@@ -6,9 +6,10 @@ small blocks only), and a training pass over the same rows (forward + backward +
     .venv/bin/python benchmarks/quality.py truth --cases wide-mlp bn-conv   # the checkpoints
     .venv/bin/python benchmarks/factored_speed.py --proj-dims 512 2048 --rows 1500 --repeats 5
 
-``--ratios`` times the current layout under other ``PAIRS_MAX_RATIO`` values too. Each configuration featurizes ``--rows`` train rows of checkpoint 0 in batches of 250 with the pipeline's
-featurizer (one warm-up batch first); the configurations take turns ``--repeats`` times and the best time is
-kept. One thread; the load average is printed (other processes may share the cores).
+``--ratios`` times the current layout under other ``PAIRS_MAX_RATIO`` values too. Each configuration featurizes
+``--rows`` train rows of checkpoint 0 in batches of 250 with the pipeline's featurizer (one warm-up batch first);
+the configurations take turns ``--repeats`` times and the best time is kept. One thread; the load average is
+printed (other processes may share the cores).
 """
 
 from __future__ import annotations
