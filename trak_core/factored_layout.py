@@ -204,15 +204,16 @@ def _apportion(sizes: Sequence[int], total: int) -> list[int]:
 
 def _split_equal(sizes: Sequence[int], total: int) -> list[int]:
     """Equal shares of ``total``, none above its size (water-filling: a block smaller than its share keeps its
-    size, the rest is shared again), rounded by largest remainder (ties: lower index first), at least 1 each."""
+    size, the rest is shared again), rounded by largest remainder (ties: lower index first), at least 1 each;
+    ∝ size (:func:`_apportion`) when ``total`` exceeds all the sizes together."""
     n = len(sizes)
     if total < n:
         raise BadInputError(
             f"factored projection: proj_dim={total} is smaller than the number of blocks ({n}); "
             "each layer needs at least one dimension"
         )
-    if total > sum(sizes):
-        raise BadInputError(f"factored projection: proj_dim={total} exceeds the gradient's {sum(sizes)} coordinates")
+    if total > sum(sizes):  # more dimensions than coordinates: every block is over its size, ∝ size as before
+        return _apportion(sizes, total)
     share = [0.0] * n
     free, left = list(range(n)), float(total)
     while free:
