@@ -6,9 +6,11 @@ small blocks only), and a training pass over the same rows (forward + backward +
     .venv/bin/python benchmarks/quality.py truth --cases wide-mlp bn-conv   # the checkpoints
     .venv/bin/python benchmarks/factored_speed.py --proj-dims 512 2048 --rows 1500 --repeats 5
 
-``--ratios`` times the current layout under other ``PAIRS_MAX_RATIO`` values too. Each configuration featurizes
-``--rows`` train rows of checkpoint 0 in batches of 250 with the pipeline's featurizer (one warm-up batch first);
-the configurations take turns ``--repeats`` times and the best time is kept. One thread; the load average is
+``--bench-models mlp400k convnet transformer`` adds benchmarks/featurize_bench.py's model shapes (seeded random
+weights and inputs, task image_classification); ``--ratios`` times the current layout under other
+``PAIRS_MAX_RATIO`` values too. Each configuration featurizes ``--rows`` train rows of checkpoint 0 in batches of
+250 with the pipeline's featurizer (one warm-up batch first); the configurations take turns ``--repeats`` times and
+the best time is kept. One thread; the load average is
 printed (other processes may share the cores).
 """
 
@@ -57,12 +59,31 @@ def _featurize(feat: Featurizer, train: tuple, rows: int) -> float:
     return time.perf_counter() - t0
 
 
+class _Shape:
+    """A featurize_bench model shape as a case: model, random train rows, task."""
+
+    task = "image_classification"
+
+    def __init__(self, name: str, rows: int) -> None:
+        import featurize_bench
+
+        self.name = name
+        model, shape, kind = featurize_bench.make_model(name)
+        self.state = model.state_dict()
+        self.make_model = lambda: featurize_bench.make_model(name)[0]
+        self._train = featurize_bench.make_data(shape, kind, rows)
+
+    def train(self) -> tuple:
+        return self._train
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", default=list(quality.LARGE_CASES))
     ap.add_argument("--proj-dims", nargs="*", type=int, default=[512, 2048])
     ap.add_argument("--rows", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bench-models", nargs="*", default=[], help="featurize_bench.py model names to time too")
     ap.add_argument(
         "--ratios",
         nargs="*",
@@ -83,9 +104,13 @@ def main(argv=None) -> None:
         + " |"
     )
     print("|---|---|---|---|" + "---|" * (2 * len(labels) - 1))
-    for name in args.cases:
-        case = cases[name]
-        state = quality.ground_truth(case)["states"][0]
+    for name in args.cases + args.bench_models:
+        if name in cases:
+            case = cases[name]
+            state = quality.ground_truth(case)["states"][0]
+        else:
+            case = _Shape(name, args.rows)
+            state = case.state
         train = case.train()
         for p in args.proj_dims:
             feats = {}
@@ -103,7 +128,7 @@ def main(argv=None) -> None:
                 best["train"] = min(best["train"], _train_pass(case, state, args.rows))
                 for label, feat in feats.items():
                     best[label] = min(best[label], _featurize(feat, train, args.rows))
-            params = quality.grad_dim(case)
+            params = sum(t.numel() for t in case.make_model().parameters())
             cells = [f"{best[x]:.2f}" for x in labels] + [f"{best[x] / best['v3']:.2f}" for x in labels[1:]]
             print(f"| {name} | {params:,} | {p} | {best['train']:.2f} | " + " | ".join(cells) + " |", flush=True)
     print(f"load average after: {open('/proc/loadavg').read().split()[:3]}")

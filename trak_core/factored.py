@@ -73,16 +73,17 @@ Pairs
 The grid's coordinates share rows: the error of ⟨Px, Py⟩ on rank-one gradients is that of two JL sketches of
 widths k_out and k_in ≈ √k multiplied, ≈ √(2/k_in + 2/k_out), far above dense's √(2/k). A block therefore gets k
 independent pairs instead (``pairs``, a Khatri-Rao product; P_in (d_in [+1]) × k and P_out d_out × k) wherever
-they are cheap: a small block of any factored kind (at most ``PAIRS_MAX_WEIGHTS`` weights and biases, and
-k · (d_in [+1] + d_out) ≤ ``PAIRS_MAX_MACS`` multiply-adds per position), or a linear or conv block whose pairs
-cost at most ``PAIRS_MAX_RATIO`` × its own forward per position, d_out · (d_in [+1]) (so at most a few times
-that layer's share of a training pass, whatever the number of positions). Coordinate j is
-p_outⱼᵀ G p_inⱼ · √(proj_dim/k), for one position (p_outⱼᵀ g)(p_inⱼᵀ [a; 1]) — Z = diag(z) in the fast path's
-hooks (conv: P_out diag(z) applied to the conv of the input with P_in; embedding: (P_out[ids] ⊙ z) P_inᵀ) —
-still unbiased (E[(p⊗q)(p⊗q)ᵀ] = I) with an error ∝ 1/√k like dense. (An embedding's output side is a gather,
-so its cost per position is k · (d_in + 1).) Other blocks keep the grid, whose cost per position is
-(d_in + d_out)·√k instead of (d_in + d_out)·k. For a linear layer seen once per example (an MLP) the grid's
-P_out Z, d_out · k per example, costs about as much as the pairs: there the pairs are no slower.
+they are cheap: a linear, conv or matrix block whose pairs cost at most ``PAIRS_MAX_RATIO`` × its own forward per
+position, k · (d_in [+1] + d_out) ≤ ``PAIRS_MAX_RATIO`` · d_out · (d_in [+1]) — at most about that layer's share
+of a training pass, whatever its number of positions (an absolute bound would let a small conv layer seen at
+thousands of positions cost many times the model's forward) — and a small block of another kind (an embedding,
+the flat block: at most ``PAIRS_MAX_WEIGHTS`` weights, k · (d_in [+1] + d_out) ≤ ``PAIRS_MAX_MACS`` multiply-adds
+per position). Coordinate j is p_outⱼᵀ G p_inⱼ · √(proj_dim/k), for one position (p_outⱼᵀ g)(p_inⱼᵀ [a; 1]) —
+Z = diag(z) in the fast path's hooks (conv: P_out diag(z) applied to the conv of the input with P_in; embedding:
+(P_out[ids] ⊙ z) P_inᵀ) — still unbiased (E[(p⊗q)(p⊗q)ᵀ] = I) with an error ∝ 1/√k like dense. (An embedding's
+output side is a gather, so its cost per position is k · (d_in + 1).) Other blocks keep the grid, whose cost per
+position is (d_in + d_out)·√k instead of (d_in + d_out)·k. For a linear layer seen once per example (an MLP) the
+grid's P_out Z, d_out · k per example, costs about as much as the pairs: there the pairs are no slower.
 
 The random numbers (deterministic under the rules of :mod:`trak_core.counter_rng`)
 ------------------------------------------------------------------------------

@@ -104,8 +104,9 @@ def test_factored_equals_explicit_kronecker_on_a_tiny_layer(monkeypatch):
     torch.testing.assert_close(p.project(g, 1), g @ explicit, rtol=1e-5, atol=1e-5)
 
 
-def test_factored_pairs_equal_explicit_khatri_rao_columns():
-    """A small linear block: kept coordinate j is its own pair, column j = p_outⱼ ⊗ p_inⱼ (a Khatri-Rao product)."""
+def test_factored_pairs_equal_explicit_khatri_rao_columns(monkeypatch):
+    """A linear block with pairs: kept coordinate j is its own pair, column j = p_outⱼ ⊗ p_inⱼ (Khatri-Rao)."""
+    monkeypatch.setattr(factored, "PAIRS_MAX_RATIO", 100.0)  # pairs for this tiny layer (5 · 6 > 3 · 8 otherwise)
     layer = nn.Linear(3, 2)
     p = FactoredProjector.from_model(layer, 5, seed=7, proj_type="rademacher")
     (b,) = p.blocks
@@ -121,28 +122,30 @@ def test_factored_pairs_equal_explicit_khatri_rao_columns():
 
 
 def test_factored_pairs_only_where_cheap():
-    """Pairs cost k · (d_in + 1 + d_out) per position: small blocks get them, and linear / conv blocks whose pairs
-    cost at most PAIRS_MAX_RATIO × their own forward (d_out · (d_in + 1)); the others the grid."""
+    """Pairs cost k · (d_in + 1 + d_out) per position: linear / conv / matrix blocks get them where that is at most
+    PAIRS_MAX_RATIO × their own forward (d_out · (d_in + 1)), whatever the number of positions; small blocks of other
+    kinds where it is at most PAIRS_MAX_MACS; the others the grid."""
     model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
     for p in (64, 512, 2048):
         for b in FactoredProjector.from_model(model, p).blocks:
-            macs = b.k * (b.in_rows + b.d_out)
-            small = b.size <= factored.PAIRS_MAX_WEIGHTS and macs <= factored.PAIRS_MAX_MACS
-            assert b.pairs == (small or macs <= factored.PAIRS_MAX_RATIO * b.size), (p, b)
+            assert b.pairs == (b.k * (b.in_rows + b.d_out) <= factored.PAIRS_MAX_RATIO * b.size), (p, b)
             assert b.pairs or b.k_out * b.k_in >= b.k
-    big, small = FactoredProjector.from_model(model, 2048).blocks  # 1,024 each: 5.1 GMAC / 401,920 weights
-    assert big.pairs and not small.pairs and (small.id_out, small.k_in) == (True, 103)
-    conv = FactoredProjector.from_model(nn.Conv2d(1, 2, 3), 16).blocks[0]
-    assert conv.pairs and (conv.k_out, conv.k_in) == (16, 16)
-    wide = FactoredProjector.from_model(nn.Conv2d(64, 128, 3), 2048).blocks[0]  # pairs: 19× its forward
-    assert not wide.pairs and wide.k_out * wide.k_in >= wide.k
+    big, small = FactoredProjector.from_model(model, 512).blocks  # 256 each
+    assert big.pairs and not small.pairs and (small.id_out, small.k_in) == (True, 26)
+    assert not any(b.pairs for b in FactoredProjector.from_model(model, 2048).blocks)  # 1,024 each: 3.3× the forward
+    assert not FactoredProjector.from_model(nn.Conv2d(1, 2, 3), 16).blocks[0].pairs  # 9.6×, however few weights
     assert FactoredProjector.from_model(nn.Conv2d(64, 128, 3), 256).blocks[0].pairs  # 2.4×
+    wide = FactoredProjector.from_model(nn.Conv2d(64, 128, 3), 2048).blocks[0]  # 19×: the grid
+    assert not wide.pairs and wide.k_out * wide.k_in >= wide.k
+    emb = FactoredProjector.from_model(nn.Embedding(11, 5), 16).blocks[0]  # small, 16 · 6 multiply-adds: pairs
+    assert emb.pairs and (emb.k_out, emb.k_in) == (16, 16)
 
 
 @pytest.mark.parametrize("layer", ["conv", "embedding"])
-def test_pairs_fast_path_equals_definition_for_conv_and_embedding(layer):
+def test_pairs_fast_path_equals_definition_for_conv_and_embedding(monkeypatch, layer):
     """Conv and embedding blocks with pairs: the fast path (hooks with Z = diag(z)) equals the projector applied
     to brute-force per-example gradients, and that equals column j = p_outⱼ ⊗ p_inⱼ (float64)."""
+    monkeypatch.setattr(factored, "PAIRS_MAX_RATIO", 100.0)  # pairs for this small conv too
     torch.manual_seed(0)
     if layer == "conv":
         model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 5 * 5, 4))
