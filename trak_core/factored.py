@@ -76,14 +76,14 @@ independent pairs instead (``pairs``, a Khatri-Rao product; P_in (d_in [+1]) × 
 they are cheap: a linear, conv or matrix block whose pairs cost at most ``PAIRS_MAX_RATIO`` × its own forward per
 position, k · (d_in [+1] + d_out) ≤ ``PAIRS_MAX_RATIO`` · d_out · (d_in [+1]) — at most about that layer's share
 of a training pass, whatever its number of positions (an absolute bound would let a small conv layer seen at
-thousands of positions cost many times the model's forward) — and a small block of another kind (an embedding,
-the flat block: at most ``PAIRS_MAX_WEIGHTS`` weights, k · (d_in [+1] + d_out) ≤ ``PAIRS_MAX_MACS`` multiply-adds
-per position). Coordinate j is p_outⱼᵀ G p_inⱼ · √(proj_dim/k), for one position (p_outⱼᵀ g)(p_inⱼᵀ [a; 1]) —
-Z = diag(z) in the fast path's hooks (conv: P_out diag(z) applied to the conv of the input with P_in; embedding:
-(P_out[ids] ⊙ z) P_inᵀ) — still unbiased (E[(p⊗q)(p⊗q)ᵀ] = I) with an error ∝ 1/√k like dense. (An embedding's
-output side is a gather, so its cost per position is k · (d_in + 1).) Other blocks keep the grid, whose cost per
-position is (d_in + d_out)·√k instead of (d_in + d_out)·k. For a linear layer seen once per example (an MLP) the
-grid's P_out Z, d_out · k per example, costs about as much as the pairs: there the pairs are no slower.
+thousands of positions cost many times the model's forward) — and a small block that is not a conv (at most
+``PAIRS_MAX_WEIGHTS`` weights, k · (d_in [+1] + d_out) ≤ ``PAIRS_MAX_MACS`` multiply-adds per position).
+Coordinate j is p_outⱼᵀ G p_inⱼ · √(proj_dim/k), for one position (p_outⱼᵀ g)(p_inⱼᵀ [a; 1]) — Z = diag(z) in the
+fast path's hooks (conv: P_out diag(z) applied to the conv of the input with P_in; embedding: (P_out[ids] ⊙ z)
+P_inᵀ) — still unbiased (E[(p⊗q)(p⊗q)ᵀ] = I) with an error ∝ 1/√k like dense. (An embedding's output side is a
+gather, so its cost per position is k · (d_in + 1).) Other blocks keep the grid, whose cost per position is
+(d_in + d_out)·√k instead of (d_in + d_out)·k. For a linear layer seen once per example (an MLP) the grid's
+P_out Z, d_out · k per example, costs about as much as the pairs: there the pairs are no slower.
 
 The random numbers (deterministic under the rules of :mod:`trak_core.counter_rng`)
 ------------------------------------------------------------------------------

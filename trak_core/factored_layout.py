@@ -23,7 +23,7 @@ from .projector_base import ProjectionType, as_proj_type
 FLAT = "__flat__"
 # a linear, conv or matrix block whose paired projection costs at most PAIRS_MAX_RATIO × its own forward per position,
 # k · (d_in [+1] + d_out) ≤ PAIRS_MAX_RATIO · d_out · (d_in [+1]), gets one (p_j, q_j) pair per kept coordinate
-# instead of the k_out × k_in grid (see "Pairs" in the module docstring); so does a small block of another kind
+# instead of the k_out × k_in grid (see "Pairs" in the module docstring); so does a small block that is not a conv
 # (at most PAIRS_MAX_WEIGHTS weights and biases, pairs costing at most PAIRS_MAX_MACS multiply-adds per position)
 PAIRS_MAX_WEIGHTS = 1 << 13
 PAIRS_MAX_MACS = 1 << 16
@@ -241,9 +241,10 @@ def _split_equal(sizes: Sequence[int], total: int) -> list[int]:
 def _pairs(b: Block, k: int) -> bool:
     """Whether block ``b`` with ``k`` coordinates gets pairs (see "Pairs" in the module docstring)."""
     macs = k * (b.in_rows + (1 if b.kind == "embedding" else b.d_out))
-    if b.kind in ("linear", "conv", MATRIX):  # relative to the layer's forward, whatever its number of positions
-        return macs <= PAIRS_MAX_RATIO * b.d_out * b.in_rows
-    return b.size <= PAIRS_MAX_WEIGHTS and macs <= PAIRS_MAX_MACS
+    if b.kind in ("linear", "conv", MATRIX) and macs <= PAIRS_MAX_RATIO * b.d_out * b.in_rows:
+        return True  # relative to the layer's forward, whatever its number of positions
+    # small blocks, except convs (a conv may run at thousands of positions: its cost is bounded by the ratio only)
+    return b.kind != "conv" and b.size <= PAIRS_MAX_WEIGHTS and macs <= PAIRS_MAX_MACS
 
 
 def _pairs_v3(b: Block, k: int) -> bool:

@@ -128,12 +128,16 @@ def test_factored_pairs_only_where_cheap():
     model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
     for p in (64, 512, 2048):
         for b in FactoredProjector.from_model(model, p).blocks:
-            assert b.pairs == (b.k * (b.in_rows + b.d_out) <= factored.PAIRS_MAX_RATIO * b.size), (p, b)
+            macs = b.k * (b.in_rows + b.d_out)
+            small = b.size <= factored.PAIRS_MAX_WEIGHTS and macs <= factored.PAIRS_MAX_MACS
+            assert b.pairs == (small or macs <= factored.PAIRS_MAX_RATIO * b.size), (p, b)
             assert b.pairs or b.k_out * b.k_in >= b.k
-    big, small = FactoredProjector.from_model(model, 512).blocks  # 256 each
+    big, small = FactoredProjector.from_model(model, 512).blocks  # 256 each; the small one: 134k multiply-adds
     assert big.pairs and not small.pairs and (small.id_out, small.k_in) == (True, 26)
     assert not any(b.pairs for b in FactoredProjector.from_model(model, 2048).blocks)  # 1,024 each: 3.3× the forward
-    assert not FactoredProjector.from_model(nn.Conv2d(1, 2, 3), 16).blocks[0].pairs  # 9.6×, however few weights
+    assert FactoredProjector.from_model(model, 64).blocks[1].pairs  # 32 · 523 multiply-adds: small
+    assert FactoredProjector.from_model(nn.Linear(2, 3), 8).blocks[0].pairs  # small linear: 8 · 6, 2× its forward
+    assert not FactoredProjector.from_model(nn.Conv2d(1, 2, 3), 16).blocks[0].pairs  # a conv: 9.6×, however small
     assert FactoredProjector.from_model(nn.Conv2d(64, 128, 3), 256).blocks[0].pairs  # 2.4×
     wide = FactoredProjector.from_model(nn.Conv2d(64, 128, 3), 2048).blocks[0]  # 19×: the grid
     assert not wide.pairs and wide.k_out * wide.k_in >= wide.k
