@@ -1,13 +1,13 @@
 """Damping variants against the best fixed λ, and leave-one-case-out under two criteria.
 
 Reads ``benchmarks/quality.py eval`` result files (``--json``, in ``.cache/lds/``) and prints, for every damping
-rule with dense rows on all cases and proj_dims and noop rows on all cases, its worst shortfall from the best
-fixed λ (best of λ = 0 and rel:0.01 … rel:1000 on that case and proj_dim, an oracle) per case; then
-leave-one-case-out with the rule chosen on the other cases by (a) mean dense LDS over the proj_dims (what
-``quality.py report`` uses) and (b) the largest worst shortfall over the other cases' proj_dims and noop (the
-issue's own bar), among all those rules or (``--family REGEX``) the matching ones; per case and proj_dim for the
-rules named by ``--detail`` (dense, noop, and factored against traker where those rows exist); and traker
-0.3.2's margin at proj_dim 256 on the cases named by ``--margin-cases``.
+rule with dense rows on all cases and proj_dims and noop rows on the small cases (quality.py ``LARGE_CASES``
+have none), its worst shortfall from the best fixed λ (best of λ = 0 and rel:0.01 … rel:1000 on that case and
+proj_dim, an oracle) per case; then leave-one-case-out with the rule chosen on the other cases by (a) mean dense
+LDS over the proj_dims (what ``quality.py report`` uses) and (b) the largest worst shortfall over the other
+cases' proj_dims and noop (the issue's own bar), among all those rules or (``--family REGEX``) the matching
+ones; per case and proj_dim for the rules named by ``--detail`` (dense, noop, and factored against traker where
+those rows exist); and traker 0.3.2's margin at proj_dim 256 on the cases named by ``--margin-cases``.
 
     J=grid-dense.json,grid-dense-d2.json,grid-noop.json,grid-noop2.json,grid-noop-d2.json,grid-factored3.json,\\
     grid-factored4.json,grid-factored-d2.json,traker.json,traker2.json
@@ -26,12 +26,13 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from quality import _num  # noqa: E402  (a number, i.e. an absolute λ)
+from quality import LARGE_CASES, _num  # noqa: E402  (_num: a number, i.e. an absolute λ)
 
 from trak_core.damping import ADAPTIVE  # noqa: E402
 
 CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "lds")
-CASES = ["digits-mlp", "digits-conv", "text", "cancer", "wine", "digits-sgd", "conv-sgd", "cancer-sgd", "wine-sgd"]
+SMALL = ["digits-mlp", "digits-conv", "text", "cancer", "wine", "digits-sgd", "conv-sgd", "cancer-sgd", "wine-sgd"]
+CASES = SMALL + list(LARGE_CASES)  # the large cases have no noop rows (grad_dim² XᵀX is out of reach)
 DIMS = [128, 256, 512, 1024, 2048]
 
 
@@ -60,7 +61,7 @@ def main(argv=None) -> None:
     ap.add_argument("--margin-cases", nargs="*", default=["digits-mlp", "digits-conv"])
     args = ap.parse_args(argv)
     rows = load(args.json.split(","))
-    cells = [(c, "dense", p) for c in CASES for p in DIMS] + [(c, "noop", 0) for c in CASES]
+    cells = [(c, "dense", p) for c in CASES for p in DIMS] + [(c, "noop", 0) for c in CASES if c in SMALL]
     best = {k: max(r["lds"] for kk, r in rows.items() if kk[:3] == k and _fixed(kk[3])) for k in cells}
     rules = sorted({k[3] for k in rows if k[1] == "dense" and not _num(k[3])})
     rules = [s for s in rules if all(k + (s,) in rows for k in cells)]
@@ -74,6 +75,9 @@ def main(argv=None) -> None:
     def worst(s, among) -> float:
         return min(gap(k, s) for k in cells if k[0] in among)
 
+    def noop_gap(c, s) -> str:
+        return f"{gap((c, 'noop', 0), s):+.3f}" if c in SMALL else "—"
+
     print(f"{len(rules)} rules with rows on every case × proj_dim {DIMS} and noop.\n")
     print("### Worst shortfall from the best fixed λ per case: dense 128…2048 / noop\n")
     print("| rule | worst | mean dense LDS | " + " | ".join(CASES) + " |")
@@ -81,11 +85,11 @@ def main(argv=None) -> None:
     ranked = sorted(rules, key=lambda s: (-worst(s, CASES), -mean_lds(s, CASES)))
     shown = ranked[: args.top] + [s for s in args.show if s in rules and s not in ranked[: args.top]]
     for s in shown:
-        per = [f"{min(gap((c, 'dense', p), s) for p in DIMS):+.3f} / {gap((c, 'noop', 0), s):+.3f}" for c in CASES]
+        per = [f"{min(gap((c, 'dense', p), s) for p in DIMS):+.3f} / {noop_gap(c, s)}" for c in CASES]
         print(f"| `{s}` | {worst(s, CASES):+.3f} | {mean_lds(s, CASES):.4f} | " + " | ".join(per) + " |")
 
     cands = [s for s in rules if re.search(args.family, s)]
-    print("\n### Leave-one-case-out: the rule chosen on the other eight, its worst shortfall on the held-out case\n")
+    print("\n### Leave-one-case-out: the rule chosen on the other cases, its worst shortfall on the held-out case\n")
     if args.family:
         print(f"(candidates: the {len(cands)} rules matching `{args.family}`)\n")
     print("| held-out | by mean dense LDS | its worst (dense / noop) | by worst shortfall | its worst (dense / noop) |")
@@ -97,7 +101,7 @@ def main(argv=None) -> None:
         cells_h = []
         for s in (by_mean, by_worst):
             d = min((gap((h, "dense", p), s), p) for p in DIMS)
-            cells_h.append(f"`{s}` | {d[0]:+.3f} (at {d[1]}) / {gap((h, 'noop', 0), s):+.3f}")
+            cells_h.append(f"`{s}` | {d[0]:+.3f} (at {d[1]}) / {noop_gap(h, s)}")
         print(f"| {h} | " + " | ".join(cells_h) + " |")
 
     for s in args.detail:
@@ -110,7 +114,7 @@ def main(argv=None) -> None:
         for c in CASES:
             lds = {k: rows[k + (s,)]["lds"] for k in cells if k[0] == c and k + (s,) in rows}
             g = [f"{lds[(c, 'dense', p)]:.3f} ({gap((c, 'dense', p), s):+.3f})" for p in DIMS]
-            g.append(f"{lds[(c, 'noop', 0)]:.3f} ({gap((c, 'noop', 0), s):+.3f})")
+            g.append(f"{lds[(c, 'noop', 0)]:.3f} ({noop_gap(c, s)})" if c in SMALL else "—")
             fac = {p: rows.get((c, "factored", p, s), {}).get("lds") for p in DIMS}
             tra = {p: rows.get((c, "traker", p, "traker"), {}).get("lds") for p in DIMS}
             rise_f = f"{fac[1024] - fac[256]:+.3f}" if fac[1024] is not None and fac[256] is not None else "—"

@@ -5,7 +5,12 @@ digits as 8×8 images, the text example, a tabular MLP on breast cancer, and win
 proj_dim ≥ 128 has n ≤ proj_dim) — and four stopped far from convergence with the pipeline's own mini-batch SGD
 (``tasks.trainer``): ``digits-sgd`` (the digits demo's recipe, examples/digits.py ``demo_configs``: 4 epochs,
 lr 0.01, batch 64, ~90 % train accuracy — its checkpoints are the demo's), ``conv-sgd``, ``cancer-sgd`` and
-``wine-sgd``. Per case, C checkpoints are trained on all train rows and M models on random half subsets
+``wine-sgd``. Two more have realistic compression (10⁵–10⁶ parameters: proj_dim 256–4096 compresses their
+gradients 70–1,700×; ``LARGE_CASES``, models in examples/digits_large.py, 8 / 6 epochs of mini-batch Adam with the
+pipeline's trainer, about a minute or two of training for their ground truth on one core): ``wide-mlp`` (digits,
+64→512→512→256→10, 429,834 parameters) and ``bn-conv`` (digits as 8×8 images, three conv + BatchNorm layers and
+two linear, 293,290 parameters). Their noop rows are out of reach (grad_dim² XᵀX).
+Per case, C checkpoints are trained on all train rows and M models on random half subsets
 (``trak_core.lds.subset_masks``, one init seed per subset), each with the case's recipe; the ground truth is
 the subset models' margin log(p/(1−p)) on the held-out targets. It is cached under ``.cache/lds/`` (keyed by
 ``trak_core.lds.truth_key`` of the recipe), and so are the projected gradients X, Q, G per (case, projector
@@ -25,6 +30,8 @@ targets of the Spearman correlation over subsets; intervals are 95 % percentile 
         --settings 0 rel:0.3 deff:0.1 resid:3 deff:0.1,resid:3 --json dense.json
     .venv/bin/python benchmarks/quality.py traker --proj-dims 256 1024 2048 --json traker.json
     .venv/bin/python benchmarks/quality.py report --json dense.json,traker.json --proj-dims 128 256 512 1024 2048
+    .venv/bin/python benchmarks/quality.py eval --cases wide-mlp bn-conv --kinds dense factored factored-v3 \
+        --proj-dims 512 2048 --settings adaptive --json large.json   # factored-v3: layout version 3's split
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from trak_core.damping import cholesky_inverse, parse_lambda_reg  # noqa: E402
+from trak_core.factored import FactoredProjector  # noqa: E402
 from trak_core.featurize import Featurizer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds, margins_from_logits, subset_masks, truth_key  # noqa: E402
@@ -60,6 +68,8 @@ NUM_CKPTS = 3
 ADAPTIVE_SETTING = "adaptive"
 TRUTH_VERSION = 1
 SCALE_ROWS = 512
+#: the kind name of the factored projector with layout version 3's split (``split="size"``), for comparison
+FACTORED_V3 = "factored-v3"
 
 
 # ---------------------------------------------------------------------------- cases
@@ -130,10 +140,15 @@ def _demo_recipe() -> dict:
 CONV_SGD = {"epochs": 3, "batch_size": 64, "optimizer": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 0.0}
 CANCER_SGD = {"epochs": 2, "batch_size": 32, "optimizer": "sgd", "lr": 0.003, "momentum": 0.9, "weight_decay": 0.0}
 WINE_SGD = {"epochs": 3, "batch_size": 16, "optimizer": "sgd", "lr": 0.003, "momentum": 0.9, "weight_decay": 0.0}
+# recipes of the larger cases (mini-batch Adam, a few epochs: one model in seconds on one core)
+WIDE_ADAM = {"epochs": 8, "batch_size": 64, "optimizer": "adam", "lr": 0.001, "momentum": 0.0, "weight_decay": 0.0}
+BN_ADAM = {"epochs": 6, "batch_size": 64, "optimizer": "adam", "lr": 0.001, "momentum": 0.0, "weight_decay": 0.0}
+#: the cases of 10⁵–10⁶ parameters (proj_dim 256–4096 compresses them 70–1,700×)
+LARGE_CASES = ("wide-mlp", "bn-conv")
 
 
 def make_cases() -> dict[str, Case]:
-    from examples import digits, digits_conv, tabular, text
+    from examples import digits, digits_conv, digits_large, tabular, text
 
     demo = _demo_recipe()
 
@@ -231,6 +246,27 @@ def make_cases() -> dict[str, Case]:
                 _pipeline_recipe("examples.tabular:wine_model", "examples.tabular:wine_train", **WINE_SGD),
                 {"trainer": "tasks.trainer", **WINE_SGD},
             ),
+            # realistic compression: a few hundred thousand parameters (examples/digits_large.py)
+            Case(
+                "wide-mlp",
+                "sklearn digits, 64→512→512→256→10 MLP (429,834 params), 8 epochs Adam batch 64",
+                digits_large.mlp_model,
+                digits.train_data,
+                _digits_targets,
+                "image_classification",
+                _pipeline_recipe("examples.digits_large:mlp_model", "examples.digits:train_data", **WIDE_ADAM),
+                {"trainer": "tasks.trainer", **WIDE_ADAM},
+            ),
+            Case(
+                "bn-conv",
+                "sklearn digits as 1×8×8 images, 3 conv+BatchNorm, 2 linear (293,290 params), 6 epochs Adam batch 64",
+                digits_large.bn_conv_model,
+                digits_conv.train_data,
+                _conv_targets,
+                "image_classification",
+                _pipeline_recipe("examples.digits_large:bn_conv_model", "examples.digits_conv:train_data", **BN_ADAM),
+                {"trainer": "tasks.trainer", **BN_ADAM},
+            ),
         ]
     }
 
@@ -306,7 +342,10 @@ def features(case: Case, truth: dict, kind: str, proj_dim: int, ckpt: int, seed:
     p = grad_dim(case) if kind == "noop" else proj_dim
     model = case.make_model()
     gd = grad_dim_of(model)
-    proj = make_projector(kind, gd, p, seed, "rademacher", "cpu", model=model)
+    if kind == FACTORED_V3:  # layout version 3 (shares ∝ block size, pairs for small blocks), for comparison
+        proj = FactoredProjector.from_model(model, p, seed, "rademacher", "cpu", split="size")
+    else:
+        proj = make_projector(kind, gd, p, seed, "rademacher", "cpu", model=model)
     tag = ""
     if kind not in ("dense", "noop"):
         tag = "-" + truth_key({k: v for k, v in proj.spec().items() if k not in ("kind", "proj_dim", "seed")})[:8]

@@ -43,10 +43,15 @@ g_tᵀ, so its block is Σ_t P_out[id_t] ⊗ (P_inᵀ g_t): rows of P_out gather
 
 The split of proj_dim
 ---------------------
-k_b ∝ the block's number of gradient coordinates (largest-remainder rounding, at least 1 per block);
-Σ k_b = proj_dim exactly. Each block is factored as k_out = min(d_out, ⌈√k_b⌉), k_in = ⌈k_b / k_out⌉
-(if k_in > d_in [+1]: k_in = d_in [+1], k_out = ⌈k_b / k_in⌉) — balanced factors minimize the
-distortion of rank-one gradients, whose relative error is ≈ √(2/k_in + 2/k_out) (dense: √(2/k)).
+Equal shares per block: a block with fewer gradient coordinates than its share keeps all of them (k_b = its size;
+for a factored block both sides are then the identity: the block itself, exactly) and the others share the rest
+again (water-filling); largest-remainder rounding, at least 1 per block, Σ k_b = proj_dim exactly. A grid block
+is factored as k_out = min(d_out, ⌈√k_b⌉), k_in = ⌈k_b / k_out⌉ (if k_in > d_in [+1]: k_in = d_in [+1], k_out =
+⌈k_b / k_in⌉) — balanced factors minimize the distortion of rank-one gradients, whose relative error is
+≈ √(2/k_in + 2/k_out) (dense: √(2/k)). Why equal: the error of ⟨Px, Py⟩ is Σ_b ‖x_b‖²‖y_b‖²·c_b/k_b, least
+for k_b ∝ a block's share of the gradient's energy, which does not follow its size (a network's layers contribute
+comparable parts of its gradient kernel, the small output layer often the most); version 3's split ∝ size
+(``split="size"``, kept for comparison) starved the small high-energy blocks at high compression.
 
 Identity sides
 --------------
@@ -63,19 +68,22 @@ d_out · (d_in [+1]) (the block itself, exactly, weighted √proj_dim); otherwis
 dimension is (its rows then get the most coordinates each). Pairs (below) never use an identity side. The cost
 is that of the square random factor it replaces (the fast path multiplies by I).
 
-Pairs for small layers
-----------------------
+Pairs
+-----
 The grid's coordinates share rows: the error of ⟨Px, Py⟩ on rank-one gradients is that of two JL sketches of
-widths k_out and k_in ≈ √k multiplied, ≈ √(2/k_in + 2/k_out), far above dense's √(2/k) when k is small. A
-small block of any factored kind (at most ``PAIRS_MAX_WEIGHTS`` weights and biases, and k · (d_in [+1] + d_out)
-≤ ``PAIRS_MAX_MACS`` multiply-adds per position) therefore gets k independent pairs instead (``pairs``, a
-Khatri-Rao product; P_in (d_in [+1]) × k and P_out d_out × k): coordinate j is p_outⱼᵀ G p_inⱼ · √(proj_dim/k),
-for one position (p_outⱼᵀ g)(p_inⱼᵀ [a; 1]) — Z = diag(z) in the fast path's hooks (conv: P_out diag(z)
-applied to the conv of the input with P_in; embedding: (P_out[ids] ⊙ z) P_inᵀ) — still unbiased
-(E[(p⊗q)(p⊗q)ᵀ] = I) with an error ∝ 1/√k like dense. (An embedding's output side is a gather, so its cost
-per position is k · (d_in + 1).) On ``benchmarks/quality.py``'s small models this closes the LDS gap to dense
-that the grid leaves (RESULTS.md, "Attribution quality"); large layers keep the grid, whose k_in, k_out are large
-there and whose cost per position is (d_in + d_out)·√k instead of (d_in + d_out)·k.
+widths k_out and k_in ≈ √k multiplied, ≈ √(2/k_in + 2/k_out), far above dense's √(2/k). A block therefore gets k
+independent pairs instead (``pairs``, a Khatri-Rao product; P_in (d_in [+1]) × k and P_out d_out × k) wherever
+they are cheap: a linear, conv or matrix block whose pairs cost at most ``PAIRS_MAX_RATIO`` × its own forward per
+position, k · (d_in [+1] + d_out) ≤ ``PAIRS_MAX_RATIO`` · d_out · (d_in [+1]) — at most about that layer's share
+of a training pass, whatever its number of positions (an absolute bound would let a small conv layer seen at
+thousands of positions cost many times the model's forward) — and a small block that is not a conv (at most
+``PAIRS_MAX_WEIGHTS`` weights, k · (d_in [+1] + d_out) ≤ ``PAIRS_MAX_MACS`` multiply-adds per position).
+Coordinate j is p_outⱼᵀ G p_inⱼ · √(proj_dim/k), for one position (p_outⱼᵀ g)(p_inⱼᵀ [a; 1]) — Z = diag(z) in the
+fast path's hooks (conv: P_out diag(z) applied to the conv of the input with P_in; embedding: (P_out[ids] ⊙ z)
+P_inᵀ) — still unbiased (E[(p⊗q)(p⊗q)ᵀ] = I) with an error ∝ 1/√k like dense. (An embedding's output side is a
+gather, so its cost per position is k · (d_in + 1).) Other blocks keep the grid, whose cost per position is
+(d_in + d_out)·√k instead of (d_in + d_out)·k. For a linear layer seen once per example (an MLP) the grid's
+P_out Z, d_out · k per example, costs about as much as the pairs: there the pairs are no slower.
 
 The random numbers (deterministic under the rules of :mod:`trak_core.counter_rng`)
 ------------------------------------------------------------------------------
@@ -105,7 +113,9 @@ the embedding and matrix kinds: a model with embeddings, attention or other 2-D 
 ``nn.Linear``/``nn.Conv`` now projects them per block instead of in ``"__other__"``, so its stores from
 version 1 (no ``layout_version`` recorded) are refused rather than mixed with the new projection. Version 3
 added the identity sides (see "Identity sides"): a block whose k_out = d_out or k_in = d_in [+1] projects
-differently, so stores of version 2 are refused likewise (even where no block has an identity side).
+differently, so stores of version 2 are refused likewise (even where no block has an identity side). Version 4
+split proj_dim equally between blocks and gave pairs to linear and conv blocks where they are cheap: stores of
+version 3 are refused likewise.
 
 The fast path
 -------------
@@ -246,10 +256,11 @@ class FactoredProjector(AbstractProjector):
         device="cpu",
         grad_wrt: Iterable[str] | None = None,
         other: str = "dense",
+        split: str = "layer",
         **kwargs,
     ) -> FactoredProjector:
         check_dims(proj_dim, proj_dim)
-        layout = model_layout(model, proj_dim, grad_wrt, other)
+        layout = model_layout(model, proj_dim, grad_wrt, other, split)
         return cls(layout.grad_dim, proj_dim, seed, proj_type, device, layout=layout, **kwargs)
 
     @property

@@ -21,17 +21,22 @@ from .gradients import grad_param_names
 from .projector_base import ProjectionType, as_proj_type
 
 FLAT = "__flat__"
-# a small block (at most PAIRS_MAX_WEIGHTS weights and biases) whose paired projection costs at most
-# PAIRS_MAX_MACS multiply-adds per position, k · (d_in [+1] + d_out), gets one (p_j, q_j) pair per kept
-# coordinate instead of the k_out × k_in grid (see "Pairs for small layers" in the module docstring)
+# a linear, conv or matrix block whose paired projection costs at most PAIRS_MAX_RATIO × its own forward per position,
+# k · (d_in [+1] + d_out) ≤ PAIRS_MAX_RATIO · d_out · (d_in [+1]), gets one (p_j, q_j) pair per kept coordinate
+# instead of the k_out × k_in grid (see "Pairs" in the module docstring); so does a small block that is not a conv
+# (at most PAIRS_MAX_WEIGHTS weights and biases, pairs costing at most PAIRS_MAX_MACS multiply-adds per position)
 PAIRS_MAX_WEIGHTS = 1 << 13
 PAIRS_MAX_MACS = 1 << 16
+PAIRS_MAX_RATIO = 3.0
+#: how proj_dim is split between blocks: "layer" (equal shares, at most a block's size each; the default) or
+#: "size" (∝ the blocks' sizes, layout version 3 and before)
+SPLITS = ("layer", "size")
 OTHER = "__other__"
 SIDE_IN, SIDE_OUT, SIDE_DENSE = 0, 1, 2
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: recorded in spec(): 3 = identity sides, 2 = the embedding and matrix block kinds (1, unrecorded: linear/conv +
-#: "__other__")
-LAYOUT_VERSION = 3
+#: recorded in spec(): 4 = equal shares per block and pairs for large layers, 3 = identity sides, 2 = the embedding
+#: and matrix block kinds (1, unrecorded: linear/conv + "__other__")
+LAYOUT_VERSION = 4
 #: the kinds the fast path serves through forward hooks, and through weight substitution
 HOOKED = ("linear", "conv", "embedding")
 MATRIX = "matrix"
@@ -197,6 +202,56 @@ def _apportion(sizes: Sequence[int], total: int) -> list[int]:
     return [b + 1 for b in base]
 
 
+def _split_equal(sizes: Sequence[int], total: int) -> list[int]:
+    """Equal shares of ``total``, none above its size (water-filling: a block smaller than its share keeps its
+    size, the rest is shared again), rounded by largest remainder (ties: lower index first), at least 1 each;
+    ∝ size (:func:`_apportion`) when ``total`` exceeds all the sizes together."""
+    n = len(sizes)
+    if total < n:
+        raise BadInputError(
+            f"factored projection: proj_dim={total} is smaller than the number of blocks ({n}); "
+            "each layer needs at least one dimension"
+        )
+    if total > sum(sizes):  # more dimensions than coordinates: every block is over its size, ∝ size as before
+        return _apportion(sizes, total)
+    share = [0.0] * n
+    free, left = list(range(n)), float(total)
+    while free:
+        each = left / len(free)
+        full = [i for i in free if sizes[i] <= each]
+        if not full:
+            for i in free:
+                share[i] = each
+            break
+        for i in full:
+            share[i] = float(sizes[i])
+            left -= sizes[i]
+        free = [i for i in free if sizes[i] > each]
+    out = [max(1, math.floor(x)) for x in share]
+    order = sorted(range(n), key=lambda i: (-(share[i] - math.floor(share[i])), i))
+    spare = total - sum(out)
+    while spare > 0:  # the floors' remainder, one each by largest fraction, never above a block's size
+        for i in order:
+            if spare > 0 and out[i] < sizes[i]:
+                out[i] += 1
+                spare -= 1
+    return out
+
+
+def _pairs(b: Block, k: int) -> bool:
+    """Whether block ``b`` with ``k`` coordinates gets pairs (see "Pairs" in the module docstring)."""
+    macs = k * (b.in_rows + (1 if b.kind == "embedding" else b.d_out))
+    if b.kind in ("linear", "conv", MATRIX) and macs <= PAIRS_MAX_RATIO * b.d_out * b.in_rows:
+        return True  # relative to the layer's forward, whatever its number of positions
+    # small blocks, except convs (a conv may run at thousands of positions: its cost is bounded by the ratio only)
+    return b.kind != "conv" and b.size <= PAIRS_MAX_WEIGHTS and macs <= PAIRS_MAX_MACS
+
+
+def _pairs_v3(b: Block, k: int) -> bool:
+    """Layout version 3's rule (``split="size"``): small blocks only."""
+    return b.size <= PAIRS_MAX_WEIGHTS and k * (b.in_rows + (1 if b.kind == "embedding" else b.d_out)) <= PAIRS_MAX_MACS
+
+
 def _factor(k: int, out_dim: int, in_dim: int) -> tuple[int, int]:
     k_out = min(out_dim, math.isqrt(k - 1) + 1)
     k_in = -(-k // k_out)
@@ -242,16 +297,20 @@ def coordinate_weights(b: Block, proj_dim: int) -> float | Tensor:
     return torch.sqrt(proj_dim / c.to(torch.float64))
 
 
-def _with_split(blocks: list[Block], proj_dim: int) -> tuple:
-    ks = _apportion([b.size for b in blocks], proj_dim)
+def _with_split(blocks: list[Block], proj_dim: int, split: str = "layer") -> tuple:
+    if split not in SPLITS:
+        raise BadInputError(f"factored projection: split must be one of {SPLITS}, got {split!r}")
+    sizes = [b.size for b in blocks]
+    ks = _split_equal(sizes, proj_dim) if split == "layer" else _apportion(sizes, proj_dim)
     out = []
     for b, k in zip(blocks, ks, strict=True):
         if b.kind == "other":
             out.append(Block(**{**asdict(b), "k": k, "k_out": 1, "k_in": k}))
-        elif (
-            b.size <= PAIRS_MAX_WEIGHTS
-            and k * (b.in_rows + (1 if b.kind == "embedding" else b.d_out)) <= PAIRS_MAX_MACS
-        ):
+        elif split == "layer" and b.kind != "flat" and k == b.size:  # the whole block, exactly
+            out.append(
+                Block(**{**asdict(b), "k": k, "k_out": b.d_out, "k_in": b.in_rows, "id_out": True, "id_in": True})
+            )
+        elif _pairs(b, k) if split == "layer" else _pairs_v3(b, k):
             out.append(Block(**{**asdict(b), "k": k, "k_out": k, "k_in": k, "pairs": True}))
         else:
             ko, ki = _factor(k, b.d_out, b.in_rows)
@@ -298,9 +357,10 @@ def _bias_name(wname: str) -> str | None:
 
 
 def model_layout(
-    model: nn.Module, proj_dim: int, grad_wrt: Iterable[str] | None = None, other: str = "dense"
+    model: nn.Module, proj_dim: int, grad_wrt: Iterable[str] | None = None, other: str = "dense", split: str = "layer"
 ) -> Layout:
-    """The per-layer layout of ``model``'s gradient (restricted to ``grad_wrt``), proj_dim split."""
+    """The per-layer layout of ``model``'s gradient (restricted to ``grad_wrt``), proj_dim split (``split``:
+    one of :data:`SPLITS`)."""
     if other not in ("dense", "error"):
         raise BadInputError(f"other must be 'dense' or 'error', got {other!r}")
     names = grad_param_names(model, grad_wrt)
@@ -369,7 +429,7 @@ def model_layout(
         size = sum(params[n].numel() for n in rest)
         blocks.append(Block(OTHER, "other", tuple(rest), 1, size, False, size))
     shapes = tuple((n, tuple(params[n].shape)) for n in names)
-    return Layout(_with_split(blocks, proj_dim), shapes, True)
+    return Layout(_with_split(blocks, proj_dim, split), shapes, True)
 
 
 # ---------------------------------------------------------------------------- hooked matrix blocks

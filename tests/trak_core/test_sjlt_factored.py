@@ -87,6 +87,7 @@ def test_sjlt_bad_type_and_dims():
 # ---------------------------------------------------------------------------- factored: definition
 def test_factored_equals_explicit_kronecker_on_a_tiny_layer(monkeypatch):
     monkeypatch.setattr(factored, "PAIRS_MAX_MACS", 0)  # the k_out × k_in grid even for this tiny layer
+    monkeypatch.setattr(factored, "PAIRS_MAX_RATIO", 0)
     layer = nn.Linear(3, 4)  # weight (4, 3), bias (4,): grad_dim 16; augmented G is 4 × 4
     p = FactoredProjector.from_model(layer, 5, seed=7, proj_type="rademacher")
     (b,) = p.blocks
@@ -103,8 +104,9 @@ def test_factored_equals_explicit_kronecker_on_a_tiny_layer(monkeypatch):
     torch.testing.assert_close(p.project(g, 1), g @ explicit, rtol=1e-5, atol=1e-5)
 
 
-def test_factored_pairs_equal_explicit_khatri_rao_columns():
-    """A small linear block: kept coordinate j is its own pair, column j = p_outⱼ ⊗ p_inⱼ (a Khatri-Rao product)."""
+def test_factored_pairs_equal_explicit_khatri_rao_columns(monkeypatch):
+    """A linear block with pairs: kept coordinate j is its own pair, column j = p_outⱼ ⊗ p_inⱼ (Khatri-Rao)."""
+    monkeypatch.setattr(factored, "PAIRS_MAX_RATIO", 100.0)  # pairs for this tiny layer (5 · 6 > 3 · 8 otherwise)
     layer = nn.Linear(3, 2)
     p = FactoredProjector.from_model(layer, 5, seed=7, proj_type="rademacher")
     (b,) = p.blocks
@@ -120,21 +122,34 @@ def test_factored_pairs_equal_explicit_khatri_rao_columns():
 
 
 def test_factored_pairs_only_where_cheap():
-    """Pairs cost k · (d_in + 1 + d_out) per position: small blocks get them (convs too), large ones the grid."""
+    """Pairs cost k · (d_in + 1 + d_out) per position: linear / conv / matrix blocks get them where that is at most
+    PAIRS_MAX_RATIO × their own forward (d_out · (d_in + 1)), whatever the number of positions; small blocks of other
+    kinds where it is at most PAIRS_MAX_MACS; the others the grid."""
     model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
-    big, small = FactoredProjector.from_model(model, 2048).blocks
-    assert not big.pairs and big.k_out * big.k_in >= big.k
-    assert small.pairs and small.k * (small.in_rows + small.d_out) <= factored.PAIRS_MAX_MACS
-    conv = FactoredProjector.from_model(nn.Conv2d(1, 2, 3), 16).blocks[0]
-    assert conv.pairs and (conv.k_out, conv.k_in) == (16, 16)
-    wide = FactoredProjector.from_model(nn.Conv2d(64, 128, 3), 2048).blocks[0]  # 73,856 weights: the grid
+    for p in (64, 512, 2048):
+        for b in FactoredProjector.from_model(model, p).blocks:
+            macs = b.k * (b.in_rows + b.d_out)
+            small = b.size <= factored.PAIRS_MAX_WEIGHTS and macs <= factored.PAIRS_MAX_MACS
+            assert b.pairs == (small or macs <= factored.PAIRS_MAX_RATIO * b.size), (p, b)
+            assert b.pairs or b.k_out * b.k_in >= b.k
+    big, small = FactoredProjector.from_model(model, 512).blocks  # 256 each; the small one: 134k multiply-adds
+    assert big.pairs and not small.pairs and (small.id_out, small.k_in) == (True, 26)
+    assert not any(b.pairs for b in FactoredProjector.from_model(model, 2048).blocks)  # 1,024 each: 3.3× the forward
+    assert FactoredProjector.from_model(model, 64).blocks[1].pairs  # 32 · 523 multiply-adds: small
+    assert FactoredProjector.from_model(nn.Linear(2, 3), 8).blocks[0].pairs  # small linear: 8 · 6, 2× its forward
+    assert not FactoredProjector.from_model(nn.Conv2d(1, 2, 3), 16).blocks[0].pairs  # a conv: 9.6×, however small
+    assert FactoredProjector.from_model(nn.Conv2d(64, 128, 3), 256).blocks[0].pairs  # 2.4×
+    wide = FactoredProjector.from_model(nn.Conv2d(64, 128, 3), 2048).blocks[0]  # 19×: the grid
     assert not wide.pairs and wide.k_out * wide.k_in >= wide.k
+    emb = FactoredProjector.from_model(nn.Embedding(11, 5), 16).blocks[0]  # small, 16 · 6 multiply-adds: pairs
+    assert emb.pairs and (emb.k_out, emb.k_in) == (16, 16)
 
 
 @pytest.mark.parametrize("layer", ["conv", "embedding"])
-def test_pairs_fast_path_equals_definition_for_conv_and_embedding(layer):
+def test_pairs_fast_path_equals_definition_for_conv_and_embedding(monkeypatch, layer):
     """Conv and embedding blocks with pairs: the fast path (hooks with Z = diag(z)) equals the projector applied
     to brute-force per-example gradients, and that equals column j = p_outⱼ ⊗ p_inⱼ (float64)."""
+    monkeypatch.setattr(factored, "PAIRS_MAX_RATIO", 100.0)  # pairs for this small conv too
     torch.manual_seed(0)
     if layer == "conv":
         model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 5 * 5, 4))
@@ -194,7 +209,8 @@ def test_identity_sides_equal_the_definition_and_are_unbiased(monkeypatch, d_in,
     """A side as wide as its dimension is the identity: the matrix equals the definition column by column, and
     its exact expectation over the random side (E[q qᵀ] = I) is proj_dim · I — the weights √(proj_dim / c) make the
     unequal rows (columns) of kept coordinates unbiased, where the plain √(proj_dim / k) would not be."""
-    monkeypatch.setattr(factored, "PAIRS_MAX_MACS", 0)
+    monkeypatch.setattr(factored, "PAIRS_MAX_MACS", 0)  # the grid
+    monkeypatch.setattr(factored, "PAIRS_MAX_RATIO", 0)
     p = FactoredProjector.from_model(nn.Linear(d_in, d_out), proj_dim, seed=4, dtype=torch.float64)
     (b,) = p.blocks
     assert (b.id_out, b.id_in) == sides
@@ -232,7 +248,8 @@ def test_identity_side_inner_products_are_unbiased_monte_carlo(monkeypatch):
     """Float64 Monte Carlo over model_ids of E⟨Px, Py⟩ / scale = ⟨x, y⟩ for a layer whose output side is the
     identity with unequal rows of kept coordinates (10 × 138 grid, k = 1,377: the last row keeps 135), where x, y
     put most of ⟨x, y⟩ in that last row: the per-row weights are unbiased, the plain √(proj_dim / k) is not."""
-    monkeypatch.setattr(factored, "PAIRS_MAX_MACS", 0)
+    monkeypatch.setattr(factored, "PAIRS_MAX_MACS", 0)  # the grid
+    monkeypatch.setattr(factored, "PAIRS_MAX_RATIO", 0)
     layer = nn.Linear(256, 10)
     proj_dim = 1377
     (b,) = model_layout(layer, proj_dim).blocks
@@ -288,16 +305,29 @@ def test_factored_keys_are_distinct_and_stable():
     assert not torch.equal(a, factor_matrix(0, 1, "x", SIDE_IN, 50, 40, ProjectionType.normal))
 
 
-def test_factored_split_totals_proj_dim_and_is_proportional():
-    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-    for p in (12, 100, 512, 2410, 5000):
+def test_factored_split_totals_proj_dim_and_is_equal_per_block():
+    """Equal shares per block, a block smaller than its share kept whole (both sides the identity, exact) and the
+    rest shared again; ``split="size"`` (layout version 3) is ∝ the block sizes."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))  # blocks of 2,080 and 330
+    for p in (2, 12, 100, 512, 661, 2410):
         lay = model_layout(model, p)
         assert sum(b.k for b in lay.blocks) == p
         for b in lay.blocks:
-            assert b.k <= b.k_out * b.k_in
-    lay = model_layout(model, 512)
-    k1, k2 = (b.k for b in lay.blocks)
+            assert 1 <= b.k <= b.size and b.k <= b.k_out * b.k_in
+    assert [b.k for b in model_layout(model, 512).blocks] == [256, 256]
+    assert [b.k for b in model_layout(model, 661).blocks] == [331, 330]
+    first, second = model_layout(model, 2048).blocks  # 330 < 1,024: kept whole, 1,718 for the first
+    assert (first.k, second.k) == (1718, 330) and (second.id_out, second.id_in) == (True, True)
+    assert [b.k for b in model_layout(model, 2410).blocks] == [2080, 330]
+    k1, k2 = (b.k for b in model_layout(model, 512, split="size").blocks)
     assert abs(k1 / 512 - 2080 / 2410) < 0.01 and abs(k2 / 512 - 330 / 2410) < 0.01
+    three = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))  # 20 each: ties by lower index
+    assert [b.k for b in model_layout(three, 8).blocks] == [3, 3, 2]
+    assert [b.k for b in model_layout(model, 4820).blocks] == [4159, 661]  # above grad_dim: 1 each, the rest ∝ size
+    with pytest.raises(BadInputError, match="split must be one of"):
+        model_layout(model, 64, split="energy")
+    with pytest.raises(BadInputError, match="smaller than the number of blocks"):
+        model_layout(model, 1)
 
 
 def test_factored_is_unbiased_for_rank_one_gradients():
