@@ -388,6 +388,38 @@ def test_fast_path_equals_projecting_materialized_gradients(case):
         assert kinds[-1] == "other"
 
 
+class _BNNet(nn.Module):
+    """A conv with BatchNorm (eval mode: running statistics, a per-example function) and two linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2))
+        self.fc = nn.Linear(8 * 4 * 4, 256)
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(self.conv(x).flatten(1))))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("proj_dim", [64, 512, 2048])  # all pairs; pairs and a grid; grids with identity sides
+def test_fast_path_on_cuda_equals_the_cpu_definition(proj_dim):
+    """On a GPU the hooked fast path (grids and pairs) gives the CPU's projection of the materialized gradients."""
+    torch.manual_seed(0)
+    model, x, y = _BNNet(), torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))
+    model.conv[1].running_mean.uniform_(-0.5, 0.5)  # statistics as after training, not the init's 0 / 1
+    model.conv[1].running_var.uniform_(0.5, 2.0)
+    p, _, slow = _fast_and_slow(model, x, y, proj_dim=proj_dim)
+    if proj_dim == 512:
+        assert {b.pairs for b in p.blocks if b.kind != "other"} == {True, False}
+    gpu = model.to("cuda")
+    pg = FactoredProjector.from_model(gpu, proj_dim, seed=2, device="cuda")
+    gc = FunctionalGradientComputer(gpu, TASK, dtype=torch.float32)
+    fast = pg.featurize_batch(gpu, TASK, gc._weights(), gc._buffers(), (x.cuda(), y.cuda()), model_id=3).cpu()
+    torch.testing.assert_close(fast, slow, rtol=1e-3, atol=1e-4 * float(slow.abs().max()))
+
+
 def test_featurizer_uses_the_fast_path_and_keeps_nan_checks():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
