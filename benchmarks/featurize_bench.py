@@ -18,6 +18,8 @@ Rows:
   regenerated in blocks for every batch);
 * **traker-fastest**: traker with ``BasicSingleBlockProjector`` (Rademacher), the whole grad_dim × p matrix
   generated once — inside the cold pass — and kept for the warm passes;
+* **traker-fastjl**: traker's GPU default, ``CudaProjector`` (fast_jl's kernel, Rademacher, no matrix stored);
+  needs a CUDA device and fast_jl;
 * trakflow with ``factored`` (the default), ``sjlt``, ``dense``.
 
 Models: a 400k-parameter MLP, a small conv net, and a transformer-style text classifier (token +
@@ -127,6 +129,7 @@ IMPL_LABEL = {
     "floor": "**floor** (training pass + float32 XᵀX, Cholesky inverse, X·A)",
     "traker": "traker 0.3.2, default (BasicProjector, normal, regenerated per batch)",
     "traker-fastest": "traker 0.3.2, fastest (BasicSingleBlockProjector, matrix kept)",
+    "traker-fastjl": "traker 0.3.2, GPU default (CudaProjector: fast_jl)",
     "factored": "trakflow — factored (default)",
     "factored@0": "trakflow — factored, lambda_reg=0 (traker's damping)",
     "factored+ggn": "trakflow — factored, curvature='ggn' (XᵀRX: a second partial and solve)",
@@ -265,6 +268,11 @@ def worker(spec: dict) -> dict:
                         # model_id): keep it, as this configuration means
                         kept["proj"].free_memory = lambda: None
                     kw["projector"] = kept["proj"]
+                elif spec["impl"] == "traker-fastjl":
+                    from trak.projectors import CudaProjector, ProjectionType
+
+                    # traker's own choice on a GPU (max_batch_size 32: its TRAKer's default)
+                    kw["projector"] = CudaProjector(grad_dim, p, 0, ProjectionType.rademacher, dev, 32)
                 tr = trak.TRAKer(
                     model=model,
                     task="image_classification",

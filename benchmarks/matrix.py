@@ -7,7 +7,8 @@ Every cell runs in fresh processes through ``featurize_bench``'s worker (the sam
 * **floor**: a training pass over the same rows + finalize's unavoidable float32 linear algebra (XᵀX, the
   Cholesky inverse, X·A), warm;
 * **traker-fastest**: traker 0.3.2 with ``BasicSingleBlockProjector`` (the matrix made once, kept), where that
-  grad_dim × proj_dim matrix fits in ``--traker-max-gib``;
+  grad_dim × proj_dim matrix fits in ``--traker-max-gib``; with ``--device cuda`` also traker's GPU default
+  (``CudaProjector``, fast_jl's kernel) where fast_jl imports;
 * **trakflow**: ``TRAKer`` defaults (factored projector, adaptive λ), cold (first pass in the process) and warm;
 * with ``--baseline DIR``: the same trakflow cells with the ``trak_core`` of another checkout (e.g. the code before
   a change), interleaved with the others, as a *before* column.
@@ -18,6 +19,7 @@ featurize, finalize).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -48,8 +50,13 @@ def cells(a) -> list[dict]:
             impls = ["floor", "factored"]
             if d * p * 4 <= a.traker_max_gib * 2**30:
                 impls.append("traker-fastest")
+            if a.device.startswith("cuda") and importlib.util.find_spec("fast_jl") is not None:
+                impls.append("traker-fastjl")
             for i in impls:
-                out.append({"model": m, "impl": i, "n": n, "batch": bs, "proj_dim": p, "warm_runs": a.warm_runs})
+                out.append(
+                    {"model": m, "impl": i, "n": n, "batch": bs, "proj_dim": p, "warm_runs": a.warm_runs}
+                    | {"device": a.device}
+                )
             if a.baseline:
                 out.append({**out[-len(impls) + 1], "tree": os.path.abspath(a.baseline)})  # the factored cell
     return out
@@ -71,14 +78,24 @@ def _key(r: dict) -> tuple:
     return (r["model"], r["proj_dim"], r["impl"] + (" (baseline)" if r.get("tree") else ""))
 
 
+def _vs(other: dict | None, r: dict) -> str:
+    """'seconds | ratio | ' of another library's warm pass against trakflow's row."""
+    if not other or other.get("warm_s") is None:
+        return "— (not run) | — | "
+    return f"{other['warm_s']:.2f} | {other['warm_s'] / r['warm_s']:.1f}× | "
+
+
 def table(res: dict, command: str) -> str:
     by = {_key(r): r for r in res["cells"]}
     base = any(k[2].endswith("(baseline)") for k in by)
+    fj = any(k[2] == "traker-fastjl" for k in by)
     lines = [
         "| model | parameters | rows | proj_dim | floor s | trakflow warm s | × floor | cold/warm | "
         + ("before: warm s | × floor | cold/warm | " if base else "")
-        + "traker-fastest s | × traker | warm split: set-up / featurize / finalize |",
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if base else ""),
+        + "traker-fastest s | × traker | "
+        + ("traker + fast_jl s | × traker + fast_jl | " if fj else "")
+        + "warm split: set-up / featurize / finalize |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if base else "") + ("---|---|" if fj else ""),
     ]
     for (m, p, impl), r in by.items():
         if impl != "factored":
@@ -97,6 +114,7 @@ def table(res: dict, command: str) -> str:
                 else ("— | — | — | " if base else "")
             )
             + (f"{tk_s:.2f} | {tk_s / r['warm_s']:.1f}× | " if tk_s else "— (not run) | — | ")
+            + (_vs(by.get((m, p, "traker-fastjl")), r) if fj else "")
             + f"{w.get('init_s', 0):.2f} / {w.get('featurize_s', 0):.2f} / {w.get('finalize_s', 0):.2f} |"
         )
     loads = [v for r in res["cells"] for v in r["load_avg"]]
@@ -114,6 +132,7 @@ def main() -> None:
     ap.add_argument("--proj-dims", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--n", type=int, default=2048, help="rows of the small models")
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--device", default="cpu", help="cuda: every cell on the GPU")
     ap.add_argument("--repeats", type=int, default=1, help="fresh processes per cell, interleaved; best kept")
     ap.add_argument("--warm-runs", type=int, default=1)
     ap.add_argument("--traker-max-gib", type=float, default=4.0, help="largest traker matrix tried")

@@ -32,51 +32,66 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, sys.argv[1])
 from benchmarks.sizes import build
 what, model_name, rows, batch, seq_len, image_size, proj_dim = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:9])
+device, passes = sys.argv[9], int(sys.argv[10])
 model, task, make_batch = build(model_name, seq_len, image_size)
+model.to(device)
 params = sum(p.numel() for p in model.parameters())
-batches = [make_batch(min(batch, rows - a), a) for a in range(0, rows, batch)]
+batches = [tuple(v.to(device) for v in make_batch(min(batch, rows - a), a)) for a in range(0, rows, batch)]
+sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-t = time.perf_counter()
-if what == "featurize":
-    from trak_core import TRAKer
-    tr = TRAKer(model=model, task=task, train_set_size=rows, save_dir=tempfile.mkdtemp() + "/s", device="cpu",
-                proj_dim=proj_dim, logging_level=logging.ERROR)
-    tr.load_checkpoint(model.state_dict(), model_id=0)
+
+
+def measure():
     t = time.perf_counter()
-    for b in batches:
-        tr.featurize(b, num_samples=b[0].shape[0])
-    tr._flush_rows()
-elif what == "train":
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    for b in batches:
-        if model_name == "gpt2":
-            loss = model(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss
-        elif model_name == "gpt2-linear":
-            logits = model(input_ids=b[0], attention_mask=b[1])[:, :-1]
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[2][:, 1:].reshape(-1))
+    if what == "featurize":
+        from trak_core import TRAKer
+        tr = TRAKer(model=model, task=task, train_set_size=rows, save_dir=tempfile.mkdtemp() + "/s", device=device,
+                    proj_dim=proj_dim, logging_level=logging.ERROR)
+        tr.load_checkpoint(model.state_dict(), model_id=0)
+        t = time.perf_counter()
+        for b in batches:
+            tr.featurize(b, num_samples=b[0].shape[0])
+        tr._flush_rows()
+    elif what == "train":
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for b in batches:
+            if model_name == "gpt2":
+                loss = model(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss
+            elif model_name == "gpt2-linear":
+                logits = model(input_ids=b[0], attention_mask=b[1])[:, :-1]
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[2][:, 1:].reshape(-1))
+            else:
+                loss = torch.nn.functional.cross_entropy(model(b[0]), b[1])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    elif what == "traker":
+        from trak import TRAKer as Ref
+        from trak.projectors import BasicSingleBlockProjector, CudaProjector, ProjectionType
+        if device.startswith("cuda"):  # traker's GPU default: fast_jl's kernel
+            proj = CudaProjector(params, proj_dim, 0, ProjectionType.rademacher, device, 32)
         else:
-            loss = torch.nn.functional.cross_entropy(model(b[0]), b[1])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-elif what == "traker":
-    from trak import TRAKer as Ref
-    from trak.projectors import BasicSingleBlockProjector, ProjectionType
-    proj = BasicSingleBlockProjector(grad_dim=params, proj_dim=proj_dim, seed=0, proj_type=ProjectionType.rademacher,
-                                     device="cpu", dtype=torch.float32)
-    tr = Ref(model=model, task=task, train_set_size=rows, save_dir=tempfile.mkdtemp() + "/s", device="cpu",
-             projector=proj, proj_dim=proj_dim, use_half_precision=False, logging_level=logging.ERROR)
-    tr.load_checkpoint(model.state_dict(), model_id=0)
-    t = time.perf_counter()
-    for b in batches:
-        tr.featurize(b, num_samples=b[0].shape[0])
-seconds = time.perf_counter() - t
+            proj = BasicSingleBlockProjector(grad_dim=params, proj_dim=proj_dim, seed=0,
+                                             proj_type=ProjectionType.rademacher, device="cpu", dtype=torch.float32)
+        tr = Ref(model=model, task=task, train_set_size=rows, save_dir=tempfile.mkdtemp() + "/s", device=device,
+                 projector=proj, proj_dim=proj_dim, use_half_precision=False, logging_level=logging.ERROR)
+        tr.load_checkpoint(model.state_dict(), model_id=0)
+        t = time.perf_counter()
+        for b in batches:
+            tr.featurize(b, num_samples=b[0].shape[0])
+    sync()
+    return time.perf_counter() - t
+
+
+for _ in range(passes):  # the last pass is reported (GPU: the first one pays cuDNN's and the allocator's set-up)
+    seconds = measure()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+gpu = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else 0
 print(json.dumps({"model": model_name, "what": what, "params": params, "rows": rows, "batch": batch,
                   "seq_len": seq_len, "image_size": image_size, "proj_dim": proj_dim, "seconds": round(seconds, 2),
                   "rows_per_s": round(rows / seconds, 3), "peak_rss_mib": round(peak / 1024),
-                  "rss_before_mib": round(base / 1024)}))
+                  "rss_before_mib": round(base / 1024), "device": device, "gpu_peak_mib": round(gpu)}))
 """
 
 
@@ -208,6 +223,7 @@ def run(what: str, model: str, args) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     argv = [sys.executable, "-c", CODE, root, what, model]
     argv += [str(v) for v in (args.rows, args.batch, args.seq_len, args.image_size, args.proj_dim)]
+    argv += [args.device, str(args.passes)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode != 0:
         return {"model": model, "what": what, "error": out.stderr.strip().splitlines()[-1:]}
@@ -223,6 +239,8 @@ def main(argv=None) -> None:
     ap.add_argument("--image-size", type=int, default=32, help="ResNet-18 input side (3 × side × side)")
     ap.add_argument("--proj-dim", type=int, default=2048)
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per measurement")
+    ap.add_argument("--device", default="cpu", help="cuda: model, batches and TRAKer on the GPU")
+    ap.add_argument("--passes", type=int, default=1, help="passes per measurement, the last one reported")
     ap.add_argument(
         "--what", nargs="+", default=["train", "featurize", "traker"], choices=["train", "featurize", "traker"]
     )
@@ -237,15 +255,15 @@ def main(argv=None) -> None:
                     continue
                 params = next((r["params"] for r in results if r["model"] == model and "params" in r), 0)
                 need = params * args.proj_dim * 4
-                if need > psutil.virtual_memory().total / 2:
+                if need > psutil.virtual_memory().total / 2 and args.device == "cpu":
                     results.append({"model": model, "what": what, "error": f"needs a {need / 2**30:.0f} GiB matrix"})
                     print(json.dumps(results[-1]), flush=True)
                     continue
             results.append(run(what, model, args))
             print(json.dumps(results[-1]), flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
-    print("| model | params | measurement | rows/s | × training pass | peak RSS MiB |")
-    print("|---|---|---|---|---|---|")
+    print("| model | params | measurement | rows/s | × training pass | peak RSS MiB | peak GPU MiB |")
+    print("|---|---|---|---|---|---|---|")
     for model in args.models:
         rs = {r["what"]: r for r in results if r["model"] == model}
         floor = rs.get("train", {}).get("rows_per_s")
@@ -255,7 +273,8 @@ def main(argv=None) -> None:
                 continue
             ratio = f"{r['rows_per_s'] / floor:.3f}" if floor else ""
             print(
-                f"| {model} | {r['params'] / 1e6:.1f}M | {what} | {r['rows_per_s']} | {ratio} | {r['peak_rss_mib']} |"
+                f"| {model} | {r['params'] / 1e6:.1f}M | {what} | {r['rows_per_s']} | {ratio} | {r['peak_rss_mib']} | "
+                f"{r.get('gpu_peak_mib', 0)} |"
             )
 
 
