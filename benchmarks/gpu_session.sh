@@ -5,6 +5,8 @@
 # report under $OUT as it goes, so a step cut short still leaves what it measured.
 #
 #   bash benchmarks/gpu_session.sh          # in the repository root on the device; .whl/ carried (docs/gpu.md)
+#   TESTS_S, PROFILE_S, MATRIX_S, SIZES_S: each step's time limit in seconds (0 skips it);
+#   CUDA_TESTS: the test files to run (default: every file with CUDA tests)
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -30,16 +32,16 @@ export PYTHONPATH=/tmp/site:$PWD/.whl/pylib:$PWD PYTHONUNBUFFERED=1
 build=$!
 
 # where a warm trakflow pass spends its time on the GPU (cProfile of one featurize_bench worker: cold + 2 warm passes)
-timeout 120 python3 -m cProfile -o /tmp/prof.out benchmarks/featurize_bench.py --worker \
+[ "${PROFILE_S:-120}" = 0 ] || timeout "${PROFILE_S:-120}" python3 -m cProfile -o /tmp/prof.out benchmarks/featurize_bench.py --worker \
     '{"model": "mlp2", "impl": "factored", "n": 16384, "batch": 1024, "proj_dim": 2048, "warm_runs": 2, "device": "cuda"}' \
     >/dev/null 2>&1
-python3 -c "import pstats; s = pstats.Stats('/tmp/prof.out'); s.sort_stats('tottime').print_stats(30); \
+[ -f /tmp/prof.out ] && python3 -c "import pstats; s = pstats.Stats('/tmp/prof.out'); s.sort_stats('tottime').print_stats(30); \
 s.sort_stats('cumulative').print_stats(40)" >"$OUT/profile_factored.txt" 2>&1
 
 [ "${TESTS_S:-200}" = 0 ] || timeout "${TESTS_S:-200}" python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="-ra" \
-    tests/trak_core/test_causal_lm.py tests/trak_core/test_sjlt_factored.py tests/trak_core/test_factored_attention.py \
-    tests/trak_core/test_finalize_fast.py tests/compat/test_gpu_traker.py tests/cuda_ext/test_cuda_ext.py \
-    >"$OUT/cuda_tests.log" 2>&1
+    ${CUDA_TESTS:-tests/trak_core/test_causal_lm.py tests/trak_core/test_sjlt_factored.py \
+    tests/trak_core/test_factored_attention.py tests/trak_core/test_finalize_fast.py tests/compat/test_gpu_traker.py \
+    tests/cuda_ext/test_cuda_ext.py} >"$OUT/cuda_tests.log" 2>&1
 echo "pytest exit: $?" >>"$OUT/cuda_tests.log"
 
 wait $build
@@ -50,6 +52,6 @@ fi
 
 timeout "${MATRIX_S:-220}" python3 benchmarks/matrix.py --device cuda --models mlp2 convbn encoder --proj-dims 2048 \
     --n 16384 --batch 1024 --json "$OUT/matrix_cuda.json" >"$OUT/matrix_cuda.md" 2>&1
-timeout "${SIZES_S:-150}" python3 benchmarks/sizes.py --device cuda --models resnet18 gpt2 --rows 256 --batch 32 --passes 2 \
+[ "${SIZES_S:-150}" = 0 ] || timeout "${SIZES_S:-150}" python3 benchmarks/sizes.py --device cuda --models resnet18 gpt2 --rows 256 --batch 32 --passes 2 \
     >"$OUT/sizes_cuda.md" 2>&1
 echo "done"

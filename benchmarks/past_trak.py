@@ -26,7 +26,12 @@ but XᵀX restricted to its per-layer diagonal blocks (the layer-independence pa
 curvature). With λ = 0 and XᵀX invertible a column scaling cancels (up to one scalar per checkpoint); it acts
 through the damping.
 
-``report`` prints the RESULTS.md tables (with leave-one-case-out decisions) from the cached results.
+``report`` prints the tables (with leave-one-case-out decisions) from the cached results:
+
+    .venv/bin/python benchmarks/past_trak.py truth --cases wine-sgd cancer-sgd digits-mlp-sgd digits-conv-sgd
+    .venv/bin/python benchmarks/past_trak.py ensembles --cases digits-mlp digits-conv text cancer wine wine-sgd \
+        cancer-sgd digits-mlp-sgd digits-conv-sgd
+    .venv/bin/python benchmarks/past_trak.py report
 
     .venv/bin/python benchmarks/past_trak.py ensembles
     .venv/bin/python benchmarks/past_trak.py ensembles --cases wine-sgd cancer-sgd digits-mlp-sgd digits-conv-sgd
