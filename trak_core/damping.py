@@ -525,6 +525,7 @@ def cholesky_inverse(
     (:mod:`trak_core.linalg_device`; ``inverse`` may be a tensor on it). The result is on the host either way.
     """
     p = xtx.shape[0]
+    inv_np: Any = None  # the host's inverse (numpy)
     if linalg_device is None:
         inv_np = inverse if inverse is not None else lapack_inverse(xtx, lam)
         inv = None if inv_np is None else torch.from_numpy(inv_np)
@@ -638,17 +639,17 @@ def solve_deff_fast(
     pairs = [(float(c[0]), float(c[1])) if isinstance(c, tuple) else (float(c), None) for c in fractions]
     if p <= EXACT_CONDITION_MAX_P or n_rows is None or not pairs:
         return None
-    if linalg_device is not None:
-        xtx = dl.on_device(xtx, linalg_device)
-    eig, inverse, terms = (
+    a: Any = xtx if linalg_device is None else dl.on_device(xtx, linalg_device)
+    prims: tuple[Any, Any, Any] = (
         (_float32_eigenvalues, lapack_inverse, _exact_deff_terms)
         if linalg_device is None
         else (dl.float32_eigenvalues, dl.cholesky_inverse, dl.exact_deff_terms)
     )
+    eig, inverse, terms = prims
     # a finite sum proves every entry finite (a NaN or an infinity propagates; an overflow only means the slow path)
-    if not math.isfinite(float(np.sum(xtx) if linalg_device is None else xtx.sum())):
+    if not math.isfinite(float(np.sum(a) if linalg_device is None else a.sum())):
         return None
-    ev = eig(xtx)
+    ev = eig(a)
     top = float(ev[-1])
     if not top > 0:
         return None
@@ -666,13 +667,13 @@ def solve_deff_fast(
     if [deff_target(sure, c, rows) for c, rows in pairs] != targets:
         if n < p:
             return None
-        if not (_host_positive_definite(xtx, -theta) if linalg_device is None else dl.positive_definite(xtx, -theta)):
+        if not (_host_positive_definite(a, -theta) if linalg_device is None else dl.positive_definite(a, -theta)):
             return None  # rank < p: decided on the float64 eigenvalues
     lam = max([float(lam_floor)] + [deff_lambda(full, c, rows) for c, rows in pairs])
     for _ in range(1 + DEFF_NEWTON_STEPS):
         if not (lam > 0 and math.isfinite(lam)):
             return None
-        inv = inverse(xtx, lam)
+        inv = inverse(a, lam)
         if inv is None:
             return None
         d, slope = terms(inv, lam)
@@ -716,7 +717,7 @@ def solve(
         xtq, qtq, row_norm4, q2x2: the row sums the rule asks for (``rule.needs_*``), else None.
         ggn, out_to_loss: XᵀRX's partial sum and the stored Q, for ``curvature="ggn"``; None for XᵀX.
         linalg_device: where the eigenvalues and inverses are computed: None on the host (LAPACK through scipy,
-            the faster there), a torch device (a GPU's) with torch there.
+            faster on a CPU), a torch device (a GPU's) with torch there.
     Returns:
         (inverse (p, p) float64, record): the record holds ``lambda_reg`` (the λ used), ``lambda_setting``,
         ``rescale``, ``condition``, ``xtx_trace`` and, for the Gauss-Newton curvature, ``curvature``,
