@@ -40,10 +40,12 @@ def positive_definite(mat: Tensor, shift: float = 0.0) -> bool:
 
 
 def mirror_upper(mat: Tensor) -> Tensor:
-    """A new, exactly symmetric matrix: the upper triangle of ``mat`` and its mirror image below."""
-    out = torch.triu(mat)
-    out += torch.triu(mat, diagonal=1).mT
-    return out
+    """Fill the strict lower triangle of the square ``mat`` from its upper triangle, in place (exactly symmetric);
+    returns ``mat``."""
+    low = torch.triu(mat, diagonal=1).mT
+    mat.triu_()
+    mat += low
+    return mat
 
 
 def cholesky_inverse(xtx: np.ndarray | Tensor, lam: float, device: torch.device | str | None = None) -> Tensor | None:
@@ -57,8 +59,11 @@ def cholesky_inverse(xtx: np.ndarray | Tensor, lam: float, device: torch.device 
     del reg
     if int(info) != 0:
         return None
-    inv = mirror_upper(torch.cholesky_inverse(chol))
+    inv = torch.cholesky_inverse(chol)
     del chol
+    if not inv.is_contiguous() and inv.mT.is_contiguous():
+        inv = inv.mT  # torch's column-major result, transposed: a C-ordered view (symmetric once mirrored)
+    inv = mirror_upper(inv.contiguous())
     if not bool(torch.isfinite(inv).all()):
         return None
     return inv

@@ -43,6 +43,11 @@ def test_mirror_upper_fills_the_lower_triangle():
     a = np.arange(49.0).reshape(7, 7)
     want = np.triu(a) + np.triu(a, 1).T
     np.testing.assert_array_equal(mirror_upper(a.copy(), block=3), want)
+    from trak_core import linalg_device as dl
+
+    t = torch.from_numpy(a.copy())
+    assert dl.mirror_upper(t) is t  # the device path's mirror, in place
+    np.testing.assert_array_equal(t.numpy(), want)
 
 
 CASES = [
