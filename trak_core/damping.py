@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import linalg_device as dl
 from .errors import BadInputError, IllConditionedWarning
 from .store import mirror_upper
 
@@ -470,7 +471,7 @@ DEFF_NEWTON_STEPS = 2
 def _top_eigenvalue(mat: torch.Tensor, iters: int = 12, block: int = 6) -> float:
     """The largest eigenvalue of a symmetric PSD matrix by subspace iteration + Rayleigh–Ritz (a lower bound,
     typically within a fraction of a percent; O(iters · block · p²))."""
-    v = torch.randn(mat.shape[0], block, dtype=mat.dtype, generator=torch.Generator().manual_seed(0))
+    v = torch.randn(mat.shape[0], block, dtype=mat.dtype, generator=torch.Generator().manual_seed(0)).to(mat.device)
     for _ in range(iters):
         v, _ = torch.linalg.qr(mat @ v)
     return float(torch.linalg.eigvalsh(v.T @ (mat @ v))[-1])
@@ -504,9 +505,10 @@ def cholesky_inverse(
     model_id=None,
     rescale: bool = True,
     eigenvalues: torch.Tensor | np.ndarray | None = None,
-    inverse: np.ndarray | None = None,
+    inverse: np.ndarray | Tensor | None = None,
     matrix: str = "XᵀX",
     condition_bound: float | None = None,
+    linalg_device=None,
 ) -> tuple[torch.Tensor, float]:
     """((XᵀX + λI)⁻¹ float64, optionally divided by its mean |entry| as traker does; the condition estimate).
 
@@ -519,10 +521,18 @@ def cholesky_inverse(
     Warnings: :func:`check_conditioning` (naming ``matrix``).
     ``condition_bound``: an upper bound on the condition number known to the caller (:func:`ggn_condition_bound`);
     below the warning threshold it is the estimate, and nothing more is computed.
+    ``linalg_device``: None computes on the host (LAPACK through scipy); a torch device computes there
+    (:mod:`trak_core.linalg_device`; ``inverse`` may be a tensor on it). The result is on the host either way.
     """
     p = xtx.shape[0]
-    inv_np = inverse if inverse is not None else lapack_inverse(xtx, lam)
-    if inv_np is None:
+    inv_np: Any = None  # the host's inverse (numpy)
+    if linalg_device is None:
+        inv_np = inverse if inverse is not None else lapack_inverse(xtx, lam)
+        inv = None if inv_np is None else torch.from_numpy(inv_np)
+    else:
+        xtx = dl.on_device(xtx, linalg_device)
+        inv = dl.cholesky_inverse(xtx, lam) if inverse is None else dl.on_device(inverse, linalg_device)
+    if inv is None:
         cond = check_conditioning(
             xtx,
             lam,
@@ -532,8 +542,7 @@ def cholesky_inverse(
             cond=None if p <= EXACT_CONDITION_MAX_P else float("inf"),
             matrix=matrix,
         )
-        return regularized_inverse(xtx, lam, rescale=rescale), cond
-    inv = torch.from_numpy(inv_np)
+        return regularized_inverse(xtx, lam, rescale=rescale).cpu(), cond
     est = None
     if condition_bound is not None and condition_bound < CONDITION_WARN:
         est = condition_bound  # cannot warn: the condition number is at most this
@@ -542,7 +551,7 @@ def cholesky_inverse(
         low = max(float(ev.min()), 0.0) + lam
         est = (float(ev.max()) + lam) / low if low > 0 else float("inf")
     elif p > EXACT_CONDITION_MAX_P:
-        reg = xtx.to(torch.float64) + lam * torch.eye(p, dtype=torch.float64)
+        reg = xtx.to(torch.float64) + lam * torch.eye(p, dtype=torch.float64, device=xtx.device)
         hi, inv_hi = _top_eigenvalue(reg), _top_eigenvalue(inv)
         est = hi * inv_hi if hi > 0 and inv_hi > 0 else float("inf")
         if est >= CONDITION_WARN / 10 and not (p >= n_rows and lam == 0):
@@ -552,10 +561,10 @@ def cholesky_inverse(
     else:
         cond = check_conditioning(xtx, lam, n_rows, model_id=model_id, stacklevel=4, cond=est, matrix=matrix)
     if rescale:
-        m = float(np.abs(inv_np).mean())
+        m = float(np.abs(inv_np).mean()) if linalg_device is None else float(inv.abs().mean())
         if m > 0:
             inv.div_(m)  # in place: the inverse is this function's (or the caller's ``inverse``, handed over)
-    return inv, cond
+    return inv.cpu(), cond
 
 
 def ggn_condition_bound(xtx_eigenvalues: np.ndarray | torch.Tensor, weight_max: float, lam: float) -> float | None:
@@ -584,6 +593,15 @@ def _float32_eigenvalues(xtx: np.ndarray) -> np.ndarray:
     return np.sort(ev.astype(np.float64))
 
 
+def _host_positive_definite(xtx: np.ndarray, shift: float) -> bool:
+    """Whether ``xtx`` + ``shift`` · I has a float64 Cholesky factorization (LAPACK's potrf on one copy)."""
+    from scipy.linalg import lapack
+
+    reg = np.array(xtx, dtype=np.float64, order="C", copy=True)
+    reg.flat[:: reg.shape[0] + 1] += shift
+    return lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)[1] == 0
+
+
 def _exact_deff_terms(inv: np.ndarray, lam: float) -> tuple[float, float]:
     """(d_eff(λ), −d d_eff / d log λ) of XᵀX exactly, from (XᵀX + λI)⁻¹ (float64, before any rescale):
     d_eff = Σ σ/(σ+λ) = p − λ tr(inv), −d d_eff/d log λ = Σ σλ/(σ+λ)² = λ (tr(inv) − λ ‖inv‖_F²)."""
@@ -593,8 +611,8 @@ def _exact_deff_terms(inv: np.ndarray, lam: float) -> tuple[float, float]:
 
 
 def solve_deff_fast(
-    xtx: np.ndarray, fractions, n_rows: int, lam_floor: float = 0.0
-) -> tuple[float, np.ndarray, np.ndarray] | None:
+    xtx: np.ndarray | Tensor, fractions, n_rows: int, lam_floor: float = 0.0, linalg_device=None
+) -> tuple[float, np.ndarray | Tensor, np.ndarray] | None:
     """(λ, (XᵀX + λI)⁻¹ float64 unscaled, the eigenvalues used) for ``deff`` rules without a float64
     eigendecomposition, or None where this cannot decide (the caller then takes the float64 path).
 
@@ -613,13 +631,25 @@ def solve_deff_fast(
     4. the float64 inverse at λ gives the exact d_eff(λ) and its slope (:func:`_exact_deff_terms`), hence a
        Newton estimate of each deff λ; λ is kept when max(lam_floor, those estimates) moves log λ by at most
        DEFF_LOG_TOL, else that is the next λ (a factorization each, up to DEFF_NEWTON_STEPS), else None.
+
+    ``linalg_device``: None computes on the host (LAPACK through scipy); a torch device computes there
+    (:mod:`trak_core.linalg_device`) and returns the inverse as a float64 tensor on it.
     """
     p = xtx.shape[0]
     pairs = [(float(c[0]), float(c[1])) if isinstance(c, tuple) else (float(c), None) for c in fractions]
-    # a finite sum proves every entry finite (a NaN or an infinity propagates; an overflow only means the slow path)
-    if p <= EXACT_CONDITION_MAX_P or n_rows is None or not pairs or not math.isfinite(float(np.sum(xtx))):
+    if p <= EXACT_CONDITION_MAX_P or n_rows is None or not pairs:
         return None
-    ev = _float32_eigenvalues(xtx)
+    a: Any = xtx if linalg_device is None else dl.on_device(xtx, linalg_device)
+    prims: tuple[Any, Any, Any] = (
+        (_float32_eigenvalues, lapack_inverse, _exact_deff_terms)
+        if linalg_device is None
+        else (dl.float32_eigenvalues, dl.cholesky_inverse, dl.exact_deff_terms)
+    )
+    eig, inverse, terms = prims
+    # a finite sum proves every entry finite (a NaN or an infinity propagates; an overflow only means the slow path)
+    if not math.isfinite(float(np.sum(a) if linalg_device is None else a.sum())):
+        return None
+    ev = eig(a)
     top = float(ev[-1])
     if not top > 0:
         return None
@@ -637,21 +667,16 @@ def solve_deff_fast(
     if [deff_target(sure, c, rows) for c, rows in pairs] != targets:
         if n < p:
             return None
-        reg = np.array(xtx, dtype=np.float64, order="C", copy=True)
-        reg.flat[:: p + 1] -= theta
-        from scipy.linalg import lapack
-
-        if lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)[1] != 0:
+        if not (_host_positive_definite(a, -theta) if linalg_device is None else dl.positive_definite(a, -theta)):
             return None  # rank < p: decided on the float64 eigenvalues
-        del reg
     lam = max([float(lam_floor)] + [deff_lambda(full, c, rows) for c, rows in pairs])
     for _ in range(1 + DEFF_NEWTON_STEPS):
         if not (lam > 0 and math.isfinite(lam)):
             return None
-        inv = lapack_inverse(xtx, lam)
+        inv = inverse(a, lam)
         if inv is None:
             return None
-        d, slope = _exact_deff_terms(inv, lam)
+        d, slope = terms(inv, lam)
         if not slope > 0:
             return None
         # d_eff falls as log λ grows: the Newton estimate of each deff λ from here
@@ -680,6 +705,7 @@ def solve(
     q2x2=None,
     ggn: np.ndarray | None = None,
     out_to_loss: np.ndarray | None = None,
+    linalg_device=None,
 ) -> tuple[np.ndarray, dict]:
     """The inverse of one checkpoint and its finalize record.
 
@@ -690,12 +716,15 @@ def solve(
         rescale: divide the inverse by its mean |entry|, as traker does.
         xtq, qtq, row_norm4, q2x2: the row sums the rule asks for (``rule.needs_*``), else None.
         ggn, out_to_loss: XᵀRX's partial sum and the stored Q, for ``curvature="ggn"``; None for XᵀX.
+        linalg_device: where the eigenvalues and inverses are computed: None on the host (LAPACK through scipy,
+            faster on a CPU), a torch device (a GPU's) with torch there.
     Returns:
         (inverse (p, p) float64, record): the record holds ``lambda_reg`` (the λ used), ``lambda_setting``,
         ``rescale``, ``condition``, ``xtx_trace`` and, for the Gauss-Newton curvature, ``curvature``,
         ``mean_curvature``, ``lambda_xtx`` (λ of the rule on XᵀX) and ``ggn_trace``.
     """
     xtx_t = torch.from_numpy(xtx)
+    xtx_d = xtx_t if linalg_device is None else dl.on_device(xtx_t, linalg_device)  # where it is inverted
     n = n_rows
     kw: dict[str, Any] = {}
     for name, value in (("xtq", xtq), ("qtq", qtq), ("row_norm4", row_norm4), ("q2x2", q2x2)):
@@ -709,13 +738,15 @@ def solve(
         targets = [
             (r.factor, effective_rows(xtx_t, kw.get("row_norm4")) if r.neff else n) for r in parts if r.deff or r.neff
         ]
-        fast = solve_deff_fast(xtx, targets, n, max(others, default=0.0))
+        fast = solve_deff_fast(
+            xtx if linalg_device is None else xtx_d, targets, n, max(others, default=0.0), linalg_device
+        )
     ev: Any
     if fast is not None:
         lam, inv_np, ev = fast
     else:
         if _has_deff(rule) and bool(torch.isfinite(xtx_t).all()):
-            kw["eigenvalues"] = ev = symmetric_eigenvalues(xtx_t)
+            kw["eigenvalues"] = ev = symmetric_eigenvalues(xtx_d).cpu()
         else:
             ev = None
         lam = rule.resolve(xtx_t, n_rows=n, **kw)
@@ -733,9 +764,9 @@ def solve(
         lam = ggn_lambda(lam, float(np.trace(xtx)), extra["ggn_trace"])
         if ev is not None:
             bound = ggn_condition_bound(ev, float(r.max(initial=0.0)) + GGN_FLOOR * mean_r, lam)
-        xtx_t, ev, inv_np, matrix = torch.from_numpy(ggn_np), None, None, "XᵀRX"  # XᵀRX + λ'I is inverted below
+        xtx_d, ev, inv_np, matrix = torch.from_numpy(ggn_np), None, None, "XᵀRX"  # XᵀRX + λ'I is inverted below
     inv, cond = cholesky_inverse(
-        xtx_t,
+        xtx_d,
         lam,
         n,
         model_id=model_id,
@@ -744,6 +775,7 @@ def solve(
         inverse=inv_np,
         matrix=matrix,
         condition_bound=bound,
+        linalg_device=linalg_device,
     )
     info = {
         **extra,

@@ -391,7 +391,8 @@ def finalize_model(
 ) -> dict:
     """Partials → XᵀX → A = (XᵀX + λI)⁻¹, written to the store; returns finalize's record. Idempotent.
     ``progress(n)`` once the inverse is written (finalize makes no pass over the rows). Partials not yet in the
-    store are computed on ``device`` (:func:`shard_partial`)."""
+    store are computed on ``device`` (:func:`shard_partial`), and on a GPU the solve's eigenvalues and inverses
+    too (:func:`damping.solve`'s ``linalg_device``; on the CPU, LAPACK through scipy is the faster)."""
     recorded = store.finalize_info(model_id) if store.has_model(model_id) else None  # as store.is_finalized
     if recorded is not None:
         return recorded
@@ -408,7 +409,10 @@ def finalize_model(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trak-partial") as writer:
         total, sums, writes, ggn = _sum_partials(store, model_id, writer, device)
         kw = _solve_inputs(store, model_id, rule, sums, ggn)
-        inv, info = solve(total, store.meta.train_set_size, rule, rescale, model_id=model_id, **kw)
+        linalg_device = None if device is None or torch.device(device).type == "cpu" else torch.device(device)
+        inv, info = solve(
+            total, store.meta.train_set_size, rule, rescale, model_id=model_id, linalg_device=linalg_device, **kw
+        )
         for w in writes:  # the partials are in the store before the inverse is
             w.result()
     store.write_inverse(model_id, inv)

@@ -3,12 +3,15 @@ from float32 eigenvalues checked against the exact effective dimension, and the 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
 
 from trak_core import damping, reduce
 from trak_core.damping import parse_lambda_reg, resolve_lambda
+from trak_core.errors import IllConditionedWarning
 from trak_core.store import StoreMetadata, TrakStore, mirror_upper
 
 
@@ -40,6 +43,11 @@ def test_mirror_upper_fills_the_lower_triangle():
     a = np.arange(49.0).reshape(7, 7)
     want = np.triu(a) + np.triu(a, 1).T
     np.testing.assert_array_equal(mirror_upper(a.copy(), block=3), want)
+    from trak_core import linalg_device as dl
+
+    t = torch.from_numpy(a.copy())
+    assert dl.mirror_upper(t) is t  # the device path's mirror, in place
+    np.testing.assert_array_equal(t.numpy(), want)
 
 
 CASES = [
@@ -303,12 +311,179 @@ def test_device_gram_is_the_float64_gram_exactly_symmetric(monkeypatch, dtype):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-13 * np.abs(want).max())
 
 
+# ---------------------------------------------------------------------------------------------- the solve on a device
+# trak_core.linalg_device runs finalize's linear algebra with torch where XᵀX is on a GPU run; here on CPU tensors
+# against the LAPACK primitives, and on a GPU by the cuda tests below.
+
+
+def _host_lapack_forbidden(monkeypatch) -> None:
+    """Make the host LAPACK primitives of the solve fail, so that a solve on a device proves it does not use them."""
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("host LAPACK called by a solve on a device")
+
+    for name in ("lapack_inverse", "_float32_eigenvalues", "_host_positive_definite"):
+        monkeypatch.setattr(damping, name, forbidden)
+
+
+def _check_primitives(device: str) -> None:
+    from trak_core import linalg_device as dl
+
+    for n, p, alpha in ((40, 7, 0.0), (600, 300, 1.0), (1200, 530, 2.0)):
+        x = _x(n, p, alpha=alpha, seed=p)
+        a = x.T @ x
+        ref = np.linalg.eigvalsh(a.astype(np.float32).astype(np.float64))
+        ev = dl.float32_eigenvalues(a, device)
+        assert isinstance(ev, np.ndarray) and ev.dtype == np.float64 and np.all(np.diff(ev) >= 0)
+        # float32 eigenvalues: within the documented ~2e-6 × σ_max of the float64 ones, as LAPACK's float32 ones
+        np.testing.assert_allclose(ev, ref, rtol=0, atol=2e-6 * ref[-1])
+        np.testing.assert_allclose(damping._float32_eigenvalues(a), ref, rtol=0, atol=2e-6 * ref[-1])
+        lam = 1e-3 * np.trace(a) / p
+        want = damping.lapack_inverse(a, lam)
+        for arg in (a, torch.from_numpy(a).to(device)):
+            inv = dl.cholesky_inverse(arg, lam, device)
+            assert inv.device.type == torch.device(device).type and inv.dtype == torch.float64
+            assert torch.equal(inv, inv.T) and inv.is_contiguous()
+            host = dl.to_host(inv)
+            assert host.flags.c_contiguous and np.array_equal(host, host.T)
+            np.testing.assert_allclose(host, want, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+            d, slope = dl.exact_deff_terms(inv, lam)
+            d_ref, slope_ref = damping._exact_deff_terms(want, lam)
+            assert d == pytest.approx(d_ref, rel=1e-10) and slope == pytest.approx(slope_ref, rel=1e-9)
+        low = float(np.linalg.eigvalsh(a)[0])  # > 0: n > p, full rank
+        t = torch.from_numpy(a).to(device)
+        for shift in (-0.5 * low, -2.0 * low):
+            assert dl.positive_definite(t, shift) == damping._host_positive_definite(a, shift) == (shift > -low)
+    assert dl.cholesky_inverse(-np.eye(5), 0.0, device) is None  # not positive definite, like lapack_inverse
+    assert damping.lapack_inverse(-np.eye(5), 0.0) is None
+    nan = np.eye(5)
+    nan[1, 2] = nan[2, 1] = np.nan
+    assert dl.cholesky_inverse(nan, 0.0, device) is None
+    zero_col = np.eye(6)
+    zero_col[3, 3] = 0.0  # exactly singular at λ = 0
+    assert dl.cholesky_inverse(zero_col, 0.0, device) is None and damping.lapack_inverse(zero_col, 0.0) is None
+
+
+def test_torch_linalg_primitives_on_the_cpu_equal_lapacks():
+    """linalg_device's eigenvalues, Cholesky inverse, rank test and exact d_eff terms (on CPU tensors here) equal
+    damping's LAPACK ones: float32 eigenvalues within their round-off, the inverse within 1e-10 relative and exactly
+    symmetric, None where XᵀX + λI is not positive definite."""
+    _check_primitives("cpu")
+
+
+SOLVE_CASES = [
+    # (n, p, alpha, zero_columns): the fast deff path (p > 512), rank-deficient n < p, the float64 path (p ≤ 512),
+    # an exactly singular XᵀX at p > 512 (a dead coordinate: the general path at λ = 0)
+    (1200, 560, 1.0, 0),
+    (300, 560, 0.0, 0),
+    (500, 200, 1.5, 0),
+    (900, 560, 1.0, 1),
+]
+
+
+def _check_solve_on(device: str, n: int, p: int, alpha: float, zero_columns: int, setting, monkeypatch) -> None:
+    x = _x(n, p, alpha=alpha, seed=n + p)
+    x[:, :zero_columns] = 0.0
+    a = x.T @ x
+    rule = parse_lambda_reg(setting)
+    rn = (x**2).sum(axis=1)
+    kw = {"xtq": x.sum(axis=0), "qtq": float(n), "row_norm4": float(rn @ rn), "q2x2": float(rn.sum())}  # q = 1
+    with warnings.catch_warnings(record=True) as host_warned:
+        warnings.simplefilter("always")
+        inv_h, info_h = damping.solve(a.copy(), n, rule, **kw)
+    _host_lapack_forbidden(monkeypatch)
+    with warnings.catch_warnings(record=True) as dev_warned:
+        warnings.simplefilter("always")
+        inv_d, info_d = damping.solve(a.copy(), n, rule, linalg_device=device, **kw)
+    if p > damping.EXACT_CONDITION_MAX_P and n > p and not zero_columns:  # the fast path decides on the device
+        assert damping.solve_deff_fast(a, [0.1], n, linalg_device=device) is not None
+    monkeypatch.undo()
+    ill = [[str(w.message) for w in ws if w.category is IllConditionedWarning] for ws in (host_warned, dev_warned)]
+    assert len(ill[0]) == len(ill[1]) and [m.split(" (")[0] for m in ill[0]] == [m.split(" (")[0] for m in ill[1]]
+    assert isinstance(inv_d, np.ndarray) and inv_d.dtype == np.float64 and inv_d.flags.c_contiguous
+    assert info_d.keys() == info_h.keys() and info_d["lambda_setting"] == info_h["lambda_setting"]
+    lam = info_d["lambda_reg"]
+    if rule.deff or rule.neff or any(r.deff or r.neff for r in rule.parts):
+        # float32 eigenvalues from another algorithm: λ is the rule's to within the fast path's acceptance
+        # (a Newton step of at most DEFF_LOG_TOL in log λ), like the host's
+        ref = _reference_lambda(setting, x, n)
+        assert lam == pytest.approx(ref, rel=2 * damping.DEFF_LOG_TOL)
+        assert lam == pytest.approx(info_h["lambda_reg"], rel=4 * damping.DEFF_LOG_TOL)
+    else:
+        assert lam == pytest.approx(info_h["lambda_reg"], rel=1e-12)
+    if zero_columns and lam == 0:  # singular: the pseudo-inverse of the general path, on either side
+        assert np.isinf(info_d["condition"]) and np.isinf(info_h["condition"]) and ill[1]
+        np.testing.assert_allclose(inv_d, inv_h, rtol=1e-9, atol=1e-9 * np.abs(inv_h).max())
+        return
+    assert np.array_equal(inv_d, inv_d.T)  # the Cholesky inverse, mirrored
+    want = np.linalg.inv(a + lam * np.eye(p))
+    want /= np.abs(want).mean()
+    np.testing.assert_allclose(inv_d, want, rtol=1e-9, atol=1e-12 * np.abs(want).max())
+    if lam == info_h["lambda_reg"]:
+        np.testing.assert_allclose(inv_d, inv_h, rtol=1e-10, atol=1e-12 * np.abs(inv_h).max())
+    assert info_d["condition"] == pytest.approx(info_h["condition"], rel=1e-3)
+
+
+SOLVE_SETTINGS = [(*case, setting) for case in SOLVE_CASES for setting in ("adaptive", "deff:0.1", 0.5)] + [
+    (*SOLVE_CASES[-1], 0.0)
+]
+
+
+@pytest.mark.parametrize("n,p,alpha,zero_columns,setting", SOLVE_SETTINGS)
+def test_solve_with_torch_on_the_cpu_equals_the_host_solve(n, p, alpha, zero_columns, setting, monkeypatch):
+    """damping.solve with linalg_device="cpu" (torch's linalg, no host LAPACK call) gives the host solve's λ
+    (the deff rules: both within their tolerance of the float64 rule) and its inverse: (XᵀX + λI)⁻¹ / mean|·| to
+    float64 round-off, exactly symmetric, the same warnings; the pseudo-inverse where XᵀX is singular at λ = 0."""
+    _check_solve_on("cpu", n, p, alpha, zero_columns, setting, monkeypatch)
+
+
+def test_ggn_solve_with_torch_on_the_cpu_equals_the_host_solve(monkeypatch):
+    """curvature="ggn" (XᵀRX + β·mean(r)·XᵀX, λ transferred from XᵀX's rule) solved with torch: the host's λ to the
+    deff tolerance and (H + λ'I)⁻¹ to float64 round-off."""
+    n, p = 1000, 560
+    x = _x(n, p, alpha=1.0, seed=11)
+    q = np.random.default_rng(11).uniform(0, 1, n).astype(np.float32)
+    r = damping.loss_curvature(q)
+    ggn = x.T @ (x * r[:, None])
+    a = x.T @ x
+    inv_h, info_h = damping.solve(a, n, parse_lambda_reg("deff:0.1"), ggn=ggn, out_to_loss=q)
+    _host_lapack_forbidden(monkeypatch)
+    inv_d, info_d = damping.solve(a, n, parse_lambda_reg("deff:0.1"), ggn=ggn, out_to_loss=q, linalg_device="cpu")
+    assert info_d["curvature"] == "ggn" and info_d.keys() == info_h.keys()
+    assert info_d["lambda_reg"] == pytest.approx(info_h["lambda_reg"], rel=4 * damping.DEFF_LOG_TOL)
+    h = damping.ggn_curvature(ggn, a, float(r.mean()))
+    want = np.linalg.inv(h + info_d["lambda_reg"] * np.eye(p))
+    assert np.array_equal(inv_d, inv_d.T)
+    np.testing.assert_allclose(inv_d, want / np.abs(want).mean(), rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("setting", ["adaptive", 0.5])
-def test_finalize_on_a_gpu_equals_the_host(tmp_path, setting):
+def test_torch_linalg_primitives_on_a_gpu_equal_lapacks():
+    """linalg_device on the GPU: the float32 eigenvalues within their round-off of the float64 ones, the Cholesky
+    inverse within 1e-10 of LAPACK's and exactly symmetric, None where not positive definite (or not finite)."""
+    _check_primitives("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,p,alpha,zero_columns,setting", SOLVE_SETTINGS)
+def test_solve_on_a_gpu_equals_the_host_solve(n, p, alpha, zero_columns, setting, monkeypatch):
+    """damping.solve with linalg_device="cuda" (no host LAPACK call): the host's λ (deff rules: within their
+    tolerance) and (XᵀX + λI)⁻¹ / mean|·| to float64 round-off, exactly symmetric, on the host, the same warnings."""
+    _check_solve_on("cuda", n, p, alpha, zero_columns, setting, monkeypatch)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("setting", ["adaptive", "deff:0.1", 0.5])
+def test_finalize_on_a_gpu_equals_the_host(tmp_path, monkeypatch, setting):
     """Partials computed on a GPU (TRAKer's or a featurize task's device) are the host's float64 partials up to
-    summation order, and finalize gives the same λ and inverse to float64 round-off."""
+    summation order; finalize on the GPU (TRAKer's call: engine.finalize with its device) solves there (no host
+    LAPACK call) and gives the host's λ (deff rules: within their tolerance of the float64 rule) and the inverse
+    (XᵀX + λI)⁻¹ / mean|·| as stored (float32)."""
+    from trak_core import engine
+
     n, p = 2500, 600
     x = _x(n, p, alpha=1.0, seed=5).astype(np.float32)
     a = _store_with_rows(tmp_path / "a", x, chunk_rows=250, shard_rows=1000, partials=False)
@@ -318,7 +493,20 @@ def test_finalize_on_a_gpu_equals_the_host(tmp_path, setting):
         assert np.array_equal(gpu, gpu.T)
         np.testing.assert_allclose(gpu, host, rtol=1e-12, atol=1e-13 * np.abs(host).max())
     ia = reduce.finalize_model(a, 0, setting)
-    ib = reduce.finalize_model(b, 0, setting, device="cuda")
-    assert ia.keys() == ib.keys() and ia["lambda_reg"] == pytest.approx(ib["lambda_reg"], rel=1e-9)
-    inv_a, inv_b = a.model(0).inverse[:], b.model(0).inverse[:]
-    np.testing.assert_allclose(inv_b, inv_a, rtol=1e-7, atol=1e-9 * np.abs(inv_a).max())
+    _host_lapack_forbidden(monkeypatch)
+    ib, skipped, _ = engine.finalize(b, 0, setting, True, device="cuda")
+    monkeypatch.undo()
+    assert not skipped and ia.keys() == ib.keys()
+    lam = ib["lambda_reg"]
+    if isinstance(setting, float):
+        assert lam == pytest.approx(ia["lambda_reg"], rel=1e-12)
+    else:
+        assert lam == pytest.approx(_reference_lambda(setting, x, n), rel=2 * damping.DEFF_LOG_TOL)
+        assert lam == pytest.approx(ia["lambda_reg"], rel=4 * damping.DEFF_LOG_TOL)
+    assert ib["condition"] == pytest.approx(ia["condition"], rel=1e-3)
+    xd = x.astype(np.float64)
+    inv = np.linalg.inv(xd.T @ xd + lam * np.eye(p))
+    want = inv / np.abs(inv).mean()
+    inv_b = b.inverse(0)
+    np.testing.assert_allclose(inv_b, want, rtol=1e-6, atol=1e-9 * np.abs(want).max())  # stored in float32
+    assert np.array_equal(inv_b, inv_b.T)
