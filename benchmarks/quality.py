@@ -736,7 +736,7 @@ def compression(rows: dict, dims: list[int], cases: list[str], ad: str) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["truth", "eval", "traker", "report"])
-    ap.add_argument("--cases", nargs="*", default=None)
+    ap.add_argument("--cases", nargs="*", default=None, help=f"default: all but {', '.join(LARGE_CASES)}")
     ap.add_argument("--kinds", nargs="*", default=["dense"])
     ap.add_argument("--proj-dims", nargs="*", type=int, default=[512])
     ap.add_argument("--settings", nargs="*", default=["0", "rel:0.3"])
@@ -744,11 +744,11 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None, help="append result rows (without per-target values) to this file")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    if args.what == "report":
-        report(args.json.split(","), args.proj_dims, args.cases or list(make_cases()))
-        return
     cases = make_cases()
-    names = args.cases or list(cases)
+    names = args.cases or [c for c in cases if c not in LARGE_CASES]  # the large ones named: hours of training
+    if args.what == "report":
+        report(args.json.split(","), args.proj_dims, names)
+        return
     out = []
     for name in names:
         case = cases[name]
