@@ -54,8 +54,15 @@ def cells(a) -> list[dict]:
                 impls.append("traker-fastjl")
             for i in impls:
                 out.append(
-                    {"model": m, "impl": i, "n": n, "batch": bs, "proj_dim": p, "warm_runs": a.warm_runs}
-                    | {"device": a.device}
+                    {
+                        "model": m,
+                        "impl": i,
+                        "n": n,
+                        "batch": bs,
+                        "proj_dim": p,
+                        "warm_runs": a.warm_runs,
+                        "device": a.device,
+                    }
                 )
             if a.baseline:
                 out.append({**out[-len(impls) + 1], "tree": os.path.abspath(a.baseline)})  # the factored cell

@@ -484,11 +484,7 @@ def lapack_inverse(xtx: np.ndarray | torch.Tensor, lam: float) -> np.ndarray | N
     torch.cholesky_inverse (which also leaves a column-major result)."""
     from scipy.linalg import lapack
 
-    reg = np.array(xtx.numpy() if isinstance(xtx, torch.Tensor) else xtx, dtype=np.float64, order="C", copy=True)
-    reg.flat[:: reg.shape[0] + 1] += lam
-    # symmetric: the transpose view is Fortran-ordered, so LAPACK works on this buffer without copying
-    # (its lower triangle is our upper one)
-    c, info = lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)
+    reg, (c, info) = _potrf_shifted(xtx, lam)
     if info != 0:
         return None
     c, info = lapack.dpotri(c, lower=1, overwrite_c=1)
@@ -593,13 +589,20 @@ def _float32_eigenvalues(xtx: np.ndarray) -> np.ndarray:
     return np.sort(ev.astype(np.float64))
 
 
-def _host_positive_definite(xtx: np.ndarray, shift: float) -> bool:
-    """Whether ``xtx`` + ``shift`` · I has a float64 Cholesky factorization (LAPACK's potrf on one copy)."""
+def _potrf_shifted(xtx: np.ndarray | torch.Tensor, shift: float) -> tuple[np.ndarray, tuple]:
+    """(the float64 copy of ``xtx`` + ``shift`` · I, LAPACK's potrf of it in place: (factor, info)). Symmetric: the
+    transpose view is Fortran-ordered, so LAPACK works on the copy without another (its lower triangle is our
+    upper one)."""
     from scipy.linalg import lapack
 
-    reg = np.array(xtx, dtype=np.float64, order="C", copy=True)
+    reg = np.array(xtx.numpy() if isinstance(xtx, torch.Tensor) else xtx, dtype=np.float64, order="C", copy=True)
     reg.flat[:: reg.shape[0] + 1] += shift
-    return lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)[1] == 0
+    return reg, lapack.dpotrf(reg.T, lower=1, clean=0, overwrite_a=1)
+
+
+def _host_positive_definite(xtx: np.ndarray, shift: float) -> bool:
+    """Whether ``xtx`` + ``shift`` · I has a float64 Cholesky factorization (LAPACK's potrf on one copy)."""
+    return _potrf_shifted(xtx, shift)[1][1] == 0
 
 
 def _exact_deff_terms(inv: np.ndarray, lam: float) -> tuple[float, float]:
