@@ -9,7 +9,10 @@ lr 0.01, batch 64, ~90 % train accuracy — its checkpoints are the demo's), ``c
 gradients 70–1,700×; ``LARGE_CASES``, models in examples/digits_large.py, 8 / 6 epochs of mini-batch Adam with the
 pipeline's trainer, about a minute or two of training for their ground truth on one core): ``wide-mlp`` (digits,
 64→512→512→256→10, 429,834 parameters) and ``bn-conv`` (digits as 8×8 images, three conv + BatchNorm layers and
-two linear, 293,290 parameters). Their noop rows are out of reach (grad_dim² XᵀX).
+two linear, 293,290 parameters); and ``small-lm``, a transformers GPT-2 of width 128 (examples/gpt.py ``wide_model``,
+415,360 parameters) trained with AdamW on 480 character-level texts of the standard library's docstrings (30 epochs'
+worth of steps), attributed with ``task="causal_lm"`` on 200 held-out texts: its output and ground truth are the
+log-odds of the target text. Their noop rows are out of reach (grad_dim² XᵀX).
 Per case, C checkpoints are trained on all train rows and M models on random half subsets
 (``trak_core.lds.subset_masks``, one init seed per subset), each with the case's recipe; the ground truth is
 the subset models' margin log(p/(1−p)) on the held-out targets. It is cached under ``.cache/lds/`` (keyed by
@@ -83,6 +86,8 @@ class Case:
     task: str
     train_fn: Any  # (seed, rows | None) -> trained model (eval mode)
     recipe: dict = field(default_factory=dict)
+    #: (model, targets) -> (margins float64 (m,), accuracy or None); default: classification margins
+    outputs: Any = None
 
 
 def _digits_targets(num: int = 200):
@@ -143,12 +148,32 @@ WINE_SGD = {"epochs": 3, "batch_size": 16, "optimizer": "sgd", "lr": 0.003, "mom
 # recipes of the larger cases (mini-batch Adam, a few epochs: one model in seconds on one core)
 WIDE_ADAM = {"epochs": 8, "batch_size": 64, "optimizer": "adam", "lr": 0.001, "momentum": 0.0, "weight_decay": 0.0}
 BN_ADAM = {"epochs": 6, "batch_size": 64, "optimizer": "adam", "lr": 0.001, "momentum": 0.0, "weight_decay": 0.0}
+# the small LM's recipe: AdamW, batches of 32 drawn with replacement, 30 epochs' worth of steps
+LM_ADAMW = {"opt": "adamw", "epochs": 30, "batch": 32, "lr": 3e-3, "weight_decay": 0.01, "targets": 200}
 #: the cases of 10⁵–10⁶ parameters (proj_dim 256–4096 compresses them 70–1,700×)
-LARGE_CASES = ("wide-mlp", "bn-conv")
+LARGE_CASES = ("wide-mlp", "bn-conv", "small-lm")
+
+
+def _lm_train(seed, rows):
+    from examples import gpt
+
+    n = gpt.NUM_TRAIN if rows is None else len(rows)
+    steps = LM_ADAMW["epochs"] * n // LM_ADAMW["batch"]
+    return gpt.train(seed, steps, LM_ADAMW["batch"], LM_ADAMW["lr"], rows=rows, model_fn=gpt.wide_model)[0]
+
+
+def _lm_outputs(model, targets) -> tuple[np.ndarray, None]:
+    """The causal_lm model output on each target sequence: log(p / (1 − p)), p the sequence's probability."""
+    from trak_core.modelout import log_odds, sequence_log_prob
+
+    ids, mask, labels = targets
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.double()
+    return log_odds(sequence_log_prob(logits, labels)).numpy(), None
 
 
 def make_cases() -> dict[str, Case]:
-    from examples import digits, digits_conv, digits_large, tabular, text
+    from examples import digits, digits_conv, digits_large, gpt, tabular, text
 
     demo = _demo_recipe()
 
@@ -267,6 +292,18 @@ def make_cases() -> dict[str, Case]:
                 _pipeline_recipe("examples.digits_large:bn_conv_model", "examples.digits_conv:train_data", **BN_ADAM),
                 {"trainer": "tasks.trainer", **BN_ADAM},
             ),
+            Case(
+                "small-lm",
+                "a GPT-2 (transformers) of width 128, 2 layers (415,360 params), characters of stdlib docstrings, "
+                "n=480, 200 held-out texts, causal_lm",
+                gpt.wide_model,
+                gpt.train_data,
+                lambda: gpt.target_data(LM_ADAMW["targets"]),
+                "causal_lm",
+                _lm_train,
+                LM_ADAMW,
+                _lm_outputs,
+            ),
         ]
     }
 
@@ -275,6 +312,14 @@ def make_cases() -> dict[str, Case]:
 def _logits(model, batch: tuple) -> torch.Tensor:
     with torch.no_grad():
         return model(*batch[:-1])
+
+
+def _outputs(case: Case, model, targets: tuple) -> tuple[np.ndarray, float | None]:
+    """The ground truth's model outputs on the targets (float64) and the target accuracy where there is one."""
+    if case.outputs is not None:
+        return case.outputs(model, targets)
+    z = _logits(model, targets)
+    return margins_from_logits(z, targets[-1]), float((z.argmax(1) == targets[-1]).float().mean())
 
 
 def ground_truth(case: Case, num_subsets: int = NUM_SUBSETS, num_ckpts: int = NUM_CKPTS, log=print) -> dict:
@@ -295,10 +340,11 @@ def ground_truth(case: Case, num_subsets: int = NUM_SUBSETS, num_ckpts: int = NU
     accs = []
     for s in range(num_subsets):
         model = case.train_fn(1000 + s, np.flatnonzero(masks[s]))
-        z = _logits(model, targets)
-        margins[s] = margins_from_logits(z, targets[-1])
-        accs.append(float((z.argmax(1) == targets[-1]).float().mean()))
-    ck_acc = [float((_logits(m, targets).argmax(1) == targets[-1]).float().mean()) for m in ckpts]
+        margins[s], acc = _outputs(case, model, targets)
+        accs.append(np.nan if acc is None else acc)
+        if (s + 1) % 10 == 0:
+            log(f"{case.name}: {s + 1}/{num_subsets} subset models, {time.perf_counter() - t0:.0f} s")
+    ck_acc = [np.nan if (a := _outputs(case, m, targets)[1]) is None else a for m in ckpts]
     out = {
         "masks": masks,
         "margins": margins,

@@ -14,6 +14,7 @@ Run it (measured: 25 CPU-seconds in all, 107 s wall on 2 cores shared with a loa
 Import paths for the pipeline config::
 
     model:       examples.gpt:make_model      # a GPT2LMHeadModel from the config (weights from the checkpoints)
+                 examples.gpt:wide_model      # the same at width 128 (415,360 parameters; benchmarks/quality.py)
     train_data:  examples.gpt:train_data      # (input_ids, attention_mask, labels) [N, T], right-padded
     target_data: examples.gpt:target_data
     task:        causal_lm
@@ -45,13 +46,13 @@ NUM_TRAIN, NUM_TARGETS = 480, 6
 OUT = Path("trakflow_gpt")
 
 
-def config():
+def config(n_embd: int = 48):
     from transformers import GPT2Config
 
     return GPT2Config(
         vocab_size=VOCAB,
         n_positions=SEQ_LEN,
-        n_embd=48,
+        n_embd=n_embd,
         n_layer=2,
         n_head=4,
         bos_token_id=BOS,
@@ -63,12 +64,17 @@ def config():
     )
 
 
-def make_model():
+def make_model(n_embd: int = 48):
     """A GPT2LMHeadModel built from :func:`config` (random weights: a checkpoint replaces them), in eval mode."""
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(config()).eval()
+    return GPT2LMHeadModel(config(n_embd)).eval()
+
+
+def wide_model():
+    """The same GPT at width 128: 415,360 parameters (the attribution-quality case ``small-lm``)."""
+    return make_model(n_embd=128)
 
 
 # ---------------------------------------------------------------------------- corpus
@@ -101,8 +107,8 @@ def _chunks(text: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def corpus() -> tuple[str, ...]:
-    """The texts (unique, in a fixed shuffled order): NUM_TRAIN train rows, then NUM_TARGETS targets."""
+def all_texts() -> tuple[str, ...]:
+    """Every text of the corpus (unique, in a fixed shuffled order; 745 with CPython 3.12)."""
     seen: dict[str, None] = {}
     for name in MODULES:
         for doc in _docstrings(name):
@@ -110,10 +116,16 @@ def corpus() -> tuple[str, ...]:
                 seen.setdefault(chunk, None)
     texts = list(seen)
     order = np.random.default_rng(0).permutation(len(texts))
-    texts = [texts[i] for i in order]
-    if len(texts) < NUM_TRAIN + NUM_TARGETS:
-        raise RuntimeError(f"the docstrings of {MODULES} give {len(texts)} texts, fewer than the example needs")
-    return tuple(texts[: NUM_TRAIN + NUM_TARGETS])
+    return tuple(texts[i] for i in order)
+
+
+def corpus(num_targets: int = NUM_TARGETS) -> tuple[str, ...]:
+    """NUM_TRAIN train texts, then ``num_targets`` held-out ones."""
+    texts = all_texts()
+    if len(texts) < NUM_TRAIN + num_targets:
+        need = NUM_TRAIN + num_targets
+        raise RuntimeError(f"the docstrings of {MODULES} give {len(texts)} texts, fewer than the {need} needed")
+    return texts[: NUM_TRAIN + num_targets]
 
 
 def encode(texts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,25 +143,27 @@ def train_data():
     return encode(corpus()[:NUM_TRAIN])
 
 
-def target_data():
-    return encode(corpus()[NUM_TRAIN:])
+def target_data(num: int = NUM_TARGETS):
+    return encode(corpus(num)[NUM_TRAIN:])
 
 
 # ---------------------------------------------------------------------------- training
-def train(seed: int, steps: int = 300, batch: int = 32, lr: float = 3e-3):
-    """AdamW on the train rows (the loss of transformers' causal LM: mean cross-entropy over scored tokens)."""
-    model = make_model()
+def train(seed: int, steps: int = 300, batch: int = 32, lr: float = 3e-3, rows=None, model_fn=make_model):
+    """AdamW on the train rows (the loss of transformers' causal LM: mean cross-entropy over scored tokens);
+    each step a batch drawn with replacement from ``rows`` (indices; default all)."""
+    model = model_fn()
     torch.manual_seed(seed)
     for p in model.parameters():  # each checkpoint from its own initialization
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.02)
     ids, mask, labels = train_data()
+    pool = torch.arange(ids.shape[0]) if rows is None else torch.as_tensor(np.asarray(rows), dtype=torch.long)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(steps):
-        rows = torch.randint(0, ids.shape[0], (batch,), generator=g)
-        loss = model(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows]).loss
+        pick = pool[torch.randint(0, pool.numel(), (batch,), generator=g)]
+        loss = model(input_ids=ids[pick], attention_mask=mask[pick], labels=labels[pick]).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
