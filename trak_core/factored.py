@@ -178,6 +178,7 @@ from .factored_layout import (
     model_layout,
     name_hash,
 )
+from .factored_mha import ATTENTION, AttentionHooks, attention_blocks
 from .gradients import vectorize
 from .projector_base import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
@@ -448,6 +449,8 @@ class FactoredProjector(AbstractProjector):
         try:
             for b in hooked:
                 for mname, use, with_bias in uses.get(b.name, ((b.name, b.kind, b.bias),)):
+                    if use == ATTENTION:  # applied inside the attention function: AttentionHooks below
+                        continue
                     hook = _make_hook(b, facs[b.name], ctx, use, with_bias)
                     handles.append(model.get_submodule(mname).register_forward_hook(hook))
             per_example = substituted | set(other_names)
@@ -462,6 +465,8 @@ class FactoredProjector(AbstractProjector):
             subs = [
                 (b, weights[b.params[0]], weights[b.params[1]] if b.bias else None, *facs[b.name][:2]) for b in subst
             ]
+            attn = attention_blocks(hooked, uses)
+            mode = AttentionHooks([(b, facs[b.name]) for b in attn], ctx) if attn else None
 
             def out_fn(zs, other_w, shared, *sample):
                 ctx["z"] = zs
@@ -476,7 +481,11 @@ class FactoredProjector(AbstractProjector):
                     w[b.params[0]] = fixed[b.params[0]] + shared[b.name] * r_w
                     if r_b is not None:
                         w[b.params[1]] = fixed[b.params[1]] + shared[b.name] * r_b
-                return task.get_output(model, w, buffers, *sample)
+                if mode is None:
+                    return task.get_output(model, w, buffers, *sample)
+                mode.bind(w)
+                with mode:
+                    return task.get_output(model, w, buffers, *sample)
 
             shared = {b.name: torch.zeros((), device=self.device, dtype=wdt) for b, _, _ in probes}
             gz, go, gs, out = _per_example_grads(
