@@ -136,6 +136,11 @@ the gradient computer) with a zero k_out × k_in matrix Z per block and differen
   weight's own), so the projection is the matrix block's, unchanged. A weight tied between modules (a token
   embedding and an output head) gets one hook per module on the same Z: ∂f/∂Z sums both uses, as the gradient
   does. The check above covers these hooks too;
+* ``nn.MultiheadAttention``'s in-projection (``in_proj_weight`` + ``in_proj_bias``, or ``q/k/v_proj_weight``) and
+  ``out_proj`` weight and bias, which its attention function applies with ``F.linear``: a ``TorchFunctionMode``
+  runs torch's own attention function with a ``linear`` that adds the same term to each call whose weight is the
+  block's (or a slice of its rows, as the packed in-projection splits it for cross-attention); see
+  :mod:`trak_core.factored_mha`. The check above covers these too;
 * the other matrix blocks ("weight substitution"): the output function gets W + P_out Z P_inᵀ (and b + P_out Z
   p_in,last) in place of W (and b) through ``functional_call``; this works for any use of the parameter.
   Cost per example: the d_out × d_in perturbed weight (materialized per example, as the per-example
