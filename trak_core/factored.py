@@ -136,6 +136,11 @@ the gradient computer) with a zero k_out × k_in matrix Z per block and differen
   weight's own), so the projection is the matrix block's, unchanged. A weight tied between modules (a token
   embedding and an output head) gets one hook per module on the same Z: ∂f/∂Z sums both uses, as the gradient
   does. The check above covers these hooks too;
+* ``nn.MultiheadAttention``'s in-projection (``in_proj_weight`` + ``in_proj_bias``, or ``q/k/v_proj_weight``) and
+  ``out_proj`` weight and bias, which its attention function applies with ``F.linear``: a ``TorchFunctionMode``
+  runs torch's own attention function with a ``linear`` that adds the same term to each call whose weight is the
+  block's (or a slice of its rows, as the packed in-projection splits it for cross-attention); see
+  :mod:`trak_core.factored_mha`. The check above covers these too;
 * the other matrix blocks ("weight substitution"): the output function gets W + P_out Z P_inᵀ (and b + P_out Z
   p_in,last) in place of W (and b) through ``functional_call``; this works for any use of the parameter.
   Cost per example: the d_out × d_in perturbed weight (materialized per example, as the per-example
@@ -178,6 +183,7 @@ from .factored_layout import (
     model_layout,
     name_hash,
 )
+from .factored_mha import ATTENTION, AttentionHooks, attention_blocks
 from .gradients import vectorize
 from .projector_base import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
@@ -448,6 +454,8 @@ class FactoredProjector(AbstractProjector):
         try:
             for b in hooked:
                 for mname, use, with_bias in uses.get(b.name, ((b.name, b.kind, b.bias),)):
+                    if use == ATTENTION:  # applied inside the attention function: AttentionHooks below
+                        continue
                     hook = _make_hook(b, facs[b.name], ctx, use, with_bias)
                     handles.append(model.get_submodule(mname).register_forward_hook(hook))
             per_example = substituted | set(other_names)
@@ -462,6 +470,8 @@ class FactoredProjector(AbstractProjector):
             subs = [
                 (b, weights[b.params[0]], weights[b.params[1]] if b.bias else None, *facs[b.name][:2]) for b in subst
             ]
+            attn = attention_blocks(hooked, uses)
+            mode = AttentionHooks([(b, facs[b.name]) for b in attn], ctx) if attn else None
 
             def out_fn(zs, other_w, shared, *sample):
                 ctx["z"] = zs
@@ -476,7 +486,11 @@ class FactoredProjector(AbstractProjector):
                     w[b.params[0]] = fixed[b.params[0]] + shared[b.name] * r_w
                     if r_b is not None:
                         w[b.params[1]] = fixed[b.params[1]] + shared[b.name] * r_b
-                return task.get_output(model, w, buffers, *sample)
+                if mode is None:
+                    return task.get_output(model, w, buffers, *sample)
+                mode.bind(w)
+                with mode:
+                    return task.get_output(model, w, buffers, *sample)
 
             shared = {b.name: torch.zeros((), device=self.device, dtype=wdt) for b, _, _ in probes}
             gz, go, gs, out = _per_example_grads(

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from . import counter_rng
 from .errors import BadInputError
+from .factored_mha import ATTENTION, attention_bias, attention_owners, is_attention_weight
 from .gradients import grad_param_names
 from .projector_base import ProjectionType, as_proj_type
 
@@ -454,10 +455,12 @@ def _use_kind(mod: nn.Module) -> str | None:
 
 
 def matrix_uses(model: nn.Module, layout: Layout) -> dict[str, tuple]:
-    """The matrix blocks whose weight (and bias) the model uses only through module forwards the fast path hooks:
-    {block name: ((module name, use, with_bias), ...)}, use "linear" / "embedding" (the block's d_out × d_in
-    view is the module's) or "conv1d" (transformers' Conv1D: W [in, out], the view in × out); with_bias: that
-    module's bias is the block's bias. A weight tied between modules (an embedding and an output head) lists each.
+    """The matrix blocks whose weight (and bias) the model uses only through module forwards the fast path hooks,
+    or through ``nn.MultiheadAttention``'s attention function: {block name: ((module name, use, with_bias), ...)},
+    use "linear" / "embedding" (the block's d_out × d_in view is the module's), "conv1d" (transformers' Conv1D:
+    W [in, out], the view in × out) or "attention" (an attention's in-projection or out_proj weight,
+    :mod:`trak_core.factored_mha`); with_bias: that module's bias is the block's bias. A weight tied between modules
+    (an embedding and an output head) lists each.
     """
     if not layout.model_bound:
         return {}
@@ -465,6 +468,7 @@ def matrix_uses(model: nn.Module, layout: Layout) -> dict[str, tuple]:
     if not blocks:
         return {}
     params = dict(model.named_parameters())
+    roles = attention_owners(model)
     owners: dict[int, list] = {}  # id(parameter) → [(module name, module, attribute)]
     for mname, mod in model.named_modules():
         for pn, p in mod.named_parameters(recurse=False):
@@ -472,16 +476,28 @@ def matrix_uses(model: nn.Module, layout: Layout) -> dict[str, tuple]:
     out: dict[str, tuple] = {}
     for wname, b in blocks.items():
         w = params[wname]
-        uses = owners.get(id(w), [])
-        if not uses or any(pn != "weight" or _use_kind(mod) is None for _, mod, pn in uses):
+        uses = [(mname, mod, pn, _weight_use(mod, pn, roles)) for mname, mod, pn in owners.get(id(w), [])]
+        if not uses or any(kind is None for *_, kind in uses):
             continue
         bias = params[b.params[1]] if b.bias else None
-        if bias is not None:
-            mods = {id(mod) for _, mod, _ in uses}
-            bias_owners = owners.get(id(bias), [])
-            if any(pn != "bias" or id(mod) not in mods for _, mod, pn in bias_owners):
-                continue
+        battr = {id(mod): _bias_attr(mod, pn, roles) for _, mod, pn, _ in uses}
+        if bias is not None and any(battr.get(id(mod)) != pn for _, mod, pn in owners.get(id(bias), [])):
+            continue
         out[b.name] = tuple(
-            (mname, _use_kind(mod), bias is not None and getattr(mod, "bias", None) is bias) for mname, mod, _ in uses
+            (mname, kind, bias is not None and getattr(mod, battr[id(mod)] or "", None) is bias)
+            for mname, mod, _, kind in uses
         )
     return out
+
+
+def _weight_use(mod: nn.Module, attr: str, roles: dict) -> str | None:
+    """How ``mod`` uses its parameter ``attr`` where the fast path can hook it (None: it cannot)."""
+    if is_attention_weight(roles.get(id(mod)), attr):
+        return ATTENTION
+    return _use_kind(mod) if attr == "weight" else None
+
+
+def _bias_attr(mod: nn.Module, attr: str, roles: dict) -> str | None:
+    """The attribute of the bias ``mod`` applies with its weight ``attr`` (None: none)."""
+    role = roles.get(id(mod))
+    return attention_bias(role, attr) if role is not None else "bias"

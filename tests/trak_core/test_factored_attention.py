@@ -1,6 +1,7 @@
 """The factored projector on transformer-style models: embedding blocks (a forward hook gathering rows of
-P_out by token id) and matrix blocks (weight substitution, for 2-D parameters used outside a module's
-forward: nn.MultiheadAttention's in_proj_weight / out_proj, position tables, tied weights).
+P_out by token id) and matrix blocks (2-D parameters used outside a module's forward: nn.MultiheadAttention's
+in_proj_weight / out_proj, served inside its attention function (more cases: test_factored_mha.py), position
+tables and tied weights, by weight substitution).
 
 Every fast-path result is checked in float64 against two references: the projector applied to per-example
 gradients materialized by brute force (torch.func vmap(grad)), and the block definition
