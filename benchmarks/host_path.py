@@ -112,6 +112,7 @@ class _Pool:
         self.x = rng.standard_normal((rows, p), dtype=np.float32) * np.float32(0.02)
         self.q = rng.random(rows, dtype=np.float32)
         self.gram = np.eye(p, dtype=np.float64)
+        self.packed = self.gram[np.triu_indices(p)]
 
     def take(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         n = len(self.q)
@@ -123,17 +124,29 @@ class _Pool:
         return self.x[idx], self.q[idx]
 
 
+#: the device that the partials are computed "on": not the CPU, so that the production code takes its device path (the
+#: device's arithmetic itself is the precomputed Gram, :func:`_gram_precomputed`)
+DEVICE = "meta"
+
+
 @contextlib.contextmanager
 def _gram_precomputed(pool: _Pool):
-    """The device's Gram arithmetic replaced by the precomputed matrix (what ``.cpu().numpy()`` hands back)."""
+    """The device's Gram arithmetic replaced by the precomputed matrix: the packed triangle the device hands back
+    (``_device_upper``, what the production code then copies to the host), or where a version of the code has no
+    device packing, the full matrix (what ``shard_grams``' ``.cpu().numpy()`` hands back)."""
     from trak_core import reduce
 
-    real = reduce.shard_grams
-    reduce.shard_grams = lambda store, mid, shard, rows, q, device=None: (pool.gram.copy(), None)
+    if hasattr(reduce, "_device_upper"):
+        name, real = "_device_upper", reduce._device_upper
+        stand_in = lambda x, device, scale=None: torch.from_numpy(pool.packed)  # noqa: E731
+    else:
+        name, real = "shard_grams", reduce.shard_grams
+        stand_in = lambda store, mid, shard, rows, q, device=None, **k: (pool.gram.copy(), None)  # noqa: E731
+    setattr(reduce, name, stand_in)
     try:
         yield
     finally:
-        reduce.shard_grams = real
+        setattr(reduce, name, real)
 
 
 def run_traker(
@@ -160,6 +173,7 @@ def run_traker(
 
     tr.featurizer.featurize = handed_over
     tr._partials_while_featurizing = lambda: True  # the GPU setting (the Gram is precomputed)
+    tr._shards.device = DEVICE
     inputs, labels = torch.zeros(batch, 4), torch.zeros(batch, dtype=torch.long)
     t = time.perf_counter()
     for s in range(0, n, batch):
@@ -178,7 +192,7 @@ def run_traker(
 class _HandedOver:
     """A Featurizer stand-in for featurize_shard: X and Q from the pool."""
 
-    device = "cpu"
+    device = DEVICE
 
     def __init__(self, pool: _Pool):
         self.pool = pool

@@ -461,10 +461,11 @@ def write_rows(store: TrakStore, model_id: int, rows, x, q: np.ndarray, out: np.
     return store.write_train_rows(model_id, rows, x, q, out)
 
 
-def complete_shard(store: TrakStore, model_id: int, shard: int, device=None, x=None, q=None) -> None:
+def complete_shard(store: TrakStore, model_id: int, shard: int, device=None, x=None, q=None, buffers=None) -> None:
     """Store the XᵀX partial (and row sums) of a shard whose rows are all featurized, unless it is there; from
-    ``x``/``q`` (the shard's rows as written, still in memory) or read back."""
-    ensure_partial(store, model_id, shard, device, x, q)
+    ``x``/``q`` (the shard's rows as written, still in memory) or read back. ``buffers``: a caller's reused host
+    buffers for the partials (:class:`~trak_core.reduce.GramBuffers`)."""
+    ensure_partial(store, model_id, shard, device, x, q, buffers)
 
 
 def featurize_shard(

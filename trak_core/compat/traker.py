@@ -48,6 +48,7 @@ from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
 from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
+from ..reduce import GramBuffers
 from ..store.writer import BackgroundWriter
 from .savers import check_saver
 from .score_computers import score_computer_settings
@@ -540,6 +541,7 @@ class _ShardRuns:
         self.device = device
         self.run: dict | None = None
         self.buf: np.ndarray | None = None
+        self.grams = GramBuffers()  # the host buffers of the partials, reused shard after shard
 
     def _buffer(self, meta) -> np.ndarray:
         shape = (meta.rows_per_shard, meta.proj_dim)
@@ -586,4 +588,4 @@ class _ShardRuns:
                 self.run = None
                 if store.shard_featurized(mid, s):
                     rows_s = self._buffer(meta)[: sb - sa]
-                    engine.complete_shard(store, mid, s, self.device, rows_s, np.concatenate(run["q"]))
+                    engine.complete_shard(store, mid, s, self.device, rows_s, np.concatenate(run["q"]), self.grams)

@@ -1,0 +1,153 @@
+"""The host side of a shard's XᵀX partial: packed on the device and copied into reused host buffers
+(:class:`trak_core.reduce.GramBuffers`), packed on the host into them; the stored bytes are those of the plain path
+(the full Gram, mirrored, then :func:`pack_upper`). A device here is the CPU device standing in for a GPU (the
+production code takes its device branch for any device that is not the CPU, here ``meta``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trak_core import engine, reduce
+from trak_core.damping import loss_curvature
+from trak_core.store import StoreMetadata, TrakStore, pack_upper
+
+P = 24
+
+
+def _store(path, curvature: str = "xtx", dtype: str = "float16", n: int = 100, shard_rows: int = 32) -> TrakStore:
+    meta = StoreMetadata(
+        train_set_size=n, grad_dim=100, proj_dim=P, dtype=dtype, chunk_rows=16, shard_rows=shard_rows,
+        curvature=curvature,
+    )  # fmt: skip
+    st = TrakStore.create_or_open(str(path), meta)
+    st.init_model(0)
+    g = np.random.default_rng(3)
+    x = (g.standard_normal((n, P)) * g.uniform(0.2, 3.0, P)).astype(np.float32)
+    x[:, 5] = -0.0  # a column of negative zeros: Gram entries that are ±0
+    st.write_train_rows(0, slice(0, n), x, (g.uniform(0, 1, n) ** 3).astype(np.float32))
+    return st
+
+
+@pytest.fixture
+def device_on_cpu(monkeypatch):
+    """The device's float64 product run on the CPU device, whatever device is named."""
+    real = reduce._device_product
+    seen: list[str] = []
+
+    def on_cpu(x, device, scale=None):
+        seen.append(device.type)
+        return real(x, torch.device("cpu"), scale)
+
+    monkeypatch.setattr(reduce, "_device_product", on_cpu)
+    return seen
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_device_upper_is_the_packed_mirrored_gram_bit_for_bit(monkeypatch, weighted):
+    """Packed on the device: the bits of the mirrored Gram packed on the host (−0.0 entries become +0.0 as there),
+    in blocks of rows that do not divide n."""
+    monkeypatch.setattr(reduce, "DEVICE_BLOCK_BYTES", 8 * P * 7)
+    g = np.random.default_rng(1)
+    x = g.standard_normal((90, P)).astype(np.float16)
+    x[:, 3], x[:40, 4] = -0.0, 0.0
+    scale = np.sqrt(g.uniform(0, 1, (90, 1))) if weighted else None
+    got = reduce._device_upper(x, torch.device("cpu"), scale).numpy()
+    want = pack_upper(reduce._device_gram(x, torch.device("cpu"), scale))
+    assert got.dtype == np.float64 and got.tobytes() == want.tobytes()
+    assert not np.signbit(got[got == 0]).any()
+
+
+@pytest.mark.parametrize("curvature", ["xtx", "ggn"])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_packed_grams_in_reused_buffers_are_the_plain_grams(tmp_path, device_on_cpu, curvature, on_device):
+    """shard_grams(packed=True) into GramBuffers, shard after shard: each result is pack_upper of the unpacked
+    Grams (bytes), returned in the same buffers every shard."""
+    st = _store(tmp_path / "s", curvature)
+    device = "meta" if on_device else None
+    bufs = reduce.GramBuffers()
+    held = None
+    for s in range(st.meta.num_shards):
+        a, b = st.meta.shard_range(s)
+        rows, q = st.model(0).grads[a:b], st.model(0).out_to_loss[a:b]
+        got = reduce.shard_grams(st, 0, s, rows, q, device, packed=True, buffers=bufs)
+        want = reduce.shard_grams(st, 0, s, rows, q, device)
+        assert (got[1] is None) == (curvature == "xtx") == (want[1] is None)
+        for g, w in zip(got, want, strict=True):
+            if w is not None:
+                assert g.tobytes() == pack_upper(w).tobytes()
+        ids = [id(g) for g in got if g is not None]
+        assert held is None or ids == held  # the same buffers, reused
+        held = ids
+        assert len(set(ids)) == len(ids)  # XᵀX and XᵀRX in buffers of their own
+    assert device_on_cpu == (["meta"] * (4 if curvature == "ggn" else 2) * st.meta.num_shards if on_device else [])
+
+
+def test_gram_buffers_follow_the_size():
+    bufs = reduce.GramBuffers()
+    a = bufs.take(0, 10, "cpu")
+    assert a.shape == (10,) and a.dtype == np.float64 and bufs.take(0, 10, "cpu") is a
+    assert bufs.take(1, 10, "cpu") is not a
+    b = bufs.take(0, 6, "cpu")  # another proj_dim: a new buffer, the old ones dropped
+    assert b.shape == (6,) and bufs.take(0, 10, "cpu") is not a
+
+
+@pytest.mark.parametrize("curvature", ["xtx", "ggn"])
+def test_partials_completed_on_a_device_store_the_plain_paths_bytes(tmp_path, device_on_cpu, curvature):
+    """engine.complete_shard on a device with reused buffers, shard after shard (the last one short), stores the
+    bytes that the device path without them stores (its full Gram mirrored, packed by the store), row sums too."""
+    ref = _store(tmp_path / "ref", curvature)
+    st = _store(tmp_path / "new", curvature)
+    bufs = reduce.GramBuffers()
+    for s in range(st.meta.num_shards):
+        a, b = st.meta.shard_range(s)
+        rows, q = np.asarray(st.model(0).grads[a:b]), np.asarray(st.model(0).out_to_loss[a:b])
+        engine.complete_shard(st, 0, s, "meta", rows, q, bufs)
+        xtx, ggn = reduce.shard_grams(ref, 0, s, rows, q, "meta")  # the unpacked device path, packed by the store
+        ref.write_partial(0, s, xtx, reduce.shard_row_sums(ref, 0, s, rows, q), ggn)
+    new, old = st.model(0), ref.model(0)
+    assert new.partial_done[:].all()
+    assert new.xtx_partials[:].tobytes() == old.xtx_partials[:].tobytes()
+    assert new.rowsum_partials[:].tobytes() == old.rowsum_partials[:].tobytes()
+    if curvature == "ggn":
+        assert new.ggn_partials[:].tobytes() == old.ggn_partials[:].tobytes()
+        r = loss_curvature(np.asarray(st.model(0).out_to_loss[0:32]))
+        x = np.asarray(st.model(0).grads[0:32]).astype(np.float64)
+        np.testing.assert_allclose(
+            new.ggn_partials[0], pack_upper((x * r[:, None]).T @ x), rtol=1e-12, atol=1e-12 * np.abs(x).max() ** 2
+        )
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 700])
+def test_row_sums_with_reused_buffers_are_the_blockwise_numpy_sums(n):
+    """row_sums_vec widening into one reused float64 block (float16 through a float32 one): the bits of the same
+    blocked sums with numpy's widening into new arrays, also for a last block that is short or the only one."""
+    g = np.random.default_rng(n)
+    x, q = g.standard_normal((n, 64)).astype(np.float16), g.standard_normal(n).astype(np.float32)
+    qd, rn, xtq = q.astype(np.float64), np.empty(n), np.zeros(64)
+    for a in range(0, n, reduce.ROW_SUMS_BLOCK):
+        xb = x[a : a + reduce.ROW_SUMS_BLOCK].astype(np.float64)
+        rn[a : a + reduce.ROW_SUMS_BLOCK] = np.einsum("ij,ij->i", xb, xb)
+        xtq += qd[a : a + reduce.ROW_SUMS_BLOCK] @ xb
+    want = np.concatenate([xtq, [qd @ qd, rn @ rn, (qd * qd) @ rn]])
+    assert reduce.row_sums_vec(x, q, np.float16).tobytes() == want.tobytes()
+    x32 = x.astype(np.float32)
+    assert reduce.row_sums_vec(x32, q, np.float32).tobytes() == reduce.row_sums_vec(x32, q, np.float16).tobytes()
+
+
+def test_pack_upper_into_a_buffer():
+    a = np.arange(16.0).reshape(4, 4)
+    out = np.full(10, np.nan)
+    assert pack_upper(a, out) is out and np.array_equal(out, pack_upper(a))
+    with pytest.raises(ValueError, match="out has shape"):
+        pack_upper(a, np.empty(9))
+
+
+def test_device_upper_stores_negative_zeros_as_the_mirrored_path_does(monkeypatch):
+    """A product holding −0.0 in its upper triangle: the packed triangle has the mirrored path's +0.0 there."""
+    acc = torch.tensor([[-0.0, 1.5, -0.0], [1.5, 2.0, -3.0], [-0.0, -3.0, -0.0]], dtype=torch.float64)
+    monkeypatch.setattr(reduce, "_device_product", lambda x, device, scale=None: acc.clone())
+    got = reduce._device_upper(np.zeros((1, 3)), torch.device("cpu")).numpy()
+    want = pack_upper(reduce._device_gram(np.zeros((1, 3)), torch.device("cpu")))
+    assert got.tobytes() == want.tobytes() and not np.signbit(got[got == 0]).any()
