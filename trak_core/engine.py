@@ -24,6 +24,7 @@ from .lds import array_fingerprint
 from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory
 from .projector_base import AbstractProjector
 from .reduce import (
+    GramBuffers,
     ensure_partial,
     features_rows,
     finalize_model,
@@ -488,6 +489,32 @@ def featurize_shard(
     Returns:
         True when the store held the shard already (nothing featurized).
     """
+    # the groups and arrays opened once for the shard (its task is their one writer; the flow created them)
+    with store.pinned():
+        return _featurize_shard(store, model_id, shard, featurizer, batch, batch_size, device, progress)
+
+
+class _ShardBuffers(threading.local):
+    """A thread's host buffers for the shard it featurizes, reused by its next one: the shard's rows as stored and
+    its packed Gram partials (:class:`~trak_core.reduce.GramBuffers`). Fresh memory for them every shard is a page
+    fault per 4 KiB (1–2 µs a row at proj_dim 2048); kept at the size of the last shard's, as its task held them."""
+
+    def __init__(self) -> None:
+        self.rows_buf: np.ndarray | None = None
+        self.grams = GramBuffers()
+
+    def rows(self, n: int, p: int, dtype: np.dtype) -> np.ndarray:
+        """A C-ordered (n, p) buffer of ``dtype`` (a view of the kept one when it is large enough)."""
+        buf = self.rows_buf
+        if buf is None or buf.dtype != dtype or buf.shape[1] != p or buf.shape[0] < n:
+            buf = self.rows_buf = np.empty((n, p), dtype=dtype)
+        return buf[:n]
+
+
+_shard_buffers = _ShardBuffers()
+
+
+def _featurize_shard(store, model_id, shard, featurizer, batch, batch_size, device, progress) -> bool:
     a, b = store.meta.shard_range(shard)
     if store.shard_featurized(model_id, shard):
         complete_shard(store, model_id, shard, device)
@@ -515,9 +542,12 @@ def featurize_shard(
         qs.append(q)
         _advance(progress, e - s)
     q = np.concatenate(qs)
-    stored = write_rows(store, model_id, slice(start, b), xs, q[start - a :])
-    x = np.concatenate([*old, stored]) if old else stored  # the shard's rows as stored
-    complete_shard(store, model_id, shard, feat.device, x, q)  # on the featurizer's device
+    out = _shard_buffers.rows(b - a, store.meta.proj_dim, store.meta.np_dtype)
+    stored = write_rows(store, model_id, slice(start, b), xs, q[start - a :], out[start - a :])
+    if old:
+        out[: start - a] = old[0]
+    # the shard's rows as stored, its partial on the featurizer's device
+    complete_shard(store, model_id, shard, feat.device, out if old else stored, q, _shard_buffers.grams)
     return False
 
 

@@ -151,3 +151,44 @@ def test_device_upper_stores_negative_zeros_as_the_mirrored_path_does(monkeypatc
     got = reduce._device_upper(np.zeros((1, 3)), torch.device("cpu")).numpy()
     want = pack_upper(reduce._device_gram(np.zeros((1, 3)), torch.device("cpu")))
     assert got.tobytes() == want.tobytes() and not np.signbit(got[got == 0]).any()
+
+
+class _Feat:
+    """A featurizer handing over given rows (on ``device``)."""
+
+    def __init__(self, x, q, device):
+        self.x, self.q, self.device = x, q, device
+
+    def featurize(self, batch, model_id, indices):
+        return self.x[indices.start : indices.stop], self.q[indices.start : indices.stop]
+
+
+@pytest.mark.parametrize("curvature", ["xtx", "ggn"])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_featurize_shard_after_shard_stores_finalizes_bits(tmp_path, device_on_cpu, curvature, on_device):
+    """featurize_shard, shard after shard in one thread (its rows and partial buffers reused; the last shard short):
+    the rows as stored, and partials with the bytes of the plain path from the stored rows."""
+    n = 100
+    g = np.random.default_rng(8)
+    x = (g.standard_normal((n, P)) * g.uniform(0.2, 3.0, P)).astype(np.float32)
+    q = (g.uniform(0, 1, n) ** 3).astype(np.float32)
+    device = "meta" if on_device else "cpu"
+    st = _store(tmp_path / "new", curvature)
+    st = TrakStore.create_or_open(str(tmp_path / "s"), st.meta)
+    engine.plan_model(st, 0)
+    for s in range(st.meta.num_shards):
+        assert engine.featurize_shard(st, 0, s, lambda: _Feat(x, q, device), lambda a, b: [], 10) is False
+    ref = TrakStore.create_or_open(str(tmp_path / "ref"), st.meta)
+    ref.init_model(0)
+    ref.write_train_rows(0, slice(0, n), x, q)
+    for s in range(ref.meta.num_shards):  # the plain path: full Grams from the stored rows, packed by the store
+        a, b = ref.meta.shard_range(s)
+        rows, qs = np.asarray(ref.model(0).grads[a:b]), np.asarray(ref.model(0).out_to_loss[a:b])
+        xtx, ggn = reduce.shard_grams(ref, 0, s, rows, qs, "meta" if on_device else None)
+        ref.write_partial(0, s, xtx, reduce.shard_row_sums(ref, 0, s, rows, qs), ggn)
+    new, old = st.model(0), ref.model(0)
+    assert new.grads[:].tobytes() == x.astype(np.float16).tobytes() == old.grads[:].tobytes()
+    names = ["xtx_partials", "rowsum_partials"] + (["ggn_partials"] if curvature == "ggn" else [])
+    for name in names:
+        assert getattr(new, name)[:].tobytes() == getattr(old, name)[:].tobytes(), name
+    assert new.partial_done[:].all()
