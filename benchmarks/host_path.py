@@ -11,7 +11,10 @@ paths, with the model's arithmetic replaced by slices of those arrays:
   the next batches; here there is no model arithmetic to overlap, so this shows what the writer thread takes off
   the caller);
 * ``shard``: :func:`trak_core.engine.featurize_shard`, the pipeline task's step (a shard written at once, then its
-  partial, the Gram again precomputed).
+  partial, the Gram again precomputed);
+* ``floor``: the same bytes (X in float16, Q, the packed partials) written to new files as the store writes a chunk,
+  nothing else: what the file system costs here (on a virtual machine that hands freed memory back to its host,
+  page-cache pages come back at a page fault each, several µs a row when the machine is busy).
 
 Each stage is the time spent inside the named production functions, wall / CPU of the calling thread (wrapped for
 the run; inclusive, so a stage may contain the one below it); ``total`` is the wall time of the whole loop,
@@ -223,6 +226,37 @@ def run_shard(folder: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: 
     return wall
 
 
+def run_floor(folder: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int | None) -> float:
+    """Wall seconds of writing the bytes the store keeps of ``n`` rows (X in float16 and Q by chunk, each shard's
+    packed partial) to new files as the store writes a chunk (a temporary file renamed over it): no conversion,
+    checksum, record or flag. What the file system itself costs on this machine."""
+    from trak_core import engine
+    from trak_core.modelout import resolve_task
+    from trak_core.projectors import DenseProjector, ProjectionType
+
+    proj = DenseProjector(10, p, 0, ProjectionType.rademacher, "cpu")
+    meta = engine.store_metadata(
+        proj, train_set_size=n, dtype="float16", task=resolve_task("image_classification"), chunk_rows=chunk_rows
+    )
+    x = pool.x[: meta.rows_per_chunk].astype(np.float16)
+    q = np.zeros(meta.rows_per_chunk, dtype=np.float32)
+
+    def put(path: str, data) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "wb") as fh:
+            fh.write(data)
+        os.replace(path + ".tmp", path)
+
+    t = time.perf_counter()
+    for c in range(-(-n // meta.rows_per_chunk)):
+        k = min(meta.rows_per_chunk, n - c * meta.rows_per_chunk)
+        put(os.path.join(folder, "grads", "c", str(c), "0"), x[:k].data)
+        put(os.path.join(folder, "q", "c", str(c)), q[:k].data)
+    for s in range(meta.num_shards):
+        put(os.path.join(folder, "xtx", "c", str(s), "0"), pool.packed.data)
+    return time.perf_counter() - t
+
+
 def measure(path: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int | None, repeats: int) -> dict:
     """Best-of-``repeats`` total and that run's stages, µs per row."""
     best: dict | None = None
@@ -235,6 +269,8 @@ def measure(path: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int 
                 where = os.path.join(folder, "store")
                 if path == "shard":
                     wall = run_shard(where, n, p, batch, pool, chunk_rows)
+                elif path == "floor":
+                    wall = run_floor(where, n, p, batch, pool, chunk_rows)
                 else:
                     wall = run_traker(where, n, p, batch, pool, chunk_rows, write_behind=path == "traker-behind")
                 cpu = time.process_time() - cpu
@@ -272,7 +308,10 @@ def main(argv=None) -> int:
     ap.add_argument("--p", type=int, default=2048, help="proj_dim")
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 2048])
     ap.add_argument(
-        "--paths", nargs="+", default=["traker", "traker-behind", "shard"], choices=["traker", "traker-behind", "shard"]
+        "--paths",
+        nargs="+",
+        default=["traker", "traker-behind", "shard", "floor"],
+        choices=["traker", "traker-behind", "shard", "floor"],
     )
     ap.add_argument("--chunk-rows", type=int, default=None, help="store chunk rows (default: the store's choice)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is reported")
