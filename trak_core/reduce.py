@@ -54,6 +54,7 @@ def shard_grams(
     device=None,
     packed: bool = False,
     buffers: GramBuffers | None = None,
+    norms: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """(Xₛᵀ Xₛ, Xₛᵀ Rₛ Xₛ or None) of one shard: the Gram partials its store keeps, :func:`shard_partial`'s bits.
     XᵀRX (rᵢ = :func:`~trak_core.damping.loss_curvature` of the shard's ``q``) only in a store of
@@ -63,6 +64,8 @@ def shard_grams(
         packed: return them packed (:func:`~trak_core.store.pack_upper`, as stored); on a device they are packed
             there and only the triangle comes back to the host.
         buffers: with ``packed``, the host buffers to return them in (reused shard after shard; else new arrays).
+        norms: with ``packed`` on a device, an (n,) float64 array that gets the rows' ‖xᵢ‖² computed there (for
+            :func:`row_sums_vec`); left as it is on the host.
     """
     both = store.meta.curvature == "ggn"
     weights = loss_curvature(q) if both else None
@@ -76,7 +79,7 @@ def shard_grams(
     if device is not None and torch.device(device).type != "cpu":
         dev = torch.device(device)
         scale = None if weights is None else _sqrt_weights(weights)
-        grams = [_device_upper(x, dev)] + ([_device_upper(x, dev, scale)] if both else [])
+        grams = [_device_upper(x, dev, norms=norms)] + ([_device_upper(x, dev, scale)] if both else [])
         host = [_host_copy(g, None if buffers is None else buffers.take(i, size, dev)) for i, g in enumerate(grams)]
         return host[0], (host[1] if both else None)
     full = [g for g in _grams(x, None, weights, both) if g is not None]
@@ -109,17 +112,26 @@ def _grams(x: np.ndarray, device, weights, both: bool) -> tuple[np.ndarray, np.n
     return plain, x.T @ x
 
 
-def _device_product(x: np.ndarray, device: torch.device, scale: np.ndarray | None = None) -> torch.Tensor:
+def _device_product(
+    x: np.ndarray, device: torch.device, scale: np.ndarray | None = None, norms: np.ndarray | None = None
+) -> torch.Tensor:
     """xᵀx in float64 on ``device``, block by block of rows (each row times ``scale`` (n, 1) first, if given); its
-    upper triangle is the result (the strict lower one the same sums in another order)."""
-    p = x.shape[1]
+    upper triangle is the result (the strict lower one the same sums in another order). ``norms``: a host (n,)
+    float64 array that gets each row's ‖xᵢ‖² (before ``scale``), summed in float64 there (see :func:`row_sums_vec`
+    for when that is the host's bits)."""
+    n, p = x.shape
     step = max(1, DEVICE_BLOCK_BYTES // (8 * max(p, 1)))
     acc = torch.zeros(p, p, dtype=torch.float64, device=device)
-    for a in range(0, x.shape[0], step):
+    sq = None if norms is None else torch.empty(n, dtype=torch.float64, device=device)
+    for a in range(0, n, step):
         t = torch.from_numpy(np.ascontiguousarray(x[a : a + step])).to(device).double()
+        if sq is not None:
+            sq[a : a + step] = (t * t).sum(1)
         if scale is not None:
             t *= torch.from_numpy(scale[a : a + step]).to(device)
         acc.addmm_(t.T, t)
+    if norms is not None and sq is not None:
+        torch.from_numpy(norms).copy_(sq)
     return acc
 
 
@@ -130,10 +142,12 @@ def _device_gram(x: np.ndarray, device: torch.device, scale: np.ndarray | None =
     return (upper + torch.triu(acc, 1).T).cpu().numpy()
 
 
-def _device_upper(x: np.ndarray, device: torch.device, scale: np.ndarray | None = None) -> torch.Tensor:
+def _device_upper(
+    x: np.ndarray, device: torch.device, scale: np.ndarray | None = None, norms: np.ndarray | None = None
+) -> torch.Tensor:
     """:func:`_device_product`'s upper triangle packed row by row on ``device`` (:func:`pack_upper`'s layout; the
     bits :func:`_device_gram` mirrors: each entry plus +0.0, so a −0.0 is stored as +0.0 there too)."""
-    acc = _device_product(x, device, scale)
+    acc = _device_product(x, device, scale, norms)
     p = acc.shape[0]
     keep = torch.ones(p, p, dtype=torch.bool, device=acc.device).triu_()
     return acc[keep] + 0.0
@@ -204,11 +218,24 @@ def _widen(x: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | N
     return out
 
 
-def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype) -> np.ndarray:
+#: a float64 sum of squares of float16 values is exact, whatever the order of the additions, while it stays below
+#: 2⁵: each square is a multiple of 2⁻⁴⁸ (float16 values are multiples of 2⁻²⁴), every partial sum of these
+#: non-negative terms is at most the total, and float64 holds every multiple of 2⁻⁴⁸ below 2⁵³·2⁻⁴⁸. A sum computed
+#: below the bound (in any order) is the exact one, hence the host's einsum's bits; at or above it, it may not be.
+EXACT_FLOAT16_NORM = 32.0
+
+
+def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype, norms: np.ndarray | None = None) -> np.ndarray:
     """[Xᵀq, qᵀq, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²] ((p + 3,) float64) of rows ``x`` (rounded to the store ``dtype`` first, as
     stored) and their ``q``. The rows are widened to float64 a block of :data:`ROW_SUMS_BLOCK` at a time into one
     reused buffer (not the whole shard at once: 1.7× faster at 8,192 × 2,048 and 4 MiB instead of 128 MiB of
-    scratch); Xᵀq is summed block by block in order."""
+    scratch); Xᵀq is summed block by block in order.
+
+    Args:
+        norms: the rows' ‖xᵢ‖² summed in float64 elsewhere (a device, in any order), or NaN where not known: taken
+            for a block of a float16 store where each is below :data:`EXACT_FLOAT16_NORM` (then exact, the bits
+            computed here), else the block's are computed here.
+    """
     from threadpoolctl import threadpool_limits
 
     x = np.asarray(x).astype(dtype, copy=False)
@@ -218,12 +245,16 @@ def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype) -> np.ndarray:
     out = np.zeros(p + 3, dtype=np.float64)
     wide = np.empty((min(n, ROW_SUMS_BLOCK), p), dtype=np.float64)
     half = np.empty(wide.shape, dtype=np.float32) if x.dtype == np.float16 else None
+    given = norms if norms is not None and x.dtype == np.float16 else None
     # one BLAS thread: the small gemv below spins a second thread for little work (5× slower on a busy machine)
     with threadpool_limits(limits=1, user_api="blas"):
         for a in range(0, n, ROW_SUMS_BLOCK):
             k = min(ROW_SUMS_BLOCK, n - a)
             xb = _widen(x[a : a + k], wide[:k], None if half is None else half[:k])
-            np.einsum("ij,ij->i", xb, xb, out=rn[a : a + k])
+            if given is not None and bool((given[a : a + k] < EXACT_FLOAT16_NORM).all()):  # NaN: not known
+                rn[a : a + k] = given[a : a + k]
+            else:
+                np.einsum("ij,ij->i", xb, xb, out=rn[a : a + k])
             out[:-3] += qd[a : a + k] @ xb
     out[-3] = qd @ qd
     out[-2] = rn @ rn
@@ -231,15 +262,16 @@ def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def shard_row_sums(store: TrakStore, model_id: int, shard: int, rows=None, q=None) -> np.ndarray:
+def shard_row_sums(store: TrakStore, model_id: int, shard: int, rows=None, q=None, norms=None) -> np.ndarray:
     """:class:`RowSums` of one shard as a (p + 3,) float64 vector, from the stored (rounded) gradients and Q or
-    the given ones (:func:`rows_row_sums`' arithmetic shard by shard); stored beside the shard's XᵀX partial."""
+    the given ones (:func:`rows_row_sums`' arithmetic shard by shard); stored beside the shard's XᵀX partial.
+    ``norms``: see :func:`row_sums_vec`."""
     a, b = store.meta.shard_range(shard)
     if rows is None:
         rows = store.model(model_id).grads[a:b]
     if q is None:
         q = store.model(model_id).out_to_loss[a:b]
-    return row_sums_vec(rows, q, store.meta.np_dtype)
+    return row_sums_vec(rows, q, store.meta.np_dtype, norms)
 
 
 def ensure_partial(
@@ -263,8 +295,10 @@ def ensure_partial(
             rows = np.asarray(store.model(model_id).grads[a:b])
         if q is None:
             q = store.model(model_id).out_to_loss[a:b]
-        part, ggn = shard_grams(store, model_id, shard, rows, q, device, packed=True, buffers=buffers)
-        store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, rows, q), ggn)
+        # on a device, the rows' ‖xᵢ‖² come back with the Gram (the host then skips their float64 sums where exact)
+        norms = np.full(b - a, np.nan) if store.meta.np_dtype == np.float16 else None
+        part, ggn = shard_grams(store, model_id, shard, rows, q, device, packed=True, buffers=buffers, norms=norms)
+        store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, rows, q, norms), ggn)
 
 
 def _sum_shard_grams(store: TrakStore, partials) -> np.ndarray:

@@ -36,9 +36,9 @@ def device_on_cpu(monkeypatch):
     real = reduce._device_product
     seen: list[str] = []
 
-    def on_cpu(x, device, scale=None):
+    def on_cpu(x, device, scale=None, norms=None):
         seen.append(device.type)
-        return real(x, torch.device("cpu"), scale)
+        return real(x, torch.device("cpu"), scale, norms)
 
     monkeypatch.setattr(reduce, "_device_product", on_cpu)
     return seen
@@ -147,7 +147,7 @@ def test_pack_upper_into_a_buffer():
 def test_device_upper_stores_negative_zeros_as_the_mirrored_path_does(monkeypatch):
     """A product holding −0.0 in its upper triangle: the packed triangle has the mirrored path's +0.0 there."""
     acc = torch.tensor([[-0.0, 1.5, -0.0], [1.5, 2.0, -3.0], [-0.0, -3.0, -0.0]], dtype=torch.float64)
-    monkeypatch.setattr(reduce, "_device_product", lambda x, device, scale=None: acc.clone())
+    monkeypatch.setattr(reduce, "_device_product", lambda x, device, scale=None, norms=None: acc.clone())
     got = reduce._device_upper(np.zeros((1, 3)), torch.device("cpu")).numpy()
     want = pack_upper(reduce._device_gram(np.zeros((1, 3)), torch.device("cpu")))
     assert got.tobytes() == want.tobytes() and not np.signbit(got[got == 0]).any()
@@ -192,3 +192,82 @@ def test_featurize_shard_after_shard_stores_finalizes_bits(tmp_path, device_on_c
     for name in names:
         assert getattr(new, name)[:].tobytes() == getattr(old, name)[:].tobytes(), name
     assert new.partial_done[:].all()
+
+
+def _float16_rows(n: int, p: int, seed: int) -> np.ndarray:
+    """float16 rows over many magnitudes (subnormals included), ‖xᵢ‖² spread around EXACT_FLOAT16_NORM."""
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((n, p)) * np.exp2(g.integers(-26, 2, (n, p)))
+    x *= np.sqrt(g.uniform(0.5, 60.0, (n, 1)) / np.maximum((x * x).sum(1, keepdims=True), 1e-300))
+    return x.astype(np.float16)
+
+
+def test_float16_norms_below_the_bound_are_exact_in_any_order():
+    """The claim row_sums_vec relies on: below EXACT_FLOAT16_NORM the float64 sum of squares of float16 values is
+    the same bits in every order (numpy's einsum, a sequential sum, reversed, torch's reduction, exact fractions)."""
+    from fractions import Fraction
+
+    x = _float16_rows(300, 257, seed=1)
+    wide = x.astype(np.float64)
+    ein = np.einsum("ij,ij->i", wide, wide)
+    below = ein < reduce.EXACT_FLOAT16_NORM
+    assert 50 < below.sum() < 300  # rows on both sides of the bound
+    t = torch.from_numpy(wide)
+    orders = [(t * t).sum(1).numpy(), (t.flip(1) * t.flip(1)).sum(1).numpy(), np.cumsum(wide * wide, axis=1)[:, -1]]
+    perm = np.random.default_rng(2).permutation(257)
+    orders.append(np.add.reduce(wide[:, perm] ** 2, axis=1))
+    for other in orders:
+        assert other[below].tobytes() == ein[below].tobytes()
+        assert (other[~below] >= reduce.EXACT_FLOAT16_NORM).all()  # any order says "not below" for the others
+    for i in np.flatnonzero(below)[:20]:  # the exact value
+        assert Fraction(ein[i]) == sum(Fraction(float(v)) ** 2 for v in wide[i])
+
+
+def test_row_sums_take_given_norms_only_where_they_are_exact(monkeypatch):
+    """Norms computed elsewhere (here: torch, another order) give the bits computed without them; a block with a
+    norm at or above the bound, or unknown (NaN), is computed on the host; the given ones are used where below."""
+    monkeypatch.setattr(reduce, "ROW_SUMS_BLOCK", 16)
+    x = _float16_rows(100, 64, seed=3)
+    x[:48] = (x[:48].astype(np.float32) / 4).astype(np.float16)  # three blocks of rows below the bound
+    q = np.random.default_rng(4).uniform(0, 1, 100).astype(np.float32)
+    want = reduce.row_sums_vec(x, q, np.float16)
+    t = torch.from_numpy(x.astype(np.float64))
+    norms = (t * t).sum(1).numpy().copy()
+    assert (norms < reduce.EXACT_FLOAT16_NORM).any() and (norms >= reduce.EXACT_FLOAT16_NORM).any()
+    assert reduce.row_sums_vec(x, q, np.float16, norms).tobytes() == want.tobytes()
+    unknown = norms.copy()
+    unknown[::7] = np.nan
+    assert reduce.row_sums_vec(x, q, np.float16, unknown).tobytes() == want.tobytes()
+    off = norms.copy()  # wrong values: used where every norm of a block is below the bound, ignored elsewhere
+    off[norms >= reduce.EXACT_FLOAT16_NORM] = np.inf
+    nudged = np.where(off < reduce.EXACT_FLOAT16_NORM, off * (1 - 1e-6), off)
+    blocks = [(nudged[a : a + 16] < reduce.EXACT_FLOAT16_NORM).all() for a in range(0, 100, 16)]
+    assert any(blocks) and not all(blocks)
+    assert not np.array_equal(reduce.row_sums_vec(x, q, np.float16, nudged), want)
+    for b, used in enumerate(blocks):  # only the blocks taken change Σ‖xᵢ‖⁴
+        part = nudged.copy()
+        part[: b * 16] = part[(b + 1) * 16 :] = np.nan
+        assert np.array_equal(reduce.row_sums_vec(x, q, np.float16, part), want) != used
+    x32 = x.astype(np.float32)  # a float32 store: norms are not taken
+    plain32 = reduce.row_sums_vec(x32, q, np.float32)
+    assert reduce.row_sums_vec(x32, q, np.float32, nudged).tobytes() == plain32.tobytes()
+
+
+@pytest.mark.parametrize("curvature", ["xtx", "ggn"])
+def test_norms_from_the_device_store_the_plain_row_sums(tmp_path, device_on_cpu, monkeypatch, curvature):
+    """ensure_partial on a device: the rows' norms come back with the Gram, and the stored row sums are the bytes
+    of the host's computation (rows below and above the bound, blocks of 16 rows)."""
+    monkeypatch.setattr(reduce, "ROW_SUMS_BLOCK", 16)
+    n = 100
+    x = _float16_rows(n, P, seed=5)
+    x[:48] = (x[:48].astype(np.float32) / 4).astype(np.float16)  # blocks below the bound, and blocks above
+    q = np.random.default_rng(6).uniform(0, 1, n).astype(np.float32)
+    sums = {}
+    for name, device in (("host", None), ("device", "meta")):
+        st = _store(tmp_path / name, curvature)
+        st.write_train_rows(0, slice(0, n), x, q)
+        for s in range(st.meta.num_shards):
+            reduce.ensure_partial(st, 0, s, device=device)
+        sums[name] = st.model(0).rowsum_partials[:]
+    assert sums["device"].tobytes() == sums["host"].tobytes()
+    assert device_on_cpu.count("meta") >= 4
