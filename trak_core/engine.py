@@ -516,12 +516,13 @@ _shard_buffers = _ShardBuffers()
 
 def _featurize_shard(store, model_id, shard, featurizer, batch, batch_size, device, progress) -> bool:
     a, b = store.meta.shard_range(shard)
-    if store.shard_featurized(model_id, shard):
+    done = store.model(model_id).featurized[a:b].astype(bool)  # the shard's flags, read once
+    if done.all():
         complete_shard(store, model_id, shard, device)
         _advance(progress, b - a)
         return True
     require_not_finalized(store, model_id)
-    start = a + _featurized_prefix(store, model_id, a, b)  # a shard the store grew into keeps its stored rows
+    start = a + _featurized_prefix(done)  # a shard the store grew into keeps its stored rows
     feat = featurizer()
     xs, qs = [], []
     old: list[np.ndarray] = []
@@ -551,10 +552,9 @@ def _featurize_shard(store, model_id, shard, featurizer, batch, batch_size, devi
     return False
 
 
-def _featurized_prefix(store: TrakStore, model_id: int, a: int, b: int) -> int:
-    """How many leading rows of [a, b) are featurized when exactly those are (the old rows of the last shard of
-    a store that grew); 0 otherwise (the shard is featurized whole)."""
-    done = store.model(model_id).featurized[a:b].astype(bool)
+def _featurized_prefix(done: np.ndarray) -> int:
+    """How many leading rows of a shard are featurized (``done``: its flags) when exactly those are (the old rows
+    of the last shard of a store that grew); 0 otherwise (the shard is featurized whole)."""
     k = int(np.argmin(done)) if not done.all() else len(done)
     return k if not done[k:].any() else 0
 
