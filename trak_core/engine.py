@@ -494,14 +494,28 @@ def featurize_shard(
         return _featurize_shard(store, model_id, shard, featurizer, batch, batch_size, device, progress)
 
 
+#: the most bytes of shard buffers a thread keeps between shards (proj_dim 2048, 8,192 rows: 32 MiB of float16 rows
+#: and a 16 MiB packed partial); a larger shard's are new memory each time, as its task holds them anyway
+SHARD_BUFFER_BYTES = 64 << 20
+
+
 class _ShardBuffers(threading.local):
     """A thread's host buffers for the shard it featurizes, reused by its next one: the shard's rows as stored and
     its packed Gram partials (:class:`~trak_core.reduce.GramBuffers`). Fresh memory for them every shard is a page
-    fault per 4 KiB (1–2 µs a row at proj_dim 2048); kept at the size of the last shard's, as its task held them."""
+    fault per 4 KiB (1–2 µs a row at proj_dim 2048); kept only up to :data:`SHARD_BUFFER_BYTES`."""
 
     def __init__(self) -> None:
         self.rows_buf: np.ndarray | None = None
         self.grams = GramBuffers()
+
+    def fit(self, meta: StoreMetadata) -> bool:
+        """Whether a shard of ``meta`` fits the buffers kept (else its task gets new memory, the kept is dropped)."""
+        p = meta.proj_dim
+        grams = (2 if meta.curvature == "ggn" else 1) * 8 * (p * (p + 1) // 2)
+        if meta.rows_per_shard * p * meta.np_dtype.itemsize + grams <= SHARD_BUFFER_BYTES:
+            return True
+        self.rows_buf, self.grams = None, GramBuffers()
+        return False
 
     def rows(self, n: int, p: int, dtype: np.dtype) -> np.ndarray:
         """A C-ordered (n, p) buffer of ``dtype`` (a view of the kept one when it is large enough)."""
@@ -543,12 +557,17 @@ def _featurize_shard(store, model_id, shard, featurizer, batch, batch_size, devi
         qs.append(q)
         _advance(progress, e - s)
     q = np.concatenate(qs)
-    out = _shard_buffers.rows(b - a, store.meta.proj_dim, store.meta.np_dtype)
-    stored = write_rows(store, model_id, slice(start, b), xs, q[start - a :], out[start - a :])
-    if old:
+    keep = _shard_buffers.fit(store.meta)
+    out = _shard_buffers.rows(b - a, store.meta.proj_dim, store.meta.np_dtype) if keep else None
+    stored = write_rows(store, model_id, slice(start, b), xs, q[start - a :], None if out is None else out[start - a :])
+    x = stored
+    if old and out is None:
+        x = np.concatenate([*old, stored])
+    elif old and out is not None:
         out[: start - a] = old[0]
+        x = out
     # the shard's rows as stored, its partial on the featurizer's device
-    complete_shard(store, model_id, shard, feat.device, out if old else stored, q, _shard_buffers.grams)
+    complete_shard(store, model_id, shard, feat.device, x, q, _shard_buffers.grams if keep else None)
     return False
 
 

@@ -271,3 +271,24 @@ def test_norms_from_the_device_store_the_plain_row_sums(tmp_path, device_on_cpu,
         sums[name] = st.model(0).rowsum_partials[:]
     assert sums["device"].tobytes() == sums["host"].tobytes()
     assert device_on_cpu.count("meta") >= 4
+
+
+def test_shard_buffers_are_kept_up_to_their_bound(tmp_path, monkeypatch):
+    """featurize_shard keeps a thread's shard buffers only while a shard's fit SHARD_BUFFER_BYTES: above it each
+    shard gets new memory (the kept buffers dropped) and stores the same bytes."""
+    n = 64
+    g = np.random.default_rng(2)
+    x, q = g.standard_normal((n, P)).astype(np.float32), g.uniform(0, 1, n).astype(np.float32)
+    stored = {}
+    for name, bound in (("kept", 1 << 30), ("new", 1)):
+        monkeypatch.setattr(engine, "SHARD_BUFFER_BYTES", bound)
+        meta = _store(tmp_path / f"{name}0", n=n).meta
+        st = TrakStore.create_or_open(str(tmp_path / name), meta)
+        engine.plan_model(st, 0)
+        for s in range(meta.num_shards):
+            engine.featurize_shard(st, 0, s, lambda: _Feat(x, q, "cpu"), lambda a, b: [], 16)
+            kept = engine._shard_buffers.rows_buf
+            assert (kept is not None) == (name == "kept")
+        stored[name] = [st.model(0).grads[:].tobytes(), st.model(0).xtx_partials[:].tobytes()]
+        stored[name].append(st.model(0).rowsum_partials[:].tobytes())
+    assert stored["kept"] == stored["new"]
