@@ -176,7 +176,10 @@ class GramBuffers:
         buf = self._bufs.get(key)
         if buf is None:
             self._bufs = {k: v for k, v in self._bufs.items() if k[1:] == key[1:]}  # another size: the old ones go
-            t = torch.empty(size, dtype=torch.float64, pin_memory=pinned)
+            try:
+                t = torch.empty(size, dtype=torch.float64, pin_memory=pinned)
+            except RuntimeError:  # page-locked memory refused (a locked-memory limit): pageable, a slower copy
+                t = torch.empty(size, dtype=torch.float64)
             buf = self._bufs[key] = t.numpy()
         return buf
 

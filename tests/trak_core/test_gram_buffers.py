@@ -292,3 +292,23 @@ def test_shard_buffers_are_kept_up_to_their_bound(tmp_path, monkeypatch):
         stored[name] = [st.model(0).grads[:].tobytes(), st.model(0).xtx_partials[:].tobytes()]
         stored[name].append(st.model(0).rowsum_partials[:].tobytes())
     assert stored["kept"] == stored["new"]
+
+
+def test_gram_buffers_for_cuda_ask_for_page_locked_memory(monkeypatch):
+    """For Grams from a CUDA device the buffers are page-locked (asked of torch; here without CUDA, a stand-in), and
+    pageable where that is refused."""
+    asked = []
+    real = torch.empty
+
+    def empty(*args, pin_memory=False, **kw):
+        asked.append(pin_memory)
+        if pin_memory:
+            raise RuntimeError("cannot lock memory")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    buf = reduce.GramBuffers().take(0, 12, "cuda")
+    assert asked == [True, False] and buf.shape == (12,) and buf.dtype == np.float64
+    asked.clear()
+    reduce.GramBuffers().take(0, 12, "cpu")
+    assert asked == [False]
