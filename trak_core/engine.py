@@ -528,7 +528,16 @@ class _ShardBuffers(threading.local):
 _shard_buffers = _ShardBuffers()
 
 
-def _featurize_shard(store, model_id, shard, featurizer, batch, batch_size, device, progress) -> bool:
+def _featurize_shard(
+    store: TrakStore,
+    model_id: int,
+    shard: int,
+    featurizer: Callable[[], Featurizer],
+    batch: Callable[[int, int], list],
+    batch_size: int,
+    device,
+    progress: Progress,
+) -> bool:
     a, b = store.meta.shard_range(shard)
     done = store.model(model_id).featurized[a:b].astype(bool)  # the shard's flags, read once
     if done.all():
