@@ -312,3 +312,44 @@ def test_gram_buffers_for_cuda_ask_for_page_locked_memory(monkeypatch):
     asked.clear()
     reduce.GramBuffers().take(0, 12, "cpu")
     assert asked == [False]
+
+
+@pytest.mark.parametrize("curvature", ["xtx", "ggn"])
+def test_traker_on_a_device_stores_the_plain_paths_partials(tmp_path, device_on_cpu, monkeypatch, curvature):
+    """TRAKer in its GPU setting (partials while featurizing, computed on a device: here the CPU standing in), shard
+    after shard into its reused buffers: the stored partials and row sums are the plain device path's bytes from
+    the stored rows, and the rows' norms came from the device."""
+    import logging
+
+    from trak_core.compat.traker import TRAKer
+
+    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).eval()
+    n = 100
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 12, generator=g), torch.randint(0, 3, (n,), generator=g)
+    tr = TRAKer(
+        model=model, task="image_classification", train_set_size=n, save_dir=str(tmp_path / "t"), device="cpu",
+        proj_dim=P, chunk_rows=8, shard_rows=32, logging_level=logging.ERROR, curvature=curvature,
+    )  # fmt: skip
+    tr._shards.device = "meta"
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    for a in range(0, n, 10):
+        tr.featurize((x[a : a + 10], y[a : a + 10]), num_samples=len(x[a : a + 10]))
+    tr._flush_rows()
+    st = tr.store
+    m = st.model(0)
+    assert m.partial_done[:].all() and device_on_cpu.count("meta") >= st.meta.num_shards
+    ref = TrakStore.create_or_open(str(tmp_path / "ref"), st.meta)
+    ref.init_model(0)
+    ref.write_train_rows(0, slice(0, n), np.asarray(m.grads[:]), np.asarray(m.out_to_loss[:]))
+    for s in range(st.meta.num_shards):
+        a, b = st.meta.shard_range(s)
+        rows, q = np.asarray(m.grads[a:b]), np.asarray(m.out_to_loss[a:b])
+        xtx, ggn = reduce.shard_grams(ref, 0, s, rows, q, "meta")
+        ref.write_partial(0, s, xtx, reduce.shard_row_sums(ref, 0, s, rows, q), ggn)
+    names = ["xtx_partials", "rowsum_partials"] + (["ggn_partials"] if curvature == "ggn" else [])
+    for name in names:
+        assert getattr(m, name)[:].tobytes() == getattr(ref.model(0), name)[:].tobytes(), name
+    tr._close()
