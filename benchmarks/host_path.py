@@ -5,8 +5,9 @@ paths, with the model's arithmetic replaced by slices of those arrays:
 
 * ``traker``: :meth:`TRAKer.featurize` batch by batch (its checks, the rows held until a chunk is complete, the
   store write: float16 conversion, crc32c, chunk files, place records, row flags), in the GPU setting where each
-  shard's XᵀX partial is stored as soon as its rows are written (the p × p Gram itself, the device's arithmetic, is
-  a precomputed matrix; the row sums, the packing and the partial's write are timed);
+  shard's XᵀX partial is stored as soon as its rows are written (the device's arithmetic, the packed upper triangle
+  of the p × p Gram and the rows' norms, is precomputed; its copy to the host, the row sums and the partial's write
+  are timed);
 * ``traker-behind``: the same with ``TRAKer(write_behind=True)`` (the writes on a background thread, overlapping
   the next batches; here there is no model arithmetic to overlap, so this shows what the writer thread takes off
   the caller);
@@ -15,6 +16,9 @@ paths, with the model's arithmetic replaced by slices of those arrays:
 * ``floor``: the same bytes (X in float16, Q, the packed partials) written to new files as the store writes a chunk,
   nothing else: what the file system costs here (on a virtual machine that hands freed memory back to its host,
   page-cache pages come back at a page fault each, several µs a row when the machine is busy).
+
+The device "computes" on ``meta`` (any device other than the CPU takes the production code's device path); the
+stood-in norms are the pool's, so a shard must begin at a multiple of ``--pool`` rows (the defaults do).
 
 Each stage is the time spent inside the named production functions, wall / CPU of the calling thread (wrapped for
 the run; inclusive, so a stage may contain the one below it); ``total`` is the wall time of the whole loop,
