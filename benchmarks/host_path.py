@@ -5,13 +5,20 @@ paths, with the model's arithmetic replaced by slices of those arrays:
 
 * ``traker``: :meth:`TRAKer.featurize` batch by batch (its checks, the rows held until a chunk is complete, the
   store write: float16 conversion, crc32c, chunk files, place records, row flags), in the GPU setting where each
-  shard's XᵀX partial is stored as soon as its rows are written (the p × p Gram itself, the device's arithmetic, is
-  a precomputed matrix; the row sums, the packing and the partial's write are timed);
+  shard's XᵀX partial is stored as soon as its rows are written (the device's arithmetic, the packed upper triangle
+  of the p × p Gram and the rows' norms, is precomputed; its copy to the host, the row sums and the partial's write
+  are timed);
 * ``traker-behind``: the same with ``TRAKer(write_behind=True)`` (the writes on a background thread, overlapping
   the next batches; here there is no model arithmetic to overlap, so this shows what the writer thread takes off
   the caller);
 * ``shard``: :func:`trak_core.engine.featurize_shard`, the pipeline task's step (a shard written at once, then its
-  partial, the Gram again precomputed).
+  partial, the Gram again precomputed);
+* ``floor``: the same bytes (X in float16, Q, the packed partials) written to new files as the store writes a chunk,
+  nothing else: what the file system costs here (on a virtual machine that hands freed memory back to its host,
+  page-cache pages come back at a page fault each, several µs a row when the machine is busy).
+
+The device "computes" on ``meta`` (any device other than the CPU takes the production code's device path); the
+stood-in norms are the pool's, so a shard must begin at a multiple of ``--pool`` rows (the defaults do).
 
 Each stage is the time spent inside the named production functions, wall / CPU of the calling thread (wrapped for
 the run; inclusive, so a stage may contain the one below it); ``total`` is the wall time of the whole loop,
@@ -41,6 +48,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+PARTIAL_STAGE = "XᵀX partial (Gram precomputed)"
+#: the stood-in device arithmetic done on the host (the rows' norms), subtracted from the total and the partial's stage
+DEVICE_ROW = "(device arithmetic stood in, subtracted)"
+
 #: (label, module, attribute) of each timed stage; names a version of the code lacks are skipped
 STAGES = [
     ("store write (all arrays)", "trak_core.store.zarr_store", "TrakStore.write_train_rows"),
@@ -52,7 +63,7 @@ STAGES = [
     ("  place checks", "trak_core.store.arrays", "place_problems"),
     ("  lock check", "trak_core.store.zarr_store", "TrakStore.check_lock"),
     ("finalized check", "trak_core.store.zarr_store", "TrakStore.is_finalized"),
-    ("XᵀX partial (Gram precomputed)", "trak_core.engine", "complete_shard"),
+    (PARTIAL_STAGE, "trak_core.engine", "complete_shard"),
     ("  row sums (host float64)", "trak_core.reduce", "shard_row_sums"),
     ("  partial written", "trak_core.store.zarr_store", "TrakStore.write_partial"),
 ]
@@ -112,6 +123,9 @@ class _Pool:
         self.x = rng.standard_normal((rows, p), dtype=np.float32) * np.float32(0.02)
         self.q = rng.random(rows, dtype=np.float32)
         self.gram = np.eye(p, dtype=np.float64)
+        self.packed = self.gram[np.triu_indices(p)]
+        wide = self.x.astype(np.float16).astype(np.float64)  # each row's ‖xᵢ‖² as stored (float16), in float64
+        self.norms = np.einsum("ij,ij->i", wide, wide)
 
     def take(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         n = len(self.q)
@@ -123,17 +137,42 @@ class _Pool:
         return self.x[idx], self.q[idx]
 
 
+#: the device that the partials are computed "on": not the CPU, so that the production code takes its device path (the
+#: device's arithmetic itself is the precomputed Gram, :func:`_gram_precomputed`)
+DEVICE = "meta"
+
+
 @contextlib.contextmanager
-def _gram_precomputed(pool: _Pool):
-    """The device's Gram arithmetic replaced by the precomputed matrix (what ``.cpu().numpy()`` hands back)."""
+def _gram_precomputed(pool: _Pool, spent: dict):
+    """The device's Gram arithmetic replaced by the precomputed matrix: the packed triangle the device hands back
+    (``_device_upper``, what the production code then copies to the host) and, where asked, the rows' ‖xᵢ‖² the
+    device sums beside it (computed here on the host, in float64: that time, the device's arithmetic, is added to
+    ``spent["device"]`` and subtracted from the figures); or, where a version of the code has no device packing,
+    the full matrix (what ``shard_grams``' ``.cpu().numpy()`` hands back)."""
     from trak_core import reduce
 
-    real = reduce.shard_grams
-    reduce.shard_grams = lambda store, mid, shard, rows, q, device=None: (pool.gram.copy(), None)
+    def upper(x, device, scale=None, norms=None):
+        if norms is not None:  # a shard begins at a multiple of the pool's rows: its norms are the pool's
+            t, c = time.perf_counter(), time.thread_time()
+            idx = np.arange(len(x)) % len(pool.norms)
+            for i in (0, len(x) - 1):  # the rows are the pool's, as stored
+                if x[i].tobytes() != pool.x[idx[i]].astype(x.dtype).tobytes():
+                    raise RuntimeError("the stood-in device norms: a shard's rows are not the pool's")
+            norms[:] = pool.norms[idx]
+            spent["device"] += time.perf_counter() - t
+            spent["cpu device"] += time.thread_time() - c
+        return torch.from_numpy(pool.packed)
+
+    if hasattr(reduce, "_device_upper"):
+        name, real, stand_in = "_device_upper", reduce._device_upper, upper
+    else:
+        name, real = "shard_grams", reduce.shard_grams
+        stand_in = lambda store, mid, shard, rows, q, device=None, **k: (pool.gram.copy(), None)  # noqa: E731
+    setattr(reduce, name, stand_in)
     try:
         yield
     finally:
-        reduce.shard_grams = real
+        setattr(reduce, name, real)
 
 
 def run_traker(
@@ -160,6 +199,7 @@ def run_traker(
 
     tr.featurizer.featurize = handed_over
     tr._partials_while_featurizing = lambda: True  # the GPU setting (the Gram is precomputed)
+    tr._shards.device = DEVICE
     inputs, labels = torch.zeros(batch, 4), torch.zeros(batch, dtype=torch.long)
     t = time.perf_counter()
     for s in range(0, n, batch):
@@ -178,7 +218,7 @@ def run_traker(
 class _HandedOver:
     """A Featurizer stand-in for featurize_shard: X and Q from the pool."""
 
-    device = "cpu"
+    device = DEVICE
 
     def __init__(self, pool: _Pool):
         self.pool = pool
@@ -209,6 +249,37 @@ def run_shard(folder: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: 
     return wall
 
 
+def run_floor(folder: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int | None) -> float:
+    """Wall seconds of writing the bytes the store keeps of ``n`` rows (X in float16 and Q by chunk, each shard's
+    packed partial) to new files as the store writes a chunk (a temporary file renamed over it): no conversion,
+    checksum, record or flag. What the file system itself costs on this machine."""
+    from trak_core import engine
+    from trak_core.modelout import resolve_task
+    from trak_core.projectors import DenseProjector, ProjectionType
+
+    proj = DenseProjector(10, p, 0, ProjectionType.rademacher, "cpu")
+    meta = engine.store_metadata(
+        proj, train_set_size=n, dtype="float16", task=resolve_task("image_classification"), chunk_rows=chunk_rows
+    )
+    x = pool.x[: meta.rows_per_chunk].astype(np.float16)
+    q = np.zeros(meta.rows_per_chunk, dtype=np.float32)
+
+    def put(path: str, data) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "wb") as fh:
+            fh.write(data)
+        os.replace(path + ".tmp", path)
+
+    t = time.perf_counter()
+    for c in range(-(-n // meta.rows_per_chunk)):
+        k = min(meta.rows_per_chunk, n - c * meta.rows_per_chunk)
+        put(os.path.join(folder, "grads", "c", str(c), "0"), x[:k].data)
+        put(os.path.join(folder, "q", "c", str(c)), q[:k].data)
+    for s in range(meta.num_shards):
+        put(os.path.join(folder, "xtx", "c", str(s), "0"), pool.packed.data)
+    return time.perf_counter() - t
+
+
 def measure(path: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int | None, repeats: int) -> dict:
     """Best-of-``repeats`` total and that run's stages, µs per row."""
     best: dict | None = None
@@ -216,20 +287,25 @@ def measure(path: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int 
         folder = tempfile.mkdtemp(prefix="host_path_")
         spent: dict = defaultdict(float)
         try:
-            with timed_stages(spent), _gram_precomputed(pool):
+            with timed_stages(spent), _gram_precomputed(pool, spent):
                 cpu = time.process_time()
                 where = os.path.join(folder, "store")
                 if path == "shard":
                     wall = run_shard(where, n, p, batch, pool, chunk_rows)
+                elif path == "floor":
+                    wall = run_floor(where, n, p, batch, pool, chunk_rows)
                 else:
                     wall = run_traker(where, n, p, batch, pool, chunk_rows, write_behind=path == "traker-behind")
                 cpu = time.process_time() - cpu
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        row = {"path": path, "batch": batch, "total": wall / n * 1e6, "total cpu": cpu / n * 1e6}
+        dev, dev_cpu = spent["device"], spent["cpu device"]  # the device's arithmetic, stood in for: not counted
+        row = {"path": path, "batch": batch, "total": (wall - dev) / n * 1e6, "total cpu": (cpu - dev_cpu) / n * 1e6}
         for label, _, _ in STAGES:
             if label in spent:
-                row[label] = [spent[label] / n * 1e6, spent["cpu " + label] / n * 1e6]
+                less = (dev, dev_cpu) if label == PARTIAL_STAGE else (0.0, 0.0)
+                row[label] = [(spent[label] - less[0]) / n * 1e6, (spent["cpu " + label] - less[1]) / n * 1e6]
+        row[DEVICE_ROW] = [dev / n * 1e6, dev_cpu / n * 1e6]
         if best is None or row["total"] < best["total"]:
             best = row
     assert best is not None
@@ -237,7 +313,7 @@ def measure(path: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int 
 
 
 def table(rows: list[dict]) -> str:
-    labels = [label for label, _, _ in STAGES if any(label in r for r in rows)]
+    labels = [label for label, _, _ in STAGES if any(label in r for r in rows)] + [DEVICE_ROW]
     head = "| stage (µs per row, wall / CPU) | " + " | ".join(f"{r['path']} b{r['batch']}" for r in rows) + " |"
     lines = [head, "|---" * (len(rows) + 1) + "|"]
     lines.append(
@@ -258,7 +334,10 @@ def main(argv=None) -> int:
     ap.add_argument("--p", type=int, default=2048, help="proj_dim")
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 2048])
     ap.add_argument(
-        "--paths", nargs="+", default=["traker", "traker-behind", "shard"], choices=["traker", "traker-behind", "shard"]
+        "--paths",
+        nargs="+",
+        default=["traker", "traker-behind", "shard", "floor"],
+        choices=["traker", "traker-behind", "shard", "floor"],
     )
     ap.add_argument("--chunk-rows", type=int, default=None, help="store chunk rows (default: the store's choice)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is reported")

@@ -24,6 +24,7 @@ from .lds import array_fingerprint
 from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory
 from .projector_base import AbstractProjector
 from .reduce import (
+    GramBuffers,
     ensure_partial,
     features_rows,
     finalize_model,
@@ -461,10 +462,11 @@ def write_rows(store: TrakStore, model_id: int, rows, x, q: np.ndarray, out: np.
     return store.write_train_rows(model_id, rows, x, q, out)
 
 
-def complete_shard(store: TrakStore, model_id: int, shard: int, device=None, x=None, q=None) -> None:
+def complete_shard(store: TrakStore, model_id: int, shard: int, device=None, x=None, q=None, buffers=None) -> None:
     """Store the XᵀX partial (and row sums) of a shard whose rows are all featurized, unless it is there; from
-    ``x``/``q`` (the shard's rows as written, still in memory) or read back."""
-    ensure_partial(store, model_id, shard, device, x, q)
+    ``x``/``q`` (the shard's rows as written, still in memory) or read back. ``buffers``: a caller's reused host
+    buffers for the partials (:class:`~trak_core.reduce.GramBuffers`)."""
+    ensure_partial(store, model_id, shard, device, x, q, buffers)
 
 
 def featurize_shard(
@@ -487,13 +489,63 @@ def featurize_shard(
     Returns:
         True when the store held the shard already (nothing featurized).
     """
+    # the groups and arrays opened once for the shard (its task is their one writer; the flow created them)
+    with store.pinned():
+        return _featurize_shard(store, model_id, shard, featurizer, batch, batch_size, device, progress)
+
+
+#: the most bytes of shard buffers a thread keeps between shards (proj_dim 2048, 8,192 rows: 32 MiB of float16 rows
+#: and a 16 MiB packed partial); a larger shard's are new memory each time, as its task holds them anyway
+SHARD_BUFFER_BYTES = 64 << 20
+
+
+class _ShardBuffers(threading.local):
+    """A thread's host buffers for the shard it featurizes, reused by its next one: the shard's rows as stored and
+    its packed Gram partials (:class:`~trak_core.reduce.GramBuffers`). Fresh memory for them every shard is a page
+    fault per 4 KiB (1–2 µs a row at proj_dim 2048); kept only up to :data:`SHARD_BUFFER_BYTES`."""
+
+    def __init__(self) -> None:
+        self.rows_buf: np.ndarray | None = None
+        self.grams = GramBuffers()
+
+    def fit(self, meta: StoreMetadata) -> bool:
+        """Whether a shard of ``meta`` fits the buffers kept (else its task gets new memory, the kept is dropped)."""
+        p = meta.proj_dim
+        grams = (2 if meta.curvature == "ggn" else 1) * 8 * (p * (p + 1) // 2)
+        if meta.rows_per_shard * p * meta.np_dtype.itemsize + grams <= SHARD_BUFFER_BYTES:
+            return True
+        self.rows_buf, self.grams = None, GramBuffers()
+        return False
+
+    def rows(self, n: int, p: int, dtype: np.dtype) -> np.ndarray:
+        """A C-ordered (n, p) buffer of ``dtype`` (a view of the kept one when it is large enough)."""
+        buf = self.rows_buf
+        if buf is None or buf.dtype != dtype or buf.shape[1] != p or buf.shape[0] < n:
+            buf = self.rows_buf = np.empty((n, p), dtype=dtype)
+        return buf[:n]
+
+
+_shard_buffers = _ShardBuffers()
+
+
+def _featurize_shard(
+    store: TrakStore,
+    model_id: int,
+    shard: int,
+    featurizer: Callable[[], Featurizer],
+    batch: Callable[[int, int], list],
+    batch_size: int,
+    device,
+    progress: Progress,
+) -> bool:
     a, b = store.meta.shard_range(shard)
-    if store.shard_featurized(model_id, shard):
+    done = store.model(model_id).featurized[a:b].astype(bool)  # the shard's flags, read once
+    if done.all():
         complete_shard(store, model_id, shard, device)
         _advance(progress, b - a)
         return True
     require_not_finalized(store, model_id)
-    start = a + _featurized_prefix(store, model_id, a, b)  # a shard the store grew into keeps its stored rows
+    start = a + _featurized_prefix(done)  # a shard the store grew into keeps its stored rows
     feat = featurizer()
     xs, qs = [], []
     old: list[np.ndarray] = []
@@ -514,16 +566,23 @@ def featurize_shard(
         qs.append(q)
         _advance(progress, e - s)
     q = np.concatenate(qs)
-    stored = write_rows(store, model_id, slice(start, b), xs, q[start - a :])
-    x = np.concatenate([*old, stored]) if old else stored  # the shard's rows as stored
-    complete_shard(store, model_id, shard, feat.device, x, q)  # on the featurizer's device
+    keep = _shard_buffers.fit(store.meta)
+    out = _shard_buffers.rows(b - a, store.meta.proj_dim, store.meta.np_dtype) if keep else None
+    stored = write_rows(store, model_id, slice(start, b), xs, q[start - a :], None if out is None else out[start - a :])
+    x = stored
+    if old and out is None:
+        x = np.concatenate([*old, stored])
+    elif old and out is not None:
+        out[: start - a] = old[0]
+        x = out
+    # the shard's rows as stored, its partial on the featurizer's device
+    complete_shard(store, model_id, shard, feat.device, x, q, _shard_buffers.grams if keep else None)
     return False
 
 
-def _featurized_prefix(store: TrakStore, model_id: int, a: int, b: int) -> int:
-    """How many leading rows of [a, b) are featurized when exactly those are (the old rows of the last shard of
-    a store that grew); 0 otherwise (the shard is featurized whole)."""
-    done = store.model(model_id).featurized[a:b].astype(bool)
+def _featurized_prefix(done: np.ndarray) -> int:
+    """How many leading rows of a shard are featurized (``done``: its flags) when exactly those are (the old rows
+    of the last shard of a store that grew); 0 otherwise (the shard is featurized whole)."""
     k = int(np.argmin(done)) if not done.all() else len(done)
     return k if not done[k:].any() else 0
 

@@ -39,27 +39,62 @@ def shard_partial(
     rows: the same float64 sum in another order (measured on an H100: 0.15 µs per row at proj_dim 2048 against
     11.6 µs for the float64 syrk on that machine's 16 host cores); the upper triangle is mirrored so that the result
     is exactly symmetric, as the host's syrk."""
-    return _grams(store, model_id, shard, rows, device, weights, both=False)[0]
+    if rows is None:
+        a, b = store.meta.shard_range(shard)
+        rows = store.model(model_id).grads[a:b]
+    return _grams(np.asarray(rows).astype(store.meta.np_dtype, copy=False), device, weights, both=False)[0]
 
 
 def shard_grams(
-    store: TrakStore, model_id: int, shard: int, rows: np.ndarray | None, q, device=None
+    store: TrakStore,
+    model_id: int,
+    shard: int,
+    rows: np.ndarray | None,
+    q,
+    device=None,
+    packed: bool = False,
+    buffers: GramBuffers | None = None,
+    norms: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """(Xₛᵀ Xₛ, Xₛᵀ Rₛ Xₛ or None) of one shard: the Gram partials its store keeps, :func:`shard_partial`'s bits.
     XᵀRX (rᵢ = :func:`~trak_core.damping.loss_curvature` of the shard's ``q``) only in a store of
-    ``curvature="ggn"``; on the host both come from one float64 copy of the rows."""
-    if store.meta.curvature != "ggn":
-        return shard_partial(store, model_id, shard, rows=rows, device=device), None
-    return _grams(store, model_id, shard, rows, device, loss_curvature(q), both=True)
+    ``curvature="ggn"``; on the host both come from one float64 copy of the rows.
 
-
-def _grams(store, model_id, shard, rows, device, weights, both: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    """(XᵀX, XᵀRX) when ``both``, else (XᵀX or XᵀRX by ``weights``, None): see :func:`shard_partial`."""
+    Args:
+        packed: return them packed (:func:`~trak_core.store.pack_upper`, as stored); on a device they are packed
+            there and only the triangle comes back to the host.
+        buffers: with ``packed``, the host buffers to return them in (reused shard after shard; else new arrays).
+        norms: with ``packed`` on a device, an (n,) float64 array that gets the rows' ‖xᵢ‖² computed there (for
+            :func:`row_sums_vec`); left as it is on the host.
+    """
+    both = store.meta.curvature == "ggn"
+    weights = loss_curvature(q) if both else None
     if rows is None:
         a, b = store.meta.shard_range(shard)
         rows = store.model(model_id).grads[a:b]
     x = np.asarray(rows).astype(store.meta.np_dtype, copy=False)
-    scale = None if weights is None else np.sqrt(np.asarray(weights, dtype=np.float64)).reshape(-1, 1)
+    if not packed:
+        return _grams(x, device, weights, both)
+    size = x.shape[1] * (x.shape[1] + 1) // 2
+    if device is not None and torch.device(device).type != "cpu":
+        dev = torch.device(device)
+        scale = None if weights is None else _sqrt_weights(weights)
+        grams = [_device_upper(x, dev, norms=norms)] + ([_device_upper(x, dev, scale)] if both else [])
+        host = [_host_copy(g, None if buffers is None else buffers.take(i, size, dev)) for i, g in enumerate(grams)]
+        return host[0], (host[1] if both else None)
+    full = [g for g in _grams(x, None, weights, both) if g is not None]
+    out = [pack_upper(g, None if buffers is None else buffers.take(i, size, "cpu")) for i, g in enumerate(full)]
+    return out[0], (out[1] if both else None)
+
+
+def _sqrt_weights(weights) -> np.ndarray:
+    return np.sqrt(np.asarray(weights, dtype=np.float64)).reshape(-1, 1)
+
+
+def _grams(x: np.ndarray, device, weights, both: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """(XᵀX, XᵀRX) of rows ``x`` (in the store's dtype) when ``both``, else (XᵀX or XᵀRX by ``weights``, None):
+    see :func:`shard_partial`."""
+    scale = None if weights is None else _sqrt_weights(weights)
     if device is not None and torch.device(device).type != "cpu":
         dev = torch.device(device)
         if both:
@@ -77,19 +112,76 @@ def _grams(store, model_id, shard, rows, device, weights, both: bool) -> tuple[n
     return plain, x.T @ x
 
 
-def _device_gram(x: np.ndarray, device: torch.device, scale: np.ndarray | None = None) -> np.ndarray:
-    """xᵀx in float64 on ``device``, block by block of rows (each row times ``scale`` (n, 1) first, if given),
-    mirrored from its upper triangle."""
-    p = x.shape[1]
+def _device_product(
+    x: np.ndarray, device: torch.device, scale: np.ndarray | None = None, norms: np.ndarray | None = None
+) -> torch.Tensor:
+    """xᵀx in float64 on ``device``, block by block of rows (each row times ``scale`` (n, 1) first, if given); its
+    upper triangle is the result (the strict lower one the same sums in another order). ``norms``: a host (n,)
+    float64 array that gets each row's ‖xᵢ‖² (before ``scale``), summed in float64 there (see :func:`row_sums_vec`
+    for when that is the host's bits)."""
+    n, p = x.shape
     step = max(1, DEVICE_BLOCK_BYTES // (8 * max(p, 1)))
     acc = torch.zeros(p, p, dtype=torch.float64, device=device)
-    for a in range(0, x.shape[0], step):
+    sq = None if norms is None else torch.empty(n, dtype=torch.float64, device=device)
+    for a in range(0, n, step):
         t = torch.from_numpy(np.ascontiguousarray(x[a : a + step])).to(device).double()
+        if sq is not None:
+            sq[a : a + step] = (t * t).sum(1)
         if scale is not None:
             t *= torch.from_numpy(scale[a : a + step]).to(device)
         acc.addmm_(t.T, t)
+    if norms is not None and sq is not None:
+        torch.from_numpy(norms).copy_(sq)
+    return acc
+
+
+def _device_gram(x: np.ndarray, device: torch.device, scale: np.ndarray | None = None) -> np.ndarray:
+    """xᵀx in float64 on ``device`` (:func:`_device_product`), mirrored from its upper triangle, on the host."""
+    acc = _device_product(x, device, scale)
     upper = torch.triu(acc)
     return (upper + torch.triu(acc, 1).T).cpu().numpy()
+
+
+def _device_upper(
+    x: np.ndarray, device: torch.device, scale: np.ndarray | None = None, norms: np.ndarray | None = None
+) -> torch.Tensor:
+    """:func:`_device_product`'s upper triangle packed row by row on ``device`` (:func:`pack_upper`'s layout; the
+    bits :func:`_device_gram` mirrors: each entry plus +0.0, so a −0.0 is stored as +0.0 there too)."""
+    acc = _device_product(x, device, scale, norms)
+    p = acc.shape[0]
+    keep = torch.ones(p, p, dtype=torch.bool, device=acc.device).triu_()
+    return acc[keep] + 0.0
+
+
+def _host_copy(t: torch.Tensor, out: np.ndarray | None) -> np.ndarray:
+    """``t`` (1-d float64 on a device) on the host: copied into ``out`` when given, else a new array."""
+    if out is None:
+        return t.cpu().numpy()
+    torch.from_numpy(out).copy_(t)
+    return out
+
+
+class GramBuffers:
+    """Host buffers for a shard's packed Gram partials, reused shard after shard (page-locked when the Grams come
+    from a CUDA device: the copy from it runs at full speed). A buffer is only read until the next shard's
+    partials are computed into it (the partial is written to the store in between)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, np.ndarray] = {}
+
+    def take(self, i: int, size: int, device) -> np.ndarray:
+        """The ``i``-th buffer of ``size`` float64 values for Grams from ``device``."""
+        pinned = torch.device(device).type == "cuda"
+        key = (i, size, pinned)
+        buf = self._bufs.get(key)
+        if buf is None:
+            self._bufs = {k: v for k, v in self._bufs.items() if k[1:] == key[1:]}  # another size: the old ones go
+            try:
+                t = torch.empty(size, dtype=torch.float64, pin_memory=pinned)
+            except RuntimeError:  # page-locked memory refused (a locked-memory limit): pageable, a slower copy
+                t = torch.empty(size, dtype=torch.float64)
+            buf = self._bufs[key] = t.numpy()
+        return buf
 
 
 class RowSums(NamedTuple):
@@ -116,19 +208,37 @@ class RowSums(NamedTuple):
 ROW_SUMS_BLOCK = 256
 
 
-def _widen(x: np.ndarray) -> np.ndarray:
-    """``x`` as float64 (exact for float16/float32 input); float16 through torch's float32 conversion, 4× faster
-    than numpy's float16 → float64 and the same values."""
+def _widen(x: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | None = None) -> np.ndarray:
+    """``x`` as float64 (exact for float16/float32 input), into ``out`` when given; float16 through torch's float32
+    conversion (into ``scratch``, float32 of ``x``'s shape, when given), 4× faster than numpy's float16 → float64
+    and the same values."""
     if x.dtype == np.float16:
-        return torch.from_numpy(np.ascontiguousarray(x)).float().numpy().astype(np.float64)
-    return x.astype(np.float64)
+        src = torch.from_numpy(np.ascontiguousarray(x))
+        x = src.float().numpy() if scratch is None else torch.from_numpy(scratch).copy_(src).numpy()
+    if out is None:
+        return x.astype(np.float64)
+    np.copyto(out, x)
+    return out
 
 
-def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype) -> np.ndarray:
+#: a float64 sum of squares of float16 values is exact, whatever the order of the additions, while it stays below
+#: 2⁵: each square is a multiple of 2⁻⁴⁸ (float16 values are multiples of 2⁻²⁴), every partial sum of these
+#: non-negative terms is at most the total, and float64 holds every multiple of 2⁻⁴⁸ below 2⁵³·2⁻⁴⁸. A sum computed
+#: below the bound (in any order) is the exact one, hence the host's einsum's bits; at or above it, it may not be.
+EXACT_FLOAT16_NORM = 32.0
+
+
+def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype, norms: np.ndarray | None = None) -> np.ndarray:
     """[Xᵀq, qᵀq, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²] ((p + 3,) float64) of rows ``x`` (rounded to the store ``dtype`` first, as
-    stored) and their ``q``. The rows are widened to float64 a block of :data:`ROW_SUMS_BLOCK` at a time (not the
-    whole shard at once: 1.7× faster at 8,192 × 2,048 and 4 MiB instead of 128 MiB of scratch); Xᵀq is summed
-    block by block in order."""
+    stored) and their ``q``. The rows are widened to float64 a block of :data:`ROW_SUMS_BLOCK` at a time into one
+    reused buffer (not the whole shard at once: 1.7× faster at 8,192 × 2,048 and 4 MiB instead of 128 MiB of
+    scratch); Xᵀq is summed block by block in order.
+
+    Args:
+        norms: the rows' ‖xᵢ‖² summed in float64 elsewhere (a device, in any order), or NaN where not known: taken
+            for a block of a float16 store where each is below :data:`EXACT_FLOAT16_NORM` (then exact, the bits
+            computed here), else the block's are computed here.
+    """
     from threadpoolctl import threadpool_limits
 
     x = np.asarray(x).astype(dtype, copy=False)
@@ -136,34 +246,49 @@ def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype) -> np.ndarray:
     n, p = x.shape
     rn = np.empty(n, dtype=np.float64)  # ‖xᵢ‖²
     out = np.zeros(p + 3, dtype=np.float64)
+    wide = np.empty((min(n, ROW_SUMS_BLOCK), p), dtype=np.float64)
+    half = np.empty(wide.shape, dtype=np.float32) if x.dtype == np.float16 else None
+    given = norms if norms is not None and x.dtype == np.float16 else None
     # one BLAS thread: the small gemv below spins a second thread for little work (5× slower on a busy machine)
     with threadpool_limits(limits=1, user_api="blas"):
         for a in range(0, n, ROW_SUMS_BLOCK):
-            xb = _widen(x[a : a + ROW_SUMS_BLOCK])
-            rn[a : a + ROW_SUMS_BLOCK] = np.einsum("ij,ij->i", xb, xb)
-            out[:-3] += qd[a : a + ROW_SUMS_BLOCK] @ xb
+            k = min(ROW_SUMS_BLOCK, n - a)
+            xb = _widen(x[a : a + k], wide[:k], None if half is None else half[:k])
+            if given is not None and bool((given[a : a + k] < EXACT_FLOAT16_NORM).all()):  # NaN: not known
+                rn[a : a + k] = given[a : a + k]
+            else:
+                np.einsum("ij,ij->i", xb, xb, out=rn[a : a + k])
+            out[:-3] += qd[a : a + k] @ xb
     out[-3] = qd @ qd
     out[-2] = rn @ rn
     out[-1] = (qd * qd) @ rn
     return out
 
 
-def shard_row_sums(store: TrakStore, model_id: int, shard: int, rows=None, q=None) -> np.ndarray:
+def shard_row_sums(store: TrakStore, model_id: int, shard: int, rows=None, q=None, norms=None) -> np.ndarray:
     """:class:`RowSums` of one shard as a (p + 3,) float64 vector, from the stored (rounded) gradients and Q or
-    the given ones (:func:`rows_row_sums`' arithmetic shard by shard); stored beside the shard's XᵀX partial."""
+    the given ones (:func:`rows_row_sums`' arithmetic shard by shard); stored beside the shard's XᵀX partial.
+    ``norms``: see :func:`row_sums_vec`."""
     a, b = store.meta.shard_range(shard)
     if rows is None:
         rows = store.model(model_id).grads[a:b]
     if q is None:
         q = store.model(model_id).out_to_loss[a:b]
-    return row_sums_vec(rows, q, store.meta.np_dtype)
+    return row_sums_vec(rows, q, store.meta.np_dtype, norms)
 
 
 def ensure_partial(
-    store: TrakStore, model_id: int, shard: int, device=None, rows: np.ndarray | None = None, q=None
+    store: TrakStore,
+    model_id: int,
+    shard: int,
+    device=None,
+    rows: np.ndarray | None = None,
+    q=None,
+    buffers: GramBuffers | None = None,
 ) -> None:
     """Store the shard's XᵀX partial and row sums unless they are there; from ``rows``/``q`` (the shard's rows as
-    written, still in the caller's memory) or read back from the store."""
+    written, still in the caller's memory) or read back from the store. ``buffers``: the caller's reused host
+    buffers for the packed partials (:class:`GramBuffers`)."""
     if not store.partial_done(model_id, shard):
         if not store.shard_featurized(model_id, shard):
             a, b = store.meta.shard_range(shard)
@@ -173,8 +298,10 @@ def ensure_partial(
             rows = np.asarray(store.model(model_id).grads[a:b])
         if q is None:
             q = store.model(model_id).out_to_loss[a:b]
-        part, ggn = shard_grams(store, model_id, shard, rows, q, device)
-        store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, rows, q), ggn)
+        # on a device, the rows' ‖xᵢ‖² come back with the Gram (the host then skips their float64 sums where exact)
+        norms = np.full(b - a, np.nan) if store.meta.np_dtype == np.float16 else None
+        part, ggn = shard_grams(store, model_id, shard, rows, q, device, packed=True, buffers=buffers, norms=norms)
+        store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, rows, q, norms), ggn)
 
 
 def _sum_shard_grams(store: TrakStore, partials) -> np.ndarray:

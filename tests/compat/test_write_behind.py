@@ -155,3 +155,32 @@ def test_a_process_killed_with_writes_queued_leaves_a_store_the_next_run_complet
     tr.finalize_features()
     tr._close()
     _same_rows(tmp_path / "s", reference)
+
+
+def test_write_behind_is_the_default_on_a_cuda_device_only(tmp_path, monkeypatch):
+    """TRAKer's default write_behind (None): on for device="cuda" (here without CUDA: the device check and the
+    featurizer are stand-ins), off for the CPU; an explicit setting wins on either."""
+    from trak_core.compat import traker as compat_traker
+    from trak_core.projectors import DenseProjector, ProjectionType
+
+    class _NoFeaturizer:
+        def __init__(self, *args):
+            self.gradient_computer = None
+
+    monkeypatch.setattr(compat_traker, "check_device", lambda device: str(device))
+    monkeypatch.setattr(compat_traker, "Featurizer", _NoFeaturizer)
+    model = make_model()
+    grad_dim = sum(p.numel() for p in model.parameters())
+    seen = {}
+    for i, (device, setting) in enumerate([("cuda", None), ("cuda:1", None), ("cpu", None), ("cuda", False)]):
+        proj = DenseProjector(grad_dim, 16, 0, ProjectionType.rademacher, "cpu")
+        tr = TRAKer(
+            model=model, task="image_classification", train_set_size=N, save_dir=str(tmp_path / str(i)),
+            device=device, projector=proj, logging_level=logging.ERROR, write_behind=setting,
+        )  # fmt: skip
+        seen[(device, setting)] = tr.write_behind
+        tr._close()
+    assert seen == {("cuda", None): True, ("cuda:1", None): True, ("cpu", None): False, ("cuda", False): False}
+    tr = _traker(tmp_path / "on", write_behind=True)  # explicit, on the CPU
+    assert tr.write_behind is True
+    tr._close()

@@ -48,6 +48,7 @@ from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
 from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
+from ..reduce import GramBuffers
 from ..store.writer import BackgroundWriter
 from .savers import check_saver
 from .score_computers import score_computer_settings
@@ -68,6 +69,13 @@ def _flush_open_trakers() -> None:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def writes_behind(device) -> bool:
+    """TRAKer's default ``write_behind`` on ``device``: on a CUDA device the store writes (float16 conversion,
+    checksums, files, each shard's partial) run beside the next batches' device arithmetic instead of between them;
+    on the CPU the same cores would do both, and each call returns with its rows written."""
+    return torch.device(device).type == "cuda"
 
 
 def check_device(device) -> str:
@@ -115,9 +123,10 @@ class TRAKer:
     the model output, R = diag(Q(1 − Q)) for the built-in tasks, row weights floored at 0.3·mean(r): +0.020 to +0.060
     LDS on converged models at one more p × p partial per shard; benchmarks/RESULTS.md, "Gauss-Newton curvature").
     A store keeps its curvature. ``write_behind``: rows are written by a background thread while the next batches
-    are featurized (a GPU then waits less on the store), so a :meth:`featurize` call returns before its rows are in
-    the store and a write's error is raised by a later call; by default each call returns with its complete chunks
-    written. Either way rows are flagged only once written (a killed process featurizes the rest again).
+    are featurized (the GPU then does not wait on the store), so a :meth:`featurize` call returns before its rows
+    are in the store and a write's error is raised by a later call; otherwise each call returns with its complete
+    chunks written. By default (None) on a CUDA device, not on the CPU (:func:`writes_behind`). Either way rows are
+    flagged only once written (a killed process featurizes the rest again).
     """
 
     def __init__(
@@ -145,7 +154,7 @@ class TRAKer:
         shard_rows: int | None = None,
         storage_options: dict | None = None,
         curvature: str = "xtx",
-        write_behind: bool = False,
+        write_behind: bool | None = None,
     ) -> None:
         self.logger = logging.getLogger("trakflow")
         self.logger.setLevel(logging_level)
@@ -215,7 +224,7 @@ class TRAKer:
         )
         self.save_dir = str(save_dir)
         self.load_from_save_dir = load_from_save_dir
-        self.write_behind = bool(write_behind)
+        self.write_behind = writes_behind(self.device) if write_behind is None else bool(write_behind)
         # nothing is created before the settings are known to fit in memory; then the store's run lock (as the
         # pipeline's runs take it: another process on this save_dir is refused), held while this TRAKer lives
         on_device = torch.device(self.device).type != "cpu"  # see _partials_while_featurizing
@@ -540,6 +549,7 @@ class _ShardRuns:
         self.device = device
         self.run: dict | None = None
         self.buf: np.ndarray | None = None
+        self.grams = GramBuffers()  # the host buffers of the partials, reused shard after shard
 
     def _buffer(self, meta) -> np.ndarray:
         shape = (meta.rows_per_shard, meta.proj_dim)
@@ -586,4 +596,4 @@ class _ShardRuns:
                 self.run = None
                 if store.shard_featurized(mid, s):
                     rows_s = self._buffer(meta)[: sb - sa]
-                    engine.complete_shard(store, mid, s, self.device, rows_s, np.concatenate(run["q"]))
+                    engine.complete_shard(store, mid, s, self.device, rows_s, np.concatenate(run["q"]), self.grams)

@@ -95,10 +95,14 @@ def _versions() -> dict:
 _SPEC_KEYS = ("kind", "proj_type", "seed", "grad_dim", "proj_dim")
 
 
-def pack_upper(a: np.ndarray) -> np.ndarray:
-    """The upper triangle of a (p, p) matrix, row by row: (p(p+1)/2,). Exact (a copy of the entries)."""
+def pack_upper(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The upper triangle of a (p, p) matrix, row by row: (p(p+1)/2,). Exact (a copy of the entries); into
+    ``out`` (a caller's reused buffer of that shape) when given."""
     p = a.shape[0]
-    out = np.empty(p * (p + 1) // 2, dtype=a.dtype)
+    if out is None:
+        out = np.empty(p * (p + 1) // 2, dtype=a.dtype)
+    elif out.shape != (p * (p + 1) // 2,):
+        raise ValueError(f"pack_upper: out has shape {out.shape}, not ({p * (p + 1) // 2},)")
     off = 0
     for i in range(p):
         out[off : off + p - i] = a[i, i:]
