@@ -709,6 +709,25 @@ class EvaluateConfig(_Base):
                 out[key] = recipe[key]
         return out
 
+    @model_validator(mode="after")
+    def _classifier_task(self):
+        """The ground truth is a classifier's margins on its targets, from subset models trained as classifiers: a
+        causal language model (whose output is a text's log-odds) is refused before anything is trained."""
+        task = self.attribute.task
+        lm = task == "causal_lm"
+        if not lm and ":" in task:
+            from trak_core.modelout import CausalLMModelOutput
+
+            obj = load_object(task, "task", self.attribute.import_roots)
+            cls = obj if isinstance(obj, type) else type(obj)
+            lm = issubclass(cls, CausalLMModelOutput)
+        if lm:
+            raise BadInputError(
+                f"attribute.task: evaluate trains classifiers and scores their margins; {task!r} is a causal language "
+                "model, whose ground truth (each target text's log-odds) it does not compute"
+            )
+        return self
+
     def recipe(self) -> dict:
         """The training recipe of the subset models."""
         return {k: getattr(self, k) for k in ("epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay")}

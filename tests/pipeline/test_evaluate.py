@@ -250,6 +250,17 @@ def test_unscored_experiment_without_run_attribute_names_the_field(evaluated):
     assert not (tmp / "other.zarr").exists()
 
 
+@pytest.mark.parametrize("task", ["causal_lm", "trak_core.modelout:CausalLMModelOutput"])
+def test_evaluate_refuses_a_causal_lm_before_training(tmp_path, task):
+    d = _eval_dict(tmp_path, tiny.save_checkpoints(tmp_path / "ck", seeds=(0,)))
+    d["attribute"] = {**d["attribute"], "task": task}
+    with pytest.raises(Exception, match="attribute.task: evaluate trains classifiers"):
+        EvaluateConfig.model_validate(d)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "store.zarr").exists()
+    d["attribute"]["task"] = "image_classification"  # the same config with a classifier's task is accepted
+    assert EvaluateConfig.model_validate(d).attribute.task == "image_classification"
+
+
 def test_evaluate_config_reads_the_recipe_of_a_train_manifest(tmp_path):
     ck = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
     manifest = tmp_path / "ck" / "manifest.json"
