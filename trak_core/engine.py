@@ -469,31 +469,6 @@ def complete_shard(store: TrakStore, model_id: int, shard: int, device=None, x=N
     ensure_partial(store, model_id, shard, device, x, q, buffers)
 
 
-def featurize_shard(
-    store: TrakStore,
-    model_id: int,
-    shard: int,
-    featurizer: Callable[[], Featurizer],
-    batch: Callable[[int, int], list],
-    batch_size: int,
-    device=None,
-    progress: Progress = None,
-) -> bool:
-    """Featurize one shard of train rows in batches, write it at once, then store its XᵀX partial.
-
-    Args:
-        featurizer: builds the featurizer (only called when the shard is not in the store yet).
-        batch: ``batch(a, b)`` is the batch of train examples [a, b).
-        device: where a partial missing beside stored rows is computed.
-        progress: called with the number of rows done.
-    Returns:
-        True when the store held the shard already (nothing featurized).
-    """
-    # the groups and arrays opened once for the shard (its task is their one writer; the flow created them)
-    with store.pinned():
-        return _featurize_shard(store, model_id, shard, featurizer, batch, batch_size, device, progress)
-
-
 #: the most bytes of shard buffers a thread keeps between shards (proj_dim 2048, 8,192 rows: 32 MiB of float16 rows
 #: and a 16 MiB packed partial); a larger shard's are new memory each time, as its task holds them anyway
 SHARD_BUFFER_BYTES = 64 << 20
@@ -528,56 +503,69 @@ class _ShardBuffers(threading.local):
 _shard_buffers = _ShardBuffers()
 
 
-def _featurize_shard(
+def featurize_shard(
     store: TrakStore,
     model_id: int,
     shard: int,
     featurizer: Callable[[], Featurizer],
     batch: Callable[[int, int], list],
     batch_size: int,
-    device,
-    progress: Progress,
+    device=None,
+    progress: Progress = None,
 ) -> bool:
-    a, b = store.meta.shard_range(shard)
-    done = store.model(model_id).featurized[a:b].astype(bool)  # the shard's flags, read once
-    if done.all():
-        complete_shard(store, model_id, shard, device)
-        _advance(progress, b - a)
-        return True
-    require_not_finalized(store, model_id)
-    start = a + _featurized_prefix(done)  # a shard the store grew into keeps its stored rows
-    feat = featurizer()
-    xs, qs = [], []
-    old: list[np.ndarray] = []
-    if start > a:
-        old_x, old_q = store.read_train_rows(model_id, a, start)
-        old.append(old_x)
-        qs.append(old_q)
-        _advance(progress, start - a)
-    for s in range(start, b, batch_size):
-        e = min(s + batch_size, b)
-        try:
-            x, q = feat.featurize(batch(s, e), model_id, range(s, e))
-        except NonFiniteGradientError:
-            raise  # names the example indices already
-        except BadInputError as err:  # e.g. a label out of range: say which rows
-            raise BadInputError(f"train_data rows {s}..{e - 1} (model_id={model_id}): {err}") from None
-        xs.append(x)
-        qs.append(q)
-        _advance(progress, e - s)
-    q = np.concatenate(qs)
-    keep = _shard_buffers.fit(store.meta)
-    out = _shard_buffers.rows(b - a, store.meta.proj_dim, store.meta.np_dtype) if keep else None
-    stored = write_rows(store, model_id, slice(start, b), xs, q[start - a :], None if out is None else out[start - a :])
-    x = stored
-    if old and out is None:
-        x = np.concatenate([*old, stored])
-    elif old and out is not None:
-        out[: start - a] = old[0]
-        x = out
-    # the shard's rows as stored, its partial on the featurizer's device
-    complete_shard(store, model_id, shard, feat.device, x, q, _shard_buffers.grams if keep else None)
-    return False
+    """Featurize one shard of train rows in batches, write it at once, then store its XᵀX partial.
+
+    Args:
+        featurizer: builds the featurizer (only called when the shard is not in the store yet).
+        batch: ``batch(a, b)`` is the batch of train examples [a, b).
+        device: where a partial missing beside stored rows is computed.
+        progress: called with the number of rows done.
+    Returns:
+        True when the store held the shard already (nothing featurized).
+    """
+    # the groups and arrays opened once for the shard (its task is their one writer; the flow created them)
+    with store.pinned():
+        a, b = store.meta.shard_range(shard)
+        done = store.model(model_id).featurized[a:b].astype(bool)  # the shard's flags, read once
+        if done.all():
+            complete_shard(store, model_id, shard, device)
+            _advance(progress, b - a)
+            return True
+        require_not_finalized(store, model_id)
+        start = a + _featurized_prefix(done)  # a shard the store grew into keeps its stored rows
+        feat = featurizer()
+        xs, qs = [], []
+        old_x = None
+        if start > a:
+            old_x, old_q = store.read_train_rows(model_id, a, start)
+            qs.append(old_q)
+            _advance(progress, start - a)
+        for s in range(start, b, batch_size):
+            e = min(s + batch_size, b)
+            try:
+                x, q = feat.featurize(batch(s, e), model_id, range(s, e))
+            except NonFiniteGradientError:
+                raise  # names the example indices already
+            except BadInputError as err:  # e.g. a label out of range: say which rows
+                raise BadInputError(f"train_data rows {s}..{e - 1} (model_id={model_id}): {err}") from None
+            xs.append(x)
+            qs.append(q)
+            _advance(progress, e - s)
+        q = np.concatenate(qs)
+        keep = _shard_buffers.fit(store.meta)
+        out = _shard_buffers.rows(b - a, store.meta.proj_dim, store.meta.np_dtype) if keep else None
+        stored = write_rows(
+            store, model_id, slice(start, b), xs, q[start - a :], None if out is None else out[start - a :]
+        )
+        x = stored
+        if old_x is not None and out is None:
+            x = np.concatenate([old_x, stored])
+        elif old_x is not None and out is not None:
+            out[: start - a] = old_x
+            x = out
+        # the shard's rows as stored, its partial on the featurizer's device
+        complete_shard(store, model_id, shard, feat.device, x, q, _shard_buffers.grams if keep else None)
+        return False
 
 
 def _featurized_prefix(done: np.ndarray) -> int:
