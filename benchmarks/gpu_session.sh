@@ -40,7 +40,7 @@ s.sort_stats('cumulative').print_stats(40)" >"$OUT/profile_factored.txt" 2>&1
 
 [ "${TESTS_S:-200}" = 0 ] || timeout "${TESTS_S:-200}" python3 -m pytest -q -m cuda -p no:cacheprovider -o addopts="-ra" \
     ${CUDA_TESTS:-tests/trak_core/test_causal_lm.py tests/trak_core/test_sjlt_factored.py \
-    tests/trak_core/test_factored_attention.py tests/trak_core/test_finalize_fast.py tests/compat/test_gpu_traker.py \
+    tests/trak_core/test_factored_attention.py tests/trak_core/test_factored_mha.py tests/trak_core/test_finalize_fast.py tests/trak_core/test_projector_contract.py tests/compat/test_gpu_traker.py \
     tests/cuda_ext/test_cuda_ext.py} >"$OUT/cuda_tests.log" 2>&1
 echo "pytest exit: $?" >>"$OUT/cuda_tests.log"
 

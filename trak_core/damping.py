@@ -628,7 +628,9 @@ def solve_deff_fast(
     2. a target min(c·n, rank / 2) needs the numerical rank only when it is below 2 c n: the rank is taken as
        certain when the count of float32 eigenvalues far above their round-off (> 8√p · ε₃₂ · σ_max) and
        min(n, p) give the same targets, or, for n ≥ p, when XᵀX − θI (θ the rule's rank threshold) has a
-       float64 Cholesky factorization (rank p); otherwise None;
+       float64 Cholesky factorization (rank p); where it is not, λ is still ``lam_floor`` when the exact d_eff at
+       the floor is at most the targets of the smallest rank possible (every deff λ is then below the floor);
+       otherwise None;
     3. each deff λ by the rule (:func:`deff_lambda`) on those eigenvalues (the p − n smallest set to 0 when
        n < p: they are exact zeros, and float32 noise would bias d_eff);
     4. the float64 inverse at λ gives the exact d_eff(λ) and its slope (:func:`_exact_deff_terms`), hence a
@@ -667,7 +669,15 @@ def solve_deff_fast(
     full = ev.copy()
     full[p - max_rank :] = np.maximum(full[p - max_rank :], 2.0 * theta)  # rank min(n, p)
     targets = [deff_target(full, c, rows) for c, rows in pairs]
-    if [deff_target(sure, c, rows) for c, rows in pairs] != targets:
+    lowest = [deff_target(sure, c, rows) for c, rows in pairs]  # the targets of the smallest rank possible
+    if lowest != targets:
+        floor = float(lam_floor)
+        if floor > 0 and math.isfinite(floor):
+            # each deff λ solves d_eff(λ) = its target, which grows with the rank: when d_eff(floor) is at most
+            # the lowest target any possible rank gives, every deff λ is ≤ the floor, and λ is the floor
+            inv = inverse(a, floor)
+            if inv is not None and terms(inv, floor)[0] <= min(lowest):
+                return floor, inv, full
         if n < p:
             return None
         if not (_host_positive_definite(a, -theta) if linalg_device is None else dl.positive_definite(a, -theta)):

@@ -195,3 +195,22 @@ def test_row_views():
     assert _rows(q, kv) is None  # rows of the same memory outside w[2:6]
     b = torch.arange(6.0)
     assert _rows(b.chunk(3)[1], b) == (2, 4) and _rows(torch.arange(6.0), b) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["causal-prenorm", "cross-qkv", "kdim", "weights-mask", "decoder-layer"])
+def test_attention_hooks_on_cuda_give_the_cpus_numbers(kind):
+    """The hooked attention on a CUDA device (float64, where the fused kernels step aside) against the CPU run of
+    the same projector: the attention blocks stay on the hooks there too."""
+    model = _model(kind)
+    batch = _data(padding_idx=0 if kind == "weights-mask" else None)
+    out = {}
+    for dev in ("cpu", "cuda"):
+        model = model.to(dev)
+        p = FactoredProjector.from_model(model, 300, seed=5, device=dev, dtype=torch.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out[dev] = _fast(p, model, tuple(t.to(dev) for t in batch)).cpu()
+        assert not p._substitute
+    _close(out["cuda"], out["cpu"])

@@ -90,6 +90,26 @@ def test_rank_deficient_with_many_rows_is_decided_exactly():
     assert info["lambda_reg"] == pytest.approx(_reference_lambda("adaptive", x, n), rel=1e-12)
 
 
+def test_an_uncertain_rank_under_a_higher_floor_needs_no_float64_eigenvalues(monkeypatch):
+    """Rank r < p with n ≫ p: the deff target min(c·n, r/2) depends on the rank, but when the exact d_eff at the
+    other parts' λ (the floor) is already below the smallest target a possible rank gives, λ is the floor, found
+    with one factorization; a floor under the deff λ still declines (the float64 path decides)."""
+    n, p, r = 6000, 640, 200
+    a = (x := _x(n, p, rank=r, seed=1)).T @ x
+    ref = resolve_lambda("deff:0.1", torch.from_numpy(a), n_rows=n)
+    lam, inv, ev = damping.solve_deff_fast(a, [0.1], n, 2.0 * ref)
+    assert lam == 2.0 * ref
+    np.testing.assert_allclose(inv, np.linalg.inv(a + lam * np.eye(p)), rtol=1e-6, atol=1e-9 * np.abs(inv).max())
+    assert damping.solve_deff_fast(a, [0.1], n, 0.5 * ref) is None
+    # through solve: a rel part whose λ (twice the deff one) decides, and no float64 eigendecomposition
+    rule = parse_lambda_reg(f"deff:0.1,rel:{2.0 * ref * p / np.trace(a):.6f}")
+    want = rule.resolve(torch.from_numpy(a), n_rows=n)
+    assert want == pytest.approx(2.0 * ref, rel=1e-5)
+    monkeypatch.setattr(damping, "symmetric_eigenvalues", lambda m: pytest.fail("float64 eigenvalues computed"))
+    _, info = damping.solve(a, n, rule, rescale=False)
+    assert info["lambda_reg"] == pytest.approx(want, rel=1e-12)
+
+
 def _reference_lambda(setting, x: np.ndarray, n: int) -> float:
     """The float64 rule on all rows (float64 eigenvalues; Xᵀq, qᵀq with q = 1 where the rule needs them)."""
     rule = parse_lambda_reg(setting)
