@@ -462,11 +462,19 @@ def write_rows(store: TrakStore, model_id: int, rows, x, q: np.ndarray, out: np.
     return store.write_train_rows(model_id, rows, x, q, out)
 
 
-def complete_shard(store: TrakStore, model_id: int, shard: int, device=None, x=None, q=None, buffers=None) -> None:
+def complete_shard(
+    store: TrakStore, model_id: int, shard: int, device=None, x=None, q=None, buffers=None, sums=None
+) -> None:
     """Store the XᵀX partial (and row sums) of a shard whose rows are all featurized, unless it is there; from
     ``x``/``q`` (the shard's rows as written, still in memory) or read back. ``buffers``: a caller's reused host
-    buffers for the partials (:class:`~trak_core.reduce.GramBuffers`)."""
-    ensure_partial(store, model_id, shard, device, x, q, buffers)
+    buffers for the partials (:class:`~trak_core.reduce.GramBuffers`); ``sums``: a
+    :class:`~trak_core.reduce.PartialSums` that gets the partial stored (or, when it was there, loses its run)."""
+    stored = ensure_partial(store, model_id, shard, device, x, q, buffers)
+    if sums is not None:
+        if stored is None:
+            sums.end()
+        else:
+            sums.add(model_id, shard, *stored)
 
 
 #: the most bytes of shard buffers a thread keeps between shards (proj_dim 2048, 8,192 rows: 32 MiB of float16 rows
@@ -577,9 +585,10 @@ def _featurized_prefix(done: np.ndarray) -> int:
 
 # ---------------------------------------------------------------------------------------------- finalize
 def finalize(
-    store: TrakStore, model_id: int, lambda_reg, rescale: bool, device=None
+    store: TrakStore, model_id: int, lambda_reg, rescale: bool, device=None, known=None
 ) -> tuple[dict, bool, tuple[str, ...]]:
-    """A = (XᵀX + λI)⁻¹ of ``model_id`` from its shard partials, written with its record (idempotent).
+    """A = (XᵀX + λI)⁻¹ of ``model_id`` from its shard partials, written with its record (idempotent); ``known``:
+    their running sum kept while storing them (:class:`~trak_core.reduce.PartialSums`), else they are read.
 
     Returns:
         (the finalize record, whether it was there already, the texts of the warnings issued).
@@ -590,7 +599,7 @@ def finalize(
     check_finalize_memory(store.meta)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        info = finalize_model(store, model_id, lambda_reg, rescale, device=device)
+        info = finalize_model(store, model_id, lambda_reg, rescale, device=device, known=known)
     for w in caught:  # re-issued (the record hides them) and returned
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return info, False, tuple(str(w.message) for w in caught)

@@ -288,7 +288,8 @@ def ensure_partial(
 ) -> None:
     """Store the shard's XᵀX partial and row sums unless they are there; from ``rows``/``q`` (the shard's rows as
     written, still in the caller's memory) or read back from the store. ``buffers``: the caller's reused host
-    buffers for the packed partials (:class:`GramBuffers`)."""
+    buffers for the packed partials (:class:`GramBuffers`). Returns (the partial as stored, its row sums) when it
+    stored them, else None."""
     if not store.partial_done(model_id, shard):
         if not store.shard_featurized(model_id, shard):
             a, b = store.meta.shard_range(shard)
@@ -301,7 +302,43 @@ def ensure_partial(
         # on a device, the rows' ‖xᵢ‖² come back with the Gram (the host then skips their float64 sums where exact)
         norms = np.full(b - a, np.nan) if store.meta.np_dtype == np.float16 else None
         part, ggn = shard_grams(store, model_id, shard, rows, q, device, packed=True, buffers=buffers, norms=norms)
-        store.write_partial(model_id, shard, part, shard_row_sums(store, model_id, shard, rows, q, norms), ggn)
+        sums = shard_row_sums(store, model_id, shard, rows, q, norms)
+        store.write_partial(model_id, shard, part, sums, ggn)
+        return part, sums
+    return None
+
+
+class PartialSums:
+    """The running sum of one model's XᵀX partials and row sums as they are stored, shard 0, 1, … in order (the
+    additions :func:`finalize_model` makes reading them back, so the same bits): a featurizing process that
+    stored every shard's partial hands it to finalize, which then reads none of them. A shard out of order, or
+    another model's, ends the sum (finalize reads the partials as before)."""
+
+    def __init__(self) -> None:
+        self.model_id: int | None = None
+        self.shards = 0
+        self.total: np.ndarray | None = None
+        self.sums: np.ndarray | None = None
+
+    def add(self, model_id: int, shard: int, part: np.ndarray, sums: np.ndarray) -> None:
+        """Add shard ``shard``'s stored partial (packed as stored) and row sums ((p + 3,) float64)."""
+        if shard == 0:
+            self.model_id, self.shards = model_id, 1
+            self.total, self.sums = part.copy(), np.zeros_like(sums) + sums
+        elif self.model_id == model_id and shard == self.shards and self.total is not None and self.sums is not None:
+            self.total += part
+            self.sums += sums
+            self.shards += 1
+        else:
+            self.end()
+
+    def end(self) -> None:
+        """Drop the sum (a shard's partial was stored by someone else: finalize reads them all)."""
+        self.model_id, self.shards, self.total, self.sums = None, 0, None, None
+
+    def covers(self, store: TrakStore, model_id: int) -> bool:
+        """Whether it is the sum of all of ``model_id``'s shards (a store without Gauss-Newton partials)."""
+        return self.model_id == model_id and self.shards == store.meta.num_shards and store.meta.curvature != "ggn"
 
 
 def _sum_shard_grams(store: TrakStore, partials) -> np.ndarray:
@@ -427,16 +464,20 @@ READ_AHEAD = 2
 
 
 def _sum_partials(
-    store: TrakStore, model_id: int, writer, device=None
+    store: TrakStore, model_id: int, writer, device=None, known: PartialSums | None = None
 ) -> tuple[np.ndarray, RowSums, list, np.ndarray | None]:
     """XᵀX and the :class:`RowSums` exactly as :func:`total_xtx` and :func:`total_row_sums` sum them (the shard
     partials in shard order), computing the missing partials on the way (:func:`ensure_partial`) and summing them
     from memory instead of reading them back. Their writes go to ``writer`` (one background thread) so that they
     overlap the next shard's work and the solve; returns (XᵀX, the row sums, the write futures, XᵀRX as
     :func:`total_ggn` sums it in a store of ``curvature="ggn"``, else None). Missing
-    partials are computed on ``device`` (:func:`shard_partial`)."""
+    partials are computed on ``device`` (:func:`shard_partial`). ``known``: the featurizing process's running sum
+    of the partials it stored, used instead of reading them back when it covers every shard."""
     m = store.model(model_id)
     p, shards, packed = store.meta.proj_dim, store.meta.num_shards, store.meta.packed_partials
+    if known is not None and known.covers(store, model_id) and known.total is not None and known.sums is not None:
+        total = unpack_upper(known.total, p) if packed else known.total.copy()
+        return total, RowSums.of(known.sums), [], None
     total, owned = None, False  # the running sum (packed as stored); 0 + P₀ is P₀ itself (total_xtx's bits)
     sums = np.zeros(p + 3, dtype=np.float64)
     ggn_total = np.zeros(store.meta.partial_shape, dtype=np.float64) if store.meta.curvature == "ggn" else None
@@ -514,12 +555,19 @@ def _sum_partials(
 
 
 def finalize_model(
-    store: TrakStore, model_id: int, lambda_reg=0.0, rescale: bool = True, progress=None, device=None
+    store: TrakStore,
+    model_id: int,
+    lambda_reg=0.0,
+    rescale: bool = True,
+    progress=None,
+    device=None,
+    known: PartialSums | None = None,
 ) -> dict:
     """Partials → XᵀX → A = (XᵀX + λI)⁻¹, written to the store; returns finalize's record. Idempotent.
     ``progress(n)`` once the inverse is written (finalize makes no pass over the rows). Partials not yet in the
     store are computed on ``device`` (:func:`shard_partial`), and on a GPU the solve's eigenvalues and inverses
-    too (:func:`damping.solve`'s ``linalg_device``; on the CPU, LAPACK through scipy is the faster)."""
+    too (:func:`damping.solve`'s ``linalg_device``; on the CPU, LAPACK through scipy is the faster). ``known``:
+    the partials' running sum kept by the process that stored them (:class:`PartialSums`)."""
     recorded = store.finalize_info(model_id) if store.has_model(model_id) else None  # as store.is_finalized
     if recorded is not None:
         return recorded
@@ -534,7 +582,7 @@ def finalize_model(
     rule = parse_lambda_reg(lambda_reg)
     store.record_feature_settings(model_id, rule.setting, rescale)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trak-partial") as writer:
-        total, sums, writes, ggn = _sum_partials(store, model_id, writer, device)
+        total, sums, writes, ggn = _sum_partials(store, model_id, writer, device, known)
         kw = _solve_inputs(store, model_id, rule, sums, ggn)
         linalg_device = None if device is None or torch.device(device).type == "cpu" else torch.device(device)
         inv, info = solve(

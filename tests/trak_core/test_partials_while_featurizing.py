@@ -107,3 +107,32 @@ def test_rows_out_of_order_leave_their_shards_to_finalize(tmp_path, monkeypatch)
     ref.finalize_features()
     np.testing.assert_array_equal(tr.store.model(0).xtx_partials[:], ref.store.model(0).xtx_partials[:])
     np.testing.assert_array_equal(tr.store.model(0).inverse[:], ref.store.model(0).inverse[:])
+
+
+@pytest.mark.parametrize("order", ["ascending", "shard-1-late"])
+def test_finalize_sums_the_partials_it_stored_without_reading_them_back(tmp_path, monkeypatch, order):
+    """The partials stored while featurizing are summed as they are stored (shard order, the additions finalize
+    makes reading them): finalize then reads none back and gives the reference's bits. A shard completed out of
+    order ends the running sum: then they are all read back."""
+    from trak_core.store.arrays import StoredArray
+
+    model = _model()
+    x, y = _data()
+    runs = _runs([32] * 5)
+    if order == "shard-1-late":
+        runs = [runs[0], runs[2], runs[1], runs[3], runs[4]]
+    ref = _traker(tmp_path / "ref", model)
+    _featurize(ref, model, x, y, runs)
+    ref.finalize_features()
+    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    tr = _traker(tmp_path / "gpu", model)
+    _featurize(tr, model, x, y, runs)
+    tr._flush_rows()
+    assert tr.store.model(0).partial_done[:].all()
+    reads = []
+    real = StoredArray.read_into
+    monkeypatch.setattr(StoredArray, "read_into", lambda self, *a: reads.append(self.array.path) or real(self, *a))
+    tr.finalize_features()
+    assert (reads == []) == (order == "ascending"), reads
+    np.testing.assert_array_equal(tr.store.model(0).inverse[:], ref.store.model(0).inverse[:])
+    assert tr.store.finalize_info(0) == ref.store.finalize_info(0)

@@ -48,7 +48,7 @@ from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
 from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
-from ..reduce import GramBuffers
+from ..reduce import GramBuffers, PartialSums
 from ..store.writer import BackgroundWriter
 from .savers import check_saver
 from .score_computers import score_computer_settings
@@ -475,7 +475,8 @@ class TRAKer:
                     f"Model ID {mid} not registered, not ready for finalizing: load_checkpoint and featurize it first"
                 )
         for mid in ids:
-            _, skipped, _ = engine.finalize(self.store, mid, self.lambda_reg, self.rescale_inverse, self.device)
+            known = self._shards.sums if self._shards.sums.model_id == mid else None
+            _, skipped, _ = engine.finalize(self.store, mid, self.lambda_reg, self.rescale_inverse, self.device, known)
             if skipped:
                 self.logger.warning("model_id=%s already finalized, skipping", mid)
         self._last_ind = 0
@@ -550,6 +551,7 @@ class _ShardRuns:
         self.run: dict | None = None
         self.buf: np.ndarray | None = None
         self.grams = GramBuffers()  # the host buffers of the partials, reused shard after shard
+        self.sums = PartialSums()  # the partials stored, summed in shard order: finalize reads none back
 
     def _buffer(self, meta) -> np.ndarray:
         shape = (meta.rows_per_shard, meta.proj_dim)
@@ -596,4 +598,6 @@ class _ShardRuns:
                 self.run = None
                 if store.shard_featurized(mid, s):
                     rows_s = self._buffer(meta)[: sb - sa]
-                    engine.complete_shard(store, mid, s, self.device, rows_s, np.concatenate(run["q"]), self.grams)
+                    engine.complete_shard(
+                        store, mid, s, self.device, rows_s, np.concatenate(run["q"]), self.grams, self.sums
+                    )
