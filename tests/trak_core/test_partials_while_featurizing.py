@@ -136,3 +136,79 @@ def test_finalize_sums_the_partials_it_stored_without_reading_them_back(tmp_path
     assert (reads == []) == (order == "ascending"), reads
     np.testing.assert_array_equal(tr.store.model(0).inverse[:], ref.store.model(0).inverse[:])
     assert tr.store.finalize_info(0) == ref.store.finalize_info(0)
+
+
+def test_a_partial_still_being_stored_reads_its_own_rows(tmp_path, monkeypatch):
+    """A shard's partial is stored on a thread of its own while the next shard's rows are written: here the first
+    partial is held back until rows of the second shard are in memory, and it still has the first shard's rows
+    (each run has its own buffer); the result is the reference's bits."""
+    import threading
+
+    from trak_core import engine
+
+    model = _model()
+    x, y = _data()
+    runs = _runs([10] * 15)
+    ref = _traker(tmp_path / "ref", model)
+    _featurize(ref, model, x, y, runs)
+    ref.finalize_features()
+    go, real = threading.Event(), engine.complete_shard
+
+    def held(store, mid, shard, *args):
+        if shard == 0:
+            assert go.wait(30)
+        return real(store, mid, shard, *args)
+
+    monkeypatch.setattr(engine, "complete_shard", held)
+    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    tr = _traker(tmp_path / "t", model)
+    _featurize(tr, model, x, y, runs[:5])  # rows 0..49: shard 0 complete, 18 rows of shard 1 written
+    go.set()
+    for inds in runs[5:]:
+        tr.featurize((x[inds], y[inds]), inds=np.asarray(inds))
+    tr._flush_rows()
+    assert tr.store.model(0).partial_done[:].all()
+    tr.finalize_features()
+    np.testing.assert_array_equal(tr.store.model(0).xtx_partials[:], ref.store.model(0).xtx_partials[:])
+    np.testing.assert_array_equal(tr.store.model(0).inverse[:], ref.store.model(0).inverse[:])
+
+
+def test_a_failed_partial_is_raised_and_left_to_finalize(tmp_path, monkeypatch):
+    """A partial that fails on its thread is raised in the caller (by the next featurize or flush); the rows stay
+    written and flagged, and finalize computes the missing partial: the reference's bits."""
+    from trak_core import engine
+
+    model = _model()
+    x, y = _data()
+    runs = _runs([10] * 15)
+    ref = _traker(tmp_path / "ref", model)
+    _featurize(ref, model, x, y, runs)
+    ref.finalize_features()
+    real = engine.complete_shard
+
+    def failing(store, mid, shard, *args):
+        if shard == 1:
+            raise OSError("disk full (test)")
+        return real(store, mid, shard, *args)
+
+    monkeypatch.setattr(engine, "complete_shard", failing)
+    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    tr = _traker(tmp_path / "t", model)
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    raised = []
+    for inds in runs:  # the reference's batches (a row's float32 gradient depends on its batch)
+        try:
+            tr.featurize((x[inds], y[inds]), inds=np.asarray(inds))
+        except OSError as e:
+            raised.append(str(e))
+    try:
+        tr._flush_rows()
+    except OSError as e:
+        raised.append(str(e))
+    assert raised == ["disk full (test)"]  # given once
+    tr._flush_rows()
+    assert tr.store.model(0).featurized[:].all()
+    assert not tr.store.model(0).partial_done[1]
+    tr.finalize_features()
+    np.testing.assert_array_equal(tr.store.model(0).xtx_partials[:], ref.store.model(0).xtx_partials[:])
+    np.testing.assert_array_equal(tr.store.model(0).inverse[:], ref.store.model(0).inverse[:])

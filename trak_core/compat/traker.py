@@ -313,6 +313,7 @@ class TRAKer:
             self._hand_over(pend["mid"], slice(pend["start"], pend["stop"]), pend["x"], pend["q"])
         if self._writer is not None:
             self._on_writer(self._writer.drain)
+        self._shards.drain()
 
     def _partials_while_featurizing(self) -> bool:
         """On a GPU each shard's XᵀX partial is computed as soon as the shard's rows are written, from the rows
@@ -327,11 +328,12 @@ class TRAKer:
         except Exception:  # interpreter shutdown or a closed store: the rows stay unmarked (featurized again)
             pass
         writer, self._writer = getattr(self, "_writer", None), None
-        if writer is not None:
-            try:
-                writer.close()
-            except Exception:  # as above
-                pass
+        for closing in (writer, getattr(self, "_shards", None)):
+            if closing is not None:
+                try:
+                    closing.close()
+                except Exception:  # as above
+                    pass
         if getattr(self, "_locked", False):
             self._locked = False
             engine.release_store(self.save_dir)
@@ -541,23 +543,27 @@ def _write_rows_job(store, handles: dict, mid: int, rows, xs: list, qs: list, fl
 
 
 class _ShardRuns:
-    """The written rows of the shard being featurized in one ascending run from its first row, kept (in one buffer
-    of a shard's rows in the store's dtype, reused shard after shard) until the shard is complete, when its
-    partial is stored (:func:`engine.complete_shard` on ``device``: the bits finalize would compute from the
-    stored rows). Rows that do not continue the run drop it (finalize computes that shard's partial)."""
+    """The written rows of the shard being featurized in one ascending run from its first row, kept (in a buffer of
+    a shard's rows in the store's dtype) until the shard is complete, when its partial is stored
+    (:func:`engine.complete_shard` on ``device``: the bits finalize would compute from the stored rows) on a thread
+    of its own, while the next shard's rows are written into the other of two buffers. Rows that do not continue
+    the run drop it (finalize computes that shard's partial)."""
 
     def __init__(self, device):
         self.device = device
         self.run: dict | None = None
-        self.buf: np.ndarray | None = None
+        self.bufs: list[np.ndarray | None] = [None, None]
+        self.busy = 1  # the buffer of the partial last handed to the partials' thread (the next run takes the other)
         self.grams = GramBuffers()  # the host buffers of the partials, reused shard after shard
         self.sums = PartialSums()  # the partials stored, summed in shard order: finalize reads none back
+        self.partials: BackgroundWriter | None = None
 
-    def _buffer(self, meta) -> np.ndarray:
+    def _buffer(self, meta, i: int) -> np.ndarray:
         shape = (meta.rows_per_shard, meta.proj_dim)
-        if self.buf is None or self.buf.shape != shape or self.buf.dtype != meta.np_dtype:
-            self.buf = np.empty(shape, dtype=meta.np_dtype)
-        return self.buf
+        buf = self.bufs[i]
+        if buf is None or buf.shape != shape or buf.dtype != meta.np_dtype:
+            buf = self.bufs[i] = np.empty(shape, dtype=meta.np_dtype)
+        return buf
 
     def _continues(self, meta, mid: int, a: int) -> bool:
         s = a // meta.rows_per_shard
@@ -566,6 +572,13 @@ class _ShardRuns:
             run is not None and (run["mid"], run["shard"], run["next"]) == (mid, s, a)
         )
 
+    def _run_buffer(self, meta, mid: int, a: int) -> int:
+        """The buffer of the run that rows from ``a`` continue (or begin: the one the last partial does not use)."""
+        run = self.run
+        if run is not None and (run["mid"], run["shard"], run["next"]) == (mid, a // meta.rows_per_shard, a):
+            return run["buf"]
+        return 1 - self.busy
+
     def slot(self, meta, mid: int, start: int, stop: int) -> np.ndarray | None:
         """Where rows [start, stop) go in the buffer, when they lie in one shard and continue (or begin) its run."""
         if start >= stop or start // meta.rows_per_shard != (stop - 1) // meta.rows_per_shard:
@@ -573,7 +586,7 @@ class _ShardRuns:
         if not self._continues(meta, mid, start):
             return None
         sa = start // meta.rows_per_shard * meta.rows_per_shard
-        return self._buffer(meta)[start - sa : stop - sa]
+        return self._buffer(meta, self._run_buffer(meta, mid, start))[start - sa : stop - sa]
 
     def add(self, store, mid: int, start: int, x: np.ndarray, q: np.ndarray) -> None:
         meta = store.meta
@@ -585,10 +598,10 @@ class _ShardRuns:
                 self.run = None
                 continue
             if a == sa:
-                self.run = {"mid": mid, "shard": s, "next": sa, "q": []}
+                self.run = {"mid": mid, "shard": s, "next": sa, "q": [], "buf": self._run_buffer(meta, mid, a)}
             run = self.run
             assert run is not None
-            place = self._buffer(meta)[a - sa : b - sa]
+            place = self._buffer(meta, run["buf"])[a - sa : b - sa]
             rows = x[a - start : b - start]
             if place.__array_interface__["data"][0] != rows.__array_interface__["data"][0]:  # not written in place
                 place[...] = rows
@@ -597,7 +610,26 @@ class _ShardRuns:
             if b == sb:
                 self.run = None
                 if store.shard_featurized(mid, s):
-                    rows_s = self._buffer(meta)[: sb - sa]
-                    engine.complete_shard(
-                        store, mid, s, self.device, rows_s, np.concatenate(run["q"]), self.grams, self.sums
-                    )
+                    self._store_partial(store, mid, s, self._buffer(meta, run["buf"])[: sb - sa], run)
+
+    def _store_partial(self, store, mid: int, s: int, rows: np.ndarray, run: dict) -> None:
+        """Store shard ``s``'s partial on the partials' thread, once the one before it is stored (its error, if
+        any, raised here): one partial at a time, so the buffer it reads is not the one written next."""
+        if self.partials is None:
+            self.partials = BackgroundWriter(depth=1, name="trakflow-partials")
+        self.partials.drain()
+        self.busy = run["buf"]
+        job = functools.partial(
+            engine.complete_shard, store, mid, s, self.device, rows, np.concatenate(run["q"]), self.grams, self.sums
+        )
+        self.partials.submit(job)
+
+    def drain(self) -> None:
+        """Wait until the partials handed over are stored (their error, if any, raised here)."""
+        if self.partials is not None:
+            self.partials.drain()
+
+    def close(self) -> None:
+        partials, self.partials = self.partials, None
+        if partials is not None:
+            partials.close()
