@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of one lent-device session, in one call (docs/gpu.md, "Running on a lent GPU
 # machine"): the CUDA tests, traker's fast_jl built on the device, the benchmark matrix's MLP, conv net and
-# transformer against traker, and the model sizes users run. Each step has its own time limit and writes its
-# report under $OUT as it goes, so a step cut short still leaves what it measured.
+# transformer against traker, the model sizes users run and the host path. Each step has its own time limit and
+# writes its report under $OUT as it goes, so a step cut short still leaves what it measured.
 #
 #   bash benchmarks/gpu_session.sh          # in the repository root on the device; .whl/ carried (docs/gpu.md)
-#   TESTS_S, PROFILE_S, MATRIX_S, SIZES_S: each step's time limit in seconds (0 skips it);
+#   TESTS_S, PROFILE_S, MATRIX_S, SIZES_S, HOST_S: each step's time limit in seconds (0 skips it);
 #   CUDA_TESTS: the test files to run (default: every file with CUDA tests)
 set -u
 OUT=${OUT:-/tmp/gpu_session}
@@ -54,4 +54,6 @@ timeout "${MATRIX_S:-220}" python3 benchmarks/matrix.py --device cuda --models m
     --n 16384 --batch 1024 --json "$OUT/matrix_cuda.json" >"$OUT/matrix_cuda.md" 2>&1
 [ "${SIZES_S:-150}" = 0 ] || timeout "${SIZES_S:-150}" python3 benchmarks/sizes.py --device cuda --models resnet18 gpt2 --rows 256 --batch 32 --passes 2 \
     >"$OUT/sizes_cuda.md" 2>&1
+[ "${HOST_S:-60}" = 0 ] || timeout "${HOST_S:-60}" python3 benchmarks/host_path.py --n 65536 --threads 1 --repeats 2 \
+    --paths traker traker-behind shard floor --batches 2048 >"$OUT/host_path.md" 2>&1
 echo "done"
