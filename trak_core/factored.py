@@ -208,7 +208,23 @@ __all__ = [
     "flat_layout",
     "model_layout",
     "name_hash",
+    "record_kwargs",
 ]
+
+
+def record_kwargs(params: dict) -> dict:
+    """The :meth:`FactoredProjector.from_model` keywords that rebuild the projector recorded by ``params`` (a
+    factored spec less its base fields, as a store's ``projector_params`` holds it): ``split``, ``energies``,
+    ``layout_version``. A record of another layout version is refused (BadInputError)."""
+    version = params.get("layout_version")
+    if version == 4:
+        return {"split": "layer", "layout_version": 4}
+    if version != LAYOUT_VERSION:
+        raise BadInputError(
+            f"factored projection: the record has layout_version={version!r}; this version rebuilds versions 4 "
+            f"and {LAYOUT_VERSION} only (featurize into a new store)"
+        )
+    return {"split": params.get("split", "layer"), "energies": params.get("energies"), "layout_version": version}
 
 
 # ---------------------------------------------------------------------------- the projector
@@ -232,10 +248,18 @@ class FactoredProjector(AbstractProjector):
         dtype: torch.dtype = torch.float32,
         model_id: int = 0,
         *args,
+        split: str = "layer",
+        energies: dict | None = None,
+        layout_version: int = LAYOUT_VERSION,
         **kwargs,
     ) -> None:
         check_dims(grad_dim, proj_dim)
         super().__init__(grad_dim, proj_dim, seed, as_proj_type(proj_type), device)
+        if layout_version not in (4, LAYOUT_VERSION) or (layout_version == 4 and split != "layer"):
+            raise BadInputError(
+                f"factored projection: layout_version={layout_version!r} with split={split!r}: this version builds "
+                f"layout version {LAYOUT_VERSION} (any split) and reads version 4 (split='layer')"
+            )
         if layout is None:
             layout = flat_layout(grad_dim, proj_dim)
         if layout.grad_dim != grad_dim:
@@ -245,6 +269,9 @@ class FactoredProjector(AbstractProjector):
                 f"factored layout splits {sum(b.k for b in layout.blocks)} dimensions, not proj_dim={proj_dim}"
             )
         self.layout = layout
+        self.split = split
+        self.energies = None if energies is None else {k: float(v) for k, v in energies.items()}
+        self.layout_version = layout_version
         self.dtype = dtype
         self.model_id = model_id
         self._offsets = layout.offsets()
@@ -262,19 +289,35 @@ class FactoredProjector(AbstractProjector):
         device="cpu",
         grad_wrt: Iterable[str] | None = None,
         other: str = "dense",
-        split: str = "layer",
+        split: str | None = None,
+        energies: dict | None = None,
         **kwargs,
     ) -> FactoredProjector:
+        """The per-layer projector of ``model`` (see the module docstring). ``split``: how proj_dim is shared
+        between blocks (:data:`~trak_core.factored_layout.SPLITS`); None: ``"energy"`` when ``energies`` are given
+        ({parameter name: mean per-example ‖∂f/∂θ‖²}, :func:`trak_core.energy.gradient_energies`), else
+        ``"layer"``. ``layout_version=4`` (with ``split="layer"``) rebuilds a version-4 store's projector."""
         check_dims(proj_dim, proj_dim)
-        layout = model_layout(model, proj_dim, grad_wrt, other, split)
-        return cls(layout.grad_dim, proj_dim, seed, proj_type, device, layout=layout, **kwargs)
+        if split is None:
+            split = "layer" if energies is None else "energy"
+        layout = model_layout(model, proj_dim, grad_wrt, other, split, energies)
+        return cls(
+            layout.grad_dim, proj_dim, seed, proj_type, device, layout=layout, split=split, energies=energies, **kwargs
+        )
 
     @property
     def blocks(self) -> tuple:
         return self.layout.blocks
 
     def spec(self) -> dict:
-        return {**super().spec(), "layout_version": LAYOUT_VERSION, "layout": self.layout.describe()}
+        """The base spec, ``layout_version``, the split (version 5: ``split``, and ``energies`` for the energy split:
+        what rebuilds the same layout from the model alone, :func:`record_kwargs`) and the block table."""
+        if self.layout_version == 4:  # exactly what version 4 recorded
+            return {**super().spec(), "layout_version": 4, "layout": self.layout.describe()}
+        split: dict = {"split": self.split}
+        if self.energies is not None:
+            split["energies"] = dict(self.energies)
+        return {**super().spec(), "layout_version": self.layout_version, **split, "layout": self.layout.describe()}
 
     def free_memory(self) -> None:
         self._factors = None
