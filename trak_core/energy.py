@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .errors import BadInputError
 from .gradients import grad_param_names
@@ -81,7 +82,8 @@ def gradient_energies(
     try:
         for a in range(0, n, chunk):
             sample = [t[a : min(a + chunk, n)].to(device) for t in batch]
-            grads = per_example(weights, buffers, *sample)
+            with sdpa_kernel(SDPBackend.MATH):  # vmap has no batching rule for the fused attention kernels
+                grads = per_example(weights, buffers, *sample)
             sq = {k: grads[k].reshape(grads[k].shape[0], -1).double().pow(2).sum(1) for k in names}
             del grads
             bad = ~torch.stack([torch.isfinite(v) for v in sq.values()]).all(0) if sq else None

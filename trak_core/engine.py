@@ -310,6 +310,12 @@ def grow_run(store: TrakStore, train_set_size: int) -> int:
     return grow_train_rows(store, train_set_size)
 
 
+def check_model_id(model_id) -> None:
+    """Refuse (BadInputError) a model id that is not a non-negative integer."""
+    if not isinstance(model_id, (int, np.integer)) or isinstance(model_id, bool) or model_id < 0:
+        raise BadInputError(f"model_id must be a non-negative integer, got {model_id!r}")
+
+
 def check_model(
     store: TrakStore,
     model_id: int,
@@ -328,8 +334,7 @@ def check_model(
         lambda_setting: the λ rule's setting (``parse_lambda_reg(x).setting``; None: not checked).
         rescale: traker's rescale of the inverse (checked with ``lambda_setting``).
     """
-    if not isinstance(model_id, (int, np.integer)) or isinstance(model_id, bool) or model_id < 0:
-        raise BadInputError(f"model_id must be a non-negative integer, got {model_id!r}")
+    check_model_id(model_id)
     if not store.has_model(model_id):
         return
     if lambda_setting is not None:

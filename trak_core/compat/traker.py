@@ -43,12 +43,28 @@ from torch import Tensor
 
 from .. import engine
 from ..damping import CURVATURES, check_lambda
-from ..errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
+from ..energy import PROBE_ROWS, gradient_energies
+from ..errors import (
+    BadInputError,
+    InputAssertionError,
+    ModelIDException,
+    StateAssertionError,
+    StateError,
+    StoreMismatchError,
+)
 from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
-from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
+from ..projectors import (
+    AbstractProjector,
+    DenseProjector,
+    NoOpProjector,
+    ProjectionType,
+    make_projector,
+    rebuild_kwargs,
+)
 from ..reduce import GramBuffers
+from ..store import StoreMetadata, TrakStore
 from ..store.writer import BackgroundWriter
 from .savers import check_saver
 from .score_computers import score_computer_settings
@@ -96,16 +112,57 @@ def check_device(device) -> str:
     return str(device)
 
 
-def default_projector(model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None) -> AbstractProjector:
-    """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md); the dense
+def default_projector(
+    model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None, energies: dict | None = None
+) -> AbstractProjector:
+    """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md), proj_dim split by
+    ``energies`` (:func:`trak_core.energy.gradient_energies`; equally between layers without them); the dense
     Rademacher projection, with a one-line warning, for models it cannot factor."""
     try:
         return make_projector(
-            "factored", grad_dim, proj_dim, seed, "rademacher", device=device, model=model, grad_wrt=grad_wrt
+            "factored",
+            grad_dim,
+            proj_dim,
+            seed,
+            "rademacher",
+            device=device,
+            model=model,
+            grad_wrt=grad_wrt,
+            energies=energies,
         )
     except BadInputError as e:
         warnings.warn(f"TRAKer: using the dense projector (the default 'factored' does not apply: {e})", stacklevel=3)
         return DenseProjector(grad_dim, proj_dim, seed, ProjectionType.rademacher, device)
+
+
+def stored_projector(save_dir: str, storage_options, model, grad_wrt, device) -> AbstractProjector | None:
+    """The factored projector a store at ``save_dir`` records, rebuilt from its metadata alone (None: no store, or
+    another kind)."""
+    if not TrakStore.exists(save_dir, storage_options):
+        return None
+    meta = TrakStore.open(save_dir, storage_options, mode="r", check_arrays=False).meta
+    if meta.projector != "factored":
+        return None
+    try:
+        kwargs = rebuild_kwargs(meta.projector, dict(meta.projector_params))
+    except BadInputError as e:  # a layout version this code does not build
+        raise StoreMismatchError(f"projector_params: the store at {save_dir} cannot be read here ({e})") from None
+    try:
+        return make_projector(
+            "factored",
+            meta.grad_dim,
+            meta.proj_dim,
+            meta.proj_seed,
+            meta.proj_type,
+            device=device,
+            model=model,
+            grad_wrt=grad_wrt,
+            **kwargs,
+        )
+    except BadInputError as e:
+        raise BadInputError(
+            f"TRAKer: cannot rebuild the factored projection of the store at {save_dir} ({e})"
+        ) from None
 
 
 class TRAKer:
@@ -188,12 +245,19 @@ class TRAKer:
         self.num_params_for_grad = grad_dim_of(model, self.grad_wrt)
         self.proj_seed = projector_seed
 
+        # the default projector on a new store: its proj_dim split follows the gradient energy of the first featurize
+        # call's batch, so it (and the store, whose metadata records it) is built then; until then a stand-in with
+        # the same sizes (the equal split) serves the checks below
+        self._deferred = False
         if projector is None:
-            if not isinstance(proj_dim, int) or proj_dim <= 0:
+            if not isinstance(proj_dim, int) or isinstance(proj_dim, bool) or proj_dim <= 0:
                 raise BadInputError(f"proj_dim must be a positive integer, got {proj_dim!r}")
-            projector = default_projector(
-                model, self.num_params_for_grad, proj_dim, projector_seed, self.device, self.grad_wrt
-            )
+            projector = stored_projector(str(save_dir), storage_options, model, self.grad_wrt, self.device)
+            if projector is None:
+                projector = default_projector(
+                    model, self.num_params_for_grad, proj_dim, projector_seed, self.device, self.grad_wrt
+                )
+                self._deferred = projector.kind == "factored" and not TrakStore.exists(str(save_dir), storage_options)
         elif not hasattr(projector, "spec"):
             raise BadInputError(
                 f"TRAKer(projector={type(projector).__name__}): give one projector for the whole "
@@ -209,12 +273,13 @@ class TRAKer:
                 f"projector.grad_dim={projector.grad_dim} but the model has "
                 f"{self.num_params_for_grad} parameters to take gradients for"
             )
-        self.projector = projector
+        self.projector: AbstractProjector | None = None if self._deferred else projector
         self.proj_dim = projector.proj_dim
         self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
 
-        self.metadata = engine.store_metadata(
-            projector,
+        # the store's metadata of a projector (deferred: of the one the first featurize call builds)
+        self._metadata_of = functools.partial(
+            engine.store_metadata,
             train_set_size=self.train_set_size,
             dtype="float16" if use_half_precision else "float32",
             task=self.task,
@@ -222,6 +287,8 @@ class TRAKer:
             shard_rows=shard_rows,
             curvature=curvature,
         )
+        self._storage_options = storage_options
+        meta = self._metadata_of(projector)
         self.save_dir = str(save_dir)
         self.load_from_save_dir = load_from_save_dir
         self.write_behind = writes_behind(self.device) if write_behind is None else bool(write_behind)
@@ -229,21 +296,25 @@ class TRAKer:
         # pipeline's runs take it: another process on this save_dir is refused), held while this TRAKer lives
         on_device = torch.device(self.device).type != "cpu"  # see _partials_while_featurizing
         engine.check_featurize_memory(
-            self.metadata,
+            meta,
             model,
-            rows_held=proj_max_batch_size
-            + (self.metadata.rows_per_shard if on_device else self.metadata.rows_per_chunk),
+            rows_held=proj_max_batch_size + (meta.rows_per_shard if on_device else meta.rows_per_chunk),
             partials=on_device,
             projector=projector.kind,
         )
         self._locked = False
         engine.acquire_store(self.save_dir, run=f"TRAKer (pid {os.getpid()})")
         self._locked = True
-        try:
-            self.store = engine.open_run(self.save_dir, self.metadata, storage_options)
-        except BaseException:
-            self._close()
-            raise
+        self._store: TrakStore | None = None
+        # deferred: the store's metadata (None until then) and the model records of load_checkpoint calls
+        self.metadata: StoreMetadata | None = None if self._deferred else meta
+        self._planned: list[tuple[int, dict, bool]] = []
+        if not self._deferred:
+            try:
+                self._store = engine.open_run(self.save_dir, meta, storage_options)
+            except BaseException:
+                self._close()
+                raise
         self.featurizer = Featurizer(model, self.task, projector, gradient_computer, self.grad_wrt, self.device)
         self.gradient_computer = self.featurizer.gradient_computer
         self.ckpt_loaded: int | None = None
@@ -270,6 +341,41 @@ class TRAKer:
         # there is read again from the store before it is skipped; a row not flagged is featurized without a read
         self._flags: tuple[int, np.ndarray] | None = None
         _open_trakers.add(self)
+
+    # ------------------------------------------------------------------ the store
+    @property
+    def store(self) -> TrakStore:
+        """The store (StateError while the default projector waits for the first :meth:`featurize` call)."""
+        if self._store is None:
+            raise StateError(
+                f"TRAKer: nothing is stored at {self.save_dir} yet: with the default projector the store is created "
+                "by the first featurize call (proj_dim is split between the model's layers by the gradient energy "
+                "of that call's batch); call load_checkpoint(...) and featurize(...) first"
+            )
+        return self._store
+
+    def _create_store(self, batch) -> None:
+        """The deferred default projector and the store: proj_dim split by the gradient energy of the first
+        ≤ PROBE_ROWS rows of ``batch`` at the loaded checkpoint; then the model records of the load_checkpoint calls
+        so far. Nothing is written when the probe fails."""
+        energies = gradient_energies(self.model, self.task, batch, PROBE_ROWS, self.grad_wrt)
+        projector = default_projector(
+            self.model,
+            self.num_params_for_grad,
+            self.proj_dim,
+            self.proj_seed,
+            self.device,
+            self.grad_wrt,
+            energies=energies,
+        )
+        meta = self._metadata_of(projector)
+        self._store = engine.open_run(self.save_dir, meta, self._storage_options)
+        self.projector = self.featurizer.projector = projector
+        self.metadata = meta
+        self._deferred = False
+        planned, self._planned = self._planned, []
+        for mid, record, start_over in planned:
+            engine.plan_model(self._store, mid, checkpoint=record, start_over=start_over)
 
     # ------------------------------------------------------------------ featurizing
     def _forget_handles(self) -> None:
@@ -355,10 +461,15 @@ class TRAKer:
             "path": "state_dict given to TRAKer.load_checkpoint",
             "state_sha256": engine.state_fingerprint(checkpoint),
         }
-        if not start_over:
-            engine.check_model(self.store, model_id, checkpoint=record)
-        self.featurizer.load_state(checkpoint)  # a state_dict that does not fit the model is refused here
-        engine.plan_model(self.store, model_id, checkpoint=record, start_over=start_over)
+        if self._deferred:  # no store yet (see _create_store): recorded, then planned when it is created
+            engine.check_model_id(model_id)
+            self.featurizer.load_state(checkpoint)
+            self._planned = [p for p in self._planned if p[0] != model_id] + [(model_id, record, start_over)]
+        else:
+            if not start_over:
+                engine.check_model(self.store, model_id, checkpoint=record)
+            self.featurizer.load_state(checkpoint)  # a state_dict that does not fit the model is refused here
+            engine.plan_model(self.store, model_id, checkpoint=record, start_over=start_over)
         if start_over:
             self._started_over.add(model_id)
         self.ckpt_loaded = model_id
@@ -401,6 +512,10 @@ class TRAKer:
                 "Load a checkpoint using traker.load_checkpoint before featurizing "
                 "(call load_checkpoint(state_dict, model_id=...) first)"
             )
+        if self._deferred:  # the batch and its rows are checked before the store is created
+            self.task.validate_batch(batch)
+            inds, num_samples = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size), None
+            self._create_store(batch)
         with self.store.pinned(self._handles):
             self._featurize(mid, batch, inds, num_samples)
 
@@ -467,6 +582,12 @@ class TRAKer:
                 "del_grads=True is ignored: trak_core keeps no features and scores from the stored gradients "
                 "(X · A Gᵀ); deleting them would make scoring impossible",
                 stacklevel=2,
+            )
+        if self._store is None:  # the default projector waits for the first featurize: nothing is registered
+            first = next(iter(model_ids), None) if model_ids is not None else None
+            raise ModelIDException(
+                f"Model ID {first} not registered, not ready for finalizing: nothing was featurized into "
+                f"{self.save_dir} yet (load_checkpoint and featurize first)"
             )
         ids = list(model_ids) if model_ids is not None else self.store.model_ids()
         for mid in ids:
