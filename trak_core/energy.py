@@ -39,6 +39,7 @@ def gradient_energies(
     rows: int = PROBE_ROWS,
     grad_wrt: Iterable[str] | None = None,
     budget_bytes: int = PROBE_BYTES,
+    skip_nonfinite: bool = False,
 ) -> dict[str, float]:
     """{parameter name: mean over the first ≤ ``rows`` examples of ``batch`` of ‖∂f/∂θ‖²} for the parameters of
     ``grad_wrt`` (all trainable ones by default), f the task's output for one example.
@@ -49,10 +50,13 @@ def gradient_energies(
         batch: the task's batch (tensors with the examples along dimension 0).
         rows: how many examples (the first ones) the mean takes.
         budget_bytes: the most bytes of per-example gradients held at once.
+        skip_nonfinite: leave examples whose gradient is not finite out of the mean (all energies 0 when no
+            example is left) instead of raising.
     Returns:
         {name: energy} as Python floats (accumulated in float64).
     Raises:
-        BadInputError: an empty batch, ``rows`` < 1, or an example whose gradient is not finite.
+        BadInputError: an empty batch, ``rows`` < 1, or (unless ``skip_nonfinite``) an example whose gradient is
+            not finite.
     """
     task = resolve_task(task)
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
@@ -79,6 +83,7 @@ def gradient_energies(
     total = {k: torch.zeros((), dtype=torch.float64, device=device) for k in names}
     was_training = model.training
     model.eval()
+    used = n
     try:
         for a in range(0, n, chunk):
             sample = [t[a : min(a + chunk, n)].to(device) for t in batch]
@@ -86,17 +91,20 @@ def gradient_energies(
                 grads = per_example(weights, buffers, *sample)
             sq = {k: grads[k].reshape(grads[k].shape[0], -1).double().pow(2).sum(1) for k in names}
             del grads
-            bad = ~torch.stack([torch.isfinite(v) for v in sq.values()]).all(0) if sq else None
-            if bad is not None and bool(bad.any()):
-                rows_bad = (a + bad.nonzero().reshape(-1)).tolist()
-                raise BadInputError(
-                    f"energy probe: the gradient of example(s) {rows_bad[:10]} of the probe batch is not finite"
-                )
+            ok = torch.stack([torch.isfinite(v) for v in sq.values()]).all(0) if sq else None
+            if ok is not None and not bool(ok.all()):
+                if not skip_nonfinite:
+                    rows_bad = (a + (~ok).nonzero().reshape(-1)).tolist()
+                    raise BadInputError(
+                        f"energy probe: the gradient of example(s) {rows_bad[:10]} of the probe batch is not finite"
+                    )
+                sq = {k: v[ok] for k, v in sq.items()}
+                used -= int((~ok).sum())
             for k in names:
                 total[k] += sq[k].sum()
     finally:
         model.train(was_training)
-    out = {k: float(v) / n for k, v in total.items()}
+    out = {k: float(v) / max(used, 1) for k, v in total.items()}
     if not all(math.isfinite(v) for v in out.values()):  # finite per example, overflowed in the sum
         raise BadInputError("energy probe: the summed squared gradients overflow float64")
     return out

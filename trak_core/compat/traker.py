@@ -65,6 +65,7 @@ from ..projectors import (
 )
 from ..reduce import GramBuffers
 from ..store import StoreMetadata, TrakStore
+from ..store.location import check_new_location
 from ..store.writer import BackgroundWriter
 from .savers import check_saver
 from .score_computers import score_computer_settings
@@ -135,9 +136,12 @@ def default_projector(
         return DenseProjector(grad_dim, proj_dim, seed, ProjectionType.rademacher, device)
 
 
-def stored_projector(save_dir: str, storage_options, model, grad_wrt, device) -> AbstractProjector | None:
-    """The factored projector a store at ``save_dir`` records, rebuilt from its metadata alone (None: no store, or
-    another kind)."""
+def stored_projector(
+    save_dir: str, storage_options, model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None
+) -> AbstractProjector | None:
+    """The default projector of a store at ``save_dir`` that records a factored one: the split it records (the
+    energies, or version 4's equal shares) with this TRAKer's sizes and seed (a store of other ones is then refused
+    by its metadata, naming the field). None: no store, or a store of another kind."""
     if not TrakStore.exists(save_dir, storage_options):
         return None
     meta = TrakStore.open(save_dir, storage_options, mode="r", check_arrays=False).meta
@@ -149,15 +153,7 @@ def stored_projector(save_dir: str, storage_options, model, grad_wrt, device) ->
         raise StoreMismatchError(f"projector_params: the store at {save_dir} cannot be read here ({e})") from None
     try:
         return make_projector(
-            "factored",
-            meta.grad_dim,
-            meta.proj_dim,
-            meta.proj_seed,
-            meta.proj_type,
-            device=device,
-            model=model,
-            grad_wrt=grad_wrt,
-            **kwargs,
+            "factored", grad_dim, proj_dim, seed, "rademacher", device=device, model=model, grad_wrt=grad_wrt, **kwargs
         )
     except BadInputError as e:
         raise BadInputError(
@@ -252,7 +248,16 @@ class TRAKer:
         if projector is None:
             if not isinstance(proj_dim, int) or isinstance(proj_dim, bool) or proj_dim <= 0:
                 raise BadInputError(f"proj_dim must be a positive integer, got {proj_dim!r}")
-            projector = stored_projector(str(save_dir), storage_options, model, self.grad_wrt, self.device)
+            projector = stored_projector(
+                str(save_dir),
+                storage_options,
+                model,
+                self.num_params_for_grad,
+                proj_dim,
+                projector_seed,
+                self.device,
+                self.grad_wrt,
+            )
             if projector is None:
                 projector = default_projector(
                     model, self.num_params_for_grad, proj_dim, projector_seed, self.device, self.grad_wrt
@@ -309,12 +314,14 @@ class TRAKer:
         # deferred: the store's metadata (None until then) and the model records of load_checkpoint calls
         self.metadata: StoreMetadata | None = None if self._deferred else meta
         self._planned: list[tuple[int, dict, bool]] = []
-        if not self._deferred:
-            try:
+        try:
+            if self._deferred:  # created by the first featurize call: what would refuse it then is refused now
+                check_new_location(self.save_dir, storage_options)
+            else:
                 self._store = engine.open_run(self.save_dir, meta, storage_options)
-            except BaseException:
-                self._close()
-                raise
+        except BaseException:
+            self._close()
+            raise
         self.featurizer = Featurizer(model, self.task, projector, gradient_computer, self.grad_wrt, self.device)
         self.gradient_computer = self.featurizer.gradient_computer
         self.ckpt_loaded: int | None = None
@@ -354,12 +361,15 @@ class TRAKer:
             )
         return self._store
 
-    def _create_store(self, batch) -> None:
-        """The deferred default projector and the store: proj_dim split by the gradient energy of the first
-        ≤ PROBE_ROWS rows of ``batch`` at the loaded checkpoint; then the model records of the load_checkpoint calls
-        so far. Nothing is written when the probe fails."""
-        energies = gradient_energies(self.model, self.task, batch, PROBE_ROWS, self.grad_wrt)
-        projector = default_projector(
+    def _energy_projector(self, batch) -> AbstractProjector:
+        """The default projector with proj_dim split by the gradient energy of the first ≤ PROBE_ROWS rows of
+        ``batch`` at the loaded checkpoint (rows whose gradient is not finite left out: featurizing names them)."""
+        try:
+            energies = gradient_energies(self.model, self.task, batch, PROBE_ROWS, self.grad_wrt, skip_nonfinite=True)
+        except RuntimeError as e:
+            self.featurizer._dtype_mismatch(batch, e)
+            raise
+        return default_projector(
             self.model,
             self.num_params_for_grad,
             self.proj_dim,
@@ -368,6 +378,10 @@ class TRAKer:
             self.grad_wrt,
             energies=energies,
         )
+
+    def _create_store(self, projector: AbstractProjector) -> None:
+        """The store of ``projector`` (the default, built by the first featurize call), then the model records of
+        the load_checkpoint calls so far."""
         meta = self._metadata_of(projector)
         self._store = engine.open_run(self.save_dir, meta, self._storage_options)
         self.projector = self.featurizer.projector = projector
@@ -512,14 +526,21 @@ class TRAKer:
                 "Load a checkpoint using traker.load_checkpoint before featurizing "
                 "(call load_checkpoint(state_dict, model_id=...) first)"
             )
-        if self._deferred:  # the batch and its rows are checked before the store is created
+        computed = None
+        if self._deferred:  # the projector from this batch, then its rows; the store only once they are computed
             self.task.validate_batch(batch)
             inds, num_samples = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size), None
-            self._create_store(batch)
+            stand_in, projector = self.featurizer.projector, self._energy_projector(batch)
+            self.featurizer.projector = projector
+            try:
+                computed = self.featurizer.featurize(batch, mid, inds)
+            finally:
+                self.featurizer.projector = stand_in
+            self._create_store(projector)
         with self.store.pinned(self._handles):
-            self._featurize(mid, batch, inds, num_samples)
+            self._featurize(mid, batch, inds, num_samples, computed)
 
-    def _featurize(self, mid: int, batch, inds, num_samples) -> None:
+    def _featurize(self, mid: int, batch, inds, num_samples, computed=None) -> None:
         if self._writable != mid:
             engine.require_not_finalized(self.store, mid)
             self._writable = mid
@@ -542,7 +563,8 @@ class TRAKer:
             sel = torch.as_tensor(keep)
             batch = [x[sel] for x in batch]
             inds = inds[keep]
-        x, q = self.featurizer.featurize(batch, mid, inds)
+            computed = None if computed is None else (computed[0][keep], computed[1][keep])
+        x, q = self.featurizer.featurize(batch, mid, inds) if computed is None else computed
         rows = inds
         if inds.size > 1 and not bool((inds[1:] > inds[:-1]).all()):  # in ascending order (no copy when they are)
             order = np.argsort(inds)
