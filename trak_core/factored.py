@@ -43,15 +43,17 @@ g_tᵀ, so its block is Σ_t P_out[id_t] ⊗ (P_inᵀ g_t): rows of P_out gather
 
 The split of proj_dim
 ---------------------
-Equal shares per block: a block with fewer gradient coordinates than its share keeps all of them (k_b = its size;
-for a factored block both sides are then the identity: the block itself, exactly) and the others share the rest
-again (water-filling); largest-remainder rounding, at least 1 per block, Σ k_b = proj_dim exactly. A grid block
+``split="energy"`` (the default of TRAKer and the pipeline): shares ∝ each block's gradient energy, the mean
+per-example ‖∂f/∂θ_b‖² (:func:`trak_core.energy.gradient_energies`), at least min(4, the block's size) each;
+``split="layer"``: equal shares. Either way a block with fewer gradient coordinates than its share keeps all of them
+(k_b = its size; for a factored block both sides are then the identity: the block itself, exactly) and the others
+share the rest again (water-filling); largest-remainder rounding, Σ k_b = proj_dim exactly. A grid block
 is factored as k_out = min(d_out, ⌈√k_b⌉), k_in = ⌈k_b / k_out⌉ (if k_in > d_in [+1]: k_in = d_in [+1], k_out =
 ⌈k_b / k_in⌉) — balanced factors minimize the distortion of rank-one gradients, whose relative error is
-≈ √(2/k_in + 2/k_out) (dense: √(2/k)). Why equal: the error of ⟨Px, Py⟩ is Σ_b ‖x_b‖²‖y_b‖²·c_b/k_b, least
-for k_b ∝ a block's share of the gradient's energy, which does not follow its size (a network's layers contribute
-comparable parts of its gradient kernel, the small output layer often the most); version 3's split ∝ size
-(``split="size"``, kept for comparison) starved the small high-energy blocks at high compression.
+≈ √(2/k_in + 2/k_out) (dense: √(2/k)). Why energy: the error of ⟨Px, Py⟩ is Σ_b ‖x_b‖²‖y_b‖²·c_b/k_b, least
+for k_b ∝ a block's share of the gradient's energy, which follows neither its size nor the number of blocks (a
+language model's energy sits in its embedding, position table and first attention); version 4's equal split
+(``split="layer"``) and version 3's split ∝ size (``split="size"``) are kept for comparison.
 
 Identity sides
 --------------
@@ -107,15 +109,18 @@ fast path (:meth:`FactoredProjector.featurize_batch`, used by :class:`trak_core.
 
 Layouts
 -------
-``spec()`` carries ``layout_version`` (:data:`LAYOUT_VERSION`) and the block table; both go into a
-store's metadata, and a store is refused (``StoreMismatchError``) when either differs. Version 2 added
-the embedding and matrix kinds: a model with embeddings, attention or other 2-D parameters outside
+``spec()`` carries ``layout_version`` (:data:`LAYOUT_VERSION`), the ``split`` and, for the energy split, the
+``energies`` it used (what :func:`record_kwargs` turns back into the same projector, from the model alone), and the
+block table; all go into a store's metadata, and a store is refused (``StoreMismatchError``) when any differs.
+Version 2 added the embedding and matrix kinds: a model with embeddings, attention or other 2-D parameters outside
 ``nn.Linear``/``nn.Conv`` now projects them per block instead of in ``"__other__"``, so its stores from
 version 1 (no ``layout_version`` recorded) are refused rather than mixed with the new projection. Version 3
 added the identity sides (see "Identity sides"): a block whose k_out = d_out or k_in = d_in [+1] projects
 differently, so stores of version 2 are refused likewise (even where no block has an identity side). Version 4
 split proj_dim equally between blocks and gave pairs to linear and conv blocks where they are cheap: stores of
-version 3 are refused likewise.
+version 3 are refused likewise. Version 5 records the split (version 4's layout rules are unchanged for
+``split="layer"``): a version-4 store is rebuilt with ``layout_version=4``, whose spec is exactly what version 4
+recorded, and keeps working.
 
 The fast path
 -------------
