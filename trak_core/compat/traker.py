@@ -44,28 +44,12 @@ from torch import Tensor
 from .. import engine
 from ..damping import CURVATURES, check_lambda
 from ..energy import PROBE_ROWS, gradient_energies
-from ..errors import (
-    BadInputError,
-    InputAssertionError,
-    ModelIDException,
-    StateAssertionError,
-    StateError,
-    StoreMismatchError,
-)
+from ..errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
 from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
-from ..projectors import (
-    AbstractProjector,
-    DenseProjector,
-    NoOpProjector,
-    ProjectionType,
-    make_projector,
-    rebuild_kwargs,
-)
+from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
 from ..reduce import GramBuffers
-from ..store import StoreMetadata, TrakStore
-from ..store.location import check_new_location
 from ..store.writer import BackgroundWriter
 from .savers import check_saver
 from .score_computers import score_computer_settings
@@ -134,31 +118,6 @@ def default_projector(
     except BadInputError as e:
         warnings.warn(f"TRAKer: using the dense projector (the default 'factored' does not apply: {e})", stacklevel=3)
         return DenseProjector(grad_dim, proj_dim, seed, ProjectionType.rademacher, device)
-
-
-def stored_projector(
-    save_dir: str, storage_options, model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None
-) -> AbstractProjector | None:
-    """The default projector of a store at ``save_dir`` that records a factored one: the split it records (the
-    energies, or version 4's equal shares) with this TRAKer's sizes and seed (a store of other ones is then refused
-    by its metadata, naming the field). None: no store, or a store of another kind."""
-    if not TrakStore.exists(save_dir, storage_options):
-        return None
-    meta = TrakStore.open(save_dir, storage_options, mode="r", check_arrays=False).meta
-    if meta.projector != "factored":
-        return None
-    try:
-        kwargs = rebuild_kwargs(meta.projector, dict(meta.projector_params))
-    except BadInputError as e:  # a layout version this code does not build
-        raise StoreMismatchError(f"projector_params: the store at {save_dir} cannot be read here ({e})") from None
-    try:
-        return make_projector(
-            "factored", grad_dim, proj_dim, seed, "rademacher", device=device, model=model, grad_wrt=grad_wrt, **kwargs
-        )
-    except BadInputError as e:
-        raise BadInputError(
-            f"TRAKer: cannot rebuild the factored projection of the store at {save_dir} ({e})"
-        ) from None
 
 
 class TRAKer:
@@ -248,21 +207,24 @@ class TRAKer:
         if projector is None:
             if not isinstance(proj_dim, int) or isinstance(proj_dim, bool) or proj_dim <= 0:
                 raise BadInputError(f"proj_dim must be a positive integer, got {proj_dim!r}")
-            projector = stored_projector(
-                str(save_dir),
-                storage_options,
-                model,
-                self.num_params_for_grad,
-                proj_dim,
-                projector_seed,
-                self.device,
-                self.grad_wrt,
-            )
-            if projector is None:
+            exists, split = engine.stored_split(str(save_dir), storage_options)
+            if split is not None:  # a store of the default projector: its own split, rebuilt from its metadata
+                projector = engine.rebuild_projector(
+                    "factored",
+                    self.num_params_for_grad,
+                    proj_dim,
+                    projector_seed,
+                    "rademacher",
+                    split,
+                    model,
+                    self.grad_wrt,
+                    self.device,
+                )
+            else:
                 projector = default_projector(
                     model, self.num_params_for_grad, proj_dim, projector_seed, self.device, self.grad_wrt
                 )
-                self._deferred = projector.kind == "factored" and not TrakStore.exists(str(save_dir), storage_options)
+                self._deferred = projector.kind == "factored" and not exists
         elif not hasattr(projector, "spec"):
             raise BadInputError(
                 f"TRAKer(projector={type(projector).__name__}): give one projector for the whole "
@@ -310,13 +272,13 @@ class TRAKer:
         self._locked = False
         engine.acquire_store(self.save_dir, run=f"TRAKer (pid {os.getpid()})")
         self._locked = True
-        self._store: TrakStore | None = None
+        self._store: engine.TrakStore | None = None
         # deferred: the store's metadata (None until then) and the model records of load_checkpoint calls
-        self.metadata: StoreMetadata | None = None if self._deferred else meta
+        self.metadata: engine.StoreMetadata | None = None if self._deferred else meta
         self._planned: list[tuple[int, dict, bool]] = []
         try:
             if self._deferred:  # created by the first featurize call: what would refuse it then is refused now
-                check_new_location(self.save_dir, storage_options)
+                engine.check_new_store(self.save_dir, storage_options)
             else:
                 self._store = engine.open_run(self.save_dir, meta, storage_options)
         except BaseException:
@@ -351,7 +313,7 @@ class TRAKer:
 
     # ------------------------------------------------------------------ the store
     @property
-    def store(self) -> TrakStore:
+    def store(self) -> engine.TrakStore:
         """The store (StateError while the default projector waits for the first :meth:`featurize` call)."""
         if self._store is None:
             raise StateError(
