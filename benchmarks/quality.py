@@ -34,7 +34,7 @@ targets of the Spearman correlation over subsets; intervals are 95 % percentile 
     .venv/bin/python benchmarks/quality.py traker --proj-dims 256 1024 2048 --json traker.json
     .venv/bin/python benchmarks/quality.py report --json dense.json,traker.json --proj-dims 128 256 512 1024 2048
     .venv/bin/python benchmarks/quality.py eval --cases wide-mlp bn-conv --kinds dense factored factored-v3 \
-        --proj-dims 512 2048 --settings adaptive --json large.json   # factored-v3: layout version 3's split
+        --proj-dims 512 2048 --settings adaptive --json large.json   # factored-v3 / -v4: layout version 3's / 4's split
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from trak_core.damping import cholesky_inverse, parse_lambda_reg  # noqa: E402
+from trak_core.energy import PROBE_ROWS, gradient_energies  # noqa: E402
 from trak_core.factored import FactoredProjector  # noqa: E402
 from trak_core.featurize import Featurizer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
@@ -73,6 +74,9 @@ TRUTH_VERSION = 1
 SCALE_ROWS = 512
 #: the kind name of the factored projector with layout version 3's split (``split="size"``), for comparison
 FACTORED_V3 = "factored-v3"
+#: the kind name of the factored projector with layout version 4's equal split (``split="layer"``); ``"factored"`` is
+#: the default's energy split (probed on the first 64 train rows at checkpoint 0, as the pipeline's plan does)
+FACTORED_V4 = "factored-v4"
 
 
 # ---------------------------------------------------------------------------- cases
@@ -390,6 +394,13 @@ def features(case: Case, truth: dict, kind: str, proj_dim: int, ckpt: int, seed:
     gd = grad_dim_of(model)
     if kind == FACTORED_V3:  # layout version 3 (shares ∝ block size, pairs for small blocks), for comparison
         proj = FactoredProjector.from_model(model, p, seed, "rademacher", "cpu", split="size")
+    elif kind == FACTORED_V4:  # layout version 4 (equal shares per block), for comparison
+        proj = FactoredProjector.from_model(model, p, seed, "rademacher", "cpu", split="layer")
+    elif kind == "factored":  # the default: proj_dim split by the gradient energy at checkpoint 0
+        probe = case.make_model()
+        probe.load_state_dict(truth["states"][0])
+        energies = gradient_energies(probe, case.task, [t[:PROBE_ROWS] for t in case.train()], PROBE_ROWS)
+        proj = FactoredProjector.from_model(model, p, seed, "rademacher", "cpu", energies=energies)
     else:
         proj = make_projector(kind, gd, p, seed, "rademacher", "cpu", model=model)
     tag = ""

@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 
 from trak_core import engine
-from trak_core.errors import BadInputError
+from trak_core.energy import PROBE_ROWS, gradient_energies
+from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
 from trak_core.lds import array_fingerprint
-from trak_core.projectors import make_projector
+from trak_core.projectors import make_projector, rebuild_kwargs
 from trak_core.store import StoreMetadata, TrakStore
 from trak_core.store.verify import repair_store, verify_store
 from trak_core.streaming import score_task_ranges
@@ -34,8 +35,11 @@ def _prefixed(field: str, e: Exception) -> BadInputError:
     return BadInputError(msg if msg.startswith(field) else f"{field}: {msg}")
 
 
-def build_projector(config: AttributeConfig, grad_dim: int, device: str, model: torch.nn.Module):
-    """The projector of the config (``factored`` takes its blocks from the model's layers)."""
+def build_projector(
+    config: AttributeConfig, grad_dim: int, device: str, model: torch.nn.Module, split: dict | None = None
+):
+    """The projector of the config (``factored`` takes its blocks from the model's layers; ``split``: its split
+    keywords, :func:`factored_split` or the store's record, :func:`split_of`; None: the equal split)."""
     st = config.settings
     try:
         return make_projector(
@@ -47,19 +51,45 @@ def build_projector(config: AttributeConfig, grad_dim: int, device: str, model: 
             device=device,
             model=model,
             grad_wrt=st.grad_wrt,
+            **((split or {}) if st.projector == "factored" else {}),
         )
     except BadInputError as e:
         raise _prefixed("projector", e) from None
 
 
-def build_metadata(config: AttributeConfig, train_set_size: int, model: torch.nn.Module, task) -> StoreMetadata:
-    """The store metadata of the run (:func:`trak_core.engine.store_metadata`, as TRAKer builds it)."""
+def split_of(meta: StoreMetadata) -> dict | None:
+    """The factored projector's split keywords a store's metadata records (None: another projector)."""
+    if meta.projector != "factored":
+        return None
+    try:
+        return rebuild_kwargs(meta.projector, dict(meta.projector_params))
+    except BadInputError as e:
+        raise StoreMismatchError(f"projector_params: the store cannot be read here ({e})") from None
+
+
+def factored_split(config: AttributeConfig, model: torch.nn.Module, task, train: tuple, checkpoint: str) -> dict:
+    """The split keywords of a new store's factored projector: proj_dim ∝ each block's gradient energy, probed on
+    the first :data:`~trak_core.energy.PROBE_ROWS` train rows at ``checkpoint`` (the first), on the CPU. Computed
+    once, by the plan: the store records them and every task rebuilds the projector from that record."""
+    model.load_state_dict(load_checkpoint(checkpoint, "cpu", field="checkpoints[0]"))
+    try:
+        energies = gradient_energies(model, task, [t[:PROBE_ROWS] for t in train], PROBE_ROWS, config.grad_wrt)
+    except BadInputError as e:
+        raise _prefixed("checkpoints[0]", e) from None
+    return {"split": "energy", "energies": energies}
+
+
+def build_metadata(
+    config: AttributeConfig, train_set_size: int, model: torch.nn.Module, task, split: dict | None = None
+) -> StoreMetadata:
+    """The store metadata of the run (:func:`trak_core.engine.store_metadata`, as TRAKer builds it; ``split``: see
+    :func:`build_projector`)."""
     try:
         grad_dim = grad_dim_of(model, config.grad_wrt)
     except BadInputError as e:
         raise _prefixed("grad_wrt", e) from None
     return engine.store_metadata(
-        build_projector(config, grad_dim, "cpu", model),
+        build_projector(config, grad_dim, "cpu", model, split),
         train_set_size=train_set_size,
         dtype=config.dtype,
         task=task,
@@ -69,14 +99,14 @@ def build_metadata(config: AttributeConfig, train_set_size: int, model: torch.nn
     )
 
 
-def build_featurizer(config: AttributeConfig, checkpoint: str, grad_dim: int | None = None) -> Featurizer:
+def build_featurizer(config: AttributeConfig, checkpoint: str, meta: StoreMetadata) -> Featurizer:
+    """The featurizer of a task: the projector rebuilt from the store's metadata ``meta`` (never probed again)."""
     device = config.resolved_device()
     model = config.build_model().to(device)
-    grad_dim = grad_dim or grad_dim_of(model, config.grad_wrt)
     feat = Featurizer(
         model,
         config.build_task(),
-        build_projector(config, grad_dim, device, model),
+        build_projector(config, meta.grad_dim, device, model, split_of(meta)),
         FunctionalGradientComputer,
         config.grad_wrt,
         device,
@@ -166,7 +196,9 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     _check_dtypes(model, train, "train_data")
     _check_dtypes(model, targets, "target_data")
     n = int(train[0].shape[0])
-    meta = _stored_layout(config, build_metadata(config, n, model, task))
+    stored = _stored_meta(config)
+    split = split_of(stored) if stored is not None else None  # a store's own split, never probed again
+    meta = _stored_layout(config, build_metadata(config, n, model, task, split), stored)
     if meta.proj_dim >= n and config.settings.lambda_rule.setting == 0:
         if config.projector == "noop":
             raise BadInputError(
@@ -191,17 +223,24 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
         bad = [k for k, v in sd.items() if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
             raise BadInputError(f"checkpoints[{i}]: {path} has NaN or inf in {bad[:5]}; nothing was written")
+    if config.projector == "factored" and stored is None:  # a new store: the split follows the gradient energy
+        split = factored_split(config, model, task, train, checkpoints[0])
+        meta = _stored_layout(config, build_metadata(config, n, model, task, split), stored)
     return CheckedInputs(meta=meta, checkpoints=tuple(checkpoints), train=train, targets=targets)
 
 
-def _stored_layout(config: AttributeConfig, meta: StoreMetadata) -> StoreMetadata:
-    """``meta`` with the chunk and shard rows of the existing store where the config leaves them to be chosen
-    (they are chosen by the number of rows: a store that grows keeps its own)."""
-    if (config.chunk_rows is not None and config.shard_size is not None) or not TrakStore.exists(
-        config.store, config.storage_options
-    ):
+def _stored_meta(config: AttributeConfig) -> StoreMetadata | None:
+    """The metadata of the config's store (None: no store yet)."""
+    if not TrakStore.exists(config.store, config.storage_options):
+        return None
+    return TrakStore.open(config.store, config.storage_options, mode="r", check_arrays=False).meta
+
+
+def _stored_layout(config: AttributeConfig, meta: StoreMetadata, stored: StoreMetadata | None) -> StoreMetadata:
+    """``meta`` with the chunk and shard rows of the existing store (``stored``) where the config leaves them to be
+    chosen (they are chosen by the number of rows: a store that grows keeps its own)."""
+    if (config.chunk_rows is not None and config.shard_size is not None) or stored is None:
         return meta
-    stored = TrakStore.open(config.store, config.storage_options, mode="r", check_arrays=False).meta
     if stored.train_set_size >= meta.train_set_size:
         return meta
     layout = {"chunk_rows": config.chunk_rows or stored.chunk_rows}
@@ -305,7 +344,7 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
         store,
         model_id,
         shard,
-        lambda: build_featurizer(config, checkpoint, store.meta.grad_dim),
+        lambda: build_featurizer(config, checkpoint, store.meta),
         lambda a, b: [t[a:b] for t in data],
         config.batch_size,
         device=config.resolved_device(),
@@ -336,7 +375,7 @@ def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -
         store,
         config.exp_name,
         model_id,
-        lambda: build_featurizer(config, checkpoint, store.meta.grad_dim),
+        lambda: build_featurizer(config, checkpoint, store.meta),
         lambda a, b: [t[a:b] for t in data],
         config.batch_size,
     )

@@ -23,6 +23,7 @@ from .featurize import Featurizer
 from .lds import array_fingerprint
 from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory
 from .projector_base import AbstractProjector
+from .projectors import make_projector, rebuild_kwargs
 from .reduce import (
     GramBuffers,
     ensure_partial,
@@ -38,6 +39,7 @@ from .reduce import (
 )
 from .store import StoreLock, StoreMetadata, TrakStore, check_writable
 from .store.grow import grow_train_rows
+from .store.location import check_new_location
 
 Progress = Callable[[int], None] | None
 
@@ -76,6 +78,41 @@ def store_metadata(
         task=type(task).__name__,
         curvature=curvature,
     )
+
+
+def stored_split(location: str, storage_options: dict | None = None) -> tuple[bool, dict | None]:
+    """(whether a store is at ``location``, the factored projector's split keywords its metadata records, or None
+    when it records another kind): what rebuilds the store's projector from the model alone (:func:`rebuild_projector`).
+    A factored record of a layout version this code does not build is refused (StoreMismatchError)."""
+    if not TrakStore.exists(location, storage_options):
+        return False, None
+    meta = TrakStore.open(location, storage_options, mode="r", check_arrays=False).meta
+    if meta.projector != "factored":
+        return True, None
+    try:
+        return True, rebuild_kwargs(meta.projector, dict(meta.projector_params))
+    except BadInputError as e:
+        raise StoreMismatchError(f"projector_params: the store at {location} cannot be read here ({e})") from None
+
+
+def rebuild_projector(
+    kind: str, grad_dim: int, proj_dim: int, seed: int, proj_type: str, split: dict, model, grad_wrt, device
+) -> AbstractProjector:
+    """The projector ``kind`` with a store's recorded keywords ``split`` (:func:`stored_split`, or
+    :func:`trak_core.projectors.rebuild_kwargs` of its metadata); a store of other sizes or seed is then refused by
+    its metadata, naming the field."""
+    try:
+        return make_projector(
+            kind, grad_dim, proj_dim, seed, proj_type, device=device, model=model, grad_wrt=grad_wrt, **split
+        )
+    except BadInputError as e:
+        raise BadInputError(f"projector: cannot rebuild the store's {kind!r} projection ({e})") from None
+
+
+def check_new_store(location: str, storage_options: dict | None = None) -> None:
+    """Refuse now what creating a store at ``location`` later in the run would refuse: arrays without root metadata
+    (StoreDamageError) and a local folder this process cannot write."""
+    check_new_location(location, storage_options)
 
 
 def check_memory(
@@ -310,6 +347,12 @@ def grow_run(store: TrakStore, train_set_size: int) -> int:
     return grow_train_rows(store, train_set_size)
 
 
+def check_model_id(model_id) -> None:
+    """Refuse (BadInputError) a model id that is not a non-negative integer."""
+    if not isinstance(model_id, (int, np.integer)) or isinstance(model_id, bool) or model_id < 0:
+        raise BadInputError(f"model_id must be a non-negative integer, got {model_id!r}")
+
+
 def check_model(
     store: TrakStore,
     model_id: int,
@@ -328,8 +371,7 @@ def check_model(
         lambda_setting: the λ rule's setting (``parse_lambda_reg(x).setting``; None: not checked).
         rescale: traker's rescale of the inverse (checked with ``lambda_setting``).
     """
-    if not isinstance(model_id, (int, np.integer)) or isinstance(model_id, bool) or model_id < 0:
-        raise BadInputError(f"model_id must be a non-negative integer, got {model_id!r}")
+    check_model_id(model_id)
     if not store.has_model(model_id):
         return
     if lambda_setting is not None:

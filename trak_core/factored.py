@@ -43,15 +43,17 @@ g_tᵀ, so its block is Σ_t P_out[id_t] ⊗ (P_inᵀ g_t): rows of P_out gather
 
 The split of proj_dim
 ---------------------
-Equal shares per block: a block with fewer gradient coordinates than its share keeps all of them (k_b = its size;
-for a factored block both sides are then the identity: the block itself, exactly) and the others share the rest
-again (water-filling); largest-remainder rounding, at least 1 per block, Σ k_b = proj_dim exactly. A grid block
+``split="energy"`` (the default of TRAKer and the pipeline): shares ∝ each block's gradient energy, the mean
+per-example ‖∂f/∂θ_b‖² (:func:`trak_core.energy.gradient_energies`), at least min(4, the block's size) each;
+``split="layer"``: equal shares. Either way a block with fewer gradient coordinates than its share keeps all of them
+(k_b = its size; for a factored block both sides are then the identity: the block itself, exactly) and the others
+share the rest again (water-filling); largest-remainder rounding, Σ k_b = proj_dim exactly. A grid block
 is factored as k_out = min(d_out, ⌈√k_b⌉), k_in = ⌈k_b / k_out⌉ (if k_in > d_in [+1]: k_in = d_in [+1], k_out =
 ⌈k_b / k_in⌉) — balanced factors minimize the distortion of rank-one gradients, whose relative error is
-≈ √(2/k_in + 2/k_out) (dense: √(2/k)). Why equal: the error of ⟨Px, Py⟩ is Σ_b ‖x_b‖²‖y_b‖²·c_b/k_b, least
-for k_b ∝ a block's share of the gradient's energy, which does not follow its size (a network's layers contribute
-comparable parts of its gradient kernel, the small output layer often the most); version 3's split ∝ size
-(``split="size"``, kept for comparison) starved the small high-energy blocks at high compression.
+≈ √(2/k_in + 2/k_out) (dense: √(2/k)). Why energy: the error of ⟨Px, Py⟩ is Σ_b ‖x_b‖²‖y_b‖²·c_b/k_b, least
+for k_b ∝ a block's share of the gradient's energy, which follows neither its size nor the number of blocks (a
+language model's energy sits in its embedding, position table and first attention); version 4's equal split
+(``split="layer"``) and version 3's split ∝ size (``split="size"``) are kept for comparison.
 
 Identity sides
 --------------
@@ -107,15 +109,18 @@ fast path (:meth:`FactoredProjector.featurize_batch`, used by :class:`trak_core.
 
 Layouts
 -------
-``spec()`` carries ``layout_version`` (:data:`LAYOUT_VERSION`) and the block table; both go into a
-store's metadata, and a store is refused (``StoreMismatchError``) when either differs. Version 2 added
-the embedding and matrix kinds: a model with embeddings, attention or other 2-D parameters outside
+``spec()`` carries ``layout_version`` (:data:`LAYOUT_VERSION`), the ``split`` and, for the energy split, the
+``energies`` it used (what :func:`record_kwargs` turns back into the same projector, from the model alone), and the
+block table; all go into a store's metadata, and a store is refused (``StoreMismatchError``) when any differs.
+Version 2 added the embedding and matrix kinds: a model with embeddings, attention or other 2-D parameters outside
 ``nn.Linear``/``nn.Conv`` now projects them per block instead of in ``"__other__"``, so its stores from
 version 1 (no ``layout_version`` recorded) are refused rather than mixed with the new projection. Version 3
 added the identity sides (see "Identity sides"): a block whose k_out = d_out or k_in = d_in [+1] projects
 differently, so stores of version 2 are refused likewise (even where no block has an identity side). Version 4
 split proj_dim equally between blocks and gave pairs to linear and conv blocks where they are cheap: stores of
-version 3 are refused likewise.
+version 3 are refused likewise. Version 5 records the split (version 4's layout rules are unchanged for
+``split="layer"``): a version-4 store is rebuilt with ``layout_version=4``, whose spec is exactly what version 4
+recorded, and keeps working.
 
 The fast path
 -------------
@@ -208,7 +213,23 @@ __all__ = [
     "flat_layout",
     "model_layout",
     "name_hash",
+    "record_kwargs",
 ]
+
+
+def record_kwargs(params: dict) -> dict:
+    """The :meth:`FactoredProjector.from_model` keywords that rebuild the projector recorded by ``params`` (a
+    factored spec less its base fields, as a store's ``projector_params`` holds it): ``split``, ``energies``,
+    ``layout_version``. A record of another layout version is refused (BadInputError)."""
+    version = params.get("layout_version")
+    if version == 4:
+        return {"split": "layer", "layout_version": 4}
+    if version != LAYOUT_VERSION:
+        raise BadInputError(
+            f"factored projection: the record has layout_version={version!r}; this version rebuilds versions 4 "
+            f"and {LAYOUT_VERSION} only (featurize into a new store)"
+        )
+    return {"split": params.get("split", "layer"), "energies": params.get("energies"), "layout_version": version}
 
 
 # ---------------------------------------------------------------------------- the projector
@@ -232,10 +253,18 @@ class FactoredProjector(AbstractProjector):
         dtype: torch.dtype = torch.float32,
         model_id: int = 0,
         *args,
+        split: str = "layer",
+        energies: dict | None = None,
+        layout_version: int = LAYOUT_VERSION,
         **kwargs,
     ) -> None:
         check_dims(grad_dim, proj_dim)
         super().__init__(grad_dim, proj_dim, seed, as_proj_type(proj_type), device)
+        if layout_version not in (4, LAYOUT_VERSION) or (layout_version == 4 and split != "layer"):
+            raise BadInputError(
+                f"factored projection: layout_version={layout_version!r} with split={split!r}: this version builds "
+                f"layout version {LAYOUT_VERSION} (any split) and reads version 4 (split='layer')"
+            )
         if layout is None:
             layout = flat_layout(grad_dim, proj_dim)
         if layout.grad_dim != grad_dim:
@@ -245,6 +274,9 @@ class FactoredProjector(AbstractProjector):
                 f"factored layout splits {sum(b.k for b in layout.blocks)} dimensions, not proj_dim={proj_dim}"
             )
         self.layout = layout
+        self.split = split
+        self.energies = None if energies is None else {k: float(v) for k, v in energies.items()}
+        self.layout_version = layout_version
         self.dtype = dtype
         self.model_id = model_id
         self._offsets = layout.offsets()
@@ -262,19 +294,35 @@ class FactoredProjector(AbstractProjector):
         device="cpu",
         grad_wrt: Iterable[str] | None = None,
         other: str = "dense",
-        split: str = "layer",
+        split: str | None = None,
+        energies: dict | None = None,
         **kwargs,
     ) -> FactoredProjector:
+        """The per-layer projector of ``model`` (see the module docstring). ``split``: how proj_dim is shared
+        between blocks (:data:`~trak_core.factored_layout.SPLITS`); None: ``"energy"`` when ``energies`` are given
+        ({parameter name: mean per-example ‖∂f/∂θ‖²}, :func:`trak_core.energy.gradient_energies`), else
+        ``"layer"``. ``layout_version=4`` (with ``split="layer"``) rebuilds a version-4 store's projector."""
         check_dims(proj_dim, proj_dim)
-        layout = model_layout(model, proj_dim, grad_wrt, other, split)
-        return cls(layout.grad_dim, proj_dim, seed, proj_type, device, layout=layout, **kwargs)
+        if split is None:
+            split = "layer" if energies is None else "energy"
+        layout = model_layout(model, proj_dim, grad_wrt, other, split, energies)
+        return cls(
+            layout.grad_dim, proj_dim, seed, proj_type, device, layout=layout, split=split, energies=energies, **kwargs
+        )
 
     @property
     def blocks(self) -> tuple:
         return self.layout.blocks
 
     def spec(self) -> dict:
-        return {**super().spec(), "layout_version": LAYOUT_VERSION, "layout": self.layout.describe()}
+        """The base spec, ``layout_version``, the split (version 5: ``split``, and ``energies`` for the energy split:
+        what rebuilds the same layout from the model alone, :func:`record_kwargs`) and the block table."""
+        if self.layout_version == 4:  # exactly what version 4 recorded
+            return {**super().spec(), "layout_version": 4, "layout": self.layout.describe()}
+        split: dict = {"split": self.split}
+        if self.energies is not None:
+            split["energies"] = dict(self.energies)
+        return {**super().spec(), "layout_version": self.layout_version, **split, "layout": self.layout.describe()}
 
     def free_memory(self) -> None:
         self._factors = None

@@ -29,15 +29,19 @@ FLAT = "__flat__"
 PAIRS_MAX_WEIGHTS = 1 << 13
 PAIRS_MAX_MACS = 1 << 16
 PAIRS_MAX_RATIO = 3.0
-#: how proj_dim is split between blocks: "layer" (equal shares, at most a block's size each; the default) or
-#: "size" (∝ the blocks' sizes, layout version 3 and before)
-SPLITS = ("layer", "size")
+#: how proj_dim is split between blocks: "energy" (∝ each block's gradient energy, at most its size and at least
+#: MIN_SHARE each; needs the energies), "layer" (equal shares, at most a block's size each; layout version 4) or "size"
+#: (∝ the blocks' sizes, layout version 3 and before)
+SPLITS = ("energy", "layer", "size")
+#: the fewest coordinates a block gets from the energy split (fewer where the block has fewer, or proj_dim is short)
+MIN_SHARE = 4
 OTHER = "__other__"
 SIDE_IN, SIDE_OUT, SIDE_DENSE = 0, 1, 2
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-#: recorded in spec(): 4 = equal shares per block and pairs for large layers, 3 = identity sides, 2 = the embedding
-#: and matrix block kinds (1, unrecorded: linear/conv + "__other__")
-LAYOUT_VERSION = 4
+#: recorded in spec(): 5 = the split named in the spec (the energy split, with the energies it used), 4 = equal
+#: shares per block and pairs for large layers, 3 = identity sides, 2 = the embedding and matrix block kinds (1,
+#: unrecorded: linear/conv + "__other__")
+LAYOUT_VERSION = 5
 #: the kinds the fast path serves through forward hooks, and through weight substitution
 HOOKED = ("linear", "conv", "embedding")
 MATRIX = "matrix"
@@ -239,6 +243,102 @@ def _split_equal(sizes: Sequence[int], total: int) -> list[int]:
     return out
 
 
+def _fill(weights: Sequence[float], lo: Sequence[int], hi: Sequence[int], total: int) -> list[float]:
+    """x_i = clamp(c · w_i, lo_i, hi_i) (lo_i where w_i = 0) with the c that makes Σ x_i = ``total`` (water-filling);
+    needs Σ lo ≤ total ≤ Σ_{w>0} hi + Σ_{w=0} lo."""
+    n = len(weights)
+
+    def at(c: float) -> list[float]:
+        return [
+            min(float(hi[i]), max(float(lo[i]), c * weights[i])) if weights[i] > 0 else float(lo[i]) for i in range(n)
+        ]
+
+    live = [i for i in range(n) if weights[i] > 0]
+    points = sorted({0.0} | {lo[i] / weights[i] for i in live} | {hi[i] / weights[i] for i in live})
+    prev = 0.0
+    for t in points:  # g(c) = Σ x_i(c) is continuous, nondecreasing and linear between consecutive points
+        if sum(at(t)) >= total:
+            below = sum(at(prev))
+            slope = sum(weights[i] for i in live if lo[i] <= prev * weights[i] and t * weights[i] <= hi[i])
+            return at(prev + (total - below) / slope if slope > 0 and t > prev else t)
+        prev = t
+    return at(points[-1])
+
+
+def _round_shares(x: Sequence[float], lo: Sequence[int], hi: Sequence[int], total: int) -> list[int]:
+    """Integers within [lo_i, hi_i] summing to ``total``: the floors of ``x``, then one more each by largest
+    fraction (ties: lower index first)."""
+    n = len(x)
+    out = [min(hi[i], max(lo[i], math.floor(x[i] + 1e-9))) for i in range(n)]
+    frac = [x[i] - math.floor(x[i] + 1e-9) for i in range(n)]
+    order = sorted(range(n), key=lambda i: (-frac[i], i))
+    spare = total - sum(out)
+    while spare > 0:
+        for i in order:
+            if spare > 0 and out[i] < hi[i]:
+                out[i] += 1
+                spare -= 1
+    while spare < 0:  # rounding put a floor above its share: one less each, smallest fraction first
+        for i in reversed(order):
+            if spare < 0 and out[i] > lo[i]:
+                out[i] -= 1
+                spare += 1
+    return out
+
+
+def _split_energy(energy: Sequence[float], sizes: Sequence[int], total: int) -> list[int]:
+    """``total`` split ∝ ``energy`` (a block's mean ‖∂f/∂θ_block‖²), water-filled at each block's size and at least
+    min(MIN_SHARE, size, ⌊total / blocks⌋) each (a block of zero energy gets that floor); when the blocks with
+    energy are all whole, the blocks without share the rest equally; equal shares when no block has energy; ∝ size
+    (:func:`_apportion`) when ``total`` exceeds all the sizes together. Largest-remainder rounding, Σ = total."""
+    n = len(sizes)
+    if total < n:
+        raise BadInputError(
+            f"factored projection: proj_dim={total} is smaller than the number of blocks ({n}); "
+            "each layer needs at least one dimension"
+        )
+    if total > sum(sizes):
+        return _apportion(sizes, total)
+    lo = [min(MIN_SHARE, s, total // n) for s in sizes]
+    w = [float(e) for e in energy] if any(e > 0 for e in energy) else [1.0] * n
+    whole = sum(sizes[i] if w[i] > 0 else lo[i] for i in range(n))
+    if whole < total:  # every block with energy whole: the rest is shared equally by those without
+        x = _fill(
+            [0.0 if w[i] > 0 else 1.0 for i in range(n)],
+            [sizes[i] if w[i] > 0 else lo[i] for i in range(n)],
+            sizes,
+            total,
+        )
+    else:
+        x = _fill(w, lo, sizes, total)
+    return _round_shares(x, lo, sizes, total)
+
+
+def block_energies(blocks: Sequence[Block], energies: dict, names: Iterable[str]) -> list[float]:
+    """Each block's energy: the sum of its parameters' entries of ``energies`` ({parameter name: mean per-example
+    ‖∂f/∂θ‖²}; a parameter left out counts 0). Refuses (BadInputError) names that are not among ``names`` (the
+    parameters of the gradient) and values that are not finite and ≥ 0."""
+    if not isinstance(energies, dict):
+        raise BadInputError(
+            f"factored projection: energies must be a dict {{parameter name: energy}}, got {type(energies).__name__}"
+        )
+    known = set(names)
+    unknown = [k for k in energies if k not in known]
+    if unknown:
+        raise BadInputError(
+            f"factored projection: energies name parameters that are not in the gradient (grad_wrt): "
+            f"{sorted(map(str, unknown))[:10]}"
+        )
+    bad = [
+        k
+        for k, v in energies.items()
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+    ]
+    if bad:
+        raise BadInputError(f"factored projection: energies must be finite numbers ≥ 0; not so for {sorted(bad)[:10]}")
+    return [sum(float(energies.get(p, 0.0)) for p in b.params) for b in blocks]
+
+
 def _pairs(b: Block, k: int) -> bool:
     """Whether block ``b`` with ``k`` coordinates gets pairs (see "Pairs" in the module docstring)."""
     macs = k * (b.in_rows + (1 if b.kind == "embedding" else b.d_out))
@@ -298,20 +398,37 @@ def coordinate_weights(b: Block, proj_dim: int) -> float | Tensor:
     return torch.sqrt(proj_dim / c.to(torch.float64))
 
 
-def _with_split(blocks: list[Block], proj_dim: int, split: str = "layer") -> tuple:
+def check_split(split: str, energies: dict | None) -> None:
+    """Refuse (BadInputError) an unknown split, "energy" without energies and energies with another split."""
     if split not in SPLITS:
         raise BadInputError(f"factored projection: split must be one of {SPLITS}, got {split!r}")
+    if split == "energy" and energies is None:
+        raise BadInputError(
+            "factored projection: split='energy' needs energies= ({parameter name: mean per-example ‖∂f/∂θ‖²}, "
+            "trak_core.energy.gradient_energies); or pass split='layer'"
+        )
+    if split != "energy" and energies is not None:
+        raise BadInputError(f"factored projection: energies= are used by split='energy' only, not split={split!r}")
+
+
+def _with_split(blocks: list[Block], proj_dim: int, split: str = "layer", energy: Sequence[float] = ()) -> tuple:
+    """The blocks with their shares of ``proj_dim`` (``energy``: each block's, for ``split="energy"``)."""
+    check_split(split, {} if split == "energy" else None)
     sizes = [b.size for b in blocks]
-    ks = _split_equal(sizes, proj_dim) if split == "layer" else _apportion(sizes, proj_dim)
+    if split == "energy":
+        ks = _split_energy(energy, sizes, proj_dim)
+    else:
+        ks = _split_equal(sizes, proj_dim) if split == "layer" else _apportion(sizes, proj_dim)
+    v3 = split == "size"
     out = []
     for b, k in zip(blocks, ks, strict=True):
         if b.kind == "other":
             out.append(Block(**{**asdict(b), "k": k, "k_out": 1, "k_in": k}))
-        elif split == "layer" and b.kind != "flat" and k == b.size:  # the whole block, exactly
+        elif not v3 and b.kind != "flat" and k == b.size:  # the whole block, exactly
             out.append(
                 Block(**{**asdict(b), "k": k, "k_out": b.d_out, "k_in": b.in_rows, "id_out": True, "id_in": True})
             )
-        elif _pairs(b, k) if split == "layer" else _pairs_v3(b, k):
+        elif _pairs_v3(b, k) if v3 else _pairs(b, k):
             out.append(Block(**{**asdict(b), "k": k, "k_out": k, "k_in": k, "pairs": True}))
         else:
             ko, ki = _factor(k, b.d_out, b.in_rows)
@@ -358,13 +475,21 @@ def _bias_name(wname: str) -> str | None:
 
 
 def model_layout(
-    model: nn.Module, proj_dim: int, grad_wrt: Iterable[str] | None = None, other: str = "dense", split: str = "layer"
+    model: nn.Module,
+    proj_dim: int,
+    grad_wrt: Iterable[str] | None = None,
+    other: str = "dense",
+    split: str = "layer",
+    energies: dict | None = None,
 ) -> Layout:
     """The per-layer layout of ``model``'s gradient (restricted to ``grad_wrt``), proj_dim split (``split``:
-    one of :data:`SPLITS`)."""
+    one of :data:`SPLITS`; ``"energy"`` by ``energies``, {parameter name: mean per-example ‖∂f/∂θ‖²})."""
     if other not in ("dense", "error"):
         raise BadInputError(f"other must be 'dense' or 'error', got {other!r}")
+    check_split(split, energies)
     names = grad_param_names(model, grad_wrt)
+    if energies is not None:
+        block_energies([], energies, names)  # refuse unknown names and bad values before any work
     params = dict(model.named_parameters())
     keep = set(names)
     uses: dict[int, int] = {}
@@ -430,7 +555,8 @@ def model_layout(
         size = sum(params[n].numel() for n in rest)
         blocks.append(Block(OTHER, "other", tuple(rest), 1, size, False, size))
     shapes = tuple((n, tuple(params[n].shape)) for n in names)
-    return Layout(_with_split(blocks, proj_dim, split), shapes, True)
+    energy = block_energies(blocks, energies, names) if energies is not None else []
+    return Layout(_with_split(blocks, proj_dim, split, energy), shapes, True)
 
 
 # ---------------------------------------------------------------------------- hooked matrix blocks

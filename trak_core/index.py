@@ -33,7 +33,7 @@ from .errors import BadInputError, StateError, StoreMismatchError
 from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from .modelout import AbstractModelOutput, check_batch, resolve_task
-from .projectors import AbstractProjector, make_projector
+from .projectors import AbstractProjector, make_projector, rebuild_kwargs
 from .store import StoreLock, StoreMetadata, TrakStore
 from .store.verify import require_present
 from .streaming import grads_right_hand, stream_scores
@@ -333,9 +333,8 @@ class TrakIndex:
     def _projector(self, given: AbstractProjector | None, model: torch.nn.Module) -> AbstractProjector:
         meta = self.store.meta
         if given is None:
-            params = dict(meta.projector_params)
-            extra = {"c": params["c"]} if "c" in params else {}
             try:
+                extra = rebuild_kwargs(meta.projector, dict(meta.projector_params))
                 given = make_projector(
                     meta.projector,
                     meta.grad_dim,

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from . import counter_rng
 from .errors import BadInputError
-from .factored import FactoredProjector
+from .factored import FactoredProjector, record_kwargs
 from .gradients import vectorize
 from .projector_base import AbstractProjector, ProjectionType, as_proj_type, check_dims
 from .sjlt import SJLTProjector
@@ -56,6 +56,7 @@ __all__ = [
     "find_projector",
     "registered_projectors",
     "make_projector",
+    "rebuild_kwargs",
 ]
 
 
@@ -386,3 +387,12 @@ def make_projector(
     if entry.uses_model:
         kwargs.update(model=model, grad_wrt=grad_wrt)
     return entry.factory(grad_dim, proj_dim, seed, proj_type, device, **kwargs)
+
+
+def rebuild_kwargs(kind: str, params: dict) -> dict:
+    """The :func:`make_projector` keywords (beyond grad_dim, proj_dim, seed, proj_type, device, model, grad_wrt) that
+    rebuild the projection a store records: its kind-specific ``projector_params`` (SJLT's ``c``; the factored
+    projector's split and, for the energy split, the energies it used: the same layout without any data)."""
+    if kind == "factored":
+        return record_kwargs(params)
+    return {"c": params["c"]} if "c" in params else {}

@@ -30,17 +30,21 @@ def config(tmp: Path, ckpts, **over) -> AttributeConfig:
     return AttributeConfig.model_validate(tiny_attribute_config(tmp / "store.zarr", ckpts, **{**report, **over}))
 
 
-def traker_scores(tmp: Path, ckpt_paths, projector: str = "dense", curvature: str = "xtx") -> np.ndarray:
-    """trak_core.TRAKer on the same inputs, same batches and the same store layout."""
+def traker_scores(
+    tmp: Path, ckpt_paths, projector: str = "dense", curvature: str = "xtx", record: dict | None = None
+) -> np.ndarray:
+    """trak_core.TRAKer on the same inputs, same batches and the same store layout (``record``: the pipeline store's
+    projector_params, whose split the factored projector takes)."""
     from trak_core.gradients import grad_dim_of
-    from trak_core.projectors import make_projector
+    from trak_core.projectors import make_projector, rebuild_kwargs
 
     x, y = tiny.train_data()
     xt, yt = tiny.target_data()
     model = tiny.make_model()
     proj = None
     if projector != "dense":
-        proj = make_projector(projector, grad_dim_of(model), PROJ, 0, "rademacher", "cpu", model=model)
+        kw = rebuild_kwargs(projector, record) if projector == "factored" and record else {}
+        proj = make_projector(projector, grad_dim_of(model), PROJ, 0, "rademacher", "cpu", model=model, **kw)
     tr = TRAKer(
         model,
         "image_classification",
@@ -114,7 +118,10 @@ def test_structured_projectors_equal_traker_exactly(tmp_path, projector):
     assert result["report"] is None
     store = TrakStore.open(cfg.store, mode="r")
     assert store.meta.projector == projector
-    np.testing.assert_array_equal(store.scores("tiny")[:], traker_scores(tmp_path, paths, projector))
+    if projector == "factored":  # the plan probed the gradient energy once; the store records the split
+        assert store.meta.projector_params["split"] == "energy"
+    ref = traker_scores(tmp_path, paths, projector, record=store.meta.projector_params)
+    np.testing.assert_array_equal(store.scores("tiny")[:], ref)
 
 
 def test_ggn_curvature_equals_traker_exactly(tmp_path):

@@ -16,7 +16,7 @@ from examples import gpt  # noqa: E402
 from tasks.config import AttributeConfig  # noqa: E402
 from trak_core import TRAKer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
-from trak_core.projectors import make_projector  # noqa: E402
+from trak_core.projectors import make_projector, rebuild_kwargs  # noqa: E402
 from trak_core.store import TrakStore  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -69,7 +69,8 @@ def test_featurize_finalize_score_flows_equal_traker(tmp_path):
     got = TrakStore.open(cfg.store, mode="r").scores(cfg.exp_name)[:]
 
     fresh = gpt.make_model()
-    proj = make_projector("factored", grad_dim_of(fresh), PROJ, 0, "rademacher", "cpu", model=fresh)
+    kw = rebuild_kwargs("factored", TrakStore.open(cfg.store, mode="r").meta.projector_params)  # the plan's split
+    proj = make_projector("factored", grad_dim_of(fresh), PROJ, 0, "rademacher", "cpu", model=fresh, **kw)
     tr = TRAKer(
         fresh,
         "causal_lm",

@@ -149,6 +149,8 @@ def test_score_before_start_and_unfinalized_checkpoint(loaded):
 def test_reopen_with_another_proj_dim(tmp_path):
     tr = new_traker(tmp_path, proj_dim=16)
     tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
+    x, y, _, _ = make_data(n=40)
+    tr.featurize((x[:8], y[:8]), num_samples=8)  # the default projector's store is created by the first featurize
     before = snapshot(tmp_path / "store")
     with pytest.raises(StoreMismatchError, match=r"proj_dim=16.*proj_dim=32"):
         new_traker(tmp_path, proj_dim=32)
@@ -226,7 +228,11 @@ def test_reopen_with_other_projector_parameters_is_refused(tmp_path):
 
 def test_default_projector_is_factored_also_for_non_linear_parameters(tmp_path):
     tr = new_traker(tmp_path)
-    assert tr.projector.spec()["kind"] == "factored"
+    assert tr.projector is None  # built by the first featurize call, from its batch's gradient energy
+    tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
+    x, y, _, _ = make_data(n=40)
+    tr.featurize((x[:8], y[:8]), num_samples=8)
+    assert tr.projector.spec()["kind"] == "factored" and tr.projector.spec()["split"] == "energy"
 
     class Bag(torch.nn.Module):  # an embedding: its own factored block (layout version 2; before, the dense one)
         def __init__(self):
@@ -246,10 +252,10 @@ def test_default_projector_is_factored_also_for_non_linear_parameters(tmp_path):
         device="cpu",
         logging_level=logging.ERROR,
     )
-    layout = other.projector.spec()["layout"]
-    assert [b[1] for b in layout] == ["embedding", "linear"]
     other.load_checkpoint(Bag().state_dict(), model_id=0)
     other.featurize((torch.randint(0, 5, (8, 4)), torch.randint(0, 3, (8,))), num_samples=8)
+    layout = other.projector.spec()["layout"]
+    assert [b[1] for b in layout] == ["embedding", "linear"]
     assert other.store.model(0).featurized[:].all()
 
 

@@ -342,3 +342,23 @@ def test_model_output_contract(gpt2_dir):
     ids, mask, labels = batch
     bad = [(ids, mask), (ids, mask.float(), labels), (ids, mask, torch.full_like(labels, -100))]
     check_model_output(CausalLMModelOutput(), model, batch, reference=ref, bad_batches=bad, rtol=1e-9, atol=1e-12)
+
+
+def test_energy_probe_matches_float64_autograd_with_padding(gpt2_dir):
+    """The factored split's probe on padded causal-LM batches: mean ‖∂f/∂θ‖² per parameter as float64 autograd on
+    the unpadded sequences, whatever the chunk (all rows in one vmap; one row per pass)."""
+    from trak_core.energy import gradient_energies
+
+    seqs = sequences(6, seed=3)
+    ref = load(gpt2_dir, torch.float64)
+    _, _, g = reference(ref, seqs)
+    want, o = {}, 0
+    for name, p in ref.named_parameters():
+        want[name] = float((g[:, o : o + p.numel()] ** 2).sum(1).mean())
+        o += p.numel()
+    model = load(gpt2_dir)
+    for budget in (2**28, 1):
+        got = gradient_energies(model, "causal_lm", mixed_batch(seqs), budget_bytes=budget)
+        assert set(got) == set(want)
+        for name, w in want.items():
+            assert math.isclose(got[name], w, rel_tol=1e-3, abs_tol=1e-9 * max(want.values())), (name, got[name], w)

@@ -123,7 +123,10 @@ def test_both_front_doors_drive_the_engine(tmp_path, monkeypatch):
 
 
 def test_traker_and_pipeline_give_the_same_scores(tmp_path):
-    """Same settings, one checkpoint: the two front doors store the same scores, bit for bit."""
+    """Same settings, one checkpoint: the two front doors store the same scores, bit for bit; and TRAKer's default
+    projector, probed on the same 64 rows, is the one the pipeline's plan recorded."""
+    from trak_core.energy import PROBE_ROWS
+    from trak_core.projectors import make_projector, rebuild_kwargs
     from trak_core.store import TrakStore
 
     paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
@@ -131,10 +134,20 @@ def test_traker_and_pipeline_give_the_same_scores(tmp_path):
         tiny_attribute_config(tmp_path / "p", paths, projector="factored", shard_size=SHARD, dtype="float16")
     )
     _pipeline_run(cfg)
-    t = _traker(tmp_path / "t")
+    meta = TrakStore.open(cfg.store, mode="r").meta
+    assert meta.projector_params["split"] == "energy"
+    model = tiny.make_model()
+    kw = rebuild_kwargs("factored", meta.projector_params)
+    proj = make_projector("factored", meta.grad_dim, 16, 0, device="cpu", model=model, **kw)
+    t = _traker(tmp_path / "t", projector=proj)
     got = _traker_run(t, torch.load(paths[0], weights_only=True))
     want = TrakStore.open(cfg.store, mode="r").scores("tiny")[:]
     np.testing.assert_array_equal(got, want)
+    assert tiny.NUM_TRAIN == PROBE_ROWS  # the default's first featurize call of all rows probes the plan's rows
+    d = _traker(tmp_path / "d")
+    d.load_checkpoint(torch.load(paths[0], weights_only=True), model_id=0)
+    d.featurize(tiny.train_data(), num_samples=tiny.NUM_TRAIN)
+    assert d.store.meta.projector_params == meta.projector_params
 
 
 def test_concurrent_traker_on_one_save_dir_is_refused(tmp_path):

@@ -391,7 +391,7 @@ def test_spec_records_the_layout_version_and_old_stores_are_refused(tmp_path):
     torch.manual_seed(0)
     model = Text("encoder")
     spec = FactoredProjector.from_model(model, 64).spec()
-    assert spec["layout_version"] == LAYOUT_VERSION == 4
+    assert spec["layout_version"] == LAYOUT_VERSION == 5 and spec["split"] == "layer"
     assert [row[1] for row in spec["layout"]][:2] == ["matrix", "embedding"]  # pos, tok
 
     def traker(path):
@@ -407,22 +407,27 @@ def test_spec_records_the_layout_version_and_old_stores_are_refused(tmp_path):
                 logging_level=logging.ERROR,
             )
 
-    traker(tmp_path / "new")  # a store of this version reopens
-    traker(tmp_path / "new")
-    old = {k: v for k, v in spec.items() if k != "layout_version"}  # written before layout versions
+    first = traker(tmp_path / "new")  # a store of this version (created by the first featurize) reopens
+    first.load_checkpoint(model.state_dict(), model_id=0)
+    first.featurize(_data(8), num_samples=8)
+    stored = first.store.meta.projector_params
+    assert stored["layout_version"] == 5 and stored["split"] == "energy"
+    del first
+    assert traker(tmp_path / "new").projector.spec()["layout"] == stored["layout"]
+    old = {k: v for k, v in spec.items() if k not in ("layout_version", "split")}  # written before layout versions
     TrakStore.create_or_open(str(tmp_path / "old"), StoreMetadata.from_projector(old, train_set_size=8))
-    with pytest.raises(StoreMismatchError, match="projector_params"):
+    with pytest.raises(StoreMismatchError, match="projector_params.*layout_version=None"):
         traker(tmp_path / "old")
     # layout 2 (before identity sides): refused the same way, the recorded version named in the message
-    v2 = {**spec, "layout_version": 2}
+    v2 = {**old, "layout_version": 2}
     TrakStore.create_or_open(str(tmp_path / "v2"), StoreMetadata.from_projector(v2, train_set_size=8))
-    with pytest.raises(StoreMismatchError, match=r"projector_params=.*'layout_version': 2"):
+    with pytest.raises(StoreMismatchError, match=r"projector_params.*layout_version=2"):
         traker(tmp_path / "v2")
     # layout 3 (shares ∝ block size): its block table differs, and so does its version; refused likewise
-    v3 = {**spec, "layout_version": 3, "layout": FactoredProjector.from_model(model, 64, split="size").spec()["layout"]}
+    v3 = {**old, "layout_version": 3, "layout": FactoredProjector.from_model(model, 64, split="size").spec()["layout"]}
     assert v3["layout"] != spec["layout"]
     TrakStore.create_or_open(str(tmp_path / "v3"), StoreMetadata.from_projector(v3, train_set_size=8))
-    with pytest.raises(StoreMismatchError, match=r"projector_params=.*'layout_version': 3"):
+    with pytest.raises(StoreMismatchError, match=r"projector_params.*layout_version=3"):
         traker(tmp_path / "v3")
 
 

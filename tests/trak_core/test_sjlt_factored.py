@@ -325,6 +325,8 @@ def test_factored_split_totals_proj_dim_and_is_equal_per_block():
     assert [b.k for b in model_layout(three, 8).blocks] == [3, 3, 2]
     assert [b.k for b in model_layout(model, 4820).blocks] == [4159, 661]  # above grad_dim: 1 each, the rest ∝ size
     with pytest.raises(BadInputError, match="split must be one of"):
+        model_layout(model, 64, split="variance")
+    with pytest.raises(BadInputError, match="split='energy' needs energies"):
         model_layout(model, 64, split="energy")
     with pytest.raises(BadInputError, match="smaller than the number of blocks"):
         model_layout(model, 1)

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from .. import engine
 from ..damping import CURVATURES, check_lambda
+from ..energy import PROBE_ROWS, gradient_energies
 from ..errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
 from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
@@ -96,12 +97,23 @@ def check_device(device) -> str:
     return str(device)
 
 
-def default_projector(model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None) -> AbstractProjector:
-    """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md); the dense
+def default_projector(
+    model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None, energies: dict | None = None
+) -> AbstractProjector:
+    """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md), proj_dim split by
+    ``energies`` (:func:`trak_core.energy.gradient_energies`; equally between layers without them); the dense
     Rademacher projection, with a one-line warning, for models it cannot factor."""
     try:
         return make_projector(
-            "factored", grad_dim, proj_dim, seed, "rademacher", device=device, model=model, grad_wrt=grad_wrt
+            "factored",
+            grad_dim,
+            proj_dim,
+            seed,
+            "rademacher",
+            device=device,
+            model=model,
+            grad_wrt=grad_wrt,
+            energies=energies,
         )
     except BadInputError as e:
         warnings.warn(f"TRAKer: using the dense projector (the default 'factored' does not apply: {e})", stacklevel=3)
@@ -188,12 +200,31 @@ class TRAKer:
         self.num_params_for_grad = grad_dim_of(model, self.grad_wrt)
         self.proj_seed = projector_seed
 
+        # the default projector on a new store: its proj_dim split follows the gradient energy of the first featurize
+        # call's batch, so it (and the store, whose metadata records it) is built then; until then a stand-in with
+        # the same sizes (the equal split) serves the checks below
+        self._deferred = False
         if projector is None:
-            if not isinstance(proj_dim, int) or proj_dim <= 0:
+            if not isinstance(proj_dim, int) or isinstance(proj_dim, bool) or proj_dim <= 0:
                 raise BadInputError(f"proj_dim must be a positive integer, got {proj_dim!r}")
-            projector = default_projector(
-                model, self.num_params_for_grad, proj_dim, projector_seed, self.device, self.grad_wrt
-            )
+            exists, split = engine.stored_split(str(save_dir), storage_options)
+            if split is not None:  # a store of the default projector: its own split, rebuilt from its metadata
+                projector = engine.rebuild_projector(
+                    "factored",
+                    self.num_params_for_grad,
+                    proj_dim,
+                    projector_seed,
+                    "rademacher",
+                    split,
+                    model,
+                    self.grad_wrt,
+                    self.device,
+                )
+            else:
+                projector = default_projector(
+                    model, self.num_params_for_grad, proj_dim, projector_seed, self.device, self.grad_wrt
+                )
+                self._deferred = projector.kind == "factored" and not exists
         elif not hasattr(projector, "spec"):
             raise BadInputError(
                 f"TRAKer(projector={type(projector).__name__}): give one projector for the whole "
@@ -209,12 +240,13 @@ class TRAKer:
                 f"projector.grad_dim={projector.grad_dim} but the model has "
                 f"{self.num_params_for_grad} parameters to take gradients for"
             )
-        self.projector = projector
+        self.projector: AbstractProjector | None = None if self._deferred else projector
         self.proj_dim = projector.proj_dim
         self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
 
-        self.metadata = engine.store_metadata(
-            projector,
+        # the store's metadata of a projector (deferred: of the one the first featurize call builds)
+        self._metadata_of = functools.partial(
+            engine.store_metadata,
             train_set_size=self.train_set_size,
             dtype="float16" if use_half_precision else "float32",
             task=self.task,
@@ -222,6 +254,8 @@ class TRAKer:
             shard_rows=shard_rows,
             curvature=curvature,
         )
+        self._storage_options = storage_options
+        meta = self._metadata_of(projector)
         self.save_dir = str(save_dir)
         self.load_from_save_dir = load_from_save_dir
         self.write_behind = writes_behind(self.device) if write_behind is None else bool(write_behind)
@@ -229,18 +263,24 @@ class TRAKer:
         # pipeline's runs take it: another process on this save_dir is refused), held while this TRAKer lives
         on_device = torch.device(self.device).type != "cpu"  # see _partials_while_featurizing
         engine.check_featurize_memory(
-            self.metadata,
+            meta,
             model,
-            rows_held=proj_max_batch_size
-            + (self.metadata.rows_per_shard if on_device else self.metadata.rows_per_chunk),
+            rows_held=proj_max_batch_size + (meta.rows_per_shard if on_device else meta.rows_per_chunk),
             partials=on_device,
             projector=projector.kind,
         )
         self._locked = False
         engine.acquire_store(self.save_dir, run=f"TRAKer (pid {os.getpid()})")
         self._locked = True
+        self._store: engine.TrakStore | None = None
+        # deferred: the store's metadata (None until then) and the model records of load_checkpoint calls
+        self.metadata: engine.StoreMetadata | None = None if self._deferred else meta
+        self._planned: list[tuple[int, dict, bool]] = []
         try:
-            self.store = engine.open_run(self.save_dir, self.metadata, storage_options)
+            if self._deferred:  # created by the first featurize call: what would refuse it then is refused now
+                engine.check_new_store(self.save_dir, storage_options)
+            else:
+                self._store = engine.open_run(self.save_dir, meta, storage_options)
         except BaseException:
             self._close()
             raise
@@ -270,6 +310,48 @@ class TRAKer:
         # there is read again from the store before it is skipped; a row not flagged is featurized without a read
         self._flags: tuple[int, np.ndarray] | None = None
         _open_trakers.add(self)
+
+    # ------------------------------------------------------------------ the store
+    @property
+    def store(self) -> engine.TrakStore:
+        """The store (StateError while the default projector waits for the first :meth:`featurize` call)."""
+        if self._store is None:
+            raise StateError(
+                f"TRAKer: nothing is stored at {self.save_dir} yet: with the default projector the store is created "
+                "by the first featurize call (proj_dim is split between the model's layers by the gradient energy "
+                "of that call's batch); call load_checkpoint(...) and featurize(...) first"
+            )
+        return self._store
+
+    def _energy_projector(self, batch) -> AbstractProjector:
+        """The default projector with proj_dim split by the gradient energy of the first ≤ PROBE_ROWS rows of
+        ``batch`` at the loaded checkpoint (rows whose gradient is not finite left out: featurizing names them)."""
+        try:
+            energies = gradient_energies(self.model, self.task, batch, PROBE_ROWS, self.grad_wrt, skip_nonfinite=True)
+        except RuntimeError as e:
+            self.featurizer._dtype_mismatch(batch, e)
+            raise
+        return default_projector(
+            self.model,
+            self.num_params_for_grad,
+            self.proj_dim,
+            self.proj_seed,
+            self.device,
+            self.grad_wrt,
+            energies=energies,
+        )
+
+    def _create_store(self, projector: AbstractProjector) -> None:
+        """The store of ``projector`` (the default, built by the first featurize call), then the model records of
+        the load_checkpoint calls so far."""
+        meta = self._metadata_of(projector)
+        self._store = engine.open_run(self.save_dir, meta, self._storage_options)
+        self.projector = self.featurizer.projector = projector
+        self.metadata = meta
+        self._deferred = False
+        planned, self._planned = self._planned, []
+        for mid, record, start_over in planned:
+            engine.plan_model(self._store, mid, checkpoint=record, start_over=start_over)
 
     # ------------------------------------------------------------------ featurizing
     def _forget_handles(self) -> None:
@@ -357,10 +439,15 @@ class TRAKer:
             "path": "state_dict given to TRAKer.load_checkpoint",
             "state_sha256": engine.state_fingerprint(checkpoint),
         }
-        if not start_over:
-            engine.check_model(self.store, model_id, checkpoint=record)
-        self.featurizer.load_state(checkpoint)  # a state_dict that does not fit the model is refused here
-        engine.plan_model(self.store, model_id, checkpoint=record, start_over=start_over)
+        if self._deferred:  # no store yet (see _create_store): recorded, then planned when it is created
+            engine.check_model_id(model_id)
+            self.featurizer.load_state(checkpoint)
+            self._planned = [p for p in self._planned if p[0] != model_id] + [(model_id, record, start_over)]
+        else:
+            if not start_over:
+                engine.check_model(self.store, model_id, checkpoint=record)
+            self.featurizer.load_state(checkpoint)  # a state_dict that does not fit the model is refused here
+            engine.plan_model(self.store, model_id, checkpoint=record, start_over=start_over)
         if start_over:
             self._started_over.add(model_id)
         self.ckpt_loaded = model_id
@@ -403,10 +490,21 @@ class TRAKer:
                 "Load a checkpoint using traker.load_checkpoint before featurizing "
                 "(call load_checkpoint(state_dict, model_id=...) first)"
             )
+        computed = None
+        if self._deferred:  # the projector from this batch, then its rows; the store only once they are computed
+            self.task.validate_batch(batch)
+            inds, num_samples = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size), None
+            stand_in, projector = self.featurizer.projector, self._energy_projector(batch)
+            self.featurizer.projector = projector
+            try:
+                computed = self.featurizer.featurize(batch, mid, inds)
+            finally:
+                self.featurizer.projector = stand_in
+            self._create_store(projector)
         with self.store.pinned(self._handles):
-            self._featurize(mid, batch, inds, num_samples)
+            self._featurize(mid, batch, inds, num_samples, computed)
 
-    def _featurize(self, mid: int, batch, inds, num_samples) -> None:
+    def _featurize(self, mid: int, batch, inds, num_samples, computed=None) -> None:
         if self._writable != mid:
             engine.require_not_finalized(self.store, mid)
             self._writable = mid
@@ -429,7 +527,8 @@ class TRAKer:
             sel = torch.as_tensor(keep)
             batch = [x[sel] for x in batch]
             inds = inds[keep]
-        x, q = self.featurizer.featurize(batch, mid, inds)
+            computed = None if computed is None else (computed[0][keep], computed[1][keep])
+        x, q = self.featurizer.featurize(batch, mid, inds) if computed is None else computed
         rows = inds
         if inds.size > 1 and not bool((inds[1:] > inds[:-1]).all()):  # in ascending order (no copy when they are)
             order = np.argsort(inds)
@@ -469,6 +568,12 @@ class TRAKer:
                 "del_grads=True is ignored: trak_core keeps no features and scores from the stored gradients "
                 "(X · A Gᵀ); deleting them would make scoring impossible",
                 stacklevel=2,
+            )
+        if self._store is None:  # the default projector waits for the first featurize: nothing is registered
+            first = next(iter(model_ids), None) if model_ids is not None else None
+            raise ModelIDException(
+                f"Model ID {first} not registered, not ready for finalizing: nothing was featurized into "
+                f"{self.save_dir} yet (load_checkpoint and featurize first)"
             )
         ids = list(model_ids) if model_ids is not None else self.store.model_ids()
         for mid in ids:

@@ -77,3 +77,10 @@ def _refuse_orphan_arrays(location: str, storage_options: dict | None = None) ->
             "with cannot be checked; refusing to create a store over them. Restore the root zarr.json (e.g. from a "
             "backup), or use a new store location."
         )
+
+
+def check_new_location(location: str, storage_options: dict | None = None) -> None:
+    """Refuse, before a store is created at ``location`` later in the run, what creating it would refuse then: arrays
+    without root metadata (:class:`StoreDamageError`) and a local folder this process cannot write."""
+    _refuse_orphan_arrays(location, storage_options)
+    check_writable(location)

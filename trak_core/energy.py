@@ -1,0 +1,110 @@
+"""The gradient-energy probe behind the factored projector's default split: for each parameter, the mean over a
+few examples of ‖∂f/∂θ‖², f the task's model output (:func:`gradient_energies`).
+
+Per-example gradients come from ``torch.func`` (``vmap(grad(f))``, as the gradient computer), in chunks of rows
+whose gradients take at most ``budget_bytes`` together (one row per pass for a model larger than the budget), each
+chunk reduced to its squared norms at once: memory stays flat in parameters × rows. The model runs in eval mode
+(BatchNorm uses its running statistics, dropout is off, as when featurizing) on its own device; its training mode
+is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .errors import BadInputError
+from .gradients import grad_param_names
+from .modelout import AbstractModelOutput, resolve_task
+
+#: the rows the probe reads by default (the first ones of the batch)
+PROBE_ROWS = 64
+#: the most bytes of per-example gradients one pass of the probe holds
+PROBE_BYTES = 256 * 2**20
+
+
+def probe_chunk(num_params: int, itemsize: int = 4, budget_bytes: int = PROBE_BYTES) -> int:
+    """Rows per vmapped pass: as many as keep rows × ``num_params`` × ``itemsize`` within ``budget_bytes``, ≥ 1."""
+    return max(1, budget_bytes // max(1, num_params * itemsize))
+
+
+def gradient_energies(
+    model: torch.nn.Module,
+    task: AbstractModelOutput | str,
+    batch: Sequence[Tensor],
+    rows: int = PROBE_ROWS,
+    grad_wrt: Iterable[str] | None = None,
+    budget_bytes: int = PROBE_BYTES,
+    skip_nonfinite: bool = False,
+) -> dict[str, float]:
+    """{parameter name: mean over the first ≤ ``rows`` examples of ``batch`` of ‖∂f/∂θ‖²} for the parameters of
+    ``grad_wrt`` (all trainable ones by default), f the task's output for one example.
+
+    Args:
+        model: the model at the checkpoint to probe (run in eval mode on its own device; its mode is restored).
+        task: a model output function or a task name (:func:`trak_core.modelout.resolve_task`).
+        batch: the task's batch (tensors with the examples along dimension 0).
+        rows: how many examples (the first ones) the mean takes.
+        budget_bytes: the most bytes of per-example gradients held at once.
+        skip_nonfinite: leave examples whose gradient is not finite out of the mean (all energies 0 when no
+            example is left) instead of raising.
+    Returns:
+        {name: energy} as Python floats (accumulated in float64).
+    Raises:
+        BadInputError: an empty batch, ``rows`` < 1, or (unless ``skip_nonfinite``) an example whose gradient is
+            not finite.
+    """
+    task = resolve_task(task)
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        raise BadInputError(f"energy probe: rows must be a positive integer, got {rows!r}")
+    if not isinstance(batch, (list, tuple)) or not batch or not all(isinstance(t, Tensor) for t in batch):
+        raise BadInputError("energy probe: the batch must be a non-empty list or tuple of tensors")
+    n = min(int(batch[0].shape[0]), rows)
+    if n < 1:
+        raise BadInputError("energy probe: the batch has no examples")
+    names = grad_param_names(model, grad_wrt)
+    params = dict(model.named_parameters())
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    keep = set(names)
+    weights = {k: v.detach() for k, v in params.items() if k in keep}
+    fixed = {k: v.detach() for k, v in params.items() if k not in keep}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+    itemsize = max((weights[k].element_size() for k in names), default=4)
+    chunk = probe_chunk(sum(weights[k].numel() for k in names), itemsize, budget_bytes)
+
+    def f(w, b, *sample):
+        return task.get_output(model, {**w, **fixed}, b, *sample)
+
+    per_example = torch.func.vmap(torch.func.grad(f), in_dims=(None, None, *([0] * len(batch))), randomness="different")
+    total = {k: torch.zeros((), dtype=torch.float64, device=device) for k in names}
+    was_training = model.training
+    model.eval()
+    used = n
+    try:
+        for a in range(0, n, chunk):
+            sample = [t[a : min(a + chunk, n)].to(device) for t in batch]
+            with sdpa_kernel(SDPBackend.MATH):  # vmap has no batching rule for the fused attention kernels
+                grads = per_example(weights, buffers, *sample)
+            sq = {k: grads[k].reshape(grads[k].shape[0], -1).double().pow(2).sum(1) for k in names}
+            del grads
+            ok = torch.stack([torch.isfinite(v) for v in sq.values()]).all(0) if sq else None
+            if ok is not None and not bool(ok.all()):
+                if not skip_nonfinite:
+                    rows_bad = (a + (~ok).nonzero().reshape(-1)).tolist()
+                    raise BadInputError(
+                        f"energy probe: the gradient of example(s) {rows_bad[:10]} of the probe batch is not finite"
+                    )
+                sq = {k: v[ok] for k, v in sq.items()}
+                used -= int((~ok).sum())
+            for k in names:
+                total[k] += sq[k].sum()
+    finally:
+        model.train(was_training)
+    out = {k: float(v) / max(used, 1) for k, v in total.items()}
+    if not all(math.isfinite(v) for v in out.values()):  # finite per example, overflowed in the sum
+        raise BadInputError("energy probe: the summed squared gradients overflow float64")
+    return out
