@@ -57,7 +57,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from trak_core.damping import cholesky_inverse, parse_lambda_reg  # noqa: E402
-from trak_core.energy import PROBE_ROWS, gradient_energies  # noqa: E402
+from trak_core.energy import PROBE_ROWS, sketched_energies  # noqa: E402
 from trak_core.factored import FactoredProjector  # noqa: E402
 from trak_core.featurize import Featurizer  # noqa: E402
 from trak_core.gradients import grad_dim_of  # noqa: E402
@@ -399,7 +399,7 @@ def features(case: Case, truth: dict, kind: str, proj_dim: int, ckpt: int, seed:
     elif kind == "factored":  # the default: proj_dim split by the gradient energy at checkpoint 0
         probe = case.make_model()
         probe.load_state_dict(truth["states"][0])
-        energies = gradient_energies(probe, case.task, [t[:PROBE_ROWS] for t in case.train()], PROBE_ROWS)
+        energies = sketched_energies(probe, case.task, [t[:PROBE_ROWS] for t in case.train()], PROBE_ROWS)
         proj = FactoredProjector.from_model(model, p, seed, "rademacher", "cpu", energies=energies)
     else:
         proj = make_projector(kind, gd, p, seed, "rademacher", "cpu", model=model)

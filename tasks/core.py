@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from trak_core import engine
-from trak_core.energy import PROBE_ROWS, gradient_energies
+from trak_core.energy import PROBE_ROWS, sketched_energies
 from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
@@ -73,7 +73,7 @@ def factored_split(config: AttributeConfig, model: torch.nn.Module, task, train:
     once, by the plan: the store records them and every task rebuilds the projector from that record."""
     model.load_state_dict(load_checkpoint(checkpoint, "cpu", field="checkpoints[0]"))
     try:
-        energies = gradient_energies(model, task, [t[:PROBE_ROWS] for t in train], PROBE_ROWS, config.grad_wrt)
+        energies = sketched_energies(model, task, [t[:PROBE_ROWS] for t in train], PROBE_ROWS, config.grad_wrt)
     except BadInputError as e:
         raise _prefixed("checkpoints[0]", e) from None
     return {"split": "energy", "energies": energies}

@@ -671,13 +671,12 @@ def solve_deff_fast(
     targets = [deff_target(full, c, rows) for c, rows in pairs]
     lowest = [deff_target(sure, c, rows) for c, rows in pairs]  # the targets of the smallest rank possible
     if lowest != targets:
+        # each deff λ solves d_eff(λ) = its target, which grows with the rank: when d_eff(floor) is at most the
+        # lowest target any possible rank gives, every deff λ is ≤ the floor, and λ is the floor
         floor = float(lam_floor)
-        if floor > 0 and math.isfinite(floor):
-            # each deff λ solves d_eff(λ) = its target, which grows with the rank: when d_eff(floor) is at most
-            # the lowest target any possible rank gives, every deff λ is ≤ the floor, and λ is the floor
-            inv = inverse(a, floor)
-            if inv is not None and terms(inv, floor)[0] <= min(lowest):
-                return floor, inv, full
+        inv = inverse(a, floor) if floor > 0 and math.isfinite(floor) else None
+        if inv is not None and terms(inv, floor)[0] <= min(lowest):
+            return floor, inv, full
         if n < p:
             return None
         if not (_host_positive_definite(a, -theta) if linalg_device is None else dl.positive_definite(a, -theta)):

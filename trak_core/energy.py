@@ -1,5 +1,7 @@
 """The gradient-energy probe behind the factored projector's default split: for each parameter, the mean over a
-few examples of ‖∂f/∂θ‖², f the task's model output (:func:`gradient_energies`).
+few examples of ‖∂f/∂θ‖², f the task's model output (:func:`gradient_energies`, exact), or for each of the
+factored layout's blocks its unbiased estimate from a sketch (:func:`sketched_energies`, the default's: one
+batched pass of the factored fast path, as cheap as featurizing the probe's rows).
 
 Per-example gradients come from ``torch.func`` (``vmap(grad(f))``, as the gradient computer), in chunks of rows
 whose gradients take at most ``budget_bytes`` together (one row per pass for a model larger than the budget), each
@@ -106,5 +108,77 @@ def gradient_energies(
         model.train(was_training)
     out = {k: float(v) / max(used, 1) for k, v in total.items()}
     if not all(math.isfinite(v) for v in out.values()):  # finite per example, overflowed in the sum
+        raise BadInputError("energy probe: the summed squared gradients overflow float64")
+    return out
+
+
+#: the sketch's width per block of the probe's equal split, and its bounds in all
+SKETCH_PER_BLOCK, SKETCH_MIN, SKETCH_MAX = 32, 512, 8192
+
+
+def sketched_energies(
+    model: torch.nn.Module,
+    task: AbstractModelOutput | str,
+    batch: Sequence[Tensor],
+    rows: int = PROBE_ROWS,
+    grad_wrt: Iterable[str] | None = None,
+    skip_nonfinite: bool = False,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Each factored block's gradient energy, the mean over the first ≤ ``rows`` examples of ‖∂f/∂θ_block‖²,
+    estimated as the mean ‖x_block‖² of the block's part of the factored projection x (equal split, version 4's
+    rules, :data:`SKETCH_PER_BLOCK` dimensions a block, within [:data:`SKETCH_MIN`, :data:`SKETCH_MAX`]; a block
+    that gets its whole size is exact). The projection preserves inner products in expectation block by block,
+    so the estimate is unbiased; it comes from the factored fast path in one batched pass (no per-example gradient
+    materialized), on the model's device, in eval mode.
+
+    Returns:
+        {parameter name: energy}, each block's on its first parameter (0.0 on its others): what
+        ``split="energy"`` sums per block. Arguments and errors as :func:`gradient_energies`.
+    """
+    from .factored import FactoredProjector
+    from .factored_layout import model_layout
+
+    task = resolve_task(task)
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        raise BadInputError(f"energy probe: rows must be a positive integer, got {rows!r}")
+    if not isinstance(batch, (list, tuple)) or not batch or not all(isinstance(t, Tensor) for t in batch):
+        raise BadInputError("energy probe: the batch must be a non-empty list or tuple of tensors")
+    n = min(int(batch[0].shape[0]), rows)
+    if n < 1:
+        raise BadInputError("energy probe: the batch has no examples")
+    blocks = model_layout(model, SKETCH_MIN, grad_wrt, "dense", "layer").blocks  # the blocks, at any width
+    grad_dim = sum(b.size for b in blocks)
+    width = min(grad_dim, max(SKETCH_MIN, min(SKETCH_MAX, SKETCH_PER_BLOCK * len(blocks))))
+    params = dict(model.named_parameters())
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    dtype = next((v.dtype for v in params.values() if v.is_floating_point()), torch.float32)
+    layout = model_layout(model, width, grad_wrt, "dense", "layer")
+    proj = FactoredProjector(layout.grad_dim, width, seed, device=device, layout=layout, dtype=dtype)
+    weights = {k: v.detach() for k, v in params.items()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+    sample = [t[:n].to(device) for t in batch]
+    was_training = model.training
+    model.eval()
+    try:
+        x = proj.featurize_batch(model, task, weights, buffers, sample, model_id=0)
+    finally:
+        model.train(was_training)
+    assert x is not None  # a layout built from the model is bound to it
+    sq = x.detach().double().pow(2)
+    ok = torch.isfinite(sq).all(1)
+    if not bool(ok.all()):
+        if not skip_nonfinite:
+            bad = (~ok).nonzero().reshape(-1).tolist()
+            raise BadInputError(f"energy probe: the gradient of example(s) {bad[:10]} of the probe batch is not finite")
+        sq = sq[ok]
+    used = max(int(sq.shape[0]), 1) * width  # the projection's inner products are width × the gradients' ones
+    out: dict[str, float] = {}
+    a = 0
+    for b in layout.blocks:
+        out[b.params[0]] = float(sq[:, a : a + b.k].sum()) / used
+        out.update({name: 0.0 for name in b.params[1:]})
+        a += b.k
+    if not all(math.isfinite(v) for v in out.values()):
         raise BadInputError("energy probe: the summed squared gradients overflow float64")
     return out

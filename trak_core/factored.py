@@ -44,10 +44,10 @@ g_tᵀ, so its block is Σ_t P_out[id_t] ⊗ (P_inᵀ g_t): rows of P_out gather
 The split of proj_dim
 ---------------------
 ``split="energy"`` (the default of TRAKer and the pipeline): shares ∝ each block's gradient energy, the mean
-per-example ‖∂f/∂θ_b‖² (:func:`trak_core.energy.gradient_energies`), at least min(4, the block's size) each;
-``split="layer"``: equal shares. Either way a block with fewer gradient coordinates than its share keeps all of them
-(k_b = its size; for a factored block both sides are then the identity: the block itself, exactly) and the others
-share the rest again (water-filling); largest-remainder rounding, Σ k_b = proj_dim exactly. A grid block
+per-example ‖∂f/∂θ_b‖² (estimated by :func:`trak_core.energy.sketched_energies`), at least min(4, the block's
+size) each; ``split="layer"``: equal shares. Either way a block with fewer gradient coordinates than its share keeps
+all of them (k_b = its size; for a factored block both sides are then the identity: the block itself, exactly) and
+the others share the rest again (water-filling); largest-remainder rounding, Σ k_b = proj_dim exactly. A grid block
 is factored as k_out = min(d_out, ⌈√k_b⌉), k_in = ⌈k_b / k_out⌉ (if k_in > d_in [+1]: k_in = d_in [+1], k_out =
 ⌈k_b / k_in⌉) — balanced factors minimize the distortion of rank-one gradients, whose relative error is
 ≈ √(2/k_in + 2/k_out) (dense: √(2/k)). Why energy: the error of ⟨Px, Py⟩ is Σ_b ‖x_b‖²‖y_b‖²·c_b/k_b, least
@@ -300,7 +300,7 @@ class FactoredProjector(AbstractProjector):
     ) -> FactoredProjector:
         """The per-layer projector of ``model`` (see the module docstring). ``split``: how proj_dim is shared
         between blocks (:data:`~trak_core.factored_layout.SPLITS`); None: ``"energy"`` when ``energies`` are given
-        ({parameter name: mean per-example ‖∂f/∂θ‖²}, :func:`trak_core.energy.gradient_energies`), else
+        ({parameter name: mean per-example ‖∂f/∂θ‖²}, :func:`trak_core.energy.sketched_energies`), else
         ``"layer"``. ``layout_version=4`` (with ``split="layer"``) rebuilds a version-4 store's projector."""
         check_dims(proj_dim, proj_dim)
         if split is None:

@@ -405,7 +405,7 @@ def check_split(split: str, energies: dict | None) -> None:
     if split == "energy" and energies is None:
         raise BadInputError(
             "factored projection: split='energy' needs energies= ({parameter name: mean per-example ‖∂f/∂θ‖²}, "
-            "trak_core.energy.gradient_energies); or pass split='layer'"
+            "trak_core.energy.sketched_energies); or pass split='layer'"
         )
     if split != "energy" and energies is not None:
         raise BadInputError(f"factored projection: energies= are used by split='energy' only, not split={split!r}")

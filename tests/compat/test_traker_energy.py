@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trak_core import TRAKer
-from trak_core.energy import gradient_energies
+from trak_core.energy import sketched_energies
 from trak_core.errors import ModelIDException, StateError, StoreMismatchError
 from trak_core.factored import FactoredProjector
 from trak_core.index import TrakIndex
@@ -60,7 +60,7 @@ def test_projector_waits_for_the_first_featurize_then_a_reopened_store_rebuilds_
     assert not (tmp_path / "s" / "zarr.json").exists()  # load_checkpoint's record waits for the store too
     tr.featurize((x[:16], y[:16]), num_samples=16)
     spec = tr.projector.spec()
-    energies = gradient_energies(model, "image_classification", (x[:16], y[:16]))  # the first call's batch
+    energies = sketched_energies(model, "image_classification", (x[:16], y[:16]))  # the first call's batch
     assert spec["split"] == "energy" and spec["energies"] == pytest.approx(energies, rel=1e-6)
     assert tr.store.meta.projector_params["layout"] == spec["layout"]
     assert tr.store.checkpoint_record(0) is not None  # the load_checkpoint before the store, recorded

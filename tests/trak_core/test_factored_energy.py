@@ -2,6 +2,7 @@
 the block sizes with floors; the energy probe against a float64 per-example autograd loop; the spec's record rebuilds
 the same projector (and a version-4 record the equal split)."""
 
+import copy
 import json
 import math
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from trak_core.energy import gradient_energies, probe_chunk
+from trak_core.energy import gradient_energies, probe_chunk, sketched_energies
 from trak_core.errors import BadInputError
 from trak_core.factored import LAYOUT_VERSION, FactoredProjector, record_kwargs
 from trak_core.factored_layout import MIN_SHARE, _split_energy, model_layout
@@ -134,9 +135,7 @@ class Net(nn.Module):
 
 def brute_energies(model: nn.Module, x, y, names) -> dict:
     """float64, one autograd call per example, eval mode: mean ‖∂f/∂θ‖² with f the classification margin."""
-    m = Net()
-    m.load_state_dict(model.state_dict())
-    m = m.double().eval()
+    m = copy.deepcopy(model).double().eval()
     params = dict(m.named_parameters())
     out = {n: 0.0 for n in names}
     for i in range(len(y)):
@@ -185,3 +184,59 @@ def test_probe_memory_bound_and_bad_input():
     skipped = gradient_energies(model, "image_classification", (xb, y), skip_nonfinite=True)
     keep = torch.tensor([0, 1, 3])
     assert skipped == pytest.approx(gradient_energies(model, "image_classification", (x[keep], y[keep])), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- the sketched probe (the default's)
+def _per_block(model, energies: dict) -> dict:
+    return {b.name: sum(energies[n] for n in b.params) for b in model_layout(model, 8, None, "dense", "layer").blocks}
+
+
+def test_sketched_probe_is_exact_where_blocks_keep_their_whole_size():
+    """A model of fewer coordinates than the sketch's width: every layer block is kept whole (identity sides), so
+    the sketch's block energies are the float64 autograd ones; BatchNorm's parameters (the dense "other" block) are
+    estimated (a random square matrix), in eval mode (running statistics, no dropout)."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 3)).double()
+    model[1].running_mean.uniform_(-0.5, 0.5)
+    model.train()
+    x, y = torch.randn(40, 6, dtype=torch.float64), torch.randint(0, 3, (40,))
+    names = [n for n, _ in model.named_parameters()]
+    want = _per_block(model, brute_energies(model, x, y, names))
+    got = sketched_energies(model, "image_classification", (x, y))
+    assert model.training and set(got) == set(names)
+    blocks = _per_block(model, got)
+    for name in ("0", "4"):  # the two linear layers, whole
+        assert math.isclose(blocks[name], want[name], rel_tol=1e-9), (name, blocks[name], want[name])
+    assert blocks["__other__"] > 0
+
+
+def test_sketched_probe_is_unbiased_block_by_block():
+    """The mean over independent sketches (seeds) of each block's estimate is the exact energy (float64 autograd),
+    within the spread of 48 sketches; each estimate is positive."""
+    torch.manual_seed(1)
+    model = Net().double().eval()
+    x, y = torch.randn(64, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (64,))
+    names = [n for n, _ in model.named_parameters()]
+    want = _per_block(model, brute_energies(model, x, y, names))
+    runs = [_per_block(model, sketched_energies(model, "image_classification", (x, y), seed=s)) for s in range(48)]
+    for name, w in want.items():
+        vals = torch.tensor([r[name] for r in runs], dtype=torch.float64)
+        assert bool((vals > 0).all())
+        err = float(vals.std()) / math.sqrt(len(runs))
+        assert abs(float(vals.mean()) - w) < 4 * err + 1e-9 * w, (name, float(vals.mean()), w, err)
+
+
+def test_sketched_probe_bad_input():
+    model = mlp()
+    x, y = torch.randn(4, 20), torch.randint(0, 3, (4,))
+    with pytest.raises(BadInputError, match="rows must be a positive integer"):
+        sketched_energies(model, "image_classification", (x, y), rows=0)
+    with pytest.raises(BadInputError, match="no examples"):
+        sketched_energies(model, "image_classification", (x[:0], y[:0]))
+    xb = x.clone()
+    xb[2, 0] = float("nan")
+    with pytest.raises(BadInputError, match=r"example\(s\) \[2\]"):
+        sketched_energies(model, "image_classification", (xb, y))
+    keep = torch.tensor([0, 1, 3])
+    skipped = sketched_energies(model, "image_classification", (xb, y), skip_nonfinite=True)
+    assert skipped == pytest.approx(sketched_energies(model, "image_classification", (x[keep], y[keep])), rel=1e-5)

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from .. import engine
 from ..damping import CURVATURES, check_lambda
-from ..energy import PROBE_ROWS, gradient_energies
+from ..energy import PROBE_ROWS, sketched_energies
 from ..errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
 from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
@@ -101,7 +101,7 @@ def default_projector(
     model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None, energies: dict | None = None
 ) -> AbstractProjector:
     """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md), proj_dim split by
-    ``energies`` (:func:`trak_core.energy.gradient_energies`; equally between layers without them); the dense
+    ``energies`` (:func:`trak_core.energy.sketched_energies`; equally between layers without them); the dense
     Rademacher projection, with a one-line warning, for models it cannot factor."""
     try:
         return make_projector(
@@ -327,7 +327,7 @@ class TRAKer:
         """The default projector with proj_dim split by the gradient energy of the first ≤ PROBE_ROWS rows of
         ``batch`` at the loaded checkpoint (rows whose gradient is not finite left out: featurizing names them)."""
         try:
-            energies = gradient_energies(self.model, self.task, batch, PROBE_ROWS, self.grad_wrt, skip_nonfinite=True)
+            energies = sketched_energies(self.model, self.task, batch, PROBE_ROWS, self.grad_wrt, skip_nonfinite=True)
         except RuntimeError as e:
             self.featurizer._dtype_mismatch(batch, e)
             raise
