@@ -34,6 +34,19 @@ def probe_chunk(num_params: int, itemsize: int = 4, budget_bytes: int = PROBE_BY
     return max(1, budget_bytes // max(1, num_params * itemsize))
 
 
+def _checked(task, batch, rows) -> tuple[AbstractModelOutput, int]:
+    """(the resolved task, the number of rows probed) or a BadInputError naming what is wrong."""
+    task = resolve_task(task)
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        raise BadInputError(f"energy probe: rows must be a positive integer, got {rows!r}")
+    if not isinstance(batch, (list, tuple)) or not batch or not all(isinstance(t, Tensor) for t in batch):
+        raise BadInputError("energy probe: the batch must be a non-empty list or tuple of tensors")
+    n = min(int(batch[0].shape[0]), rows)
+    if n < 1:
+        raise BadInputError("energy probe: the batch has no examples")
+    return task, n
+
+
 def gradient_energies(
     model: torch.nn.Module,
     task: AbstractModelOutput | str,
@@ -60,14 +73,7 @@ def gradient_energies(
         BadInputError: an empty batch, ``rows`` < 1, or (unless ``skip_nonfinite``) an example whose gradient is
             not finite.
     """
-    task = resolve_task(task)
-    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-        raise BadInputError(f"energy probe: rows must be a positive integer, got {rows!r}")
-    if not isinstance(batch, (list, tuple)) or not batch or not all(isinstance(t, Tensor) for t in batch):
-        raise BadInputError("energy probe: the batch must be a non-empty list or tuple of tensors")
-    n = min(int(batch[0].shape[0]), rows)
-    if n < 1:
-        raise BadInputError("energy probe: the batch has no examples")
+    task, n = _checked(task, batch, rows)
     names = grad_param_names(model, grad_wrt)
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device if params else torch.device("cpu")
@@ -139,14 +145,7 @@ def sketched_energies(
     from .factored import FactoredProjector
     from .factored_layout import model_layout
 
-    task = resolve_task(task)
-    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-        raise BadInputError(f"energy probe: rows must be a positive integer, got {rows!r}")
-    if not isinstance(batch, (list, tuple)) or not batch or not all(isinstance(t, Tensor) for t in batch):
-        raise BadInputError("energy probe: the batch must be a non-empty list or tuple of tensors")
-    n = min(int(batch[0].shape[0]), rows)
-    if n < 1:
-        raise BadInputError("energy probe: the batch has no examples")
+    task, n = _checked(task, batch, rows)
     blocks = model_layout(model, SKETCH_MIN, grad_wrt, "dense", "layer").blocks  # the blocks, at any width
     grad_dim = sum(b.size for b in blocks)
     width = min(grad_dim, max(SKETCH_MIN, min(SKETCH_MAX, SKETCH_PER_BLOCK * len(blocks))))
@@ -164,7 +163,7 @@ def sketched_energies(
         x = proj.featurize_batch(model, task, weights, buffers, sample, model_id=0)
     finally:
         model.train(was_training)
-    assert x is not None  # a layout built from the model is bound to it
+    assert isinstance(x, Tensor)  # a layout built from the model is bound to it (and no output was asked for)
     sq = x.detach().double().pow(2)
     ok = torch.isfinite(sq).all(1)
     if not bool(ok.all()):
