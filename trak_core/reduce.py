@@ -285,7 +285,7 @@ def ensure_partial(
     rows: np.ndarray | None = None,
     q=None,
     buffers: GramBuffers | None = None,
-) -> None:
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Store the shard's XᵀX partial and row sums unless they are there; from ``rows``/``q`` (the shard's rows as
     written, still in the caller's memory) or read back from the store. ``buffers``: the caller's reused host
     buffers for the packed partials (:class:`GramBuffers`). Returns (the partial as stored, its row sums) when it
@@ -476,8 +476,8 @@ def _sum_partials(
     m = store.model(model_id)
     p, shards, packed = store.meta.proj_dim, store.meta.num_shards, store.meta.packed_partials
     if known is not None and known.covers(store, model_id) and known.total is not None and known.sums is not None:
-        total = unpack_upper(known.total, p) if packed else known.total.copy()
-        return total, RowSums.of(known.sums), [], None
+        whole = unpack_upper(known.total, p) if packed else known.total.copy()
+        return whole, RowSums.of(known.sums), [], None
     total, owned = None, False  # the running sum (packed as stored); 0 + P₀ is P₀ itself (total_xtx's bits)
     sums = np.zeros(p + 3, dtype=np.float64)
     ggn_total = np.zeros(store.meta.partial_shape, dtype=np.float64) if store.meta.curvature == "ggn" else None
