@@ -73,7 +73,9 @@ def factored_split(config: AttributeConfig, model: torch.nn.Module, task, train:
     once, by the plan: the store records them and every task rebuilds the projector from that record."""
     model.load_state_dict(load_checkpoint(checkpoint, "cpu", field="checkpoints[0]"))
     try:
-        energies = sketched_energies(model, task, [t[:PROBE_ROWS] for t in train], PROBE_ROWS, config.grad_wrt)
+        energies = sketched_energies(
+            model, task, [t[:PROBE_ROWS] for t in train], PROBE_ROWS, config.grad_wrt, chunk_rows=config.batch_size
+        )
     except BadInputError as e:
         raise _prefixed("checkpoints[0]", e) from None
     return {"split": "energy", "energies": energies}

@@ -130,6 +130,7 @@ def sketched_energies(
     grad_wrt: Iterable[str] | None = None,
     skip_nonfinite: bool = False,
     seed: int = 0,
+    chunk_rows: int | None = None,
 ) -> dict[str, float]:
     """Each factored block's gradient energy, the mean over the first ≤ ``rows`` examples of ‖∂f/∂θ_block‖²,
     estimated as the mean ‖x_block‖² of the block's part of the factored projection x (equal split, version 4's
@@ -137,6 +138,8 @@ def sketched_energies(
     that gets its whole size is exact). The projection preserves inner products in expectation block by block,
     so the estimate is unbiased; it comes from the factored fast path in one batched pass (no per-example gradient
     materialized), on the model's device, in eval mode.
+
+    ``chunk_rows``: rows per pass (default: all ≤ ``rows`` at once); the pipeline passes its batch size.
 
     Returns:
         {parameter name: energy}, each block's on its first parameter (0.0 on its others): what
@@ -156,15 +159,19 @@ def sketched_energies(
     proj = FactoredProjector(layout.grad_dim, width, seed, device=device, layout=layout, dtype=dtype)
     weights = {k: v.detach() for k, v in params.items()}
     buffers = {k: v.detach() for k, v in model.named_buffers()}
-    sample = [t[:n].to(device) for t in batch]
+    step = n if chunk_rows is None else max(1, int(chunk_rows))
+    parts = []
     was_training = model.training
     model.eval()
     try:
-        x = proj.featurize_batch(model, task, weights, buffers, sample, model_id=0)
+        for a in range(0, n, step):  # batches of the caller's size: the activations' memory of one featurize batch
+            sample = [t[a : min(a + step, n)].to(device) for t in batch]
+            x = proj.featurize_batch(model, task, weights, buffers, sample, model_id=0)
+            assert isinstance(x, Tensor)  # a layout built from the model is bound to it (no output asked for)
+            parts.append(x.detach().double().pow(2))
     finally:
         model.train(was_training)
-    assert isinstance(x, Tensor)  # a layout built from the model is bound to it (and no output was asked for)
-    sq = x.detach().double().pow(2)
+    sq = torch.cat(parts)
     ok = torch.isfinite(sq).all(1)
     if not bool(ok.all()):
         if not skip_nonfinite:

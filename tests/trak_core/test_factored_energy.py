@@ -219,6 +219,8 @@ def test_sketched_probe_is_unbiased_block_by_block():
     names = [n for n, _ in model.named_parameters()]
     want = _per_block(model, brute_energies(model, x, y, names))
     runs = [_per_block(model, sketched_energies(model, "image_classification", (x, y), seed=s)) for s in range(48)]
+    chunked = _per_block(model, sketched_energies(model, "image_classification", (x, y), seed=47, chunk_rows=10))
+    assert chunked == pytest.approx(runs[-1], rel=1e-12)  # rows in passes of 10: the same sums
     for name, w in want.items():
         vals = torch.tensor([r[name] for r in runs], dtype=torch.float64)
         assert bool((vals > 0).all())
