@@ -32,10 +32,11 @@ from trak_core.errors import BadInputError
 from . import progress
 from .config import TrainConfig, load_data, load_object
 
-_INIT_LOCK = threading.Lock()  # torch.manual_seed is process-global: seed + build under one lock
-# torch's forward-AD levels (torch.func.jvp, used by Alpha) are process-global, not per thread: two
-# threads inside jvp at once fail with "forward AD level with an invalid index". One α at a time.
-_ALPHA_LOCK = threading.Lock()
+# torch's process-global state, one thread at a time: seeding + building a model (torch.manual_seed is global),
+# and α (torch.func.jvp's forward-AD levels are global: two threads inside jvp fail with "forward AD level with an
+# invalid index"; and its torch.random.fork_rng restores the global RNG on exit, which would overwrite a seed set
+# by another thread before its model is built)
+_TORCH_STATE_LOCK = threading.Lock()
 
 
 def model_stem(out_dir: str | Path, index: int) -> Path:
@@ -250,7 +251,7 @@ def forward(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.T
 def new_model(config: TrainConfig, seed: int) -> torch.nn.Module:
     """A fresh model from ``config.model`` with ``torch.manual_seed(seed)`` (under a process-wide lock:
     the seed is global)."""
-    with _INIT_LOCK:
+    with _TORCH_STATE_LOCK:
         torch.manual_seed(seed)
         model = load_object(config.model, "model")()
     if not isinstance(model, torch.nn.Module):
@@ -299,7 +300,7 @@ def fit_model(
                 raise FloatingPointError(f"{what}: non-finite loss at step {step}; lower lr")
             loss.backward()
             if alpha is not None and alpha.should_track(step):
-                with _ALPHA_LOCK:
+                with _TORCH_STATE_LOCK:
                     alpha.track(step, model, x[0], y)
             opt.step()
             value = loss.detach().item()
@@ -312,7 +313,7 @@ def fit_model(
         if progress_stage:
             progress.advance(progress_stage, 1)
     if alpha is not None:
-        with _ALPHA_LOCK:
+        with _TORCH_STATE_LOCK:
             alpha.finish(model)
     model.eval()
     with torch.no_grad():

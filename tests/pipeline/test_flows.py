@@ -462,6 +462,35 @@ def test_train_flow_manifest_and_rerun(tmp_path):
     assert acfg.checkpoint_paths == [str(tmp_path / "ck" / "model_000.pt"), str(tmp_path / "ck" / "model_001.pt")]
 
 
+def test_alpha_restores_the_global_rng_only_under_the_seeding_lock(tmp_path, monkeypatch):
+    """α's JVP runs inside torch.random.fork_rng, which restores torch's global RNG on exit: in another training
+    thread that would overwrite a seed set for a model not yet built (models then start from other weights, seen as
+    snapshots that are not the one-epoch models under load). Every fork_rng of a training run and every seeded
+    model build hold the same lock, so the two never interleave."""
+    import contextlib
+
+    from tasks import trainer
+
+    forks, builds = [], []
+    real_fork, real_seed = torch.random.fork_rng, torch.manual_seed
+
+    @contextlib.contextmanager
+    def fork_rng(*a, **k):
+        forks.append(trainer._TORCH_STATE_LOCK.locked())
+        with real_fork(*a, **k):
+            yield
+
+    def manual_seed(seed):
+        builds.append(trainer._TORCH_STATE_LOCK.locked())
+        return real_seed(seed)
+
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    monkeypatch.setattr(torch, "manual_seed", manual_seed)
+    recipe = dict(model="examples.tiny:make_model", train_data="examples.tiny:train_data", batch_size=16, lr=0.05)
+    trainer.train_one(TrainConfig(**recipe, out_dir=str(tmp_path), num_models=1, epochs=1, alpha_every=1), 0)
+    assert forks and all(forks) and builds and all(builds), (forks, builds)
+
+
 def test_train_flow_snapshots_are_checkpoints_of_their_own(tmp_path):
     """``snapshots``: each run also saves its state after the step nearest each fraction (below 1) of its steps,
     as a checkpoint of its own in the manifest; the snapshot at half of two epochs is the model of a one-epoch run
