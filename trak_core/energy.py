@@ -47,6 +47,20 @@ def _checked(task, batch, rows) -> tuple[AbstractModelOutput, int]:
     return task, n
 
 
+def _refuse_nonfinite(ok: Tensor, skip_nonfinite: bool, first: int = 0) -> None:
+    """Raise naming the probe rows (``first`` + index) whose ``ok`` is False, unless ``skip_nonfinite``."""
+    if not skip_nonfinite and not bool(ok.all()):
+        bad = (first + (~ok).nonzero().reshape(-1)).tolist()
+        raise BadInputError(f"energy probe: the gradient of example(s) {bad[:10]} of the probe batch is not finite")
+
+
+def _finite(out: dict[str, float]) -> dict[str, float]:
+    """``out``, unless a value overflowed (each example's was finite, their sum in float64 is not)."""
+    if not all(math.isfinite(v) for v in out.values()):
+        raise BadInputError("energy probe: the summed squared gradients overflow float64")
+    return out
+
+
 def gradient_energies(
     model: torch.nn.Module,
     task: AbstractModelOutput | str,
@@ -101,21 +115,14 @@ def gradient_energies(
             del grads
             ok = torch.stack([torch.isfinite(v) for v in sq.values()]).all(0) if sq else None
             if ok is not None and not bool(ok.all()):
-                if not skip_nonfinite:
-                    rows_bad = (a + (~ok).nonzero().reshape(-1)).tolist()
-                    raise BadInputError(
-                        f"energy probe: the gradient of example(s) {rows_bad[:10]} of the probe batch is not finite"
-                    )
+                _refuse_nonfinite(ok, skip_nonfinite, a)
                 sq = {k: v[ok] for k, v in sq.items()}
                 used -= int((~ok).sum())
             for k in names:
                 total[k] += sq[k].sum()
     finally:
         model.train(was_training)
-    out = {k: float(v) / max(used, 1) for k, v in total.items()}
-    if not all(math.isfinite(v) for v in out.values()):  # finite per example, overflowed in the sum
-        raise BadInputError("energy probe: the summed squared gradients overflow float64")
-    return out
+    return _finite({k: float(v) / max(used, 1) for k, v in total.items()})
 
 
 #: the sketch's width per block of the probe's equal split, and its bounds in all
@@ -149,13 +156,13 @@ def sketched_energies(
     from .factored_layout import model_layout
 
     task, n = _checked(task, batch, rows)
-    blocks = model_layout(model, SKETCH_MIN, grad_wrt, "dense", "layer").blocks  # the blocks, at any width
-    grad_dim = sum(b.size for b in blocks)
-    width = min(grad_dim, max(SKETCH_MIN, min(SKETCH_MAX, SKETCH_PER_BLOCK * len(blocks))))
+    layout = model_layout(model, SKETCH_MIN, grad_wrt, "dense", "layer")  # its blocks are the same at any width
+    width = min(layout.grad_dim, max(SKETCH_MIN, min(SKETCH_MAX, SKETCH_PER_BLOCK * len(layout.blocks))))
+    if width != SKETCH_MIN:
+        layout = model_layout(model, width, grad_wrt, "dense", "layer")
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device if params else torch.device("cpu")
     dtype = next((v.dtype for v in params.values() if v.is_floating_point()), torch.float32)
-    layout = model_layout(model, width, grad_wrt, "dense", "layer")
     proj = FactoredProjector(layout.grad_dim, width, seed, device=device, layout=layout, dtype=dtype)
     weights = {k: v.detach() for k, v in params.items()}
     buffers = {k: v.detach() for k, v in model.named_buffers()}
@@ -173,11 +180,8 @@ def sketched_energies(
         model.train(was_training)
     sq = torch.cat(parts)
     ok = torch.isfinite(sq).all(1)
-    if not bool(ok.all()):
-        if not skip_nonfinite:
-            bad = (~ok).nonzero().reshape(-1).tolist()
-            raise BadInputError(f"energy probe: the gradient of example(s) {bad[:10]} of the probe batch is not finite")
-        sq = sq[ok]
+    _refuse_nonfinite(ok, skip_nonfinite)
+    sq = sq[ok]
     used = max(int(sq.shape[0]), 1) * width  # the projection's inner products are width × the gradients' ones
     out: dict[str, float] = {}
     a = 0
@@ -185,6 +189,4 @@ def sketched_energies(
         out[b.params[0]] = float(sq[:, a : a + b.k].sum()) / used
         out.update({name: 0.0 for name in b.params[1:]})
         a += b.k
-    if not all(math.isfinite(v) for v in out.values()):
-        raise BadInputError("energy probe: the summed squared gradients overflow float64")
-    return out
+    return _finite(out)

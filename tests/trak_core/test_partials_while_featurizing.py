@@ -138,6 +138,17 @@ def test_finalize_sums_the_partials_it_stored_without_reading_them_back(tmp_path
     assert tr.store.finalize_info(0) == ref.store.finalize_info(0)
 
 
+def _finalized_reference(tmp_path):
+    """(model, x, y, batches of 10, a TRAKer that featurized them and finalized on the CPU's policy)."""
+    model = _model()
+    x, y = _data()
+    runs = _runs([10] * 15)
+    ref = _traker(tmp_path / "ref", model)
+    _featurize(ref, model, x, y, runs)
+    ref.finalize_features()
+    return model, x, y, runs, ref
+
+
 def test_a_partial_still_being_stored_reads_its_own_rows(tmp_path, monkeypatch):
     """A shard's partial is stored on a thread of its own while the next shard's rows are written: here the first
     partial is held back until rows of the second shard are in memory, and it still has the first shard's rows
@@ -146,12 +157,7 @@ def test_a_partial_still_being_stored_reads_its_own_rows(tmp_path, monkeypatch):
 
     from trak_core import engine
 
-    model = _model()
-    x, y = _data()
-    runs = _runs([10] * 15)
-    ref = _traker(tmp_path / "ref", model)
-    _featurize(ref, model, x, y, runs)
-    ref.finalize_features()
+    model, x, y, runs, ref = _finalized_reference(tmp_path)
     go, real = threading.Event(), engine.complete_shard
 
     def held(store, mid, shard, *args):
@@ -178,12 +184,7 @@ def test_a_failed_partial_is_raised_and_left_to_finalize(tmp_path, monkeypatch):
     written and flagged, and finalize computes the missing partial: the reference's bits."""
     from trak_core import engine
 
-    model = _model()
-    x, y = _data()
-    runs = _runs([10] * 15)
-    ref = _traker(tmp_path / "ref", model)
-    _featurize(ref, model, x, y, runs)
-    ref.finalize_features()
+    model, x, y, runs, ref = _finalized_reference(tmp_path)
     real = engine.complete_shard
 
     def failing(store, mid, shard, *args):

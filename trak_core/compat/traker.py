@@ -582,8 +582,8 @@ class TRAKer:
                     f"Model ID {mid} not registered, not ready for finalizing: load_checkpoint and featurize it first"
                 )
         for mid in ids:
-            known = self._shards.sums if self._shards.sums.model_id == mid else None
-            _, skipped, _ = engine.finalize(self.store, mid, self.lambda_reg, self.rescale_inverse, self.device, known)
+            sums = self._shards.sums  # the partials' running sum: used where it covers all of mid's shards
+            _, skipped, _ = engine.finalize(self.store, mid, self.lambda_reg, self.rescale_inverse, self.device, sums)
             if skipped:
                 self.logger.warning("model_id=%s already finalized, skipping", mid)
         self._last_ind = 0
