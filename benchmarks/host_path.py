@@ -6,8 +6,8 @@ paths, with the model's arithmetic replaced by slices of those arrays:
 * ``traker``: :meth:`TRAKer.featurize` batch by batch (its checks, the rows held until a chunk is complete, the
   store write: float16 conversion, crc32c, chunk files, place records, row flags), in the GPU setting where each
   shard's XᵀX partial is stored as soon as its rows are written (the device's arithmetic, the packed upper triangle
-  of the p × p Gram and the rows' norms, is precomputed; its copy to the host, the row sums and the partial's write
-  are timed);
+  of the p × p Gram and the shard's row sums, is precomputed; its copy to the host and the partial's write are
+  timed; a version of the code that sums the rows on the host has that timed too);
 * ``traker-behind``: the same with ``TRAKer(write_behind=True)`` (the writes on a background thread, overlapping
   the next batches; here there is no model arithmetic to overlap, so this shows what the writer thread takes off
   the caller);
@@ -126,6 +126,19 @@ class _Pool:
         self.packed = self.gram[np.triu_indices(p)]
         wide = self.x.astype(np.float16).astype(np.float64)  # each row's ‖xᵢ‖² as stored (float16), in float64
         self.norms = np.einsum("ij,ij->i", wide, wide)
+        self.wide = wide
+        self._sums: dict[int, np.ndarray] = {}
+
+    def sums_of(self, n: int, q: np.ndarray) -> np.ndarray:
+        """The row sums of the first ``n`` rows handed over from the pool's start (a shard's, as stored) and their
+        ``q``, which must be the pool's: computed once per length (the stood-in device's arithmetic)."""
+        idx = np.arange(n) % len(self.q)
+        if not np.array_equal(np.asarray(q, dtype=np.float32), self.q[idx]):
+            raise RuntimeError("the stood-in device sums: a shard's q is not the pool's")
+        if n not in self._sums:
+            qd, rn = self.q[idx].astype(np.float64), self.norms[idx]
+            self._sums[n] = np.concatenate([qd @ self.wide[idx], [qd @ qd, rn @ rn, (qd * qd) @ rn]])
+        return self._sums[n]
 
     def take(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         n = len(self.q)
@@ -145,20 +158,23 @@ DEVICE = "meta"
 @contextlib.contextmanager
 def _gram_precomputed(pool: _Pool, spent: dict):
     """The device's Gram arithmetic replaced by the precomputed matrix: the packed triangle the device hands back
-    (``_device_upper``, what the production code then copies to the host) and, where asked, the rows' ‖xᵢ‖² the
-    device sums beside it (computed here on the host, in float64: that time, the device's arithmetic, is added to
-    ``spent["device"]`` and subtracted from the figures); or, where a version of the code has no device packing,
-    the full matrix (what ``shard_grams``' ``.cpu().numpy()`` hands back)."""
+    (``_device_upper``, what the production code then copies to the host) and, where asked, the shard's row sums
+    the device sums beside it (computed here on the host from the pool's precomputed norms: that time, the
+    device's arithmetic, is added to ``spent["device"]`` and subtracted from the figures); or, where a version of
+    the code has no device packing, the full matrix (what ``shard_grams``' ``.cpu().numpy()`` hands back)."""
     from trak_core import reduce
 
-    def upper(x, device, scale=None, norms=None):
-        if norms is not None:  # a shard begins at a multiple of the pool's rows: its norms are the pool's
+    def upper(x, device, scale=None, q=None, sums=None, norms=None):
+        if sums is not None or norms is not None:  # a shard begins at a multiple of the pool's rows
             t, c = time.perf_counter(), time.thread_time()
             idx = np.arange(len(x)) % len(pool.norms)
             for i in (0, len(x) - 1):  # the rows are the pool's, as stored
                 if x[i].tobytes() != pool.x[idx[i]].astype(x.dtype).tobytes():
-                    raise RuntimeError("the stood-in device norms: a shard's rows are not the pool's")
-            norms[:] = pool.norms[idx]
+                    raise RuntimeError("the stood-in device sums: a shard's rows are not the pool's")
+            if norms is not None:  # a version of the code that takes only the norms from the device
+                norms[:] = pool.norms[idx]
+            else:
+                sums[:] = pool.sums_of(len(x), q)
             spent["device"] += time.perf_counter() - t
             spent["cpu device"] += time.thread_time() - c
         return torch.from_numpy(pool.packed)

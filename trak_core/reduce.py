@@ -54,7 +54,7 @@ def shard_grams(
     device=None,
     packed: bool = False,
     buffers: GramBuffers | None = None,
-    norms: np.ndarray | None = None,
+    sums: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """(Xₛᵀ Xₛ, Xₛᵀ Rₛ Xₛ or None) of one shard: the Gram partials its store keeps, :func:`shard_partial`'s bits.
     XᵀRX (rᵢ = :func:`~trak_core.damping.loss_curvature` of the shard's ``q``) only in a store of
@@ -64,8 +64,9 @@ def shard_grams(
         packed: return them packed (:func:`~trak_core.store.pack_upper`, as stored); on a device they are packed
             there and only the triangle comes back to the host.
         buffers: with ``packed``, the host buffers to return them in (reused shard after shard; else new arrays).
-        norms: with ``packed`` on a device, an (n,) float64 array that gets the rows' ‖xᵢ‖² computed there (for
-            :func:`row_sums_vec`); left as it is on the host.
+        sums: with ``packed`` on a device, a (p + 3,) float64 host array that gets the shard's row sums
+            (:func:`row_sums_vec`'s quantities) summed in float64 there, from the same copy of the rows; left as it
+            is on the host.
     """
     both = store.meta.curvature == "ggn"
     weights = loss_curvature(q) if both else None
@@ -79,7 +80,8 @@ def shard_grams(
     if device is not None and torch.device(device).type != "cpu":
         dev = torch.device(device)
         scale = None if weights is None else _sqrt_weights(weights)
-        grams = [_device_upper(x, dev, norms=norms)] + ([_device_upper(x, dev, scale)] if both else [])
+        grams = [_device_upper(x, dev, q=None if sums is None else q, sums=sums)]
+        grams += [_device_upper(x, dev, scale)] if both else []
         host = [_host_copy(g, None if buffers is None else buffers.take(i, size, dev)) for i, g in enumerate(grams)]
         return host[0], (host[1] if both else None)
     full = [g for g in _grams(x, None, weights, both) if g is not None]
@@ -113,25 +115,35 @@ def _grams(x: np.ndarray, device, weights, both: bool) -> tuple[np.ndarray, np.n
 
 
 def _device_product(
-    x: np.ndarray, device: torch.device, scale: np.ndarray | None = None, norms: np.ndarray | None = None
+    x: np.ndarray,
+    device: torch.device,
+    scale: np.ndarray | None = None,
+    q: np.ndarray | None = None,
+    sums: np.ndarray | None = None,
 ) -> torch.Tensor:
     """xᵀx in float64 on ``device``, block by block of rows (each row times ``scale`` (n, 1) first, if given); its
-    upper triangle is the result (the strict lower one the same sums in another order). ``norms``: a host (n,)
-    float64 array that gets each row's ‖xᵢ‖² (before ``scale``), summed in float64 there (see :func:`row_sums_vec`
-    for when that is the host's bits)."""
+    upper triangle is the result (the strict lower one the same sums in another order). With ``q`` (the rows'
+    out-to-loss weights), ``sums`` (a (p + 3,) float64 host array) gets the rows' [Xᵀq, qᵀq, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²]
+    (before ``scale``) summed in float64 on the device, block by block in the same order."""
     n, p = x.shape
     step = max(1, DEVICE_BLOCK_BYTES // (8 * max(p, 1)))
     acc = torch.zeros(p, p, dtype=torch.float64, device=device)
-    sq = None if norms is None else torch.empty(n, dtype=torch.float64, device=device)
+    want = q is not None and sums is not None
+    if want:
+        qd = torch.from_numpy(np.asarray(q, dtype=np.float32).reshape(-1).astype(np.float64)).to(device)
+        xtq = torch.zeros(p, dtype=torch.float64, device=device)
+        sq = torch.empty(n, dtype=torch.float64, device=device)
     for a in range(0, n, step):
         t = torch.from_numpy(np.ascontiguousarray(x[a : a + step])).to(device).double()
-        if sq is not None:
+        if want:
             sq[a : a + step] = (t * t).sum(1)
+            xtq.addmv_(t.T, qd[a : a + step])
         if scale is not None:
             t *= torch.from_numpy(scale[a : a + step]).to(device)
         acc.addmm_(t.T, t)
-    if norms is not None and sq is not None:
-        torch.from_numpy(norms).copy_(sq)
+    if want:
+        tail = torch.stack([qd @ qd, sq @ sq, (qd * qd) @ sq])
+        torch.from_numpy(sums).copy_(torch.cat([xtq, tail]))
     return acc
 
 
@@ -143,11 +155,15 @@ def _device_gram(x: np.ndarray, device: torch.device, scale: np.ndarray | None =
 
 
 def _device_upper(
-    x: np.ndarray, device: torch.device, scale: np.ndarray | None = None, norms: np.ndarray | None = None
+    x: np.ndarray,
+    device: torch.device,
+    scale: np.ndarray | None = None,
+    q: np.ndarray | None = None,
+    sums: np.ndarray | None = None,
 ) -> torch.Tensor:
     """:func:`_device_product`'s upper triangle packed row by row on ``device`` (:func:`pack_upper`'s layout; the
     bits :func:`_device_gram` mirrors: each entry plus +0.0, so a −0.0 is stored as +0.0 there too)."""
-    acc = _device_product(x, device, scale, norms)
+    acc = _device_product(x, device, scale, q, sums)
     p = acc.shape[0]
     keep = torch.ones(p, p, dtype=torch.bool, device=acc.device).triu_()
     return acc[keep] + 0.0
@@ -221,24 +237,12 @@ def _widen(x: np.ndarray, out: np.ndarray | None = None, scratch: np.ndarray | N
     return out
 
 
-#: a float64 sum of squares of float16 values is exact, whatever the order of the additions, while it stays below
-#: 2⁵: each square is a multiple of 2⁻⁴⁸ (float16 values are multiples of 2⁻²⁴), every partial sum of these
-#: non-negative terms is at most the total, and float64 holds every multiple of 2⁻⁴⁸ below 2⁵³·2⁻⁴⁸. A sum computed
-#: below the bound (in any order) is the exact one, hence the host's einsum's bits; at or above it, it may not be.
-EXACT_FLOAT16_NORM = 32.0
-
-
-def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype, norms: np.ndarray | None = None) -> np.ndarray:
+def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype) -> np.ndarray:
     """[Xᵀq, qᵀq, Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖²] ((p + 3,) float64) of rows ``x`` (rounded to the store ``dtype`` first, as
     stored) and their ``q``. The rows are widened to float64 a block of :data:`ROW_SUMS_BLOCK` at a time into one
     reused buffer (not the whole shard at once: 1.7× faster at 8,192 × 2,048 and 4 MiB instead of 128 MiB of
-    scratch); Xᵀq is summed block by block in order.
-
-    Args:
-        norms: the rows' ‖xᵢ‖² summed in float64 elsewhere (a device, in any order), or NaN where not known: taken
-            for a block of a float16 store where each is below :data:`EXACT_FLOAT16_NORM` (then exact, the bits
-            computed here), else the block's are computed here.
-    """
+    scratch); Xᵀq is summed block by block in order. (On a device the shard's partial sums them there:
+    :func:`shard_grams`' ``sums``.)"""
     from threadpoolctl import threadpool_limits
 
     x = np.asarray(x).astype(dtype, copy=False)
@@ -248,16 +252,12 @@ def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype, norms: np.ndarray | None =
     out = np.zeros(p + 3, dtype=np.float64)
     wide = np.empty((min(n, ROW_SUMS_BLOCK), p), dtype=np.float64)
     half = np.empty(wide.shape, dtype=np.float32) if x.dtype == np.float16 else None
-    given = norms if norms is not None and x.dtype == np.float16 else None
     # one BLAS thread: the small gemv below spins a second thread for little work (5× slower on a busy machine)
     with threadpool_limits(limits=1, user_api="blas"):
         for a in range(0, n, ROW_SUMS_BLOCK):
             k = min(ROW_SUMS_BLOCK, n - a)
             xb = _widen(x[a : a + k], wide[:k], None if half is None else half[:k])
-            if given is not None and bool((given[a : a + k] < EXACT_FLOAT16_NORM).all()):  # NaN: not known
-                rn[a : a + k] = given[a : a + k]
-            else:
-                np.einsum("ij,ij->i", xb, xb, out=rn[a : a + k])
+            np.einsum("ij,ij->i", xb, xb, out=rn[a : a + k])
             out[:-3] += qd[a : a + k] @ xb
     out[-3] = qd @ qd
     out[-2] = rn @ rn
@@ -265,16 +265,15 @@ def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype, norms: np.ndarray | None =
     return out
 
 
-def shard_row_sums(store: TrakStore, model_id: int, shard: int, rows=None, q=None, norms=None) -> np.ndarray:
+def shard_row_sums(store: TrakStore, model_id: int, shard: int, rows=None, q=None) -> np.ndarray:
     """:class:`RowSums` of one shard as a (p + 3,) float64 vector, from the stored (rounded) gradients and Q or
-    the given ones (:func:`rows_row_sums`' arithmetic shard by shard); stored beside the shard's XᵀX partial.
-    ``norms``: see :func:`row_sums_vec`."""
+    the given ones (:func:`rows_row_sums`' arithmetic shard by shard); stored beside the shard's XᵀX partial."""
     a, b = store.meta.shard_range(shard)
     if rows is None:
         rows = store.model(model_id).grads[a:b]
     if q is None:
         q = store.model(model_id).out_to_loss[a:b]
-    return row_sums_vec(rows, q, store.meta.np_dtype, norms)
+    return row_sums_vec(rows, q, store.meta.np_dtype)
 
 
 def ensure_partial(
@@ -299,10 +298,11 @@ def ensure_partial(
             rows = np.asarray(store.model(model_id).grads[a:b])
         if q is None:
             q = store.model(model_id).out_to_loss[a:b]
-        # on a device, the rows' ‖xᵢ‖² come back with the Gram (the host then skips their float64 sums where exact)
-        norms = np.full(b - a, np.nan) if store.meta.np_dtype == np.float16 else None
-        part, ggn = shard_grams(store, model_id, shard, rows, q, device, packed=True, buffers=buffers, norms=norms)
-        sums = shard_row_sums(store, model_id, shard, rows, q, norms)
+        # on a device the row sums are summed there with the Gram, from the rows it has anyway; on the host, here
+        on_device = device is not None and torch.device(device).type != "cpu"
+        dev_sums = np.empty(store.meta.proj_dim + 3, dtype=np.float64) if on_device else None
+        part, ggn = shard_grams(store, model_id, shard, rows, q, device, packed=True, buffers=buffers, sums=dev_sums)
+        sums = shard_row_sums(store, model_id, shard, rows, q) if dev_sums is None else dev_sums
         store.write_partial(model_id, shard, part, sums, ggn)
         return part, sums
     return None

@@ -62,3 +62,28 @@ def test_traker_on_cuda_gives_the_cpus_scores(tmp_path, projector):
     assert cpu.shape == gpu.shape == (300, 7)
     assert info_gpu["lambda_reg"] == pytest.approx(info_cpu["lambda_reg"], rel=1e-3)
     assert float(np.abs(gpu - cpu).max() / np.abs(cpu).max()) < 1e-3
+
+
+def test_rows_come_back_from_the_gpu_in_reused_page_locked_memory():
+    """Featurizer hands X and Q to the host in page-locked memory (a full-speed copy) with the device's values; a
+    batch's block goes back to torch's cache when its arrays are dropped and the next batch gets it again."""
+    from trak_core.featurize import host_array
+
+    t = torch.randn(256, 512, device="cuda")
+    first = host_array(t)
+    assert torch.from_numpy(first).is_pinned()
+    assert np.array_equal(first, t.cpu().numpy())
+    where = first.__array_interface__["data"][0]
+    del first
+    again = host_array(t * 2)
+    assert again.__array_interface__["data"][0] == where and np.array_equal(again, (t * 2).cpu().numpy())
+
+
+def test_a_batch_above_the_page_locked_bound_is_copied_pageable(monkeypatch):
+    from trak_core import featurize
+
+    monkeypatch.setattr(featurize, "PINNED_BATCH_BYTES", 1024)
+    t = torch.randn(16, 16, device="cuda")  # exactly the bound: page-locked; one more row: pageable
+    assert torch.from_numpy(featurize.host_array(t)).is_pinned()
+    wide = featurize.host_array(torch.randn(17, 16, device="cuda"))
+    assert not torch.from_numpy(wide).is_pinned() and wide.shape == (17, 16)

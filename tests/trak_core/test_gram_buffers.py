@@ -36,9 +36,9 @@ def device_on_cpu(monkeypatch):
     real = reduce._device_product
     seen: list[str] = []
 
-    def on_cpu(x, device, scale=None, norms=None):
+    def on_cpu(x, device, scale=None, q=None, sums=None):
         seen.append(device.type)
-        return real(x, torch.device("cpu"), scale, norms)
+        return real(x, torch.device("cpu"), scale, q, sums)
 
     monkeypatch.setattr(reduce, "_device_product", on_cpu)
     return seen
@@ -96,7 +96,8 @@ def test_gram_buffers_follow_the_size():
 @pytest.mark.parametrize("curvature", ["xtx", "ggn"])
 def test_partials_completed_on_a_device_store_the_plain_paths_bytes(tmp_path, device_on_cpu, curvature):
     """engine.complete_shard on a device with reused buffers, shard after shard (the last one short), stores the
-    bytes that the device path without them stores (its full Gram mirrored, packed by the store), row sums too."""
+    bytes that the device path without them stores (its full Gram mirrored, packed by the store); the row sums,
+    summed on the device, are the host's to float64 round-off."""
     ref = _store(tmp_path / "ref", curvature)
     st = _store(tmp_path / "new", curvature)
     bufs = reduce.GramBuffers()
@@ -109,7 +110,7 @@ def test_partials_completed_on_a_device_store_the_plain_paths_bytes(tmp_path, de
     new, old = st.model(0), ref.model(0)
     assert new.partial_done[:].all()
     assert new.xtx_partials[:].tobytes() == old.xtx_partials[:].tobytes()
-    assert new.rowsum_partials[:].tobytes() == old.rowsum_partials[:].tobytes()
+    np.testing.assert_allclose(new.rowsum_partials[:], old.rowsum_partials[:], rtol=1e-13)
     if curvature == "ggn":
         assert new.ggn_partials[:].tobytes() == old.ggn_partials[:].tobytes()
         r = loss_curvature(np.asarray(st.model(0).out_to_loss[0:32]))
@@ -147,7 +148,7 @@ def test_pack_upper_into_a_buffer():
 def test_device_upper_stores_negative_zeros_as_the_mirrored_path_does(monkeypatch):
     """A product holding −0.0 in its upper triangle: the packed triangle has the mirrored path's +0.0 there."""
     acc = torch.tensor([[-0.0, 1.5, -0.0], [1.5, 2.0, -3.0], [-0.0, -3.0, -0.0]], dtype=torch.float64)
-    monkeypatch.setattr(reduce, "_device_product", lambda x, device, scale=None, norms=None: acc.clone())
+    monkeypatch.setattr(reduce, "_device_product", lambda x, device, scale=None, q=None, sums=None: acc.clone())
     got = reduce._device_upper(np.zeros((1, 3)), torch.device("cpu")).numpy()
     want = pack_upper(reduce._device_gram(np.zeros((1, 3)), torch.device("cpu")))
     assert got.tobytes() == want.tobytes() and not np.signbit(got[got == 0]).any()
@@ -167,7 +168,7 @@ class _Feat:
 @pytest.mark.parametrize("on_device", [False, True])
 def test_featurize_shard_after_shard_stores_finalizes_bits(tmp_path, device_on_cpu, curvature, on_device):
     """featurize_shard, shard after shard in one thread (its rows and partial buffers reused; the last shard short):
-    the rows as stored, and partials with the bytes of the plain path from the stored rows."""
+    the rows as stored, and partials with the bytes finalize computes from the stored rows (on the same device)."""
     n = 100
     g = np.random.default_rng(8)
     x = (g.standard_normal((n, P)) * g.uniform(0.2, 3.0, P)).astype(np.float32)
@@ -181,11 +182,8 @@ def test_featurize_shard_after_shard_stores_finalizes_bits(tmp_path, device_on_c
     ref = TrakStore.create_or_open(str(tmp_path / "ref"), st.meta)
     ref.init_model(0)
     ref.write_train_rows(0, slice(0, n), x, q)
-    for s in range(ref.meta.num_shards):  # the plain path: full Grams from the stored rows, packed by the store
-        a, b = ref.meta.shard_range(s)
-        rows, qs = np.asarray(ref.model(0).grads[a:b]), np.asarray(ref.model(0).out_to_loss[a:b])
-        xtx, ggn = reduce.shard_grams(ref, 0, s, rows, qs, "meta" if on_device else None)
-        ref.write_partial(0, s, xtx, reduce.shard_row_sums(ref, 0, s, rows, qs), ggn)
+    for s in range(ref.meta.num_shards):  # finalize's path: each partial from the rows read back
+        assert reduce.ensure_partial(ref, 0, s, device="meta" if on_device else None) is not None
     new, old = st.model(0), ref.model(0)
     assert new.grads[:].tobytes() == x.astype(np.float16).tobytes() == old.grads[:].tobytes()
     names = ["xtx_partials", "rowsum_partials"] + (["ggn_partials"] if curvature == "ggn" else [])
@@ -194,83 +192,44 @@ def test_featurize_shard_after_shard_stores_finalizes_bits(tmp_path, device_on_c
     assert new.partial_done[:].all()
 
 
-def _float16_rows(n: int, p: int, seed: int) -> np.ndarray:
-    """float16 rows over many magnitudes (subnormals included), ‖xᵢ‖² spread around EXACT_FLOAT16_NORM."""
-    g = np.random.default_rng(seed)
-    x = g.standard_normal((n, p)) * np.exp2(g.integers(-26, 2, (n, p)))
-    x *= np.sqrt(g.uniform(0.5, 60.0, (n, 1)) / np.maximum((x * x).sum(1, keepdims=True), 1e-300))
-    return x.astype(np.float16)
-
-
-def test_float16_norms_below_the_bound_are_exact_in_any_order():
-    """The claim row_sums_vec relies on: below EXACT_FLOAT16_NORM the float64 sum of squares of float16 values is
-    the same bits in every order (numpy's einsum, a sequential sum, reversed, torch's reduction, exact fractions)."""
-    from fractions import Fraction
-
-    x = _float16_rows(300, 257, seed=1)
-    wide = x.astype(np.float64)
-    ein = np.einsum("ij,ij->i", wide, wide)
-    below = ein < reduce.EXACT_FLOAT16_NORM
-    assert 50 < below.sum() < 300  # rows on both sides of the bound
-    t = torch.from_numpy(wide)
-    orders = [(t * t).sum(1).numpy(), (t.flip(1) * t.flip(1)).sum(1).numpy(), np.cumsum(wide * wide, axis=1)[:, -1]]
-    perm = np.random.default_rng(2).permutation(257)
-    orders.append(np.add.reduce(wide[:, perm] ** 2, axis=1))
-    for other in orders:
-        assert other[below].tobytes() == ein[below].tobytes()
-        assert (other[~below] >= reduce.EXACT_FLOAT16_NORM).all()  # any order says "not below" for the others
-    for i in np.flatnonzero(below)[:20]:  # the exact value
-        assert Fraction(ein[i]) == sum(Fraction(float(v)) ** 2 for v in wide[i])
-
-
-def test_row_sums_take_given_norms_only_where_they_are_exact(monkeypatch):
-    """Norms computed elsewhere (here: torch, another order) give the bits computed without them; a block with a
-    norm at or above the bound, or unknown (NaN), is computed on the host; the given ones are used where below."""
-    monkeypatch.setattr(reduce, "ROW_SUMS_BLOCK", 16)
-    x = _float16_rows(100, 64, seed=3)
-    x[:48] = (x[:48].astype(np.float32) / 4).astype(np.float16)  # three blocks of rows below the bound
-    q = np.random.default_rng(4).uniform(0, 1, 100).astype(np.float32)
-    want = reduce.row_sums_vec(x, q, np.float16)
-    t = torch.from_numpy(x.astype(np.float64))
-    norms = (t * t).sum(1).numpy().copy()
-    assert (norms < reduce.EXACT_FLOAT16_NORM).any() and (norms >= reduce.EXACT_FLOAT16_NORM).any()
-    assert reduce.row_sums_vec(x, q, np.float16, norms).tobytes() == want.tobytes()
-    unknown = norms.copy()
-    unknown[::7] = np.nan
-    assert reduce.row_sums_vec(x, q, np.float16, unknown).tobytes() == want.tobytes()
-    off = norms.copy()  # wrong values: used where every norm of a block is below the bound, ignored elsewhere
-    off[norms >= reduce.EXACT_FLOAT16_NORM] = np.inf
-    nudged = np.where(off < reduce.EXACT_FLOAT16_NORM, off * (1 - 1e-6), off)
-    blocks = [(nudged[a : a + 16] < reduce.EXACT_FLOAT16_NORM).all() for a in range(0, 100, 16)]
-    assert any(blocks) and not all(blocks)
-    assert not np.array_equal(reduce.row_sums_vec(x, q, np.float16, nudged), want)
-    for b, used in enumerate(blocks):  # only the blocks taken change Σ‖xᵢ‖⁴
-        part = nudged.copy()
-        part[: b * 16] = part[(b + 1) * 16 :] = np.nan
-        assert np.array_equal(reduce.row_sums_vec(x, q, np.float16, part), want) != used
-    x32 = x.astype(np.float32)  # a float32 store: norms are not taken
-    plain32 = reduce.row_sums_vec(x32, q, np.float32)
-    assert reduce.row_sums_vec(x32, q, np.float32, nudged).tobytes() == plain32.tobytes()
-
-
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("curvature", ["xtx", "ggn"])
-def test_norms_from_the_device_store_the_plain_row_sums(tmp_path, device_on_cpu, monkeypatch, curvature):
-    """ensure_partial on a device: the rows' norms come back with the Gram, and the stored row sums are the bytes
-    of the host's computation (rows below and above the bound, blocks of 16 rows)."""
-    monkeypatch.setattr(reduce, "ROW_SUMS_BLOCK", 16)
+def test_row_sums_summed_on_the_device_are_the_exact_sums_to_round_off(tmp_path, device_on_cpu, dtype, curvature):
+    """ensure_partial on a device: the row sums come back with the Gram (no host sum of the rows), from the rows as
+    stored and before XᵀRX's weights; each is the exact sum (math.fsum of float64 terms, exact products) to float64
+    round-off, and finalize on the same device recomputes the same bits."""
+    import math
+
     n = 100
-    x = _float16_rows(n, P, seed=5)
-    x[:48] = (x[:48].astype(np.float32) / 4).astype(np.float16)  # blocks below the bound, and blocks above
-    q = np.random.default_rng(6).uniform(0, 1, n).astype(np.float32)
-    sums = {}
-    for name, device in (("host", None), ("device", "meta")):
-        st = _store(tmp_path / name, curvature)
-        st.write_train_rows(0, slice(0, n), x, q)
+    g = np.random.default_rng(5)
+    x = (g.standard_normal((n, P)) * np.exp2(g.integers(-12, 3, (n, P)))).astype(np.float32)
+    q = g.uniform(-1, 1, n).astype(np.float32)
+    st = _store(tmp_path / "dev", curvature, dtype)
+    st.write_train_rows(0, slice(0, n), x, q)
+
+    def host_sums_not_called(*a, **k):
+        raise AssertionError("the host summed the rows")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reduce, "shard_row_sums", host_sums_not_called)
         for s in range(st.meta.num_shards):
-            reduce.ensure_partial(st, 0, s, device=device)
-        sums[name] = st.model(0).rowsum_partials[:]
-    assert sums["device"].tobytes() == sums["host"].tobytes()
-    assert device_on_cpu.count("meta") >= 4
+            reduce.ensure_partial(st, 0, s, device="meta")
+    got = st.model(0).rowsum_partials[:]
+    for s in range(st.meta.num_shards):
+        a, b = st.meta.shard_range(s)
+        xs, qs = x[a:b].astype(dtype).astype(np.float64), q[a:b].astype(np.float64)
+        norms = [math.fsum(v * v for v in row) for row in xs]
+        want = [math.fsum(qs * xs[:, j]) for j in range(P)]
+        want += [math.fsum(qs * qs), math.fsum(v * v for v in norms), math.fsum(qs * qs * np.array(norms))]
+        np.testing.assert_allclose(got[s], want, rtol=1e-13, atol=1e-13 * np.abs(want).max())
+    again = _store(tmp_path / "again", curvature, dtype)
+    again.write_train_rows(0, slice(0, n), x, q)
+    for s in range(st.meta.num_shards):
+        a, b = st.meta.shard_range(s)
+        rows = np.asarray(again.model(0).grads[a:b])  # the rows in memory, as a featurizing caller hands them
+        assert reduce.ensure_partial(again, 0, s, device="meta", rows=rows) is not None
+    assert again.model(0).rowsum_partials[:].tobytes() == got.tobytes()
+    assert device_on_cpu.count("meta") >= 2 * st.meta.num_shards
 
 
 def test_shard_buffers_are_kept_up_to_their_bound(tmp_path, monkeypatch):
@@ -318,7 +277,7 @@ def test_gram_buffers_for_cuda_ask_for_page_locked_memory(monkeypatch):
 def test_traker_on_a_device_stores_the_plain_paths_partials(tmp_path, device_on_cpu, monkeypatch, curvature):
     """TRAKer in its GPU setting (partials while featurizing, computed on a device: here the CPU standing in), shard
     after shard into its reused buffers: the stored partials and row sums are the plain device path's bytes from
-    the stored rows, and the rows' norms came from the device."""
+    the stored rows (the row sums summed on the device)."""
     import logging
 
     from trak_core.compat.traker import TRAKer
@@ -348,7 +307,9 @@ def test_traker_on_a_device_stores_the_plain_paths_partials(tmp_path, device_on_
         a, b = st.meta.shard_range(s)
         rows, q = np.asarray(m.grads[a:b]), np.asarray(m.out_to_loss[a:b])
         xtx, ggn = reduce.shard_grams(ref, 0, s, rows, q, "meta")
-        ref.write_partial(0, s, xtx, reduce.shard_row_sums(ref, 0, s, rows, q), ggn)
+        sums = np.empty(P + 3)
+        reduce.shard_grams(ref, 0, s, rows, q, "meta", packed=True, sums=sums)
+        ref.write_partial(0, s, xtx, sums, ggn)
     names = ["xtx_partials", "rowsum_partials"] + (["ggn_partials"] if curvature == "ggn" else [])
     for name in names:
         assert getattr(m, name)[:].tobytes() == getattr(ref.model(0), name)[:].tobytes(), name

@@ -357,6 +357,7 @@ class TRAKer:
     def _forget_handles(self) -> None:
         """Drop what featurizing one model keeps between calls (a step other than featurize may change it)."""
         self._handles = {}
+        self._shards.handles = {}
         self._writable = None
         self._flags = None
 
@@ -471,7 +472,8 @@ class TRAKer:
         if inds.size and (inds.min() < 0 or inds.max() >= limit):
             bad = inds[(inds < 0) | (inds >= limit)]
             raise BadInputError(f"indices {bad[:10].tolist()} out of range [0, {limit})")
-        if np.unique(inds).size != inds.size:
+        # strictly ascending indices (num_samples, or a sorted batch) are distinct without sorting them
+        if inds.size > 1 and not bool((inds[1:] > inds[:-1]).all()) and np.unique(inds).size != inds.size:
             raise BadInputError("indices within one batch must be distinct")
         return inds
 
@@ -647,6 +649,13 @@ def _write_rows_job(store, handles: dict, mid: int, rows, xs: list, qs: list, fl
             shards.run = None  # not one run: their shards' partials are left to finalize
 
 
+def _complete_shard_job(store, handles: dict, mid: int, s: int, device, rows, q, runs: _ShardRuns) -> None:
+    """The partials' thread's job: shard ``s``'s partial stored (:func:`engine.complete_shard`), with the store's
+    handles this thread opened for the model kept over its shards."""
+    with store.pinned(handles):
+        engine.complete_shard(store, mid, s, device, rows, q, runs.grams, runs.sums)
+
+
 class _ShardRuns:
     """The written rows of the shard being featurized in one ascending run from its first row, kept (in a buffer of
     a shard's rows in the store's dtype) until the shard is complete, when its partial is stored
@@ -662,6 +671,7 @@ class _ShardRuns:
         self.grams = GramBuffers()  # the host buffers of the partials, reused shard after shard
         self.sums = PartialSums()  # the partials stored, summed in shard order: finalize reads none back
         self.partials: BackgroundWriter | None = None
+        self.handles: dict = {}  # the store's handles the partials' thread opened (TRAKer drops them with its own)
 
     def _buffer(self, meta, i: int) -> np.ndarray:
         shape = (meta.rows_per_shard, meta.proj_dim)
@@ -725,7 +735,7 @@ class _ShardRuns:
         self.partials.drain()
         self.busy = run["buf"]
         job = functools.partial(
-            engine.complete_shard, store, mid, s, self.device, rows, np.concatenate(run["q"]), self.grams, self.sums
+            _complete_shard_job, store, self.handles, mid, s, self.device, rows, np.concatenate(run["q"]), self
         )
         self.partials.submit(job)
 

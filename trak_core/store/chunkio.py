@@ -62,8 +62,11 @@ def to_dtype(values: np.ndarray, dtype: np.dtype, out: np.ndarray | None = None)
         out = np.empty(values.shape, dtype=dtype)
     if values.dtype == dtype:
         np.copyto(out, values)
-    elif values.dtype in _TORCH and dtype in _TORCH and values.size and not np.isnan(values.max()):
-        torch.from_numpy(out).copy_(torch.from_numpy(np.ascontiguousarray(values)))
+    elif values.dtype in _TORCH and dtype in _TORCH and values.size:
+        converted = torch.from_numpy(out)
+        converted.copy_(torch.from_numpy(np.ascontiguousarray(values)))
+        if torch.isnan(converted.max()):  # max propagates a NaN: checked on the converted (smaller) rows
+            np.copyto(out, values, casting="unsafe")
     else:
         np.copyto(out, values, casting="unsafe")
     return out

@@ -408,6 +408,9 @@ class TrakStore:
         return sorted(int(k) for k in self._models().group_keys())
 
     def has_model(self, model_id: int) -> bool:
+        pins = self._pins
+        if pins is not None and ("model", int(model_id)) in pins:  # opened in this pinned block: it is there
+            return True
         return str(int(model_id)) in self._models()
 
     def init_model(self, model_id: int) -> ModelArrays:
