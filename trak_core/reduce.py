@@ -192,12 +192,20 @@ class GramBuffers:
         buf = self._bufs.get(key)
         if buf is None:
             self._bufs = {k: v for k, v in self._bufs.items() if k[1:] == key[1:]}  # another size: the old ones go
-            try:
-                t = torch.empty(size, dtype=torch.float64, pin_memory=pinned)
-            except RuntimeError:  # page-locked memory refused (a locked-memory limit): pageable, a slower copy
-                t = torch.empty(size, dtype=torch.float64)
-            buf = self._bufs[key] = t.numpy()
+            buf = self._bufs[key] = host_empty((size,), np.float64, device)
         return buf
+
+
+def host_empty(shape: tuple, dtype, device) -> np.ndarray:
+    """A new host array for data going to or coming from ``device``: page-locked when it is a CUDA device (copies
+    run at full speed), pageable where that is refused (a locked-memory limit) or on any other device."""
+    t = torch.from_numpy(np.empty(0, dtype=dtype))
+    if torch.device(device).type == "cuda":
+        try:
+            return torch.empty(shape, dtype=t.dtype, pin_memory=True).numpy()
+        except RuntimeError:  # refused: pageable, a slower copy
+            pass
+    return np.empty(shape, dtype=dtype)
 
 
 class RowSums(NamedTuple):

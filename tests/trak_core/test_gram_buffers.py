@@ -253,24 +253,36 @@ def test_shard_buffers_are_kept_up_to_their_bound(tmp_path, monkeypatch):
     assert stored["kept"] == stored["new"]
 
 
-def test_gram_buffers_for_cuda_ask_for_page_locked_memory(monkeypatch):
-    """For Grams from a CUDA device the buffers are page-locked (asked of torch; here without CUDA, a stand-in), and
-    pageable where that is refused."""
+@pytest.mark.parametrize("refused", [False, True])
+def test_host_buffers_for_cuda_ask_for_page_locked_memory(monkeypatch, refused):
+    """For data to or from a CUDA device (the Gram partials, TRAKer's shard rows) the host buffers are page-locked
+    (asked of torch; here without CUDA, a stand-in that hands back ordinary memory), pageable where that is refused;
+    for the CPU nothing is asked."""
+    from trak_core.compat.traker import _ShardRuns
+
     asked = []
     real = torch.empty
 
     def empty(*args, pin_memory=False, **kw):
-        asked.append(pin_memory)
-        if pin_memory:
+        asked.append((pin_memory, kw.get("dtype")))
+        if pin_memory and refused:
             raise RuntimeError("cannot lock memory")
         return real(*args, **kw)
 
     monkeypatch.setattr(torch, "empty", empty)
     buf = reduce.GramBuffers().take(0, 12, "cuda")
-    assert asked == [True, False] and buf.shape == (12,) and buf.dtype == np.float64
+    assert asked == [(True, torch.float64)] and buf.shape == (12,) and buf.dtype == np.float64
+    asked.clear()
+    meta = _store_meta()
+    rows = _ShardRuns("cuda")._buffer(meta, 0)
+    assert asked == [(True, torch.float16)] and rows.shape == (meta.rows_per_shard, P) and rows.dtype == np.float16
     asked.clear()
     reduce.GramBuffers().take(0, 12, "cpu")
-    assert asked == [False]
+    assert _ShardRuns("cpu")._buffer(meta, 1).dtype == np.float16 and asked == []
+
+
+def _store_meta() -> StoreMetadata:
+    return StoreMetadata(train_set_size=100, grad_dim=100, proj_dim=P, dtype="float16", chunk_rows=16, shard_rows=32)
 
 
 @pytest.mark.parametrize("curvature", ["xtx", "ggn"])

@@ -49,7 +49,7 @@ from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
 from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
-from ..reduce import GramBuffers, PartialSums
+from ..reduce import GramBuffers, PartialSums, host_empty
 from ..store.writer import BackgroundWriter
 from .savers import check_saver
 from .score_computers import score_computer_settings
@@ -677,7 +677,7 @@ class _ShardRuns:
         shape = (meta.rows_per_shard, meta.proj_dim)
         buf = self.bufs[i]
         if buf is None or buf.shape != shape or buf.dtype != meta.np_dtype:
-            buf = self.bufs[i] = np.empty(shape, dtype=meta.np_dtype)
+            buf = self.bufs[i] = host_empty(shape, meta.np_dtype, self.device)  # page-locked for a CUDA device
         return buf
 
     def _continues(self, meta, mid: int, a: int) -> bool:

@@ -494,7 +494,7 @@ class TrakStore:
         """Write the (p, p) inverse of ``model_id`` (rounded to float32, the precision scores use it in) then mark
         it done (finalize records it after)."""
         m = self.model(model_id)
-        m.inverse[0] = np.asarray(inverse).astype(np.float32)
+        _arrays._write_rows(m.inverse, slice(0, 1), np.asarray(inverse)[None])  # one whole chunk: straight to its file
         self.check_lock()
         m.inverse_done[0] = 1
 
