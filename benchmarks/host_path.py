@@ -1,7 +1,8 @@
 """The host path of featurizing, in µs per row: everything a featurize step does except the model's arithmetic.
 
-Precomputed X (float32, rows × proj_dim) and Q, as a GPU hands them over, are fed through the production write
-paths, with the model's arithmetic replaced by slices of those arrays:
+Precomputed X (rows × proj_dim) and Q, as a GPU hands them over (X rounded to the store's float16 on the device
+where the code does so, else float32), are fed through the production write paths, with the model's arithmetic
+replaced by slices of those arrays:
 
 * ``traker``: :meth:`TRAKer.featurize` batch by batch (its checks, the rows held until a chunk is complete, the
   store write: float16 conversion, crc32c, chunk files, place records, row flags), in the GPU setting where each
@@ -115,12 +116,22 @@ def timed_stages(spent: dict):
             setattr(owner, name, real)
 
 
-class _Pool:
-    """X and Q handed over batch by batch: rows of a pool (views; never written to)."""
+def _rounded_on_the_device() -> bool:
+    """Whether this version of the code has the device round X to the store's dtype before handing it over."""
+    from trak_core.featurize import Featurizer
 
-    def __init__(self, rows: int, p: int, seed: int = 0):
+    return "stored_dtype" in Featurizer.__init__.__code__.co_varnames
+
+
+class _Pool:
+    """X and Q handed over batch by batch: rows of a pool (views; never written to). X in float32, or in the
+    store's float16 where the code has the device round it (``rounded``)."""
+
+    def __init__(self, rows: int, p: int, seed: int = 0, rounded: bool = False):
         rng = np.random.default_rng(seed)
         self.x = rng.standard_normal((rows, p), dtype=np.float32) * np.float32(0.02)
+        if rounded:
+            self.x = self.x.astype(np.float16)
         self.q = rng.random(rows, dtype=np.float32)
         self.gram = np.eye(p, dtype=np.float64)
         self.packed = self.gram[np.triu_indices(p)]
@@ -371,7 +382,7 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
         limit = threadpool_limits(args.threads)
-    pool = _Pool(args.pool, args.p)
+    pool = _Pool(args.pool, args.p, rounded=_rounded_on_the_device())
     with limit:
         rows = [
             measure(path, args.n, args.p, b, pool, args.chunk_rows, args.repeats)

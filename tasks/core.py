@@ -112,6 +112,7 @@ def build_featurizer(config: AttributeConfig, checkpoint: str, meta: StoreMetada
         FunctionalGradientComputer,
         config.grad_wrt,
         device,
+        stored_dtype=torch.float16 if meta.dtype == "float16" else torch.float32,
     )
     feat.load_state(load_checkpoint(checkpoint, device))
     return feat

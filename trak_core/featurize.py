@@ -60,8 +60,12 @@ class Featurizer:
         grad_wrt: Iterable[str] | None = None,
         device="cpu",
         dtype=torch.float32,
+        stored_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
+        # the dtype train rows are stored in: on a CUDA device X is rounded to it there (the same IEEE rounding as
+        # the host's conversion) and comes back in it (a float16 store: half the bytes, no host conversion)
+        self.stored_dtype = stored_dtype
         self.task: AbstractModelOutput = resolve_task(task)
         self.projector = projector
         self.device = device
@@ -155,7 +159,16 @@ class Featurizer:
     def featurize(
         self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(X (B, p) float32, Q (B,) float32) for one batch. Raises before returning anything on bad input."""
+        """(X (B, p) float32, or :attr:`stored_dtype` on a CUDA device, Q (B,) float32) for one batch of train rows.
+        Raises before returning anything on bad input."""
+        x, q = self._compute(batch, model_id, indices)
+        if self.stored_dtype is not None and x.device.type == "cuda":
+            x = x.to(self.stored_dtype)  # finite (checked): rounded as the store would round it
+        return host_array(x), host_array(q)
+
+    def _compute(
+        self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int] | None = None
+    ) -> tuple[Tensor, Tensor]:
         self.task.validate_batch(batch)
         batch = self._to_device(batch)
         b = batch[0].shape[0]
@@ -170,13 +183,14 @@ class Featurizer:
         except RuntimeError as e:
             self._dtype_mismatch(batch, e)
             raise
-        return host_array(x), host_array(q)
+        return x, q
 
     def target_features(
         self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int] | None = None
     ) -> np.ndarray:
-        """X for targets: :meth:`featurize`'s X (Q is not needed, but its checks — labels, finite outputs — run)."""
-        return self.featurize(batch, model_id, indices)[0]
+        """X (float32) for targets: :meth:`featurize`'s (Q is not needed, but its checks — labels, finite outputs —
+        run)."""
+        return host_array(self._compute(batch, model_id, indices)[0])
 
     def _dtype_mismatch(self, batch: Sequence[Tensor], e: RuntimeError) -> None:
         """A dtype error of the model's forward on inputs of another floating dtype (float64 inputs, float32

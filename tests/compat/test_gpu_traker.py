@@ -87,3 +87,26 @@ def test_a_batch_above_the_page_locked_bound_is_copied_pageable(monkeypatch):
     assert torch.from_numpy(featurize.host_array(t)).is_pinned()
     wide = featurize.host_array(torch.randn(17, 16, device="cuda"))
     assert not torch.from_numpy(wide).is_pinned() and wide.shape == (17, 16)
+
+
+@pytest.mark.parametrize("stored", [torch.float16, torch.float32])
+def test_train_rows_are_rounded_on_the_device_as_the_store_rounds_them(stored):
+    """A featurizer for a float16 store hands train rows back in float16, rounded on the device: the bits the
+    host's conversion gives the float32 rows (a float32 store: the float32 rows); target rows stay float32."""
+    from trak_core.featurize import Featurizer
+    from trak_core.projectors import make_projector
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 4)).cuda().eval()
+    grad_dim = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(1)
+    batch = [torch.randn(64, 20, generator=g) * 30, torch.randint(0, 4, (64,), generator=g)]
+    feats = []
+    for dtype in (None, stored):
+        proj = make_projector("factored", grad_dim, 64, 0, device="cuda", model=model)
+        feats.append(Featurizer(model, "image_classification", proj, device="cuda", stored_dtype=dtype))
+    plain, rounded = (f.featurize(batch, 0) for f in feats)
+    assert plain[0].dtype == np.float32 and rounded[0].dtype == np.dtype(str(stored).split(".")[-1])
+    want = torch.from_numpy(plain[0]).to(stored).numpy()  # the host's conversion (the store's to_dtype)
+    assert rounded[0].tobytes() == want.tobytes() and np.array_equal(rounded[1], plain[1])
+    assert feats[1].target_features(batch, 0).dtype == np.float32

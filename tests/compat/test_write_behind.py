@@ -164,7 +164,7 @@ def test_write_behind_is_the_default_on_a_cuda_device_only(tmp_path, monkeypatch
     from trak_core.projectors import DenseProjector, ProjectionType
 
     class _NoFeaturizer:
-        def __init__(self, *args):
+        def __init__(self, *args, **kwargs):
             self.gradient_computer = None
 
     monkeypatch.setattr(compat_traker, "check_device", lambda device: str(device))

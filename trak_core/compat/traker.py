@@ -284,7 +284,9 @@ class TRAKer:
         except BaseException:
             self._close()
             raise
-        self.featurizer = Featurizer(model, self.task, projector, gradient_computer, self.grad_wrt, self.device)
+        self.featurizer = Featurizer(
+            model, self.task, projector, gradient_computer, self.grad_wrt, self.device, stored_dtype=self.dtype
+        )
         self.gradient_computer = self.featurizer.gradient_computer
         self.ckpt_loaded: int | None = None
         self.current_model_id: int | None = None
