@@ -50,7 +50,7 @@ if PYTHONPATH=/tmp/fj:$PYTHONPATH python3 -c "import torch, fast_jl" >>"$OUT/fas
     echo "fast_jl imports" >>"$OUT/fastjl.log"
 fi
 
-timeout "${MATRIX_S:-220}" python3 benchmarks/matrix.py --device cuda --models mlp2 convbn encoder --proj-dims 2048 \
+[ "${MATRIX_S:-220}" = 0 ] || timeout "${MATRIX_S:-220}" python3 benchmarks/matrix.py --device cuda --models mlp2 convbn encoder --proj-dims 2048 \
     --n 16384 --batch 1024 --json "$OUT/matrix_cuda.json" >"$OUT/matrix_cuda.md" 2>&1
 [ "${SIZES_S:-150}" = 0 ] || timeout "${SIZES_S:-150}" python3 benchmarks/sizes.py --device cuda --models resnet18 gpt2 --rows 256 --batch 32 --passes 2 \
     >"$OUT/sizes_cuda.md" 2>&1
