@@ -80,7 +80,7 @@ def shard_grams(
     if device is not None and torch.device(device).type != "cpu":
         dev = torch.device(device)
         scale = None if weights is None else _sqrt_weights(weights)
-        grams = [_device_upper(x, dev, q=None if sums is None else q, sums=sums)]
+        grams = [_device_upper(x, dev, q=q, sums=sums)]
         grams += [_device_upper(x, dev, scale)] if both else []
         host = [_host_copy(g, None if buffers is None else buffers.take(i, size, dev)) for i, g in enumerate(grams)]
         return host[0], (host[1] if both else None)

@@ -16,12 +16,15 @@ from trak_core.store import StoreMetadata, TrakStore, pack_upper
 P = 24
 
 
-def _store(path, curvature: str = "xtx", dtype: str = "float16", n: int = 100, shard_rows: int = 32) -> TrakStore:
-    meta = StoreMetadata(
+def _store_meta(curvature: str = "xtx", dtype: str = "float16", n: int = 100, shard_rows: int = 32) -> StoreMetadata:
+    return StoreMetadata(
         train_set_size=n, grad_dim=100, proj_dim=P, dtype=dtype, chunk_rows=16, shard_rows=shard_rows,
         curvature=curvature,
     )  # fmt: skip
-    st = TrakStore.create_or_open(str(path), meta)
+
+
+def _store(path, curvature: str = "xtx", dtype: str = "float16", n: int = 100, shard_rows: int = 32) -> TrakStore:
+    st = TrakStore.create_or_open(str(path), _store_meta(curvature, dtype, n, shard_rows))
     st.init_model(0)
     g = np.random.default_rng(3)
     x = (g.standard_normal((n, P)) * g.uniform(0.2, 3.0, P)).astype(np.float32)
@@ -279,10 +282,6 @@ def test_host_buffers_for_cuda_ask_for_page_locked_memory(monkeypatch, refused):
     asked.clear()
     reduce.GramBuffers().take(0, 12, "cpu")
     assert _ShardRuns("cpu")._buffer(meta, 1).dtype == np.float16 and asked == []
-
-
-def _store_meta() -> StoreMetadata:
-    return StoreMetadata(train_set_size=100, grad_dim=100, proj_dim=P, dtype="float16", chunk_rows=16, shard_rows=32)
 
 
 @pytest.mark.parametrize("curvature", ["xtx", "ggn"])
