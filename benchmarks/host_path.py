@@ -12,8 +12,8 @@ replaced by slices of those arrays:
 * ``traker-behind``: the same with ``TRAKer(write_behind=True)`` (the writes on a background thread, overlapping
   the next batches; here there is no model arithmetic to overlap, so this shows what the writer thread takes off
   the caller);
-* ``shard``: :func:`trak_core.engine.featurize_shard`, the pipeline task's step (a shard written at once, then its
-  partial, the Gram again precomputed);
+* ``shard``: :func:`trak_core.engine.featurize_shard`, the pipeline task's step (a shard written at once, its
+  partial on a second thread beside it, the Gram again precomputed);
 * ``floor``: the same bytes (X in float16, Q, the packed partials) written to new files as the store writes a chunk,
   nothing else: what the file system costs here (on a virtual machine that hands freed memory back to its host,
   page-cache pages come back at a page fault each, several µs a row when the machine is busy).

@@ -14,6 +14,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -34,11 +35,13 @@ from .reduce import (
     host_empty,
     load_solved,
     score_rows,
+    shard_partials,
     solve_targets,
     unscored_ranges,
     usable_models,
 )
 from .store import StoreLock, StoreMetadata, TrakStore, check_writable
+from .store.chunkio import stack_dtype
 from .store.grow import grow_train_rows
 from .store.location import check_new_location
 
@@ -568,7 +571,8 @@ def featurize_shard(
     device=None,
     progress: Progress = None,
 ) -> bool:
-    """Featurize one shard of train rows in batches, write it at once, then store its XᵀX partial.
+    """Featurize one shard of train rows in batches, write it at once and its XᵀX partial beside (computed on the
+    featurizer's device, from the rows as stored), marked done once the rows are.
 
     Args:
         featurizer: builds the featurizer (only called when the shard is not in the store yet).
@@ -607,20 +611,27 @@ def featurize_shard(
             qs.append(q)
             _advance(progress, e - s)
         q = np.concatenate(qs)
+        n, p, dtype = b - a, store.meta.proj_dim, store.meta.np_dtype
         keep = _shard_buffers.fit(store.meta)
-        out = _shard_buffers.rows(b - a, store.meta.proj_dim, store.meta.np_dtype, feat.device) if keep else None
-        stored = write_rows(
-            store, model_id, slice(start, b), xs, q[start - a :], None if out is None else out[start - a :]
-        )
-        x = stored
-        if old_x is not None and out is None:
-            x = np.concatenate([old_x, stored])
-        elif old_x is not None and out is not None:
-            out[: start - a] = old_x
-            x = out
-        # the shard's rows as stored, its partial on the featurizer's device
-        complete_shard(store, model_id, shard, feat.device, x, q, _shard_buffers.grams if keep else None)
+        x = _shard_buffers.rows(n, p, dtype, feat.device) if keep else np.empty((n, p), dtype)
+        stack_dtype(xs, dtype, x[start - a :])  # the rows as stored, each batch converted straight into them
+        if old_x is not None:
+            x[: start - a] = old_x
+        grams = _shard_buffers.grams if keep else None
+        # the shard's partial computed (on the featurizer's device) and written beside its rows' write, marked after
+        with ThreadPoolExecutor(1, thread_name_prefix="trakflow-partial") as beside:
+            job = beside.submit(_write_partial_unmarked, store, model_id, shard, feat.device, x, q, grams)
+            write_rows(store, model_id, slice(start, b), x[start - a :], q[start - a :])
+            job.result()
+        store.mark_partial(model_id, shard)
         return False
+
+
+def _write_partial_unmarked(store: TrakStore, model_id: int, shard: int, device, x, q, buffers) -> None:
+    """A shard's partials from its rows as stored, written but not marked done (its rows may still be in writing)."""
+    with store.pinned():
+        part, sums, ggn = shard_partials(store, model_id, shard, x, q, device, buffers)
+        store.write_partial(model_id, shard, part, sums, ggn, mark=False)
 
 
 def _featurized_prefix(done: np.ndarray) -> int:

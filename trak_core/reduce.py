@@ -306,14 +306,23 @@ def ensure_partial(
             rows = np.asarray(store.model(model_id).grads[a:b])
         if q is None:
             q = store.model(model_id).out_to_loss[a:b]
-        # on a device the row sums are summed there with the Gram, from the rows it has anyway; on the host, here
-        on_device = device is not None and torch.device(device).type != "cpu"
-        dev_sums = np.empty(store.meta.proj_dim + 3, dtype=np.float64) if on_device else None
-        part, ggn = shard_grams(store, model_id, shard, rows, q, device, packed=True, buffers=buffers, sums=dev_sums)
-        sums = shard_row_sums(store, model_id, shard, rows, q) if dev_sums is None else dev_sums
+        part, sums, ggn = shard_partials(store, model_id, shard, rows, q, device, buffers)
         store.write_partial(model_id, shard, part, sums, ggn)
         return part, sums
     return None
+
+
+def shard_partials(
+    store: TrakStore, model_id: int, shard: int, rows, q, device=None, buffers: GramBuffers | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(Xₛᵀ Xₛ packed, the row sums, Xₛᵀ Rₛ Xₛ packed or None) of a shard from its rows as stored and its Q: what
+    :meth:`~trak_core.store.TrakStore.write_partial` stores. On a device the row sums are summed there with the
+    Gram, from the rows it has anyway; on the host, here."""
+    on_device = device is not None and torch.device(device).type != "cpu"
+    dev_sums = np.empty(store.meta.proj_dim + 3, dtype=np.float64) if on_device else None
+    part, ggn = shard_grams(store, model_id, shard, rows, q, device, packed=True, buffers=buffers, sums=dev_sums)
+    sums = shard_row_sums(store, model_id, shard, rows, q) if dev_sums is None else dev_sums
+    return part, sums, ggn
 
 
 class PartialSums:

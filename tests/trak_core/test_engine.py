@@ -76,6 +76,7 @@ STEPS = (
     "check_model",
     "write_rows",
     "complete_shard",
+    "shard_partials",
     "finalize",
     "plan_experiment",
     "target_rows",
@@ -116,8 +117,8 @@ def test_both_front_doors_drive_the_engine(tmp_path, monkeypatch):
     shared = {"store_metadata", "open_run", "check_finalize_memory", "plan_model", "check_model", "write_rows"}
     shared |= {"finalize", "plan_experiment"}
     assert shared - pipeline == set() and shared - traker == set()
-    # a shard's partial: the pipeline's featurize task stores it; TRAKer on a CPU leaves it to finalize
-    assert {"featurize_shard", "complete_shard", "featurize_targets", "prepare_scores", "score_block"} <= pipeline
+    # a shard's partial: the pipeline's featurize task computes and stores it; TRAKer on a CPU leaves it to finalize
+    assert {"featurize_shard", "shard_partials", "featurize_targets", "prepare_scores", "score_block"} <= pipeline
     assert {"check_featurize_memory", "target_rows", "score_all"} <= traker
     assert "check_memory" in pipeline  # the plan's bounds: featurize and finalize tasks of the config's sizes
 

@@ -533,11 +533,18 @@ class TrakStore:
         return np.asarray(m.grads[a:b]), np.asarray(m.out_to_loss[a:b])
 
     def write_partial(
-        self, model_id: int, shard: int, partial: np.ndarray, row_sums: np.ndarray, ggn: np.ndarray | None = None
+        self,
+        model_id: int,
+        shard: int,
+        partial: np.ndarray,
+        row_sums: np.ndarray,
+        ggn: np.ndarray | None = None,
+        mark: bool = True,
     ) -> None:
         """Write a shard's Xₛᵀ Xₛ (p, p, symmetric, or already :func:`pack_upper`-ed; stored packed),
         its row sums (p + 3,) and, in a store of ``curvature="ggn"`` (where it is required), its Xₛᵀ Rₛ Xₛ
-        (``ggn``, as ``partial``), then mark the shard's partials done."""
+        (``ggn``, as ``partial``), then mark the shard's partials done (``mark=False``: the caller does, with
+        :meth:`mark_partial`, once the shard's rows are marked featurized; unmarked, they are never read)."""
         if (ggn is not None) != (self.meta.curvature == "ggn"):
             raise BadInputError(
                 f"write_partial: the store's curvature is {self.meta.curvature!r}; "
@@ -548,8 +555,13 @@ class TrakStore:
         _arrays._write_rows(m.rowsum_partials, slice(shard, shard + 1), np.asarray(row_sums)[None])
         if ggn is not None:
             _arrays._write_rows(m.ggn_partials, slice(shard, shard + 1), _packed(ggn)[None])
+        if mark:
+            self.mark_partial(model_id, shard)
+
+    def mark_partial(self, model_id: int, shard: int) -> None:
+        """Mark the partials :meth:`write_partial` wrote for ``shard`` done."""
         self.check_lock()
-        m.partial_done[shard] = 1
+        self.model(model_id).partial_done[shard] = 1
 
     # ---------------------------------------------------------------- experiments
     def experiments(self) -> list[str]:

@@ -142,11 +142,10 @@ def test_a_write_failing_part_way_leaves_the_shard_to_featurize_again(tmp_path, 
     x, q = _rows(n, p)
     st = TrakStore.create_or_open(str(tmp_path / "s"), _meta(n, p))
     engine.plan_model(st, 0)
-    real_put, seen = chunkio._put, []
+    real_put = chunkio._put
 
     def failing(path, *a):
-        seen.append(path)
-        if len(seen) == 3:  # grads' two chunks written, then the disk fails
+        if "/grads/" not in path and "_partials/" not in path:  # grads' two chunks written, then the disk fails
             raise OSError(28, "No space left on device")
         real_put(path, *a)
 
@@ -154,8 +153,11 @@ def test_a_write_failing_part_way_leaves_the_shard_to_featurize_again(tmp_path, 
     with pytest.raises(OSError, match="No space left"):
         engine.featurize_shard(st, 0, 0, lambda: _Feat(x, q), lambda a, b: [], 8)
     assert not st.featurized_mask(0)[:16].any() and not st.partial_done(0, 0)
-    left = [str(f) for f in (tmp_path / "s/models/0").rglob("*") if f.is_file() and "/c/" in str(f)]
-    assert len(left) == 2 and not [f for f in left if "partial" in f]  # grads' two chunks, no temporary file
+    model = tmp_path / "s/models/0"
+    left = sorted(str(f.relative_to(model)) for f in model.rglob("*") if f.is_file() and "/c/" in str(f))
+    # grads' two chunks, the shard's partials written beside them but not marked done, no temporary file
+    assert [f for f in left if f.startswith("grads/")] == ["grads/c/0/0", "grads/c/1/0"]
+    assert all(f.startswith(("grads/", "xtx_partials/", "rowsum_partials/")) for f in left), left
     monkeypatch.setattr(chunkio, "_put", real_put)
     for shard in range(2):  # the rerun featurizes shard 0 again and completes both
         assert engine.featurize_shard(st, 0, shard, lambda: _Feat(x, q), lambda a, b: [], 8) is False
@@ -163,6 +165,41 @@ def test_a_write_failing_part_way_leaves_the_shard_to_featurize_again(tmp_path, 
     assert np.array_equal(np.asarray(again.model(0).grads[:]), x.astype(np.float16))
     assert again.featurized_mask(0).all() and again.num_partials_done(0) == 2
     assert verify_location(str(tmp_path / "s")).ok
+
+
+def test_a_shards_partial_is_marked_only_after_its_rows_and_a_failed_partial_is_completed_by_the_rerun(
+    tmp_path, monkeypatch
+):
+    n, p = 32, 24
+    x, q = _rows(n, p)
+    st = TrakStore.create_or_open(str(tmp_path / "s"), _meta(n, p))
+    engine.plan_model(st, 0)
+    real_mark, marked_after = TrakStore.mark_partial, []
+
+    def mark(self, model_id, shard):
+        a, b = self.meta.shard_range(shard)
+        marked_after.append(bool(self.featurized_mask(model_id)[a:b].all()))
+        real_mark(self, model_id, shard)
+
+    monkeypatch.setattr(TrakStore, "mark_partial", mark)
+    assert engine.featurize_shard(st, 0, 0, lambda: _Feat(x, q), lambda a, b: [], 8) is False
+    assert marked_after == [True] and st.partial_done(0, 0)
+    real_partials = engine.shard_partials
+
+    def failing(*a, **k):
+        raise MemoryError("out of device memory")
+
+    monkeypatch.setattr(engine, "shard_partials", failing)  # shard 1's partial fails; its rows are written
+    with pytest.raises(MemoryError):
+        engine.featurize_shard(st, 0, 1, lambda: _Feat(x, q), lambda a, b: [], 8)
+    assert st.featurized_mask(0).all() and not st.partial_done(0, 1) and marked_after == [True]
+    monkeypatch.setattr(engine, "shard_partials", real_partials)
+    assert engine.featurize_shard(st, 0, 1, lambda: _Feat(x, q), lambda a, b: [], 8) is True  # rows kept
+    want = x[16:].astype(np.float16).astype(np.float64)
+    packed = np.asarray(st.model(0).xtx_partials[1])
+    iu = np.triu_indices(p)
+    np.testing.assert_allclose(packed, (want.T @ want)[iu], rtol=1e-6)
+    assert st.num_partials_done(0) == 2 and verify_location(str(tmp_path / "s")).ok
 
 
 def test_batches_converted_into_the_stored_rows_are_the_concatenation_converted(tmp_path):
