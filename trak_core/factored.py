@@ -188,7 +188,7 @@ from .factored_layout import (
     model_layout,
     name_hash,
 )
-from .factored_mha import ATTENTION, AttentionHooks, attention_blocks
+from .factored_mha import ATTENTION, AttentionHooks, attention_blocks, chain_product
 from .gradients import vectorize
 from .projector_base import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
@@ -634,10 +634,11 @@ def _make_hook(b: Block, factors, ctx: dict, use: str, with_bias: bool):
     per position (conv1d, whose weight is the block's view in × out: output + aᵀ P_out Z P_inᵀ [+ P_out Z p_in,last]).
 
     The layer's input is detached: ∂(P_out Z P_inᵀ a)/∂a = P_out Z P_inᵀ is zero at Z = 0, so no gradient
-    flows back through the added term but the one to Z (exact, and no backward pass through P_in). The
-    product is grouped as u (P_out Z)ᵀ: d_out·k_in multiply-adds per position (plus d_out·k_out·k_in once),
-    never more than (u Zᵀ) P_outᵀ's k_in·k_out + k_out·d_out for the split's k_in ≤ k_out or k_out = d_out
-    (embeddings: P_out[ids] (Z P_inᵀ), likewise)."""
+    flows back through the added term but the one to Z (exact, and no backward pass through P_in). With u = P_inᵀ a,
+    the product is grouped as u (P_out Z)ᵀ (d_out·k_in multiply-adds per position, plus d_out·k_out·k_in per
+    example: Z is the example's own) or as (u Zᵀ) P_outᵀ (k_in·k_out + k_out·d_out per position), whichever is
+    fewer (:func:`~trak_core.factored_mha.chain_product`): the first for many positions, the second for an MLP's
+    one (embeddings: P_out[ids] Z P_inᵀ, likewise)."""
     p_in, p_out, _ = factors
     p_w = p_in[: b.d_in]
     p_b = p_in[b.d_in] if b.bias and with_bias else None
@@ -647,9 +648,13 @@ def _make_hook(b: Block, factors, ctx: dict, use: str, with_bias: bool):
         def conv1d_hook(mod, inputs, output):
             ctx["fired"].add(b.name)
             z = ctx["z"][b.name]
-            m = (p_out * z) if b.pairs else (p_out @ z)  # (d_in of the module = the block's d_out) × k_in
-            v = (inputs[0].detach() @ m) @ p_w.T
-            return output + (v if p_b is None else v + m @ p_b)
+            a = inputs[0].detach()  # (…, d_in of the module = the block's d_out)
+            if b.pairs:
+                m = p_out * z
+                v = (a @ m) @ p_w.T
+                return output + (v if p_b is None else v + m @ p_b)
+            v = chain_product(a, p_out, z) @ p_w.T
+            return output + (v if p_b is None else v + p_out @ (z @ p_b))
 
         return conv1d_hook
 
@@ -663,7 +668,7 @@ def _make_hook(b: Block, factors, ctx: dict, use: str, with_bias: bool):
                 u = u + p_b
             if b.pairs:  # Z = diag(z): ∂f/∂zⱼ = Σₜ (p_outⱼᵀ gₜ)(p_inⱼᵀ [aₜ; 1])
                 return output + (u * z) @ p_out.T
-            return output + u @ (p_out @ z).T
+            return output + chain_product(u, z.T, p_out.T)
 
         return hook
 
@@ -678,7 +683,7 @@ def _make_hook(b: Block, factors, ctx: dict, use: str, with_bias: bool):
                 rows = rows * (ids != mod.padding_idx).unsqueeze(-1).to(rows.dtype)
             if b.pairs:  # Z = diag(z)
                 return output + (rows * z) @ p_w.T
-            return output + rows @ (z @ p_w.T)
+            return output + chain_product(rows, z, p_w.T)
 
         return emb_hook
 
@@ -694,7 +699,11 @@ def _make_hook(b: Block, factors, ctx: dict, use: str, with_bias: bool):
         u = u.flatten(2)
         if p_b is not None:
             u = u + p_b.unsqueeze(-1)
-        v = (((p_out * z) if b.pairs else (p_out @ z)) @ u).reshape(shape[0], b.d_out, *shape[2:])
+        if b.pairs:
+            v = (p_out * z) @ u
+        else:  # (P_out Z) u, or P_out (Z u) where fewer multiply-adds (few positions)
+            v = chain_product(u.transpose(-1, -2), z.T, p_out.T).transpose(-1, -2)
+        v = v.reshape(shape[0], b.d_out, *shape[2:])
         return output + (v.squeeze(0) if unbatched else v)
 
     return conv_hook

@@ -214,3 +214,21 @@ def test_attention_hooks_on_cuda_give_the_cpus_numbers(kind):
             out[dev] = _fast(p, model, tuple(t.to(dev) for t in batch)).cpu()
         assert not p._substitute
     _close(out["cuda"], out["cpu"])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 1024])
+def test_chain_product_takes_the_cheaper_order_and_the_same_value(rows):
+    """a @ (m @ n) with an MLP layer's shapes (512 outputs, a 37 × 36 Z): (a @ m) @ n for an example's one position,
+    m @ n first for many; float64 values equal either way."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator().manual_seed(rows)
+    a, m, n = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((rows, 36), (36, 37), (37, 512)))
+    with FlopCounterMode(display=False) as count:
+        got = factored_mha.chain_product(a, m, n)
+    left, right = 2 * rows * 37 * (36 + 512), 2 * 36 * 512 * (37 + rows)  # (a m) n, a (m n)
+    assert count.get_total_flops() == min(left, right)
+    assert (left < right) == (rows < 1024)  # the order changes between these shapes' few and many positions
+    torch.testing.assert_close(got, a @ (m @ n), rtol=1e-12, atol=1e-12)
+    one = factored_mha.chain_product(a[0], m, n)  # an example's one position as a vector
+    torch.testing.assert_close(one, a[0] @ (m @ n), rtol=1e-12, atol=1e-12)
