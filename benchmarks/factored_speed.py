@@ -44,15 +44,22 @@ def _train_pass(case, state: dict, rows: int) -> float:
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     *xs, y = case.train()
+    rows = min(rows, len(y))  # a case with fewer train rows (small-lm: 480) runs them all
     t0 = time.perf_counter()
     for a in range(0, rows, BATCH):
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(*[x[a : a + BATCH] for x in xs]), y[a : a + BATCH]).backward()
+        batch = [x[a : a + BATCH] for x in xs]
+        if case.task == "causal_lm":  # (input_ids, attention_mask, labels): transformers' own loss
+            loss = model(input_ids=batch[0], attention_mask=batch[1], labels=y[a : a + BATCH]).loss
+        else:
+            loss = torch.nn.functional.cross_entropy(model(*batch), y[a : a + BATCH])
+        loss.backward()
         opt.step()
     return time.perf_counter() - t0
 
 
 def _featurize(feat: Featurizer, train: tuple, rows: int) -> float:
+    rows = min(rows, len(train[0]))
     t0 = time.perf_counter()
     for a in range(0, rows, BATCH):
         feat.featurize([t[a : a + BATCH] for t in train], 0, range(a, min(a + BATCH, rows)))
