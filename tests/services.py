@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def tests_path() -> list[str]:
+def pythonpath_for_tests() -> list[str]:
     """tests/ and each of its subfolders: a config that names a function of a test module (``test_x:fn``)
     imports it in the processes the tests start."""
     tests = REPO / "tests"
@@ -126,7 +126,7 @@ def prefect_env(home: Path, api_url: str | None = None) -> dict:
         PREFECT_HOME=str(home),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         PREFECT_LOGGING_LEVEL="INFO",
-        PYTHONPATH=os.pathsep.join([str(REPO), *tests_path(), env.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(REPO), *pythonpath_for_tests(), env.get("PYTHONPATH", "")]),
     )
     if api_url:
         env["PREFECT_API_URL"] = api_url

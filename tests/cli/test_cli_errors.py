@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from services import tests_path
+from services import pythonpath_for_tests
 from trak_fixtures import REPO_ROOT, TESTS_ROOT, tiny_attribute_config
 from typer.testing import CliRunner
 
@@ -58,7 +58,7 @@ def cli_env(home: Path, api_url: str | None = None) -> dict:
         ENV,
         PREFECT_HOME=str(home),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), *tests_path(), os.environ.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), *pythonpath_for_tests(), os.environ.get("PYTHONPATH")])),
     )
     if api_url:
         env["PREFECT_API_URL"] = api_url

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 import zarr
-from services import free_port, tests_path
+from services import free_port, pythonpath_for_tests
 from trak_fixtures import REPO_ROOT, TESTS_ROOT, tiny_attribute_config
 from typer.testing import CliRunner
 
@@ -47,7 +47,7 @@ def cli_env(home: Path, **extra: str) -> dict:
         ENV,
         PREFECT_HOME=str(home),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), *tests_path(), os.environ.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), *pythonpath_for_tests(), os.environ.get("PYTHONPATH")])),
         **extra,
     )
     return env
