@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from trak_core import engine
-from trak_core.energy import PROBE_ROWS, sketched_energies
+from trak_core.energy import PROBE_ROWS
 from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
@@ -68,17 +68,15 @@ def split_of(meta: StoreMetadata) -> dict | None:
 
 
 def factored_split(config: AttributeConfig, model: torch.nn.Module, task, train: tuple, checkpoint: str) -> dict:
-    """The split keywords of a new store's factored projector: proj_dim ∝ each block's gradient energy, probed on
+    """The split keywords of a new store's factored projector (:func:`trak_core.engine.probe_split`), probed on
     the first :data:`~trak_core.energy.PROBE_ROWS` train rows at ``checkpoint`` (the first), on the CPU. Computed
     once, by the plan: the store records them and every task rebuilds the projector from that record."""
     model.load_state_dict(load_checkpoint(checkpoint, "cpu", field="checkpoints[0]"))
     try:
-        energies = sketched_energies(
-            model, task, [t[:PROBE_ROWS] for t in train], PROBE_ROWS, config.grad_wrt, chunk_rows=config.batch_size
-        )
+        rows = [t[:PROBE_ROWS] for t in train]
+        return engine.probe_split(model, task, rows, config.grad_wrt, config.batch_size, skip_nonfinite=False)
     except BadInputError as e:
         raise _prefixed("checkpoints[0]", e) from None
-    return {"split": "energy", "energies": energies}
 
 
 def build_metadata(

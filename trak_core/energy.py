@@ -27,6 +27,17 @@ from .modelout import AbstractModelOutput, resolve_task
 PROBE_ROWS = 64
 #: the most bytes of per-example gradients one pass of the probe holds
 PROBE_BYTES = 256 * 2**20
+#: significant digits the sketched energies keep (:func:`quantize_energies`)
+ENERGY_DIGITS = 3
+
+
+def quantize_energies(energies: dict[str, float], digits: int = ENERGY_DIGITS) -> dict[str, float]:
+    """Each energy rounded to ``digits`` significant decimal digits (correctly rounded, so the same on every
+    platform). The probe's floats depend on how its sums were blocked (batch size, BLAS kernel, thread count,
+    CPU): two runs differ in the 8th or 9th digit. What decides the projection must not, so the split is computed
+    from, and the store records, these rounded values; two probes then disagree only when a value lies within
+    that noise of a rounding boundary (about one value in 10⁵), and a store is always rebuilt from its record."""
+    return {k: float(f"{float(v):.{digits}g}") for k, v in energies.items()}
 
 
 def probe_chunk(num_params: int, itemsize: int = 4, budget_bytes: int = PROBE_BYTES) -> int:
@@ -150,7 +161,8 @@ def sketched_energies(
 
     Returns:
         {parameter name: energy}, each block's on its first parameter (0.0 on its others): what
-        ``split="energy"`` sums per block. Arguments and errors as :func:`gradient_energies`.
+        ``split="energy"`` sums per block, rounded by :func:`quantize_energies`. Arguments and errors as
+        :func:`gradient_energies`.
     """
     from .factored import FactoredProjector
     from .factored_layout import model_layout
@@ -189,4 +201,4 @@ def sketched_energies(
         out[b.params[0]] = float(sq[:, a : a + b.k].sum()) / used
         out.update({name: 0.0 for name in b.params[1:]})
         a += b.k
-    return _finite(out)
+    return quantize_energies(_finite(out))

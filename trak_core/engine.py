@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from .energy import PROBE_ROWS, sketched_energies
 from .errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
 from .featurize import Featurizer
 from .lds import array_fingerprint
@@ -99,6 +100,69 @@ def stored_split(location: str, storage_options: dict | None = None) -> tuple[bo
         raise StoreMismatchError(f"projector_params: the store at {location} cannot be read here ({e})") from None
 
 
+def probe_split(
+    model, task, rows: Sequence[torch.Tensor], grad_wrt=None, chunk_rows: int | None = None, skip_nonfinite=True
+) -> dict:
+    """The split keywords of a new store's default (factored) projector: proj_dim ∝ each block's gradient energy,
+    probed on ``rows`` (the first ≤ :data:`~trak_core.energy.PROBE_ROWS` train rows a run is given, in order, at its
+    first checkpoint; :class:`ProbeRows` gathers them across featurize calls) in passes of ``chunk_rows``. With
+    ``skip_nonfinite``, rows whose gradient is not finite are left out (featurizing them names them). The energies are rounded
+    (:func:`~trak_core.energy.quantize_energies`) and recorded: every later step rebuilds the projector from the
+    store's record and never probes again, so a store that grows keeps the split it was created with."""
+    energies = sketched_energies(
+        model, task, rows, PROBE_ROWS, grad_wrt, skip_nonfinite=skip_nonfinite, chunk_rows=chunk_rows
+    )
+    return {"split": "energy", "energies": energies}
+
+
+def check_finite_inputs(model_id: int, batch: Sequence[torch.Tensor], inds: np.ndarray) -> None:
+    """Refuse (NonFiniteGradientError naming the example indices) a batch whose floating inputs hold NaN or inf:
+    what featurizing it would refuse, said when rows are held before they are featurized (:class:`ProbeRows`)."""
+    bad = torch.zeros(int(np.asarray(inds).size), dtype=torch.bool)
+    for t in batch:
+        if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0:
+            bad |= ~torch.isfinite(t.detach().reshape(t.shape[0], -1)).all(1).cpu()
+    if bool(bad.any()):
+        raise NonFiniteGradientError(model_id, np.asarray(inds)[bad.numpy()].tolist(), what="inputs")
+
+
+class ProbeRows:
+    """The train rows a run is given before its default projector exists, held (inputs only, at most the rows of
+    the calls that reach ``want`` rows) until they number ``want`` = min(PROBE_ROWS, train rows), or until the
+    run moves on to another step; then :meth:`rows` are the first ``want`` of them in the order given, whatever the
+    batches were, and :meth:`take` hands every held batch back to be featurized with the projector they decide."""
+
+    def __init__(self, want: int):
+        self.want = max(1, min(int(want), PROBE_ROWS))
+        self.held: list[tuple[int, list[torch.Tensor], np.ndarray]] = []
+        self.count = 0
+
+    def add(self, model_id: int, batch: Sequence[torch.Tensor], inds: np.ndarray) -> None:
+        """Hold (a copy of) one featurize call's batch of model ``model_id`` (rows ``inds``): a caller may reuse its
+        buffers."""
+        self.held.append((int(model_id), [t.detach().clone() for t in batch], np.asarray(inds)))
+        self.count += int(np.asarray(inds).size)
+
+    @property
+    def full(self) -> bool:
+        return self.count >= self.want
+
+    def rows(self) -> list[torch.Tensor]:
+        """The first ≤ ``want`` rows held, as one batch."""
+        parts, left = [], self.want
+        for _, batch, inds in self.held:
+            take = min(left, int(inds.size))
+            if take:
+                parts.append([t[:take] for t in batch])
+                left -= take
+        return [torch.cat(cols) for cols in zip(*parts, strict=True)]
+
+    def take(self) -> list[tuple[int, list[torch.Tensor], np.ndarray]]:
+        """The held batches, in order, and nothing held any more."""
+        held, self.held, self.count = self.held, [], 0
+        return held
+
+
 def rebuild_projector(
     kind: str, grad_dim: int, proj_dim: int, seed: int, proj_type: str, split: dict, model, grad_wrt, device
 ) -> AbstractProjector:
@@ -111,6 +175,21 @@ def rebuild_projector(
         )
     except BadInputError as e:
         raise BadInputError(f"projector: cannot rebuild the store's {kind!r} projection ({e})") from None
+
+
+def stored_projector(
+    location: str, model, grad_wrt=None, device: str = "cpu", storage_options: dict | None = None
+) -> AbstractProjector:
+    """The factored projector a store at ``location`` records, rebuilt from its record and ``model``: hand it to a
+    new run (``TRAKer(projector=...)``) to project with the split that store was created with."""
+    exists, split = stored_split(location, storage_options)
+    if split is None:
+        what = "no store" if not exists else "a store of another projector than 'factored'"
+        raise BadInputError(f"projector: {location} holds {what}; there is no recorded split to rebuild")
+    meta = TrakStore.open(location, storage_options, mode="r", check_arrays=False).meta
+    return rebuild_projector(
+        "factored", meta.grad_dim, meta.proj_dim, meta.proj_seed, meta.proj_type, split, model, grad_wrt, device
+    )
 
 
 def check_new_store(location: str, storage_options: dict | None = None) -> None:

@@ -14,7 +14,7 @@ class NonFiniteGradientError(BadInputError):
 
     def __init__(self, model_id, indices, what="gradients"):
         self.model_id = model_id
-        self.indices = list(indices)
+        self.indices = list(dict.fromkeys(indices))  # once each (a batch's padding repeats its last row)
         shown = self.indices[:20]
         more = "" if len(self.indices) <= 20 else f" (and {len(self.indices) - 20} more)"
         super().__init__(

@@ -32,6 +32,27 @@ def _all_finite(t: Tensor) -> bool:
     return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
+#: batches are computed in a whole number of this many rows (at least one such block), the last row repeated to
+#: fill them. BLAS picks its kernels (and so the order of its sums) by the number of rows (one row goes through a
+#: matrix-vector kernel, a few through edge kernels), and torch's CPU loops compute 2 × 16 floats at a time with
+#: vectorized exp/tanh and the rest of a tensor with scalar ones: a row computed in a batch of 1, 5 or 100 rows
+#: would differ in its last bits. In blocks of ROW_BLOCK rows it gets the same bits in every batch
+ROW_BLOCK = 32
+
+
+def padded_rows(b: int) -> int:
+    """The rows a batch of ``b`` is computed in: ``b`` rounded up to a multiple of :data:`ROW_BLOCK`."""
+    return max(ROW_BLOCK, -(-b // ROW_BLOCK) * ROW_BLOCK)
+
+
+def _pad(batch: Sequence[Tensor], rows: int) -> list[Tensor]:
+    """``batch`` with its last row repeated up to ``rows`` rows (no copy when it has them)."""
+    b = batch[0].shape[0]
+    if rows == b:
+        return list(batch)
+    return [torch.cat([t, t[-1:].expand(rows - b, *t.shape[1:])]) for t in batch]
+
+
 #: the largest batch of rows copied from a CUDA device into page-locked memory (torch keeps freed page-locked blocks
 #: for reuse, rounded up to a power of two: a very wide batch, e.g. unprojected gradients, is copied as pageable)
 PINNED_BATCH_BYTES = 256 << 20
@@ -173,6 +194,8 @@ class Featurizer:
         batch = self._to_device(batch)
         b = batch[0].shape[0]
         indices = list(range(b)) if indices is None else [int(i) for i in indices]
+        rows = padded_rows(b)  # the same bits for a row whatever the batch (ROW_BLOCK)
+        batch, indices = _pad(batch, rows), indices + indices[-1:] * (rows - b)
         try:
             both = self._one_forward(batch, model_id, indices)
             if both is None:
@@ -183,7 +206,7 @@ class Featurizer:
         except RuntimeError as e:
             self._dtype_mismatch(batch, e)
             raise
-        return x, q
+        return x[:b], q[:b]
 
     def target_features(
         self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int] | None = None

@@ -1,5 +1,5 @@
-"""TRAKer's default projector splits proj_dim by the gradient energy of the first featurize call's batch: the
-projector and the store wait for that call; a reopened store rebuilds the identical projector from its metadata
+"""TRAKer's default projector splits proj_dim by the gradient energy of the first min(64, train rows) rows
+featurized, whatever the batches: the projector and the store wait for those rows; a reopened store rebuilds the identical projector from its metadata
 alone; a version-4 store (equal split) still opens; nothing needs the projector before it exists."""
 
 import logging
@@ -50,21 +50,22 @@ def test_projector_waits_for_the_first_featurize_then_a_reopened_store_rebuilds_
     assert tr.projector is None and tr.metadata is None
     assert not (tmp_path / "s" / "zarr.json").exists()
     # what needs the store before anything was featurized says so
-    with pytest.raises(StateError, match="first featurize call"):
+    with pytest.raises(StateError, match="once the first rows are featurized"):
         tr.start_scoring_checkpoint("e", model.state_dict(), 0, num_targets=4)
     with pytest.raises(ModelIDException, match="nothing was featurized"):
         tr.finalize_features()
-    with pytest.raises(StateError, match="first featurize call"):
+    with pytest.raises(StateError, match="once the first rows are featurized"):
         tr.features(0)
     tr.load_checkpoint(model.state_dict(), model_id=0)
     assert not (tmp_path / "s" / "zarr.json").exists()  # load_checkpoint's record waits for the store too
     tr.featurize((x[:16], y[:16]), num_samples=16)
+    assert tr.projector is None  # 16 of the 24 rows the probe takes: held
+    tr.featurize((x[16:], y[16:]), num_samples=8)
     spec = tr.projector.spec()
-    energies = sketched_energies(model, "image_classification", (x[:16], y[:16]))  # the first call's batch
-    assert spec["split"] == "energy" and spec["energies"] == pytest.approx(energies, rel=1e-6)
+    energies = sketched_energies(model, "image_classification", (x, y))  # the first 24 rows, rounded
+    assert spec["split"] == "energy" and spec["energies"] == energies
     assert tr.store.meta.projector_params["layout"] == spec["layout"]
     assert tr.store.checkpoint_record(0) is not None  # the load_checkpoint before the store, recorded
-    tr.featurize((x[16:], y[16:]), num_samples=8)
     tr._flush_rows()
     stored = np.asarray(tr.store.model(0).grads[:])
     del tr
@@ -122,5 +123,9 @@ def test_a_failing_first_batch_creates_nothing(tmp_path):
     with pytest.raises(Exception, match=r"model_id=0 at example indices \[3\]"):
         tr.featurize((bad, y[:8]), inds=np.arange(8))
     assert tr.projector is None and not TrakStore.exists(str(tmp_path / "s"))
-    tr.featurize((x[:8], y[:8]), inds=np.arange(8))  # the next good batch creates the store
+    tr.featurize((x[:8], y[:8]), inds=np.arange(8))  # a good batch is held; the rows that complete the probe
+    assert tr.projector is None  # create the store
+    tr.featurize((x[8:], y[8:]), inds=np.arange(8, N))
     assert tr.store.meta.projector_params["split"] == "energy"
+    tr.finalize_features()
+    assert tr.store.featurized_mask(0).all()

@@ -11,7 +11,8 @@ from trak_fixtures import tiny_attribute_config
 from examples import tiny
 from tasks import core
 from tasks.config import AttributeConfig
-from trak_core.energy import PROBE_ROWS, sketched_energies
+from trak_core import engine
+from trak_core.energy import PROBE_ROWS, quantize_energies, sketched_energies
 from trak_core.errors import StoreMismatchError
 from trak_core.factored import FactoredProjector
 from trak_core.store import StoreMetadata, TrakStore
@@ -25,8 +26,8 @@ def test_plan_probes_once_and_workers_rebuild_the_same_projector(tmp_path, monke
     paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0, 1))
     cfg = _config(tmp_path, paths, projector="factored")
     calls = []
-    real = core.sketched_energies
-    monkeypatch.setattr(core, "sketched_energies", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = engine.sketched_energies
+    monkeypatch.setattr(engine, "sketched_energies", lambda *a, **k: calls.append(1) or real(*a, **k))
     plan = core.make_plan(cfg)
     assert calls == [1]
     meta = TrakStore.open(cfg.store, mode="r").meta
@@ -36,13 +37,15 @@ def test_plan_probes_once_and_workers_rebuild_the_same_projector(tmp_path, monke
     model = tiny.make_model()
     model.load_state_dict(torch.load(sorted(paths)[0], weights_only=True))
     want = sketched_energies(model, "image_classification", [t[:PROBE_ROWS] for t in tiny.train_data()])
-    assert record["energies"] == pytest.approx(want, rel=1e-9)
+    # recorded rounded; the test's probe (another batching) agrees to that rounding, not bit for bit
+    assert record["energies"] == quantize_energies(record["energies"])
+    assert record["energies"] == pytest.approx(want, rel=5e-3)
 
     # featurize tasks (two workers of one checkpoint, one of another) and targets: the store's record, no probe
     def refuse(*a, **k):
         raise AssertionError("a task probed the gradient energy again")
 
-    monkeypatch.setattr(core, "sketched_energies", refuse)
+    monkeypatch.setattr(engine, "sketched_energies", refuse)
     specs = [core.build_featurizer(cfg, m.checkpoint, meta).projector.spec() for m in (*plan.models, plan.models[0])]
     got = StoreMetadata.from_projector(specs[0], train_set_size=meta.train_set_size).projector_params
     assert all(s == specs[0] for s in specs) and got == record
@@ -63,7 +66,7 @@ def test_a_version_4_store_keeps_its_equal_split_and_another_proj_dim_is_refused
     meta = core.build_metadata(cfg, tiny.NUM_TRAIN, tiny.make_model(), cfg.build_task(), {"layout_version": 4})
     assert meta.projector_params == StoreMetadata.from_projector(v4.spec(), train_set_size=1).projector_params
     TrakStore.create_or_open(cfg.store, meta)  # a store as version 4's plan created it
-    monkeypatch.setattr(core, "sketched_energies", lambda *a, **k: (_ for _ in ()).throw(AssertionError("probed")))
+    monkeypatch.setattr(engine, "sketched_energies", lambda *a, **k: (_ for _ in ()).throw(AssertionError("probed")))
     plan = core.make_plan(cfg)
     store = TrakStore.open(cfg.store, mode="r")
     assert store.meta.projector_params["layout_version"] == 4

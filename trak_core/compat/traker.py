@@ -43,7 +43,6 @@ from torch import Tensor
 
 from .. import engine
 from ..damping import CURVATURES, check_lambda
-from ..energy import PROBE_ROWS, sketched_energies
 from ..errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
 from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
@@ -200,10 +199,13 @@ class TRAKer:
         self.num_params_for_grad = grad_dim_of(model, self.grad_wrt)
         self.proj_seed = projector_seed
 
-        # the default projector on a new store: its proj_dim split follows the gradient energy of the first featurize
-        # call's batch, so it (and the store, whose metadata records it) is built then; until then a stand-in with
-        # the same sizes (the equal split) serves the checks below
+        # the default projector on a new store: its proj_dim split follows the gradient energy of the first
+        # min(PROBE_ROWS, train_set_size) rows featurized, whatever the batches (engine.ProbeRows holds them), so it
+        # (and the store, whose metadata records it) is built once they are here; until then a stand-in with the
+        # same sizes (the equal split) serves the checks below
         self._deferred = False
+        self._probe = engine.ProbeRows(int(train_set_size))
+        self._probe_chunk = int(proj_max_batch_size)
         if projector is None:
             if not isinstance(proj_dim, int) or isinstance(proj_dim, bool) or proj_dim <= 0:
                 raise BadInputError(f"proj_dim must be a positive integer, got {proj_dim!r}")
@@ -320,16 +322,16 @@ class TRAKer:
         if self._store is None:
             raise StateError(
                 f"TRAKer: nothing is stored at {self.save_dir} yet: with the default projector the store is created "
-                "by the first featurize call (proj_dim is split between the model's layers by the gradient energy "
-                "of that call's batch); call load_checkpoint(...) and featurize(...) first"
+                "once the first rows are featurized (proj_dim is split between the model's layers by the gradient "
+                "energy of the first 64 rows given); call load_checkpoint(...) and featurize(...) first"
             )
         return self._store
 
     def _energy_projector(self, batch) -> AbstractProjector:
-        """The default projector with proj_dim split by the gradient energy of the first ≤ PROBE_ROWS rows of
-        ``batch`` at the loaded checkpoint (rows whose gradient is not finite left out: featurizing names them)."""
+        """The default projector with proj_dim split by the gradient energy of ``batch`` (:func:`engine.probe_split`
+        on the first ≤ PROBE_ROWS rows given, in passes of ``proj_max_batch_size``) at the loaded checkpoint."""
         try:
-            energies = sketched_energies(self.model, self.task, batch, PROBE_ROWS, self.grad_wrt, skip_nonfinite=True)
+            split = engine.probe_split(self.model, self.task, batch, self.grad_wrt, self._probe_chunk)
         except RuntimeError as e:
             self.featurizer._dtype_mismatch(batch, e)
             raise
@@ -340,8 +342,23 @@ class TRAKer:
             self.proj_seed,
             self.device,
             self.grad_wrt,
-            energies=energies,
+            energies=split["energies"],
         )
+
+    def _create_default_store(self) -> None:
+        """The default projector from the rows held (:class:`engine.ProbeRows`), their features computed with it,
+        then the store created and the rows stored: a batch that cannot be featurized leaves no store behind."""
+        projector = self._energy_projector(self._probe.rows())
+        held = self._probe.take()
+        stand_in, self.featurizer.projector = self.featurizer.projector, projector
+        try:
+            computed = [self.featurizer.featurize(batch, mid, inds) for mid, batch, inds in held]
+        finally:
+            self.featurizer.projector = stand_in
+        self._create_store(projector)
+        with self.store.pinned(self._handles):
+            for (mid, batch, inds), done in zip(held, computed, strict=True):
+                self._featurize(mid, batch, inds, None, done)
 
     def _create_store(self, projector: AbstractProjector) -> None:
         """The store of ``projector`` (the default, built by the first featurize call), then the model records of
@@ -393,6 +410,8 @@ class TRAKer:
     def _flush_rows(self) -> None:
         """Write the featurized rows held back by :meth:`featurize` and wait until every queued write is done (its
         error, if any, raised here)."""
+        if self._deferred and self._probe.count:  # fewer rows than the probe takes: they decide it
+            self._create_default_store()
         pend, self._pending = self._pending, None
         if pend is not None:
             self._hand_over(pend["mid"], slice(pend["start"], pend["stop"]), pend["x"], pend["q"])
@@ -494,19 +513,16 @@ class TRAKer:
                 "Load a checkpoint using traker.load_checkpoint before featurizing "
                 "(call load_checkpoint(state_dict, model_id=...) first)"
             )
-        computed = None
-        if self._deferred:  # the projector from this batch, then its rows; the store only once they are computed
+        if self._deferred:  # held until the rows that decide the default projector are here (engine.ProbeRows)
             self.task.validate_batch(batch)
-            inds, num_samples = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size), None
-            stand_in, projector = self.featurizer.projector, self._energy_projector(batch)
-            self.featurizer.projector = projector
-            try:
-                computed = self.featurizer.featurize(batch, mid, inds)
-            finally:
-                self.featurizer.projector = stand_in
-            self._create_store(projector)
+            inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
+            engine.check_finite_inputs(mid, batch, inds)
+            self._probe.add(mid, batch, inds)
+            if self._probe.full:
+                self._create_default_store()
+            return
         with self.store.pinned(self._handles):
-            self._featurize(mid, batch, inds, num_samples, computed)
+            self._featurize(mid, batch, inds, num_samples)
 
     def _featurize(self, mid: int, batch, inds, num_samples, computed=None) -> None:
         if self._writable != mid:
