@@ -106,9 +106,10 @@ def probe_split(
     """The split keywords of a new store's default (factored) projector: proj_dim ∝ each block's gradient energy,
     probed on ``rows`` (the first ≤ :data:`~trak_core.energy.PROBE_ROWS` train rows a run is given, in order, at its
     first checkpoint; :class:`ProbeRows` gathers them across featurize calls) in passes of ``chunk_rows``. With
-    ``skip_nonfinite``, rows whose gradient is not finite are left out (featurizing them names them). The energies are rounded
-    (:func:`~trak_core.energy.quantize_energies`) and recorded: every later step rebuilds the projector from the
-    store's record and never probes again, so a store that grows keeps the split it was created with."""
+    ``skip_nonfinite``, rows whose gradient is not finite are left out (featurizing them names them). The
+    energies are rounded (:func:`~trak_core.energy.quantize_energies`) and recorded: every later step rebuilds the
+    projector from the store's record and never probes again, so a store that grows keeps the split it was created
+    with."""
     energies = sketched_energies(
         model, task, rows, PROBE_ROWS, grad_wrt, skip_nonfinite=skip_nonfinite, chunk_rows=chunk_rows
     )
