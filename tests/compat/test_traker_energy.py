@@ -1,6 +1,7 @@
 """TRAKer's default projector splits proj_dim by the gradient energy of the first min(64, train rows) rows
 featurized, whatever the batches: the projector and the store wait for those rows; a reopened store rebuilds the
-identical projector from its metadata alone; a version-4 store (equal split) still opens; nothing needs the projector before it exists."""
+identical projector from its metadata alone; a version-4 store (equal split) still opens; nothing needs the
+projector before it exists."""
 
 import logging
 

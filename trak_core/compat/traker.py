@@ -352,7 +352,7 @@ class TRAKer:
         held = self._probe.take()
         stand_in, self.featurizer.projector = self.featurizer.projector, projector
         try:
-            computed = [self.featurizer.featurize(batch, mid, inds) for mid, batch, inds in held]
+            computed = [self.featurizer.featurize(batch, mid, inds.tolist()) for mid, batch, inds in held]
         finally:
             self.featurizer.projector = stand_in
         self._create_store(projector)
