@@ -116,17 +116,6 @@ def probe_split(
     return {"split": "energy", "energies": energies}
 
 
-def check_finite_inputs(model_id: int, batch: Sequence[torch.Tensor], inds: np.ndarray) -> None:
-    """Refuse (NonFiniteGradientError naming the example indices) a batch whose floating inputs hold NaN or inf:
-    what featurizing it would refuse, said when rows are held before they are featurized (:class:`ProbeRows`)."""
-    bad = torch.zeros(int(np.asarray(inds).size), dtype=torch.bool)
-    for t in batch:
-        if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0:
-            bad |= ~torch.isfinite(t.detach().reshape(t.shape[0], -1)).all(1).cpu()
-    if bool(bad.any()):
-        raise NonFiniteGradientError(model_id, np.asarray(inds)[bad.numpy()].tolist(), what="inputs")
-
-
 class ProbeRows:
     """The train rows a run is given before its default projector exists, held (inputs only, at most the rows of
     the calls that reach ``want`` rows) until they number ``want`` = min(PROBE_ROWS, train rows), or until the
@@ -143,6 +132,11 @@ class ProbeRows:
         buffers."""
         self.held.append((int(model_id), [t.detach().clone() for t in batch], np.asarray(inds)))
         self.count += int(np.asarray(inds).size)
+
+    def drop_last(self) -> None:
+        """Forget the batch added last (one that could not be featurized)."""
+        _, _, inds = self.held.pop()
+        self.count -= int(inds.size)
 
     @property
     def full(self) -> bool:
@@ -762,11 +756,16 @@ def begin_targets(store: TrakStore, exp_name: str, model_id: int, num_targets: i
 
 
 def target_rows(store: TrakStore, featurizer: Featurizer, exp_name: str, model_id: int, batch, rows) -> None:
-    """Project the gradients of a batch of targets (rows ``rows``) and write them."""
+    """Project the gradients of a batch of targets (rows ``rows``) and write them. Rows stored already with the
+    same bits (the same targets again: a rerun) are left as they are, and so are their solve and scores."""
     rows = np.asarray(rows)
     order = np.argsort(rows)
     g = featurizer.target_features(batch, model_id, rows)
-    store.write_target_rows(exp_name, model_id, rows[order], g[order])
+    rows, g = rows[order], g[order]
+    stored = store.stored_target_rows(exp_name, model_id, rows)
+    if stored is not None and np.array_equal(stored, g.astype(store.meta.np_dtype, copy=False)):
+        return
+    store.write_target_rows(exp_name, model_id, rows, g)
 
 
 def featurize_targets(

@@ -43,6 +43,7 @@ def loaded(tmp_path):
     tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
     x, y, _, _ = make_data(n=40)
     tr.featurize((x[:8], y[:8]), num_samples=8)  # some real content in the store
+    tr._flush_rows()  # held until the default projector's probe has its rows (or the next step): written now
     return tr, tmp_path / "store", (x, y)
 
 
@@ -103,7 +104,9 @@ def test_non_finite_weights_name_model(tmp_path):
     assert snapshot(tmp_path / "store") == before
 
 
-def test_featurize_after_finalize(tmp_path):
+def test_featurize_after_finalize_skips_the_stored_rows(tmp_path):
+    """As traker: a finalized model's rows are all stored, so featurizing them again does nothing (the same
+    checkpoint; another one is refused by load_checkpoint)."""
     tr = new_traker(tmp_path, n=24, lambda_reg=1e-3)
     tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
     x, y, _, _ = make_data(n=24)
@@ -111,9 +114,11 @@ def test_featurize_after_finalize(tmp_path):
     tr.finalize_features()
     before = snapshot(tmp_path / "store")
     tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
-    with pytest.raises(StateError, match="model_id=0 is already finalized"):
-        tr.featurize((x[:8], y[:8]), inds=np.arange(8))
+    tr.featurize((x[:8], y[:8]), inds=np.arange(8))
+    tr.finalize_features()
     assert snapshot(tmp_path / "store") == before
+    with pytest.raises(StoreMismatchError, match="model_id=0"):
+        tr.load_checkpoint(make_model(2).state_dict(), model_id=0)
 
 
 def test_finalize_before_all_rows_featurized(loaded):
@@ -150,7 +155,8 @@ def test_reopen_with_another_proj_dim(tmp_path):
     tr = new_traker(tmp_path, proj_dim=16)
     tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
     x, y, _, _ = make_data(n=40)
-    tr.featurize((x[:8], y[:8]), num_samples=8)  # the default projector's store is created by the first featurize
+    tr.featurize((x[:8], y[:8]), num_samples=8)  # the default projector's store: created once its probe's rows
+    tr._flush_rows()  # are here, or by the next step
     before = snapshot(tmp_path / "store")
     with pytest.raises(StoreMismatchError, match=r"proj_dim=16.*proj_dim=32"):
         new_traker(tmp_path, proj_dim=32)
@@ -228,10 +234,10 @@ def test_reopen_with_other_projector_parameters_is_refused(tmp_path):
 
 def test_default_projector_is_factored_also_for_non_linear_parameters(tmp_path):
     tr = new_traker(tmp_path)
-    assert tr.projector is None  # built by the first featurize call, from its batch's gradient energy
+    assert tr.projector is None  # built from the gradient energy of the first rows featurized
     tr.load_checkpoint(make_model(1).state_dict(), model_id=0)
     x, y, _, _ = make_data(n=40)
-    tr.featurize((x[:8], y[:8]), num_samples=8)
+    tr.featurize((x, y), num_samples=40)
     assert tr.projector.spec()["kind"] == "factored" and tr.projector.spec()["split"] == "energy"
 
     class Bag(torch.nn.Module):  # an embedding: its own factored block (layout version 2; before, the dense one)

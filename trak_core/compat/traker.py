@@ -516,20 +516,26 @@ class TRAKer:
         if self._deferred:  # held until the rows that decide the default projector are here (engine.ProbeRows)
             self.task.validate_batch(batch)
             inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
-            engine.check_finite_inputs(mid, batch, inds)
             self._probe.add(mid, batch, inds)
             if self._probe.full:
                 self._create_default_store()
+            else:  # held: checked now as featurizing would (with the stand-in; ≤ PROBE_ROWS rows computed twice)
+                try:
+                    self.featurizer.featurize(batch, mid, inds.tolist())
+                except BaseException:
+                    self._probe.drop_last()
+                    raise
             return
         with self.store.pinned(self._handles):
             self._featurize(mid, batch, inds, num_samples)
 
     def _featurize(self, mid: int, batch, inds, num_samples, computed=None) -> None:
-        if self._writable != mid:
-            engine.require_not_finalized(self.store, mid)
-            self._writable = mid
         self.task.validate_batch(batch)
         inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
+        if self._writable != mid:
+            if self.store.is_finalized(mid):  # every row is stored (finalize needs them all): skipped, as traker does
+                return
+            self._writable = mid
         pend = self._pending
         if pend is not None and pend["mid"] != mid:
             self._pending = None

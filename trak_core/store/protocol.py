@@ -50,6 +50,9 @@ class RunStore(Protocol):
     def init_experiment_model(self, exp_name: str, model_id: int) -> object:
         """Create the target arrays of ``model_id`` in ``exp_name`` (idempotent)."""
 
+    def stored_target_rows(self, exp_name: str, model_id: int, rows) -> np.ndarray | None:
+        """The stored target gradients of rows ``rows``, or None unless every one is written."""
+
     def write_target_rows(self, exp_name: str, model_id: int, rows, grads: np.ndarray) -> None:
         """Write target gradient rows, then mark them written."""
 

@@ -631,6 +631,16 @@ class TrakStore:
             return False
         return bool(e.model(model_id).scored[:].all())
 
+    def stored_target_rows(self, exp_name: str, model_id: int, rows) -> np.ndarray | None:
+        """The stored target gradients of rows ``rows`` (sorted indices), None unless every one is written."""
+        e = self.experiment(exp_name)
+        if not e.has_model(model_id):
+            return None
+        t = e.model(model_id)
+        if not bool(t.scored.oindex[rows].all()):
+            return None
+        return np.asarray(t.grads.oindex[rows, :])
+
     def write_target_rows(self, exp_name: str, model_id: int, rows, grads: np.ndarray) -> None:
         t = self.experiment(exp_name).model(model_id)
         _write_rows(t.solved_done, rows, np.zeros(grads.shape[0], dtype=np.uint8))  # G·A of these rows is stale
