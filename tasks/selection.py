@@ -117,6 +117,8 @@ def write_selection(sel: Selection, out_dir: str | os.PathLike, train: tuple | N
         rows = torch.from_numpy(sel.indices)
         torch.save(tuple(t[rows] for t in train), out / "selected_rows.pt")
         files.append(out / "selected_rows.pt")
+    else:
+        (out / "selected_rows.pt").unlink(missing_ok=True)  # an earlier selection's rows are not this one's
     names = [str(f) for f in files] + [str(out / "selection.json")]
     doc = {**meta, **{k: v for k, v in sel.to_dict().items() if k not in ("indices", "scores")}, "files": names}
     (out / "selection.json").write_text(json.dumps(doc, indent=1))

@@ -81,6 +81,10 @@ def test_run_select_writes_indices_scores_and_rows(attributed, tmp_path):
     doc = json.loads((tmp_path / "selection.json").read_text())
     assert doc["k"] == 6 and doc["n"] == 64 and doc["model_ids"] == [0, 1] and doc["store"] == cfg.store
     assert sorted(doc["files"]) == sorted(out["files"])
+    # the same folder again, without train data: no rows file of the earlier selection is left behind
+    out = run_select(SelectConfig(store=cfg.store, inputs=str(tmp / "val.pt"), k=3, out_dir=str(tmp_path),
+                                  model="examples.tiny:make_model"))  # fmt: skip
+    assert not (tmp_path / "selected_rows.pt").exists() and np.load(tmp_path / "selected_indices.npy").shape == (3,)
 
 
 # ---------------------------------------------------------------------------- trakflow select
