@@ -182,6 +182,8 @@ def summed_influence(
     index's checkpoints as scoring combines: (n,) float32, from one streamed pass over the stored rows. With
     ``sums`` the targets' summed projected gradients this is each row's summed influence on the targets."""
     store, p, n = index.store, index.store.meta.proj_dim, index.n
+    if set(sums) != set(index.model_ids):
+        raise BadInputError(f"sums: one ({p},) vector per model_id {list(index.model_ids)}, got {sorted(sums)}")
     right = {}
     for mid in index.model_ids:
         s = np.asarray(sums[mid], dtype=np.float64).reshape(-1)

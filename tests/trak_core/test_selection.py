@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from trak_fixtures import checkpoints, make_data, make_model, run_traker
 
 from trak_core import TRAKer, TrakIndex
@@ -181,4 +180,25 @@ def test_selection_reads_the_store_only(built):
     _, _, (_, _, xt, yt), _ = built
     select(open_index(built), (xt, yt), fraction=0.5)
     assert {p: p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()} == before
-    assert torch.is_tensor(xt)
+
+
+def test_store_changing_during_a_selection_is_refused(built, tmp_path, monkeypatch):
+    """A run that re-finalizes a checkpoint while a selection reads it: refused, as a query is."""
+    import shutil
+
+    from trak_core.selection import _IntoVector
+
+    store = tmp_path / "copy.zarr"
+    shutil.copytree(built[0], store)
+    _, ck, (_, _, xt, yt), _ = built
+    index = TrakIndex(store, model=make_model(), checkpoints=ck, device="cpu")
+    info = TrakStore.open(str(store), mode="r").finalize_info(0)
+
+    def run_refinalizes(self, a, b, scores):
+        TrakStore.open(str(store)).model(0).group.attrs["finalize"] = {**info, "lambda": 0.5}
+
+    monkeypatch.setattr(_IntoVector, "rows", run_refinalizes)
+    with pytest.raises(StateError, match=r"changed during the selection \(model_ids \[0\]\)"):
+        select(index, (xt, yt), k=3)
+    with pytest.raises(StateError, match="changed since the index was opened"):
+        select(index, (xt, yt), k=3)
