@@ -13,7 +13,9 @@ Deployments (``flow/deployment``):
 * ``attribute/digits``      the attribute flow, its config pre-filled with the digits demo (UI form);
 * ``train/digits``          the train flow for the digits checkpoints;
 * ``query/digits``          top-k train digits of new inputs against the demo's store (UI form: the inputs file,
-                            e.g. ``torch.save(examples.digits.target_data(), "trakflow_demo/query.pt")``, and k).
+                            e.g. ``torch.save(examples.digits.target_data(), "trakflow_demo/query.pt")``, and k);
+* ``select/digits``         data selection: the train digits with the largest summed influence on the inputs of that
+                            file (UI form: the file, the fraction kept, the output folder).
 
 Trigger one from the UI (Deployments → Run), the CLI (``prefect deployment run 'attribute/digits'`` or
 ``trakflow trigger attribute/digits``) or Python (``prefect.deployments.run_deployment("attribute/digits")``).
@@ -35,6 +37,7 @@ def build_deployments(demo_dir: str | None = None) -> list:
     from examples.digits import demo_configs
     from flows import attribute, digits_demo, train
     from flows.query import query
+    from flows.selection import select
 
     demo_dir = demo_dir or os.environ.get("TRAKFLOW_DEMO_DIR", "trakflow_demo")
     train_cfg, attr = demo_configs(demo_dir)
@@ -66,6 +69,12 @@ def build_deployments(demo_dir: str | None = None) -> list:
             description="top-k train digits (proponents / opponents) of the inputs in a .pt/.npz file",
             **common,
         ),
+        select.to_deployment(
+            name="digits",
+            parameters={"request": select_request(attr)},
+            description="data selection: the train digits with the largest summed influence on the inputs of a file",
+            **common,
+        ),
     ]
 
 
@@ -79,6 +88,19 @@ def query_request(attr: dict) -> dict:
         "train_data": attr["train_data"],
         "show": attr.get("show"),
         "report_dir": attr.get("report_dir"),
+    }
+
+
+def select_request(attr: dict) -> dict:
+    """The select form pre-filled for a demo store: the query's inputs file as the targets, 10 % kept."""
+    folder = os.path.dirname(attr["store"])
+    return {
+        "store": attr["store"],
+        "inputs": os.path.join(folder, "query.pt"),
+        "fraction": 0.1,
+        "out_dir": os.path.join(folder, "selection"),
+        "model": attr["model"],
+        "train_data": attr["train_data"],
     }
 
 

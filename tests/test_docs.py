@@ -68,6 +68,7 @@ def test_prefect_yaml_deploys_the_demo_configs(monkeypatch):
         ("flows/attribute.py:attribute", "digits"),
         ("flows/train.py:train", "digits"),
         ("flows/query.py:query", "digits"),
+        ("flows/selection.py:select", "digits"),
     }
 
     def full(cls, d: dict) -> dict:  # every field, defaults filled in (validation would need the checkpoints)
@@ -80,9 +81,10 @@ def test_prefect_yaml_deploys_the_demo_configs(monkeypatch):
     assert deps[("flows/demo.py:digits_demo", "nightly")]["schedules"][0]["cron"] == NIGHTLY_CRON
     # the README names the schedule the code serves
     assert f"`{NIGHTLY_CRON}`" in README.read_text()
-    from deployments.serve import query_request
+    from deployments.serve import query_request, select_request
 
     assert deps[("flows/query.py:query", "digits")]["parameters"]["request"] == rel(query_request(attr))
+    assert deps[("flows/selection.py:select", "digits")]["parameters"]["request"] == rel(select_request(attr))
 
 
 def test_cli_reference_is_current():

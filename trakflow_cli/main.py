@@ -739,6 +739,10 @@ from trakflow_cli.query import query as _query  # noqa: E402  (trakflow query ST
 
 app.command("query")(_query)
 
+from trakflow_cli.selection import select as _select  # noqa: E402  (trakflow select STORE_OR_CONFIG --inputs FILE)
+
+app.command("select")(_select)
+
 
 def main() -> None:  # pragma: no cover
     app()

@@ -545,7 +545,13 @@ def test_deployments_register_and_trigger():
 
     deps = build_deployments()
     names = {(d.flow_name, d.name) for d in deps}
-    assert names == {("digits-demo", "nightly"), ("attribute", "digits"), ("train", "digits"), ("query", "digits")}
+    assert names == {
+        ("digits-demo", "nightly"),
+        ("attribute", "digits"),
+        ("train", "digits"),
+        ("query", "digits"),
+        ("select", "digits"),
+    }
     nightly = next(d for d in deps if d.name == "nightly")
     assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
     on_demand = next(d for d in deps if d.flow_name == "attribute")
