@@ -161,8 +161,8 @@ def sketched_energies(
 
     Returns:
         {parameter name: energy}, each block's on its first parameter (0.0 on its others): what
-        ``split="energy"`` sums per block, rounded by :func:`quantize_energies`. Arguments and errors as
-        :func:`gradient_energies`.
+        ``split="energy"`` sums per block (a new store records them rounded: :func:`quantize_energies`).
+        Arguments and errors as :func:`gradient_energies`.
     """
     from .factored import FactoredProjector
     from .factored_layout import model_layout
@@ -201,4 +201,4 @@ def sketched_energies(
         out[b.params[0]] = float(sq[:, a : a + b.k].sum()) / used
         out.update({name: 0.0 for name in b.params[1:]})
         a += b.k
-    return quantize_energies(_finite(out))
+    return _finite(out)

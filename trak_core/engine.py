@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .energy import PROBE_ROWS, sketched_energies
+from .energy import PROBE_ROWS, quantize_energies, sketched_energies
 from .errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
 from .featurize import Featurizer
 from .lds import array_fingerprint
@@ -113,7 +113,7 @@ def probe_split(
     energies = sketched_energies(
         model, task, rows, PROBE_ROWS, grad_wrt, skip_nonfinite=skip_nonfinite, chunk_rows=chunk_rows
     )
-    return {"split": "energy", "energies": energies}
+    return {"split": "energy", "energies": quantize_energies(energies)}
 
 
 class ProbeRows:

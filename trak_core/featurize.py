@@ -146,13 +146,14 @@ class Featurizer:
         return x
 
     def _one_forward(
-        self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int]
+        self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int], given: int | None = None
     ) -> tuple[Tensor, Tensor] | None:
         """(X, Q) from one forward pass — the factored fast path's, or torch.func's per-example gradients and
         values — with Q from its outputs (the task's ``out_to_loss_from_output``), where the task allows it and the
         gradients come from torch.func; else None. Where that Q is not finite (a label out of range, a non-finite
         output) the task's own ``get_out_to_loss_grad`` runs, as :meth:`out_to_loss`: its error (or its Q) is what
-        the separate forward gives, raised before any check of the gradients."""
+        the separate forward gives, raised before any check of the gradients. ``given``: the rows of the batch before
+        its padding (:data:`ROW_BLOCK`), which an error counts."""
         probe = getattr(self.task, "out_to_loss_from_output", None)
         gc = self.gradient_computer
         if probe is None or probe(torch.zeros(1)) is None or not isinstance(gc, FunctionalGradientComputer):
@@ -165,9 +166,10 @@ class Featurizer:
             x, out = fast
         q = probe(out)
         if q is None or q.numel() != out.numel():
+            outputs = out.numel() if given is None else out.numel() * given // batch[0].shape[0]
             raise BadInputError(
                 f"{type(self.task).__name__}.out_to_loss_from_output gave "
-                f"{'None' if q is None else tuple(q.shape)} for {out.numel()} outputs: it must give one Q per "
+                f"{'None' if q is None else tuple(q.shape)} for {outputs} outputs: it must give one Q per "
                 "output whenever it gives one for any"
             )
         q = q.reshape(-1).float()
@@ -197,7 +199,7 @@ class Featurizer:
         rows = padded_rows(b)  # the same bits for a row whatever the batch (ROW_BLOCK)
         batch, indices = _pad(batch, rows), indices + indices[-1:] * (rows - b)
         try:
-            both = self._one_forward(batch, model_id, indices)
+            both = self._one_forward(batch, model_id, indices, given=b)
             if both is None:
                 q = self.out_to_loss(batch, model_id, indices)
                 x = self.project_batch(batch, model_id, indices)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trak_core import TRAKer
-from trak_core.energy import sketched_energies
+from trak_core.energy import quantize_energies, sketched_energies
 from trak_core.errors import ModelIDException, StateError, StoreMismatchError
 from trak_core.factored import FactoredProjector
 from trak_core.index import TrakIndex
@@ -63,7 +63,7 @@ def test_projector_waits_for_the_first_featurize_then_a_reopened_store_rebuilds_
     assert tr.projector is None  # 16 of the 24 rows the probe takes: held
     tr.featurize((x[16:], y[16:]), num_samples=8)
     spec = tr.projector.spec()
-    energies = sketched_energies(model, "image_classification", (x, y))  # the first 24 rows, rounded
+    energies = quantize_energies(sketched_energies(model, "image_classification", (x, y)))  # the first 24 rows
     assert spec["split"] == "energy" and spec["energies"] == energies
     assert tr.store.meta.projector_params["layout"] == spec["layout"]
     assert tr.store.checkpoint_record(0) is not None  # the load_checkpoint before the store, recorded

@@ -64,12 +64,13 @@ def test_one_forward_same_features_and_q(tmp_path, monkeypatch, kind):
     """Factored: the fast path's forward; the others: torch.func's per-example gradients and values."""
     model = make_model(1)
     x, y, _, _ = make_data(n=40)
-    probe = int(kind == "factored")  # the default projector's first featurize call probes the gradient energy first
+    # the default projector: rows held for its probe are checked at their call (as featurizing them), then probed
+    probe = int(kind == "factored")
     x1, q1, calls1 = _featurize(_traker(tmp_path, model=model, name="a", kind=kind), model, x[:8], y[:8])
-    assert calls1 == 1 + probe  # the projection's forward only
+    assert calls1 == 1 + 2 * probe  # the projection's forward only (factored: its check and the probe first)
     monkeypatch.setattr(ImageClassificationModelOutput, "out_to_loss_from_output", lambda self, out: None)
     x2, q2, calls2 = _featurize(_traker(tmp_path, model=model, name="b", kind=kind), model, x[:8], y[:8])
-    assert calls2 == 2 + probe  # the projection's forward and get_out_to_loss_grad's
+    assert calls2 == 2 + 3 * probe  # the projection's forward and get_out_to_loss_grad's (factored: check them too)
     np.testing.assert_array_equal(x1, x2)
     np.testing.assert_allclose(q1, q2, rtol=1e-6, atol=1e-7)
     with torch.no_grad():
@@ -102,7 +103,8 @@ def test_other_tasks_keep_their_own_q(tmp_path, task):
     model = make_model(1)
     x, y, _, _ = make_data(n=40)
     _, q, calls = _featurize(_traker(tmp_path, task=task, model=model), model, x[:8], y[:8])
-    assert calls == 3  # the energy probe (the default projector's first call), the projection's forward, Q's
+    # the held rows' check (projection and Q forwards), the energy probe, then the projection's forward and Q's
+    assert calls == 5
     w = dict(model.named_parameters())
     want = task.get_out_to_loss_grad(model, w, {}, (x[:8], y[:8])).reshape(-1).numpy()
     np.testing.assert_allclose(q, want, rtol=1e-6)
