@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from .damping import CURVATURES, check_lambda
 from .energy import PROBE_ROWS, quantize_energies, sketched_energies
 from .errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
 from .featurize import Featurizer
@@ -28,7 +29,6 @@ from .projector_base import AbstractProjector
 from .projectors import make_projector, rebuild_kwargs
 from .reduce import (
     GramBuffers,
-    ensure_partial,
     features_rows,
     finalize_model,
     finalize_scores,
@@ -41,6 +41,8 @@ from .reduce import (
     unscored_ranges,
     usable_models,
 )
+from .row_sink import RowSink as RowSink  # TRAKer's rows on their way into the store
+from .row_sink import complete_shard, write_rows
 from .store import StoreLock, StoreMetadata, TrakStore, check_writable
 from .store.chunkio import stack_dtype
 from .store.grow import grow_train_rows
@@ -185,6 +187,17 @@ def stored_projector(
     return rebuild_projector(
         "factored", meta.grad_dim, meta.proj_dim, meta.proj_seed, meta.proj_type, split, model, grad_wrt, device
     )
+
+
+def check_solve_settings(lambda_reg, curvature: str) -> None:
+    """Refuse (BadInputError naming the setting) a damping or curvature the solve does not know, before anything
+    is created (:func:`trak_core.damping.check_lambda`)."""
+    try:
+        check_lambda(lambda_reg)
+    except ValueError as e:
+        raise BadInputError(str(e)) from None
+    if curvature not in CURVATURES:
+        raise BadInputError(f"curvature={curvature!r}: expected one of {CURVATURES}")
 
 
 def check_new_store(location: str, storage_options: dict | None = None) -> None:
@@ -573,28 +586,6 @@ def require_not_finalized(store: TrakStore, model_id: int) -> None:
             f"model_id={model_id} is already finalized; featurizing it again would make its features "
             "stale. Use a new model_id or a new store."
         )
-
-
-def write_rows(store: TrakStore, model_id: int, rows, x, q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Write featurized train rows (then mark them featurized); ``x`` an array or a list of arrays of consecutive
-    rows (batches). Returns ``x`` as stored (the store's dtype: what the shard's partial is computed from), in
-    ``out`` when given (a reused buffer of those rows)."""
-    return store.write_train_rows(model_id, rows, x, q, out)
-
-
-def complete_shard(
-    store: TrakStore, model_id: int, shard: int, device=None, x=None, q=None, buffers=None, sums=None
-) -> None:
-    """Store the XᵀX partial (and row sums) of a shard whose rows are all featurized, unless it is there; from
-    ``x``/``q`` (the shard's rows as written, still in memory) or read back. ``buffers``: a caller's reused host
-    buffers for the partials (:class:`~trak_core.reduce.GramBuffers`); ``sums``: a
-    :class:`~trak_core.reduce.PartialSums` that gets the partial stored (or, when it was there, loses its run)."""
-    stored = ensure_partial(store, model_id, shard, device, x, q, buffers)
-    if sums is not None:
-        if stored is None:
-            sums.end()
-        else:
-            sums.add(model_id, shard, *stored)
 
 
 #: the most bytes of shard buffers a thread keeps between shards (proj_dim 2048, 8,192 rows: 32 MiB of float16 rows

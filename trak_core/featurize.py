@@ -36,7 +36,8 @@ def _all_finite(t: Tensor) -> bool:
 #: fill them. BLAS picks its kernels (and so the order of its sums) by the number of rows (one row goes through a
 #: matrix-vector kernel, a few through edge kernels), and torch's CPU loops compute 2 × 16 floats at a time with
 #: vectorized exp/tanh and the rest of a tensor with scalar ones: a row computed in a batch of 1, 5 or 100 rows
-#: would differ in its last bits. In blocks of ROW_BLOCK rows it gets the same bits in every batch
+#: would differ in its last bits. In blocks of ROW_BLOCK rows it gets the same bits in every batch. Only the projected
+#: fast path (the factored projector) pads: the per-example-gradient paths would hold ROW_BLOCK gradients
 ROW_BLOCK = 32
 
 
@@ -196,7 +197,10 @@ class Featurizer:
         batch = self._to_device(batch)
         b = batch[0].shape[0]
         indices = list(range(b)) if indices is None else [int(i) for i in indices]
-        rows = padded_rows(b)  # the same bits for a row whatever the batch (ROW_BLOCK)
+        # the projected fast path holds no per-example gradient: computed in blocks of ROW_BLOCK rows, a row gets the
+        # same bits whatever its batch (the paths that materialize per-example gradients keep the batch's rows)
+        fast = getattr(self.projector, "featurize_batch", None) is not None
+        rows = padded_rows(b) if fast and isinstance(self.gradient_computer, FunctionalGradientComputer) else b
         batch, indices = _pad(batch, rows), indices + indices[-1:] * (rows - b)
         try:
             both = self._one_forward(batch, model_id, indices, given=b)

@@ -18,6 +18,7 @@ import pytest
 from trak_fixtures import REPO_ROOT, make_data, make_model
 
 from trak_core.compat.traker import TRAKer
+from trak_core.row_sink import RowSink
 from trak_core.store import TrakStore, chunkio
 from trak_core.store.verify import verify_location
 
@@ -77,11 +78,11 @@ def reference(tmp_path):
 @pytest.mark.parametrize("on_device", [False, True])  # True: each shard's partial stored by the writer too
 def test_same_bytes_as_synchronous_writes(tmp_path, monkeypatch, reference, on_device):
     if on_device:
-        monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+        monkeypatch.setattr(RowSink, "partials_while_featurizing", lambda self: True)
     tr = _traker(tmp_path / "behind", write_behind=True)
     _featurize(tr)
     tr._flush_rows()
-    assert tr._writer is not None and tr._writer._thread.is_alive()
+    assert tr._rows._writer is not None and tr._rows._writer._thread.is_alive()
     assert tr.store.num_partials_done(0) == (5 if on_device else 0)
     tr.finalize_features()
     tr._close()
@@ -115,7 +116,7 @@ def test_a_write_error_reaches_the_caller_then_a_rerun_completes(tmp_path, refer
 def test_a_dropped_traker_is_collected_and_releases_its_lock(tmp_path):
     tr = _traker(tmp_path / "s", write_behind=True)
     _featurize(tr)
-    thread = tr._writer._thread
+    thread = tr._rows._writer._thread
     ref = weakref.ref(tr)
     del tr
     gc.collect()
@@ -168,7 +169,7 @@ def test_write_behind_is_the_default_on_a_cuda_device_only(tmp_path, monkeypatch
             self.gradient_computer = None
 
     monkeypatch.setattr(compat_traker, "check_device", lambda device: str(device))
-    monkeypatch.setattr(compat_traker, "Featurizer", _NoFeaturizer)
+    monkeypatch.setattr(compat_traker.engine, "Featurizer", _NoFeaturizer)
     model = make_model()
     grad_dim = sum(p.numel() for p in model.parameters())
     seen = {}

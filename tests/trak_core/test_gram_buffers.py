@@ -11,6 +11,7 @@ import torch
 
 from trak_core import engine, reduce
 from trak_core.damping import loss_curvature
+from trak_core.row_sink import RowSink
 from trak_core.store import StoreMetadata, TrakStore, pack_upper
 
 P = 24
@@ -261,7 +262,7 @@ def test_host_buffers_for_cuda_ask_for_page_locked_memory(monkeypatch, refused):
     """For data to or from a CUDA device (the Gram partials, TRAKer's shard rows) the host buffers are page-locked
     (asked of torch; here without CUDA, a stand-in that hands back ordinary memory), pageable where that is refused;
     for the CPU nothing is asked."""
-    from trak_core.compat.traker import _ShardRuns
+    from trak_core.row_sink import _ShardRuns
 
     asked = []
     real = torch.empty
@@ -293,7 +294,7 @@ def test_traker_on_a_device_stores_the_plain_paths_partials(tmp_path, device_on_
 
     from trak_core.compat.traker import TRAKer
 
-    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    monkeypatch.setattr(RowSink, "partials_while_featurizing", lambda self: True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).eval()
     n = 100
@@ -303,7 +304,7 @@ def test_traker_on_a_device_stores_the_plain_paths_partials(tmp_path, device_on_
         model=model, task="image_classification", train_set_size=n, save_dir=str(tmp_path / "t"), device="cpu",
         proj_dim=P, chunk_rows=8, shard_rows=32, logging_level=logging.ERROR, curvature=curvature,
     )  # fmt: skip
-    tr._shards.device = "meta"
+    tr._rows._shards.device = "meta"
     tr.load_checkpoint(model.state_dict(), model_id=0)
     for a in range(0, n, 10):
         tr.featurize((x[a : a + 10], y[a : a + 10]), num_samples=len(x[a : a + 10]))

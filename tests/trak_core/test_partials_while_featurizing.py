@@ -1,6 +1,6 @@
 """TRAKer on a GPU stores each shard's XᵀX partial as soon as the shard's rows are written (from the rows still in
 memory), so finalize neither reads the rows back nor copies them to the device again. The policy is
-``TRAKer._partials_while_featurizing`` (device != cpu); here it is switched on for the CPU, where the partials must be
+``RowSink.partials_while_featurizing`` (device != cpu); here it is switched on for the CPU, where the partials must be
 the very bits finalize computes from the stored rows."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import trak_core
-from trak_core.compat.traker import TRAKer
+from trak_core.row_sink import RowSink
 
 N, CHUNK, SHARD = 150, 8, 32  # 5 shards, the last one short
 
@@ -69,7 +69,7 @@ def test_partials_stored_while_featurizing_are_finalizes_bits(tmp_path, monkeypa
     _featurize(ref, model, x, y, _runs(batches))
     ref._flush_rows()
     assert not ref.store.model(0).partial_done[:].any()  # the CPU policy: finalize computes them
-    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    monkeypatch.setattr(RowSink, "partials_while_featurizing", lambda self: True)
     tr = _traker(tmp_path / "gpu", model, half, curvature)
     _featurize(tr, model, x, y, _runs(batches))
     tr._flush_rows()
@@ -90,7 +90,7 @@ def test_rows_out_of_order_leave_their_shards_to_finalize(tmp_path, monkeypatch)
     """A shard whose rows do not come in one ascending run from its first row (here: shard 1 begun mid-way, shard
     3 interrupted by rows of shard 2 written on their own) gets no early partial; finalize computes it, and the
     result is the reference's."""
-    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    monkeypatch.setattr(RowSink, "partials_while_featurizing", lambda self: True)
     model = _model()
     x, y = _data()
     order = [list(range(0, 32)), list(range(40, 64)), list(range(96, 110)), [70, 65, 66], list(range(110, 150))]
@@ -124,7 +124,7 @@ def test_finalize_sums_the_partials_it_stored_without_reading_them_back(tmp_path
     ref = _traker(tmp_path / "ref", model)
     _featurize(ref, model, x, y, runs)
     ref.finalize_features()
-    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    monkeypatch.setattr(RowSink, "partials_while_featurizing", lambda self: True)
     tr = _traker(tmp_path / "gpu", model)
     _featurize(tr, model, x, y, runs)
     tr._flush_rows()
@@ -166,7 +166,7 @@ def test_a_partial_still_being_stored_reads_its_own_rows(tmp_path, monkeypatch):
         return real(store, mid, shard, *args)
 
     monkeypatch.setattr(engine, "complete_shard", held)
-    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    monkeypatch.setattr(RowSink, "partials_while_featurizing", lambda self: True)
     tr = _traker(tmp_path / "t", model)
     _featurize(tr, model, x, y, runs[:5])  # rows 0..49: shard 0 complete, 18 rows of shard 1 written
     go.set()
@@ -182,18 +182,18 @@ def test_a_partial_still_being_stored_reads_its_own_rows(tmp_path, monkeypatch):
 def test_a_failed_partial_is_raised_and_left_to_finalize(tmp_path, monkeypatch):
     """A partial that fails on its thread is raised in the caller (by the next featurize or flush); the rows stay
     written and flagged, and finalize computes the missing partial: the reference's bits."""
-    from trak_core import engine
+    from trak_core import row_sink
 
     model, x, y, runs, ref = _finalized_reference(tmp_path)
-    real = engine.complete_shard
+    real = row_sink.complete_shard
 
     def failing(store, mid, shard, *args):
         if shard == 1:
             raise OSError("disk full (test)")
         return real(store, mid, shard, *args)
 
-    monkeypatch.setattr(engine, "complete_shard", failing)
-    monkeypatch.setattr(TRAKer, "_partials_while_featurizing", lambda self: True)
+    monkeypatch.setattr(row_sink, "complete_shard", failing)
+    monkeypatch.setattr(RowSink, "partials_while_featurizing", lambda self: True)
     tr = _traker(tmp_path / "t", model)
     tr.load_checkpoint(model.state_dict(), model_id=0)
     raised = []

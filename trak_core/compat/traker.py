@@ -42,14 +42,10 @@ import torch
 from torch import Tensor
 
 from .. import engine
-from ..damping import CURVATURES, check_lambda
 from ..errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
-from ..featurize import Featurizer
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
 from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
-from ..reduce import GramBuffers, PartialSums, host_empty
-from ..store.writer import BackgroundWriter
 from .savers import check_saver
 from .score_computers import score_computer_settings
 
@@ -181,12 +177,7 @@ class TRAKer:
             raise BadInputError(f"save_dir must be a non-empty path or URL of the store, got {save_dir!r}")
         if not isinstance(train_set_size, (int, np.integer)) or train_set_size <= 0:
             raise BadInputError(f"train_set_size must be a positive integer, got {train_set_size!r}")
-        try:
-            check_lambda(lambda_reg)
-        except ValueError as e:
-            raise BadInputError(str(e)) from None
-        if curvature not in CURVATURES:
-            raise BadInputError(f"curvature={curvature!r}: expected one of {CURVATURES}")
+        engine.check_solve_settings(lambda_reg, curvature)
         self.model = model
         self.task = resolve_task(task)
         self.train_set_size = int(train_set_size)
@@ -263,7 +254,7 @@ class TRAKer:
         self.write_behind = writes_behind(self.device) if write_behind is None else bool(write_behind)
         # nothing is created before the settings are known to fit in memory; then the store's run lock (as the
         # pipeline's runs take it: another process on this save_dir is refused), held while this TRAKer lives
-        on_device = torch.device(self.device).type != "cpu"  # see _partials_while_featurizing
+        on_device = torch.device(self.device).type != "cpu"  # see RowSink.partials_while_featurizing
         engine.check_featurize_memory(
             meta,
             model,
@@ -286,7 +277,7 @@ class TRAKer:
         except BaseException:
             self._close()
             raise
-        self.featurizer = Featurizer(
+        self.featurizer = engine.Featurizer(
             model, self.task, projector, gradient_computer, self.grad_wrt, self.device, stored_dtype=self.dtype
         )
         self.gradient_computer = self.featurizer.gradient_computer
@@ -297,22 +288,11 @@ class TRAKer:
         self._last_ind_target = 0
         self.scores: np.ndarray | None = None
         self._started_over: set[int] = set()  # model ids this instance started over (load_from_save_dir=False)
-        # featurized rows not yet in the store: one ascending run of rows of one model, written (and only then
-        # marked featurized) when it reaches a chunk boundary or the last train row, or before anything else
-        # this instance does with the store (see _flush_rows)
-        self._pending: dict | None = None
-        # on a GPU: the written rows of the shard being featurized in one ascending run, kept until the shard is
-        # complete, when its XᵀX partial is computed on the device and stored (_ShardRuns, run by the writer)
-        self._shards = _ShardRuns(self.device)
-        # writes the rows handed over (in order, on its own thread) while the next batch is featurized
-        self._writer: BackgroundWriter | None = None
-        # while featurizing one model: the store's groups and arrays opened once (store.pinned), and the model known
-        # not to be finalized; both dropped by every other step (load_checkpoint, finalize, scoring, close)
-        self._handles: dict = {}
+        # featurized rows on their way into the store (in whole chunks, behind this thread where asked, with each
+        # shard's partial on a GPU): the engine's RowSink
+        self._rows = engine.RowSink(self.device, self.write_behind)
+        # the model known not to be finalized while featurizing it (dropped by every other step)
         self._writable: int | None = None
-        # (model id, its rows' featurized flags as read once and updated by this TRAKer's own writes): a row flagged
-        # there is read again from the store before it is skipped; a row not flagged is featurized without a read
-        self._flags: tuple[int, np.ndarray] | None = None
         _open_trakers.add(self)
 
     # ------------------------------------------------------------------ the store
@@ -356,7 +336,7 @@ class TRAKer:
         finally:
             self.featurizer.projector = stand_in
         self._create_store(projector)
-        with self.store.pinned(self._handles):
+        with self.store.pinned(self._rows.handles):
             for (mid, batch, inds), done in zip(held, computed, strict=True):
                 self._featurize(mid, batch, inds, None, done)
 
@@ -375,55 +355,16 @@ class TRAKer:
     # ------------------------------------------------------------------ featurizing
     def _forget_handles(self) -> None:
         """Drop what featurizing one model keeps between calls (a step other than featurize may change it)."""
-        self._handles = {}
-        self._shards.handles = {}
+        self._rows.forget()
         self._writable = None
-        self._flags = None
-
-    def _known_flags(self, mid: int) -> np.ndarray:
-        if self._flags is None or self._flags[0] != mid:
-            self._flags = (mid, self.store.featurized_mask(mid))
-        return self._flags[1]
-
-    def _hand_over(self, mid: int, rows, xs: list, qs: list) -> None:
-        """Write rows ``rows`` (a slice, or sorted indices) of ``mid``, then flag them (on a GPU, then store a
-        completed shard's partial); with ``write_behind``, queued for the background writer, which does so while
-        this thread featurizes on, and an error of an earlier write is raised here (its rows and the ones queued
-        after it stay unflagged)."""
-        flags = self._flags[1] if self._flags is not None and self._flags[0] == mid else None
-        shards = self._shards if self._partials_while_featurizing() else None
-        job = functools.partial(_write_rows_job, self.store, self._handles, mid, rows, xs, qs, flags, shards)
-        if not self.write_behind:
-            self._on_writer(job)
-            return
-        if self._writer is None:
-            self._writer = BackgroundWriter(depth=2)
-        self._on_writer(self._writer.submit, job)
-
-    def _on_writer(self, call, *args) -> None:
-        try:
-            call(*args)
-        except BaseException:
-            self._flags = None  # rows of the failed write (and those queued after it) are unflagged: read again
-            raise
 
     def _flush_rows(self) -> None:
         """Write the featurized rows held back by :meth:`featurize` and wait until every queued write is done (its
         error, if any, raised here)."""
         if self._deferred and self._probe.count:  # fewer rows than the probe takes: they decide it
             self._create_default_store()
-        pend, self._pending = self._pending, None
-        if pend is not None:
-            self._hand_over(pend["mid"], slice(pend["start"], pend["stop"]), pend["x"], pend["q"])
-        if self._writer is not None:
-            self._on_writer(self._writer.drain)
-        self._shards.drain()
-
-    def _partials_while_featurizing(self) -> bool:
-        """On a GPU each shard's XᵀX partial is computed as soon as the shard's rows are written, from the rows
-        still in memory: finalize then neither reads the rows back from the store nor copies them to the device
-        again (on the CPU finalize computes them, as before: the same work, and no shard of rows held)."""
-        return torch.device(self.device).type != "cpu"
+        if self._store is not None:
+            self._rows.flush(self._store)
 
     def _close(self) -> None:
         """Write the rows held back, then release the store's run lock (at exit, or when garbage collected)."""
@@ -431,13 +372,9 @@ class TRAKer:
             self._flush_rows()
         except Exception:  # interpreter shutdown or a closed store: the rows stay unmarked (featurized again)
             pass
-        writer, self._writer = getattr(self, "_writer", None), None
-        for closing in (writer, getattr(self, "_shards", None)):
-            if closing is not None:
-                try:
-                    closing.close()
-                except Exception:  # as above
-                    pass
+        rows = getattr(self, "_rows", None)
+        if rows is not None:
+            rows.close()
         if getattr(self, "_locked", False):
             self._locked = False
             engine.release_store(self.save_dir)
@@ -451,8 +388,8 @@ class TRAKer:
     def load_checkpoint(self, checkpoint: dict, model_id: int, _allow_featurizing_already_registered=False) -> None:
         """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
         self._flush_rows()
-        self._forget_handles()
-        self._shards.run = None
+        self._rows.new_model()
+        self._writable = None
         # traker: load_from_save_dir=False does not load what save_dir holds; the model starts over here (once
         # per instance), never reusing gradients (or features, targets, scores) of another checkpoint
         start_over = not self.load_from_save_dir and model_id not in self._started_over
@@ -526,7 +463,7 @@ class TRAKer:
                     self._probe.drop_last()
                     raise
             return
-        with self.store.pinned(self._handles):
+        with self.store.pinned(self._rows.handles):
             self._featurize(mid, batch, inds, num_samples)
 
     def _featurize(self, mid: int, batch, inds, num_samples, computed=None) -> None:
@@ -536,52 +473,17 @@ class TRAKer:
             if self.store.is_finalized(mid):  # every row is stored (finalize needs them all): skipped, as traker does
                 return
             self._writable = mid
-        pend = self._pending
-        if pend is not None and pend["mid"] != mid:
-            self._pending = None
-            self._hand_over(pend["mid"], slice(pend["start"], pend["stop"]), pend["x"], pend["q"])
-            pend = None
-        done = self._known_flags(mid)[inds]
-        if done.any():  # flagged when last seen: the store says whether they still are
-            done = self.store.model(mid).featurized.oindex[inds].astype(bool)
-        if pend is not None:
-            done |= (inds >= pend["start"]) & (inds < pend["stop"])
-        if done.all():
+        todo = self._rows.todo(self.store, mid, inds)
+        if not todo.any():
             return
-        keep = np.flatnonzero(~done)
-        if keep.size < inds.size:
+        if not todo.all():
+            keep = np.flatnonzero(todo)
             sel = torch.as_tensor(keep)
             batch = [x[sel] for x in batch]
             inds = inds[keep]
             computed = None if computed is None else (computed[0][keep], computed[1][keep])
         x, q = self.featurizer.featurize(batch, mid, inds) if computed is None else computed
-        rows = inds
-        if inds.size > 1 and not bool((inds[1:] > inds[:-1]).all()):  # in ascending order (no copy when they are)
-            order = np.argsort(inds)
-            rows, x, q = inds[order], x[order], q[order]
-        run = rows.size > 0 and rows[-1] - rows[0] + 1 == rows.size
-        if pend is not None and (not run or pend["stop"] != rows[0]):  # the rows held are handed over first
-            self._pending = None
-            self._hand_over(pend["mid"], slice(pend["start"], pend["stop"]), pend["x"], pend["q"])
-            pend = None
-        if not run:  # not one run of rows: written now
-            self._hand_over(mid, rows, [x], [q])
-            return
-        start, stop = int(rows[0]), int(rows[-1]) + 1
-        if pend is None:
-            pend = self._pending = {"mid": mid, "start": start, "stop": start, "x": [], "q": []}
-        pend["x"].append(x)
-        pend["q"].append(q)
-        pend["stop"] = stop
-        chunk = self.store.meta.rows_per_chunk
-        if stop == self.train_set_size or stop // chunk > start // chunk:  # reached the end or a chunk boundary
-            cut = stop if stop == self.train_set_size else stop // chunk * chunk  # whole chunks written, rest held
-            xs, qs, tail = pend["x"], pend["q"], stop - cut
-            self._pending = None
-            if tail:  # the rows after the boundary: the end of this batch
-                self._pending = {"mid": mid, "start": cut, "stop": stop, "x": [x[-tail:]], "q": [q[-tail:]]}
-                xs, qs = [*xs[:-1], x[:-tail]], [*qs[:-1], q[:-tail]]
-            self._hand_over(mid, slice(pend["start"], cut), xs, qs)
+        self._rows.add(self.store, mid, inds, x, q)
 
     def finalize_features(self, model_ids: Iterable[int] | None = None, del_grads: bool = False) -> None:
         """XᵀX and A = (XᵀX + λI)⁻¹ for each model (all registered ones by default), stored; the features
@@ -608,7 +510,7 @@ class TRAKer:
                     f"Model ID {mid} not registered, not ready for finalizing: load_checkpoint and featurize it first"
                 )
         for mid in ids:
-            sums = self._shards.sums  # the partials' running sum: used where it covers all of mid's shards
+            sums = self._rows.partial_sums  # the partials' running sum: used where it covers all of mid's shards
             _, skipped, _ = engine.finalize(self.store, mid, self.lambda_reg, self.rescale_inverse, self.device, sums)
             if skipped:
                 self.logger.warning("model_id=%s already finalized, skipping", mid)
@@ -652,123 +554,3 @@ class TRAKer:
                 raise InputAssertionError("No model IDs to finalize scores for (model_ids is empty)")
         self.scores = engine.score_all(self.store, exp_name, model_ids, allow_skip)
         return self.scores
-
-
-def _write_rows_job(store, handles: dict, mid: int, rows, xs: list, qs: list, flags, shards) -> None:
-    """The job of :meth:`TRAKer._hand_over`: write rows (then their flags), note them in ``flags`` (the TRAKer's
-    known flags), and on a GPU (``shards``) collect them for their shard's partial, converted straight into the
-    shard's buffer where they continue its run. It keeps no reference to the TRAKer (one dropped with writes
-    queued is still collected)."""
-    x = xs[0] if len(xs) == 1 else xs  # batches: converted into the stored rows one by one
-    q = qs[0] if len(qs) == 1 else np.concatenate(qs)
-    with store.pinned(handles):
-        run = shards is not None and isinstance(rows, slice)
-        out = shards.slot(store.meta, mid, rows.start, rows.stop) if run else None
-        stored = engine.write_rows(store, mid, rows, x, q, out)
-        if flags is not None:
-            flags[rows] = True
-        if run:
-            shards.add(store, mid, rows.start, stored, q)  # the rows as stored: the partial rounds them so anyway
-        elif shards is not None:
-            shards.run = None  # not one run: their shards' partials are left to finalize
-
-
-def _complete_shard_job(store, handles: dict, mid: int, s: int, device, rows, q, runs: _ShardRuns) -> None:
-    """The partials' thread's job: shard ``s``'s partial stored (:func:`engine.complete_shard`), with the store's
-    handles this thread opened for the model kept over its shards."""
-    with store.pinned(handles):
-        engine.complete_shard(store, mid, s, device, rows, q, runs.grams, runs.sums)
-
-
-class _ShardRuns:
-    """The written rows of the shard being featurized in one ascending run from its first row, kept (in a buffer of
-    a shard's rows in the store's dtype) until the shard is complete, when its partial is stored
-    (:func:`engine.complete_shard` on ``device``: the bits finalize would compute from the stored rows) on a thread
-    of its own, while the next shard's rows are written into the other of two buffers. Rows that do not continue
-    the run drop it (finalize computes that shard's partial)."""
-
-    def __init__(self, device):
-        self.device = device
-        self.run: dict | None = None
-        self.bufs: list[np.ndarray | None] = [None, None]
-        self.busy = 1  # the buffer of the partial last handed to the partials' thread (the next run takes the other)
-        self.grams = GramBuffers()  # the host buffers of the partials, reused shard after shard
-        self.sums = PartialSums()  # the partials stored, summed in shard order: finalize reads none back
-        self.partials: BackgroundWriter | None = None
-        self.handles: dict = {}  # the store's handles the partials' thread opened (TRAKer drops them with its own)
-
-    def _buffer(self, meta, i: int) -> np.ndarray:
-        shape = (meta.rows_per_shard, meta.proj_dim)
-        buf = self.bufs[i]
-        if buf is None or buf.shape != shape or buf.dtype != meta.np_dtype:
-            buf = self.bufs[i] = host_empty(shape, meta.np_dtype, self.device)  # page-locked for a CUDA device
-        return buf
-
-    def _continues(self, meta, mid: int, a: int) -> bool:
-        s = a // meta.rows_per_shard
-        run = self.run
-        return a == s * meta.rows_per_shard or (
-            run is not None and (run["mid"], run["shard"], run["next"]) == (mid, s, a)
-        )
-
-    def _run_buffer(self, meta, mid: int, a: int) -> int:
-        """The buffer of the run that rows from ``a`` continue (or begin: the one the last partial does not use)."""
-        run = self.run
-        if run is not None and (run["mid"], run["shard"], run["next"]) == (mid, a // meta.rows_per_shard, a):
-            return run["buf"]
-        return 1 - self.busy
-
-    def slot(self, meta, mid: int, start: int, stop: int) -> np.ndarray | None:
-        """Where rows [start, stop) go in the buffer, when they lie in one shard and continue (or begin) its run."""
-        if start >= stop or start // meta.rows_per_shard != (stop - 1) // meta.rows_per_shard:
-            return None
-        if not self._continues(meta, mid, start):
-            return None
-        sa = start // meta.rows_per_shard * meta.rows_per_shard
-        return self._buffer(meta, self._run_buffer(meta, mid, start))[start - sa : stop - sa]
-
-    def add(self, store, mid: int, start: int, x: np.ndarray, q: np.ndarray) -> None:
-        meta = store.meta
-        stop = start + len(x)
-        for s in range(start // meta.rows_per_shard, (stop - 1) // meta.rows_per_shard + 1):
-            sa, sb = meta.shard_range(s)
-            a, b = max(start, sa), min(stop, sb)
-            if not self._continues(meta, mid, a):
-                self.run = None
-                continue
-            if a == sa:
-                self.run = {"mid": mid, "shard": s, "next": sa, "q": [], "buf": self._run_buffer(meta, mid, a)}
-            run = self.run
-            assert run is not None
-            place = self._buffer(meta, run["buf"])[a - sa : b - sa]
-            rows = x[a - start : b - start]
-            if place.__array_interface__["data"][0] != rows.__array_interface__["data"][0]:  # not written in place
-                place[...] = rows
-            run["q"].append(q[a - start : b - start])
-            run["next"] = b
-            if b == sb:
-                self.run = None
-                if store.shard_featurized(mid, s):
-                    self._store_partial(store, mid, s, self._buffer(meta, run["buf"])[: sb - sa], run)
-
-    def _store_partial(self, store, mid: int, s: int, rows: np.ndarray, run: dict) -> None:
-        """Store shard ``s``'s partial on the partials' thread, once the one before it is stored (its error, if
-        any, raised here): one partial at a time, so the buffer it reads is not the one written next."""
-        if self.partials is None:
-            self.partials = BackgroundWriter(depth=1, name="trakflow-partials")
-        self.partials.drain()
-        self.busy = run["buf"]
-        job = functools.partial(
-            _complete_shard_job, store, self.handles, mid, s, self.device, rows, np.concatenate(run["q"]), self
-        )
-        self.partials.submit(job)
-
-    def drain(self) -> None:
-        """Wait until the partials handed over are stored (their error, if any, raised here)."""
-        if self.partials is not None:
-            self.partials.drain()
-
-    def close(self) -> None:
-        partials, self.partials = self.partials, None
-        if partials is not None:
-            partials.close()
