@@ -1,7 +1,8 @@
 """The layout's rules, checked on the source (every import, function-local ones included):
 trak_core imports neither Prefect nor the pipeline nor cuda_ext, the top-level packages import each other
 without a cycle, the modules inside each package too, the core never imports its traker adapter
-(trak_core.compat), no production file is over MAX_LINES lines or cites an issue number, and no production
+(trak_core.compat, nor does a fresh interpreter that imports the core, the pipeline or the index load it), no
+production file is over MAX_LINES lines or cites an issue number, and no production
 module reads a test hook. Each checker is also run on a planted case it must catch."""
 
 from __future__ import annotations
@@ -196,16 +197,80 @@ def test_the_module_cycle_check_accepts_a_one_way_package(tmp_path):
 
 
 def test_the_core_never_imports_its_traker_adapter():
-    """Only trak_core's __init__ and the adapter's own modules import trak_core.compat."""
+    """Only the adapter's own modules import trak_core.compat (trak_core's __init__ resolves its names lazily)."""
     graph = module_graph(REPO, "trak_core")
     bad = [
         mod
         for mod, deps in graph.items()
-        if mod != "trak_core"
-        and not mod.startswith("trak_core.compat")
-        and any(d.startswith("trak_core.compat") for d in deps)
+        if not mod.startswith("trak_core.compat") and any(d.startswith("trak_core.compat") for d in deps)
     ]
     assert not bad, f"core modules import the adapter: {bad}"
+
+
+# ---------------------------------------------------------------------------- what an import loads
+#: imports every module of the packages named in argv[1:] (a module alone when it is not a package; the adapter's own
+#: modules aside), in order, and prints each one that brought trak_core.compat (the traker adapter, whose import
+#: registers an exit hook) in
+ADAPTER_PROBE = """
+import importlib, pkgutil, sys
+def loaded():
+    return any(m == "trak_core.compat" or m.startswith("trak_core.compat.") for m in sys.modules)
+def load(name):
+    before = loaded()
+    module = importlib.import_module(name)
+    if loaded() and not before:
+        print("ADAPTER", name)
+    return module
+for root in sys.argv[1:]:
+    package = load(root)
+    for info in pkgutil.walk_packages(getattr(package, "__path__", []), root + "."):
+        if not info.name.startswith("trak_core.compat"):
+            load(info.name)
+print("DONE")
+"""
+
+
+def modules_loading_the_adapter(roots: list[str], tmp_path: Path) -> list[str]:
+    """The modules (of the packages ``roots``) whose import, in a fresh interpreter, imports trak_core.compat."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    out = subprocess.run(
+        [sys.executable, "-c", ADAPTER_PROBE, *roots],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and "DONE" in out.stdout, out.stderr[-3000:]
+    return [line.split()[1] for line in out.stdout.splitlines() if line.startswith("ADAPTER ")]
+
+
+def test_importing_the_core_the_pipeline_or_the_index_leaves_the_adapter_out(tmp_path):
+    """``import trak_core.engine`` (what every Prefect task imports), the pipeline's packages, the index and the
+    CLI do not import trak_core.compat (nor run its import-time exit hook registration); ``trak_core.TRAKer`` is
+    resolved from it on first use."""
+    roots = ["trak_core", "trak_core.engine", "trak_core.index", "trak_core.testing", "tasks", "flows"]
+    roots += ["trakflow_cli.main", "deployments.serve"]
+    assert modules_loading_the_adapter(roots, tmp_path) == []
+
+
+def test_the_adapter_check_can_fail_and_trak_core_names_resolve_lazily(tmp_path):
+    """The probe names the first module that imports the adapter; ``from trak_core import TRAKer`` still works."""
+    assert modules_loading_the_adapter(["trak_core.engine", "trak_core.compat.alias"], tmp_path) == [
+        "trak_core.compat.alias"
+    ]
+    import trak_core
+    from trak_core.compat import errors, projectors, traker
+
+    assert trak_core.TRAKer is traker.TRAKer and trak_core.ModelIDException is errors.ModelIDException
+    assert trak_core.BasicProjector is projectors.BasicProjector
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        trak_core.NoSuchName  # noqa: B018
 
 
 # ---------------------------------------------------------------------------- file size, issue numbers

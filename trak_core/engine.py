@@ -24,7 +24,7 @@ from .featurize import Featurizer
 from .lds import array_fingerprint
 from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory
 from .projector_base import AbstractProjector
-from .projectors import make_projector, rebuild_kwargs
+from .projectors import make_projector, projector_traits, rebuild_kwargs
 from .reduce import (
     GramBuffers,
     ensure_partial,
@@ -91,7 +91,7 @@ def stored_split(location: str, storage_options: dict | None = None) -> tuple[bo
     if not TrakStore.exists(location, storage_options):
         return False, None
     meta = TrakStore.open(location, storage_options, mode="r", check_arrays=False).meta
-    if meta.projector != "factored":
+    if not projector_traits(meta.projector).splits_by_layer:
         return True, None
     try:
         return True, rebuild_kwargs(meta.projector, dict(meta.projector_params))
