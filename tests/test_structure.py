@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("trak_core", "tasks", "flows", "cuda_ext", "deployments", "trakflow_cli")
+PACKAGES = ("trak_core", "tasks", "flows", "cuda_ext", "deployments", "trakflow_cli", "trakflow_demo_data")
 
 
 def imported_packages(package: str) -> dict[str, set[str]]:
@@ -39,7 +39,7 @@ def package_graph() -> dict[str, set[str]]:
 
 def test_trak_core_imports_no_pipeline_prefect_or_cuda_ext():
     for module, names in imported_packages("trak_core").items():
-        bad = names & {"prefect", "prefect_dask", "tasks", "flows", "cuda_ext", "deployments", "trakflow_cli"}
+        bad = names & {"prefect", "prefect_dask", *PACKAGES} - {"trak_core"}
         assert not bad, f"{module} imports {sorted(bad)}"
 
 
@@ -76,6 +76,46 @@ def test_no_test_hook_in_production_code():
         for path in (REPO / package).rglob("*.py"):
             text = path.read_text()
             assert "TRAKFLOW_TEST" not in text, f"{path} reads a test hook"
+
+
+# ---------------------------------------------------------------------------- what the installed package ships
+def packaged(pyproject: dict) -> set[str]:
+    """The top-level packages that the wheel ships (setuptools' find with pyproject.toml's include patterns)."""
+    from setuptools import find_packages
+
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    return {p.split(".")[0] for p in find_packages(str(REPO), include=include)}
+
+
+def unshipped_imports(shipped: set[str]) -> list[str]:
+    """'module imports X' for each import, in a shipped package, of a top-level package of this repository that
+    the wheel does not ship (an installed trakflow would fail on it, e.g. the CLI's demo importing examples/)."""
+    local = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
+    return [
+        f"{module} imports {name}"
+        for package in sorted(shipped)
+        for module, names in imported_packages(package).items()
+        for name in sorted(names & local - shipped)
+    ]
+
+
+def test_the_package_ships_every_repository_package_it_imports():
+    """The CLI, the flows and the deployments run the embedded default (trakflow_demo_data): the wheel ships it,
+    and no shipped module imports a folder of the checkout that the wheel leaves out (examples/, benchmarks/)."""
+    import tomllib
+
+    shipped = packaged(tomllib.loads((REPO / "pyproject.toml").read_text()))
+    assert set(PACKAGES) <= shipped, sorted(set(PACKAGES) - shipped)
+    assert "examples" not in shipped and "tests" not in shipped and "benchmarks" not in shipped
+    assert not unshipped_imports(shipped), unshipped_imports(shipped)
+
+
+def test_the_shipping_check_can_fail():
+    """Without trakflow_demo_data in the wheel, the CLI's, the flows' and the deployments' imports of it are named."""
+    found = unshipped_imports(set(PACKAGES) - {"trakflow_demo_data"})
+    assert any(f.startswith("trakflow_cli/main.py imports trakflow_demo_data") for f in found), found
+    assert any(f.startswith("flows/demo.py imports trakflow_demo_data") for f in found), found
+    assert any(f.startswith("deployments/serve.py imports trakflow_demo_data") for f in found), found
 
 
 # ---------------------------------------------------------------------------- modules inside a package
