@@ -6,11 +6,11 @@ per checkpoint, ``ckpts`` checkpoints) and m targets, times:
 * **peak**: torch.matmul on square n×n float32 matrices (2048, 4096, 6144), best of the run (before and after);
 * **GEMM only**: the same product as the scoring, X (n × p, float32, in memory) @ W, W = A Gᵀ, in one addmm_: the
   ceiling for this shape;
-* **previous stream_scores**: ``streaming.scores_from_grads`` with the previous ``stream_scores`` (commit
+* **previous stream_scores**: :func:`scores_from_grads` with the previous ``stream_scores`` (commit
   d1aba7b: one-thread GEMM workers, each block read, written and flagged on its own), loaded from git, on an
   experiment with the layout it was made for (``m<m>-chunked``: no ``score_layout``, so scores and flags in
   ``chunk_rows`` chunks) — the reference the other paths' scores must equal bit for bit;
-* **X · (A Gᵀ)**: ``streaming.scores_from_grads`` (W from given inverses, the stored X streamed against it);
+* **X · (A Gᵀ)**: :func:`scores_from_grads`, defined here (W from given inverses, the stored X streamed against it);
 * **finalize_scores**: ``trak_core.reduce.finalize_scores`` end to end (G A read from the store — written once —,
   Zarr reads of X, float16 → float32, the GEMMs, the combination, the Zarr writes of the scores, the returned array);
 * **finalize_scores, buffers in numpy's huge pages**: the same with the returned array and the workers' buffers
@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -52,20 +53,70 @@ from tasks import core  # noqa: E402
 from tasks.common import cores, threads_per_task, torch_threads  # noqa: E402
 from tasks.config import AttributeConfig  # noqa: E402
 from trak_core import reduce, streaming  # noqa: E402
+from trak_core.errors import BadInputError, StateError  # noqa: E402
 from trak_core.scoring import combine_checkpoints  # noqa: E402
 from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
+from trak_core.store.verify import require_present  # noqa: E402
 from trak_core.streaming import (  # noqa: E402
     cache_bytes,
+    grads_right_hand,
     memory_bytes,
     page_array,
     score_block_rows,
-    scores_from_grads,
+    stream_scores,
 )
 
 START, END = "<!-- scoring_bench:start -->", "<!-- scoring_bench:end -->"
 #: the commit whose trak_core/streaming.py is the previous design (one-thread GEMM workers, a Zarr read, write and
 #: flag write per block), run on an experiment with that design's layout (``chunked``)
 PREVIOUS_STREAMING = "d1aba7b"
+
+
+def scores_from_grads(
+    store: TrakStore,
+    exp_name: str,
+    inverses: dict[int, np.ndarray],
+    *,
+    block_rows: int | None = None,
+    out: np.ndarray | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> np.ndarray:
+    """The experiment's combined scores from the projected gradients X, without features: per checkpoint c
+    with inverse A_c (``inverses[c]``, as :func:`trak_core.reduce.solve_model` returns it), W_c = A_c G_cᵀ
+    (:func:`grads_right_hand`), then X_c W_c streamed exactly as Φ_c G_cᵀ is (:func:`stream_scores` with
+    the stored gradients), combined with Q as :func:`trak_core.scoring.combine_checkpoints`. Returns the
+    (n, m) float32 scores (also stored; the checkpoints in ``inverses``' order are recorded as scored_with). The
+    benchmark's own path (the library scores through ``reduce.finalize_scores``, from the stored inverses).
+
+    The scores ``reduce.finalize_scores`` computes from the stored inverses, bit for bit (the inverse rounded to
+    float32 either way); traker's Φ Gᵀ up to rounding ((X A) Gᵀ and X (A Gᵀ) round differently, and traker
+    rounds Φ to the store's dtype). Needs every train row featurized and every target written for each
+    checkpoint; the checkpoints need not be finalized."""
+    with store.pinned():  # one call: its groups and arrays opened once
+        ids = [int(mid) for mid in inverses]
+        if not ids:
+            raise BadInputError(f"scores_from_grads: no checkpoint given for experiment {exp_name!r}")
+        n, p = store.meta.train_set_size, store.meta.proj_dim
+        rows, targets_idx = np.arange(n), np.arange(store.num_targets(exp_name))
+        right: dict[int, torch.Tensor] = {}
+        for mid in ids:
+            mask = store.featurized_mask(mid)
+            if not mask.all():
+                raise StateError(f"model_id={mid}: {int((~mask).sum())} of {n} train rows are not featurized")
+            if not store.targets_complete(exp_name, mid):
+                raise StateError(f"target gradients of experiment {exp_name!r} for model_id={mid} are incomplete")
+            mm, tg = store.model(mid), store.target_grads(exp_name, mid)
+            require_present(store, [(mm.grads, rows), (mm.out_to_loss, rows), (tg, targets_idx)])
+            g_t = torch.from_numpy(tg[:].astype(np.float32)).T.contiguous()
+            if tuple(np.shape(inverses[mid])) != (p, p):
+                raise BadInputError(f"inverses[{mid}] has shape {np.shape(inverses[mid])}, expected ({p}, {p})")
+            right[mid] = grads_right_hand(inverses[mid], g_t)
+        store.reset_scores(exp_name)  # a new combination: recompute all rows
+        if out is None:
+            out = page_array((n, store.num_targets(exp_name)), np.float32)
+        stream_scores(store, exp_name, ids, 0, n, right, block_rows=block_rows, out=out, progress=progress)
+        store.set_scored_with(exp_name, ids)
+    return out
 
 
 def chunked(exp: str) -> str:

@@ -7,13 +7,14 @@
 Deployments (``flow/deployment``):
 
 * ``digits-demo/nightly``   the embedded default end to end, on a cron schedule (03:00 UTC daily), over the
-                            train files of ``<demo_dir>/train`` (``examples.folder_data``; seeded with the
+                            train files of ``<demo_dir>/train`` (``trakflow_demo_data.folder_data``; seeded with the
                             digits train set): files added there since are appended to the store, and the run
                             featurizes only their rows, solves each checkpoint again and refreshes the report;
 * ``attribute/digits``      the attribute flow, its config pre-filled with the digits demo (UI form);
 * ``train/digits``          the train flow for the digits checkpoints;
-* ``query/digits``          top-k train digits of new inputs against the demo's store (UI form: the inputs file,
-                            e.g. ``torch.save(examples.digits.target_data(), "trakflow_demo/query.pt")``, and k);
+* ``query/digits``          top-k train digits of new inputs against the demo's store (UI form: the inputs
+                            file, e.g. ``torch.save(trakflow_demo_data.digits.target_data(),
+                            "trakflow_demo/query.pt")``, and k);
 * ``select/digits``         data selection: the train digits with the largest summed influence on the inputs of that
                             file (UI form: the file, the fraction kept, the output folder).
 
@@ -34,10 +35,10 @@ NIGHTLY_CRON = "0 3 * * *"
 def build_deployments(demo_dir: str | None = None) -> list:
     from prefect.types.entrypoint import EntrypointType
 
-    from examples.digits import demo_configs
     from flows import attribute, digits_demo, train
     from flows.query import query
     from flows.selection import select
+    from trakflow_demo_data.digits import demo_configs
 
     demo_dir = demo_dir or os.environ.get("TRAKFLOW_DEMO_DIR", "trakflow_demo")
     train_cfg, attr = demo_configs(demo_dir)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from examples import digits
+from trakflow_demo_data import digits
 
 NUM_TARGETS = digits.NUM_TARGETS
 

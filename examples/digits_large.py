@@ -1,6 +1,6 @@
 """Larger models on the scikit-learn digits (evaluation cases of benchmarks/quality.py at realistic compression).
 
-The same 1,500 train / 297 held-out split as ``examples/digits.py``. Two models of a few hundred thousand
+The same 1,500 train / 297 held-out split as ``trakflow_demo_data/digits.py``. Two models of a few hundred thousand
 parameters, so that proj_dim 256–4096 compresses their gradients 70–1,700×, as TRAK on a ResNet does:
 
 * ``mlp_model``: a deep, wide MLP 64 → 512 → 512 → 256 → 10 (ReLU), 429,834 parameters;
@@ -11,8 +11,8 @@ parameters, so that proj_dim 256–4096 compresses their gradients 70–1,700×,
 Import paths for the pipeline config::
 
     model:       examples.digits_large:mlp_model        or examples.digits_large:bn_conv_model
-    train_data:  examples.digits:train_data              or examples.digits_conv:train_data
-    target_data: examples.digits:target_data             or examples.digits_conv:target_data
+    train_data:  trakflow_demo_data.digits:train_data              or examples.digits_conv:train_data
+    target_data: trakflow_demo_data.digits:target_data             or examples.digits_conv:target_data
     task:        image_classification
 """
 

@@ -27,10 +27,10 @@ def digits_demo(
 
     Args:
         train_folder: attribute the train data of the folder ``<demo_dir>/train`` (the files of
-            :mod:`examples.folder_data`, seeded with the digits train set): files added there since the last
+            :mod:`trakflow_demo_data.folder_data`, seeded with the digits train set): files added there since the last
             run are appended to the store, which featurizes only their rows (the nightly deployment).
     """
-    from examples.digits import demo_configs
+    from trakflow_demo_data.digits import demo_configs
 
     train_cfg, attr = demo_configs(
         demo_dir, num_models=num_models, epochs=epochs, proj_dim=proj_dim, lambda_reg=lambda_reg
@@ -52,11 +52,11 @@ def digits_demo(
 
 
 def use_train_folder(folder: Path, log) -> str:
-    """Point :func:`examples.folder_data.train_folder` at ``folder`` (seeded with the digits train set when it
+    """Point :func:`trakflow_demo_data.folder_data.train_folder` at ``folder`` (seeded with the digits train set when it
     holds no data file) and forget this process's cached data, so files added since are read. Returns the
     ``train_data`` import path."""
-    from examples import digits, folder_data
     from tasks.common import clear_data_cache
+    from trakflow_demo_data import digits, folder_data
 
     files = folder_data.part_files(folder) if folder.is_dir() else []
     if not files:
@@ -65,4 +65,4 @@ def use_train_folder(folder: Path, log) -> str:
     os.environ[folder_data.TRAIN_DIR_ENV] = str(folder)
     clear_data_cache()
     log.info("train data: %d files in %s (%s)", len(files), folder, ", ".join(p.name for p in files))
-    return "examples.folder_data:train_folder"
+    return "trakflow_demo_data.folder_data:train_folder"

@@ -1,7 +1,7 @@
 """query: the top-k train examples of a batch of new inputs, from a finalized store (no score array written).
 
     from flows.query import query
-    query({"store": "trakflow_demo/store.zarr", "inputs": "new.pt", "model": "examples.digits:make_model"})
+    query({"store": "trakflow_demo/store.zarr", "inputs": "new.pt", "model": "trakflow_demo_data.digits:make_model"})
 
 Reads the store only (no run lock: a run may hold the store meanwhile; see trak_core.index). Writes a table
 artifact (one row per input and rank) and, where the inputs can be drawn (``show``), one image per input.

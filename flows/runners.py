@@ -39,8 +39,8 @@ from typing import Any
 from prefect.futures import wait
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
-from trak_core.engine import make_store_dir, remove_empty
 from trak_core.store import StoreLock
+from trak_core.store.lock import acquire_run_lock, reenter_run_lock, release_run_lock
 
 GPU_ENV = "CUDA_VISIBLE_DEVICES"
 #: set in each pinned worker to the GPU it was given (what ``CUDA_VISIBLE_DEVICES`` was set to)
@@ -349,19 +349,6 @@ def gather(futures, stage: str | None = None, amount: Callable[[dict], float] | 
 
 
 # ---------------------------------------------------------------------------------------------- run lock
-_held_lock = threading.Lock()
-_held: dict[str, list] = {}  # location -> [root flow run id, depth, run name] of the run holding it here
-
-
-def _local_dir(location: str) -> str | None:
-    loc = str(location)
-    if loc.startswith("file://"):
-        from urllib.parse import urlparse
-
-        return os.path.abspath(urlparse(loc).path)
-    return None if "://" in loc else os.path.abspath(loc)
-
-
 def _current_run() -> tuple[str, str]:
     """(root flow run id, "flow/run-name") of the calling flow run (a thread id outside flows)."""
     try:
@@ -471,60 +458,22 @@ def run_lock(config, run: str | None = None) -> Iterator[None]:
     process of this host (a crash) is stale and taken over. Subflows of the holding run (``attribute`` →
     ``featurize``) re-enter it. For a new local store the folder is created to hold the lock file and
     removed again if the run fails before writing anything into it, so bad input leaves no trace. Against
-    a real Prefect server the outermost holder first waits in the store's queue (:func:`store_queue`)."""
+    a real Prefect server the outermost holder first waits in the store's queue (:func:`store_queue`). The holds
+    are counted in the process's one registry of run locks (:func:`trak_core.store.lock.acquire_run_lock`), which
+    TRAKer's locks are in too: a TRAKer and a flow run of one process on one store are refused as two runs."""
     location = str(config.store)
     root, name = _current_run()
     name = run or name
-    with _held_lock:
-        held = _held.get(location)
-        if held is not None and held[0] == root:
-            held[1] += 1
-        else:
-            held = None
-    if held is not None:
+    if reenter_run_lock(location, root):  # a subflow of the run that holds it
         try:
             yield
         finally:
-            with _held_lock:
-                held[1] -= 1
+            release_run_lock(location)
         return
-    with store_queue(location):
-        with _locked(location, root, name):
+    with store_queue(location):  # the queue's slot is kept while the run holds the lock
+        # the lock needs only the location (the store itself may not exist yet: the plan creates it)
+        acquire_run_lock(location, name, owner=root)
+        try:
             yield
-
-
-@contextlib.contextmanager
-def _locked(location: str, root: str, name: str) -> Iterator[None]:
-    """The outermost holder's part of :func:`run_lock`: take the store's lock file."""
-    from trak_core.errors import StoreLockedError
-
-    path = _local_dir(location)
-    created = make_store_dir(path) if path is not None else []
-    # the lock needs only the location (the store itself may not exist yet: the plan creates it)
-    lock = StoreLock(location, name)
-    try:
-        with _held_lock:
-            if location in _held:  # another flow run of this process holds it
-                raise StoreLockedError(
-                    f"store {location} is in use by run {_held[location][2]} in this process (pid {os.getpid()}); "
-                    "two runs on one store are refused. Wait for it to finish."
-                )
-            _held[location] = [root, 1, name]
-        try:
-            lock.acquire()
-        except BaseException:
-            with _held_lock:
-                _held.pop(location, None)
-            raise
-    except BaseException:
-        remove_empty(created)
-        raise
-    try:
-        yield
-    finally:
-        try:
-            lock.release()
         finally:
-            with _held_lock:
-                _held.pop(location, None)
-            remove_empty(created)
+            release_run_lock(location)

@@ -18,7 +18,7 @@ from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
 from trak_core.lds import array_fingerprint
-from trak_core.projectors import make_projector, rebuild_kwargs
+from trak_core.projectors import make_projector, projector_traits, rebuild_kwargs
 from trak_core.store import StoreMetadata, TrakStore
 from trak_core.store.verify import repair_store, verify_store
 from trak_core.streaming import score_task_ranges
@@ -51,7 +51,7 @@ def build_projector(
             device=device,
             model=model,
             grad_wrt=st.grad_wrt,
-            **((split or {}) if st.projector == "factored" else {}),
+            **((split or {}) if projector_traits(st.projector).splits_by_layer else {}),
         )
     except BadInputError as e:
         raise _prefixed("projector", e) from None
@@ -59,7 +59,7 @@ def build_projector(
 
 def split_of(meta: StoreMetadata) -> dict | None:
     """The factored projector's split keywords a store's metadata records (None: another projector)."""
-    if meta.projector != "factored":
+    if not projector_traits(meta.projector).splits_by_layer:
         return None
     try:
         return rebuild_kwargs(meta.projector, dict(meta.projector_params))
@@ -201,9 +201,9 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     split = split_of(stored) if stored is not None else None  # a store's own split, never probed again
     meta = _stored_layout(config, build_metadata(config, n, model, task, split), stored)
     if meta.proj_dim >= n and config.settings.lambda_rule.setting == 0:
-        if config.projector == "noop":
+        if projector_traits(config.projector).is_identity:
             raise BadInputError(
-                f"projector: 'noop' keeps all {meta.proj_dim} gradient dimensions, ≥ the number of "
+                f"projector: '{config.projector}' keeps all {meta.proj_dim} gradient dimensions, ≥ the number of "
                 f"train examples n={n}: XᵀX is singular with lambda_reg=0 (scores would be noise); "
                 "give an absolute lambda_reg > 0, or a projection with proj_dim well below n"
             )
@@ -224,7 +224,8 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
         bad = [k for k, v in sd.items() if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
             raise BadInputError(f"checkpoints[{i}]: {path} has NaN or inf in {bad[:5]}; nothing was written")
-    if config.projector == "factored" and stored is None:  # a new store: the split follows the gradient energy
+    # a new store of a projector split by layer: the split follows the gradient energy
+    if projector_traits(config.projector).splits_by_layer and stored is None:
         split = factored_split(config, model, task, train, checkpoints[0])
         meta = _stored_layout(config, build_metadata(config, n, model, task, split), stored)
     return CheckedInputs(meta=meta, checkpoints=tuple(checkpoints), train=train, targets=targets)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from trak_core.store import TrakStore
+from trak_core.topk import top_k as core_top_k
 
 from .common import cached_data
 from .config import AttributeConfig, load_object
@@ -28,13 +29,10 @@ def labels_of(data: tuple) -> np.ndarray | None:
 
 
 def top_k(scores: np.ndarray, target: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(proponents: highest scores first, opponents: lowest scores first) train indices for one target."""
-    col = scores[:, target]
-    k = min(k, col.shape[0])
-    order = np.argsort(-col, kind="stable")
-    pro = order[:k]
-    opp = np.argsort(col, kind="stable")[:k]
-    return pro, opp
+    """(proponents: highest scores first, opponents: lowest scores first) train indices for one target: the core's
+    one top-k (:func:`trak_core.topk.top_k`, equal scores ranked by the lower row), which the index's queries use."""
+    col = scores[:, target : target + 1]
+    return core_top_k(col, k)[0][0], core_top_k(col, k, opponents=True)[0][0]
 
 
 def top_k_table(

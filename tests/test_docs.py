@@ -43,14 +43,14 @@ def test_stale_reference_is_detected(tmp_path, monkeypatch):
 
 def test_yaml_example_is_the_digits_config():
     doc = (REPO / "docs" / "pipeline.md").read_text()
-    block = re.search(r"```yaml\n(model: examples\.digits.*?)```", doc, re.S).group(1)
+    block = re.search(r"```yaml\n(model: trakflow_demo_data\.digits.*?)```", doc, re.S).group(1)
     assert yaml.safe_load(block) == yaml.safe_load((REPO / "examples" / "digits.yaml").read_text())
 
 
 def test_prefect_yaml_deploys_the_demo_configs(monkeypatch):
     """The work-pool route (prefect.yaml) and the serve route (deployments/serve.py) run the same configs."""
     from deployments.serve import NIGHTLY_CRON
-    from examples.digits import demo_configs
+    from trakflow_demo_data.digits import demo_configs
 
     monkeypatch.chdir(REPO)
     train, attr = demo_configs("trakflow_demo")

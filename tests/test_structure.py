@@ -1,7 +1,8 @@
 """The layout's rules, checked on the source (every import, function-local ones included):
 trak_core imports neither Prefect nor the pipeline nor cuda_ext, the top-level packages import each other
 without a cycle, the modules inside each package too, the core never imports its traker adapter
-(trak_core.compat), no production file is over MAX_LINES lines or cites an issue number, and no production
+(trak_core.compat, nor does a fresh interpreter that imports the core, the pipeline or the index load it), no
+production file is over MAX_LINES lines or cites an issue number, and no production
 module reads a test hook. Each checker is also run on a planted case it must catch."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("trak_core", "tasks", "flows", "cuda_ext", "deployments", "trakflow_cli")
+PACKAGES = ("trak_core", "tasks", "flows", "cuda_ext", "deployments", "trakflow_cli", "trakflow_demo_data")
 
 
 def imported_packages(package: str) -> dict[str, set[str]]:
@@ -38,7 +39,7 @@ def package_graph() -> dict[str, set[str]]:
 
 def test_trak_core_imports_no_pipeline_prefect_or_cuda_ext():
     for module, names in imported_packages("trak_core").items():
-        bad = names & {"prefect", "prefect_dask", "tasks", "flows", "cuda_ext", "deployments", "trakflow_cli"}
+        bad = names & {"prefect", "prefect_dask", *PACKAGES} - {"trak_core"}
         assert not bad, f"{module} imports {sorted(bad)}"
 
 
@@ -75,6 +76,46 @@ def test_no_test_hook_in_production_code():
         for path in (REPO / package).rglob("*.py"):
             text = path.read_text()
             assert "TRAKFLOW_TEST" not in text, f"{path} reads a test hook"
+
+
+# ---------------------------------------------------------------------------- what the installed package ships
+def packaged(pyproject: dict) -> set[str]:
+    """The top-level packages that the wheel ships (setuptools' find with pyproject.toml's include patterns)."""
+    from setuptools import find_packages
+
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    return {p.split(".")[0] for p in find_packages(str(REPO), include=include)}
+
+
+def unshipped_imports(shipped: set[str]) -> list[str]:
+    """'module imports X' for each import, in a shipped package, of a top-level package of this repository that
+    the wheel does not ship (an installed trakflow would fail on it, e.g. the CLI's demo importing examples/)."""
+    local = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
+    return [
+        f"{module} imports {name}"
+        for package in sorted(shipped)
+        for module, names in imported_packages(package).items()
+        for name in sorted(names & local - shipped)
+    ]
+
+
+def test_the_package_ships_every_repository_package_it_imports():
+    """The CLI, the flows and the deployments run the embedded default (trakflow_demo_data): the wheel ships it,
+    and no shipped module imports a folder of the checkout that the wheel leaves out (examples/, benchmarks/)."""
+    import tomllib
+
+    shipped = packaged(tomllib.loads((REPO / "pyproject.toml").read_text()))
+    assert set(PACKAGES) <= shipped, sorted(set(PACKAGES) - shipped)
+    assert "examples" not in shipped and "tests" not in shipped and "benchmarks" not in shipped
+    assert not unshipped_imports(shipped), unshipped_imports(shipped)
+
+
+def test_the_shipping_check_can_fail():
+    """Without trakflow_demo_data in the wheel, the CLI's, the flows' and the deployments' imports of it are named."""
+    found = unshipped_imports(set(PACKAGES) - {"trakflow_demo_data"})
+    assert any(f.startswith("trakflow_cli/main.py imports trakflow_demo_data") for f in found), found
+    assert any(f.startswith("flows/demo.py imports trakflow_demo_data") for f in found), found
+    assert any(f.startswith("deployments/serve.py imports trakflow_demo_data") for f in found), found
 
 
 # ---------------------------------------------------------------------------- modules inside a package
@@ -196,16 +237,80 @@ def test_the_module_cycle_check_accepts_a_one_way_package(tmp_path):
 
 
 def test_the_core_never_imports_its_traker_adapter():
-    """Only trak_core's __init__ and the adapter's own modules import trak_core.compat."""
+    """Only the adapter's own modules import trak_core.compat (trak_core's __init__ resolves its names lazily)."""
     graph = module_graph(REPO, "trak_core")
     bad = [
         mod
         for mod, deps in graph.items()
-        if mod != "trak_core"
-        and not mod.startswith("trak_core.compat")
-        and any(d.startswith("trak_core.compat") for d in deps)
+        if not mod.startswith("trak_core.compat") and any(d.startswith("trak_core.compat") for d in deps)
     ]
     assert not bad, f"core modules import the adapter: {bad}"
+
+
+# ---------------------------------------------------------------------------- what an import loads
+#: imports every module of the packages named in argv[1:] (a module alone when it is not a package; the adapter's own
+#: modules aside), in order, and prints each one that brought trak_core.compat (the traker adapter, whose import
+#: registers an exit hook) in
+ADAPTER_PROBE = """
+import importlib, pkgutil, sys
+def loaded():
+    return any(m == "trak_core.compat" or m.startswith("trak_core.compat.") for m in sys.modules)
+def load(name):
+    before = loaded()
+    module = importlib.import_module(name)
+    if loaded() and not before:
+        print("ADAPTER", name)
+    return module
+for root in sys.argv[1:]:
+    package = load(root)
+    for info in pkgutil.walk_packages(getattr(package, "__path__", []), root + "."):
+        if not info.name.startswith("trak_core.compat"):
+            load(info.name)
+print("DONE")
+"""
+
+
+def modules_loading_the_adapter(roots: list[str], tmp_path: Path) -> list[str]:
+    """The modules (of the packages ``roots``) whose import, in a fresh interpreter, imports trak_core.compat."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    out = subprocess.run(
+        [sys.executable, "-c", ADAPTER_PROBE, *roots],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and "DONE" in out.stdout, out.stderr[-3000:]
+    return [line.split()[1] for line in out.stdout.splitlines() if line.startswith("ADAPTER ")]
+
+
+def test_importing_the_core_the_pipeline_or_the_index_leaves_the_adapter_out(tmp_path):
+    """``import trak_core.engine`` (what every Prefect task imports), the pipeline's packages, the index and the
+    CLI do not import trak_core.compat (nor run its import-time exit hook registration); ``trak_core.TRAKer`` is
+    resolved from it on first use."""
+    roots = ["trak_core", "trak_core.engine", "trak_core.index", "trak_core.testing", "tasks", "flows"]
+    roots += ["trakflow_cli.main", "deployments.serve"]
+    assert modules_loading_the_adapter(roots, tmp_path) == []
+
+
+def test_the_adapter_check_can_fail_and_trak_core_names_resolve_lazily(tmp_path):
+    """The probe names the first module that imports the adapter; ``from trak_core import TRAKer`` still works."""
+    assert modules_loading_the_adapter(["trak_core.engine", "trak_core.compat.alias"], tmp_path) == [
+        "trak_core.compat.alias"
+    ]
+    import trak_core
+    from trak_core.compat import errors, projectors, traker
+
+    assert trak_core.TRAKer is traker.TRAKer and trak_core.ModelIDException is errors.ModelIDException
+    assert trak_core.BasicProjector is projectors.BasicProjector
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        trak_core.NoSuchName  # noqa: B018
 
 
 # ---------------------------------------------------------------------------- file size, issue numbers

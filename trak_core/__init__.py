@@ -24,8 +24,6 @@ from .modelout import (
 )
 from .projectors import (
     AbstractProjector,
-    BasicProjector,
-    BasicSingleBlockProjector,
     DenseProjector,
     NoOpProjector,
     ProjectionType,
@@ -35,7 +33,6 @@ from .store import StoreMetadata, TrakStore
 
 __all__ = [
     "__version__",
-    "TRAKer",
     "AbstractModelOutput",
     "ImageClassificationModelOutput",
     "TextClassificationModelOutput",
@@ -45,8 +42,6 @@ __all__ = [
     "TASK_TO_MODELOUT",
     "AbstractProjector",
     "NoOpProjector",
-    "BasicProjector",
-    "BasicSingleBlockProjector",
     "DenseProjector",
     "ProjectionType",
     "make_projector",
@@ -68,28 +63,36 @@ __all__ = [
     "QueryResult",
 ]
 
-# traker 0.3.2's names: the adapter package (imported here; no core module imports it)
-from .compat import (
-    AbstractScoreComputer,
-    BasicScoreComputer,
-    BasicSingleBlockScoreComputer,
-    ChunkedCudaProjector,
-    CudaProjector,
-    TRAKer,
-    install_trak_alias,
-    test_install,
-)
-from .errors import InputAssertionError, ModelIDException, StateAssertionError
+# traker 0.3.2's names live in the adapter package (trak_core.compat); they are resolved on first use, so that
+# importing the core (the engine, the pipeline, the index) never imports the adapter nor registers its exit hook
+_COMPAT_NAMES = {
+    "TRAKer": "trak_core.compat.traker",
+    "CudaProjector": "trak_core.compat.projectors",
+    "ChunkedCudaProjector": "trak_core.compat.projectors",
+    "BasicProjector": "trak_core.compat.projectors",
+    "BasicSingleBlockProjector": "trak_core.compat.projectors",
+    "AbstractScoreComputer": "trak_core.compat.score_computers",
+    "BasicScoreComputer": "trak_core.compat.score_computers",
+    "BasicSingleBlockScoreComputer": "trak_core.compat.score_computers",
+    "install_trak_alias": "trak_core.compat.alias",
+    "InputAssertionError": "trak_core.compat.errors",
+    "ModelIDException": "trak_core.compat.errors",
+    "StateAssertionError": "trak_core.compat.errors",
+    "test_install": "trak_core.compat.utils",
+}
 
-__all__ += [
-    "CudaProjector",
-    "ChunkedCudaProjector",
-    "AbstractScoreComputer",
-    "BasicScoreComputer",
-    "BasicSingleBlockScoreComputer",
-    "install_trak_alias",
-    "InputAssertionError",
-    "ModelIDException",
-    "StateAssertionError",
-    "test_install",
-]
+__all__ += list(_COMPAT_NAMES)
+
+
+def __getattr__(name: str):
+    """``trak_core.TRAKer`` and traker's other names, imported from trak_core.compat when first asked for."""
+    import importlib
+
+    if name == "compat":
+        return importlib.import_module("trak_core.compat")
+    module = _COMPAT_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -26,7 +25,7 @@ from .featurize import Featurizer
 from .lds import array_fingerprint
 from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory
 from .projector_base import AbstractProjector
-from .projectors import make_projector, rebuild_kwargs
+from .projectors import make_projector, projector_traits, rebuild_kwargs
 from .reduce import (
     GramBuffers,
     features_rows,
@@ -43,10 +42,11 @@ from .reduce import (
 )
 from .row_sink import RowSink as RowSink  # TRAKer's rows on their way into the store
 from .row_sink import complete_shard, write_rows
-from .store import StoreLock, StoreMetadata, TrakStore, check_writable
+from .store import StoreMetadata, TrakStore
 from .store.chunkio import stack_dtype
 from .store.grow import grow_train_rows
 from .store.location import check_new_location
+from .store.lock import acquire_run_lock, release_run_lock
 
 Progress = Callable[[int], None] | None
 
@@ -94,7 +94,7 @@ def stored_split(location: str, storage_options: dict | None = None) -> tuple[bo
     if not TrakStore.exists(location, storage_options):
         return False, None
     meta = TrakStore.open(location, storage_options, mode="r", check_arrays=False).meta
-    if meta.projector != "factored":
+    if not projector_traits(meta.projector).splits_by_layer:
         return True, None
     try:
         return True, rebuild_kwargs(meta.projector, dict(meta.projector_params))
@@ -277,77 +277,18 @@ def open_run(location: str, meta: StoreMetadata, storage_options: dict | None = 
     return TrakStore.create_or_open(location, meta, storage_options)
 
 
-#: the run locks this process holds for its TRAKers: store location → [lock, holders, folders created for it]
-_HELD: dict[str, list] = {}
-_HELD_GUARD = threading.Lock()
-
-
-def _lock_key(location: str) -> str:
-    loc = str(location)
-    return loc if "://" in loc else os.path.abspath(loc)
-
-
 def acquire_store(location: str, run: str) -> None:
-    """Take the run lock of the store at ``location`` (the pipeline's, :class:`~trak_core.store.StoreLock`) for
-    this process, or raise StoreLockedError naming the live holder. Counted: holders in one process share it,
-    and :func:`release_store` removes it after the last one. A new local store's folder is created for the lock
-    file (and removed by :func:`release_store` when the store was never created)."""
-    key = _lock_key(location)
-    with _HELD_GUARD:
-        held = _HELD.get(key)
-        if held is not None:
-            held[1] += 1
-            return
-        created: list[str] = []
-        local = key.removeprefix("file://")  # a file:// URL is a local folder too
-        if "://" not in local:
-            check_writable(local)  # a clear error, before any folder is made
-            created = make_store_dir(local)
-        lock = StoreLock(location, run)
-        try:
-            lock.acquire()
-        except BaseException:
-            remove_empty(created)
-            raise
-        _HELD[key] = [lock, 1, created]
+    """Take the run lock of the store at ``location`` for this process's holders that share it (TRAKers), or raise
+    StoreLockedError naming the live holder (:func:`trak_core.store.lock.acquire_run_lock`, the one registry of
+    the locks this process holds, which the pipeline's flows use too). Counted: :func:`release_store` removes it
+    after the last holder. A new local store's folder is created for the lock file (and removed by
+    :func:`release_store` when the store was never created)."""
+    acquire_run_lock(location, run)
 
 
 def release_store(location: str) -> None:
     """Release one :func:`acquire_store` of this process (the lock file is removed after the last)."""
-    key = _lock_key(location)
-    with _HELD_GUARD:
-        held = _HELD.get(key)
-        if held is None:
-            return
-        held[1] -= 1
-        if held[1] > 0:
-            return
-        del _HELD[key]
-    try:
-        held[0].release()
-    finally:
-        remove_empty(held[2])
-
-
-def make_store_dir(path: str) -> list[str]:
-    """Create the local folder ``path`` (for the lock file, before the store exists). Returns the folders
-    created, deepest first (:func:`remove_empty` takes them away again if nothing was written into them)."""
-    created: list[str] = []
-    probe = path
-    while not os.path.exists(probe):
-        created.append(probe)
-        probe = os.path.dirname(probe)
-    os.makedirs(path, exist_ok=True)
-    return created
-
-
-def remove_empty(created: list[str]) -> None:
-    """Remove the folders :func:`make_store_dir` created, deepest first, while they are empty."""
-    for d in created:
-        try:
-            os.rmdir(d)
-        except OSError:
-            break
+    release_run_lock(location)
 
 
 def state_fingerprint(state_dict: dict) -> str:

@@ -31,23 +31,6 @@ class StateError(TrakError, RuntimeError):
     """An operation was called in the wrong order (e.g. featurize after finalize)."""
 
 
-class StateAssertionError(StateError, AssertionError):
-    """A :class:`StateError` raised where traker 0.3.2 asserted (e.g. featurizing before ``load_checkpoint``).
-
-    It is also an ``AssertionError`` and its message includes traker's, so code written against traker
-    (``except AssertionError``, ``pytest.raises(AssertionError, match=...)``) keeps working."""
-
-
-class InputAssertionError(BadInputError, AssertionError):
-    """A :class:`BadInputError` raised where traker 0.3.2 asserted on its arguments (e.g. both or neither of
-    ``inds`` / ``num_samples``); also an ``AssertionError``, with traker's message included."""
-
-
-class ModelIDException(BadInputError):
-    """traker's name (``trak.savers.ModelIDException``) for errors about model ids: an unregistered or not
-    yet featurized ``model_id``. Also a :class:`BadInputError`."""
-
-
 class StoreDamageError(StateError):
     """The store is damaged: a chunk of rows marked written is missing or fails its crc32c checksum, an
     array's zarr.json differs from the store's metadata, or arrays lie where the root metadata is missing.

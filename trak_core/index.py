@@ -37,10 +37,10 @@ from .projectors import AbstractProjector, make_projector, rebuild_kwargs
 from .store import StoreLock, StoreMetadata, TrakStore
 from .store.verify import require_present
 from .streaming import grads_right_hand, stream_scores
+from .topk import RunningTopK
 
 #: the metadata fields that identify a projection (compared with a rebuilt or given projector)
 PROJECTION_FIELDS = ("projector", "proj_type", "proj_seed", "grad_dim", "proj_dim", "projector_params")
-_LOW = (1 << 32) - 1
 
 
 @dataclass(frozen=True)
@@ -63,41 +63,6 @@ class QueryResult:
                 for j in range(self.indices.shape[0])
             ],
         }
-
-
-class RunningTopK:
-    """The k largest (or, ``opponents``, smallest) scores per column over blocks of rows added in any order.
-
-    Each score is turned into an int64 key that sorts like the float32 score (−0.0 counted as 0.0) with the row
-    index in its low 32 bits, so keys are distinct: equal scores are ranked by the lower row, whatever order the
-    blocks arrive in."""
-
-    def __init__(self, m: int, k: int, opponents: bool = False):
-        self.m, self.k, self.opponents = int(m), int(k), bool(opponents)
-        self._keys = torch.empty(0, self.m, dtype=torch.int64)
-
-    def add(self, a: int, scores: np.ndarray | Tensor) -> None:
-        """Rows [a, a + len(scores)) with their (rows, m) float32 scores."""
-        s = torch.as_tensor(scores, dtype=torch.float32)
-        if s.dim() != 2 or s.shape[1] != self.m:
-            raise BadInputError(f"scores of shape {tuple(s.shape)}: expected (rows, {self.m})")
-        bits = (s + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 becomes 0.0
-        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # monotone in the float's value
-        rows = torch.arange(a, a + s.shape[0], dtype=torch.int64).unsqueeze(1)
-        keys = (order << 32) + (rows if self.opponents else _LOW - rows)
-        both = torch.cat([self._keys, keys]) if self._keys.numel() else keys
-        take = min(self.k, both.shape[0])
-        self._keys = torch.topk(both, take, dim=0, largest=not self.opponents, sorted=True).values
-
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """(indices, scores), each (m, k), best first."""
-        keys = self._keys.T.contiguous()
-        hi = keys >> 32
-        bits = hi ^ ((hi >> 31) & 0x7FFFFFFF)
-        scores = bits.to(torch.int32).view(torch.float32)
-        low = keys & _LOW
-        rows = low if self.opponents else _LOW - low
-        return rows.numpy().astype(np.int64), scores.numpy().copy()
 
 
 class _TopKWriter:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from .errors import BadInputError
+from .projectors import projector_traits
 
 
 def format_bytes(n: float) -> str:
@@ -141,10 +142,10 @@ def check_task_memory(estimates: list[TaskMemory], available: int | None = None,
             "chunk_rows": "lower chunk_rows",
             "model": "use a machine with more memory",
         }[field]
-        if field == "proj_dim" and projector == "noop":
+        if field == "proj_dim" and projector and projector_traits(projector).is_identity:
             field = "projector"
             hint = (
-                "'noop' keeps every gradient dimension (proj_dim = grad_dim): use a projection "
+                f"{projector!r} keeps every gradient dimension (proj_dim = grad_dim): use a projection "
                 "('factored', 'dense', 'sjlt') with a proj_dim of a few thousand"
             )
         raise BadInputError(

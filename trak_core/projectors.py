@@ -45,11 +45,11 @@ __all__ = [
     "check_dims",
     "NoOpProjector",
     "DenseProjector",
-    "BasicProjector",
-    "BasicSingleBlockProjector",
     "FactoredProjector",
     "SJLTProjector",
     "ProjectorEntry",
+    "ProjectorTraits",
+    "projector_traits",
     "register_projector",
     "unregister_projector",
     "load_projector_plugins",
@@ -164,56 +164,6 @@ class DenseProjector(AbstractProjector):
         return out
 
 
-class BasicProjector(DenseProjector):
-    """traker's name for the block-wise dense projector (``block_size`` is accepted and ignored: our
-    blocking is over rows of the matrix and does not change the result)."""
-
-    kind = "dense"
-
-    def __init__(
-        self,
-        grad_dim: int,
-        proj_dim: int,
-        seed: int = 0,
-        proj_type: str | ProjectionType = ProjectionType.rademacher,
-        device="cpu",
-        block_size: int = 100,
-        dtype: torch.dtype = torch.float32,
-        model_id: int = 0,
-        *args,
-        **kwargs,
-    ) -> None:
-        super().__init__(grad_dim, proj_dim, seed, proj_type, device, dtype=dtype, model_id=model_id, **kwargs)
-
-
-class BasicSingleBlockProjector(DenseProjector):
-    """The same projection with the whole matrix materialized at once (no cache limit)."""
-
-    def __init__(
-        self,
-        grad_dim: int,
-        proj_dim: int,
-        seed: int = 0,
-        proj_type: str | ProjectionType = ProjectionType.rademacher,
-        device="cpu",
-        dtype: torch.dtype = torch.float32,
-        model_id: int = 0,
-        *args,
-        **kwargs,
-    ) -> None:
-        super().__init__(
-            grad_dim,
-            proj_dim,
-            seed,
-            proj_type,
-            device,
-            dtype=dtype,
-            model_id=model_id,
-            block_rows=grad_dim,
-            cache_bytes=2**62,
-        )
-
-
 # ---------------------------------------------------------------------------------------------- the registry
 ENTRY_POINT_GROUP = "trakflow.projectors"
 
@@ -221,18 +171,40 @@ ProjectorFactory = Callable[..., AbstractProjector]
 
 
 @dataclass(frozen=True)
+class ProjectorTraits:
+    """What a projector kind is, on every device (the registry answers it: :func:`projector_traits`), so that no
+    caller compares kind names.
+
+    ``uses_model``: its factory takes ``model=`` and ``grad_wrt=`` (others never see them). ``is_identity``: it
+    keeps every gradient coordinate (proj_dim is grad_dim; nothing is compressed). ``splits_by_layer``: its
+    proj_dim is split over the model's layers, by the gradient energy probed on a new store's first rows; the
+    split is recorded in the store's ``projector_params`` (as :func:`trak_core.factored.record_kwargs` reads
+    it) and every later run rebuilds the projection from that record (:func:`rebuild_kwargs`).
+    """
+
+    uses_model: bool = False
+    is_identity: bool = False
+    splits_by_layer: bool = False
+
+
+@dataclass(frozen=True)
 class ProjectorEntry:
     """A registered projector: ``factory(grad_dim, proj_dim, seed, proj_type, device, **kwargs)``.
 
     ``devices``: the torch device types it serves (``("cuda",)``), or None for any device (used where no
-    entry names the device type). ``uses_model``: the factory takes ``model=`` and ``grad_wrt=`` (others
-    never see them).
+    entry names the device type). ``traits``: what the kind is (:class:`ProjectorTraits`, the same for every
+    device).
     """
 
     kind: str
     factory: ProjectorFactory
     devices: tuple[str, ...] | None = None
-    uses_model: bool = False
+    traits: ProjectorTraits = ProjectorTraits()
+
+    @property
+    def uses_model(self) -> bool:
+        """The factory takes ``model=`` and ``grad_wrt=``."""
+        return self.traits.uses_model
 
 
 _REGISTRY: dict[tuple[str, str | None], ProjectorEntry] = {}
@@ -246,13 +218,17 @@ def register_projector(
     devices: Iterable[str] | None = None,
     *,
     uses_model: bool = False,
+    is_identity: bool = False,
+    splits_by_layer: bool = False,
     replace: bool = False,
 ) -> None:
     """Register ``factory`` as the projector ``kind`` on the device types ``devices`` (None: any device).
 
     The factory is called as ``factory(grad_dim, proj_dim, seed, proj_type, device, **kwargs)`` (with
-    ``model=`` and ``grad_wrt=`` when ``uses_model``). A (kind, device type) registered by another factory
-    is refused unless ``replace``; registering the same factory again is a no-op.
+    ``model=`` and ``grad_wrt=`` when ``uses_model``). ``uses_model``, ``is_identity``, ``splits_by_layer``: the
+    kind's :class:`ProjectorTraits`, which must agree with the kind's entries on other devices. A (kind, device
+    type) registered by another factory is refused unless ``replace``; registering the same factory again is a
+    no-op.
     """
     if not isinstance(kind, str) or not kind:
         raise BadInputError(f"projector kind must be a non-empty string, got {kind!r}")
@@ -261,7 +237,14 @@ def register_projector(
     if isinstance(devices, str):
         devices = [devices]
     devs = None if devices is None else tuple(sorted({_device_type(d) for d in devices}))
-    entry = ProjectorEntry(kind, factory, devs, uses_model)
+    traits = ProjectorTraits(uses_model=uses_model, is_identity=is_identity, splits_by_layer=splits_by_layer)
+    entry = ProjectorEntry(kind, factory, devs, traits)
+    others = {e.traits for (k, d), e in _REGISTRY.items() if k == kind and d not in (devs or (None,))}
+    if others - {traits}:
+        raise BadInputError(
+            f"projector {kind!r}: {traits} differs from the kind's entries on other devices ({others.pop()}); "
+            "a kind is the same projection on every device"
+        )
     for dev in devs or (None,):
         old = _REGISTRY.get((kind, dev))
         if old is not None and old.factory is not factory and not replace:
@@ -337,6 +320,18 @@ def find_projector(kind: str, device="cpu") -> ProjectorEntry:
     return entry
 
 
+def projector_traits(kind: str) -> ProjectorTraits:
+    """What the registry says of the kind ``kind`` on any device (:class:`ProjectorTraits`); the entry point plugins
+    are loaded first when no entry registers it. A kind that none registers (a store written with a plugin that is
+    not installed here) has none of the traits."""
+    kind = getattr(kind, "value", kind)
+    entries = [e for (k, _), e in _REGISTRY.items() if k == kind]
+    if not entries:
+        load_projector_plugins()
+        entries = [e for (k, _), e in _REGISTRY.items() if k == kind]
+    return entries[0].traits if entries else ProjectorTraits()
+
+
 def registered_projectors(device=None) -> list[str]:
     """The kinds registered (for ``device``'s type, or any device, when given)."""
     if device is None:
@@ -366,10 +361,10 @@ def _make_factored(
     return p
 
 
-register_projector("noop", _make_noop)
+register_projector("noop", _make_noop, is_identity=True)
 register_projector("dense", DenseProjector)
 register_projector("sjlt", SJLTProjector)
-register_projector("factored", _make_factored, uses_model=True)
+register_projector("factored", _make_factored, uses_model=True, splits_by_layer=True)
 
 
 def make_projector(
@@ -393,6 +388,6 @@ def rebuild_kwargs(kind: str, params: dict) -> dict:
     """The :func:`make_projector` keywords (beyond grad_dim, proj_dim, seed, proj_type, device, model, grad_wrt) that
     rebuild the projection a store records: its kind-specific ``projector_params`` (SJLT's ``c``; the factored
     projector's split and, for the energy split, the energies it used: the same layout without any data)."""
-    if kind == "factored":
+    if projector_traits(kind).splits_by_layer:
         return record_kwargs(params)
     return {"c": params["c"]} if "c" in params else {}

@@ -26,7 +26,7 @@ The arithmetic is the one of the plain loop (zero the accumulator, ``acc.addmm_(
 the given order, then :func:`~trak_core.scoring.combine_checkpoints`' float32 element-wise operations), and MKL's
 GEMM gives every row the same bits whatever the number of rows in the call and whatever its number of threads,
 so the scores are bit-identical to the unpipelined loop for any block size (tests/trak_core/test_streaming.py,
-tests/trak_core/test_scores_from_grads.py check it).
+tests/trak_core/test_scores_without_features.py check it).
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def stream_scores(
     each flag chunk (a shard) marked done once all its score chunks are written.
 
     The rows streamed are the stored projected gradients X; ``targets`` are W = A Gᵀ from :func:`grads_right_hand`
-    (see :func:`scores_from_grads` and ``trak_core.reduce.solve_targets``).
+    (see ``trak_core.reduce.solve_targets``).
     ``block_rows``: rows per GEMM, exactly (default: :func:`score_block_rows`, a remainder below MIN_GEMM_ROWS
     joining the last block of its piece); ``out``: an (n, m) float32 array that also receives the scores (the
     accumulators are its rows: no copy); ``progress(rows)`` as score chunks are written, in the calling thread.
@@ -503,51 +503,3 @@ def grads_right_hand(inverse: np.ndarray | torch.Tensor, target_t: torch.Tensor)
     if inv.shape != (p, p):
         raise BadInputError(f"inverse of shape {tuple(inv.shape)} for targets of proj_dim {p}: expected ({p}, {p})")
     return torch.mm(inv.to(torch.float32), target_t.to(torch.float32))
-
-
-def scores_from_grads(
-    store: TrakStore,
-    exp_name: str,
-    inverses: dict[int, np.ndarray],
-    *,
-    block_rows: int | None = None,
-    out: np.ndarray | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> np.ndarray:
-    """The experiment's combined scores from the projected gradients X, without features: per checkpoint c
-    with inverse A_c (``inverses[c]``, as :func:`trak_core.reduce.solve_model` returns it), W_c = A_c G_cᵀ
-    (:func:`grads_right_hand`), then X_c W_c streamed exactly as Φ_c G_cᵀ is (:func:`stream_scores` with
-    the stored gradients), combined with Q as :func:`trak_core.scoring.combine_checkpoints`. Returns the
-    (n, m) float32 scores (also stored; the checkpoints in ``inverses``' order are recorded as scored_with).
-
-    The scores ``reduce.finalize_scores`` computes from the stored inverses, bit for bit (the inverse rounded to
-    float32 either way); traker's Φ Gᵀ up to rounding ((X A) Gᵀ and X (A Gᵀ) round differently, and traker
-    rounds Φ to the store's dtype). Needs every train row featurized and every target written for each
-    checkpoint; the checkpoints need not be finalized."""
-    from .store.verify import require_present
-
-    with store.pinned():  # one call: its groups and arrays opened once
-        ids = [int(mid) for mid in inverses]
-        if not ids:
-            raise BadInputError(f"scores_from_grads: no checkpoint given for experiment {exp_name!r}")
-        n, p = store.meta.train_set_size, store.meta.proj_dim
-        rows, targets_idx = np.arange(n), np.arange(store.num_targets(exp_name))
-        right: dict[int, torch.Tensor] = {}
-        for mid in ids:
-            mask = store.featurized_mask(mid)
-            if not mask.all():
-                raise StateError(f"model_id={mid}: {int((~mask).sum())} of {n} train rows are not featurized")
-            if not store.targets_complete(exp_name, mid):
-                raise StateError(f"target gradients of experiment {exp_name!r} for model_id={mid} are incomplete")
-            mm, tg = store.model(mid), store.target_grads(exp_name, mid)
-            require_present(store, [(mm.grads, rows), (mm.out_to_loss, rows), (tg, targets_idx)])
-            g_t = torch.from_numpy(tg[:].astype(np.float32)).T.contiguous()
-            if tuple(np.shape(inverses[mid])) != (p, p):
-                raise BadInputError(f"inverses[{mid}] has shape {np.shape(inverses[mid])}, expected ({p}, {p})")
-            right[mid] = grads_right_hand(inverses[mid], g_t)
-        store.reset_scores(exp_name)  # a new combination: recompute all rows
-        if out is None:
-            out = page_array((n, store.num_targets(exp_name)), np.float32)
-        stream_scores(store, exp_name, ids, 0, n, right, block_rows=block_rows, out=out, progress=progress)
-        store.set_scored_with(exp_name, ids)
-    return out

@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from .errors import BadInputError
-from .projectors import AbstractProjector
+from .projectors import AbstractProjector, projector_traits
 
 __all__ = [
     "ProjectorCase",
@@ -268,10 +268,10 @@ def check_projector_dict_input(obj) -> None:
 
 @_check
 def check_projector_randomness(obj) -> None:
-    """model_id and seed change the matrix (skipped for the identity, kind 'noop')."""
+    """model_id and seed change the matrix (skipped for the identity, a kind whose registry traits say so)."""
     case = _as_projector_case(obj)
     p = _projector(case)
-    if getattr(p, "kind", None) == "noop":
+    if projector_traits(getattr(p, "kind", "")).is_identity:
         return
     g = _grads(4, p.grad_dim, seed=2)
     a = _project(p, g, 0)

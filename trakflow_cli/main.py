@@ -6,8 +6,8 @@ itself: nothing to start by hand).
 
 The import paths in a config ("mypkg.models:make_model") name modules of the installed packages or of
 the working directory, as with ``python -m``: the working directory is searched last, so it never
-shadows an installed module. The repository's ``examples`` (the digits demo) are found that way when
-``trakflow`` runs from the repository root.
+shadows an installed module. The repository's ``examples`` are found that way when ``trakflow`` runs from
+the repository root; the digits demo is the installed package ``trakflow_demo_data``.
 """
 
 from __future__ import annotations
@@ -286,10 +286,10 @@ def demo(
     """Train digit classifiers (if absent), attribute 5 held-out digits to the 1,500 train digits, report."""
     _prefect_env(verbose)
     t0 = time.perf_counter()
-    from examples.digits import demo_configs
     from flows import digits_demo
     from tasks.trainer import is_complete
     from trak_core.settings import normalize_lambda_reg
+    from trakflow_demo_data.digits import demo_configs
 
     train_cfg, _ = demo_configs(demo_dir, num_models=models, epochs=epochs)
     if not all(is_complete(train_cfg.out_dir, i, train_cfg.snapshots) for i in range(models)):
@@ -379,11 +379,11 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: str | None, 
     """The demo's evaluate setup: its checkpoints (trained here when absent) and recipe, all 297 held-out
     digits as targets (experiment 'digits-heldout'), the demo's lambda_reg unless given (another lambda_reg
     gets its own store: a finalized store keeps its λ)."""
-    from examples.digits import demo_configs
     from flows import train
     from tasks.config import EvaluateConfig
     from tasks.trainer import is_complete
     from trak_core.settings import normalize_lambda_reg
+    from trakflow_demo_data.digits import demo_configs
 
     train_cfg, attr = demo_configs(demo_dir)
     if not (Path(train_cfg.out_dir) / "manifest.json").is_file() or not all(
@@ -391,7 +391,7 @@ def _demo_evaluate_config(demo_dir: Path, subsets: int, lambda_reg: str | None, 
     ):
         console.print(f"training the demo's {train_cfg.num_models} checkpoints in {train_cfg.out_dir}")
         _run_flow(train, train_cfg, verbose=verbose)
-    attr.update(exp_name="digits-heldout", target_data="examples.digits:heldout_data", report_targets=5)
+    attr.update(exp_name="digits-heldout", target_data="trakflow_demo_data.digits:heldout_data", report_targets=5)
     report = Path(demo_dir).absolute() / "report"
     if lambda_reg is not None:
         value = normalize_lambda_reg(lambda_reg)  # any lambda_reg setting (BadInputError naming it)

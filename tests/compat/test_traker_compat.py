@@ -24,7 +24,8 @@ from trak_core.compat import (
     trak_modules,
     uninstall_trak_alias,
 )
-from trak_core.errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
+from trak_core.compat.errors import InputAssertionError, ModelIDException, StateAssertionError
+from trak_core.errors import BadInputError, StateError
 from trak_core.projectors import DenseProjector
 
 trak = pytest.importorskip("trak")

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from trak_core import TRAKer
+from trak_core.compat.errors import ModelIDException
 from trak_core.energy import quantize_energies, sketched_energies
-from trak_core.errors import ModelIDException, StateError, StoreMismatchError
+from trak_core.errors import StateError, StoreMismatchError
 from trak_core.factored import FactoredProjector
 from trak_core.index import TrakIndex
 from trak_core.store import TrakStore

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from examples import digits, folder_data
 from trak_core.errors import BadInputError
 from trak_core.store import TrakStore
 from trak_core.store.verify import verify_store
+from trakflow_demo_data import digits, folder_data
 
 
 def test_load_folder_concatenates_sorted_files(tmp_path):

@@ -425,7 +425,7 @@ def test_nightly_schedule_appends_new_train_files(setup):
     checkpoint, one epoch) on a schedule due in a few seconds, after a first run and a new train file in the
     demo's train folder: the scheduled run completes, the store holds the new rows too, and the old rows' chunk
     files were not rewritten."""
-    from examples import digits, folder_data
+    from trakflow_demo_data import digits, folder_data
 
     server, tmp, _, _ = setup
     demo = tmp / "nightly"

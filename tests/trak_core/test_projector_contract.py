@@ -7,6 +7,7 @@ import torch
 from trak_fixtures import make_data, make_model
 
 from trak_core import counter_rng
+from trak_core.compat.projectors import BasicProjector, BasicSingleBlockProjector
 from trak_core.errors import BadInputError
 from trak_core.factored import FactoredProjector
 from trak_core.modelout import (
@@ -17,8 +18,6 @@ from trak_core.modelout import (
 )
 from trak_core.projectors import (
     AbstractProjector,
-    BasicProjector,
-    BasicSingleBlockProjector,
     DenseProjector,
     NoOpProjector,
     find_projector,

@@ -70,3 +70,61 @@ def test_a_registered_kind_runs_the_pipeline_steps(tmp_path, ckpts, renamed):
         assert st.meta.projector == kind
         rows[kind] = st.model(0).grads[: plan.shard_rows]
     np.testing.assert_array_equal(rows[renamed], rows["dense"])
+
+
+# ---------------------------------------------------------------------------- what the registry says of a kind
+def test_the_registry_answers_what_a_kind_is():
+    from trak_core.projectors import ProjectorTraits, projector_traits
+
+    assert projector_traits("noop") == ProjectorTraits(is_identity=True)
+    assert projector_traits("factored") == ProjectorTraits(uses_model=True, splits_by_layer=True)
+    assert projector_traits("dense") == ProjectorTraits() == projector_traits("sjlt")
+    assert projector_traits("no_such_kind") == ProjectorTraits()  # a store written with a missing plugin
+
+
+def test_a_kind_keeps_its_traits_on_every_device():
+    from trak_core.errors import BadInputError
+    from trak_core.projectors import projector_traits
+
+    register_projector("test_traits", _Renamed)
+    try:
+        with pytest.raises(BadInputError, match="'test_traits'.*differs from the kind's entries on other devices"):
+            register_projector("test_traits", _Renamed, devices=["cuda"], is_identity=True)
+        register_projector("test_traits", _Renamed, devices=["cuda"])  # the same traits: accepted
+        assert not projector_traits("test_traits").is_identity
+    finally:
+        unregister_projector("test_traits")
+
+
+def test_a_registered_identity_kind_gets_the_identity_rules(tmp_path, ckpts):
+    """The rule "an identity keeps every coordinate: proj_dim ≥ n needs λ > 0" follows the registry's trait, not
+    the name 'noop' (and a memory refusal names the kind)."""
+    from tasks import core
+    from trak_core.errors import BadInputError
+    from trak_core.memory import check_task_memory, estimate_task_memory
+    from trak_core.projectors import NoOpProjector
+
+    def identity(grad_dim, proj_dim, seed=0, proj_type="rademacher", device="cpu", **kwargs):
+        return NoOpProjector(grad_dim=grad_dim, proj_dim=grad_dim, device=device)
+
+    register_projector("test_identity", identity, is_identity=True)
+    try:
+        cfg = AttributeConfig.model_validate(
+            tiny_attribute_config(tmp_path / "s", ckpts, projector="test_identity", lambda_reg=0.0)
+        )
+        with pytest.raises(BadInputError, match=r"^projector: 'test_identity' keeps all \d+ gradient dimensions"):
+            core.make_plan(cfg)
+        est = estimate_task_memory(
+            train_set_size=100,
+            grad_dim=11_700_000,
+            proj_dim=11_700_000,
+            num_params=11_700_000,
+            batch_size=8,
+            shard_rows=100,
+            dtype_bytes=2,
+            chunk_bytes=32 << 20,
+        )
+        with pytest.raises(BadInputError, match=r"^projector: .*'test_identity' keeps every gradient dimension"):
+            check_task_memory(est, available=100 << 30, projector="test_identity")
+    finally:
+        unregister_projector("test_identity")

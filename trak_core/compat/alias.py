@@ -9,9 +9,9 @@ import warnings
 
 from .. import gradients, modelout, projectors
 from .._version import __version__
-from ..errors import ModelIDException
 from . import traker, utils
-from .projectors import ChunkedCudaProjector, CudaProjector
+from .errors import ModelIDException
+from .projectors import BasicProjector, BasicSingleBlockProjector, ChunkedCudaProjector, CudaProjector
 from .score_computers import AbstractScoreComputer, BasicScoreComputer, BasicSingleBlockScoreComputer
 
 __all__ = ["install_trak_alias", "uninstall_trak_alias", "trak_modules"]
@@ -70,6 +70,8 @@ def trak_modules() -> dict[str, types.ModuleType]:
         **{n: v for n, v in vars(projectors).items() if not n.startswith("_")},
     )
     proj_mod.__dict__.update(
+        BasicProjector=BasicProjector,
+        BasicSingleBlockProjector=BasicSingleBlockProjector,
         CudaProjector=CudaProjector,
         ChunkedCudaProjector=ChunkedCudaProjector,
         vectorize=utils.vectorize,  # traker's projectors module re-exports trak.utils.vectorize
@@ -81,7 +83,7 @@ def trak_modules() -> dict[str, types.ModuleType]:
     )
     traker_mod.__dict__.update(
         TASK_TO_MODELOUT=modelout.TASK_TO_MODELOUT,
-        BasicProjector=projectors.BasicProjector,
+        BasicProjector=BasicProjector,
         CudaProjector=CudaProjector,
         ChunkedCudaProjector=ChunkedCudaProjector,
         ModelIDException=ModelIDException,

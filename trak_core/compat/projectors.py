@@ -1,4 +1,5 @@
-"""traker's ``CudaProjector`` and ``ChunkedCudaProjector`` names over trak_core's dense projection.
+"""traker's ``CudaProjector``, ``ChunkedCudaProjector``, ``BasicProjector`` and ``BasicSingleBlockProjector`` names
+over trak_core's dense projection.
 
 They take traker's constructor arguments and map to :class:`~trak_core.projectors.DenseProjector` (counter-based
 RNG): they work on any device, CPU included, and give the same vectors on every device. On a GPU the projection
@@ -13,7 +14,7 @@ from torch import Tensor
 from ..errors import BadInputError
 from ..projectors import DenseProjector, ProjectionType, make_projector
 
-__all__ = ["CudaProjector", "ChunkedCudaProjector"]
+__all__ = ["CudaProjector", "ChunkedCudaProjector", "BasicProjector", "BasicSingleBlockProjector"]
 
 
 def _proj_type(value) -> ProjectionType:
@@ -126,3 +127,53 @@ class ChunkedCudaProjector:
             p = self.projector_per_chunk[i].project(x, model_id=model_id).to(self.device, self.dtype)
             out = p if out is None else out + p
         return out
+
+
+class BasicProjector(DenseProjector):
+    """traker's name for the block-wise dense projector (``block_size`` is accepted and ignored: our
+    blocking is over rows of the matrix and does not change the result)."""
+
+    kind = "dense"
+
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int = 0,
+        proj_type: str | ProjectionType = ProjectionType.rademacher,
+        device="cpu",
+        block_size: int = 100,
+        dtype: torch.dtype = torch.float32,
+        model_id: int = 0,
+        *args,
+        **kwargs,
+    ) -> None:
+        super().__init__(grad_dim, proj_dim, seed, proj_type, device, dtype=dtype, model_id=model_id, **kwargs)
+
+
+class BasicSingleBlockProjector(DenseProjector):
+    """The same projection with the whole matrix materialized at once (no cache limit)."""
+
+    def __init__(
+        self,
+        grad_dim: int,
+        proj_dim: int,
+        seed: int = 0,
+        proj_type: str | ProjectionType = ProjectionType.rademacher,
+        device="cpu",
+        dtype: torch.dtype = torch.float32,
+        model_id: int = 0,
+        *args,
+        **kwargs,
+    ) -> None:
+        super().__init__(
+            grad_dim,
+            proj_dim,
+            seed,
+            proj_type,
+            device,
+            dtype=dtype,
+            model_id=model_id,
+            block_rows=grad_dim,
+            cache_bytes=2**62,
+        )

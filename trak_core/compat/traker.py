@@ -42,10 +42,18 @@ import torch
 from torch import Tensor
 
 from .. import engine
-from ..errors import BadInputError, InputAssertionError, ModelIDException, StateAssertionError, StateError
+from ..errors import BadInputError, StateError
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
-from ..projectors import AbstractProjector, DenseProjector, NoOpProjector, ProjectionType, make_projector
+from ..projectors import (
+    AbstractProjector,
+    DenseProjector,
+    NoOpProjector,
+    ProjectionType,
+    make_projector,
+    projector_traits,
+)
+from .errors import InputAssertionError, ModelIDException, StateAssertionError
 from .savers import check_saver
 from .score_computers import score_computer_settings
 
@@ -217,7 +225,7 @@ class TRAKer:
                 projector = default_projector(
                     model, self.num_params_for_grad, proj_dim, projector_seed, self.device, self.grad_wrt
                 )
-                self._deferred = projector.kind == "factored" and not exists
+                self._deferred = projector_traits(projector.kind).splits_by_layer and not exists
         elif not hasattr(projector, "spec"):
             raise BadInputError(
                 f"TRAKer(projector={type(projector).__name__}): give one projector for the whole "

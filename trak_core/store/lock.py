@@ -1,4 +1,5 @@
-"""The run lock of a store (a file beside its arrays), atomic on local filesystems."""
+"""The run lock of a store (a file beside its arrays), atomic on local filesystems, and the one registry of the run
+locks this process holds (:func:`acquire_run_lock` / :func:`release_run_lock`), which every front door uses."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from ..errors import StoreLockedError
-from .location import _is_url
+from .location import _is_url, check_writable
 
 
 class StoreLock:
@@ -291,3 +294,118 @@ class StoreLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+# ---------------------------------------------------------------------------------------------- held in this process
+@dataclass
+class _Held:
+    lock: StoreLock
+    owner: str
+    run: str
+    depth: int = 1
+    created: list[str] = field(default_factory=list)  # folders made for the lock file, deepest first
+
+
+#: the run locks this process holds: lock key (:func:`lock_key`) → holder
+_HELD: dict[str, _Held] = {}
+_HELD_GUARD = threading.Lock()
+
+
+def lock_key(location: str) -> str:
+    """One name per store: the absolute path of a local store (a ``file://`` URL included), else the URL."""
+    loc = str(location)
+    if loc.startswith("file://"):
+        return os.path.abspath(urlparse(loc).path)
+    return loc if _is_url(loc) else os.path.abspath(loc)
+
+
+def _local_folder(location: str) -> str | None:
+    loc = str(location)
+    if loc.startswith("file://"):
+        return os.path.abspath(urlparse(loc).path)
+    return None if _is_url(loc) else os.path.abspath(loc)
+
+
+def make_store_dir(path: str) -> list[str]:
+    """Create the local folder ``path`` (for the lock file, before the store exists). Returns the folders
+    created, deepest first (:func:`remove_empty` takes them away again if nothing was written into them)."""
+    created: list[str] = []
+    probe = path
+    while not os.path.exists(probe):
+        created.append(probe)
+        probe = os.path.dirname(probe)
+    os.makedirs(path, exist_ok=True)
+    return created
+
+
+def remove_empty(created: list[str]) -> None:
+    """Remove the folders :func:`make_store_dir` created, deepest first, while they are empty."""
+    for d in created:
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
+
+
+def reenter_run_lock(location: str, owner: str) -> bool:
+    """Count one more hold of the run lock that ``owner`` holds on ``location`` in this process and return True
+    (release it with :func:`release_run_lock`); False when ``owner`` does not hold it (nothing changes)."""
+    with _HELD_GUARD:
+        held = _HELD.get(lock_key(location))
+        if held is None or held.owner != owner:
+            return False
+        held.depth += 1
+        return True
+
+
+def acquire_run_lock(location: str, run: str, owner: str = "") -> None:
+    """Hold the run lock of the store at ``location`` (:class:`StoreLock`) for ``owner`` in this process.
+
+    Holds of one owner are counted (``owner=""``: every holder of the process shares it, as TRAKers on one
+    store do; a flow run passes its root run, so its subflows re-enter it); the lock file is removed after the
+    last :func:`release_run_lock`. Another owner of this process is refused (StoreLockedError naming the run that
+    holds it), as another live process or machine is by the lock file; a lock left by a dead process of this
+    host is taken over. A new local store's folder is checked (BadInputError before anything is made), then
+    created for the lock file, and removed again after the last release when nothing was written into it.
+    """
+    key = lock_key(location)
+    with _HELD_GUARD:
+        held = _HELD.get(key)
+        if held is not None:
+            if held.owner == owner:
+                held.depth += 1
+                return
+            raise StoreLockedError(
+                f"store {location} is in use by run {held.run} in this process (pid {os.getpid()}); "
+                "two runs on one store are refused. Wait for it to finish."
+            )
+        folder = _local_folder(location)
+        created: list[str] = []
+        if folder is not None:
+            check_writable(folder)  # a clear error, before any folder is made
+            created = make_store_dir(folder)
+        lock = StoreLock(location, run)
+        try:
+            lock.acquire()
+        except BaseException:
+            remove_empty(created)
+            raise
+        _HELD[key] = _Held(lock, owner, run, 1, created)
+
+
+def release_run_lock(location: str) -> None:
+    """Release one hold of :func:`acquire_run_lock` or :func:`reenter_run_lock` (the last one removes the lock
+    file, then the folders made for it while they are empty); a location this process does not hold is a no-op."""
+    key = lock_key(location)
+    with _HELD_GUARD:
+        held = _HELD.get(key)
+        if held is None:
+            return
+        held.depth -= 1
+        if held.depth > 0:
+            return
+        del _HELD[key]
+    try:
+        held.lock.release()
+    finally:
+        remove_empty(held.created)

@@ -300,3 +300,33 @@ def test_store_opened_without_a_lock_does_not_check(tmp_path):
     st.init_model(0)
     st.write_train_rows(0, slice(0, 5), np.ones((5, 2)), np.ones(5))
     assert st.featurized_mask(0)[:5].all()
+
+
+# ---------------------------------------------------------------------------- the locks this process holds
+def test_one_registry_for_the_engine_and_the_flows(tmp_path):
+    """TRAKer's holds (engine.acquire_store) and a flow run's (flows.runners.run_lock) are counted in one registry:
+    holders that share the lock count, the last release removes the lock file and the folders made for it, and a
+    flow run refuses a store a TRAKer of its process holds (and the other way round), naming the holder."""
+    from types import SimpleNamespace
+
+    from flows.runners import run_lock
+    from trak_core import engine
+    from trak_core.store import lock as store_lock
+
+    loc = str(tmp_path / "new" / "s.zarr")
+    engine.acquire_store(loc, "TRAKer one")
+    engine.acquire_store(loc, "TRAKer two")  # shared by the process's TRAKers: counted
+    assert StoreLock(loc).holder()["run"] == "TRAKer one"
+    assert list(store_lock._HELD) == [os.path.abspath(loc)]
+    with pytest.raises(StoreLockedError, match="in use by run TRAKer one in this process"):
+        with run_lock(SimpleNamespace(store=loc), run="flow"):
+            pass
+    engine.release_store(loc)
+    assert StoreLock(loc).holder()["run"] == "TRAKer one"  # one holder left
+    engine.release_store(loc)
+    assert StoreLock(loc).holder() is None and not (tmp_path / "new").exists() and not store_lock._HELD
+    with run_lock(SimpleNamespace(store=f"file://{loc}"), run="flow"):  # one key for a path and its file:// URL
+        with pytest.raises(StoreLockedError, match="in use by run flow in this process"):
+            engine.acquire_store(loc, "TRAKer three")
+        assert StoreLock(loc).holder()["run"] == "flow"
+    assert not store_lock._HELD and not (tmp_path / "new").exists()

@@ -1,14 +1,14 @@
 """Scores from the projected gradients without features (the store keeps no Φ):
-X (A Gᵀ) streamed through trak_core.streaming, as finalize_scores and the pipeline compute it, against the features
-path Φ Gᵀ = (X A) Gᵀ (Φ on demand, and Φ rounded to float16 as traker stores it) and a float64 brute force, for 1–3
-checkpoints, float16/float32 stores and block sizes that do not divide n."""
+X (A Gᵀ) streamed through trak_core.streaming, as finalize_scores and the pipeline compute it, against the plain
+unpipelined loop (bit for bit), the features path Φ Gᵀ = (X A) Gᵀ (Φ on demand, and Φ rounded to float16 as traker
+stores it) and a float64 brute force, for 1–3 checkpoints, float16/float32 stores and block sizes that do not
+divide n."""
 
 import numpy as np
 import pytest
 import torch
 
-from trak_core import reduce, streaming
-from trak_core.errors import StateError
+from trak_core import reduce
 from trak_core.scoring import combine_checkpoints
 from trak_core.store import StoreMetadata, TrakStore
 
@@ -73,14 +73,11 @@ def rel(got: np.ndarray, want: np.ndarray) -> float:
 
 @pytest.mark.parametrize("dtype,ckpts", [("float16", 1), ("float16", 3), ("float32", 1), ("float32", 2)])
 @pytest.mark.parametrize("block_rows", [None, 7, 64, 1000])
-def test_scores_from_grads_match_features_path_and_float64(tmp_path, dtype, ckpts, block_rows):
+def test_finalize_scores_match_features_path_and_float64(tmp_path, dtype, ckpts, block_rows):
     st = featurized_store(tmp_path / "s", dtype, ckpts)
     got = reduce.finalize_scores(st, "e", block_rows=block_rows).copy()
     np.testing.assert_array_equal(st.scores("e")[:], got)  # the store holds the returned bits
     assert st.scored_with("e") == list(range(ckpts))
-    # the stored inverse and G·A are the bits solve_model and grads_right_hand give: the same scores exactly
-    again = streaming.scores_from_grads(st, "e", inverses(st, ckpts), block_rows=block_rows)
-    np.testing.assert_array_equal(again, got)
     exact = brute_force(st, ckpts)
     assert rel(got, exact) < 5e-6  # X (A Gᵀ) is float32 round-off away from the float64 scores
     # traker's path Φ Gᵀ, Φ = X A computed on demand (float32) and as traker stores it (rounded to the dtype)
@@ -100,29 +97,11 @@ def test_scores_from_grads_match_features_path_and_float64(tmp_path, dtype, ckpt
 
 @pytest.mark.parametrize("ckpts", [1, 3])
 @pytest.mark.parametrize("block_rows", [None, 7, 48, 1000])
-def test_scores_from_grads_bit_identical_to_plain_loop(tmp_path, ckpts, block_rows):
-    """The pipelined X·W stream computes exactly the plain loop's arithmetic, whatever the block size."""
-    st = featurized_store(tmp_path / "s", "float16", ckpts, finalize=False)
+def test_finalize_scores_bit_identical_to_plain_loop(tmp_path, ckpts, block_rows):
+    """The pipelined X·W stream computes exactly the plain loop's arithmetic, whatever the block size (the stored
+    inverse and G·A are the bits solve_model and grads_right_hand give); no features array is written."""
+    st = featurized_store(tmp_path / "s", "float16", ckpts)
     want = plain_grads_loop(st, ckpts, st.meta.shard_rows)
-    got = streaming.scores_from_grads(st, "e", inverses(st, ckpts), block_rows=block_rows)
+    got = reduce.finalize_scores(st, "e", block_rows=block_rows)
     np.testing.assert_array_equal(got, want)
-
-
-def test_no_features_needed(tmp_path):
-    """A store that was never finalized is scored from given inverses (only the p × p solve per checkpoint)."""
-    st = featurized_store(tmp_path / "s", "float32", 2, finalize=False)
-    assert not st.is_finalized(0) and "features" not in st.model(0).group
-    got = streaming.scores_from_grads(st, "e", inverses(st, 2), block_rows=50)
-    assert rel(got, brute_force(st, 2)) < 5e-6
-
-
-def test_refusals(tmp_path):
-    st = featurized_store(tmp_path / "s", "float32", 1, finalize=False)
-    inv = inverses(st, 1)
-    with pytest.raises(ValueError, match=r"inverses\[0\] has shape"):
-        streaming.scores_from_grads(st, "e", {0: inv[0][:-1]})
-    with pytest.raises(ValueError, match="no checkpoint"):
-        streaming.scores_from_grads(st, "e", {})
-    st.model(0).featurized[0:16] = np.zeros(16, dtype=np.uint8)
-    with pytest.raises(StateError, match="model_id=0: 16 of 300 train rows are not featurized"):
-        streaming.scores_from_grads(st, "e", inv)
+    assert all("features" not in st.model(mid).group for mid in range(ckpts))

@@ -1,0 +1,80 @@
+"""Train data that grows: the ``.pt`` and ``.npz`` files of a folder, concatenated in sorted file-name order.
+
+New rows arrive as new files whose names sort after the old ones (``part_000.pt``, ``part_001.pt``, ...); a
+rerun of the pipeline then appends them to its store and featurizes only them (a file that changed, or one that
+sorts before the last old one, changes stored rows and is refused by the plan, naming the rows).
+
+Import path for the pipeline config (``train_data``)::
+
+    trakflow_demo_data.folder_data:train_folder     # the folder named by $TRAKFLOW_TRAIN_DIR
+
+A ``.pt`` file holds a tuple (or list) of tensors (``torch.save((x, y), path)``); an ``.npz`` file its arrays
+in the order they were saved (``np.savez(path, x, y)``). Every file has the same number of tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trak_core.errors import BadInputError
+
+#: the environment variable naming the folder :func:`train_folder` reads
+TRAIN_DIR_ENV = "TRAKFLOW_TRAIN_DIR"
+SUFFIXES = (".pt", ".npz")
+
+
+def part_files(folder: str | Path) -> list[Path]:
+    """The data files of ``folder`` (``.pt``, ``.npz``), in sorted name order."""
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix in SUFFIXES)
+
+
+def _load(path: Path) -> tuple[torch.Tensor, ...]:
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            return tuple(torch.from_numpy(np.array(z[k])) for k in z.files)
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    if torch.is_tensor(obj):
+        obj = (obj,)
+    if not isinstance(obj, (tuple, list)) or not all(torch.is_tensor(t) for t in obj):
+        raise BadInputError(f"{path}: expected a tuple of tensors, got {type(obj).__name__}")
+    return tuple(obj)
+
+
+def load_folder(folder: str | Path) -> tuple[torch.Tensor, ...]:
+    """The tensors of every data file of ``folder`` concatenated along rows, files in sorted name order.
+
+    Returns:
+        A tuple of tensors (e.g. inputs, labels), each with the rows of all files.
+    """
+    files = part_files(folder)
+    if not files:
+        raise BadInputError(f"{folder}: no {' or '.join(SUFFIXES)} files")
+    parts = [_load(p) for p in files]
+    widths = {len(p) for p in parts}
+    if len(widths) != 1:
+        counts = {p.name: len(t) for p, t in zip(files, parts, strict=True)}
+        raise BadInputError(f"{folder}: the files hold different numbers of tensors {counts}")
+    return tuple(torch.cat(ts) for ts in zip(*parts, strict=True))
+
+
+def save_part(folder: str | Path, data, index: int) -> Path:
+    """Write ``data`` (a tuple of tensors) as ``part_<index>.pt`` in ``folder`` (created). Returns its path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"part_{int(index):03d}.pt"
+    tmp = path.with_suffix(".tmp")
+    torch.save(tuple(data), tmp)
+    os.replace(tmp, path)  # a reader never sees half a file
+    return path
+
+
+def train_folder() -> tuple[torch.Tensor, ...]:
+    """The train data of the folder named by ``$TRAKFLOW_TRAIN_DIR`` (:func:`load_folder`)."""
+    folder = os.environ.get(TRAIN_DIR_ENV)
+    if not folder:
+        raise BadInputError(f"train_folder: set {TRAIN_DIR_ENV} to the folder of the train data files")
+    return load_folder(folder)
