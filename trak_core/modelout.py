@@ -118,7 +118,10 @@ def _call_logits(model, weights, buffers, kwargs: dict) -> Tensor:
         vocab = _input_vocab_size(model) if "input_ids" in kwargs else None
         if vocab is None:
             raise
-        raise BadInputError(_out_of_vocabulary(kwargs["input_ids"], vocab, e)) from e
+        msg = _out_of_vocabulary(kwargs["input_ids"], vocab, e)
+        if msg is None:  # every id is in range: another IndexError of the model's own
+            raise
+        raise BadInputError(msg) from e
     if hasattr(out, "logits"):
         return out.logits
     return out[0] if isinstance(out, (tuple, list)) else out
@@ -158,14 +161,15 @@ def _input_vocab_size(model) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def _out_of_vocabulary(input_ids: Tensor, vocab: int, e: Exception) -> str:
+def _out_of_vocabulary(input_ids: Tensor, vocab: int, e: Exception) -> str | None:
     """The message for input ids outside [0, vocab): the rows that hold one, where the ids can be read (not inside
-    ``torch.func.vmap``, where the batch is not visible)."""
-    rows = ""
+    ``torch.func.vmap``, where the batch is not visible); None when they can be read and all are in range."""
     try:
         ids = input_ids.long().reshape(input_ids.shape[0], -1)
         bad = ((ids < 0) | (ids >= vocab)).any(1).nonzero().reshape(-1).tolist()
-        rows = f"; rows {bad[:20]} hold such ids" if bad else ""
+        if not bad:
+            return None
+        rows = f"; rows {bad[:20]} hold such ids"
     except RuntimeError:  # under vmap: the per-example view cannot be read
         rows = f"; the rows holding one: ((input_ids < 0) | (input_ids >= {vocab})).any(1)"
     return (

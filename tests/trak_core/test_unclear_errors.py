@@ -128,6 +128,17 @@ def test_causal_lm_ids_outside_the_vocabulary_name_the_rows_outside_vmap():
         task.get_out_to_loss_grad(model, weights, {}, (ids, mask, labels))
 
 
+def test_a_models_own_index_error_is_not_blamed_on_the_ids():
+    class Buggy(TinyLM):
+        def forward(self, input_ids, attention_mask=None):
+            return [self.head(self.emb(input_ids))][1]
+
+    task, model = resolve_task("causal_lm"), Buggy()
+    weights = {k: v.detach() for k, v in model.named_parameters()}
+    with pytest.raises(IndexError, match="list index out of range"):
+        task.get_out_to_loss_grad(model, weights, {}, causal_lm_batch(SEQS))
+
+
 def test_causal_lm_forward_without_attention_mask_is_one_line(tmp_path):
     tr = lm_traker(tmp_path, "s", NoMaskLM())
     with pytest.raises(BadInputError, match=r"NoMaskLM.forward\(input_ids\) takes no attention_mask argument"):
