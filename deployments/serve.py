@@ -12,9 +12,10 @@ Deployments (``flow/deployment``):
                             featurizes only their rows, solves each checkpoint again and refreshes the report;
 * ``attribute/digits``      the attribute flow, its config pre-filled with the digits demo (UI form);
 * ``train/digits``          the train flow for the digits checkpoints;
-* ``query/digits``          top-k train digits of new inputs against the demo's store (UI form: the inputs
-                            file, e.g. ``torch.save(trakflow_demo_data.digits.target_data(),
-                            "trakflow_demo/query.pt")``, and k);
+* ``query/digits``          top-k train digits of new inputs against the demo's store (UI form: the inputs file
+                            and k). The demo writes ``<demo_dir>/query.pt`` (its held-out targets), so a run works
+                            right after ``trakflow demo``; ``trakflow trigger query/digits --inputs FILE`` asks
+                            about another file;
 * ``select/digits``         data selection: the train digits with the largest summed influence on the inputs of that
                             file (UI form: the file, the fraction kept, the output folder).
 

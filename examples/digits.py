@@ -11,4 +11,5 @@ from trakflow_demo_data.digits import (  # noqa: F401
     make_model,
     target_data,
     train_data,
+    write_query_inputs,
 )

@@ -30,7 +30,7 @@ def digits_demo(
             :mod:`trakflow_demo_data.folder_data`, seeded with the digits train set): files added there since the last
             run are appended to the store, which featurizes only their rows (the nightly deployment).
     """
-    from trakflow_demo_data.digits import demo_configs
+    from trakflow_demo_data.digits import demo_configs, write_query_inputs
 
     train_cfg, attr = demo_configs(
         demo_dir, num_models=num_models, epochs=epochs, proj_dim=proj_dim, lambda_reg=lambda_reg
@@ -47,6 +47,7 @@ def digits_demo(
     config = AttributeConfig.model_validate(attr)
     Path(demo_dir).mkdir(parents=True, exist_ok=True)
     (Path(demo_dir) / "attribute.yaml").write_text(config.to_yaml())
+    write_query_inputs(demo_dir)  # what the query/digits deployment asks about
     result = attribute(config)
     return {"train": trained, "attribute": result, "config": str(Path(demo_dir) / "attribute.yaml")}
 

@@ -97,6 +97,18 @@ def test_cli_reference_is_current():
         assert f"`trakflow {name}" in doc
 
 
+def test_cli_page_lists_every_command():
+    """docs/cli.md's table names every command of the CLI, and the page gives the inputs-file format."""
+    import typer.main
+
+    from trakflow_cli.main import app
+
+    doc = (REPO / "docs" / "cli.md").read_text()
+    for name in typer.main.get_command(app).commands:  # type: ignore[attr-defined]
+        assert f"| `trakflow {name}" in doc, f"docs/cli.md's table lacks `trakflow {name}`"
+    assert "## Inputs files" in doc and "np.savez" in doc and "torch.save" in doc
+
+
 # ------------------------------------------------------------------------------------------------ size and form
 def test_readme_and_results_are_short():
     assert len(README.read_text().splitlines()) <= 300

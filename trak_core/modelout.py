@@ -60,13 +60,15 @@ def _softmax_margin_q(task: AbstractModelOutput, cls: type, outputs: Tensor) -> 
     return torch.sigmoid(-outputs.detach()).reshape(-1)
 
 
-def _check_labels(labels: Tensor, num_classes: int) -> None:
-    labels = labels.reshape(-1)
-    bad = ((labels < 0) | (labels >= num_classes)).nonzero().reshape(-1)
+def _check_labels(labels: Tensor, num_classes: int | None) -> None:
+    """Labels in [0, num_classes) (``None``: no upper bound yet, before the logits are known), any integer dtype."""
+    labels = labels.reshape(-1).long()  # compared as int64, whatever the labels' integer dtype
+    out = (labels < 0) | (labels >= num_classes) if num_classes is not None else labels < 0
+    bad = out.nonzero().reshape(-1)
     if bad.numel():
+        allowed = f"[0, {num_classes})" if num_classes is not None else "[0, number of classes)"
         raise BadInputError(
-            f"labels out of range [0, {num_classes}) at batch positions {bad.tolist()[:20]} "
-            f"(values {labels[bad].tolist()[:20]})"
+            f"labels out of range {allowed} at batch positions {bad.tolist()[:20]} (values {labels[bad].tolist()[:20]})"
         )
 
 
@@ -108,11 +110,72 @@ def _call_logits(model, weights, buffers, kwargs: dict) -> Tensor:
     fused CUDA kernels' backward passes fail under it; the numbers are the same up to rounding)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(SDPBackend.MATH):
-        out = functional_call(model, (weights, buffers), args=(), kwargs=kwargs)
+    _check_forward_takes(model, kwargs)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            out = functional_call(model, (weights, buffers), args=(), kwargs=kwargs)
+    except IndexError as e:  # an embedding given an id outside its table
+        vocab = _input_vocab_size(model) if "input_ids" in kwargs else None
+        if vocab is None:
+            raise
+        msg = _out_of_vocabulary(kwargs["input_ids"], vocab, e)
+        if msg is None:  # every id is in range: another IndexError of the model's own
+            raise
+        raise BadInputError(msg) from e
     if hasattr(out, "logits"):
         return out.logits
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _check_forward_takes(model, kwargs: dict) -> None:
+    """Refuse (BadInputError) a model whose ``forward`` cannot take the keyword arguments a task calls it with."""
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind is not inspect.Parameter.POSITIONAL_ONLY]
+    missing = [k for k in kwargs if k not in names]
+    if missing:
+        takes = ", ".join(n for n in params if n != "self")
+        raise BadInputError(
+            f"{type(model).__name__}.forward({takes}) takes no {', '.join(missing)} argument: the task calls "
+            f"model({', '.join(k + '=' for k in kwargs)}); give forward a parameter of each name (it may ignore "
+            "attention_mask where no row is padded)"
+        )
+
+
+def _input_vocab_size(model) -> int | None:
+    """The number of rows of the model's input embedding (transformers' ``get_input_embeddings()``, or the only
+    ``nn.Embedding`` of the model), or None when there is no one such table."""
+    emb = None
+    try:
+        emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    if emb is None:
+        tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+        emb = tables[0] if len(tables) == 1 else None
+    n = getattr(emb, "num_embeddings", None)
+    return n if isinstance(n, int) else None
+
+
+def _out_of_vocabulary(input_ids: Tensor, vocab: int, e: Exception) -> str | None:
+    """The message for input ids outside [0, vocab): the rows that hold one, where the ids can be read (not inside
+    ``torch.func.vmap``, where the batch is not visible); None when they can be read and all are in range."""
+    try:
+        ids = input_ids.long().reshape(input_ids.shape[0], -1)
+        bad = ((ids < 0) | (ids >= vocab)).any(1).nonzero().reshape(-1).tolist()
+        if not bad:
+            return None
+        rows = f"; rows {bad[:20]} hold such ids"
+    except RuntimeError:  # under vmap: the per-example view cannot be read
+        rows = f"; the rows holding one: ((input_ids < 0) | (input_ids >= {vocab})).any(1)"
+    return (
+        f"input_ids must be in [0, {vocab}), the rows of the model's input embedding{rows} "
+        f"(the forward raised IndexError: {e})"
+    )
 
 
 class AbstractModelOutput(ABC):
@@ -153,6 +216,8 @@ def check_batch(batch: Sequence[Tensor], expected_len: int | None = None) -> int
             raise BadInputError(f"batch element {i} must be a tensor, got {type(x).__name__}")
         if x.dim() == 0:
             raise BadInputError(f"batch element {i} is a scalar; every element needs a batch dimension")
+        if x.is_meta:
+            raise BadInputError(f"batch element {i} is on the meta device: it holds no values (move it to cpu or cuda)")
         sizes.append(x.shape[0])
     if len(set(sizes)) != 1:
         raise BadInputError(f"batch elements have different batch sizes {sizes}")
@@ -196,7 +261,7 @@ class ImageClassificationModelOutput(AbstractModelOutput):
             raise BadInputError(
                 f"labels must be a 1-d integer tensor, got shape {tuple(labels.shape)} dtype {labels.dtype}"
             )
-        _check_labels(labels, 2**62)  # negative labels fail here; the upper bound once logits are known
+        _check_labels(labels, None)  # negative labels fail here; the upper bound once logits are known
 
 
 class IterativeImageClassificationModelOutput(ImageClassificationModelOutput):
@@ -253,7 +318,7 @@ class TextClassificationModelOutput(AbstractModelOutput):
         shapes = [tuple(x.shape) for x in batch[:3]]
         if len(set(shapes)) != 1:
             raise BadInputError(f"input_ids, token_type_ids and attention_mask must have one shape, got {shapes}")
-        _check_labels(batch[3], 2**62)
+        _check_labels(batch[3], None)
 
 
 IGNORE_INDEX = -100  # transformers' label for a token that is not scored
@@ -342,7 +407,10 @@ class CausalLMModelOutput(AbstractModelOutput):
         bad = ((attention_mask != 0) & (attention_mask != 1)).any(1).nonzero().reshape(-1).tolist()
         if bad:
             raise BadInputError(f"causal_lm: attention_mask must hold 0 and 1 only; rows {bad[:20]} do not")
-        _check_token_labels(labels, 2**62)
+        _check_token_labels(labels, None)
+        neg = (input_ids.long() < 0).any(1).nonzero().reshape(-1).tolist()
+        if neg:
+            raise BadInputError(f"causal_lm: input_ids must be ≥ 0 (token ids); rows {neg[:20]} hold negative ids")
         scored = labels[:, 1:] != IGNORE_INDEX
         none = (~scored.any(1)).nonzero().reshape(-1).tolist()
         if none:
@@ -360,12 +428,16 @@ class CausalLMModelOutput(AbstractModelOutput):
             )
 
 
-def _check_token_labels(labels: Tensor, vocab_size: int) -> None:
-    bad = ((labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))).nonzero()
+def _check_token_labels(labels: Tensor, vocab_size: int | None) -> None:
+    """Token labels -100 or in [0, vocab_size) (``None``: no upper bound yet), any integer dtype."""
+    labels = labels.long()  # compared as int64, whatever the labels' integer dtype
+    out = (labels < 0) | (labels >= vocab_size) if vocab_size is not None else labels < 0
+    bad = ((labels != IGNORE_INDEX) & out).nonzero()
     if bad.numel():
         where = [tuple(r) for r in bad.tolist()[:20]]
+        allowed = f"in [0, {vocab_size})" if vocab_size is not None else "in [0, vocabulary size)"
         raise BadInputError(
-            f"causal_lm: labels must be -100 or in [0, {vocab_size}); (row, position) {where} are not "
+            f"causal_lm: labels must be -100 or {allowed}; (row, position) {where} are not "
             f"(values {labels[bad[:, 0], bad[:, 1]].tolist()[:20]})"
         )
 

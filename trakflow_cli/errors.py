@@ -209,14 +209,60 @@ def describe(exc: BaseException) -> Described:
     return Described([error_line(exc)], 1, expected=False)
 
 
+def _click_exceptions(name: str) -> tuple[type, ...]:
+    """click's exception class ``name`` and, where typer vendors its own click (typer ≥ 0.24), typer's."""
+    mods = [click.exceptions]
+    try:
+        import typer._click.exceptions as vendored
+
+        mods.append(vendored)
+    except ImportError:
+        pass
+    return tuple(c for m in mods if (c := getattr(m, name, None)) is not None)
+
+
+_USAGE_ERRORS = _click_exceptions("UsageError")
+_NO_ARGS_HELP = _click_exceptions("NoArgsIsHelpError")  # `trakflow` alone prints the help
+_CLICK_ERRORS = _click_exceptions("ClickException")
+
+
+def usage_line(exc: Exception, ctx: click.Context | None) -> str:
+    """A usage mistake (unknown option or command, missing or extra argument) as one line naming the command;
+    extra arguments after an option that takes one value say how to give several."""
+    msg = " ".join(exc.format_message().split())  # type: ignore[attr-defined]
+    ctx = getattr(exc, "ctx", None) or ctx
+    cmd = getattr(ctx, "command", None)
+    if "unexpected extra argument" in msg and cmd is not None:
+        multi = [p.opts[0] for p in cmd.params if getattr(p, "multiple", False) and getattr(p, "opts", None)]
+        if multi:
+            msg += f" (an option taking several values is repeated: {multi[0]} A {multi[0]} B)"
+    where = " ".join(["trakflow", *(ctx.command_path.split()[1:] if ctx is not None else [])])  # any prog name
+    return f"{where}: {msg} (see `{where} --help`)"
+
+
 class ErrorHandlingGroup(typer.core.TyperGroup):
     """The ``trakflow`` command group: an exception escaping a command is printed as ``error:`` lines
-    (:func:`describe`) and the CLI exits with its code; with ``--debug`` it propagates (traceback)."""
+    (:func:`describe`) and the CLI exits with its code; a usage mistake (unknown option or command, a missing or
+    extra argument) is one ``error:`` line, exit 2; with ``--debug`` an exception propagates (traceback)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except _NO_ARGS_HELP:
+            raise
+        except _USAGE_ERRORS as e:  # the group's own options (`trakflow --nope`)
+            print_error([usage_line(e, None)])
+            raise typer.Exit(INPUT_EXIT) from None
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        except _NO_ARGS_HELP:
+            raise
+        except _USAGE_ERRORS as e:
+            print_error([usage_line(e, ctx)])
+            raise typer.Exit(INPUT_EXIT) from None
+        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, *_CLICK_ERRORS):
             raise
         except Exception as e:
             if debug_enabled(ctx):

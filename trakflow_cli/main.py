@@ -28,7 +28,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from trakflow_cli.errors import INPUT_EXIT, ErrorHandlingGroup, debug_enabled, print_error, validation_lines
-from trakflow_cli.prefect_api import FLOW_CONFIGS, answers, deployment_names, failure_line, local_api_url, unreachable
+from trakflow_cli.prefect_api import (
+    FLOW_CONFIGS,
+    answers,
+    deployment_names,
+    failure_line,
+    is_parameter_failure,
+    local_api_url,
+    read_deployment,
+    unreachable,
+    wait_for_run,
+)
 
 if os.getcwd() not in sys.path and "" not in sys.path:
     sys.path.append(os.getcwd())
@@ -315,6 +325,10 @@ def demo(
 
     _print_attribution(out["attribute"], AttributeConfig.from_yaml(out["config"]))
     console.print(f"config: {out['config']} (re-run with `trakflow run` on it)")
+    console.print(
+        f"query inputs: {demo_dir / 'query.pt'} (`trakflow query {out['config']} --inputs FILE`, or the query/digits "
+        "deployment)"
+    )
     console.print(f"demo finished in {time.perf_counter() - t0:.1f} s")
 
 
@@ -508,6 +522,10 @@ def show(
         _fail(f"--exp {exp!r}: store {store} has no experiment {exp!r}; its experiments: {have}")
     status = st.status()
     meta = status["metadata"]
+    k = top_k or (config.top_k if config is not None else 5)
+    if (target is not None or config is not None) and k > meta["train_set_size"]:  # as `trakflow query` refuses it
+        where = "--top-k" if top_k else f"the config's top_k ({config_file})"
+        _fail(f"{where} {k}: must be an integer from 1 to the store's {meta['train_set_size']} train rows")
     console.print(
         f"store [bold]{store}[/]: {meta['train_set_size']} train rows, grad_dim {meta['grad_dim']} → "
         f"proj_dim {meta['proj_dim']} ({meta['projector']}, {meta['proj_type']}, seed {meta['proj_seed']}), "
@@ -544,7 +562,6 @@ def show(
             "" if with_ is None else str(with_),
         )
     console.print(t)
-    k = top_k or (config.top_k if config is not None else 5)
     if target is None and config is None:
         return
     if exp is None:
@@ -654,25 +671,31 @@ def worker(
 @app.command()
 def trigger(
     deployment: str = typer.Argument("attribute/digits", help="'flow-name/deployment-name'"),
-    config_file: Path | None = typer.Option(None, "--config", help="YAML config replacing the deployment's"),
+    config_file: Path | None = typer.Option(
+        None, "--config", help="YAML config replacing the deployment's (a query's request, for query deployments)"
+    ),
+    inputs: Path | None = typer.Option(
+        None, "--inputs", help="query deployments: the inputs file (.pt/.npz) to attribute, in the deployment's request"
+    ),
     wait: bool = typer.Option(False, help="wait for the run to finish; exit 1 with its error if it fails"),
+    start_timeout: float = typer.Option(
+        60.0, "--start-timeout", min=0, help="with --wait: give up when no process has started the run in this many s"
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs"),
 ) -> None:
     """Start a run of a deployment on the server in PREFECT_API_URL (like the UI's Run button).
 
-    A --config is validated here, against the config class of the deployment's flow, before it is sent."""
+    A --config (or --inputs) is validated here, against the config class of the deployment's flow, before it is
+    sent. With --wait, the run must be started by a process serving the deployment (`trakflow serve`, or a worker
+    of its pool) within --start-timeout seconds."""
     params = None
     flow_name = deployment.split("/", 1)[0]
+    if inputs is not None and flow_name != "query":
+        _fail(f"--inputs: only query deployments take an inputs file, not {deployment!r} (use --config)")
+    if config_file is not None and inputs is not None:
+        _fail("--inputs and --config: give one (a query's --config holds its inputs)")
     if config_file is not None:
-        import tasks.config
-
-        cls = getattr(tasks.config, FLOW_CONFIGS.get(flow_name, ""), None)
-        if cls is None:
-            _fail(
-                f"--config: deployments of flow {flow_name!r} take no config (flows with one: "
-                f"{', '.join(sorted(FLOW_CONFIGS))})"
-            )
-        params = {"config": _load_config(cls, config_file).model_dump(mode="json", exclude_unset=True)}
+        params = {_trigger_key(flow_name): _trigger_config(flow_name, config_file)}
     _prefect_env(verbose, reuse_local_server=True)
     from prefect.settings import PREFECT_API_URL
 
@@ -696,7 +719,9 @@ def trigger(
     from prefect.exceptions import ObjectNotFound
 
     try:
-        fr = run_deployment(deployment, parameters=params, timeout=None if wait else 0)
+        if inputs is not None:
+            params = {"request": _query_request(read_deployment(deployment).parameters.get("request"), inputs)}
+        fr = run_deployment(deployment, parameters=params, timeout=0)
     except ObjectNotFound:
         names = deployment_names()
         _fail(
@@ -704,8 +729,72 @@ def trigger(
             + (f"available: {', '.join(names)}" if names else "none is registered (start `trakflow serve`)")
         )
     console.print(f"flow run {fr.name} ({fr.id}): {fr.state.name if fr.state else 'scheduled'}")
-    if wait and fr.state and not fr.state.is_completed():
-        _fail(failure_line(fr.state), 1)
+    if not wait:
+        return
+    err_console.print(
+        f"[dim]waiting for a process serving {deployment!r} (`trakflow serve`, or a worker of its pool) to start "
+        f"it (up to {start_timeout:g} s) and for the run to end[/]",
+        highlight=False,
+    )
+    state = wait_for_run(fr.id, start_timeout)
+    if state is None:
+        _fail(
+            f"flow run {fr.name} of {deployment!r} was not started within {start_timeout:g} s: no process serves the "
+            f"deployment on {url} (start `trakflow serve` there, or a worker of its pool; --start-timeout to wait "
+            "longer). The run stays scheduled and starts once one does.",
+            1,
+        )
+    console.print(f"flow run {fr.name} ({fr.id}): {state.name}")
+    if not state.is_completed():
+        _fail(failure_line(state), INPUT_EXIT if is_parameter_failure(state) else 1)
+
+
+def _trigger_key(flow_name: str) -> str:
+    """The parameter a flow's deployments take their config as."""
+    return "request" if flow_name == "query" else "config"
+
+
+def _trigger_config(flow_name: str, path: Path) -> dict:
+    """A --config for a deployment of ``flow_name``, validated against its config class (one line per error)."""
+    if flow_name == "query":
+        import yaml
+
+        from tasks.query import QueryConfig
+
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            _fail(f"invalid config {path}: {' '.join(str(e).split())}")
+        if not isinstance(data, dict):
+            _fail(f"invalid config {path}: must hold a mapping of field: value (a QueryConfig)")
+        try:
+            return QueryConfig.model_validate(data).model_dump(mode="json", exclude_unset=True)
+        except _config_errors() as e:
+            _config_failure(e, f"invalid config {path}")
+    import tasks.config
+
+    cls = getattr(tasks.config, FLOW_CONFIGS.get(flow_name, ""), None)
+    if cls is None:
+        _fail(
+            f"--config: deployments of flow {flow_name!r} take no config (flows with one: "
+            f"{', '.join(sorted([*FLOW_CONFIGS, 'query']))})"
+        )
+    return _load_config(cls, path).model_dump(mode="json", exclude_unset=True)
+
+
+def _query_request(request: dict | None, inputs: Path) -> dict:
+    """The deployment's query request with ``inputs`` (absolute: the serving process may run elsewhere), validated
+    here."""
+    from pydantic import ValidationError
+
+    from tasks.query import QueryConfig
+
+    req = {**(request or {}), "inputs": str(inputs.absolute())}
+    try:
+        return QueryConfig.model_validate(req).model_dump(mode="json", exclude_unset=True)
+    except ValidationError as e:
+        _fail(validation_lines(e, "--inputs FILE: the query's request: "))
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager

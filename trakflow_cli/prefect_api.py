@@ -57,9 +57,54 @@ def deployment_names() -> list[str]:
         return sorted(f"{flows_by_id.get(d.flow_id, '?')}/{d.name}" for d in client.read_deployments())
 
 
+_PARAMETER_FAILURE = "Validation of flow parameters failed with error:"
+
+
+def is_parameter_failure(state) -> bool:
+    """Whether the run failed on its parameters (refused by the flow's validation before it started)."""
+    return (getattr(state, "message", None) or "").strip().startswith(_PARAMETER_FAILURE)
+
+
 def failure_line(state) -> str:
-    """The failed run's cause in one line (Prefect's state message, without its boilerplate)."""
+    """The failed run's cause in one line (Prefect's state message, without its boilerplate): every line of it, so
+    that a parameter validation failure keeps the fields it names (``request.inputs: ... is not a file``)."""
+    import re
+
     msg = (getattr(state, "message", None) or "").strip()
     for prefix in ("Flow run encountered an exception: ", "Task run encountered an exception "):
         msg = msg.replace(prefix, "")
-    return msg.splitlines()[0] if msg else f"the run ended {state.name if state else 'without a state'}"
+    if not msg:
+        return f"the run ended {state.name if state else 'without a state'}"
+    head, *rest = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    if is_parameter_failure(state):
+        head = "invalid flow parameters:"
+        rest = [ln.removeprefix("- ").replace("Value error, ", "") for ln in rest]
+        # pydantic's loc, then a validator's message that names the field again: `request.inputs: inputs: ...`
+        rest = [re.sub(r"^((?:[\w\[\]]+\.)*(\w+)): \2: ", r"\1: ", ln) for ln in rest]
+    return " ".join([head, "; ".join(rest)]) if rest else head
+
+
+def read_deployment(name: str):
+    """The deployment ``flow-name/deployment-name`` (prefect.exceptions.ObjectNotFound when there is none)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_deployment_by_name(name)
+
+
+def wait_for_run(flow_run_id, start_timeout: float, poll: float = 1.0):
+    """The final state of a flow run, or None when no process has started it (it is still scheduled) after
+    ``start_timeout`` seconds. Polls the API every ``poll`` seconds."""
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    t0 = time.monotonic()
+    with get_client(sync_client=True) as client:
+        while True:
+            state = client.read_flow_run(flow_run_id).state
+            if state is not None and state.is_final():
+                return state
+            if (state is None or state.is_scheduled()) and time.monotonic() - t0 >= start_timeout:
+                return None
+            time.sleep(poll)

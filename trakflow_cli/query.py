@@ -24,7 +24,11 @@ def query(
     k: int = typer.Option(10, "--k", help="train examples per input, at each end"),
     model: str | None = typer.Option(None, help="the model's import path pkg.mod:factory (with a store)"),
     checkpoint: list[str] | None = typer.Option(
-        None, "--checkpoint", help="a checkpoint file, one per model_id in order (default: the store's records)"
+        None,
+        "--checkpoint",
+        metavar="FILE",
+        help="a checkpoint file, one per model_id in order, the option repeated: --checkpoint a.pt --checkpoint b.pt "
+        "(default: the store's records)",
     ),
     task: str | None = typer.Option(None, help="model output function (default: the config's or the store's)"),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:N or auto"),
@@ -36,6 +40,7 @@ def query(
 
     from tasks.query import QueryConfig, run_query
     from trak_core.errors import TrakError
+    from trakflow_cli.errors import validation_lines
 
     try:
         qc = QueryConfig(
@@ -49,10 +54,8 @@ def query(
             report_dir=report_dir,
         )
         out = run_query(qc)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "query"
-        _fail(f"{field}: {err['msg'].removeprefix('Value error, ')}")
+    except ValidationError as e:  # `field: message`, the field named once
+        _fail(validation_lines(e)[0])
     except (TrakError, OSError) as e:
         _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     if as_json:

@@ -26,7 +26,9 @@ def _param(p) -> str:  # a (typer-vendored) click parameter
     flags = " / ".join(p.opts + p.secondary_opts)
     if getattr(p, "is_flag", False) or getattr(p, "count", False):
         return f"[{flags}]"
-    return f"[{flags} {(p.name or '').upper()}]"
+    shown = f"{flags} {(p.name or '').upper()}"
+    shown = shown if p.required else f"[{shown}]"  # a required option (`query --inputs`) without brackets
+    return shown + "..." if getattr(p, "multiple", False) else shown  # repeated: --checkpoint a --checkpoint b
 
 
 def reference() -> str:

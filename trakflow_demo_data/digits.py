@@ -54,6 +54,16 @@ def target_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x[:NUM_TARGETS], y[:NUM_TARGETS]
 
 
+def write_query_inputs(demo_dir: str | Path = "trakflow_demo") -> Path:
+    """``<demo_dir>/query.pt``, the inputs the ``query/digits`` deployment asks about: the held-out targets
+    (``torch.save(target_data(), ...)``), written when absent (a file put there by hand is kept)."""
+    path = Path(demo_dir) / "query.pt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(target_data(), path)
+    return path
+
+
 def make_model() -> nn.Module:
     """A fresh 64 → 32 → 10 MLP (seed torch before calling it for a reproducible init)."""
     return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))

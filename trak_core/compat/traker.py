@@ -183,6 +183,8 @@ class TRAKer:
             rescale_inverse = False
         if not isinstance(save_dir, (str, os.PathLike)) or not str(save_dir).strip():
             raise BadInputError(f"save_dir must be a non-empty path or URL of the store, got {save_dir!r}")
+        if "://" not in str(save_dir):  # a local path: resolved now, so a later os.chdir cannot move the store
+            save_dir = os.path.abspath(save_dir)
         if not isinstance(train_set_size, (int, np.integer)) or train_set_size <= 0:
             raise BadInputError(f"train_set_size must be a positive integer, got {train_set_size!r}")
         engine.check_solve_settings(lambda_reg, curvature)

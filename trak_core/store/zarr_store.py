@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, Literal
@@ -87,6 +88,10 @@ class TrakStore:
             g = _open_zarr(location, "r" if mode == "r" else "r+", storage_options)
         except Exception as e:  # zarr raises several types for a missing group
             _refuse_orphan_arrays(location, storage_options)
+            if "://" not in str(location) and os.path.isfile(location):
+                raise BadInputError(
+                    f"store: {location} is a file, not a trakflow store (a store is a folder)"
+                ) from None
             raise BadInputError(f"store: no trakflow store at {location} ({type(e).__name__}: {e})") from None
         if _META_KEY not in g.attrs:
             _refuse_orphan_arrays(location, storage_options)
