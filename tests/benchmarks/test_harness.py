@@ -90,3 +90,14 @@ def test_run_uses_this_interpreter_in_the_repository_root(harness, tmp_path):
     assert harness.run(case) == 3  # stops at the first command that fails
     prefix, cwd, found = out.read_text().split()
     assert prefix == sys.prefix and cwd == str(REPO_ROOT) and found == "True"
+
+
+def test_results_tables_have_no_columns_relative_to_past_commits():
+    """A table compares what one run measured; no 'before', 'vs <commit>' or '<commit> → now' column."""
+    headers = [line for line in RESULTS.splitlines() if re.match(r"^\|.*\|$", line)]
+    headers = [h for h, nxt in zip(headers, headers[1:], strict=False) if re.fullmatch(r"\|[-|: ]+\|", nxt)]
+    assert len(headers) >= 10
+    commit = r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"
+    bad = [h for h in headers if re.search(rf"{commit}|\bbefore:|\bprevious\b|→ now", h.lower())]
+    assert bad == []
+    assert re.search(rf"{commit}|\bbefore:", "| model | before: warm s | 0e36a0d → now |")
