@@ -1,9 +1,10 @@
 """Model families of the benchmark matrix, built without downloads (random init: cost, not quality).
 
-``make(name)`` returns (model in eval mode, input shape, input kind) like ``featurize_bench.make_model``.
-Families: MLPs of depth 2–4 on 784 inputs, a conv net with BatchNorm, a CIFAR-style ResNet-18 (11.2M
-parameters), a transformer encoder classifier, and a small GPT-style decoder (causal self-attention) that
-classifies from its last token.
+``make_model(name)`` returns (model in eval mode, input shape, input kind), seeded, and ``make_data`` random
+inputs for it. ``featurize_bench.py`` (the featurize table) uses ``mlp400k``, ``convnet`` and ``transformer``; the
+matrix (``matrix.py``) its families: MLPs of depth 2–4 on 784 inputs, a conv net with BatchNorm, a CIFAR-style
+ResNet-18 (11.2M parameters), a transformer encoder classifier, and a small GPT-style decoder (causal
+self-attention) that classifies from its last token.
 """
 
 from __future__ import annotations
@@ -89,7 +90,69 @@ class Decoder(nn.Module):
         return self.head(self.norm(h)[..., -1, :])
 
 
+TRANSFORMER = {"VOCAB": 1000, "DIM": 64, "HEADS": 4, "FF": 256, "LAYERS": 2, "SEQ": 32, "CLASSES": 10}
+
+
+class TinyTransformer(nn.Module):
+    """Token + position embeddings → 2 × nn.TransformerEncoderLayer (4 heads) → mean over tokens → linear."""
+
+    VOCAB, DIM, HEADS, FF, LAYERS, SEQ, CLASSES = TRANSFORMER.values()
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(self.VOCAB, self.DIM)
+        self.pos = nn.Parameter(0.02 * torch.randn(self.SEQ, self.DIM))
+        self.blocks = nn.ModuleList(
+            [
+                nn.TransformerEncoderLayer(self.DIM, self.HEADS, self.FF, dropout=0.0, batch_first=True)
+                for _ in range(self.LAYERS)
+            ]
+        )
+        self.head = nn.Linear(self.DIM, self.CLASSES)
+
+    def forward(self, ids):
+        h = self.tok(ids) + self.pos[: ids.shape[-1]]
+        for blk in self.blocks:
+            h = blk(h)
+        return self.head(h.mean(dim=-2))
+
+
+def make_data(shape, kind, n):
+    """(x, y): n random inputs of the shape (token ids below the vocabulary for ``tokens``), labels in 0..9."""
+    g = torch.Generator().manual_seed(1)
+    if kind == "tokens":
+        x = torch.randint(0, TRANSFORMER["VOCAB"], (n, *shape), generator=g)
+    else:
+        x = torch.randn(n, *shape, generator=g)
+    return x, torch.randint(0, 10, (n,), generator=g)
+
+
+def make_model(name: str):
+    """(model, input shape, input kind) — seeded, in eval mode."""
+    torch.manual_seed(0)
+    if name == "mlp10k":
+        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).eval(), (64,), "float"
+    if name == "mlp400k":
+        return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10)).eval(), (784,), "float"
+    if name == "convnet":
+        model = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 8 * 8, 10),
+        )
+        return model.eval(), (3, 32, 32), "float"
+    if name == "transformer":
+        return TinyTransformer().eval(), (TRANSFORMER["SEQ"],), "tokens"
+    return make(name)
+
+
 def make(name: str):
+    """A family of the benchmark matrix (seeded, in eval mode)."""
     torch.manual_seed(0)
     if name == "mlp2":
         return _mlp(784, 512, 10).eval(), (784,), "float"
@@ -114,9 +177,7 @@ def make(name: str):
     if name == "resnet18":
         return ResNet18().eval(), (3, 32, 32), "float"
     if name == "encoder":
-        from featurize_bench import _transformer_class
-
-        return _transformer_class()().eval(), (SEQ,), "tokens"
+        return TinyTransformer().eval(), (SEQ,), "tokens"
     if name == "gpt":
         return Decoder().eval(), (SEQ,), "tokens"
     raise ValueError(f"unknown model {name!r}; known: {', '.join(LABELS)}")

@@ -25,8 +25,6 @@ Rows:
 Models: a 400k-parameter MLP, a small conv net, and a transformer-style text classifier (token +
 position embeddings, two ``nn.TransformerEncoderLayer`` blocks, a linear head).
 
-The older sections (scoring against the matmul peak, peak RSS against n, LDS of the projectors) are
-regenerated with ``--scoring``, ``--mem-sizes ...`` and ``--lds`` into their own block of RESULTS.md.
 Numbers are from one machine; other processes may share its cores (the report prints the load).
 """
 
@@ -49,75 +47,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
 START, END = "<!-- featurize_bench:start -->", "<!-- featurize_bench:end -->"
-XSTART, XEND = "<!-- featurize_bench_extra:start -->", "<!-- featurize_bench_extra:end -->"
 
-
-# ---------------------------------------------------------------------------- models and data
-def make_model(name: str):
-    """(model, input shape, input kind) — seeded, in eval mode."""
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    if name == "mlp10k":
-        model, shape, kind = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)), (64,), "float"
-    elif name == "mlp400k":
-        model, shape, kind = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10)), (784,), "float"
-    elif name == "convnet":
-        model = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-            nn.Linear(32 * 8 * 8, 10),
-        )
-        shape, kind = (3, 32, 32), "float"
-    elif name == "transformer":
-        model, shape, kind = _transformer_class()(), (TRANSFORMER["SEQ"],), "tokens"
-    else:  # the benchmark matrix's families
-        from bench_models import make
-
-        return make(name)
-    return model.eval(), shape, kind
-
-
-TRANSFORMER = {"VOCAB": 1000, "DIM": 64, "HEADS": 4, "FF": 256, "LAYERS": 2, "SEQ": 32, "CLASSES": 10}
-
-
-def _transformer_class():
-    import torch
-    from torch import nn
-
-    class _TinyTransformer(nn.Module):
-        """Token + position embeddings → 2 × nn.TransformerEncoderLayer (4 heads) → mean over tokens → linear."""
-
-        VOCAB, DIM, HEADS, FF, LAYERS, SEQ, CLASSES = TRANSFORMER.values()
-
-        def __init__(self):
-            super().__init__()
-            self.tok = nn.Embedding(self.VOCAB, self.DIM)
-            self.pos = nn.Parameter(0.02 * torch.randn(self.SEQ, self.DIM))
-            self.blocks = nn.ModuleList(
-                [
-                    nn.TransformerEncoderLayer(self.DIM, self.HEADS, self.FF, dropout=0.0, batch_first=True)
-                    for _ in range(self.LAYERS)
-                ]
-            )
-            self.head = nn.Linear(self.DIM, self.CLASSES)
-
-        def forward(self, ids):
-            h = self.tok(ids) + self.pos[: ids.shape[-1]]
-            for blk in self.blocks:
-                h = blk(h)
-            return self.head(h.mean(dim=-2))
-
-    return _TinyTransformer
-
+# the models and their data live in bench_models.py (re-exported here: the tests and matrix.py's workers use them)
+from bench_models import TRANSFORMER, make_data, make_model  # noqa: E402,F401
 
 MODEL_LABEL = {
     "mlp10k": "MLP 64-128-10",
@@ -137,17 +73,6 @@ IMPL_LABEL = {
     "sjlt": "trakflow — sjlt",
     "dense": "trakflow — dense",
 }
-
-
-def make_data(shape, kind, n):
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    if kind == "tokens":
-        x = torch.randint(0, TRANSFORMER["VOCAB"], (n, *shape), generator=g)
-    else:
-        x = torch.randn(n, *shape, generator=g)
-    return x, torch.randint(0, 10, (n,), generator=g)
 
 
 def make_projector(kind: str, model, grad_dim: int, proj_dim: int, device="cpu"):
@@ -412,18 +337,13 @@ def pipeline_worker(spec: dict) -> dict:
 
 def run_worker(spec: dict, timeout: int = 900) -> dict:
     """Run one measurement in a fresh interpreter (this parent process never imports torch, so the
-    children's peak RSS — inherited through fork — is theirs). ``spec["tree"]``: a checkout whose
-    ``trak_core`` the worker imports (first on its path), e.g. the code before a change."""
+    children's peak RSS — inherited through fork — is theirs)."""
     load0 = os.getloadavg()[0]
-    env = None
-    if spec.get("tree"):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([spec["tree"], os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
     )
     if out.returncode != 0:
         raise RuntimeError(f"worker {spec} failed:\n{out.stderr[-3000:]}")
@@ -433,132 +353,6 @@ def run_worker(spec: dict, timeout: int = 900) -> dict:
     return res
 
 
-def run_script(args: list, json_path: str, timeout: int = 1800) -> dict:
-    out = subprocess.run([sys.executable, *args, "--json", json_path], capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"{args} failed:\n{out.stderr[-3000:]}")
-    with open(json_path) as fh:
-        return json.load(fh)
-
-
-# ---------------------------------------------------------------------------- scoring
-def matmul_peak(sizes=(2048, 4096, 6144), reps=4) -> dict:
-    import torch
-
-    best = {}
-    for s in sizes:
-        a, b = torch.randn(s, s), torch.randn(s, s)
-        torch.matmul(a, b)
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            torch.matmul(a, b)
-            ts.append(time.perf_counter() - t)
-        best[s] = 2 * s**3 / min(ts) / 1e9
-    return {"per_size_gflops": best, "peak_gflops": max(best.values())}
-
-
-def _square_gflops(a, b) -> float:
-    import torch
-
-    t = time.perf_counter()
-    torch.matmul(a, b)
-    return 2 * a.shape[0] ** 3 / (time.perf_counter() - t) / 1e9
-
-
-def scoring_kernel(rows=8192, p=2048, targets=(256, 1024, 4096), reps=5, square=4096) -> list[dict]:
-    """scores_block against a square float32 matmul, *interleaved*: each repetition times the square
-    reference right before the block product, so a change of the machine's load hits both; the reported
-    fraction is the median over repetitions of (block GFLOP/s) / (reference GFLOP/s)."""
-    import statistics
-
-    import torch
-
-    from trak_core.scoring import scores_block
-
-    out = []
-    phi = torch.randn(rows, p)
-    a, b = torch.randn(square, square), torch.randn(square, square)
-    _square_gflops(a, b)
-    for m in targets:
-        g = torch.randn(m, p)
-        scores_block(phi, g)
-        fr, ts, refs = [], [], []
-        for _ in range(reps):
-            ref = _square_gflops(a, b)
-            t = time.perf_counter()
-            scores_block(phi, g)
-            dt = time.perf_counter() - t
-            gf = 2 * rows * p * m / dt / 1e9
-            fr.append(gf / ref)
-            ts.append(dt)
-            refs.append(ref)
-        out.append(
-            {
-                "what": "scores_block (Φ block @ Gᵀ)",
-                "rows": rows,
-                "p": p,
-                "m": m,
-                "seconds": min(ts),
-                "gflops": 2 * rows * p * m / min(ts) / 1e9,
-                "interleaved_fraction": statistics.median(fr),
-                "interleaved_ref_gflops": statistics.median(refs),
-            }
-        )
-    return out
-
-
-def scoring_end_to_end(n=65536, p=2048, m=1024, ckpts=1, dtype="float16") -> dict:
-    """reduce.finalize_scores over a store of n rows × p projected gradients of ``ckpts`` checkpoints (an inverse
-    each), m targets: G A once per checkpoint, then X (A Gᵀ) streamed."""
-    import numpy as np
-
-    from trak_core.reduce import finalize_scores
-    from trak_core.store import StoreMetadata, TrakStore
-
-    rng = np.random.default_rng(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        meta = StoreMetadata(
-            train_set_size=n, grad_dim=10 * p, proj_dim=p, dtype=dtype, chunk_rows=1024, shard_rows=8192
-        )
-        st = TrakStore.create_or_open(os.path.join(tmp, "s"), meta)
-        st.init_experiment("bench", m)
-        for mid in range(ckpts):
-            st.init_model(mid)
-            for a in range(0, n, 8192):
-                b = min(a + 8192, n)
-                x = rng.standard_normal((b - a, p), dtype=np.float32)
-                st.write_train_rows(mid, slice(a, b), x, np.ones(b - a, dtype=np.float32))
-            st.write_inverse(mid, np.eye(p) + 0.01 * np.ones((p, p)))
-            st.set_finalize_info(mid, {"lambda_reg": 0.0})
-            st.init_experiment_model("bench", mid)
-            st.write_target_rows("bench", mid, slice(0, m), rng.standard_normal((m, p), dtype=np.float32))
-        t = time.perf_counter()
-        s = finalize_scores(st, "bench")
-        dt = time.perf_counter() - t
-        assert s.shape == (n, m)
-    return {
-        "what": f"reduce.finalize_scores, {ckpts} checkpoint{'s' if ckpts > 1 else ''} ({dtype} store, "
-        "Zarr reads + score writes)",
-        "rows": n,
-        "p": p,
-        "m": m,
-        "ckpts": ckpts,
-        "seconds": dt,
-        "gflops": 2 * n * p * m * ckpts / dt / 1e9,
-    }
-
-
-def scoring_worker() -> dict:
-    """Matmul peak (before and after), the scoring kernel and the streaming scoring, in one process."""
-    peak0 = matmul_peak()
-    rows = scoring_kernel() + [scoring_end_to_end(ckpts=1), scoring_end_to_end(ckpts=4)]
-    peak1 = matmul_peak()
-    per = {s: max(peak0["per_size_gflops"][s], peak1["per_size_gflops"][s]) for s in peak0["per_size_gflops"]}
-    return {"machine": machine(), "peak": {"per_size_gflops": per, "peak_gflops": max(per.values())}, "scoring": rows}
-
-
-# ---------------------------------------------------------------------------- report
 def machine() -> dict:
     import torch
 
@@ -633,27 +427,6 @@ def _load_range(rows: list) -> str:
     return f"{min(vals):.1f}–{max(vals):.1f} on {os.cpu_count()} cores" if vals else "not recorded"
 
 
-def score_table(rows: list[dict], peak: dict) -> str:
-    lines = [
-        "| operation | rows × p × targets | seconds (best) | GFLOP/s (best) | % of the run's matmul peak | "
-        "% of a 4096² matmul timed just before (median of 5, interleaved) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        inter = f"{100 * r['interleaved_fraction']:.0f}%" if "interleaved_fraction" in r else "—"
-        lines.append(
-            f"| {r['what']} | {r['rows']:,} × {r['p']} × {r['m']} | {r['seconds']:.3f} | {r['gflops']:.1f} | "
-            f"{100 * r['gflops'] / peak['peak_gflops']:.0f}% | {inter} |"
-        )
-    sizes = ", ".join(f"{s}: {g:.1f}" for s, g in peak["per_size_gflops"].items())
-    lines.append("")
-    lines.append(
-        f"Measured float32 matmul peak: **{peak['peak_gflops']:.1f} GFLOP/s** (best of torch.matmul on "
-        f"square n×n, GFLOP/s per n — {sizes})."
-    )
-    return "\n".join(lines)
-
-
 def write_section(path: str, body: str, start: str = START, end: str = END) -> None:
     old = open(path).read() if os.path.exists(path) else "# trakflow benchmarks\n"
     block = f"{start}\n{body.rstrip()}\n{end}\n"
@@ -703,26 +476,15 @@ def main() -> None:
         default=["mlp400k:dense", "transformer:dense", "convnet:factored@0", "transformer:factored@0"],
         help="model:impl pairs left out (dense regenerates a grad_dim × p matrix per batch there)",
     )
-    ap.add_argument("--mem-sizes", type=int, nargs="*", default=[])
-    ap.add_argument("--mem-proj-dim", type=int, default=512)
-    ap.add_argument("--lds", action=argparse.BooleanOptionalAction, default=False)
-    ap.add_argument("--scoring", action=argparse.BooleanOptionalAction, default=False)
-    ap.add_argument("--lds-lambdas", type=float, nargs="+", default=[0.1, 1.0])
     ap.add_argument("--default", default="factored", help="the projector named as default in the report")
     ap.add_argument("--note", default="", help="a sentence added to the report (e.g. about the machine's load)")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
-    ap.add_argument("--json", default=os.path.join(HERE, "featurize_bench.json"))
+    ap.add_argument("--json", default=os.path.join(ROOT, ".cache", "featurize_bench.json"), help="the raw results")
     a = ap.parse_args()
     if a.worker:
         spec = json.loads(a.worker)
         section = spec.get("section")
-        out = (
-            scoring_worker()
-            if section == "scoring"
-            else {"machine": machine()}
-            if section == "machine"
-            else worker(spec)
-        )
+        out = {"machine": machine()} if section == "machine" else worker(spec)
         print(json.dumps(out))
         return
 
@@ -777,42 +539,11 @@ def main() -> None:
     res["machine"] = run_worker({"section": "machine"})["machine"]
     res["featurize_seconds"] = time.perf_counter() - t_all
 
-    # 2. the older sections, on request
-    if a.scoring:
-        res.update(run_worker({"section": "scoring"}))
-    with tempfile.TemporaryDirectory() as tmp:
-        if a.mem_sizes:
-            res["memory"] = run_script(
-                [
-                    os.path.join(HERE, "memory_flat.py"),
-                    "--sizes",
-                    *map(str, a.mem_sizes),
-                    "--proj-dim",
-                    str(a.mem_proj_dim),
-                ],
-                os.path.join(tmp, "mem.json"),
-            )
-        if a.lds:
-            res["lds"] = run_script(
-                [
-                    os.path.join(HERE, "lds.py"),
-                    "--lambdas",
-                    *map(str, a.lds_lambdas),
-                    "--kinds",
-                    "dense",
-                    "sjlt",
-                    "factored",
-                    "sjlt-c1",
-                    "sjlt-c8",
-                ],
-                os.path.join(tmp, "lds.json"),
-            )
     res["total_seconds"] = time.perf_counter() - t_all
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as fh:
         json.dump(res, fh, indent=1, default=str)
     write_section(a.out, report(res, a))
-    if a.scoring or a.mem_sizes or a.lds:
-        write_section(a.out, report_extra(res, a), XSTART, XEND)
     log(report(res, a))
     log(f"wrote {a.out} ({res['total_seconds']:.0f} s)")
 
@@ -890,112 +621,5 @@ def report(res: dict, a) -> str:
     return "\n".join(out)
 
 
-def report_extra(res: dict, a) -> str:
-    out = [f"## Scoring, memory and LDS (featurize_bench.py; {res['command']})", ""]
-    if res.get("scoring"):
-        out += ["### Scoring throughput against the matmul peak", "", score_table(res["scoring"], res["peak"]), ""]
-    if res.get("memory"):
-        import memory_flat
-
-        out += [
-            "### Peak RSS against n (featurize, finalize, score; `benchmarks/memory_flat.py`)",
-            "",
-            memory_flat.table(res["memory"], a.mem_sizes, a.mem_proj_dim, 100),
-            "",
-        ]
-    if res.get("lds"):
-        out += [
-            "### Attribution quality: LDS of dense vs SJLT vs factored (`benchmarks/lds.py`)",
-            "",
-            res["lds"]["table"],
-            "",
-        ]
-        out += decision(res, a)
-    return "\n".join(out)
-
-
-def _lds_rows(res: dict) -> dict:
-    """{(kind, λ): summary row} of the LDS run."""
-    return {(r["kind"], r["lambda_reg"]): r for r in res.get("lds", {}).get("summary", [])}
-
-
-def decision(res: dict, a) -> list:
-    """The default-projector decision by the issue's criteria, and the README trade-off table."""
-    by = {(r["model"], r["impl"]): r for r in res["featurize"]}
-    t = by.get(("mlp400k", "traker-fastest"))
-    lrows = _lds_rows(res)
-    lams = sorted({lam for _, lam in lrows})
-    out = [
-        "### Default projector: the decision",
-        "",
-        "Criteria (against traker's fastest configuration): featurize + finalize "
-        "≥ 20× faster than traker on the 400k-parameter MLP at proj_dim 2048 (warm), and an LDS no more "
-        "than 0.02 below dense projection at every damping λ tried (same proj_dim; an LDS above dense passes).",
-        "",
-        "| projector | × traker (400k MLP) | "
-        + " | ".join(f"LDS − dense (λ={lam:g})" for lam in lams)
-        + " | meets both |",
-        "|---|---|" + "---|" * len(lams) + "---|",
-    ]
-    passing = []
-    for kind in ("factored", "sjlt"):
-        r = by.get(("mlp400k", kind))
-        if not (r and t):
-            continue
-        speed = t["warm_s"] / r["warm_s"]
-        diffs = [lrows.get((kind, lam), {}).get("diff_vs_dense") for lam in lams]
-        ok = speed >= 20 and all(d is not None and d >= -0.02 for d in diffs)
-        if ok:
-            passing.append((speed, kind))
-        cells = " | ".join("—" if d is None else f"{d:+.3f}" for d in diffs)
-        out.append(f"| {kind} | {speed:.0f}× | {cells} | {'yes' if ok else 'no'} |")
-    chosen = max(passing)[1] if passing else None
-    out += [
-        "",
-        f"**Default: `{chosen}`** — the fastest projector that meets both criteria in this run."
-        if chosen
-        else "**No projector met both criteria in this run** — the default stays `dense`.",
-        "",
-    ]
-    out += tradeoff(res, lams)
-    return out
-
-
-def tradeoff(res: dict, lams: list) -> list:
-    """The README trade-off table (markdown), from this run's numbers."""
-    by = {(r["model"], r["impl"]): r for r in res["featurize"]}
-    t = by.get(("mlp400k", "traker-fastest"))
-    lrows = _lds_rows(res)
-
-    def speed(kind):
-        r = by.get(("mlp400k", kind))
-        return f"{t['warm_s'] / r['warm_s']:.1f}×" if (r and t and r.get("warm_s")) else "—"
-
-    def lds(kind):
-        vals = [lrows.get((kind, lam)) for lam in lams]
-        return " / ".join("—" if v is None else f"{v['lds_mean']:.3f}" for v in vals)
-
-    lam_txt = " / ".join(f"{lam:g}" for lam in lams)
-    return [
-        "### Trade-off table (snippet for the README)",
-        "",
-        f"| projector | matrix | featurization work per example | × traker, 400k MLP | LDS on digits, "
-        f"proj_dim 512 (λ = {lam_txt}) | use it for |",
-        "|---|---|---|---|---|---|",
-        f"| `dense` | grad_dim × proj_dim, ±1 (or N(0,1)) | per-example gradient + grad_dim·proj_dim MACs; the "
-        f"matrix is regenerated per batch beyond the 512 MiB cache | {speed('dense')} | {lds('dense')} | the "
-        "reference; small models |",
-        f"| `sjlt` | c = 4 nonzeros ±√(proj_dim/c) per coordinate | per-example gradient + grad_dim·c "
-        f"(sparse) | {speed('sjlt')} | {lds('sjlt')} | any layer type; the same quality as dense |",
-        f"| `factored` | per layer P_out ⊗ P_in (Kronecker, LoGra-style) | one forward + backward, "
-        f"(d_in + d_out)·√k per position; no per-example gradient | {speed('factored')} | {lds('factored')} | "
-        "Linear/Conv models (other parameters: a small dense block); the default |",
-        f"| `noop` | identity | per-example gradient | — | {lds('noop (exact gradients)')} (proj_dim = grad_dim) "
-        "| tiny models, checks |",
-        "",
-    ]
-
-
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     main()

@@ -9,9 +9,7 @@ Every cell runs in fresh processes through ``featurize_bench``'s worker (the sam
 * **traker-fastest**: traker 0.3.2 with ``BasicSingleBlockProjector`` (the matrix made once, kept), where that
   grad_dim × proj_dim matrix fits in ``--traker-max-gib``; with ``--device cuda`` also traker's GPU default
   (``CudaProjector``, fast_jl's kernel) where fast_jl imports;
-* **trakflow**: ``TRAKer`` defaults (factored projector, adaptive λ), cold (first pass in the process) and warm;
-* with ``--baseline DIR``: the same trakflow cells with the ``trak_core`` of another checkout (e.g. the code before
-  a change), interleaved with the others, as a *before* column.
+* **trakflow**: ``TRAKer`` defaults (factored projector, adaptive λ), cold (first pass in the process) and warm.
 The table gives warm seconds, × floor, cold/warm, × traker's fastest, and where the warm pass goes (set-up,
 featurize, finalize).
 """
@@ -64,8 +62,6 @@ def cells(a) -> list[dict]:
                         "device": a.device,
                     }
                 )
-            if a.baseline:
-                out.append({**out[-len(impls) + 1], "tree": os.path.abspath(a.baseline)})  # the factored cell
     return out
 
 
@@ -82,7 +78,7 @@ def best(runs: list[dict]) -> dict:
 
 
 def _key(r: dict) -> tuple:
-    return (r["model"], r["proj_dim"], r["impl"] + (" (baseline)" if r.get("tree") else ""))
+    return (r["model"], r["proj_dim"], r["impl"])
 
 
 def _vs(other: dict | None, r: dict) -> str:
@@ -94,32 +90,24 @@ def _vs(other: dict | None, r: dict) -> str:
 
 def table(res: dict, command: str) -> str:
     by = {_key(r): r for r in res["cells"]}
-    base = any(k[2].endswith("(baseline)") for k in by)
     fj = any(k[2] == "traker-fastjl" for k in by)
     lines = [
         "| model | parameters | rows | proj_dim | floor s | trakflow warm s | × floor | cold/warm | "
-        + ("before: warm s | × floor | cold/warm | " if base else "")
         + "traker-fastest s | × traker | "
         + ("traker + fast_jl s | × traker + fast_jl | " if fj else "")
         + "warm split: set-up / featurize / finalize |",
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if base else "") + ("---|---|" if fj else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if fj else ""),
     ]
     for (m, p, impl), r in by.items():
         if impl != "factored":
             continue
         fl, tk = by.get((m, p, "floor")), by.get((m, p, "traker-fastest"))
-        b = by.get((m, p, "factored (baseline)"))
         w = r["warm"] or {}
         fl_s = fl["warm_s"] if fl else None
         tk_s = tk["warm_s"] if tk else None
         lines.append(
             f"| {bench_models.LABELS.get(m, m)} | {r['grad_dim']:,} | {r['n']} | {p} | "
             f"{fl_s:.2f} | {r['warm_s']:.2f} | {r['warm_s'] / fl_s:.1f}× | {r['cold_s'] / r['warm_s']:.2f} | "
-            + (
-                f"{b['warm_s']:.2f} | {b['warm_s'] / fl_s:.1f}× | {b['cold_s'] / b['warm_s']:.2f} | "
-                if b
-                else ("— | — | — | " if base else "")
-            )
             + (f"{tk_s:.2f} | {tk_s / r['warm_s']:.1f}× | " if tk_s else "— (not run) | — | ")
             + (_vs(by.get((m, p, "traker-fastjl")), r) if fj else "")
             + f"{w.get('init_s', 0):.2f} / {w.get('featurize_s', 0):.2f} / {w.get('finalize_s', 0):.2f} |"
@@ -143,7 +131,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="fresh processes per cell, interleaved; best kept")
     ap.add_argument("--warm-runs", type=int, default=1)
     ap.add_argument("--traker-max-gib", type=float, default=4.0, help="largest traker matrix tried")
-    ap.add_argument("--baseline", default=None, help="a checkout whose trak_core gives a 'before' column")
     ap.add_argument("--json", default=None, help="write the raw results here")
     a = ap.parse_args()
     command = shlex.join([".venv/bin/python", "benchmarks/matrix.py", *sys.argv[1:]])

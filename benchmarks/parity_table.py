@@ -2,7 +2,7 @@
 recipes tests/compat/test_traker_parity.py asserts (identity projection; 1 and 3 checkpoints; float32 without λ on the
 first layer, float32 with λ = 1e-2 on all parameters, float16 on the first layer), run through both libraries.
 
-    .venv/bin/python benchmarks/parity_table.py      # a few seconds; needs traker 0.3.2 (make test installs it)
+    python -m benchmarks run parity      # a few seconds; needs traker 0.3.2 (make test installs it)
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import sys
 import tempfile
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+sys.path[:0] = [os.path.join(TESTS, "compat"), TESTS]  # the parity recipes and the fixtures they import
 
 
 def main() -> None:

@@ -519,14 +519,6 @@ def check_scores(case: Case, truth: dict, kind: str = "dense", proj_dim: int = 5
     return float((s.scores(lam) - ref).abs().max() / ref.abs().max())
 
 
-def check_inverse(case: Case, truth: dict, kind: str = "dense", proj_dim: int = 512, setting="rel:0.3") -> float:
-    """max relative difference of the eigen path's inverse against damping.cholesky_inverse (one setting)."""
-    s = Solver(features(case, truth, kind, proj_dim, 0))
-    lam = s.resolve(setting)
-    ref = cholesky_inverse(s.xtx, lam, s.n, rescale=True)[0]
-    return float((s.inverse(lam) - ref).abs().max() / ref.abs().max())
-
-
 # ---------------------------------------------------------------------------- traker 0.3.2 itself
 def traker_cache(case: Case, truth: dict, proj_dim: int, num_ckpts: int = NUM_CKPTS) -> str:
     """Where :func:`traker_lds` keeps traker's scores."""
@@ -624,24 +616,6 @@ def best_fixed(rows: dict, case: str, kind: str, p: int) -> tuple[str, float]:
     cands = [(rows[(case, kind, p, s)]["lds"], s) for s in fixed_settings(rows, case, kind, p)]
     v, s = max(cands)
     return s, v
-
-
-def loco(rows: dict, cases: list[str], dims: list[int], family: str, consts: list[str], kind: str = "dense") -> list:
-    """Leave-one-case-out choice of the constant of a damping family ('rel' or 'deff'): for each held-out case,
-    the constant with the best mean LDS over the other cases and all dims; then its LDS on the held-out case."""
-    out = []
-    for h in cases:
-        others = [c for c in cases if c != h]
-
-        def score(c: str, among: list[str]) -> float:
-            vals = [rows.get((o, kind, p, f"{family}:{c}"), {}).get("lds") for o in among for p in dims]
-            return float(np.mean(vals)) if all(v is not None for v in vals) else -np.inf
-
-        chosen = max(consts, key=lambda c: score(c, others))
-        oracle = max(consts, key=lambda c: score(c, [h]))
-        per_dim = {p: rows.get((h, kind, p, f"{family}:{chosen}")) for p in dims}
-        out.append({"held_out": h, "chosen": chosen, "oracle": oracle, "per_dim": per_dim})
-    return out
 
 
 def rule_settings(rows: dict, kind: str = "dense") -> list[str]:

@@ -6,11 +6,8 @@ per checkpoint, ``ckpts`` checkpoints) and m targets, times:
 * **peak**: torch.matmul on square n×n float32 matrices (2048, 4096, 6144), best of the run (before and after);
 * **GEMM only**: the same product as the scoring, X (n × p, float32, in memory) @ W, W = A Gᵀ, in one addmm_: the
   ceiling for this shape;
-* **previous stream_scores**: :func:`scores_from_grads` with the previous ``stream_scores`` (commit
-  d1aba7b: one-thread GEMM workers, each block read, written and flagged on its own), loaded from git, on an
-  experiment with the layout it was made for (``m<m>-chunked``: no ``score_layout``, so scores and flags in
-  ``chunk_rows`` chunks) — the reference the other paths' scores must equal bit for bit;
-* **X · (A Gᵀ)**: :func:`scores_from_grads`, defined here (W from given inverses, the stored X streamed against it);
+* **X · (A Gᵀ)**: ``scores_from_grads`` (defined here: W from given inverses, the stored X streamed against it) — the
+  reference the other paths' scores must equal bit for bit;
 * **finalize_scores**: ``trak_core.reduce.finalize_scores`` end to end (G A read from the store — written once —,
   Zarr reads of X, float16 → float32, the GEMMs, the combination, the Zarr writes of the scores, the returned array);
 * **finalize_scores, buffers in numpy's huge pages**: the same with the returned array and the workers' buffers
@@ -67,9 +64,6 @@ from trak_core.streaming import (  # noqa: E402
 )
 
 START, END = "<!-- scoring_bench:start -->", "<!-- scoring_bench:end -->"
-#: the commit whose trak_core/streaming.py is the previous design (one-thread GEMM workers, a Zarr read, write and
-#: flag write per block), run on an experiment with that design's layout (``chunked``)
-PREVIOUS_STREAMING = "d1aba7b"
 
 
 def scores_from_grads(
@@ -117,35 +111,6 @@ def scores_from_grads(
         stream_scores(store, exp_name, ids, 0, n, right, block_rows=block_rows, out=out, progress=progress)
         store.set_scored_with(exp_name, ids)
     return out
-
-
-def chunked(exp: str) -> str:
-    """The experiment with the same targets as ``exp`` whose scores and flags come in ``chunk_rows`` chunks (as
-    before ``score_layout``): the previous design's layout."""
-    return f"{exp}-chunked"
-
-
-def previous_streaming():
-    """trak_core/streaming.py as of PREVIOUS_STREAMING, as a module of the trak_core package (None without git)."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        src = subprocess.run(
-            ["git", "show", f"{PREVIOUS_STREAMING}:trak_core/streaming.py"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    spec = importlib.util.spec_from_loader("trak_core._streaming_previous", loader=None)
-    assert spec is not None
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "trak_core"
-    exec(compile(src, f"{PREVIOUS_STREAMING}:trak_core/streaming.py", "exec"), mod.__dict__)
-    return mod
 
 
 def square_gflops(s: int, reps: int = 3) -> float:
@@ -212,13 +177,10 @@ def build_store(path: str, n: int, p: int, ms: list[int], ckpts: int, dtype: str
     for m in ms:
         exp = f"m{m}"
         st.init_experiment(exp, m)
-        st.init_experiment(chunked(exp), m)
-        del st.experiment(chunked(exp)).group.attrs["score_layout"]  # as created before the record existed
         for mid in range(ckpts):
             g = rng.standard_normal((m, p), dtype=np.float32)
-            for e in (exp, chunked(exp)):
-                st.init_experiment_model(e, mid)
-                st.write_target_rows(e, mid, slice(0, m), g)
+            st.init_experiment_model(exp, mid)
+            st.write_target_rows(exp, mid, slice(0, m), g)
     return st
 
 
@@ -234,10 +196,7 @@ def store_bytes(st: TrakStore, path: str, ckpts: int) -> dict:
         return sum(dir_bytes(os.path.join(path, "models", str(mid), name)) for mid in range(ckpts))
 
     models = sum(dir_bytes(os.path.join(path, "models", str(mid))) for mid in range(ckpts))
-    exps = os.path.join(path, "experiments")
-    copies = sum(dir_bytes(os.path.join(exps, e)) for e in os.listdir(exps) if e.endswith(chunked("")))
-    total = dir_bytes(path) - copies  # without the previous design's copies of the experiments
-    return {"models": models, "grads": arr("grads"), "partials": arr("xtx_partials"), "total": total}
+    return {"models": models, "grads": arr("grads"), "partials": arr("xtx_partials"), "total": dir_bytes(path)}
 
 
 def max_rel(got: np.ndarray, want: np.ndarray, step: int = 4096) -> float:
@@ -424,8 +383,6 @@ def run(a) -> dict:
     ref_a, ref_b = torch.randn(4096, 4096), torch.randn(4096, 4096)
     rows = []
     used = list(range(a.ckpts))
-    prev = previous_streaming()
-    same_as_previous: dict[int, bool] = {}  # X · (A Gᵀ) from stream_scores == from the previous one, bitwise
     loads = [os.getloadavg()[0]]
     stages: dict[int, dict] = {}
     threads_cpu: dict[int, dict] = {}
@@ -457,10 +414,6 @@ def run(a) -> dict:
                     out.addmm_(x_mem, g[mid])
 
             paths = {"GEMM only (X in memory, float32)": gemm_only}
-            if prev is not None:  # first: the reference of the bitwise check
-                paths[f"previous stream_scores ({PREVIOUS_STREAMING}), X · (A Gᵀ)"] = lambda exp=exp: (
-                    prev.scores_from_grads(st, chunked(exp), inverses)
-                )
             paths.update(
                 {
                     "X · (A Gᵀ) (scores_from_grads)": lambda exp=exp: scores_from_grads(st, exp, inverses),
@@ -490,15 +443,13 @@ def run(a) -> dict:
                     res[k]["t"].append(dt)
                     res[k]["frac"].append(flops / dt / 1e9 / ref)
                     loads.append(os.getloadavg()[0])
-                    if r is not None and rep == a.repeats - 1:  # the previous stream_scores runs first: the reference
+                    if r is not None and rep == a.repeats - 1:  # X · (A Gᵀ) runs first: the reference
                         r = np.asarray(r)
                         base = r if base is None else base
                         same = bool(np.array_equal(r, base))
                         checks[k] = (same, max_rel(r, base), max_rel(r[: a.exact_rows], exact))
                         if k.startswith("X · (A Gᵀ) (scores_from_grads)"):
                             grads_r = r
-                            if prev is not None:
-                                same_as_previous[m] = same
                     del r
             for k in paths:
                 best = min(res[k]["t"])
@@ -564,7 +515,6 @@ def run(a) -> dict:
         "cache": cache_bytes(),
         "memory": memory_bytes(),
         "loads": loads,
-        "same_as_previous": same_as_previous,
         "workers": torch.get_num_threads(),
     }
 
@@ -618,8 +568,8 @@ def report(res: dict, a, cmd: str, wall: float, load: list, others: float | None
         + ".",
         "",
         "| path | targets m | seconds (best) | GFLOP/s | % of the matmul peak | % of GEMM only | interleaved "
-        "(vs 4096² just before) | CPU share of the GEMM | scores == previous (bitwise) | max rel. diff vs previous | "
-        f"max rel. diff vs float64 (first {a.exact_rows:,} rows) |",
+        "(vs 4096² just before) | CPU share of the GEMM | scores == X · (A Gᵀ) (bitwise) | "
+        f"max rel. diff vs X · (A Gᵀ) | max rel. diff vs float64 (first {a.exact_rows:,} rows) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in a.targets:
@@ -689,19 +639,10 @@ def report(res: dict, a, cmd: str, wall: float, load: list, others: float | None
             "cache for the score files. The scoring's large buffers are `page_array`s; the row *buffers in numpy's "
             "huge pages* runs the same code with plain numpy buffers.",
         ]
-    if res.get("same_as_previous"):
-        lines += [
-            "",
-            f"X · (A Gᵀ) from `stream_scores` and from the previous one ({PREVIOUS_STREAMING}), same store, same W: "
-            + ", ".join(
-                f"m={m}: {'bitwise equal' if v else '**not equal**'}" for m, v in res["same_as_previous"].items()
-            )
-            + ".",
-        ]
     fin, o = res["finalize"], res["other_dtype"]
     lines += [
         "",
-        "### Less to store, less to finalize: measured in the same run",
+        "### Finalize and bytes stored: measured in the same run",
         "",
         f"Finalize of one checkpoint (n = {a.n:,}, proj_dim {a.p}, {a.dtype}, lambda_reg {a.lambda_reg!r}; best of "
         f"{a.repeats}): `reduce.finalize_model` (the shard partials summed, the solve, A written; no pass over the "

@@ -591,8 +591,8 @@ class TrainConfig(_Base):
         description="fractions of each run's optimizer steps after which its state is also saved as a checkpoint "
         "of its own (listed in manifest.json, so attribute and evaluate use them all); in (0, 1] and including 1.0, "
         "the end of the run. [0.625, 0.75, 0.875, 1.0] raised LDS at the same training cost by +0.006 to +0.088 on "
-        "the nine small evaluation cases (`benchmarks/past_trak.py`, with an earlier factored layout and damping "
-        "rule), at 4x the featurize and scoring time",
+        "the nine small evaluation cases (`benchmarks/past_trak.py`, in the git history, with an earlier factored "
+        "layout and damping rule), at 4x the featurize and scoring time",
     )
 
     @property

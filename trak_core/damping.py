@@ -31,8 +31,8 @@ from .store import mirror_upper
 CONDITION_WARN = 1e7
 
 
-# "auto": λ = AUTO_DAMPING × mean eigenvalue of XᵀX. Chosen by benchmarks/damping.py (LDS on the digits demo,
-# digits trained longer and the text example, proj_dim 128/512/1024): see "Damping and LDS" in RESULTS.md.
+# "auto": λ = AUTO_DAMPING × mean eigenvalue of XᵀX. Chosen by benchmarks/damping.py (in the git history: LDS on
+# the digits demo, digits trained longer and the text example, proj_dim 128/512/1024).
 AUTO_DAMPING = 0.3
 
 
