@@ -1,0 +1,56 @@
+"""The ranks of the 2-process FSDP2 test (trak_core level, without the pipeline): started from a fork server, each
+builds the tiny GPT-2 classifier, wraps it with FSDP2 and featurizes every shard of the store together with the
+others (trak_core.sharded.featurize_shard; rank 0 writes)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, location: str, shards: int, batch_size: int) -> None:
+    import sharded_models as sm
+
+    from trak_core import sharded
+    from trak_core.factored import FactoredProjector
+    from trak_core.store import TrakStore
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = sm.make_model()
+        proj = FactoredProjector.from_model(model, 24, seed=0)
+        sharded.shard_model(model)
+        assert type(next(model.parameters())).__name__ == "DTensor"  # each rank holds a shard of each parameter
+        store = TrakStore.open(location) if rank == 0 else None
+        x, y = sm.train_data()
+        for s in range(shards):
+            sharded.featurize_shard(
+                store,
+                0,
+                s,
+                lambda: sharded.ShardedFeaturizer(model, "image_classification", proj),
+                lambda a, b: [x[a:b], y[a:b]],
+                batch_size,
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, location: str, shards: int, batch_size: int) -> None:
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "sharded_models", "trak_core.sharded"])
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(
+        _rank, args=(world, _port(), location, shards, batch_size), nprocs=world, start_method="forkserver"
+    )
