@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
+from torch.multiprocessing.spawn import ProcessException, ProcessRaisedException
 
 from trak_core import engine, sharded
 from trak_core.errors import BadInputError, TrakError
@@ -71,7 +71,8 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
                 start_method=START_METHOD,
             )
         except ProcessException as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            first = lines[-1] if isinstance(e, ProcessRaisedException) else lines[0]  # the error, not its traceback
             raise _rank_error(tmp, n) or RuntimeError(
                 f"featurize model_id={model_id} shard {shard}: its {n} processes stopped (first seen: {first}); "
                 "what was written is kept, rerun to resume"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -419,27 +420,29 @@ def featurize_shard(
     state, start, stop = plan[0]
     if state == "done" or state == "finalized":  # rank 0 completes a missing partial, or raises StateError
         if rank == 0:
-            return engine.featurize_shard(store, model_id, shard, lambda: None, batch, batch_size, device)
+            unused: Any = None  # (the featurizer of a complete shard is never built)
+            return engine.featurize_shard(store, model_id, shard, unused, batch, batch_size, device)
         if state == "finalized":
             raise StateError(f"model_id={model_id} is already finalized")
         return True
     feat = featurizer()
-    xs, qs = [], []
+    xs: list[np.ndarray] = []
+    qs: list[np.ndarray] = []
     err: list = [None]
     for s in range(start, stop, world * batch_size):
         lo = min(s + rank * batch_size, stop)
         hi = min(lo + batch_size, stop)
         rows = range(lo, hi) if hi > lo else range(start, start + 1)  # a spare forward for the collectives
+        x: np.ndarray | None = None
         try:
             x, q = feat.featurize(batch(rows.start, rows.stop), model_id, rows)
         except (BadInputError, NonFiniteGradientError) as e:
             err[0] = e
-            x, q = None, None
         if hi > lo and x is not None:
             xs.append(x)
             qs.append(q)
         flags = [err[0] is not None]
-        everyone = [None] * world
+        everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, flags, group=group)
         if any(f[0] for f in everyone):
             if err[0] is not None:
@@ -449,10 +452,10 @@ def featurize_shard(
                     )
                 raise err[0]
             raise StateError("another rank stopped on bad input (its error is in its log)")
-    mine = (np.concatenate(xs) if xs else None, np.concatenate(qs) if qs else None)
-    parts: list = [None] * world if rank == 0 else None
+    mine: tuple[Any, Any] = (np.concatenate(xs) if xs else None, np.concatenate(qs) if qs else None)
+    parts: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, parts, dst=0, group=group)
-    if rank != 0:
+    if parts is None:
         return False
     # rank r's rows, in order: its batch of each step
     x_all = np.empty((stop - start, next(p[0] for p in parts if p[0] is not None).shape[1]), np.float32)
@@ -468,6 +471,5 @@ def featurize_shard(
             x_all[lo - start : hi - start] = parts[r][0][k : k + hi - lo]
             q_all[lo - start : hi - start] = parts[r][1][k : k + hi - lo]
             offsets[r] += hi - lo
-    return engine.featurize_shard(
-        store, model_id, shard, lambda: _Gathered(start, x_all, q_all, device or "cpu"), batch, batch_size, device
-    )
+    gathered: Any = _Gathered(start, x_all, q_all, device or "cpu")
+    return engine.featurize_shard(store, model_id, shard, lambda: gathered, batch, batch_size, device)
