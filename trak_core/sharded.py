@@ -17,8 +17,8 @@ per-example gradients are taken with a vmap of that module alone, inside its for
 project materialized per-example gradients through ``torch.func.vmap`` over the whole model, which cannot run on a
 sharded model: :func:`check_sharded` refuses them, and attention weights used inside ``nn.MultiheadAttention``'s
 fused function, in one line before any compute. The model output is computed for the whole batch at once
-(:func:`batch_output`): the built-in image classification task (any model whose ``model(x)`` gives logits) or a
-task with a ``get_batch_output(model, batch) -> (f (B,), Q (B,))`` method of its own.
+(:func:`batch_output`): the built-in image classification task (any model whose ``model(x)`` gives logits), the
+causal language-model task, or a task with a ``get_batch_output(model, batch) -> (f (B,), Q (B,))`` method.
 """
 
 from __future__ import annotations
@@ -36,7 +36,18 @@ from .errors import BadInputError, NonFiniteGradientError, StateError
 from .factored_layout import HOOKED, MATRIX, Block, is_conv1d, matrix_uses
 from .factored_mha import ATTENTION
 from .featurize import _bad_rows
-from .modelout import ImageClassificationModelOutput, _check_labels, resolve_task
+from .modelout import (
+    CausalLMModelOutput,
+    ImageClassificationModelOutput,
+    _check_labels,
+    _check_token_labels,
+    _forward_parameters,
+    additive_mask,
+    is_transformers_model,
+    log_odds,
+    resolve_task,
+    sequence_log_prob,
+)
 
 #: the one-line refusal of a projector that needs per-example gradients
 VMAP_REFUSAL = (
@@ -64,6 +75,8 @@ def batch_output(task, model: nn.Module, batch: Sequence[Tensor]) -> tuple[Tenso
     if own is not None:
         f, q = own(model, batch)
         return f.reshape(-1), q.reshape(-1).float()
+    if isinstance(task, CausalLMModelOutput):
+        return _causal_lm_output(task, model, batch)
     x, labels = batch
     logits = model(x)
     if hasattr(logits, "logits"):
@@ -76,13 +89,36 @@ def batch_output(task, model: nn.Module, batch: Sequence[Tensor]) -> tuple[Tenso
     return f, (1 - p_y).float()
 
 
+def _causal_lm_output(task: CausalLMModelOutput, model: nn.Module, batch: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """The causal LM task's f = log(p / (1 − p)) and Q = 1 − p for the whole batch: the model called with the inputs
+    :class:`~trak_core.modelout.CausalLMModelOutput` gives it (a transformers model: the 4-D causal mask, position ids
+    over the real tokens, no cache)."""
+    input_ids, attention_mask, labels = batch
+    kwargs: dict = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if task.transformers_inputs and is_transformers_model(model):
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        kwargs["attention_mask"] = additive_mask(attention_mask, True, dtype)
+        accepts = _forward_parameters(type(model))
+        if "position_ids" in accepts:
+            kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if "use_cache" in accepts:
+            kwargs["use_cache"] = False
+    out = model(**kwargs)
+    logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
+    _check_token_labels(labels, logits.shape[-1])
+    log_p = sequence_log_prob(logits, labels)
+    return log_odds(log_p), (-torch.expm1(log_p.detach())).float()
+
+
 def _batch_task_ok(task) -> bool:
     if callable(getattr(task, "get_batch_output", None)):
         return True
-    cls = ImageClassificationModelOutput
-    return isinstance(task, cls) and all(
-        getattr(type(task), n) is getattr(cls, n) for n in ("get_output", "get_out_to_loss_grad")
-    )
+    for cls in (ImageClassificationModelOutput, CausalLMModelOutput):
+        if isinstance(task, cls) and all(
+            getattr(type(task), n) is getattr(cls, n) for n in ("get_output", "get_out_to_loss_grad")
+        ):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------- the checks
@@ -98,8 +134,8 @@ def check_sharded(projector, model: nn.Module, task) -> None:
     if not _batch_task_ok(task):
         raise BadInputError(
             f"processes_per_task > 1: task {type(task).__name__} computes its output per example under vmap; a "
-            "sharded model needs the built-in image classification task (model(x) gives logits) or a task with "
-            "get_batch_output(model, batch) -> (f (B,), Q (B,))"
+            "sharded model needs the built-in image_classification (model(x) gives logits) or causal_lm task, or a "
+            "task with get_batch_output(model, batch) -> (f (B,), Q (B,))"
         )
     uses = matrix_uses(model, layout)
     bad = []

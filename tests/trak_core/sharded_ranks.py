@@ -1,6 +1,6 @@
 """The ranks of the 2-process FSDP2 test (trak_core level, without the pipeline): started from a fork server, each
 builds the tiny GPT-2 classifier, wraps it with FSDP2 and featurizes every shard of the store together with the
-others (trak_core.sharded.featurize_shard; rank 0 writes)."""
+others (trak_core.sharded.featurize_shard; rank 0 writes), and featurizes a few rows of a sharded causal LM."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import socket
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -19,7 +20,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, location: str, shards: int, batch_size: int) -> None:
+def _rank(rank: int, world: int, port: int, location: str, shards: int, batch_size: int, lm_out: str | None) -> None:
     import sharded_models as sm
 
     from trak_core import sharded
@@ -44,13 +45,28 @@ def _rank(rank: int, world: int, port: int, location: str, shards: int, batch_si
                 lambda a, b: [x[a:b], y[a:b]],
                 batch_size,
             )
+        if lm_out is not None:  # a causal LM whose head is tied to its token embedding, sharded: this rank's rows
+            from test_causal_lm import gpt2_config, mixed_batch, sequences
+            from transformers import GPT2LMHeadModel
+
+            torch.manual_seed(0)
+            lm = GPT2LMHeadModel(gpt2_config()).eval()
+            lm_proj = FactoredProjector.from_model(lm, 40, seed=1)
+            sharded.shard_model(lm)
+            rows = slice(3 * rank, 3 * rank + 3)
+            batch = [t[rows] for t in mixed_batch(sequences(6))]
+            x, q = sharded.ShardedFeaturizer(lm, "causal_lm", lm_proj).featurize(batch, 0, range(rows.start, rows.stop))
+            np.save(f"{lm_out}/x{rank}.npy", x)
+            np.save(f"{lm_out}/q{rank}.npy", q)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, location: str, shards: int, batch_size: int) -> None:
+def run_ranks(world: int, location: str, shards: int, batch_size: int, lm_out: str | None = None) -> None:
+    """``world`` ranks featurize every shard of the store at ``location``; with ``lm_out``, each also featurizes 3
+    rows of a sharded GPT2LMHeadModel into ``lm_out``/x{rank}.npy, q{rank}.npy."""
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "sharded_models", "trak_core.sharded"])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(
-        _rank, args=(world, _port(), location, shards, batch_size), nprocs=world, start_method="forkserver"
+        _rank, args=(world, _port(), location, shards, batch_size, lm_out), nprocs=world, start_method="forkserver"
     )

@@ -78,6 +78,27 @@ def test_batched_projection_equals_the_factored_fast_path(which, form):
     np.testing.assert_allclose(got_q, want_q, rtol=1e-5, atol=1e-7)
 
 
+def test_causal_lm_with_a_tied_head_equals_the_factored_fast_path():
+    """transformers' GPT2LMHeadModel (its head tied to the token embedding: one block, two hooked uses), padded rows
+    left and right: the causal LM task's batched output gives the fast path's rows and Q."""
+    from test_causal_lm import gpt2_config, mixed_batch, sequences
+
+    from trak_core.modelout import CausalLMModelOutput
+
+    torch.manual_seed(0)
+    model = __import__("transformers").GPT2LMHeadModel(gpt2_config()).eval()
+    batch = mixed_batch(sequences(6))
+    task = CausalLMModelOutput()
+    for proj in (
+        FactoredProjector.from_model(model, 40, seed=1),
+        _grid(FactoredProjector.from_model(model, 40, seed=1)),
+    ):
+        want_x, want_q = Featurizer(model, task, proj).featurize(batch, 0, range(6))
+        got_x, got_q = sharded.ShardedFeaturizer(model, task, proj).featurize(batch, 0, range(6))
+        np.testing.assert_allclose(got_x, want_x, rtol=1e-4, atol=1e-5 * np.abs(want_x).max())
+        np.testing.assert_allclose(got_q, want_q, rtol=1e-4, atol=1e-6)
+
+
 def test_what_cannot_run_sharded_is_refused_before_any_compute():
     model = sm.make_model()
     task = ImageClassificationModelOutput()
@@ -129,7 +150,7 @@ def test_two_fsdp2_ranks_featurize_a_transformer_as_one_process(tmp_path):
     want = _finish(store, model, proj)
 
     store2, model2, proj2 = _store(tmp_path / "sharded")  # the arrays created by the parent: one writer
-    run_ranks(2, str(tmp_path / "sharded"), N // SHARD, batch_size=3)  # 16 rows in steps of 2 × 3: a spare forward
+    run_ranks(2, str(tmp_path / "sharded"), N // SHARD, batch_size=3, lm_out=str(tmp_path))  # steps of 2 × 3 rows
     assert store2.model(0).featurized[:].all()
     np.testing.assert_allclose(
         store2.read_train_rows(0, 0, N)[0], store.read_train_rows(0, 0, N)[0], rtol=1e-4, atol=1e-6
@@ -137,3 +158,19 @@ def test_two_fsdp2_ranks_featurize_a_transformer_as_one_process(tmp_path):
     got = _finish(store2, model2, proj2)
     assert np.abs(want).max() > 0
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
+
+    # the causal LM with its head tied to the token embedding, sharded over the 2 ranks (3 rows each)
+    from test_causal_lm import gpt2_config, mixed_batch, sequences
+    from transformers import GPT2LMHeadModel
+
+    from trak_core.modelout import CausalLMModelOutput
+
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(gpt2_config()).eval()
+    want_x, want_q = Featurizer(lm, CausalLMModelOutput(), FactoredProjector.from_model(lm, 40, seed=1)).featurize(
+        mixed_batch(sequences(6)), 0, range(6)
+    )
+    got_x = np.concatenate([np.load(tmp_path / f"x{r}.npy") for r in range(2)])
+    got_q = np.concatenate([np.load(tmp_path / f"q{r}.npy") for r in range(2)])
+    np.testing.assert_allclose(got_x, want_x, rtol=1e-4, atol=1e-5 * np.abs(want_x).max())
+    np.testing.assert_allclose(got_q, want_q, rtol=1e-4, atol=1e-6)
