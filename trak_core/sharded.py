@@ -66,30 +66,34 @@ def _fsdp_module_type():
 
 
 # ---------------------------------------------------------------------------------------------- the output
-def batch_output(task, model: nn.Module, batch: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """(f (B,), Q (B,)) of one batch through ``model(...)`` called once for the whole batch (FSDP2 runs its
-    collectives in the module's own forward; ``functional_call`` and vmap over the model cannot be used).
+def batch_output(task, model: nn.Module, batch: Sequence[Tensor]) -> tuple[Tensor, Tensor, Callable[[], None]]:
+    """(f (B,), Q (B,), the labels' check) of one batch through ``model(...)`` called once for the whole batch (FSDP2
+    runs its collectives in the module's own forward; ``functional_call`` and vmap over the model cannot be used).
     A task's ``get_batch_output(model, batch)`` is used when it has one; the built-in image classification task
-    (margin f = logit_y − logsumexp(other logits), Q = 1 − softmax(logits / T)_y) otherwise."""
+    (margin f = logit_y − logsumexp(other logits), Q = 1 − softmax(logits / T)_y) otherwise. The check (labels out
+    of the logits' range: BadInputError) is called after the backward pass: a rank that stopped between its forward
+    and its backward would leave the others waiting in FSDP2's gathers of the backward."""
     own = getattr(task, "get_batch_output", None)
     if own is not None:
         f, q = own(model, batch)
-        return f.reshape(-1), q.reshape(-1).float()
+        return f.reshape(-1), q.reshape(-1).float(), lambda: None
     if isinstance(task, CausalLMModelOutput):
         return _causal_lm_output(task, model, batch)
     x, labels = batch
     logits = model(x)
     if hasattr(logits, "logits"):
         logits = logits.logits
-    _check_labels(labels, logits.shape[-1])
-    lab = labels.reshape(-1, 1).long()
+    num_classes = logits.shape[-1]
+    lab = torch.where((labels >= 0) & (labels < num_classes), labels, 0).reshape(-1, 1).long()
     mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, lab, True)
     f = logits.gather(1, lab).reshape(-1) - logits.masked_fill(mask, float("-inf")).logsumexp(dim=-1)
     p_y = torch.softmax(logits.detach() / task.loss_temperature, dim=-1).gather(1, lab).reshape(-1)
-    return f, (1 - p_y).float()
+    return f, (1 - p_y).float(), lambda: _check_labels(labels, num_classes)
 
 
-def _causal_lm_output(task: CausalLMModelOutput, model: nn.Module, batch: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+def _causal_lm_output(
+    task: CausalLMModelOutput, model: nn.Module, batch: Sequence[Tensor]
+) -> tuple[Tensor, Tensor, Callable[[], None]]:
     """The causal LM task's f = log(p / (1 − p)) and Q = 1 − p for the whole batch: the model called with the inputs
     :class:`~trak_core.modelout.CausalLMModelOutput` gives it (a transformers model: the 4-D causal mask, position ids
     over the real tokens, no cache)."""
@@ -105,9 +109,9 @@ def _causal_lm_output(task: CausalLMModelOutput, model: nn.Module, batch: Sequen
             kwargs["use_cache"] = False
     out = model(**kwargs)
     logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
-    _check_token_labels(labels, logits.shape[-1])
-    log_p = sequence_log_prob(logits, labels)
-    return log_odds(log_p), (-torch.expm1(log_p.detach())).float()
+    vocab = logits.shape[-1]
+    log_p = sequence_log_prob(logits, labels)  # NaN for a row with a label out of range, which the check names
+    return log_odds(log_p), (-torch.expm1(log_p.detach())).float(), lambda: _check_token_labels(labels, vocab)
 
 
 def _batch_task_ok(task) -> bool:
@@ -345,7 +349,7 @@ def project_batch(projector, model: nn.Module, task, batch: Sequence[Tensor], mo
                     )
             for mname, attrs in owners.items():
                 handles.append(model.get_submodule(mname).register_forward_hook(_other_hook(mname, attrs, ctx)))
-            f, q = batch_output(task, model, batch)
+            f, q, check_labels = batch_output(task, model, batch)
             missed = [b.name for b in hooked if b.name not in ctx["fired"]]
             if missed:
                 raise BadInputError(
@@ -356,6 +360,7 @@ def project_batch(projector, model: nn.Module, task, batch: Sequence[Tensor], mo
             other_names = list(other.params) if other is not None else []
             inputs = [ctx["z"][b.name] for b in hooked] + [ctx["e"][n] for n in other_names if n in ctx["e"]]
             grads = torch.autograd.grad(f.sum(), inputs, allow_unused=True) if f.requires_grad else [None] * len(inputs)
+            check_labels()  # after the backward, which every rank runs
         finally:
             for h in handles:
                 h.remove()

@@ -20,7 +20,16 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, location: str, shards: int, batch_size: int, lm_out: str | None) -> None:
+def _rank(
+    rank: int,
+    world: int,
+    port: int,
+    location: str,
+    shards: int,
+    batch_size: int,
+    lm_out: str | None,
+    bad_store: str | None,
+) -> None:
     import sharded_models as sm
 
     from trak_core import sharded
@@ -55,18 +64,41 @@ def _rank(rank: int, world: int, port: int, location: str, shards: int, batch_si
             sharded.shard_model(lm)
             rows = slice(3 * rank, 3 * rank + 3)
             batch = [t[rows] for t in mixed_batch(sequences(6))]
-            x, q = sharded.ShardedFeaturizer(lm, "causal_lm", lm_proj).featurize(batch, 0, range(rows.start, rows.stop))
-            np.save(f"{lm_out}/x{rank}.npy", x)
-            np.save(f"{lm_out}/q{rank}.npy", q)
+            lx, lq = sharded.ShardedFeaturizer(lm, "causal_lm", lm_proj).featurize(
+                batch, 0, range(rows.start, rows.stop)
+            )
+            np.save(f"{lm_out}/x{rank}.npy", lx)
+            np.save(f"{lm_out}/q{rank}.npy", lq)
+        if bad_store is not None:  # train row 4 (rank 1's first batch) has a label out of range: every rank stops
+            yb = y.clone()
+            yb[4] = 7
+            try:
+                sharded.featurize_shard(
+                    TrakStore.open(bad_store) if rank == 0 else None,
+                    0,
+                    0,
+                    lambda: sharded.ShardedFeaturizer(model, "image_classification", proj),
+                    lambda a, b: [x[a:b], yb[a:b]],
+                    batch_size,
+                )
+            except Exception as e:  # noqa: BLE001 - what each rank raised, for the test
+                with open(f"{bad_store}.rank{rank}", "w") as f:
+                    f.write(f"{type(e).__name__}: {e}")
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, location: str, shards: int, batch_size: int, lm_out: str | None = None) -> None:
+def run_ranks(
+    world: int, location: str, shards: int, batch_size: int, lm_out: str | None = None, bad_store: str | None = None
+) -> None:
     """``world`` ranks featurize every shard of the store at ``location``; with ``lm_out``, each also featurizes 3
-    rows of a sharded GPT2LMHeadModel into ``lm_out``/x{rank}.npy, q{rank}.npy."""
+    rows of a sharded GPT2LMHeadModel into ``lm_out``/x{rank}.npy, q{rank}.npy; with ``bad_store``, they featurize
+    its shard 0 with a label out of range in train row 4 and write what each raised to ``bad_store``.rank{r}."""
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "sharded_models", "trak_core.sharded"])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(
-        _rank, args=(world, _port(), location, shards, batch_size, lm_out), nprocs=world, start_method="forkserver"
+        _rank,
+        args=(world, _port(), location, shards, batch_size, lm_out, bad_store),
+        nprocs=world,
+        start_method="forkserver",
     )

@@ -150,7 +150,14 @@ def test_two_fsdp2_ranks_featurize_a_transformer_as_one_process(tmp_path):
     want = _finish(store, model, proj)
 
     store2, model2, proj2 = _store(tmp_path / "sharded")  # the arrays created by the parent: one writer
-    run_ranks(2, str(tmp_path / "sharded"), N // SHARD, batch_size=3, lm_out=str(tmp_path))  # steps of 2 × 3 rows
+    bad = _store(tmp_path / "bad")[0]
+    # steps of 2 × 3 rows: rank 1 has no rows in a shard's last step (a spare forward)
+    run_ranks(2, str(tmp_path / "sharded"), N // SHARD, batch_size=3, lm_out=str(tmp_path), bad_store=bad.location)
+    # bad input on rank 1: it names the rows, rank 0 stops too, nothing of the shard is marked
+    raised = [(tmp_path / f"bad.rank{r}").read_text() for r in range(2)]
+    assert raised[1].startswith("BadInputError: train_data rows 3..5 (model_id=0): labels out of range"), raised[1]
+    assert raised[0].startswith("StateError: another rank stopped on bad input"), raised[0]
+    assert not bad.model(0).featurized[:].any()
     assert store2.model(0).featurized[:].all()
     np.testing.assert_allclose(
         store2.read_train_rows(0, 0, N)[0], store.read_train_rows(0, 0, N)[0], rtol=1e-4, atol=1e-6
