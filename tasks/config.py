@@ -347,6 +347,12 @@ class AttributeConfig(_Base):
         "examples) dividing shard_size",
     )
     grad_wrt: GradWrt = _setting("grad_wrt", "parameter names to take gradients for (all: null)")
+    processes_per_task: PositiveInt = Field(
+        1,
+        description="processes that featurize one (checkpoint, shard) together, the model sharded across them with "
+        "torch FSDP2 (one per GPU, rank r on cuda:r, nccl; gloo on the CPU); needs projector 'factored' "
+        "(docs/scaleout.md 'One model over several GPUs'); 1: one process",
+    )
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="'auto' = cuda when available")
     task_runner: Literal["thread", "process", "dask"] = Field(
         "thread",
@@ -481,6 +487,10 @@ class AttributeConfig(_Base):
                 f"score_task_rows: {self.score_task_rows} must be a multiple of shard_size={self.shard_size} "
                 "(each score task scores whole shards)"
             )
+        if self.processes_per_task > 1 and self.projector != "factored":
+            from trak_core.sharded import VMAP_REFUSAL
+
+            raise BadInputError(VMAP_REFUSAL.format(kind=self.projector))
         self._checkpoint_paths = resolve_checkpoints(self.checkpoints, "checkpoints")
         return self
 

@@ -99,6 +99,11 @@ def build_metadata(
     )
 
 
+def task_projector(config: AttributeConfig, meta: StoreMetadata, device: str, model: torch.nn.Module):
+    """The projector of a featurize task: rebuilt from the store's metadata ``meta`` for ``model``."""
+    return build_projector(config, meta.grad_dim, device, model, split_of(meta))
+
+
 def build_featurizer(config: AttributeConfig, checkpoint: str, meta: StoreMetadata) -> Featurizer:
     """The featurizer of a task: the projector rebuilt from the store's metadata ``meta`` (never probed again)."""
     device = config.resolved_device()
@@ -340,6 +345,13 @@ def make_plan(config: AttributeConfig) -> Plan:
 def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, shard: int) -> ShardManifest:
     """Projected gradients X and weights Q of one shard of train rows, then its XᵀX partial."""
     t0 = time.perf_counter()
+    if config.processes_per_task > 1:  # the model sharded over several processes (tasks/sharded.py)
+        from . import sharded
+
+        skipped = sharded.featurize_shard(config, model_id, checkpoint, shard, task_projector)
+        rows = open_store(config).meta.shard_range(shard)
+        progress.advance("featurize", rows[1] - rows[0])
+        return ShardManifest.timed(t0, skipped, model_id=model_id, shard=shard, rows=rows)
     store = open_store(config)
     data = cached_data(config.train_data, "train_data")
     skipped = engine.featurize_shard(
