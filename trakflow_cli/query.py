@@ -36,6 +36,9 @@ def query(
     train_data: str | None = typer.Option(
         None, "--train-data", help="import path of the train data (with a store; a config names it)"
     ),
+    show: str | None = typer.Option(
+        None, "--show", help="import path of the function turning a row (or one token) into text (a config names it)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the answer as JSON"),
 ) -> None:
     """Top-k train examples (proponents and opponents) of each input, from one pass over the store."""
@@ -56,6 +59,7 @@ def query(
             report_dir=report_dir,
             explain=explain,
             train_data=train_data,
+            show=show,
         )
         out = run_query(qc)
     except ValidationError as e:
