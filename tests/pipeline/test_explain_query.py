@@ -163,3 +163,26 @@ def test_rich_text_styles_the_strongest_token():
 def test_explain_without_train_data_fails_before_compute(store):
     with pytest.raises(Exception, match="explain: splitting the proponents' scores by token"):
         run_query(request(store, train_data=None))
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_query_flow_writes_the_token_artifact(store):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    from flows.query import query
+
+    req = request(store, k=2, show="test_explain_query:decode").model_dump()
+    out = query(req)
+    key = report.store_artifact_key(out["store"], "query", "new")
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_latest_artifacts()
+
+    arts = {a.key: a for a in asyncio.run(read())}
+    art = arts[f"{key}-tokens"]
+    assert art.type == "markdown" and art.data == report.explain_markdown(out["rows"])
+    best = max(out["rows"][0]["proponents"][0]["tokens"], key=lambda t: t["share"])
+    assert f">**{best['text']}**</span>" in art.data
