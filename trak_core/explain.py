@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from .errors import BadInputError, StateError, StoreMismatchError
 from .factored import FactoredProjector
-from .factored_layout import matrix_uses
+from .factored_layout import is_conv1d, matrix_uses
 from .factored_mha import ATTENTION
 from .gradients import grad_param_names
 from .modelout import AbstractModelOutput, CausalLMModelOutput
@@ -57,12 +57,6 @@ def check_sequence_task(task: AbstractModelOutput) -> None:
             f"explain=True: the per-position split of scores applies to sequence inputs (task 'causal_lm', "
             f"token sequences); this index's task is {type(task).__name__}"
         )
-
-
-def _is_conv1d(mod: nn.Module) -> bool:
-    from .factored_layout import is_conv1d
-
-    return is_conv1d(mod)
 
 
 class _Call:
@@ -149,7 +143,7 @@ def _call_grads(c: _Call, attrs: dict[str, str], length: int, sl: slice) -> dict
     mod = c.module
     assert c.delta is not None
     out: dict[str, Tensor] = {}
-    if isinstance(mod, nn.Linear) or _is_conv1d(mod):
+    if isinstance(mod, nn.Linear) or is_conv1d(mod):
         a, d = _flat(c.inp, length)[sl], _flat(c.delta, length)[sl]
         for attr, name in attrs.items():
             if attr == "weight":  # Linear: δ aᵀ [out, in]; Conv1D: a δᵀ [in, out]
@@ -212,7 +206,7 @@ def _check_generic(c: _Call, attrs: dict[str, str], length: int) -> None:
 
 
 def _is_rank_one(mod: nn.Module) -> bool:
-    return isinstance(mod, (nn.Linear, nn.Embedding)) or _is_conv1d(mod)
+    return isinstance(mod, (nn.Linear, nn.Embedding)) or is_conv1d(mod)
 
 
 def _materialized(calls: list, names: set, model_params: dict, length: int, sl: slice, checked: set) -> dict:

@@ -272,3 +272,27 @@ def test_a_layer_that_mixes_positions_is_refused(kind):
     sample = tuple(t[0] for t in mixed_batch(sequences(1, seed=2)))
     with pytest.raises(BadInputError, match="per position"):
         position_features(model, CausalLMModelOutput(), proj, sample, 0)
+
+
+def test_position_features_of_lora_adapters_equal_float64_brute_force():
+    """LoRA adapters (peft, on GPT-2's Conv1D attention) as the gradient's parameters: the adapters' nn.Linear
+    layers are split per position like any other."""
+    peft = pytest.importorskip("peft")
+    base = tiny_gpt2(torch.float64)
+    cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0)
+    model = peft.get_peft_model(base, cfg).base_model.model.eval()  # the transformers model with adapters inside
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.3 * torch.randn_like(p))  # lora_B starts at 0: its A would get no gradient
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    d = grad_dim_of(model, names)
+    proj = FactoredProjector.from_model(model, 24, seed=1, grad_wrt=names, dtype=torch.float64)
+    sample = tuple(t[0] for t in mixed_batch(sequences(1, seed=3)))
+    got = position_features(model, CausalLMModelOutput(), proj, sample, 0, grad_wrt=names)
+    bf = brute_force_positions(model, sample, names)
+    want = proj.project({n: bf[n] for n in names}, model_id=0).to(torch.float64) / math.sqrt(d)
+    assert float(want.abs().max()) > 0
+    assert float((got - want).abs().max()) <= 1e-10 * float(want.abs().max())
