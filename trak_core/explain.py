@@ -21,9 +21,10 @@ parameter-owning layer's input a and output gradient δ, then
 * with any other projector, the per-position gradients are materialized (positions in chunks) and projected.
 
 A parameter-owning layer must be applied per position: its input and output are (1, T, ...) (T the sequence's
-length) and its parameters' gradient at position t depends on position t only. Linear maps, ``Conv1D`` and embeddings
-are split exactly by construction; any other layer (a norm) by differentiating it at each position alone, checked
-against its gradient over all positions (a layer that mixes positions, e.g. ``nn.MultiheadAttention``, is refused).
+length) and its parameters' gradient at position t depends on position t only. Linear maps, ``Conv1D``, embeddings
+and ``nn.LayerNorm`` are split exactly by construction; any other layer (e.g. an RMS norm) by differentiating it at
+each position alone, checked against its gradient over all positions (a layer that mixes positions is refused, and
+so is one whose forward does not map one tensor to one, e.g. ``nn.MultiheadAttention``).
 Only the proponents' sequences are featurized again: nothing per position is stored.
 """
 
@@ -163,6 +164,16 @@ def _call_grads(c: _Call, attrs: dict[str, str], length: int, sl: slice) -> dict
         g = torch.zeros(ids.shape[0], mod.num_embeddings, mod.embedding_dim, dtype=d.dtype, device=d.device)
         g.scatter_add_(1, ids.unsqueeze(-1).expand(*ids.shape, d.shape[-1]), d)
         return {name: g}
+    if type(mod) is nn.LayerNorm:  # y = x̂ ⊙ γ + β per position: γ_t = δ_t ⊙ x̂_t, β_t = δ_t
+        shape = tuple(mod.normalized_shape)
+        x = c.inp[0, sl]
+        d = c.delta[0, sl]
+        xhat = torch.nn.functional.layer_norm(x, shape, None, None, mod.eps).to(d.dtype)
+        lead = tuple(range(1, d.dim() - len(shape)))  # indices of a position other than the normalized ones
+        for attr, name in attrs.items():
+            g = d * xhat if attr == "weight" else d
+            out[name] = g.sum(dim=lead) if lead else g
+        return out
     return _generic_grads(c, attrs, length, sl)
 
 
@@ -205,8 +216,9 @@ def _check_generic(c: _Call, attrs: dict[str, str], length: int) -> None:
             )
 
 
-def _is_rank_one(mod: nn.Module) -> bool:
-    return isinstance(mod, (nn.Linear, nn.Embedding)) or is_conv1d(mod)
+def _is_explicit(mod: nn.Module) -> bool:
+    """Layers whose per-position gradients have a closed form here (no check needed)."""
+    return isinstance(mod, (nn.Linear, nn.Embedding)) or is_conv1d(mod) or type(mod) is nn.LayerNorm
 
 
 def _materialized(calls: list, names: set, model_params: dict, length: int, sl: slice, checked: set) -> dict:
@@ -218,7 +230,7 @@ def _materialized(calls: list, names: set, model_params: dict, length: int, sl: 
         if not attrs:
             continue
         g = _call_grads(c, attrs, length, sl)
-        if not _is_rank_one(c.module) and id(c) not in checked:
+        if not _is_explicit(c.module) and id(c) not in checked:
             checked.add(id(c))
             _check_generic(c, attrs, length)
         for n, t in g.items():

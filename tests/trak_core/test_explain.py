@@ -296,3 +296,60 @@ def test_position_features_of_lora_adapters_equal_float64_brute_force():
     want = proj.project({n: bf[n] for n in names}, model_id=0).to(torch.float64) / math.sqrt(d)
     assert float(want.abs().max()) > 0
     assert float((got - want).abs().max()) <= 1e-10 * float(want.abs().max())
+
+
+class RMSNorm(torch.nn.Module):
+    """A norm the split has no closed form for: differentiated at each position alone."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.3 * torch.randn(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class CumulativeScale(torch.nn.Module):
+    """Owns a parameter and mixes positions (a running sum): its split is refused."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.3 * torch.randn(dim))
+
+    def forward(self, x):
+        return torch.cumsum(x * self.weight, dim=1) / x.shape[1]
+
+
+class NormLM(torch.nn.Module):
+    def __init__(self, mixer: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, 8)
+        self.norm = RMSNorm(8)
+        self.mix = CumulativeScale(8) if mixer else torch.nn.Identity()
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.emb(input_ids)
+        h = torch.tanh(self.mix(self.norm(h)))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("kind", ["factored", "dense"])
+def test_a_norm_without_closed_form_is_differentiated_per_position(kind):
+    model = NormLM().double().eval()
+    names = grad_param_names(model, None)
+    d = grad_dim_of(model)
+    if kind == "factored":
+        proj = FactoredProjector.from_model(model, 24, seed=2, dtype=torch.float64)
+    else:
+        proj = make_projector("dense", d, 24, 2, "rademacher", "cpu", dtype=torch.float64)
+    sample = tuple(t[0] for t in mixed_batch(sequences(1, seed=4)))
+    got = position_features(model, CausalLMModelOutput(), proj, sample, 0)
+    bf = brute_force_positions(model, sample, names)
+    want = proj.project({n: bf[n] for n in names}, model_id=0).to(torch.float64) / math.sqrt(d)
+    assert float((got - want).abs().max()) <= 1e-10 * float(want.abs().max())
+    mixed = NormLM(mixer=True).double().eval()
+    proj = make_projector("dense", grad_dim_of(mixed), 24, 2, "rademacher", "cpu", dtype=torch.float64)
+    with pytest.raises(BadInputError, match="'mix' .* is not applied per position"):
+        position_features(mixed, CausalLMModelOutput(), proj, sample, 0)
