@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -42,10 +43,12 @@ from .factored import FactoredProjector
 from .factored_layout import is_conv1d, matrix_uses
 from .factored_mha import ATTENTION
 from .gradients import grad_param_names
-from .modelout import AbstractModelOutput, CausalLMModelOutput
+from .modelout import AbstractModelOutput, CausalLMModelOutput, log_odds, sequence_log_prob
 from .projectors import AbstractProjector
 from .streaming import grads_right_hand
 
+#: train rows featurized together (one forward and backward pass) by an explained query
+EXPLAIN_BATCH = 16
 #: the most gradient coordinates materialized at once (positions × materialized parameters), about 128 MiB in float32
 CHUNK_COORDS = 1 << 25
 
@@ -68,10 +71,16 @@ class _Call:
         self.name, self.module, self.inp, self.zero = name, module, inp, zero
         self.delta: Tensor | None = None
 
+    def row(self, b: int) -> _Call:
+        """The call as row ``b`` of a batched forward saw it (batch dimension 1)."""
+        one = _Call(self.name, self.module, self.inp[b : b + 1], self.zero)
+        one.delta = None if self.delta is None else self.delta[b : b + 1]
+        return one
 
-def _record(model: nn.Module, task, sample: Sequence[Tensor], owners: dict[str, nn.Module], length: int) -> list:
-    """One forward and backward pass of ``task.get_output`` on one example with every module in ``owners`` recorded
-    (input, δ at its output)."""
+
+def _record(model: nn.Module, output, owners: dict[str, nn.Module], length: int, rows: int) -> list:
+    """One forward and backward pass of ``output(weights, buffers)`` (the sum of the outputs of ``rows`` examples)
+    with every module in ``owners`` recorded (input, δ at its output; each (rows, T, ...))."""
     calls: list[_Call] = []
     handles = []
 
@@ -84,10 +93,10 @@ def _record(model: nn.Module, task, sample: Sequence[Tensor], owners: dict[str, 
                 )
             inp = inputs[0].detach()
             for what, t in (("input", inp), ("output", output)):
-                if t.dim() < 2 or t.shape[0] != 1 or t.shape[1] != length:
+                if t.dim() < 2 or t.shape[0] != rows or t.shape[1] != length:
                     raise BadInputError(
                         f"explain: module {name!r} ({type(mod).__name__}) has an {what} of shape {tuple(t.shape)}, "
-                        f"not (1, {length}, ...): the per-position split needs layers applied per position"
+                        f"not ({rows}, {length}, ...): the per-position split needs layers applied per position"
                     )
             zero = torch.zeros_like(output, requires_grad=True)
             calls.append(_Call(name, mod, inp, zero))
@@ -101,7 +110,7 @@ def _record(model: nn.Module, task, sample: Sequence[Tensor], owners: dict[str, 
         for name, mod in owners.items():
             handles.append(mod.register_forward_hook(make_hook(name)))
         with torch.enable_grad():
-            out = task.get_output(model, weights, buffers, *sample)
+            out = output(weights, buffers)
             if not calls:
                 raise BadInputError("explain: no parameter-owning module of the gradient ran in the forward")
             grads = torch.autograd.grad(out, [c.zero for c in calls], allow_unused=True)
@@ -257,20 +266,63 @@ def position_features(
         model_id: the checkpoint (the projection's matrices depend on it).
         grad_wrt: the parameters of the gradient (default: all).
     """
+    batch = tuple(t.unsqueeze(0) for t in sample)
+    return position_features_batch(model, task, projector, batch, model_id, grad_wrt)[0]
+
+
+def _batched_output(task: AbstractModelOutput, model: nn.Module, batch: Sequence[Tensor]):
+    """Σ_b f_b of a batch in one forward, for the built-in causal LM output (examples do not interact: ∂Σ_b f_b at
+    row b's activations is ∂f_b); None for a task that defines its own ``get_output`` (then one example at a time)."""
+    own = type(task).get_output is CausalLMModelOutput.get_output
+    if not own or getattr(type(task), "_logits", None) is not CausalLMModelOutput._logits:
+        return None
+    ids, mask, labels = batch
+    cl = cast(CausalLMModelOutput, task)
+
+    def output(weights, buffers):
+        return log_odds(sequence_log_prob(cl._logits(model, weights, buffers, ids, mask), labels)).sum()
+
+    return output
+
+
+def position_features_batch(
+    model: nn.Module,
+    task: AbstractModelOutput,
+    projector: AbstractProjector,
+    batch: Sequence[Tensor],
+    model_id: int,
+    grad_wrt: Sequence[str] | None = None,
+) -> list[Tensor]:
+    """:func:`position_features` of each row of ``batch`` (tensors (B, T)), from one forward and backward pass of
+    the batch for the built-in ``causal_lm`` output (one per row for a task with its own ``get_output``)."""
     check_sequence_task(task)
     names = grad_param_names(model, grad_wrt)
-    length = int(sample[0].shape[-1])
+    rows, length = int(batch[0].shape[0]), int(batch[0].shape[-1])
     model_params = dict(model.named_parameters())
     dtype = next((model_params[n].dtype for n in names if model_params[n].is_floating_point()), torch.float32)
-    calls = _record(model, task, sample, _owners(model, names), length)
-    seen = {n for c in calls for n in _direct(c.module, model_params, set(names)).values()}
-    unused = [n for n in names if n not in seen]
-    grad_dim = sum(model_params[n].numel() for n in names)
-    if isinstance(projector, FactoredProjector) and projector.layout.model_bound:
-        x = _factored(model, projector, calls, names, model_params, length, model_id, dtype)
+    owners = _owners(model, names)
+    together = _batched_output(task, model, batch)
+    if together is not None:
+        calls = _record(model, together, owners, length, rows)
+        per_row = [[c.row(b) for c in calls] for b in range(rows)]
     else:
-        x = _dense(projector, calls, names, model_params, length, model_id, dtype, unused)
-    return x / math.sqrt(grad_dim)
+        per_row = []
+        for b in range(rows):
+            sample = tuple(t[b] for t in batch)
+            per_row.append(
+                _record(model, lambda w, bu, sample=sample: task.get_output(model, w, bu, *sample), owners, length, 1)
+            )
+    grad_dim = sum(model_params[n].numel() for n in names)
+    out = []
+    for calls in per_row:
+        seen = {n for c in calls for n in _direct(c.module, model_params, set(names)).values()}
+        unused = [n for n in names if n not in seen]
+        if isinstance(projector, FactoredProjector) and projector.layout.model_bound:
+            x = _factored(model, projector, calls, names, model_params, length, model_id, dtype)
+        else:
+            x = _dense(projector, calls, names, model_params, length, model_id, dtype, unused)
+        out.append(x / math.sqrt(grad_dim))
+    return out
 
 
 def _zeros_for(names: Sequence[str], model_params: dict, rows: int, dtype, device) -> dict:
@@ -429,10 +481,14 @@ def query_shares(index, result, vectors, train_data: Sequence[Tensor]) -> np.nda
         featurizer.load_state(index._states[mid])
         right = grads_right_hand(index._inverses[mid], torch.as_tensor(np.asarray(vectors[mid]), dtype=torch.float32).T)
         arrays = store.model(mid)
+        xs: dict[int, Tensor] = {}
+        for a in range(0, len(rows), EXPLAIN_BATCH):
+            part = rows[a : a + EXPLAIN_BATCH]
+            batch = tuple(t[part].to(index.device) for t in train_data)
+            got = position_features_batch(featurizer.model, index.task, index.projector, batch, mid, index.grad_wrt)
+            xs.update({i: x.detach().to(torch.float64).cpu() for i, x in zip(part, got, strict=True)})
         for i in rows:
-            sample = tuple(t[i].to(index.device) for t in train_data)
-            x = position_features(featurizer.model, index.task, index.projector, sample, mid, index.grad_wrt)
-            x = x.detach().to(torch.float64).cpu()
+            x = xs.pop(i)
             stored = torch.as_tensor(np.asarray(arrays.grads[i : i + 1], dtype=np.float64)).reshape(-1)
             err = float((x.sum(0) - stored).norm()) / max(float(stored.norm()), 1e-30)
             if not err <= tol:
@@ -452,4 +508,11 @@ def query_shares(index, result, vectors, train_data: Sequence[Tensor]) -> np.nda
     return out
 
 
-__all__ = ["CHUNK_COORDS", "check_explain", "check_sequence_task", "position_features", "query_shares"]
+__all__ = [
+    "CHUNK_COORDS",
+    "check_explain",
+    "check_sequence_task",
+    "position_features",
+    "position_features_batch",
+    "query_shares",
+]

@@ -353,3 +353,22 @@ def test_a_norm_without_closed_form_is_differentiated_per_position(kind):
     proj = make_projector("dense", grad_dim_of(mixed), 24, 2, "rademacher", "cpu", dtype=torch.float64)
     with pytest.raises(BadInputError, match="'mix' .* is not applied per position"):
         position_features(mixed, CausalLMModelOutput(), proj, sample, 0)
+
+
+class OwnOutput(CausalLMModelOutput):
+    """A task with its own get_output (the same numbers): featurized one example at a time."""
+
+    def get_output(self, model, weights, buffers, input_ids, attention_mask, labels):
+        return super().get_output(model, weights, buffers, input_ids, attention_mask, labels)
+
+
+def test_a_batch_in_one_pass_equals_one_example_at_a_time():
+    from trak_core.explain import position_features_batch
+
+    model = tiny_gpt2(torch.float64)
+    proj = FactoredProjector.from_model(model, 32, seed=5, dtype=torch.float64)
+    batch = mixed_batch(sequences(3, seed=9))
+    together = position_features_batch(model, CausalLMModelOutput(), proj, batch, 0)
+    apart = position_features_batch(model, OwnOutput(), proj, batch, 0)
+    for a, b in zip(together, apart, strict=True):
+        assert float((a - b).abs().max()) <= 1e-12 * float(b.abs().max())
