@@ -4,7 +4,9 @@
     query({"store": "trakflow_demo/store.zarr", "inputs": "new.pt", "model": "trakflow_demo_data.digits:make_model"})
 
 Reads the store only (no run lock: a run may hold the store meanwhile; see trak_core.index). Writes a table
-artifact (one row per input and rank) and, where the inputs can be drawn (``show``), one image per input.
+artifact (one row per input and rank), where the inputs can be drawn (``show``) one image per input, and with
+``explain`` (sequence models) a markdown artifact of each proponent's text with the tokens that carry its score
+highlighted.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ def answer_query(request: QueryConfig) -> dict:
         key=key,
         description=f"top-{request.k} proponents / opponents of the inputs in {request.inputs}",
     )
+    explained = report.explain_markdown(out["rows"])
+    if explained:
+        create_markdown_artifact(
+            markdown=explained,
+            key=f"{key}-tokens",
+            description="which tokens of each proponent's train text carry its score",
+        )
     for j, png in out["pngs"].items():
         create_markdown_artifact(
             markdown=report.image_markdown(png, f"input {j}"),

@@ -54,6 +54,9 @@ class QueryConfig(BaseModel):
     train_data: str | None = Field(None, description="import path of the train data, to show and label the rows")
     show: str | None = Field(None, description="import path of the function drawing an input (image or text)")
     report_dir: str | None = Field(None, description="write the markdown table and one PNG per input here")
+    explain: bool = Field(
+        False, description="sequence models: split each proponent's score by token of its train text (needs train_data)"
+    )
     import_roots: list[str] | None = Field(None, description="modules the import paths may name (null: any)")
 
     @field_validator("inputs")
@@ -156,9 +159,16 @@ def open_index(qc: QueryConfig | str | os.PathLike) -> TrakIndex:
 
 
 def result_rows(
-    top: QueryResult, low: QueryResult, input_labels: np.ndarray | None, train_labels: np.ndarray | None
+    top: QueryResult,
+    low: QueryResult,
+    input_labels: np.ndarray | None,
+    train_labels: np.ndarray | None,
+    train: tuple | None = None,
+    show=None,
 ) -> list[dict]:
-    """The report's rows (as :func:`tasks.report.top_k_table` gives for stored scores), one per input."""
+    """The report's rows (as :func:`tasks.report.top_k_table` gives for stored scores), one per input. With shares
+    (an explained query) and ``train`` (input_ids, attention_mask, ...), each entry also gets ``tokens``
+    (:func:`tasks.report.token_entries`, the tokens' text from ``show`` where it decodes one token)."""
     rows = []
     for j in range(top.indices.shape[0]):
         row: dict[str, Any] = {
@@ -167,6 +177,12 @@ def result_rows(
             "proponents": [_entry(i, s, train_labels) for i, s in zip(top.indices[j], top.scores[j], strict=True)],
             "opponents": [_entry(i, s, train_labels) for i, s in zip(low.indices[j], low.scores[j], strict=True)],
         }
+        for key, res in (("proponents", top), ("opponents", low)):
+            if res.shares is None or train is None:
+                continue
+            for r, e in enumerate(row[key]):
+                i = e["index"]
+                e["tokens"] = report.token_entries(res.shares[j, r], train[0][i].cpu(), train[1][i].cpu(), show)
         if train_labels is not None and input_labels is not None:
             row["label_agreement"] = float(np.mean(train_labels[top.indices[j]] == input_labels[j]))
         rows.append(row)
@@ -182,15 +198,21 @@ def run_query(qc: QueryConfig, index: TrakIndex | None = None) -> dict:
     a markdown table, and with ``report_dir`` the table and one PNG per input written there. Returns
     ``{"store", "inputs", "k", "model_ids", "rows", "markdown", "files", "text", "pngs"}``."""
     batch = load_inputs(qc.inputs)
-    index = index or open_index(qc)
-    top, low = index.query_both(batch, qc.k)
     config = AttributeConfig.from_yaml(qc.store) if qc.is_config else None
     train_path = qc.train_data or (config.train_data if config else None)
+    if qc.explain and not train_path:
+        raise BadInputError(
+            "explain: splitting the proponents' scores by token featurizes their train sequences again: give the "
+            "train data (train_data / --train-data, or the attribute config that names it)"
+        )
+    index = index or open_index(qc)
     roots = qc.import_roots or (config.import_roots if config else None)
     train = load_data(train_path, "train_data", roots) if train_path else None
-    rows = result_rows(top, low, report.labels_of(batch), report.labels_of(train) if train else None)
+    top, low = index.query_both(batch, qc.k, explain=qc.explain, train_data=train)
     show_path = qc.show or (config.show if config else None)
     show = load_object(show_path, "show", roots) if show_path and train is not None else None
+    train_labels = report.labels_of(train) if train else None
+    rows = result_rows(top, low, report.labels_of(batch), train_labels, train if qc.explain else None, show)
     rendered = report.render_query(rows, batch, train, show, f"TRAK query: {qc.inputs} against {index.location}")
     files = report.write_query_report(rendered, qc.report_dir, Path(qc.inputs).stem) if qc.report_dir else []
     return {

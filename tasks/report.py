@@ -315,12 +315,88 @@ def render_query(rows: list[dict], inputs: tuple, train: tuple | None, show, tit
     "text"}``. ``rows``: :func:`top_k_table`'s form, one per input (``target`` = the input's position);
     ``show`` (with ``train``) turns an input row into an image or a text, None for the table alone."""
     text = add_texts(rows, show, train, inputs) if show is not None and train is not None else False
-    md = markdown_table(rows, title).replace("| target | label |", "| input | label |", 1)
+    md = markdown_table(rows, title).replace("| target | label |", "| input | label |", 1) + explain_markdown(rows)
     pngs: dict[int, bytes] = {}
     if show is not None and train is not None:
         for r in rows:
             pngs[r["target"]] = target_text_png(r) if text else target_png(r, show, train, inputs)
     return {"markdown": md, "pngs": pngs, "text": text}
+
+
+def token_texts(ids, show=None) -> list[str]:
+    """Each token of a sequence as text: ``show`` applied to the one token where it returns a non-empty string (a
+    decoder such as ``examples.gpt:decode``), else ``⟨id⟩``."""
+    out = []
+    for i in np.asarray(ids).reshape(-1).tolist():
+        text = show(np.asarray([i])) if show is not None else None
+        out.append(text if isinstance(text, str) and text else f"⟨{int(i)}⟩")
+    return out
+
+
+def token_entries(shares, ids, mask, show=None) -> list[dict]:
+    """``[{"position", "text", "share"}]`` of one train sequence's real tokens (``mask`` 1; padding left out, its
+    shares are 0)."""
+    texts = token_texts(ids, show)
+    keep = np.asarray(mask).reshape(-1) != 0
+    return [
+        {"position": t, "text": texts[t], "share": float(v)}
+        for t, v in enumerate(np.asarray(shares).reshape(-1).tolist())
+        if keep[t]
+    ]
+
+
+def strongest_token(tokens: list[dict]) -> dict | None:
+    """The token with the largest share (the first of equals), None for no tokens."""
+    return max(tokens, key=lambda e: (e["share"], -e["position"])) if tokens else None
+
+
+_ESCAPE = str.maketrans({c: "\\" + c for c in "\\`*_{}[]<>()#+-.!|~"})
+
+
+def _md_token(text: str, visible: bool = False) -> str:
+    """A token safe inline in markdown (special characters escaped, newlines as ⏎; ``visible``: spaces as ␣)."""
+    text = text.replace("\n", "⏎")
+    return (text.replace(" ", "␣") if visible else text).translate(_ESCAPE)
+
+
+def token_markdown(tokens: list[dict]) -> str:
+    """One train sequence with each token on a background whose strength follows its share of the score (green:
+    positive, red: negative; relative to the largest |share|), the strongest token in bold; then the strongest
+    token, its position and share."""
+    if not tokens:
+        return ""
+    top = max(abs(e["share"]) for e in tokens) or 1.0
+    best = strongest_token(tokens)
+    parts = []
+    for e in tokens:
+        a = abs(e["share"]) / top
+        rgb = "46,160,67" if e["share"] >= 0 else "215,58,73"
+        text = _md_token(e["text"], visible=e is best)
+        text = f"**{text}**" if e is best else text  # inside the span: "**" beside the tags would not parse as bold
+        parts.append(
+            f'<span style="background-color:rgba({rgb},{0.85 * a:.2f})" title="{e["share"]:+.3g}">{text}</span>'
+        )
+    assert best is not None
+    total = sum(e["share"] for e in tokens)
+    return (
+        "".join(parts)
+        + f" — *strongest:* **{_md_token(best['text'], visible=True)}** at position {best['position']}, "
+        + f"share {best['share']:+.3g} of {total:+.3g}"
+    )
+
+
+def explain_markdown(rows: list[dict]) -> str:
+    """The section of a query report that shows which tokens carry each proponent's score (rows whose entries have
+    ``tokens``, see :func:`token_entries`); empty when none has."""
+    lines: list[str] = []
+    for r in rows:
+        entries = [e for e in r["proponents"] if e.get("tokens")]
+        if not entries:
+            continue
+        lines += ["", f"### input {r['target']}: which tokens carry each proponent's score", ""]
+        for rank, e in enumerate(entries, start=1):
+            lines.append(f"{rank}. #{e['index']} (score {e['score']:+.3g}): {token_markdown(e['tokens'])}")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def write_query_report(rendered: dict, out_dir: str, stem: str) -> list[str]:
@@ -368,6 +444,11 @@ def artifact_key(*parts) -> str:
 __all__ = [
     "build_report",
     "render_query",
+    "explain_markdown",
+    "token_entries",
+    "token_markdown",
+    "token_texts",
+    "strongest_token",
     "write_query_report",
     "top_k",
     "top_k_table",

@@ -374,28 +374,30 @@ class FactoredProjector(AbstractProjector):
         pieces = self._pieces(grads)
         batch = next(iter(pieces.values())).shape[0]
         facs = self.factors(model_id)
-        outs = []
-        for b in self.layout.blocks:
-            p_in, p_out, w = facs[b.name]
-            if b.kind == "other":
-                g = torch.cat([pieces[n].reshape(batch, -1) for n in b.params], dim=1).to(self.device, self.dtype)
-                outs.append((g @ p_in) * w)
-                continue
-            if b.kind == "flat":
-                g = pieces[b.params[0]].reshape(batch, -1).to(self.device, self.dtype)
-                g = torch.nn.functional.pad(g, (0, b.d_out * b.d_in - g.shape[1])).reshape(batch, b.d_out, b.d_in)
-                t = g @ p_in
-            else:
-                g = pieces[b.params[0]].reshape(batch, b.d_out, b.d_in).to(self.device, self.dtype)
-                t = g @ p_in[: b.d_in]
-                if b.bias:
-                    t = t + pieces[b.params[1]].reshape(batch, b.d_out, 1).to(self.device, self.dtype) * p_in[b.d_in]
-            if b.pairs:  # coordinate j = p_outⱼᵀ G p_inⱼ: the diagonal of P_outᵀ G P_in
-                outs.append((t * p_out).sum(1) * w)
-                continue
-            u = p_out.T @ t  # (B, k_out, k_in)
-            outs.append(u.reshape(batch, -1)[:, : b.k] * w)
-        return torch.cat(outs, dim=1)
+        return torch.cat([self.project_block(b, pieces, facs[b.name], batch) for b in self.layout.blocks], dim=1)
+
+    def project_block(self, b: Block, pieces: dict, factors: tuple, batch: int, dtype=None) -> Tensor:
+        """Block ``b``'s k coordinates (batch, k) of the materialized gradients ``pieces`` ({param name: (batch,
+        *shape)}, the block's parameters at least), with its ``factors`` (:meth:`factors`' entry); ``dtype``: the
+        arithmetic's (default: the projector's)."""
+        dt = self.dtype if dtype is None else dtype
+        p_in, p_out, w = factors
+        if b.kind == "other":
+            g = torch.cat([pieces[n].reshape(batch, -1) for n in b.params], dim=1).to(self.device, dt)
+            return (g @ p_in) * w
+        if b.kind == "flat":
+            g = pieces[b.params[0]].reshape(batch, -1).to(self.device, dt)
+            g = torch.nn.functional.pad(g, (0, b.d_out * b.d_in - g.shape[1])).reshape(batch, b.d_out, b.d_in)
+            t = g @ p_in
+        else:
+            g = pieces[b.params[0]].reshape(batch, b.d_out, b.d_in).to(self.device, dt)
+            t = g @ p_in[: b.d_in]
+            if b.bias:
+                t = t + pieces[b.params[1]].reshape(batch, b.d_out, 1).to(self.device, dt) * p_in[b.d_in]
+        if b.pairs:  # coordinate j = p_outⱼᵀ G p_inⱼ: the diagonal of P_outᵀ G P_in
+            return (t * p_out).sum(1) * w
+        u = p_out.T @ t  # (B, k_out, k_in)
+        return u.reshape(batch, -1)[:, : b.k] * w
 
     # ------------------------------------------------------------------ the fast path
     def featurize_batch(

@@ -52,17 +52,19 @@ class QueryResult:
     scores: np.ndarray
     opponents: bool
     model_ids: tuple[int, ...]
+    #: with ``explain=True`` (sequence models): (m, k, T) float32, each row's score split by position of its train
+    #: sequence (:mod:`trak_core.explain`); ``shares[j, r].sum()`` is ``scores[j, r]``
+    shares: np.ndarray | None = None
 
     def to_dict(self) -> dict:
-        """JSON-able: ``{"opponents", "model_ids", "results": [{"input", "indices", "scores"}, ...]}``."""
-        return {
-            "opponents": self.opponents,
-            "model_ids": list(self.model_ids),
-            "results": [
-                {"input": j, "indices": self.indices[j].tolist(), "scores": [float(s) for s in self.scores[j]]}
-                for j in range(self.indices.shape[0])
-            ],
-        }
+        """JSON-able: ``{"opponents", "model_ids", "results": [{"input", "indices", "scores"[, "shares"]}, ...]}``."""
+        results = []
+        for j in range(self.indices.shape[0]):
+            r: dict = {"input": j, "indices": self.indices[j].tolist(), "scores": [float(s) for s in self.scores[j]]}
+            if self.shares is not None:
+                r["shares"] = [[float(v) for v in row] for row in self.shares[j]]
+            results.append(r)
+        return {"opponents": self.opponents, "model_ids": list(self.model_ids), "results": results}
 
 
 class _TopKWriter:
@@ -392,17 +394,48 @@ class TrakIndex:
             out[mid] = x.astype(dtype).astype(np.float32)
         return out
 
-    def query(self, batch: Sequence[Tensor], k: int = 10, opponents: bool = False) -> QueryResult:
+    def query(
+        self,
+        batch: Sequence[Tensor],
+        k: int = 10,
+        opponents: bool = False,
+        explain: bool = False,
+        train_data: Sequence[Tensor] | None = None,
+    ) -> QueryResult:
         """The k train rows with the highest (``opponents``: lowest) scores for each input of ``batch``; the scores
-        are ``TRAKer.finalize_scores``' for the same inputs."""
+        are ``TRAKer.finalize_scores``' for the same inputs. ``explain`` (sequence models): also each row's score
+        split by position of its train sequence (``QueryResult.shares``), from ``train_data`` (the store's train rows,
+        a tuple of tensors; only the k rows found are featurized again, :mod:`trak_core.explain`)."""
         k = self.check_k(k)
-        return self.query_vectors(self.featurize(batch), k, opponents)
+        if explain:
+            from .explain import check_explain
 
-    def query_both(self, batch: Sequence[Tensor], k: int = 10) -> tuple[QueryResult, QueryResult]:
+            check_explain(self, train_data)
+        vectors = self.featurize(batch)
+        result = self.query_vectors(vectors, k, opponents)
+        return self._explained(result, vectors, train_data) if explain else result
+
+    def query_both(
+        self, batch: Sequence[Tensor], k: int = 10, explain: bool = False, train_data: Sequence[Tensor] | None = None
+    ) -> tuple[QueryResult, QueryResult]:
         """(:meth:`query`, :meth:`query` with ``opponents=True``) from one featurization and one pass."""
         k = self.check_k(k)
-        top, low = self._scan(self.featurize(batch), k, (False, True))
+        if explain:
+            from .explain import check_explain
+
+            check_explain(self, train_data)
+        vectors = self.featurize(batch)
+        top, low = self._scan(vectors, k, (False, True))
+        if explain:
+            return self._explained(top, vectors, train_data), self._explained(low, vectors, train_data)
         return top, low
+
+    def _explained(self, result: QueryResult, vectors: Mapping[int, np.ndarray], train_data) -> QueryResult:
+        from dataclasses import replace
+
+        from .explain import query_shares
+
+        return replace(result, shares=query_shares(self, result, vectors, train_data))
 
     def query_vectors(
         self,

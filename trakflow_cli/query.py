@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 console = Console(soft_wrap=True)  # text lines (paths) never hard-wrap; tables still fit the width
 err_console = Console(stderr=True, soft_wrap=True)
@@ -33,6 +34,15 @@ def query(
     task: str | None = typer.Option(None, help="model output function (default: the config's or the store's)"),
     device: str = typer.Option("cpu", help="cpu, cuda, cuda:N or auto"),
     report_dir: str | None = typer.Option(None, "--report-dir", help="also write the markdown table and PNGs here"),
+    explain: bool = typer.Option(
+        False, "--explain", help="sequence models: highlight the tokens of each proponent's text that carry its score"
+    ),
+    train_data: str | None = typer.Option(
+        None, "--train-data", help="import path of the train data (with a store; a config names it)"
+    ),
+    show: str | None = typer.Option(
+        None, "--show", help="import path of the function turning a row (or one token) into text (a config names it)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the answer as JSON"),
 ) -> None:
     """Top-k train examples (proponents and opponents) of each input, from one pass over the store."""
@@ -52,6 +62,9 @@ def query(
             task=task,
             device=device,
             report_dir=report_dir,
+            explain=explain,
+            train_data=train_data,
+            show=show,
         )
         out = run_query(qc)
     except ValidationError as e:  # `field: message`, the field named once
@@ -79,8 +92,35 @@ def query(
                 cells += ["", ""] if e is None else [f"#{e['index']}{y}", f"{e['score']:+.4g}"]
             t.add_row(*cells)
         console.print(t)
+        for rank, e in enumerate(r["proponents"], start=1):
+            if e.get("tokens"):
+                console.print(token_text(e["tokens"], f"{rank}. #{e['index']} ({e['score']:+.4g}): "))
     for f in out["files"]:
         console.print(f"[dim]wrote {escape(f)}[/]")
+
+
+def token_text(tokens: list[dict], prefix: str = "") -> Text:
+    """One proponent's tokens as rich text: each on a background whose strength follows its share of the score
+    (green positive, red negative, relative to the largest |share|), the strongest bold and underlined; then the
+    strongest token, its position and share in words (what a terminal without colours still shows)."""
+    from tasks.report import strongest_token
+
+    out = Text(prefix)
+    top = max((abs(e["share"]) for e in tokens), default=0.0) or 1.0
+    best = strongest_token(tokens)
+    for e in tokens:
+        level = abs(e["share"]) / top
+        style = ""
+        if level >= 0.1:
+            style = ("on green" if level >= 0.5 else "on dark_green") if e["share"] > 0 else "on red"
+            if e["share"] < 0 and level < 0.5:
+                style = "on dark_red"
+        if e is best:
+            style = f"bold underline {style}".strip()
+        out.append(e["text"], style=style or None)
+    if best is not None:
+        out.append(f"   strongest: {best['text']!r} at position {best['position']} ({best['share']:+.3g})", style="dim")
+    return out
 
 
 def _fail(msg: str) -> None:
