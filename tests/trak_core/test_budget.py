@@ -268,3 +268,21 @@ def test_a_budget_chooses_the_featurize_batch_of_a_shard(tmp_path):
     feat.max_memory = None
     assert engine._budget_batch(feat, meta, 32, [x[:4], y[:4]], 0, batch_size=2) == 2
     tr._close()
+
+
+def test_an_index_with_a_budget_answers_as_without(tmp_path):
+    """TrakIndex(max_memory=...) featurizes its query batch under the budget: the same top-k; a budget below what
+    the process holds is refused when the index is opened."""
+    from trak_core import TrakIndex
+
+    data = make_data(n=64, m=6)
+    ckpts = [make_model(100).state_dict()]
+    run_traker(TRAKer, tmp_path / "s", ckpts, data, batch=64, proj_dim=8)
+    kw = dict(model=make_model(), checkpoints=ckpts, task="image_classification", device="cpu")
+    free = TrakIndex(str(tmp_path / "s"), **kw).query((data[2], data[3]), k=5)
+    index = TrakIndex(str(tmp_path / "s"), **kw, max_memory=process_rss() + 2**30)
+    kept = index.query((data[2], data[3]), k=5)
+    assert index.featurizer is not None and index.featurizer.budget_rows is not None
+    np.testing.assert_array_equal(kept.indices, free.indices)
+    with pytest.raises(BadInputError, match="max_memory"):
+        TrakIndex(str(tmp_path / "s"), **kw, max_memory=process_rss() // 2)
