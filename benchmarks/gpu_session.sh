@@ -69,18 +69,18 @@ else
 fi
 
 # 1. the CUDA tests (skipped, not failed, without a GPU)
-step cuda_tests "${TESTS_S:-120}" $PY -m pytest -q -m cuda -p no:cacheprovider -o addopts="-ra" \
+step cuda_tests "${TESTS_S:-110}" $PY -m pytest -q -m cuda -p no:cacheprovider -o addopts="-ra" \
     ${CUDA_TESTS:-tests/cuda_ext tests/trak_core/test_causal_lm.py tests/trak_core/test_sjlt_factored.py \
     tests/trak_core/test_factored_attention.py tests/trak_core/test_factored_mha.py tests/trak_core/test_finalize_fast.py \
     tests/trak_core/test_projector_contract.py tests/compat/test_gpu_traker.py}
 
 # 2. GPT-2 124M and ~1B: featurize (TRAKer defaults, proj_dim 2048) against a training step of the same batches
 if [ "$SMOKE" = 1 ]; then
-    step sizes "${SIZES_S:-160}" $PY benchmarks/sizes.py --device cpu --models gpt2-tiny --rows 8 --batch 4 \
-        --seq-len 16 --proj-dim 64 --what train featurize --timeout 120
+    step sizes "${SIZES_S:-180}" $PY benchmarks/sizes.py --device cpu --models gpt2-tiny --rows 8 --batch 4 \
+        --seq-len 16 --proj-dim 64 --what train featurize --timeout 300
 else
-    step sizes "${SIZES_S:-160}" $PY benchmarks/sizes.py --device cuda --models gpt2 gpt2-1b --rows 128 --batch 16 \
-        --seq-len 128 --passes 2 --what train featurize --timeout 70
+    step sizes "${SIZES_S:-180}" $PY benchmarks/sizes.py --device cuda --models gpt2 gpt2-1b --rows 128 --batch 16 \
+        --seq-len 128 --passes 2 --what train featurize --timeout 80
 fi
 
 # 3. the conv net against traker (+ fast_jl where it built)
@@ -94,10 +94,10 @@ if [ -n "$build" ]; then
     fi
 fi
 if [ "$SMOKE" = 1 ]; then
-    step matrix_conv "${MATRIX_S:-100}" $PY benchmarks/matrix.py --device cpu --models convbn --proj-dims 64 --n 128 \
+    step matrix_conv "${MATRIX_S:-90}" $PY benchmarks/matrix.py --device cpu --models convbn --proj-dims 64 --n 128 \
         --batch 64 --traker-max-gib 0.5 --json "$OUT/matrix_conv.json"
 else
-    step matrix_conv "${MATRIX_S:-100}" $PY benchmarks/matrix.py --device cuda --models convbn --proj-dims 2048 \
+    step matrix_conv "${MATRIX_S:-90}" $PY benchmarks/matrix.py --device cuda --models convbn --proj-dims 2048 \
         --n 16384 --batch 1024 --json "$OUT/matrix_conv.json"
 fi
 

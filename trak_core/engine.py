@@ -649,7 +649,7 @@ def _budget_batch(
 ) -> int:
     """The featurize batch: ``batch_size``, or under the featurizer's memory budget the most rows that fit beside
     ``rows_held`` projected rows and their XᵀX partial (probed on ``sample``, :mod:`trak_core.budget`)."""
-    if feat.max_memory is None:
+    if getattr(feat, "max_memory", None) is None:  # (a stand-in featurizer may have no budget at all)
         return batch_size
     p, itemsize = meta.proj_dim, meta.np_dtype.itemsize
     grams = 2 if meta.curvature == "ggn" else 1

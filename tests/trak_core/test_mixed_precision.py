@@ -3,9 +3,9 @@ kind takes it on the CPU, and its scores follow a float64 run of the same model 
 gives the numbers of docs/scaleout.md).
 
 The threshold: bfloat16 keeps 8 significant bits, so each activation and gradient entry carries ~2⁻⁹ relative
-rounding, which through the forward and backward passes adds up to about 1% of a score (measured: 1.3–1.4% at
-most). The score columns' correlation with float64 measured 0.99985–0.99995 (MLP, 2-layer GPT-2); 0.999 leaves a
-margin of 7–20× on 1 − corr, and stays far above what a different projection of the same gradients gives (0.95–0.98),
+rounding, which through the forward and backward passes adds up to 1–2% of a score (measured: 0.7–1.8% at most).
+The score columns' correlation with float64 measured 0.99981–0.99995 (MLP, 2-layer GPT-2); 0.999 leaves a margin
+of 5–20× on 1 − corr, and stays far above what a different projection of the same gradients gives (0.95–0.98),
 so a path that silently changed the projection or dropped a layer fails it."""
 
 from __future__ import annotations
