@@ -2,13 +2,14 @@
 # The GPU checks and benchmarks of one lent-device session, in one call of about 7–8 minutes (docs/gpu.md, "Running
 # on a lent GPU machine"): the CUDA tests; GPT-2 small (124M) and a ~1B GPT-2-shaped model (random init from a
 # config) featurized against a training step of the same batches (rows/s, peak GPU memory); the conv net against
-# traker (BasicSingleBlockProjector, and fast_jl's CudaProjector where fast_jl builds); the host path (µs a row).
+# traker (BasicSingleBlockProjector, and fast_jl's CudaProjector where fast_jl builds); the host path (µs a row); a
+# memory budget (max_memory) against the measured peak.
 # Each step runs under its own `timeout` and writes its report under $OUT as it goes; a step that fails or runs out
 # of time is recorded in status.txt and the next one runs. results.md gathers the tables at the end.
 #
 #   OUT=$OUT bash benchmarks/gpu_session.sh             # on the device, in the repository root; .whl/ carried
 #   SMOKE=1 OUT=/tmp/s bash benchmarks/gpu_session.sh   # on a CPU machine: every step at tiny sizes (no .whl needed)
-#   TESTS_S, SIZES_S, MATRIX_S, HOST_S, FASTJL_S: each step's time limit in seconds (0 skips it);
+#   TESTS_S, SIZES_S, MATRIX_S, HOST_S, BUDGET_S, FASTJL_S: each step's time limit in seconds (0 skips it);
 #   CUDA_TESTS: the test files to run (default: tests/cuda_ext and every other file with CUDA tests)
 set -u
 OUT=${OUT:-/tmp/gpu_session}
@@ -69,17 +70,17 @@ else
 fi
 
 # 1. the CUDA tests (skipped, not failed, without a GPU)
-step cuda_tests "${TESTS_S:-110}" $PY -m pytest -q -m cuda -p no:cacheprovider -o addopts="-ra" \
+step cuda_tests "${TESTS_S:-100}" $PY -m pytest -q -m cuda -p no:cacheprovider -o addopts="-ra" \
     ${CUDA_TESTS:-tests/cuda_ext tests/trak_core/test_causal_lm.py tests/trak_core/test_sjlt_factored.py \
     tests/trak_core/test_factored_attention.py tests/trak_core/test_factored_mha.py tests/trak_core/test_finalize_fast.py \
     tests/trak_core/test_projector_contract.py tests/compat/test_gpu_traker.py}
 
 # 2. GPT-2 124M and ~1B: featurize (TRAKer defaults, proj_dim 2048) against a training step of the same batches
 if [ "$SMOKE" = 1 ]; then
-    step sizes "${SIZES_S:-180}" $PY benchmarks/sizes.py --device cpu --models gpt2-tiny --rows 8 --batch 4 \
+    step sizes "${SIZES_S:-170}" $PY benchmarks/sizes.py --device cpu --models gpt2-tiny --rows 8 --batch 4 \
         --seq-len 16 --proj-dim 64 --what train featurize --timeout 300
 else
-    step sizes "${SIZES_S:-180}" $PY benchmarks/sizes.py --device cuda --models gpt2 gpt2-1b --rows 128 --batch 16 \
+    step sizes "${SIZES_S:-170}" $PY benchmarks/sizes.py --device cuda --models gpt2 gpt2-1b --rows 128 --batch 16 \
         --seq-len 128 --passes 2 --what train featurize --timeout 80
 fi
 
@@ -107,6 +108,13 @@ if [ "$SMOKE" = 1 ]; then
 else
     step host_path "${HOST_S:-40}" $PY benchmarks/host_path.py --n 65536 --threads 1 --repeats 2 \
         --paths traker shard floor --batches 2048
+fi
+
+# 5. a memory budget against the measured peak (torch's allocated memory on the GPU)
+if [ "$SMOKE" = 1 ]; then
+    step budget "${BUDGET_S:-40}" $PY benchmarks/budget_check.py --smoke
+else
+    step budget "${BUDGET_S:-40}" $PY benchmarks/budget_check.py --device cuda --model gpt2 --rows 64 --seq-len 128
 fi
 
 $PY benchmarks/gpu_session_summary.py "$OUT" >"$OUT/results.md" 2>>"$OUT/status.txt"

@@ -42,6 +42,7 @@ def summarize(out: str) -> str:
         ("sizes", "GPT-2 124M and ~1B: featurize against a training step of the same batches"),
         ("matrix_conv", "Conv net against traker (+ fast_jl)"),
         ("host_path", "Host path (µs a row)"),
+        ("budget", "Memory budget against the measured peak"),
     ):
         rows = _table(_read(os.path.join(out, f"{name}.md")))
         lines += [f"## {title}", "", *(rows or [f"(no table: see {name}.md)"]), ""]

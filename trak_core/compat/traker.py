@@ -349,6 +349,7 @@ class TRAKer:
             energies = sketched_energies(
                 self.model, self.task, batch, PROBE_ROWS, self.grad_wrt, skip_nonfinite=True, chunk_rows=rows
             )
+            self.featurizer.memory_fit = None  # the projector built here (its own factors) is probed again
         except RuntimeError as e:
             self.featurizer._dtype_mismatch(batch, e)
             raise
