@@ -11,6 +11,7 @@ memory, else reported as not run with the bytes it would need.
     .venv/bin/python benchmarks/sizes.py --models gpt2 --rows 32 --seq-len 32 --batch 4
     .venv/bin/python benchmarks/sizes.py --models gpt2-linear --rows 8 --seq-len 32 --batch 4   # nn.Linear layers
     .venv/bin/python benchmarks/sizes.py --models gpt2 --rows 16 --seq-len 32 --batch 8 --what featurize
+    python3 benchmarks/sizes.py --device cuda --models gpt2 gpt2-1b --rows 128 --batch 16 --what train featurize
 
 Prints one JSON line per measurement and a markdown table (rows/s, × the training pass, peak RSS).
 """
@@ -33,7 +34,7 @@ sys.path.insert(0, sys.argv[1])
 from benchmarks.sizes import build
 what, model_name, rows, batch, seq_len, image_size, proj_dim = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:9])
 device, passes = sys.argv[9], int(sys.argv[10])
-model, task, make_batch = build(model_name, seq_len, image_size)
+model, task, make_batch = build(model_name, seq_len, image_size, device)
 model.to(device)
 params = sum(p.numel() for p in model.parameters())
 batches = [tuple(v.to(device) for v in make_batch(min(batch, rows - a), a)) for a in range(0, rows, batch)]
@@ -56,7 +57,7 @@ def measure():
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         for b in batches:
-            if model_name == "gpt2":
+            if model_name.startswith("gpt2") and model_name != "gpt2-linear":
                 loss = model(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss
             elif model_name == "gpt2-linear":
                 logits = model(input_ids=b[0], attention_mask=b[1])[:, :-1]
@@ -133,8 +134,18 @@ def resnet18(classes: int = 1000):
     return nn.Sequential(*layers)
 
 
-def build(name: str, seq_len: int, image_size: int):
-    """(model in eval mode, task name, make_batch(size, offset) → a batch of random rows)."""
+#: GPT-2-shaped configurations built from transformers' GPT2Config (random init; nothing is downloaded): GPT-2 small
+#: (124M), a ~1B one (d 2048, 18 layers: 1.01B) and a tiny one for smoke runs
+GPT2_SHAPES = {
+    "gpt2": {},
+    "gpt2-1b": {"n_embd": 2048, "n_layer": 18, "n_head": 16},
+    "gpt2-tiny": {"n_embd": 64, "n_layer": 2, "n_head": 4},
+}
+
+
+def build(name: str, seq_len: int, image_size: int, device: str = "cpu"):
+    """(model in eval mode, task name, make_batch(size, offset) → a batch of random rows); a GPT-2 shape is
+    initialized on ``device`` (a 1B model's random init on the host takes longer than its measurement)."""
     import torch
 
     torch.manual_seed(0)
@@ -146,11 +157,12 @@ def build(name: str, seq_len: int, image_size: int):
             return torch.randn(b, 3, image_size, image_size, generator=g), torch.randint(0, 1000, (b,), generator=g)
 
         return model, "image_classification", make_batch
-    if name == "gpt2":
+    if name in GPT2_SHAPES:
         import transformers
 
         transformers.logging.set_verbosity_error()
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()  # 124M: GPT-2 small's shape
+        with torch.device(device):
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_SHAPES[name])).eval()
 
         def make_batch(b, a):
             g = torch.Generator().manual_seed(a)
@@ -224,7 +236,10 @@ def run(what: str, model: str, args) -> dict:
     argv = [sys.executable, "-c", CODE, root, what, model]
     argv += [str(v) for v in (args.rows, args.batch, args.seq_len, args.image_size, args.proj_dim)]
     argv += [args.device, str(args.passes)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"model": model, "what": what, "error": f"over the {args.timeout} s limit"}
     if out.returncode != 0:
         return {"model": model, "what": what, "error": out.stderr.strip().splitlines()[-1:]}
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -333,6 +333,13 @@ class AttributeConfig(_Base):
     )
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")
+    max_memory: int | str | None = Field(
+        None,
+        description="memory budget of a task: bytes or a size like '4GB' / '12GiB'; featurize batches are then "
+        "chosen from a measured probe so that the peak (the process's resident memory on the CPU, torch's "
+        "allocated memory on a GPU) stays under it, instead of batch_size, and scoring's buffers take a share "
+        "of what it leaves; a budget below the model's own need is refused before any row is featurized",
+    )
     shard_size: PositiveInt = Field(4096, description="train rows per featurize task (a multiple of chunk_rows)")
     score_task_rows: PositiveInt | None = Field(
         None,
@@ -422,6 +429,13 @@ class AttributeConfig(_Base):
                 "file:// URL or shared storage (s3://...), or task_runner 'thread'"
             )
         return self
+
+    @field_validator("max_memory")
+    @classmethod
+    def _max_memory(cls, v):
+        from trak_core.budget import parse_bytes
+
+        return parse_bytes(v, "max_memory")
 
     @field_validator("import_roots")
     @classmethod

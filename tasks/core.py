@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from trak_core import engine
+from trak_core.budget import memory_limit
 from trak_core.energy import PROBE_ROWS
 from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.featurize import Featurizer
@@ -116,6 +117,7 @@ def build_featurizer(config: AttributeConfig, checkpoint: str, meta: StoreMetada
         config.grad_wrt,
         device,
         stored_dtype=torch.float16 if meta.dtype == "float16" else torch.float32,
+        max_memory=config.max_memory,
     )
     feat.load_state(load_checkpoint(checkpoint, device))
     return feat
@@ -217,7 +219,12 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
             "(scores would be noise); use a proj_dim well below n, or lambda_reg > 0"
         )
     engine.check_memory(
-        meta, model, batch_size=config.batch_size, num_targets=int(targets[0].shape[0]), projector=config.projector
+        meta,
+        model,
+        batch_size=config.batch_size,
+        num_targets=int(targets[0].shape[0]),
+        projector=config.projector,
+        available=config.max_memory,
     )
     checkpoints = config.checkpoint_paths
     for i, path in enumerate(checkpoints):
@@ -417,9 +424,10 @@ def score_block(config: AttributeConfig, model_ids: list[int], a: int, b: int) -
     """Combined scores of train rows [a, b) against all targets: the rows not yet marked done (a rerun after a
     crash inside the block computes only its shards that were not finished)."""
     t0 = time.perf_counter()
-    skipped = engine.score_block(
-        open_store(config), config.exp_name, model_ids, a, b, progress=lambda n: progress.advance("score", n)
-    )
+    with memory_limit(config.max_memory):
+        skipped = engine.score_block(
+            open_store(config), config.exp_name, model_ids, a, b, progress=lambda n: progress.advance("score", n)
+        )
     return ScoreBlockManifest.timed(t0, skipped, rows=(a, b))
 
 

@@ -18,12 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from .budget import check_budget as check_budget  # the front doors' memory budget
+from .budget import memory_limit as memory_limit
 from .damping import CURVATURES, check_lambda
 from .energy import PROBE_ROWS, quantize_energies, sketched_energies
 from .errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
 from .featurize import Featurizer
 from .lds import array_fingerprint
-from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory
+from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory, format_bytes
 from .projector_base import AbstractProjector
 from .projectors import make_projector, projector_traits, rebuild_kwargs
 from .reduce import (
@@ -207,28 +209,38 @@ def check_new_store(location: str, storage_options: dict | None = None) -> None:
 
 
 def check_memory(
-    meta: StoreMetadata, model: torch.nn.Module, *, batch_size: int, num_targets: int = 0, projector: str = ""
+    meta: StoreMetadata,
+    model: torch.nn.Module,
+    *,
+    batch_size: int,
+    num_targets: int = 0,
+    projector: str = "",
+    available: int | None = None,
 ) -> None:
     """Refuse (BadInputError naming the field and the estimate), before the store is created, settings whose
-    featurize or finalize step cannot fit in the available memory (:mod:`trak_core.memory`)."""
+    featurize or finalize step cannot fit in the available memory (:mod:`trak_core.memory`), or in ``available``
+    bytes, a memory budget (named ``max_memory``; its featurize batch is chosen within it, one row at least)."""
     params = list(model.parameters())
     itemsize = meta.np_dtype.itemsize
-    check_task_memory(
-        estimate_task_memory(
-            train_set_size=meta.train_set_size,
-            grad_dim=meta.grad_dim,
-            proj_dim=meta.proj_dim,
-            num_params=sum(p.numel() for p in params),
-            batch_size=batch_size,
-            shard_rows=meta.rows_per_shard,
-            dtype_bytes=itemsize,
-            chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
-            model_bytes=max((p.element_size() for p in params), default=4),
-            num_targets=num_targets,
-            curvature=meta.curvature,
-        ),
-        projector=projector,
+    estimates = estimate_task_memory(
+        train_set_size=meta.train_set_size,
+        grad_dim=meta.grad_dim,
+        proj_dim=meta.proj_dim,
+        num_params=sum(p.numel() for p in params),
+        batch_size=batch_size if available is None else 1,
+        shard_rows=meta.rows_per_shard,
+        dtype_bytes=itemsize,
+        chunk_bytes=math.prod(meta.row_chunks(meta.proj_dim, itemsize)) * itemsize,
+        model_bytes=max((p.element_size() for p in params), default=4),
+        num_targets=num_targets,
+        curvature=meta.curvature,
     )
+    try:
+        check_task_memory(estimates, available, projector=projector)
+    except BadInputError as e:
+        if available is None:
+            raise
+        raise BadInputError(f"max_memory: {format_bytes(available)} cannot hold a task's buffers ({e})") from None
 
 
 def check_featurize_memory(
@@ -599,6 +611,9 @@ def featurize_shard(
         require_not_finalized(store, model_id)
         start = a + _featurized_prefix(done)  # a shard the store grew into keeps its stored rows
         feat = featurizer()
+        batch_size = _budget_batch(
+            feat, store.meta, b - a, batch(start, min(b, start + PROBE_SAMPLE_ROWS)), model_id, batch_size
+        )
         xs, qs = [], []
         old_x = None
         if start > a:
@@ -631,6 +646,24 @@ def featurize_shard(
             job.result()
         store.mark_partial(model_id, shard)
         return False
+
+
+#: train rows handed to a memory budget's probe (repeated for its larger batches: memory, not values, is measured)
+PROBE_SAMPLE_ROWS = 64
+
+
+def _budget_batch(
+    feat: Featurizer, meta: StoreMetadata, rows_held: int, sample: list, model_id: int, batch_size: int
+) -> int:
+    """The featurize batch: ``batch_size``, or under the featurizer's memory budget the most rows that fit beside
+    ``rows_held`` projected rows and their XᵀX partial (probed on ``sample``, :mod:`trak_core.budget`)."""
+    if getattr(feat, "max_memory", None) is None:  # (a stand-in featurizer may have no budget at all)
+        return batch_size
+    p, itemsize = meta.proj_dim, meta.np_dtype.itemsize
+    grams = 2 if meta.curvature == "ggn" else 1
+    chunk = math.prod(meta.row_chunks(p, itemsize)) * itemsize
+    feat.memory_reserve = rows_held * p * (4 + itemsize) + (1 + grams) * p * p * 8 + 2 * chunk
+    return min(rows_held, feat.rows_within_budget(sample, model_id))
 
 
 def _write_partial_unmarked(store: TrakStore, model_id: int, shard: int, device, x, q, buffers) -> None:
@@ -717,6 +750,7 @@ def featurize_targets(
         return True
     feat = featurizer()
     m = store.num_targets(exp_name)
+    batch_size = _budget_batch(feat, store.meta, m, batch(0, min(m, PROBE_SAMPLE_ROWS)), model_id, batch_size)
     gs = [
         feat.target_features(batch(s, min(s + batch_size, m)), model_id, range(s, min(s + batch_size, m)))
         for s in range(0, m, batch_size)

@@ -552,8 +552,10 @@ class FactoredProjector(AbstractProjector):
         extra = set()
         sums = {n: (float(gs[n]), float((gz[n] * d).sum()), float((gz[n] * d).abs().sum())) for n, d in signs.items()}
         ref = max((abs(t) + a for t, _, a in sums.values()), default=0.0)
-        for name, (total, hooks, terms) in sums.items():  # rounding: relative to the terms and the largest block
-            if abs(total - hooks) > 1e-3 * max(abs(total), abs(hooks)) + 1e-4 * terms + 1e-6 * ref:
+        # rounding: relative to the terms (at least the model dtype's: bfloat16's 2⁻⁷) and the largest block
+        rel = max(1e-4, torch.finfo(wdt).eps)
+        for name, (total, hooks, terms) in sums.items():
+            if abs(total - hooks) > 1e-3 * max(abs(total), abs(hooks)) + rel * terms + 1e-6 * ref:
                 extra.add(name)
         return gz, go, ctx["fired"], extra, out
 

@@ -12,8 +12,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .budget import FIRST_USE_BYTES, MemoryFit, check_budget, fit_memory, release_free_memory
 from .errors import BadInputError, NonFiniteGradientError
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
+from .memory import format_bytes
 from .modelout import AbstractModelOutput, resolve_task
 from .projectors import AbstractProjector
 
@@ -57,6 +59,8 @@ def _pad(batch: Sequence[Tensor], rows: int) -> list[Tensor]:
 #: the largest batch of rows copied from a CUDA device into page-locked memory (torch keeps freed page-locked blocks
 #: for reuse, rounded up to a power of two: a very wide batch, e.g. unprojected gradients, is copied as pageable)
 PINNED_BATCH_BYTES = 256 << 20
+#: rows per computation without a memory budget (no limit: a batch is computed as given)
+MAX_ROWS = 1 << 62
 
 
 def host_array(t: Tensor) -> np.ndarray:
@@ -83,8 +87,16 @@ class Featurizer:
         device="cpu",
         dtype=torch.float32,
         stored_dtype: torch.dtype | None = None,
+        max_memory: int | None = None,
     ) -> None:
         self.model = model
+        # a memory budget (bytes, :mod:`trak_core.budget`): batches are computed in pieces of at most
+        # :attr:`budget_rows` rows, measured on the first batch; ``memory_reserve``: bytes the caller holds beside
+        self.max_memory = max_memory
+        check_budget(max_memory, device)
+        self.memory_reserve = 0
+        self.memory_fit: MemoryFit | None = None
+        self.budget_rows: int | None = None
         # the dtype train rows are stored in: on a CUDA device X is rounded to it there (the same IEEE rounding as
         # the host's conversion) and comes back in it (a float16 store: half the bytes, no host conversion)
         self.stored_dtype = stored_dtype
@@ -190,13 +202,62 @@ class Featurizer:
             x = x.to(self.stored_dtype)  # finite (checked): rounded as the store would round it
         return host_array(x), host_array(q)
 
+    def rows_within_budget(self, batch: Sequence[Tensor], model_id: int, out_rows: int = 0) -> int:
+        """The most rows one computation may take under :attr:`max_memory` (None: no budget) with the outputs of
+        ``out_rows`` rows held beside, probed once on rows of ``batch`` (repeated where it has fewer than the probe
+        takes; :func:`trak_core.budget.fit_memory`)."""
+        if self.max_memory is None:
+            return MAX_ROWS
+        if self.memory_fit is None:
+            n = batch[0].shape[0]
+
+            def run(rows: int) -> None:
+                take = torch.arange(rows) % n
+                self._compute_rows([t[take] for t in batch], model_id, [int(i) for i in take])
+
+            self.memory_fit = fit_memory(run, self.device, self.max_memory, self._reserve())
+        fit = self.memory_fit
+        held = self._reserve() + out_rows * (self.projector.proj_dim + 1) * 4
+        rows = fit.rows_within(self.max_memory, held)
+        if rows < 1:
+            raise BadInputError(
+                f"max_memory: {format_bytes(self.max_memory)} leaves no room for one row's batch (measured: "
+                f"{format_bytes(fit.base)} used, {format_bytes(max(0, fit.fixed) + fit.per_row)} more for one row at "
+                f"the peak, {format_bytes(held)} held beside); raise max_memory. Nothing was featurized"
+            )
+        self.budget_rows = rows
+        return rows
+
+    def _reserve(self) -> int:
+        """Bytes counted beside the batches under a budget: the caller's, and on the CPU what the process gains once
+        on its first writes (:data:`trak_core.budget.FIRST_USE_BYTES`)."""
+        once = FIRST_USE_BYTES if torch.device(self.device).type == "cpu" else 0
+        return self.memory_reserve + once
+
     def _compute(
         self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int] | None = None
     ) -> tuple[Tensor, Tensor]:
         self.task.validate_batch(batch)
-        batch = self._to_device(batch)
         b = batch[0].shape[0]
         indices = list(range(b)) if indices is None else [int(i) for i in indices]
+        if b <= self.rows_within_budget(batch, model_id):
+            return self._compute_rows(batch, model_id, indices)
+        # under a budget, in pieces, each one's rows copied into the batch's outputs (held beside the pieces)
+        k = self.rows_within_budget(batch, model_id, out_rows=b)
+        x = q = None
+        for s in range(0, b, k):
+            xs, qs = self._compute_rows([t[s : s + k] for t in batch], model_id, indices[s : s + k])
+            if x is None or q is None:
+                x, q = xs.new_empty((b, *xs.shape[1:])), qs.new_empty((b, *qs.shape[1:]))
+            x[s : s + k], q[s : s + k] = xs, qs
+            del xs, qs
+            release_free_memory()  # the next piece grows from what is live, as the probe measured it
+        assert x is not None and q is not None
+        return x, q
+
+    def _compute_rows(self, batch: Sequence[Tensor], model_id: int, indices: list[int]) -> tuple[Tensor, Tensor]:
+        batch = self._to_device(batch)
+        b = batch[0].shape[0]
         # the projected fast path holds no per-example gradient: computed in blocks of ROW_BLOCK rows, a row gets the
         # same bits whatever its batch (the paths that materialize per-example gradients keep the batch's rows)
         fast = getattr(self.projector, "featurize_batch", None) is not None

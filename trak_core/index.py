@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .budget import parse_bytes
 from .errors import BadInputError, StateError, StoreMismatchError
 from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
@@ -142,6 +143,8 @@ class TrakIndex:
         grad_wrt: the parameters the store's gradients were taken with respect to (default: all).
         device: where the inputs are featurized (default: cuda if available, else cpu).
         storage_options: fsspec options of a remote store.
+        max_memory: a memory budget (bytes or '4GB'): query batches are featurized in pieces that keep the peak
+            under it (:mod:`trak_core.budget`).
     """
 
     def __init__(
@@ -157,8 +160,10 @@ class TrakIndex:
         device: str | torch.device | None = None,
         storage_options: dict | None = None,
         gradient_computer: type[AbstractGradientComputer] = FunctionalGradientComputer,
+        max_memory: int | str | None = None,
     ) -> None:
         self.location = str(save_dir)
+        self.max_memory = parse_bytes(max_memory)
         self._storage_options = storage_options
         self.store = TrakStore.open(self.location, storage_options, mode="r")
         meta = self.store.meta
@@ -210,7 +215,9 @@ class TrakIndex:
             )
         model.to(self.device)
         self.projector = self._projector(projector, model)
-        self.featurizer = Featurizer(model, self.task, self.projector, gradient_computer, self.grad_wrt, self.device)
+        self.featurizer = Featurizer(
+            model, self.task, self.projector, gradient_computer, self.grad_wrt, self.device, max_memory=self.max_memory
+        )
         first = self.model_ids[0]
         self.featurizer.load_state(self._states[first])  # a checkpoint that does not fit the model fails here
 
@@ -239,6 +246,7 @@ class TrakIndex:
             grad_wrt=config.grad_wrt,
             device=config.resolved_device(),
             storage_options=config.storage_options,
+            max_memory=getattr(config, "max_memory", None),
         )
         kwargs.update(overrides)
         return cls(config.store, **kwargs)

@@ -109,7 +109,15 @@ def cache_bytes() -> int:
 
 
 def memory_bytes() -> int:
-    """Available memory (MemAvailable), DEFAULT_MEMORY_BYTES if unknown."""
+    """Available memory (MemAvailable), DEFAULT_MEMORY_BYTES if unknown; within a memory budget
+    (:func:`trak_core.budget.memory_limit`) at most what the budget leaves."""
+    from .budget import headroom
+
+    room = headroom()
+    return _available() if room is None else min(room, _available())
+
+
+def _available() -> int:
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:

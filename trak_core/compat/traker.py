@@ -141,7 +141,10 @@ class TRAKer:
     are featurized (the GPU then does not wait on the store), so a :meth:`featurize` call returns before its rows
     are in the store and a write's error is raised by a later call; otherwise each call returns with its complete
     chunks written. By default (None) on a CUDA device, not on the CPU (:func:`writes_behind`). Either way rows are
-    flagged only once written (a killed process featurizes the rest again).
+    flagged only once written (a killed process featurizes the rest again). ``max_memory``: a memory budget (bytes
+    or a size like ``"4GB"``): each batch is featurized in pieces of the most rows a measured probe fits under it
+    (the process's resident memory on the CPU, torch's allocated memory on a GPU), and scoring's buffers take a
+    share of what it leaves (:mod:`trak_core.budget`).
     """
 
     def __init__(
@@ -170,6 +173,7 @@ class TRAKer:
         storage_options: dict | None = None,
         curvature: str = "xtx",
         write_behind: bool | None = None,
+        max_memory: int | str | None = None,
     ) -> None:
         self.logger = logging.getLogger("trakflow")
         self.logger.setLevel(logging_level)
@@ -192,6 +196,7 @@ class TRAKer:
         self.task = resolve_task(task)
         self.train_set_size = int(train_set_size)
         self.device = check_device(device) if device is not None else default_device()
+        self.max_memory = engine.check_budget(max_memory, self.device)
         self.dtype = torch.float16 if use_half_precision else torch.float32
         self.grad_wrt = list(grad_wrt) if grad_wrt is not None else None
         self.lambda_reg = lambda_reg if isinstance(lambda_reg, str) else float(lambda_reg)
@@ -288,8 +293,18 @@ class TRAKer:
             self._close()
             raise
         self.featurizer = engine.Featurizer(
-            model, self.task, projector, gradient_computer, self.grad_wrt, self.device, stored_dtype=self.dtype
+            model,
+            self.task,
+            projector,
+            gradient_computer,
+            self.grad_wrt,
+            self.device,
+            stored_dtype=self.dtype,
+            max_memory=self.max_memory,
         )
+        # under a budget, the rows held beside the batches (as check_featurize_memory counts them) and the partial
+        held = proj_max_batch_size + (meta.rows_per_shard if on_device else meta.rows_per_chunk)
+        self.featurizer.memory_reserve = held * meta.proj_dim * 8 + 2 * meta.proj_dim**2 * 8
         self.gradient_computer = self.featurizer.gradient_computer
         self.ckpt_loaded: int | None = None
         self.current_model_id: int | None = None
@@ -321,7 +336,9 @@ class TRAKer:
         """The default projector with proj_dim split by the gradient energy of ``batch`` (:func:`engine.probe_split`
         on the first ≤ PROBE_ROWS rows given, in passes of ``proj_max_batch_size``) at the loaded checkpoint."""
         try:
-            split = engine.probe_split(self.model, self.task, batch, self.grad_wrt, self._probe_chunk)
+            rows = self.featurizer.rows_within_budget(batch, self.current_model_id or 0)  # (measured by the stand-in)
+            split = engine.probe_split(self.model, self.task, batch, self.grad_wrt, min(rows, self._probe_chunk))
+            self.featurizer.memory_fit = None  # the projector built here (its own factors) is probed again
         except RuntimeError as e:
             self.featurizer._dtype_mismatch(batch, e)
             raise
@@ -562,5 +579,6 @@ class TRAKer:
             model_ids = list(model_ids)
             if not model_ids:
                 raise InputAssertionError("No model IDs to finalize scores for (model_ids is empty)")
-        self.scores = engine.score_all(self.store, exp_name, model_ids, allow_skip)
+        with engine.memory_limit(self.max_memory):
+            self.scores = engine.score_all(self.store, exp_name, model_ids, allow_skip)
         return self.scores
