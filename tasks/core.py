@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from trak_core import engine
+from trak_core.checkpoints import record_of, state_digest
 from trak_core.energy import PROBE_ROWS, sketched_energies
 from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.featurize import Featurizer
@@ -25,7 +26,7 @@ from trak_core.streaming import score_task_ranges
 
 from . import progress
 from .common import cached_data, load_checkpoint, open_store
-from .config import AttributeConfig, file_fingerprint
+from .config import AttributeConfig
 from .plan import FinalizeManifest, Plan, PlannedModel, ScoreBlockManifest, ScorePlan, ShardManifest, TargetsManifest
 
 
@@ -154,6 +155,7 @@ class CheckedInputs:
     checkpoints: tuple[str, ...]
     train: tuple
     targets: tuple
+    state_digests: tuple[str, ...] = ()  # each checkpoint's trak_core.checkpoints.state_digest
 
     @property
     def num_targets(self) -> int:
@@ -166,7 +168,7 @@ class Fingerprints:
 
     train_data: str
     target_data: str
-    checkpoints: tuple[dict, ...]  # {"path", "sha256"} per model_id
+    checkpoints: tuple[dict, ...]  # per model_id: trak_core.checkpoints.record_of its file
     train_rows: engine.RowsPrint | None = None  # the fingerprint of train rows [a, b): names changed rows
 
 
@@ -217,8 +219,10 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
         meta, model, batch_size=config.batch_size, num_targets=int(targets[0].shape[0]), projector=config.projector
     )
     checkpoints = config.checkpoint_paths
+    digests = []
     for i, path in enumerate(checkpoints):
         sd = load_checkpoint(path, "cpu", field=f"checkpoints[{i}]")
+        digests.append(state_digest(sd))
         try:
             model.load_state_dict(sd)
         except RuntimeError as e:
@@ -229,7 +233,9 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     if config.projector == "factored" and stored is None:  # a new store: the split follows the gradient energy
         split = factored_split(config, model, task, train, checkpoints[0])
         meta = _stored_layout(config, build_metadata(config, n, model, task, split), stored)
-    return CheckedInputs(meta=meta, checkpoints=tuple(checkpoints), train=train, targets=targets)
+    return CheckedInputs(
+        meta=meta, checkpoints=tuple(checkpoints), train=train, targets=targets, state_digests=tuple(digests)
+    )
 
 
 def _stored_meta(config: AttributeConfig) -> StoreMetadata | None:
@@ -255,7 +261,9 @@ def fingerprint_inputs(inputs: CheckedInputs) -> Fingerprints:
     return Fingerprints(
         train_data=array_fingerprint(inputs.train),
         target_data=array_fingerprint(inputs.targets),
-        checkpoints=tuple({"path": p, "sha256": file_fingerprint(p)} for p in inputs.checkpoints),
+        checkpoints=tuple(
+            record_of(p, digest=d) for p, d in zip(inputs.checkpoints, inputs.state_digests, strict=True)
+        ),
         train_rows=engine.train_rows_print(inputs.train),
     )
 
