@@ -220,10 +220,6 @@ class TrakIndex:
                 f"checkpoints: {len(checkpoints)} given for the store's {len(self.model_ids)} checkpoints "
                 f"(model_ids {list(self.model_ids)}); pass one per model_id, or choose them with model_ids="
             )
-        order = sorted(range(len(ids)), key=lambda i: ids[i])  # checkpoints follow model_ids' order as given
-        for pos in order:
-            mid = ids[pos]
-            self._states[mid] = self._load_checkpoint(pos, mid, checkpoints[pos])
         self.grad_wrt = list(grad_wrt) if grad_wrt is not None else None
         try:
             grad_dim = grad_dim_of(model, self.grad_wrt)
@@ -234,6 +230,10 @@ class TrakIndex:
                 f"model: {grad_dim} gradient coordinates (grad_wrt={self.grad_wrt!r}), but the store at "
                 f"{self.location} was built with grad_dim={meta.grad_dim}"
             )
+        order = sorted(range(len(ids)), key=lambda i: ids[i])  # checkpoints follow model_ids' order as given
+        for pos in order:
+            mid = ids[pos]
+            self._states[mid] = self._load_checkpoint(pos, mid, checkpoints[pos])
         model.to(self.device)
         self.projector = self._projector(projector, model)
         self.featurizer = Featurizer(model, self.task, self.projector, gradient_computer, self.grad_wrt, self.device)
