@@ -26,7 +26,7 @@ from trak_core.streaming import score_task_ranges
 
 from . import progress
 from .common import cached_data, load_checkpoint, open_store
-from .config import AttributeConfig
+from .config import AttributeConfig, load_object
 from .plan import FinalizeManifest, Plan, PlannedModel, ScoreBlockManifest, ScorePlan, ShardManifest, TargetsManifest
 
 
@@ -298,9 +298,22 @@ def create_plan(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerpr
     store = engine.open_run(config.store, inputs.meta, config.storage_options, grow=True)
     before = store.meta.train_set_size
     engine.plan_run(store, **_run_records(config, inputs, prints))
+    record_train_source(store, config)
     check_chunks(store)
     grown = before if before < inputs.meta.train_set_size else None
     return _plan_of(config, inputs, grown_from=grown)
+
+
+def record_train_source(store: TrakStore, config: AttributeConfig) -> None:
+    """Record where the train data came from (``train_source``: its import path, and what the data callable
+    says of its source, e.g. a folder), so a route that reads the store later (a query) sees the same rows."""
+    source: dict = {"train_data": config.train_data}
+    describe = getattr(load_object(config.train_data, "train_data", config.import_roots), "data_source", None)
+    if callable(describe):
+        source.update(describe())
+    info = store.pipeline_info()
+    if info.get("train_source") != source:
+        store.set_pipeline_info({**info, "train_source": source})
 
 
 def _plan_of(config: AttributeConfig, inputs: CheckedInputs, grown_from: int | None = None) -> Plan:
