@@ -87,7 +87,7 @@ def query_request(attr: dict) -> dict:
         "inputs": os.path.join(os.path.dirname(attr["store"]), "query.pt"),
         "k": 5,
         "model": attr["model"],
-        "train_data": attr["train_data"],
+        "train_data": None,  # the store's recorded train data (after a nightly append, the train folder)
         "show": attr.get("show"),
         "report_dir": attr.get("report_dir"),
     }

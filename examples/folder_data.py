@@ -7,5 +7,6 @@ from trakflow_demo_data.folder_data import (  # noqa: F401
     load_folder,
     part_files,
     save_part,
+    train_dir,
     train_folder,
 )

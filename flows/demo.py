@@ -28,7 +28,8 @@ def digits_demo(
     Args:
         train_folder: attribute the train data of the folder ``<demo_dir>/train`` (the files of
             :mod:`trakflow_demo_data.folder_data`, seeded with the digits train set): files added there since the last
-            run are appended to the store, which featurizes only their rows (the nightly deployment).
+            run are appended to the store, which featurizes only their rows (the nightly deployment). Once that
+            folder holds files, every run of the demo reads it (the store holds its rows).
     """
     from trakflow_demo_data.digits import demo_configs, write_query_inputs
 
@@ -42,14 +43,21 @@ def digits_demo(
         log.info("checkpoints present in %s: not retraining", train_cfg.out_dir)
     else:
         trained = train(train_cfg)
-    if train_folder:
-        attr["train_data"] = use_train_folder(Path(demo_dir).absolute() / "train", log)
+    folder = Path(demo_dir).absolute() / "train"
+    if train_folder or _has_files(folder):  # a store the nightly run grew is read with its train folder
+        attr["train_data"] = use_train_folder(folder, log)
     config = AttributeConfig.model_validate(attr)
     Path(demo_dir).mkdir(parents=True, exist_ok=True)
     (Path(demo_dir) / "attribute.yaml").write_text(config.to_yaml())
     write_query_inputs(demo_dir)  # what the query/digits deployment asks about
     result = attribute(config)
     return {"train": trained, "attribute": result, "config": str(Path(demo_dir) / "attribute.yaml")}
+
+
+def _has_files(folder: Path) -> bool:
+    from examples import folder_data
+
+    return folder.is_dir() and bool(folder_data.part_files(folder))
 
 
 def use_train_folder(folder: Path, log) -> str:

@@ -14,6 +14,7 @@ import torch
 
 from trak_core import engine
 from trak_core.budget import memory_limit
+from trak_core.checkpoints import record_of, state_digest
 from trak_core.energy import PROBE_ROWS
 from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.featurize import Featurizer
@@ -26,7 +27,7 @@ from trak_core.streaming import score_task_ranges
 
 from . import progress
 from .common import cached_data, load_checkpoint, open_store
-from .config import AttributeConfig, file_fingerprint
+from .config import AttributeConfig, load_object
 from .plan import FinalizeManifest, Plan, PlannedModel, ScoreBlockManifest, ScorePlan, ShardManifest, TargetsManifest
 
 
@@ -159,6 +160,7 @@ class CheckedInputs:
     checkpoints: tuple[str, ...]
     train: tuple
     targets: tuple
+    state_digests: tuple[str, ...] = ()  # each checkpoint's trak_core.checkpoints.state_digest
 
     @property
     def num_targets(self) -> int:
@@ -171,7 +173,7 @@ class Fingerprints:
 
     train_data: str
     target_data: str
-    checkpoints: tuple[dict, ...]  # {"path", "sha256"} per model_id
+    checkpoints: tuple[dict, ...]  # per model_id: trak_core.checkpoints.record_of its file
     train_rows: engine.RowsPrint | None = None  # the fingerprint of train rows [a, b): names changed rows
 
 
@@ -227,8 +229,10 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
         available=config.max_memory,
     )
     checkpoints = config.checkpoint_paths
+    digests = []
     for i, path in enumerate(checkpoints):
         sd = load_checkpoint(path, "cpu", field=f"checkpoints[{i}]")
+        digests.append(state_digest(sd))
         try:
             model.load_state_dict(sd)
         except RuntimeError as e:
@@ -240,7 +244,9 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     if projector_traits(config.projector).splits_by_layer and stored is None:
         split = factored_split(config, model, task, train, checkpoints[0])
         meta = _stored_layout(config, build_metadata(config, n, model, task, split), stored)
-    return CheckedInputs(meta=meta, checkpoints=tuple(checkpoints), train=train, targets=targets)
+    return CheckedInputs(
+        meta=meta, checkpoints=tuple(checkpoints), train=train, targets=targets, state_digests=tuple(digests)
+    )
 
 
 def _stored_meta(config: AttributeConfig) -> StoreMetadata | None:
@@ -266,7 +272,9 @@ def fingerprint_inputs(inputs: CheckedInputs) -> Fingerprints:
     return Fingerprints(
         train_data=array_fingerprint(inputs.train),
         target_data=array_fingerprint(inputs.targets),
-        checkpoints=tuple({"path": p, "sha256": file_fingerprint(p)} for p in inputs.checkpoints),
+        checkpoints=tuple(
+            record_of(p, digest=d) for p, d in zip(inputs.checkpoints, inputs.state_digests, strict=True)
+        ),
         train_rows=engine.train_rows_print(inputs.train),
     )
 
@@ -301,9 +309,22 @@ def create_plan(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerpr
     store = engine.open_run(config.store, inputs.meta, config.storage_options, grow=True)
     before = store.meta.train_set_size
     engine.plan_run(store, **_run_records(config, inputs, prints))
+    record_train_source(store, config)
     check_chunks(store)
     grown = before if before < inputs.meta.train_set_size else None
     return _plan_of(config, inputs, grown_from=grown)
+
+
+def record_train_source(store: TrakStore, config: AttributeConfig) -> None:
+    """Record where the train data came from (``train_source``: its import path, and what the data callable
+    says of its source, e.g. a folder), so a route that reads the store later (a query) sees the same rows."""
+    source: dict = {"train_data": config.train_data}
+    describe = getattr(load_object(config.train_data, "train_data", config.import_roots), "data_source", None)
+    if callable(describe):
+        source.update(describe())
+    info = store.pipeline_info()
+    if info.get("train_source") != source:
+        store.set_pipeline_info({**info, "train_source": source})
 
 
 def _plan_of(config: AttributeConfig, inputs: CheckedInputs, grown_from: int | None = None) -> Plan:

@@ -193,21 +193,43 @@ def _entry(i, score, labels) -> dict:
     return {"index": int(i), "score": float(score), "label": None if labels is None else int(labels[i])}
 
 
+def query_train_data(qc: QueryConfig, index: TrakIndex, config: AttributeConfig | None, roots) -> tuple | None:
+    """The train rows a query shows and labels: ``train_data`` of the query, else of its config, else the source
+    the store recorded when it was built (``train_source``: a folder is read as it is now, new rows included;
+    its reader is an import path, under the same allow-list).
+    Refused (BadInputError) when their number is not the store's: the rows would not be the store's."""
+    source = index.store.pipeline_info().get("train_source") or {}
+    path = qc.train_data or (config.train_data if config else None)
+    if path is None and source.get("read") and source.get("train_dir"):  # e.g. a folder of train files
+        path = source["train_dir"]
+        train = tuple(load_object(source["read"], "train_data", roots)(path))
+    else:
+        path = path or source.get("train_data")
+        if not path:
+            return None
+        train = load_data(path, "train_data", roots)
+    if int(train[0].shape[0]) != index.n:
+        raise BadInputError(
+            f"train_data: {path} has {int(train[0].shape[0])} rows, but the store at {index.location} holds "
+            f"{index.n}; give the train data the store was built from (or leave train_data out: the store records it)"
+        )
+    return train
+
+
 def run_query(qc: QueryConfig, index: TrakIndex | None = None) -> dict:
     """Answer a query: proponents and opponents of every input (one pass over the store), as the report's rows,
     a markdown table, and with ``report_dir`` the table and one PNG per input written there. Returns
     ``{"store", "inputs", "k", "model_ids", "rows", "markdown", "files", "text", "pngs"}``."""
     batch = load_inputs(qc.inputs)
     config = AttributeConfig.from_yaml(qc.store) if qc.is_config else None
-    train_path = qc.train_data or (config.train_data if config else None)
-    if qc.explain and not train_path:
+    index = index or open_index(qc)
+    roots = qc.import_roots or (config.import_roots if config else None)
+    train = query_train_data(qc, index, config, roots)
+    if qc.explain and train is None:
         raise BadInputError(
             "explain: splitting the proponents' scores by token featurizes their train sequences again: give the "
             "train data (train_data / --train-data, or the attribute config that names it)"
         )
-    index = index or open_index(qc)
-    roots = qc.import_roots or (config.import_roots if config else None)
-    train = load_data(train_path, "train_data", roots) if train_path else None
     top, low = index.query_both(batch, qc.k, explain=qc.explain, train_data=train)
     show_path = qc.show or (config.show if config else None)
     show = load_object(show_path, "show", roots) if show_path and train is not None else None

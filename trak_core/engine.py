@@ -8,7 +8,6 @@ writes besides arrays) live here; the math is in :mod:`trak_core.reduce` and :mo
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 import warnings
@@ -18,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from . import checkpoints
 from .budget import check_budget as check_budget  # the front doors' memory budget
 from .budget import memory_limit as memory_limit
 from .damping import CURVATURES, check_lambda
@@ -305,17 +305,8 @@ def release_store(location: str) -> None:
 
 def state_fingerprint(state_dict: dict) -> str:
     """sha256 of a state_dict's tensors (names, dtypes, shapes, values), the identity of a checkpoint given
-    as an object rather than a file."""
-    h = hashlib.sha256()
-    for name in sorted(state_dict):
-        v = state_dict[name]
-        if torch.is_tensor(v):
-            a = v.detach().cpu().contiguous()
-            h.update(f"{name}|{a.dtype}|{tuple(a.shape)}|".encode())
-            h.update(a.reshape(-1).view(torch.uint8).numpy().tobytes() if a.numel() else b"")
-        else:
-            h.update(f"{name}|{v!r}|".encode())
-    return h.hexdigest()
+    as an object rather than a file (:func:`trak_core.checkpoints.state_digest`)."""
+    return checkpoints.state_digest(state_dict)
 
 
 #: fingerprints of row ranges of the train data: ``rows(a, b)`` is the sha256 of rows [a, b) of every tensor
@@ -409,9 +400,8 @@ def check_model(
     ones ``model_id`` was planned, featurized or finalized with. A model the store does not hold passes.
 
     Args:
-        checkpoint: ``{"path", "sha256"}`` of a checkpoint file (the pipeline) or ``{"path", "state_sha256"}``
-            of a state_dict (:func:`state_fingerprint`, TRAKer); compared on the keys both records have
-            (None: not checked).
+        checkpoint: the checkpoint's record (:func:`trak_core.checkpoints.record_of`: ``state_sha256``, and
+            ``sha256`` for a file), checked by :func:`trak_core.checkpoints.check_record` (None: not checked).
         lambda_setting: the λ rule's setting (``parse_lambda_reg(x).setting``; None: not checked).
         rescale: traker's rescale of the inverse (checked with ``lambda_setting``).
     """
@@ -431,13 +421,7 @@ def check_model(
                     f"{want!r}; use a new store (or the same {field})"
                 )
     if checkpoint is not None:
-        old = store.checkpoint_record(model_id) or {}
-        if any(k in old and k in checkpoint and old[k] != checkpoint[k] for k in ("sha256", "state_sha256")):
-            raise StoreMismatchError(
-                f"checkpoints: model_id={model_id} in {store.location} was featurized from {old.get('path')}, "
-                f"but the checkpoint given for it now is {checkpoint.get('path')} with different content; use a "
-                "new model_id, a new store, or the same checkpoint"
-            )
+        checkpoints.check_record(store.checkpoint_record(model_id), checkpoint, model_id, store.location)
 
 
 def plan_model(
@@ -460,8 +444,12 @@ def plan_model(
     store.init_model(model_id)
     if start_over:
         store.reset_model(model_id)
-    if checkpoint is not None and store.checkpoint_record(model_id) is None:
-        store.set_checkpoint_record(model_id, checkpoint)
+    if checkpoint is not None:
+        old = store.checkpoint_record(model_id)
+        if old is None:
+            store.set_checkpoint_record(model_id, checkpoint)
+        elif "state_sha256" not in old and "state_sha256" in checkpoint:  # a record made before state digests
+            store.set_checkpoint_record(model_id, {**checkpoint, **old, "state_sha256": checkpoint["state_sha256"]})
     if lambda_setting is not None:
         store.record_feature_settings(model_id, lambda_setting, bool(rescale))
 

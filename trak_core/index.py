@@ -18,9 +18,7 @@ checkpoint change is refused, never answered from two states.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -30,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .budget import parse_bytes
+from .checkpoints import check_record, file_sha256, load_state, record_of, state_digest
 from .errors import BadInputError, StateError, StoreMismatchError
 from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
@@ -110,12 +109,6 @@ class _RowsView:
         return self._writer
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes (what a pipeline store records per checkpoint)."""
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
 def _holder_text(holder: dict | None) -> str:
     if not holder:
         return ""
@@ -134,8 +127,8 @@ class TrakIndex:
         save_dir: the store (a path or fsspec URL), opened read-only.
         model: the model the checkpoints belong to (None: an index that answers :meth:`query_vectors` only).
         checkpoints: one per ``model_ids`` entry: a state dict or a checkpoint file (torch.save of a state dict).
-            A file is compared with the store's record of the checkpoint (pipeline stores record its sha256), a
-            state dict with the recorded file where that is still there; a mismatch is refused.
+            Each is compared with the store's record of the checkpoint its model id was featurized from (the
+            digest of its contents, whichever route wrote the store); a mismatch is refused naming the model id.
         task: the model output (name or instance); must be the store's.
         model_ids: the store's checkpoints to combine (default: all, in ascending order).
         projector: the projector the store was built with (default: rebuilt from the store's metadata and the
@@ -199,10 +192,6 @@ class TrakIndex:
                 f"checkpoints: {len(checkpoints)} given for the store's {len(self.model_ids)} checkpoints "
                 f"(model_ids {list(self.model_ids)}); pass one per model_id, or choose them with model_ids="
             )
-        order = sorted(range(len(ids)), key=lambda i: ids[i])  # checkpoints follow model_ids' order as given
-        for pos in order:
-            mid = ids[pos]
-            self._states[mid] = self._load_checkpoint(pos, mid, checkpoints[pos])
         self.grad_wrt = list(grad_wrt) if grad_wrt is not None else None
         try:
             grad_dim = grad_dim_of(model, self.grad_wrt)
@@ -213,6 +202,10 @@ class TrakIndex:
                 f"model: {grad_dim} gradient coordinates (grad_wrt={self.grad_wrt!r}), but the store at "
                 f"{self.location} was built with grad_dim={meta.grad_dim}"
             )
+        order = sorted(range(len(ids)), key=lambda i: ids[i])  # checkpoints follow model_ids' order as given
+        for pos in order:
+            mid = ids[pos]
+            self._states[mid] = self._load_checkpoint(pos, mid, checkpoints[pos])
         model.to(self.device)
         self.projector = self._projector(projector, model)
         self.featurizer = Featurizer(
@@ -228,7 +221,7 @@ class TrakIndex:
         ``storage_options``, ``build_model()``, ``build_task()``, ``checkpoint_paths``, ``grad_wrt``,
         ``resolved_device()``), e.g. ``tasks.config.AttributeConfig``, or the path of its YAML file (read by the
         loader the pipeline registers, :func:`register_config_loader`; ``tasks.query.open_index`` does both).
-        The store's checkpoint records are checked against the files (sha256). ``overrides``: constructor
+        The store's checkpoint records are checked against the files' contents. ``overrides``: constructor
         arguments to replace."""
         if isinstance(config, (str, os.PathLike)):
             if _CONFIG_LOADER[0] is None:
@@ -269,41 +262,18 @@ class TrakIndex:
             require_present(self.store, [(m.grads, rows), (m.out_to_loss, rows), (m.inverse, np.zeros(1, int))])
 
     def _load_checkpoint(self, pos: int, mid: int, ckpt) -> dict:
-        record = self.store.checkpoint_record(mid) or {}
+        """The state dict of ``checkpoints[pos]``, checked against the record of the checkpoint ``mid`` was
+        featurized from (:func:`trak_core.checkpoints.check_record`, the check every front door makes)."""
+        field = f"checkpoints[{pos}]"
         if isinstance(ckpt, (str, os.PathLike)):
-            path = os.fspath(ckpt)
-            if not os.path.isfile(path):
-                raise BadInputError(f"checkpoints[{pos}]: {path} is not a file")
-            if record.get("sha256") and file_sha256(path) != record["sha256"]:
-                raise StoreMismatchError(
-                    f"checkpoints[{pos}]: {path} is not the checkpoint model_id={mid} was featurized from "
-                    f"({record.get('path')}; its sha256 differs)"
-                )
-            try:
-                return torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as e:
-                raise BadInputError(f"checkpoints[{pos}]: {path} is not a readable state dict ({e})") from None
-        if not isinstance(ckpt, Mapping):
-            raise BadInputError(f"checkpoints[{pos}]: a state dict or a file path, got {type(ckpt).__name__}")
-        path = record.get("path")
-        if path and record.get("sha256"):
-            if os.path.isfile(path) and file_sha256(path) == record["sha256"]:
-                ref = torch.load(path, map_location="cpu", weights_only=True)
-                same = set(ref) == set(ckpt) and all(
-                    torch.is_tensor(ckpt[k]) and torch.equal(ckpt[k].detach().cpu(), ref[k]) for k in ref
-                )
-                if not same:
-                    raise StoreMismatchError(
-                        f"checkpoints[{pos}]: the state dict is not the checkpoint model_id={mid} was featurized "
-                        f"from ({path})"
-                    )
-            else:
-                warnings.warn(
-                    f"checkpoints[{pos}]: cannot check the state dict against model_id={mid}'s recorded checkpoint "
-                    f"{path} (the file is gone or changed)",
-                    stacklevel=3,
-                )
-        return dict(ckpt)
+            state = load_state(ckpt, field)
+            given = record_of(ckpt, digest=state_digest(state))
+        elif isinstance(ckpt, Mapping):
+            state, given = dict(ckpt), record_of(ckpt)
+        else:
+            raise BadInputError(f"{field}: a state dict or a file path, got {type(ckpt).__name__}")
+        check_record(self.store.checkpoint_record(mid), given, mid, self.location, field)
+        return state
 
     def _projector(self, given: AbstractProjector | None, model: torch.nn.Module) -> AbstractProjector:
         meta = self.store.meta

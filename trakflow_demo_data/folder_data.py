@@ -6,7 +6,10 @@ sorts before the last old one, changes stored rows and is refused by the plan, n
 
 Import path for the pipeline config (``train_data``)::
 
-    trakflow_demo_data.folder_data:train_folder     # the folder named by $TRAKFLOW_TRAIN_DIR
+    trakflow_demo_data.folder_data:train_folder  # $TRAKFLOW_TRAIN_DIR's folder (else the demo's train folder)
+
+A store built from it records the folder (``train_source`` in its pipeline record), so the query route shows
+the same rows, new ones included.
 
 A ``.pt`` file holds a tuple (or list) of tensors (``torch.save((x, y), path)``); an ``.npz`` file its arrays
 in the order they were saved (``np.savez(path, x, y)``). Every file has the same number of tensors.
@@ -72,9 +75,34 @@ def save_part(folder: str | Path, data, index: int) -> Path:
     return path
 
 
-def train_folder() -> tuple[torch.Tensor, ...]:
-    """The train data of the folder named by ``$TRAKFLOW_TRAIN_DIR`` (:func:`load_folder`)."""
+def demo_train_dir() -> Path:
+    """The digits demo's train folder: ``<demo_dir>/train``, the demo dir ``$TRAKFLOW_DEMO_DIR`` or
+    ``trakflow_demo`` (as the deployments resolve it)."""
+    return Path(os.environ.get("TRAKFLOW_DEMO_DIR", "trakflow_demo")).absolute() / "train"
+
+
+def train_dir() -> Path:
+    """The folder :func:`train_folder` reads: ``$TRAKFLOW_TRAIN_DIR``, else the demo's train folder when it holds
+    data files (so every route that reads the demo's store sees the rows the nightly run appended)."""
     folder = os.environ.get(TRAIN_DIR_ENV)
-    if not folder:
-        raise BadInputError(f"train_folder: set {TRAIN_DIR_ENV} to the folder of the train data files")
-    return load_folder(folder)
+    if folder:
+        return Path(folder).absolute()
+    demo = demo_train_dir()
+    if demo.is_dir() and part_files(demo):
+        return demo
+    raise BadInputError(
+        f"train_folder: set {TRAIN_DIR_ENV} to the folder of the train data files (the demo's {demo} holds none)"
+    )
+
+
+def train_folder() -> tuple[torch.Tensor, ...]:
+    """The train data of :func:`train_dir` (:func:`load_folder`)."""
+    return load_folder(train_dir())
+
+
+def _source() -> dict:
+    return {"read": "trakflow_demo_data.folder_data:load_folder", "train_dir": str(train_dir())}
+
+
+#: what a store built from this data records as its train data's source (read by the query route)
+train_folder.data_source = _source  # type: ignore[attr-defined]

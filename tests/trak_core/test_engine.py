@@ -225,7 +225,9 @@ def test_other_checkpoint_for_an_existing_model_id_is_refused(tmp_path):
     t.load_checkpoint(a, model_id=0)
     t.featurize((x[:8], y[:8]), num_samples=8)
     t.load_checkpoint({k: v.clone() for k, v in a.items()}, model_id=0)  # the same checkpoint: fine
-    with pytest.raises(StoreMismatchError, match=r"^checkpoints: model_id=0 .*different content"):
+    with pytest.raises(
+        StoreMismatchError, match=r"^checkpoints: the state dict is not the checkpoint model_id=0 .*content differs"
+    ):
         t.load_checkpoint(b, model_id=0)
     t.load_checkpoint(b, model_id=1)  # another id: fine
     del t

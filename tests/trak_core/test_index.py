@@ -142,7 +142,8 @@ def test_bad_checkpoints_and_settings(built):
     wide = torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     with pytest.raises(StoreMismatchError, match="grad_dim="):
         TrakIndex(store, model=wide, checkpoints=[wide.state_dict()] * 2, device="cpu")
-    with pytest.raises(BadInputError, match="checkpoint does not fit the model"):
+    # not the recorded checkpoint's content (checked before it is loaded into the model)
+    with pytest.raises(StoreMismatchError, match=r"checkpoints\[0\]: the state dict is not the checkpoint model_id=0"):
         TrakIndex(store, model=make_model(), checkpoints=[{"0.weight": torch.zeros(4, 8)}] * 2, device="cpu")
     from trak_core.gradients import grad_dim_of
     from trak_core.projectors import make_projector

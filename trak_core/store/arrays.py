@@ -13,7 +13,7 @@ from zarr.codecs import Crc32cCodec
 
 from ..errors import BadInputError, StateError, StoreDamageError
 from . import chunkio
-from .places import place_problems, record_places, record_trailers, touched_chunks
+from .places import MISSING, mark_pending, place_problems, record_places, record_trailers, touched_chunks
 from .schema import SHARD_ARRAYS
 
 
@@ -108,9 +108,10 @@ class StoredArray:
     (:mod:`.places`: reads and partial writes check the chunks they touch, writes record them).
     Everything else is the zarr array's (``shape``, ``path``, ``get_block_selection``, ...)."""
 
-    def __init__(self, array: zarr.Array, sid: str | None = None):
+    def __init__(self, array: zarr.Array, sid: str | None = None, required: bool = False):
         self.array = array
         self.sid = sid
+        self.required = required  # a data array: every chunk a read touches must be stored (never read as zeros)
 
     def __getattr__(self, name: str):
         return getattr(self.array, name)
@@ -134,22 +135,35 @@ class StoredArray:
                 raise
             raise damaged_chunk_error(self.array, *found) from None
 
-    def check_places(self, coords: list[tuple[int, ...]]) -> None:
-        """Raise :class:`StoreDamageError` for the first stored chunk of ``coords`` not sealed for its place."""
-        if self.sid is not None and coords:
-            bad = place_problems(self.array, self.sid, coords)
-            if bad:  # a chunk whose bytes are damaged (its crc32c fails) is named as such
-                where, problem = bad[0]
-                raise damaged_chunk_error(self.array, where, read_chunk(self.array, where) or problem)
+    def check_places(self, coords: list[tuple[int, ...]], present: bool = False) -> None:
+        """Raise :class:`StoreDamageError` for the first stored chunk of ``coords`` not sealed for its place
+        (``present``: or not stored)."""
+        if not coords:
+            return
+        if self.sid is None:
+            if present:
+                stored = stored_chunk_keys(self.array)
+                gone = [c for c in coords if chunk_key(self.array, c) not in stored]
+                if gone:
+                    raise damaged_chunk_error(self.array, gone[0], MISSING)
+            return
+        bad = place_problems(self.array, self.sid, coords, present)
+        if bad:  # a chunk whose bytes are damaged (its crc32c fails) is named as such
+            where, problem = bad[0]
+            if problem == MISSING:
+                raise damaged_chunk_error(self.array, where, problem)
+            raise damaged_chunk_error(self.array, where, read_chunk(self.array, where) or problem)
 
     def _read(self, fn, selection):
-        if self.sid is not None:
-            self.check_places(touched_chunks(self.array, selection)[0])
+        if self.sid is not None or self.required:
+            self.check_places(touched_chunks(self.array, selection)[0], self.required)
         return self._guard(fn, selection)
 
     def _write(self, fn, selection, value) -> None:
         every, partial = touched_chunks(self.array, selection) if self.sid is not None else ([], [])
         self.check_places(partial)  # a partial write keeps the rest of the chunk: it must be this place's
+        if self.sid is not None:
+            mark_pending(self.array, self.sid, every)  # a crash before the seal is not taken for a moved chunk
         self._guard(fn, selection, value)
         if self.sid is not None:
             record_places(self.array, self.sid, every)
@@ -183,6 +197,9 @@ class StoredArray:
             self[a:b] = stored
             return stored
         stored, parts = chunkio.encode_rows(values, dtype, c, n, a)
+        if self.sid is not None:
+            zeros = (0,) * (stored.ndim - 1)
+            mark_pending(arr, self.sid, [(part[0], *zeros) for part in parts])
         coords = chunkio.write_chunk_files(arr, folder, stored, parts)
         if self.sid is not None:
             record_trailers(arr, self.sid, coords, [part[-1] for part in parts])
@@ -233,6 +250,10 @@ def _attrs(node: zarr.Group | zarr.Array) -> MutableMapping[str, Any]:
     return cast(MutableMapping[str, Any], node.attrs)
 
 
+#: the data arrays a read must find every touched chunk of (their rows are read only once flagged written)
+REQUIRED_ON_READ = frozenset({"grads", "out_to_loss", "inverse", "solved"})
+
+
 def _stored(
     group: zarr.Group, name: str, check: Callable[[zarr.Array], None] | None = None, sid: str | None = None
 ) -> StoredArray:
@@ -248,7 +269,7 @@ def _stored(
         ) from None
     if check is not None:
         check(arr)
-    return StoredArray(arr.with_config({"write_empty_chunks": True}), sid)
+    return StoredArray(arr.with_config({"write_empty_chunks": True}), sid, name in REQUIRED_ON_READ)
 
 
 def _damaged_metadata(location: str, problems: list[str]) -> StoreDamageError:

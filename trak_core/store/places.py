@@ -4,8 +4,10 @@ zarr's crc32c codec ends each chunk with the checksum of its bytes, which says t
 where they belong: a chunk moved to other coordinates, another array or another store still passes it. So each
 chunk ``<array>/c/<i>/<j>`` has a record ``<array>/d/<i>/<j>``: a keyed blake2b of (store id, array path, chunk
 key, the chunk's crc32c). A chunk that moved does not bring its record (and a record that moved with it was
-sealed for the old place); a chunk of other contents has another crc32c. Records are written right after their
-chunk and before the rows' flags; reads and partial writes check the chunks they touch.
+sealed for the old place); a chunk of other contents has another crc32c. Before a chunk is written its record
+says so (a pending record, also bound to the place), and right after it (before the rows' flags) it is sealed:
+a run killed in between leaves the pending record, and its rerun rewrites the chunk instead of taking the crash
+for a moved chunk. Reads and partial writes check the chunks they touch.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ MISPLACED = (
     "does not belong here (its crc32c is not the one recorded for this place: a chunk moved, or copied from "
     "another array or store)"
 )
+MISSING = "is missing"
 UNRECORDED = "has no place record (not written here by this store, or its write was interrupted)"
 
 
@@ -48,6 +51,16 @@ def seal(store_id: str, path: str, ckey: str, trailer: bytes) -> bytes:
     h.update(f"{path.strip('/')}\0{ckey}\0".encode())
     h.update(trailer)
     return h.digest()
+
+
+#: what a pending record is sealed from in place of a crc32c (4 bytes: no trailer can be it)
+_PENDING = b"\0pending"
+
+
+def pending_seal(store_id: str, path: str, ckey: str) -> bytes:
+    """The record of a chunk whose write is under way at (store, array, chunk): written before the chunk, replaced
+    by its seal after it (:func:`mark_pending`)."""
+    return seal(store_id, path, ckey, _PENDING)
 
 
 def _ckey(arr: zarr.Array, coords: tuple[int, ...]) -> str:
@@ -112,10 +125,10 @@ async def _get_all(store, keys: list[str], byte_range) -> list[bytes | None]:
 
 
 def place_problems(
-    arr: zarr.Array, store_id: str, coords: Sequence[tuple[int, ...]]
+    arr: zarr.Array, store_id: str, coords: Sequence[tuple[int, ...]], present: bool = False
 ) -> list[tuple[tuple[int, ...], str]]:
-    """Each chunk of ``coords`` that is stored but not sealed for its place, and why (absent chunks pass: their
-    presence is checked where rows are flagged)."""
+    """Each chunk of ``coords`` that is stored but not sealed for its place, and why; ``present``: each absent
+    one too (:data:`MISSING`; otherwise absent chunks pass: their presence is checked where rows are flagged)."""
     if not coords:
         return []
     ckeys = [_ckey(arr, c) for c in coords]
@@ -124,12 +137,38 @@ def place_problems(
     out = []
     for c, k, t, r in zip(coords, ckeys, trailers, records, strict=True):
         if t is None:
+            if present:
+                out.append((c, MISSING))
             continue
         if r is None:
             out.append((c, UNRECORDED))
-        elif r != seal(store_id, path, k, t):
+        elif r != seal(store_id, path, k, t) and r != pending_seal(store_id, path, k):
             out.append((c, MISPLACED))
     return out
+
+
+def mark_pending(arr: zarr.Array, store_id: str, coords: Sequence[tuple[int, ...]]) -> None:
+    """Before writing the chunks ``coords``: record each as being written here. A run killed between a chunk and
+    its seal leaves this record, which accepts what the place holds (the old chunk or the new one, both written
+    here by this store; their rows are not flagged yet, so the rerun writes them again and seals them), while a
+    chunk moved onto a sealed place, or onto a place never written, is still refused."""
+    if not coords:
+        return
+    ckeys = [_ckey(arr, c) for c in coords]
+    path, store = arr.path, arr.store
+    root = _local_root(store)
+    if root is not None:
+        for k in ckeys:
+            _write_local(os.path.join(root, record_key(path, k)), pending_seal(store_id, path, k))
+        return
+    proto = default_buffer_prototype()
+
+    async def write() -> None:
+        await asyncio.gather(
+            *(store.set(record_key(path, k), proto.buffer.from_bytes(pending_seal(store_id, path, k))) for k in ckeys)
+        )
+
+    sync(write())
 
 
 def record_places(arr: zarr.Array, store_id: str, coords: Sequence[tuple[int, ...]]) -> None:

@@ -577,18 +577,15 @@ class TrakStore:
         if not isinstance(num_targets, (int, np.integer)) or num_targets <= 0:
             raise BadInputError(f"num_targets must be a positive integer, got {num_targets!r}")
         exps = self._experiments()
-        if exp_name in exps:
-            have = exps[exp_name].attrs.get("num_targets")
-            if have != int(num_targets):
-                raise StoreMismatchError(f"experiment {exp_name!r} exists with num_targets={have}, not {num_targets}")
-            return ExperimentArrays(_arrays.group_at(exps, exp_name), check=self._check, sid=self.meta.store_id)
-        g = exps.require_group(exp_name)
-        g.require_group("models")
-        g.attrs["num_targets"] = int(num_targets)
-        g.attrs["score_layout"] = {
-            "chunk_rows": self.meta.score_chunk_rows(int(num_targets)),
-            "done_rows": self.meta.rows_per_shard,
-        }
+        if exp_name not in exps:  # the group and its attributes in one write: a crash leaves both or neither
+            layout = {"chunk_rows": self.meta.score_chunk_rows(int(num_targets)), "done_rows": self.meta.rows_per_shard}
+            exps.create_group(exp_name, attributes={"num_targets": int(num_targets), "score_layout": layout})
+        g = _arrays.group_at(exps, exp_name)
+        have = g.attrs.get("num_targets")
+        if have != int(num_targets):
+            raise StoreMismatchError(f"experiment {exp_name!r} exists with num_targets={have}, not {num_targets}")
+        if "models" not in g:  # created next (a run killed in between creates it on its rerun)
+            g.require_group("models")
         return ExperimentArrays(g, check=self._check, sid=self.meta.store_id)
 
     def experiment(self, exp_name: str) -> ExperimentArrays:

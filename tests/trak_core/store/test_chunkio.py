@@ -121,7 +121,7 @@ def test_rows_not_whole_chunks_go_through_zarr(tmp_path, monkeypatch):
     st.write_train_rows(0, slice(3, 11), x[3:11], q[3:11])  # parts of chunks 0 and 1
     st.write_train_rows(0, np.array([0, 2, 12]), x[[0, 2, 12]], q[[0, 2, 12]])  # not one run
     assert calls == []
-    got = np.asarray(st.model(0).grads[:])
+    got = np.asarray(st.model(0).grads[:13])  # chunk 2 (rows 16..19) was never written: reading it is an error
     for rows in (slice(3, 11), [0, 2, 12]):
         assert np.array_equal(got[rows], x[rows].astype(np.float16))
     assert np.flatnonzero(st.featurized_mask(0)).tolist() == [0, 2, *range(3, 11), 12]
