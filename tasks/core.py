@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from trak_core import engine
+from trak_core.adapters import load_state
 from trak_core.energy import PROBE_ROWS, sketched_energies
 from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.featurize import Featurizer
@@ -71,7 +72,7 @@ def factored_split(config: AttributeConfig, model: torch.nn.Module, task, train:
     """The split keywords of a new store's factored projector: proj_dim ∝ each block's gradient energy, probed on
     the first :data:`~trak_core.energy.PROBE_ROWS` train rows at ``checkpoint`` (the first), on the CPU. Computed
     once, by the plan: the store records them and every task rebuilds the projector from that record."""
-    model.load_state_dict(load_checkpoint(checkpoint, "cpu", field="checkpoints[0]"))
+    load_state(model, load_checkpoint(checkpoint, "cpu", field="checkpoints[0]"))
     try:
         energies = sketched_energies(
             model, task, [t[:PROBE_ROWS] for t in train], PROBE_ROWS, config.grad_wrt, chunk_rows=config.batch_size
@@ -220,7 +221,7 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     for i, path in enumerate(checkpoints):
         sd = load_checkpoint(path, "cpu", field=f"checkpoints[{i}]")
         try:
-            model.load_state_dict(sd)
+            load_state(model, sd)
         except RuntimeError as e:
             raise BadInputError(f"checkpoints[{i}]: {path} does not fit the model {config.model!r}: {e}") from None
         bad = [k for k, v in sd.items() if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()]
