@@ -17,6 +17,13 @@ import os
 
 import torch
 
+from .errors import BadInputError
+
+
+class AdapterStateError(BadInputError, RuntimeError):
+    """A state dict that is neither a PEFT model's full state dict nor its adapter state dict (a RuntimeError too,
+    as ``load_state_dict``'s own, so callers that name the checkpoint catch both)."""
+
 
 def is_peft_model(model) -> bool:
     """True for a peft ``PeftModel`` (duck typing: ``peft_config`` and ``get_base_model``; no import)."""
@@ -48,8 +55,9 @@ def _adapter_keys(model) -> dict:
 
 def load_state(model: torch.nn.Module, state_dict: dict) -> None:
     """``model.load_state_dict(state_dict)`` (strict), or for a peft model given an adapter state dict, peft's
-    ``set_peft_model_state_dict`` after checking that the keys are exactly the adapter's. Raises RuntimeError (as
-    ``load_state_dict``) naming the missing and unexpected keys or the shapes that do not fit."""
+    ``set_peft_model_state_dict`` after checking that the keys are exactly the adapter's. Raises
+    :class:`AdapterStateError` (a RuntimeError, as ``load_state_dict``'s) naming the missing and unexpected keys or
+    the shapes that do not fit."""
     if not is_peft_model(model) or set(state_dict) == set(model.state_dict()):
         model.load_state_dict(state_dict)
         return
@@ -58,7 +66,7 @@ def load_state(model: torch.nn.Module, state_dict: dict) -> None:
     want = _adapter_keys(model)
     missing, unexpected = sorted(set(want) - set(state_dict)), sorted(set(state_dict) - set(want))
     if missing or unexpected:
-        raise RuntimeError(
+        raise AdapterStateError(
             "neither the model's state dict nor its adapter state dict (get_peft_model_state_dict): "
             f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected keys "
             f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
@@ -69,7 +77,7 @@ def load_state(model: torch.nn.Module, state_dict: dict) -> None:
         if torch.is_tensor(state_dict[k]) and tuple(state_dict[k].shape) != tuple(v.shape)
     ]
     if bad:
-        raise RuntimeError(f"adapter state dict: size mismatch for {bad[:5]}")
+        raise AdapterStateError(f"adapter state dict: size mismatch for {bad[:5]}")
     set_peft_model_state_dict(model, state_dict)
 
 
