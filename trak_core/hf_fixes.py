@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -36,7 +37,8 @@ def _bloom_gelu(mod: nn.Module):
 
 
 def _alibi_from_4d(mod: nn.Module):
-    build: Callable = mod.build_alibi_tensor  # type: ignore[assignment]
+    method = vars(type(mod)).get("build_alibi_tensor")  # the class's, never a stand-in set on the instance
+    build: Callable = method.__get__(mod) if method is not None else mod.build_alibi_tensor  # type: ignore[assignment]
 
     def build_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
         if attention_mask.dim() == 4:  # (B, 1, T, T) additive: the last query row marks the real keys
@@ -65,22 +67,30 @@ def _fixes(model: nn.Module) -> list:
     return found
 
 
+_LOCK = threading.Lock()
+#: id(model) → how many calls are inside transformers_fixes (threads may share a model): set by the first, removed
+#: by the last
+_ACTIVE: dict[int, int] = {}
+
+
 @contextlib.contextmanager
 def transformers_fixes(model: nn.Module) -> Iterator[None]:
     """Apply the stand-ins this module knows to ``model``'s modules while the block runs."""
     fixes = _fixes(model)
-    saved = []
+    if not fixes:
+        yield
+        return
+    with _LOCK:
+        if _ACTIVE.get(id(model), 0) == 0:
+            for mod, attr, value in fixes:
+                object.__setattr__(mod, attr, value)
+        _ACTIVE[id(model)] = _ACTIVE.get(id(model), 0) + 1
     try:
-        for mod, attr, value in fixes:
-            saved.append((mod, attr, mod.__dict__.get(attr, _MISSING)))
-            object.__setattr__(mod, attr, value)
         yield
     finally:
-        for mod, attr, old in reversed(saved):
-            if old is _MISSING:
-                mod.__dict__.pop(attr, None)
-            else:
-                object.__setattr__(mod, attr, old)
-
-
-_MISSING = object()
+        with _LOCK:
+            _ACTIVE[id(model)] -= 1
+            if _ACTIVE[id(model)] == 0:
+                del _ACTIVE[id(model)]
+                for mod, attr, _ in fixes:
+                    mod.__dict__.pop(attr, None)

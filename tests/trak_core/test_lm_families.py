@@ -167,3 +167,24 @@ def test_traker_default_projector(family, tmp_path):
     want = proj.project(pieces(ref, g.float()), 0).double().numpy() / math.sqrt(g.shape[1])
     x = tr.store.model(0).grads[:].astype(np.float64)
     np.testing.assert_allclose(x, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
+
+
+def test_bloom_stand_ins_are_scoped_to_the_call():
+    """Bloom's stand-ins are set on its modules for a call only (a nested call keeps them until the outer one
+    ends): afterwards the model is as it was, and its own GELU still refuses vmap (the stand-ins make it run)."""
+    from trak_core.hf_fixes import transformers_fixes
+
+    model = model_of("bloom")
+    mods = [m for m in model.modules() if type(m).__name__ in ("BloomGelu", "BloomModel")]
+    assert len(mods) == 3  # two GELUs, one model
+    gelu = next(m for m in mods if type(m).__name__ == "BloomGelu")
+    set_here = lambda: [bool({"forward", "build_alibi_tensor"} & set(vars(m))) for m in mods]  # noqa: E731
+    with transformers_fixes(model):
+        assert all(set_here())
+        with transformers_fixes(model):
+            pass
+        assert all(set_here())
+        torch.func.vmap(gelu)(torch.ones(2, 3, dtype=torch.float64))
+    assert not any(set_here())
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.vmap(gelu)(torch.ones(2, 3, dtype=torch.float64))
