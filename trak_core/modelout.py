@@ -73,8 +73,9 @@ def _check_labels(labels: Tensor, num_classes: int) -> None:
 
 
 def is_transformers_model(model) -> bool:
-    """True for a transformers model (a class from the ``transformers`` package in its bases); no import."""
-    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+    """True for a transformers model (a class from the ``transformers`` package in its bases), also inside a peft
+    wrapper; no import."""
+    return any(c.__module__.startswith("transformers.") for c in type(inner_model(model)).__mro__)
 
 
 def is_causal(model) -> bool:
