@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .adapters import read_state_file
 from .errors import BadInputError, StateError, StoreMismatchError
 from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
@@ -272,7 +273,7 @@ class TrakIndex:
                     f"({record.get('path')}; its sha256 differs)"
                 )
             try:
-                return torch.load(path, map_location="cpu", weights_only=True)
+                return read_state_file(path)
             except Exception as e:
                 raise BadInputError(f"checkpoints[{pos}]: {path} is not a readable state dict ({e})") from None
         if not isinstance(ckpt, Mapping):
@@ -280,7 +281,7 @@ class TrakIndex:
         path = record.get("path")
         if path and record.get("sha256"):
             if os.path.isfile(path) and file_sha256(path) == record["sha256"]:
-                ref = torch.load(path, map_location="cpu", weights_only=True)
+                ref = read_state_file(path)
                 same = set(ref) == set(ckpt) and all(
                     torch.is_tensor(ckpt[k]) and torch.equal(ckpt[k].detach().cpu(), ref[k]) for k in ref
                 )
