@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from trak_core.adapters import read_state_file
 from trak_core.errors import BadInputError, StateError, StoreDamageError, StoreMismatchError
 from trak_core.store import TrakStore
 
@@ -84,7 +85,7 @@ def open_store(config: AttributeConfig, mode: str = "r+") -> TrakStore:
 
 def load_checkpoint(path: str, device: str = "cpu", field: str = "checkpoints") -> dict:
     try:
-        sd = torch.load(path, map_location=device, weights_only=True)
+        sd = read_state_file(path, device)
     except FileNotFoundError:
         raise BadInputError(f"{field}: checkpoint {path} does not exist") from None
     except Exception as e:

@@ -353,7 +353,9 @@ class AttributeConfig(_Base):
         "32 MiB (at most 1024 and the number of train "
         "examples) dividing shard_size",
     )
-    grad_wrt: GradWrt = _setting("grad_wrt", "parameter names to take gradients for (all: null)")
+    grad_wrt: GradWrt = _setting(
+        "grad_wrt", "parameter names to take gradients for (null: the trainable ones, a PEFT model's adapters)"
+    )
     processes_per_task: PositiveInt = Field(
         1,
         description="processes that featurize one (checkpoint, shard) together, the model sharded across them with "

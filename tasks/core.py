@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from trak_core import engine
+from trak_core.adapters import load_state
 from trak_core.budget import memory_limit
 from trak_core.checkpoints import record_of, state_digest
 from trak_core.energy import PROBE_ROWS
@@ -73,7 +74,7 @@ def factored_split(config: AttributeConfig, model: torch.nn.Module, task, train:
     """The split keywords of a new store's factored projector (:func:`trak_core.engine.probe_split`), probed on
     the first :data:`~trak_core.energy.PROBE_ROWS` train rows at ``checkpoint`` (the first), on the CPU. Computed
     once, by the plan: the store records them and every task rebuilds the projector from that record."""
-    model.load_state_dict(load_checkpoint(checkpoint, "cpu", field="checkpoints[0]"))
+    load_state(model, load_checkpoint(checkpoint, "cpu", field="checkpoints[0]"))
     try:
         rows = [t[:PROBE_ROWS] for t in train]
         return engine.probe_split(model, task, rows, config.grad_wrt, config.batch_size, skip_nonfinite=False)
@@ -234,7 +235,7 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
         sd = load_checkpoint(path, "cpu", field=f"checkpoints[{i}]")
         digests.append(state_digest(sd))
         try:
-            model.load_state_dict(sd)
+            load_state(model, sd)
         except RuntimeError as e:
             raise BadInputError(f"checkpoints[{i}]: {path} does not fit the model {config.model!r}: {e}") from None
         bad = [k for k, v in sd.items() if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()]

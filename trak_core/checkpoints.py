@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .adapters import read_state_file
 from .errors import BadInputError, StoreMismatchError
 
 #: the ``path`` of a record made from a state dict given as an object
@@ -53,7 +54,7 @@ def load_state(path: str | os.PathLike, field: str = "checkpoints") -> dict:
     if not os.path.isfile(path):
         raise BadInputError(f"{field}: {path} is not a file")
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        sd = read_state_file(path)  # torch.save's format, or .safetensors (what save_pretrained writes)
     except Exception as e:
         raise BadInputError(f"{field}: {path} is not a readable state dict ({type(e).__name__}: {e})") from None
     if not isinstance(sd, Mapping):

@@ -167,6 +167,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import BadInputError
+from .factored_embed import EMBEDDING, EmbeddingHooks, looks_up_inside
 from .factored_layout import (
     FLAT,
     HOOKED,
@@ -501,12 +502,16 @@ class FactoredProjector(AbstractProjector):
                 signs[b.name] = d
                 probes.append((b, r[:, : b.d_in].reshape(weights[b.params[0]].shape), r[:, b.d_in] if b.bias else None))
         handles = []
+        inside: list = []  # (block, hook) of embedding subclasses: EmbeddingHooks below
         try:
             for b in hooked:
                 for mname, use, with_bias in uses.get(b.name, ((b.name, b.kind, b.bias),)):
                     if use == ATTENTION:  # applied inside the attention function: AttentionHooks below
                         continue
                     hook = _make_hook(b, facs[b.name], ctx, use, with_bias)
+                    if use == EMBEDDING and looks_up_inside(model.get_submodule(mname)):
+                        inside.append((b, hook))
+                        continue
                     handles.append(model.get_submodule(mname).register_forward_hook(hook))
             per_example = substituted | set(other_names)
             for mname, mod in model.named_modules():
@@ -521,7 +526,11 @@ class FactoredProjector(AbstractProjector):
                 (b, weights[b.params[0]], weights[b.params[1]] if b.bias else None, *facs[b.name][:2]) for b in subst
             ]
             attn = attention_blocks(hooked, uses)
-            mode = AttentionHooks([(b, facs[b.name]) for b in attn], ctx) if attn else None
+            mode: AttentionHooks | _Both | None = (
+                AttentionHooks([(b, facs[b.name]) for b in attn], ctx) if attn else None
+            )
+            if inside:
+                mode = _Both(mode, EmbeddingHooks(inside))
 
             def out_fn(zs, other_w, shared, *sample):
                 ctx["z"] = zs
@@ -622,6 +631,27 @@ def _per_example_grads_impl(
     gs = {n: torch.zeros((), dtype=dtype) if g is None else g for n, g in zip(sl, grads[len(leaves) :], strict=True)}
     zs, ws = dict(zip(zl, full[: len(zl)], strict=True)), dict(zip(wl, full[len(zl) :], strict=True))
     return zs, ws, gs, out.detach().reshape(bsz)
+
+
+class _Both:
+    """Two modes bound and entered together (the attention one, if any, outermost)."""
+
+    def __init__(self, *modes) -> None:
+        self.modes = [m for m in modes if m is not None]
+
+    def bind(self, weights: dict) -> None:
+        for m in self.modes:
+            m.bind(weights)
+
+    def __enter__(self):
+        for m in self.modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self.modes):
+            m.__exit__(*exc)
+        return False
 
 
 def _padding_hook(mod, inputs, output):

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .adapters import load_state
 from .budget import FIRST_USE_BYTES, MemoryFit, check_budget, fit_memory, release_free_memory
 from .errors import BadInputError, NonFiniteGradientError
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
@@ -111,7 +112,7 @@ class Featurizer:
 
     def load_state(self, state_dict: dict) -> None:
         try:
-            self.model.load_state_dict(state_dict)
+            load_state(self.model, state_dict)
         except RuntimeError as e:
             raise BadInputError(f"checkpoint does not fit the model: {e}") from None
         self.model.eval()

@@ -3,8 +3,8 @@
 ``FunctionalGradientComputer`` vectorizes with ``torch.func`` (grad of ``task.get_output`` w.r.t. the
 parameter dict, vmapped over the batch, buffers held fixed). ``IterativeGradientComputer`` is the loop
 fallback for models torch.func cannot trace. Both return a dict {param name: (B, *shape)} restricted to
-``grad_wrt`` (all parameters when None), in the model's parameter order; :func:`vectorize` flattens it
-to (B, grad_dim).
+``grad_wrt`` (None: the trainable parameters, a PEFT model's adapters, see :func:`grad_param_names`), in the
+model's parameter order; :func:`vectorize` flattens it to (B, grad_dim).
 """
 
 from __future__ import annotations
@@ -15,15 +15,24 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from .adapters import adapter_param_names, is_peft_model
 from .errors import BadInputError
 from .modelout import AbstractModelOutput
 
 
 def grad_param_names(model: torch.nn.Module, grad_wrt: Iterable[str] | None) -> list[str]:
-    """Names of the parameters gradients are taken for, in the model's order; validates ``grad_wrt``."""
-    names = [n for n, _ in model.named_parameters()]
+    """Names of the parameters gradients are taken for, in the model's order; validates ``grad_wrt``.
+
+    ``grad_wrt=None``: a PEFT model's adapter parameters (:func:`trak_core.adapters.adapter_param_names`, trainable
+    or not); another model's trainable parameters (``requires_grad``), all of them when none is (a model frozen as
+    a whole) or all are (the usual case)."""
+    named = list(model.named_parameters())
+    names = [n for n, _ in named]
     if grad_wrt is None:
-        return names
+        if is_peft_model(model):
+            return adapter_param_names(model) or names
+        trainable = [n for n, p in named if p.requires_grad]
+        return trainable or names
     wanted = list(grad_wrt)
     unknown = [n for n in wanted if n not in names]
     if unknown:

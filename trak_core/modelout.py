@@ -36,7 +36,9 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from .adapters import inner_model
 from .errors import BadInputError
+from .hf_fixes import transformers_fixes
 
 
 def _margin(logits: Tensor, label: Tensor) -> Tensor:
@@ -73,8 +75,9 @@ def _check_labels(labels: Tensor, num_classes: int | None) -> None:
 
 
 def is_transformers_model(model) -> bool:
-    """True for a transformers model (a class from the ``transformers`` package in its bases); no import."""
-    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+    """True for a transformers model (a class from the ``transformers`` package in its bases), also inside a peft
+    wrapper; no import."""
+    return any(c.__module__.startswith("transformers.") for c in type(inner_model(model)).__mro__)
 
 
 def is_causal(model) -> bool:
@@ -84,8 +87,11 @@ def is_causal(model) -> bool:
 
 def additive_mask(attention_mask: Tensor, causal: bool, dtype: torch.dtype) -> Tensor:
     """A (…, T) 0/1 padding mask as the (…, 1, T, T) additive float mask transformers takes as it is: 0 where query
-    t may attend to key s (s a real token, and s ≤ t when ``causal``), the dtype's most negative finite number
-    elsewhere (its softmax weight is exactly 0, so padding neither reaches a real token nor gets a gradient).
+    t may attend to key s (s a real token, and s ≤ t when ``causal``; and s = t, so that a padding query attends to
+    itself rather than to nothing), the dtype's most negative finite number elsewhere (its softmax weight is
+    exactly 0, so padding neither reaches a real token nor gets a gradient). A query with no key left would be a
+    row of ``-inf`` in the models that add the mask twice or cap their scores (Gemma 2, MPT): NaN at padding,
+    which a real token's zero attention weight on it turns into NaN gradients.
 
     transformers builds this mask itself from a 2-D one, but reads the mask's values to decide whether it can skip
     it (``padding_mask.all()``), which fails under ``torch.func.vmap`` ("data-dependent control flow"); a 4-D mask
@@ -96,6 +102,7 @@ def additive_mask(attention_mask: Tensor, causal: bool, dtype: torch.dtype) -> T
         keys = keys & torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril()
     else:
         keys = keys.expand(*attention_mask.shape[:-1], t, t)
+    keys = keys | torch.eye(t, dtype=torch.bool, device=attention_mask.device)
     zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
     return torch.where(keys, zero, torch.finfo(dtype).min).unsqueeze(-3)
 
@@ -112,7 +119,7 @@ def _call_logits(model, weights, buffers, kwargs: dict) -> Tensor:
 
     _check_forward_takes(model, kwargs)
     try:
-        with sdpa_kernel(SDPBackend.MATH):
+        with sdpa_kernel(SDPBackend.MATH), transformers_fixes(model):
             out = functional_call(model, (weights, buffers), args=(), kwargs=kwargs)
     except IndexError as e:  # an embedding given an id outside its table
         vocab = _input_vocab_size(model) if "input_ids" in kwargs else None
@@ -370,7 +377,7 @@ class CausalLMModelOutput(AbstractModelOutput):
         kwargs: dict = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self.transformers_inputs and is_transformers_model(model):
             kwargs["attention_mask"] = additive_mask(attention_mask, True, _float_dtype(weights))
-            accepts = _forward_parameters(type(model))
+            accepts = _forward_parameters(type(inner_model(model)))  # a peft wrapper passes them on
             if "position_ids" in accepts:
                 kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             if "use_cache" in accepts:

@@ -42,7 +42,7 @@ def check_projector_kind(kind: str) -> str:
 
 def check_grad_wrt(value: list[str] | None) -> list[str] | None:
     if value is not None and not value:
-        raise BadInputError("grad_wrt: an empty list selects no parameter; use null for all parameters")
+        raise BadInputError("grad_wrt: an empty list selects no parameter; use null for the trainable parameters")
     return value
 
 
@@ -68,7 +68,9 @@ class TrakSettings(BaseModel):
     rescale_inverse: bool = Field(True, description="divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
     dtype: StorageDtype = Field("float16", description="storage dtype of gradients")
     curvature: Curvature = Field("xtx", description="H of (H + λI)⁻¹: 'xtx' (XᵀX, traker's) or 'ggn' (XᵀRX)")
-    grad_wrt: GradWrt = Field(None, description="parameter names to take gradients for (all: None)")
+    grad_wrt: GradWrt = Field(
+        None, description="parameter names to take gradients for (None: the trainable ones, a PEFT model's adapters)"
+    )
 
     @property
     def lambda_rule(self) -> LambdaRule:
