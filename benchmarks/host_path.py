@@ -226,8 +226,8 @@ def run_traker(
         return pool.take(a, a + len(inds))
 
     tr.featurizer.featurize = handed_over
-    tr._partials_while_featurizing = lambda: True  # the GPU setting (the Gram is precomputed)
-    tr._shards.device = DEVICE
+    tr._rows.partials_while_featurizing = lambda: True  # the GPU setting (the Gram is precomputed)
+    tr._rows._shards.device = DEVICE
     inputs, labels = torch.zeros(batch, 4), torch.zeros(batch, dtype=torch.long)
     t = time.perf_counter()
     for s in range(0, n, batch):

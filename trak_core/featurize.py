@@ -39,9 +39,10 @@ def _all_finite(t: Tensor) -> bool:
 #: fill them. BLAS picks its kernels (and so the order of its sums) by the number of rows (one row goes through a
 #: matrix-vector kernel, a few through edge kernels), and torch's CPU loops compute 2 × 16 floats at a time with
 #: vectorized exp/tanh and the rest of a tensor with scalar ones: a row computed in a batch of 1, 5 or 100 rows
-#: would differ in its last bits. In blocks of ROW_BLOCK rows it gets the same bits in every batch. Only the projected
-#: fast path (the factored projector) pads: the per-example-gradient paths would hold ROW_BLOCK gradients
-ROW_BLOCK = 32
+#: would differ in its last bits. In blocks of ROW_BLOCK rows it gets the same bits in every batch (Q's sigmoid is
+#: taken in float64 for the same reason). Only the projected fast path (the factored projector) pads, and not under
+#: a memory budget: the per-example-gradient paths would hold ROW_BLOCK gradients, and a budget may allow fewer rows
+ROW_BLOCK = 16
 
 
 def padded_rows(b: int) -> int:
@@ -261,7 +262,8 @@ class Featurizer:
         b = batch[0].shape[0]
         # the projected fast path holds no per-example gradient: computed in blocks of ROW_BLOCK rows, a row gets the
         # same bits whatever its batch (the paths that materialize per-example gradients keep the batch's rows)
-        fast = getattr(self.projector, "featurize_batch", None) is not None
+        # (under a memory budget a batch is computed in the pieces the budget allows, unpadded)
+        fast = getattr(self.projector, "featurize_batch", None) is not None and self.max_memory is None
         rows = padded_rows(b) if fast and isinstance(self.gradient_computer, FunctionalGradientComputer) else b
         batch, indices = _pad(batch, rows), indices + indices[-1:] * (rows - b)
         try:

@@ -59,7 +59,14 @@ def _softmax_margin_q(task: AbstractModelOutput, cls: type, outputs: Tensor) -> 
     own = all(getattr(type(task), name) is getattr(cls, name) for name in ("get_output", "get_out_to_loss_grad"))
     if not own or getattr(task, "loss_temperature", None) != 1.0:
         return None
-    return torch.sigmoid(-outputs.detach()).reshape(-1)
+    return _sigmoid_of_minus(outputs)
+
+
+def _sigmoid_of_minus(outputs: Tensor) -> Tensor:
+    """sigmoid(−f) (B,), in float64 rounded once to the outputs' dtype: the same bits whether torch's loop computes
+    a row's exp in its vectorized body or in its scalar tail, which depends on the batch's size."""
+    f = outputs.detach()
+    return torch.sigmoid(-f.double()).to(f.dtype).reshape(-1)
 
 
 def _check_labels(labels: Tensor, num_classes: int | None) -> None:
@@ -398,7 +405,7 @@ class CausalLMModelOutput(AbstractModelOutput):
         own = all(
             getattr(type(self), n) is getattr(CausalLMModelOutput, n) for n in ("get_output", "get_out_to_loss_grad")
         )
-        return torch.sigmoid(-outputs.detach()).reshape(-1) if own else None
+        return _sigmoid_of_minus(outputs) if own else None
 
     def validate_batch(self, batch) -> None:
         check_batch(batch, expected_len=3)
