@@ -99,3 +99,22 @@ def test_the_contract_fails_a_store_that_returns_unfinished_scores(tmp_path):
     check_store(make, checks=store_checks()[:-1])  # the other checks pass
     with pytest.raises(AssertionError, match="^check_store_scores: scores\\(\\) returned while rows were not done"):
         check_store(make)
+
+
+def test_only_the_store_package_names_the_zarr_class():
+    """The engine, reduce, streaming, the index, selection and compat talk to the store protocols: no module of
+    trak_core outside trak_core/store/ (its ``__init__`` and ``testing`` aside) names ``TrakStore``."""
+    import re
+    from pathlib import Path
+
+    import trak_core
+
+    root = Path(trak_core.__file__).parent
+    naming = sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if path.relative_to(root).parts[0] != "store"
+        and path.relative_to(root).as_posix() not in ("__init__.py", "testing.py")
+        and re.search(r"\bTrakStore\b", path.read_text())
+    )
+    assert naming == []
