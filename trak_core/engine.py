@@ -44,9 +44,8 @@ from .reduce import (
 )
 from .row_sink import RowSink as RowSink  # TRAKer's rows on their way into the store
 from .row_sink import complete_shard, write_rows
-from .store import StoreMetadata, TrakStore
+from .store import RunStore, StoreMetadata, create_or_open_store, open_store, store_exists
 from .store.chunkio import stack_dtype
-from .store.grow import grow_train_rows
 from .store.location import check_new_location
 from .store.lock import acquire_run_lock, release_run_lock
 
@@ -93,9 +92,9 @@ def stored_split(location: str, storage_options: dict | None = None) -> tuple[bo
     """(whether a store is at ``location``, the factored projector's split keywords its metadata records, or None
     when it records another kind): what rebuilds the store's projector from the model alone (:func:`rebuild_projector`).
     A factored record of a layout version this code does not build is refused (StoreMismatchError)."""
-    if not TrakStore.exists(location, storage_options):
+    if not store_exists(location, storage_options):
         return False, None
-    meta = TrakStore.open(location, storage_options, mode="r", check_arrays=False).meta
+    meta = open_store(location, storage_options, mode="r", check_arrays=False).meta
     if not projector_traits(meta.projector).splits_by_layer:
         return True, None
     try:
@@ -185,7 +184,7 @@ def stored_projector(
     if split is None:
         what = "no store" if not exists else "a store of another projector than 'factored'"
         raise BadInputError(f"projector: {location} holds {what}; there is no recorded split to rebuild")
-    meta = TrakStore.open(location, storage_options, mode="r", check_arrays=False).meta
+    meta = open_store(location, storage_options, mode="r", check_arrays=False).meta
     return rebuild_projector(
         "factored", meta.grad_dim, meta.proj_dim, meta.proj_seed, meta.proj_type, split, model, grad_wrt, device
     )
@@ -279,14 +278,14 @@ def check_finalize_memory(meta: StoreMetadata, num_targets: int = 0) -> None:
     check_task_memory([fin], projector=meta.projector)
 
 
-def open_run(location: str, meta: StoreMetadata, storage_options: dict | None = None, grow: bool = False) -> TrakStore:
+def open_run(location: str, meta: StoreMetadata, storage_options: dict | None = None, grow: bool = False) -> RunStore:
     """The store at ``location`` checked against ``meta``, created when there is none. With ``grow``, a store of
     fewer train rows than ``meta`` passes (:func:`plan_run` grows it)."""
-    if grow and TrakStore.exists(location, storage_options):
-        store = TrakStore.open(location, storage_options)
+    if grow and store_exists(location, storage_options):
+        store = open_store(location, storage_options)
         store.validate(meta, grow=True)
         return store
-    return TrakStore.create_or_open(location, meta, storage_options)
+    return create_or_open_store(location, meta, storage_options)
 
 
 def acquire_store(location: str, run: str) -> None:
@@ -320,7 +319,7 @@ def train_rows_print(data: Sequence) -> RowsPrint:
 
 
 def check_train_data(
-    store: TrakStore, fingerprint: str, train_set_size: int | None = None, rows: RowsPrint | None = None
+    store: RunStore, fingerprint: str, train_set_size: int | None = None, rows: RowsPrint | None = None
 ) -> None:
     """Refuse (StoreMismatchError naming the rows) train data other than the store's: the rows the store holds
     must be unchanged; rows beyond them (``train_set_size`` more than the store's) are new rows to append.
@@ -361,7 +360,7 @@ def check_train_data(
         )
 
 
-def record_train_data(store: TrakStore, fingerprint: str, rows: RowsPrint | None = None) -> None:
+def record_train_data(store: RunStore, fingerprint: str, rows: RowsPrint | None = None) -> None:
     """Record the train data's fingerprint (first time, or after the store grew) and, with ``rows``, each
     shard's (so a changed row is named when new rows are added); or refuse other data."""
     check_train_data(store, fingerprint, rows=rows)
@@ -375,11 +374,11 @@ def record_train_data(store: TrakStore, fingerprint: str, rows: RowsPrint | None
     store.set_pipeline_info(info)
 
 
-def grow_run(store: TrakStore, train_set_size: int) -> int:
-    """Grow the store to ``train_set_size`` train rows (:func:`trak_core.store.grow.grow_train_rows`): the stored
+def grow_run(store: RunStore, train_set_size: int) -> int:
+    """Grow the store to ``train_set_size`` train rows (:meth:`~trak_core.store.RowAccess.grow_train_rows`): the stored
     rows, flags, partials and place records kept; every checkpoint's inverse and every experiment's scores marked
     to be computed again. Returns the number of rows the store had (the same when it had them all)."""
-    return grow_train_rows(store, train_set_size)
+    return store.grow_train_rows(train_set_size)
 
 
 def check_model_id(model_id) -> None:
@@ -389,7 +388,7 @@ def check_model_id(model_id) -> None:
 
 
 def check_model(
-    store: TrakStore,
+    store: RunStore,
     model_id: int,
     *,
     checkpoint: dict | None = None,
@@ -425,7 +424,7 @@ def check_model(
 
 
 def plan_model(
-    store: TrakStore,
+    store: RunStore,
     model_id: int,
     *,
     checkpoint: dict | None = None,
@@ -454,7 +453,7 @@ def plan_model(
         store.record_feature_settings(model_id, lambda_setting, bool(rescale))
 
 
-def check_experiment(store: TrakStore, exp_name: str, num_targets: int, target_data: str | None = None) -> None:
+def check_experiment(store: RunStore, exp_name: str, num_targets: int, target_data: str | None = None) -> None:
     """Refuse (StoreMismatchError) an existing experiment ``exp_name`` made with other targets: another count,
     or another recorded fingerprint ``target_data``."""
     if exp_name not in store.experiments():
@@ -468,7 +467,7 @@ def check_experiment(store: TrakStore, exp_name: str, num_targets: int, target_d
 
 
 def plan_experiment(
-    store: TrakStore, exp_name: str, num_targets: int, model_ids: Iterable[int], target_data: str | None = None
+    store: RunStore, exp_name: str, num_targets: int, model_ids: Iterable[int], target_data: str | None = None
 ) -> None:
     """Create experiment ``exp_name``'s arrays (target gradients of ``model_ids``, scores) and record its
     targets' fingerprint."""
@@ -482,7 +481,7 @@ def plan_experiment(
 
 
 def check_run(
-    store: TrakStore,
+    store: RunStore,
     *,
     train_data: str,
     checkpoints: Sequence[dict],
@@ -504,7 +503,7 @@ def check_run(
     check_experiment(store, exp_name, num_targets, target_data)
 
 
-def plan_run(store: TrakStore, **records) -> None:
+def plan_run(store: RunStore, **records) -> None:
     """Check the store against a run (:func:`check_run`, same arguments), grow it to ``train_set_size`` rows
     when the run has more, then create every array and record of it: its models, its experiment. Call once,
     before fanning out."""
@@ -520,7 +519,7 @@ def plan_run(store: TrakStore, **records) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- featurize
-def require_not_finalized(store: TrakStore, model_id: int) -> None:
+def require_not_finalized(store: RunStore, model_id: int) -> None:
     """StateError when ``model_id`` is finalized (new rows would make its inverse stale)."""
     if store.is_finalized(model_id):
         raise StateError(
@@ -568,7 +567,7 @@ _shard_buffers = _ShardBuffers()
 
 
 def featurize_shard(
-    store: TrakStore,
+    store: RunStore,
     model_id: int,
     shard: int,
     featurizer: Callable[[], Featurizer],
@@ -654,7 +653,7 @@ def _budget_batch(
     return min(rows_held, feat.rows_within_budget(sample, model_id))
 
 
-def _write_partial_unmarked(store: TrakStore, model_id: int, shard: int, device, x, q, buffers) -> None:
+def _write_partial_unmarked(store: RunStore, model_id: int, shard: int, device, x, q, buffers) -> None:
     """A shard's partials from its rows as stored, written but not marked done (its rows may still be in writing)."""
     with store.pinned():
         part, sums, ggn = shard_partials(store, model_id, shard, x, q, device, buffers)
@@ -670,7 +669,7 @@ def _featurized_prefix(done: np.ndarray) -> int:
 
 # ---------------------------------------------------------------------------------------------- finalize
 def finalize(
-    store: TrakStore, model_id: int, lambda_reg, rescale: bool, device=None, known=None
+    store: RunStore, model_id: int, lambda_reg, rescale: bool, device=None, known=None
 ) -> tuple[dict, bool, tuple[str, ...]]:
     """A = (XᵀX + λI)⁻¹ of ``model_id`` from its shard partials, written with its record (idempotent); ``known``:
     their running sum kept while storing them (:class:`~trak_core.reduce.PartialSums`), else they are read.
@@ -690,25 +689,25 @@ def finalize(
     return info, False, tuple(str(w.message) for w in caught)
 
 
-def require_finalized(store: TrakStore, model_id: int) -> None:
+def require_finalized(store: RunStore, model_id: int) -> None:
     if not (store.has_model(model_id) and store.is_finalized(model_id)):
         raise StateError(f"model_id={model_id} is not finalized; call finalize_features first")
 
 
-def features(store: TrakStore, model_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+def features(store: RunStore, model_id: int, start: int = 0, stop: int | None = None) -> np.ndarray:
     """traker's features Φ = X A of train rows [start, stop) of a finalized model, (rows, p) float32."""
     require_finalized(store, model_id)
     return features_rows(store, model_id, start, stop)
 
 
 # ---------------------------------------------------------------------------------------------- targets
-def begin_targets(store: TrakStore, exp_name: str, model_id: int, num_targets: int) -> None:
+def begin_targets(store: RunStore, exp_name: str, model_id: int, num_targets: int) -> None:
     """Make experiment ``exp_name`` ready for the target gradients of finalized ``model_id``."""
     require_finalized(store, model_id)
     plan_experiment(store, exp_name, num_targets, [model_id])
 
 
-def target_rows(store: TrakStore, featurizer: Featurizer, exp_name: str, model_id: int, batch, rows) -> None:
+def target_rows(store: RunStore, featurizer: Featurizer, exp_name: str, model_id: int, batch, rows) -> None:
     """Project the gradients of a batch of targets (rows ``rows``) and write them. Rows stored already with the
     same bits (the same targets again: a rerun) are left as they are, and so are their solve and scores."""
     rows = np.asarray(rows)
@@ -722,7 +721,7 @@ def target_rows(store: TrakStore, featurizer: Featurizer, exp_name: str, model_i
 
 
 def featurize_targets(
-    store: TrakStore,
+    store: RunStore,
     exp_name: str,
     model_id: int,
     featurizer: Callable[[], Featurizer],
@@ -748,7 +747,7 @@ def featurize_targets(
 
 
 # ---------------------------------------------------------------------------------------------- scores
-def prepare_scores(store: TrakStore, exp_name: str, model_ids: Sequence[int] | None = None) -> list[int]:
+def prepare_scores(store: RunStore, exp_name: str, model_ids: Sequence[int] | None = None) -> list[int]:
     """The checkpoints the scores combine (finalized, targets complete), each one's G·A written once, and the
     score rows of another combination forgotten. Call once before :func:`score_block`."""
     used = usable_models(store, exp_name, model_ids)
@@ -758,7 +757,7 @@ def prepare_scores(store: TrakStore, exp_name: str, model_ids: Sequence[int] | N
 
 
 def score_block(
-    store: TrakStore, exp_name: str, model_ids: list[int], a: int, b: int, progress: Progress = None
+    store: RunStore, exp_name: str, model_ids: list[int], a: int, b: int, progress: Progress = None
 ) -> bool:
     """Combined scores of train rows [a, b) not yet marked done. Returns True when all were done."""
     with store.pinned():  # this block's groups and arrays opened once
@@ -773,14 +772,14 @@ def score_block(
 
 
 def score_all(
-    store: TrakStore, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
+    store: RunStore, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
 ) -> np.ndarray:
     """All rows' combined scores computed again in one pass (traker's ``finalize_scores``), (n, m) float32."""
     store.experiment(exp_name)  # an unknown experiment: a clear error
     return finalize_scores(store, exp_name, model_ids, allow_skip)
 
 
-def is_complete(store: TrakStore, exp_name: str, model_ids: list[int]) -> bool:
+def is_complete(store: RunStore, exp_name: str, model_ids: list[int]) -> bool:
     """Whether the store holds every result of a run: each model finalized with its targets, every score row
     combined from exactly ``model_ids``."""
     if exp_name not in store.experiments() or store.scored_with(exp_name) != model_ids:

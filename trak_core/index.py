@@ -34,7 +34,7 @@ from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from .modelout import AbstractModelOutput, check_batch, resolve_task
 from .projectors import AbstractProjector, make_projector, rebuild_kwargs
-from .store import StoreLock, StoreMetadata, TrakStore
+from .store import RunStore, StoreLock, StoreMetadata, open_store
 from .store.verify import require_present
 from .streaming import grads_right_hand, stream_scores
 from .topk import RunningTopK
@@ -95,7 +95,7 @@ class _RowsView:
     """The store as :func:`stream_scores` reads it (metadata, each model's rows), with the query's m inputs as
     its targets and a :class:`_TopKWriter` as its score writer."""
 
-    def __init__(self, store: TrakStore, num_inputs: int, writer: _TopKWriter):
+    def __init__(self, store: RunStore, num_inputs: int, writer: _TopKWriter):
         self._store, self._m, self._writer = store, int(num_inputs), writer
         self.meta = store.meta
 
@@ -158,7 +158,7 @@ class TrakIndex:
         self.location = str(save_dir)
         self.max_memory = parse_bytes(max_memory)
         self._storage_options = storage_options
-        self.store = TrakStore.open(self.location, storage_options, mode="r")
+        self.store = open_store(self.location, storage_options, mode="r")
         meta = self.store.meta
         self.task = resolve_task(task)
         if meta.task and meta.task != type(self.task).__name__:
@@ -308,7 +308,7 @@ class TrakIndex:
     # ------------------------------------------------------------------ snapshot
     def _state(self) -> dict:
         """What a run changes when it touches a checkpoint: its finalize record and the row count, read afresh."""
-        store = TrakStore.open(self.location, self._storage_options, mode="r", check_arrays=False)
+        store = open_store(self.location, self._storage_options, mode="r", check_arrays=False)
         return {
             "n": store.meta.train_set_size,
             "models": {mid: store.finalize_info(mid) if store.has_model(mid) else None for mid in self.model_ids},
@@ -451,7 +451,7 @@ class TrakIndex:
         self._check_snapshot("since the index was opened")
         topks = [RunningTopK(m, k, opp) for opp in ends]
         writer = _TopKWriter(self.store.meta.score_chunk_rows(m), topks)
-        view = cast(TrakStore, _RowsView(self.store, m, writer))
+        view = cast(RunStore, _RowsView(self.store, m, writer))
         with self.store.pinned():
             stream_scores(view, "query", list(self.model_ids), 0, self.n, right, progress=progress)
         self._check_snapshot("during the query")

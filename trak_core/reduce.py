@@ -21,7 +21,7 @@ import torch
 from .damping import LambdaRule, loss_curvature, parse_lambda_reg, solve
 from .errors import BadInputError, StateError
 from .scoring import features_block
-from .store import TrakStore, pack_upper, unpack_upper
+from .store import RunStore, pack_upper, unpack_upper
 from .store.verify import require_present
 from .streaming import grads_right_hand, page_array, stream_scores
 
@@ -30,7 +30,7 @@ DEVICE_BLOCK_BYTES = 64 << 20
 
 
 def shard_partial(
-    store: TrakStore, model_id: int, shard: int, rows: np.ndarray | None = None, device=None, weights=None
+    store: RunStore, model_id: int, shard: int, rows: np.ndarray | None = None, device=None, weights=None
 ) -> np.ndarray:
     """Xₛᵀ Xₛ (float64) of one shard, from the stored (rounded) gradients or the given rows; with ``weights``
     (rᵢ ≥ 0 per row, float64) Xₛᵀ Rₛ Xₛ, the rows scaled by √rᵢ in float64 first.
@@ -46,7 +46,7 @@ def shard_partial(
 
 
 def shard_grams(
-    store: TrakStore,
+    store: RunStore,
     model_id: int,
     shard: int,
     rows: np.ndarray | None,
@@ -273,7 +273,7 @@ def row_sums_vec(x: np.ndarray, q: np.ndarray, dtype) -> np.ndarray:
     return out
 
 
-def shard_row_sums(store: TrakStore, model_id: int, shard: int, rows=None, q=None) -> np.ndarray:
+def shard_row_sums(store: RunStore, model_id: int, shard: int, rows=None, q=None) -> np.ndarray:
     """:class:`RowSums` of one shard as a (p + 3,) float64 vector, from the stored (rounded) gradients and Q or
     the given ones (:func:`rows_row_sums`' arithmetic shard by shard); stored beside the shard's XᵀX partial."""
     a, b = store.meta.shard_range(shard)
@@ -285,7 +285,7 @@ def shard_row_sums(store: TrakStore, model_id: int, shard: int, rows=None, q=Non
 
 
 def ensure_partial(
-    store: TrakStore,
+    store: RunStore,
     model_id: int,
     shard: int,
     device=None,
@@ -313,10 +313,10 @@ def ensure_partial(
 
 
 def shard_partials(
-    store: TrakStore, model_id: int, shard: int, rows, q, device=None, buffers: GramBuffers | None = None
+    store: RunStore, model_id: int, shard: int, rows, q, device=None, buffers: GramBuffers | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(Xₛᵀ Xₛ packed, the row sums, Xₛᵀ Rₛ Xₛ packed or None) of a shard from its rows as stored and its Q: what
-    :meth:`~trak_core.store.TrakStore.write_partial` stores. On a device the row sums are summed there with the
+    :meth:`~trak_core.store.RowAccess.write_partial` stores. On a device the row sums are summed there with the
     Gram, from the rows it has anyway; on the host, here."""
     on_device = device is not None and torch.device(device).type != "cpu"
     dev_sums = np.empty(store.meta.proj_dim + 3, dtype=np.float64) if on_device else None
@@ -353,12 +353,12 @@ class PartialSums:
         """Drop the sum (a shard's partial was stored by someone else: finalize reads them all)."""
         self.model_id, self.shards, self.total, self.sums = None, 0, None, None
 
-    def covers(self, store: TrakStore, model_id: int) -> bool:
+    def covers(self, store: RunStore, model_id: int) -> bool:
         """Whether it is the sum of all of ``model_id``'s shards (a store without Gauss-Newton partials)."""
         return self.model_id == model_id and self.shards == store.meta.num_shards and store.meta.curvature != "ggn"
 
 
-def _sum_shard_grams(store: TrakStore, partials) -> np.ndarray:
+def _sum_shard_grams(store: RunStore, partials) -> np.ndarray:
     """The sum of one Gram partial array's shards in shard order (the one canonical order; packed partials are
     summed packed, entry by entry the same additions), unpacked."""
     meta = store.meta
@@ -368,17 +368,17 @@ def _sum_shard_grams(store: TrakStore, partials) -> np.ndarray:
     return unpack_upper(total, meta.proj_dim) if meta.packed_partials else total
 
 
-def total_xtx(store: TrakStore, model_id: int) -> np.ndarray:
+def total_xtx(store: RunStore, model_id: int) -> np.ndarray:
     """XᵀX as the sum of the shard partials in shard order."""
     return _sum_shard_grams(store, store.model(model_id).xtx_partials)
 
 
-def total_ggn(store: TrakStore, model_id: int) -> np.ndarray:
+def total_ggn(store: RunStore, model_id: int) -> np.ndarray:
     """XᵀRX as the sum of the shards' ``ggn_partials`` in shard order (a store of ``curvature="ggn"``)."""
     return _sum_shard_grams(store, store.model(model_id).ggn_partials)
 
 
-def total_row_sums(store: TrakStore, model_id: int) -> RowSums:
+def total_row_sums(store: RunStore, model_id: int) -> RowSums:
     """:class:`RowSums` as the sum of the shards' partials in shard order: the bits of :func:`rows_row_sums`."""
     m = store.model(model_id)
     total = np.zeros(store.meta.proj_dim + 3, dtype=np.float64)
@@ -387,7 +387,7 @@ def total_row_sums(store: TrakStore, model_id: int) -> RowSums:
     return RowSums.of(total)
 
 
-def require_featurized(store: TrakStore, model_id: int) -> None:
+def require_featurized(store: RunStore, model_id: int) -> None:
     mask = store.featurized_mask(model_id)
     if not mask.all():
         missing = np.flatnonzero(~mask)
@@ -397,7 +397,7 @@ def require_featurized(store: TrakStore, model_id: int) -> None:
         )
 
 
-def rows_row_sums(store: TrakStore, model_id: int, block_rows: int | None = None) -> RowSums:
+def rows_row_sums(store: RunStore, model_id: int, block_rows: int | None = None) -> RowSums:
     """:class:`RowSums` by a pass over the stored train rows in blocks (of a shard by default); the reference that
     the per-shard partials (:func:`total_row_sums`) reproduce bit for bit."""
     m = store.model(model_id)
@@ -410,7 +410,7 @@ def rows_row_sums(store: TrakStore, model_id: int, block_rows: int | None = None
 
 
 def solve_model(
-    store: TrakStore,
+    store: RunStore,
     model_id: int,
     lambda_reg=0.0,
     rescale: bool = True,
@@ -437,7 +437,7 @@ def _needs_row_sums(rule: LambdaRule) -> bool:
     return bool(rule.needs_xtq or rule.needs_row_norm4 or rule.needs_q2x2)
 
 
-def _solve_inputs(store: TrakStore, model_id: int, rule: LambdaRule, sums: RowSums | None, ggn) -> dict[str, Any]:
+def _solve_inputs(store: RunStore, model_id: int, rule: LambdaRule, sums: RowSums | None, ggn) -> dict[str, Any]:
     """The keyword inputs of :func:`damping.solve` besides XᵀX: the row sums ``rule`` reads and, in a store of
     ``curvature="ggn"``, XᵀRX and the stored Q."""
     kw: dict[str, Any] = {}
@@ -462,7 +462,7 @@ def finalized_settings(info: dict | None) -> tuple[Any, bool | None]:
     return (None if had is None else parse_lambda_reg(had).setting), info.get("rescale")
 
 
-def features_rows(store: TrakStore, model_id: int, a: int = 0, b: int | None = None) -> np.ndarray:
+def features_rows(store: RunStore, model_id: int, a: int = 0, b: int | None = None) -> np.ndarray:
     """traker's features Φ = X A of train rows [a, b) of a finalized ``model_id`` ((b − a, p) float32), computed
     on demand from the stored gradients and inverse (the store keeps no Φ)."""
     n = store.meta.train_set_size
@@ -481,7 +481,7 @@ READ_AHEAD = 2
 
 
 def _sum_partials(
-    store: TrakStore, model_id: int, writer, device=None, known: PartialSums | None = None
+    store: RunStore, model_id: int, writer, device=None, known: PartialSums | None = None
 ) -> tuple[np.ndarray, RowSums, list, np.ndarray | None]:
     """XᵀX and the :class:`RowSums` exactly as :func:`total_xtx` and :func:`total_row_sums` sum them (the shard
     partials in shard order), computing the missing partials on the way (:func:`ensure_partial`) and summing them
@@ -572,7 +572,7 @@ def _sum_partials(
 
 
 def finalize_model(
-    store: TrakStore,
+    store: RunStore,
     model_id: int,
     lambda_reg=0.0,
     rescale: bool = True,
@@ -615,7 +615,7 @@ def finalize_model(
 
 
 def usable_models(
-    store: TrakStore, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
+    store: RunStore, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
 ) -> list[int]:
     """Models that are finalized and whose target gradients are complete."""
     ids = list(model_ids) if model_ids is not None else store.experiment_model_ids(exp_name)
@@ -651,7 +651,7 @@ def usable_models(
     return used
 
 
-def load_targets(store: TrakStore, exp_name: str, model_ids: list[int]) -> dict[int, torch.Tensor]:
+def load_targets(store: RunStore, exp_name: str, model_ids: list[int]) -> dict[int, torch.Tensor]:
     """Each model's target gradients, transposed and contiguous: (p, m) float32."""
     return {
         mid: torch.from_numpy(store.target_grads(exp_name, mid)[:].astype(np.float32)).T.contiguous()
@@ -659,7 +659,7 @@ def load_targets(store: TrakStore, exp_name: str, model_ids: list[int]) -> dict[
     }
 
 
-def solve_targets(store: TrakStore, exp_name: str, model_ids: list[int]) -> None:
+def solve_targets(store: RunStore, exp_name: str, model_ids: list[int]) -> None:
     """G A for each model's targets (one float32 GEMM of m × p by p × p, :func:`trak_core.streaming.grads_right_hand`),
     written to the experiment (``solved``) where it is not already: call once before streaming scores (the
     pipeline's ``prepare_scores``), so that every block of rows multiplies by the same bits."""
@@ -672,7 +672,7 @@ def solve_targets(store: TrakStore, exp_name: str, model_ids: list[int]) -> None
         store.write_solved(exp_name, mid, grads_right_hand(store.inverse(mid), g_t).T.numpy())
 
 
-def load_solved(store: TrakStore, exp_name: str, model_ids: list[int]) -> dict[int, torch.Tensor]:
+def load_solved(store: RunStore, exp_name: str, model_ids: list[int]) -> dict[int, torch.Tensor]:
     """Each model's W = A Gᵀ ((p, m) float32, contiguous), the right-hand side that the stored gradients X
     are multiplied by (:func:`solve_targets` writes it)."""
     out = {}
@@ -690,7 +690,7 @@ def load_solved(store: TrakStore, exp_name: str, model_ids: list[int]) -> dict[i
 
 
 def score_rows(
-    store: TrakStore,
+    store: RunStore,
     exp_name: str,
     model_ids: list[int],
     a: int,
@@ -711,14 +711,14 @@ def score_rows(
         stream_scores(store, exp_name, model_ids, a, b, right, block_rows=block_rows, progress=progress)
 
 
-def unscored_ranges(store: TrakStore, exp_name: str, a: int, b: int) -> list[tuple[int, int]]:
+def unscored_ranges(store: RunStore, exp_name: str, a: int, b: int) -> list[tuple[int, int]]:
     """The runs [s, e) of train rows in [a, b) not marked scored, in order (empty when all are)."""
     todo = np.flatnonzero(np.diff(np.r_[0, store.experiment(exp_name).scores_done[a:b] == 0, 0].astype(np.int8)))
     return [(a + int(s), a + int(e)) for s, e in zip(todo[::2], todo[1::2], strict=True)]
 
 
 def finalize_scores(
-    store: TrakStore,
+    store: RunStore,
     exp_name: str,
     model_ids: Iterable[int] | None = None,
     allow_skip: bool = False,

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from .reduce import GramBuffers, PartialSums, ensure_partial, host_empty
-from .store import TrakStore
+from .store import RunStore
 from .store.writer import BackgroundWriter
 
 
-def write_rows(store: TrakStore, model_id: int, rows, x, q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def write_rows(store: RunStore, model_id: int, rows, x, q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Write featurized train rows (then mark them featurized); ``x`` an array or a list of arrays of consecutive
     rows (batches). Returns ``x`` as stored (the store's dtype: what the shard's partial is computed from), in
     ``out`` when given (a reused buffer of those rows)."""
@@ -28,7 +28,7 @@ def write_rows(store: TrakStore, model_id: int, rows, x, q: np.ndarray, out: np.
 
 
 def complete_shard(
-    store: TrakStore, model_id: int, shard: int, device=None, x=None, q=None, buffers=None, sums=None
+    store: RunStore, model_id: int, shard: int, device=None, x=None, q=None, buffers=None, sums=None
 ) -> None:
     """Store the XᵀX partial (and row sums) of a shard whose rows are all featurized, unless it is there; from
     ``x``/``q`` (the shard's rows as written, still in memory) or read back. ``buffers``: a caller's reused host

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .errors import BadInputError, StateError
 from .index import TrakIndex
-from .store import TrakStore
+from .store import RunStore
 from .streaming import grads_right_hand, page_array, stream_scores
 
 #: targets featurized per call when summing a target set (their gradients are summed, never all held)
@@ -160,7 +160,7 @@ class _IntoVector:
 class _OneTarget:
     """The store as :func:`stream_scores` reads it, with one target (the targets' sum) and no score array."""
 
-    def __init__(self, store: TrakStore):
+    def __init__(self, store: RunStore):
         self._store = store
         self.meta = store.meta
         self._writer = _IntoVector(store.meta.score_chunk_rows(1))
@@ -194,7 +194,7 @@ def summed_influence(
     out = page_array((n, 1), np.float32)
     index._check_snapshot("since the index was opened")  # a store a run changed is refused, as a query's
     with store.pinned():
-        view = cast(TrakStore, _OneTarget(store))
+        view = cast(RunStore, _OneTarget(store))
         stream_scores(view, "select", list(index.model_ids), 0, n, right, out=out, progress=progress)
     index._check_snapshot("during the selection")
     return out.reshape(-1)

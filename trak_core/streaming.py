@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .errors import BadInputError, StateError
-from .store import TrakStore
+from .store import RunStore
 
 #: used when the last-level cache size cannot be read (bytes)
 DEFAULT_CACHE_BYTES = 8 << 20
@@ -258,7 +258,7 @@ def _starts(a: int, b: int, step: int) -> list[int]:
 
 
 def stream_scores(
-    store: TrakStore,
+    store: RunStore,
     exp_name: str,
     model_ids: Sequence[int],
     a: int,

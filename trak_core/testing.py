@@ -1,4 +1,4 @@
-"""The contracts of projectors and model outputs as check functions you can run on your own ones.
+"""The contracts of projectors, model outputs and stores as check functions you can run on your own ones.
 
 scikit-learn's ``check_estimator`` for trakflow: every projector we ship and every model output class is
 checked by these same functions (``tests/trak_core/test_projector_contract.py``); a projector or a model output you
@@ -44,6 +44,10 @@ with other tensors than the module's own) and vmaps over a batch as a loop over 
 for :class:`~trak_core.gradients.IterativeGradientComputer` (``batched_output=True``) take the whole batch
 and use the module's own parameters: one finite output per example, each depending on its own example
 only. With ``reference=`` the output must equal a plain forward-pass computation of f.
+
+The store contract (:class:`~trak_core.store.RunStore`), checked by :func:`check_store` or one test per check
+with :class:`StoreCase`: rows, targets and scores read back as written (in the store's dtype), flags follow their
+rows, unfinished results (an inverse before finalize, scores with rows not done) are refused.
 """
 
 from __future__ import annotations
@@ -65,11 +69,13 @@ from .projectors import AbstractProjector, projector_traits
 __all__ = [
     "ProjectorCase",
     "ModelOutputCase",
+    "StoreCase",
     "check_projector",
     "check_model_output",
     "check_store",
     "projector_checks",
     "model_output_checks",
+    "store_checks",
     "parametrize_with_checks",
     "iter_checks",
 ]
@@ -604,13 +610,15 @@ def check_model_output(
 def iter_checks(objects: Sequence[Any]) -> Iterator[tuple[Any, Callable, str, Any]]:
     """(case, check, id, marks) for every object and each of its checks: projectors (instances,
     factories, :class:`ProjectorCase`) get the projector checks, :class:`ModelOutputCase` the model
-    output checks."""
+    output checks, :class:`StoreCase` the store checks."""
     seen: dict[str, int] = {}
-    case: ProjectorCase | ModelOutputCase
+    case: ProjectorCase | ModelOutputCase | StoreCase
     checks: tuple
     for obj in objects:
         if isinstance(obj, ModelOutputCase):
             case, checks = obj, MODEL_OUTPUT_CHECKS
+        elif isinstance(obj, StoreCase):
+            case, checks = obj, STORE_CHECKS
         else:
             case, checks = _as_projector_case(obj), PROJECTOR_CHECKS
         name = case.name
@@ -632,65 +640,185 @@ def parametrize_with_checks(objects: Sequence[Any]):
 
 
 # ---------------------------------------------------------------------------------------------- store checks
-def check_store(make_store: Callable[[Any], Any]) -> None:
-    """Run the store contract (:class:`~trak_core.store.RunStore`) on a backend: ``make_store(meta)`` returns a
-    new, empty store for a :class:`~trak_core.store.StoreMetadata`. Rows read back as written (in the store's
-    dtype), flags follow their rows, unfinished results are refused; the first failure raises AssertionError."""
+@dataclass
+class StoreCase:
+    """A store backend to check: ``make_store(meta)`` returns a new, empty store for a
+    :class:`~trak_core.store.StoreMetadata` on every call (each check builds its own)."""
+
+    make_store: Callable[[Any], Any]
+    id: str | None = None
+    marks: Any = ()
+
+    @property
+    def name(self) -> str:
+        return self.id or getattr(self.make_store, "__name__", "store").replace("<lambda>", "store")
+
+
+_N, _P, _M = 24, 6, 5  # train rows, projected dim, targets of the stores the checks build
+
+
+def _as_store_case(obj) -> StoreCase:
+    if isinstance(obj, StoreCase):
+        return obj
+    if callable(obj):
+        return StoreCase(obj)
+    raise TypeError(f"store checks take a StoreCase or a make_store(meta) callable, got {type(obj).__name__}")
+
+
+def _new_store(obj):
+    """(store, meta, train gradients x (n, p) float32, Q (n,) float32): a fresh store of 3 shards of 8 rows."""
     import numpy as np
 
-    from .errors import StateError, StoreMismatchError
-    from .store import RunStore, StoreMetadata
+    from .store import StoreMetadata
 
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise AssertionError(f"check_store: {what}")
-
-    n, p, m = 24, 6, 5
-    meta = StoreMetadata(train_set_size=n, grad_dim=40, proj_dim=p, dtype="float32", chunk_rows=4, shard_rows=8)
-    st = make_store(meta)
-    need(isinstance(st, RunStore), f"{type(st).__name__} lacks methods of RunStore")
-    need(st.meta.model_dump(exclude={"versions"}) == meta.model_dump(exclude={"versions"}), "meta differs")
+    meta = StoreMetadata(train_set_size=_N, grad_dim=40, proj_dim=_P, dtype="float32", chunk_rows=4, shard_rows=8)
     rng = np.random.default_rng(0)
-    x, q = rng.standard_normal((n, p)).astype(np.float32), rng.random(n).astype(np.float32)
+    x, q = rng.standard_normal((_N, _P)).astype(np.float32), rng.random(_N).astype(np.float32)
+    return _as_store_case(obj).make_store(meta), meta, x, q
+
+
+def _finalize(st, meta, x):
+    """Write every shard's XᵀX and the inverse of model 0 (after its rows); returns the float64 inverse."""
+    import numpy as np
+
+    for s in range(meta.num_shards):
+        xs = x[8 * s : 8 * (s + 1)].astype(np.float64)
+        st.write_partial(0, s, xs.T @ xs, np.zeros(_P + 3))
+    a = np.linalg.inv(x.T.astype(np.float64) @ x + np.eye(_P))
+    st.write_inverse(0, a)
+    st.set_finalize_info(0, {"lambda_reg": 1.0})
+    return a
+
+
+@_check
+def check_store_protocol(obj) -> None:
+    """The store implements :class:`~trak_core.store.RunStore` and keeps the metadata it was made for."""
+    from .store import RunStore
+
+    st, meta, _, _ = _new_store(obj)
+    assert isinstance(st, RunStore), f"{type(st).__name__} lacks methods of RunStore"
+    assert st.meta.model_dump(exclude={"versions"}) == meta.model_dump(exclude={"versions"}), "meta differs"
+
+
+@_check
+def check_store_train_rows(obj) -> None:
+    """Train rows (a slice or indices) read back as written and their flags follow them; init_model is
+    idempotent."""
+    import numpy as np
+
+    st, meta, x, q = _new_store(obj)
     st.init_model(0)
     st.init_model(0)  # idempotent
-    need(not st.featurized_mask(0).any(), "a new model has rows marked written")
+    assert not st.featurized_mask(0).any(), "a new model has rows marked written"
     st.write_train_rows(0, slice(0, 8), x[:8], q[:8])
     st.write_train_rows(0, np.arange(12, 16), x[12:16], q[12:16])
-    want = np.zeros(n, dtype=bool)
+    want = np.zeros(meta.train_set_size, dtype=bool)
     want[:8] = want[12:16] = True
-    need(np.array_equal(st.featurized_mask(0), want), "featurized_mask is not the rows written")
+    assert np.array_equal(st.featurized_mask(0), want), "featurized_mask is not the rows written"
     g, qq = st.read_train_rows(0, 2, 8)  # written rows only: a read of rows never written may be refused
     g2, qq2 = st.read_train_rows(0, 12, 14)
     same = np.array_equal(g, x[2:8]) and np.array_equal(g2, x[12:14])
-    need(same and np.array_equal(qq, q[2:8]) and np.array_equal(qq2, q[12:14]), "rows read back differ")
+    assert same and np.array_equal(qq, q[2:8]) and np.array_equal(qq2, q[12:14]), "rows read back differ"
+
+
+@_check
+def check_store_inverse(obj) -> None:
+    """The inverse of an unfinalized model is refused (StateError); once written and the model finalized, it
+    reads back as float32(A)."""
+    import numpy as np
+
+    from .errors import StateError
+
+    st, meta, x, q = _new_store(obj)
+    st.init_model(0)
+    st.write_train_rows(0, slice(0, meta.train_set_size), x, q)
     try:
         st.inverse(0)
-        need(False, "inverse() of an unfinalized model returned")
     except StateError:
         pass
-    for s in range(meta.num_shards):
-        xs = x[8 * s : 8 * (s + 1)].astype(np.float64)
-        st.write_partial(0, s, xs.T @ xs, np.zeros(p + 3))
-    a = np.linalg.inv(x.T.astype(np.float64) @ x + np.eye(p))
-    st.write_inverse(0, a)
-    st.set_finalize_info(0, {"lambda_reg": 1.0})
-    need(np.array_equal(st.inverse(0), a.astype(np.float32)), "the inverse reads back other than float32(A)")
-    st.init_experiment("e", m)
+    else:
+        raise AssertionError("inverse() of an unfinalized model returned")
+    a = _finalize(st, meta, x)
+    assert st.is_finalized(0), "is_finalized is False after set_finalize_info"
+    assert np.array_equal(st.inverse(0), a.astype(np.float32)), "the inverse reads back other than float32(A)"
+
+
+@_check
+def check_store_experiment(obj) -> None:
+    """An experiment reopened with another number of targets is refused (StoreMismatchError); target rows
+    read back as written once every one asked for is written (None before)."""
+    import numpy as np
+
+    from .errors import StoreMismatchError
+
+    st, _, x, _ = _new_store(obj)
+    st.init_model(0)
+    st.init_experiment("e", _M)
+    st.init_experiment("e", _M)  # the same again: accepted
     try:
-        st.init_experiment("e", m + 1)
-        need(False, "an experiment reopened with another num_targets was accepted")
+        st.init_experiment("e", _M + 1)
     except StoreMismatchError:
         pass
+    else:
+        raise AssertionError("an experiment reopened with another num_targets was accepted")
+    assert st.num_targets("e") == _M, f"num_targets is {st.num_targets('e')}, not {_M}"
     st.init_experiment_model("e", 0)
-    st.write_target_rows("e", 0, slice(0, m), x[:m])
-    scores = rng.standard_normal((n, m)).astype(np.float32)
+    st.write_target_rows("e", 0, slice(0, 2), x[:2])
+    everyone = np.arange(_M)
+    assert st.stored_target_rows("e", 0, everyone) is None, "stored_target_rows returned unwritten rows"
+    assert not st.targets_complete("e", 0), "targets_complete with rows unwritten"
+    st.write_target_rows("e", 0, slice(2, _M), x[2:_M])
+    assert st.targets_complete("e", 0), "targets_complete is False with every row written"
+    got = st.stored_target_rows("e", 0, everyone)
+    assert got is not None and np.array_equal(np.asarray(got), x[:_M]), "target rows read back differ"
+
+
+@_check
+def check_store_scores(obj) -> None:
+    """Scores are refused (StateError) while some rows are not done and read back as written once all are."""
+    import numpy as np
+
+    from .errors import StateError
+
+    st, meta, x, q = _new_store(obj)
+    st.init_model(0)
+    st.write_train_rows(0, slice(0, meta.train_set_size), x, q)
+    _finalize(st, meta, x)
+    st.init_experiment("e", _M)
+    st.init_experiment_model("e", 0)
+    st.write_target_rows("e", 0, slice(0, _M), x[:_M])
+    scores = np.random.default_rng(1).standard_normal((meta.train_set_size, _M)).astype(np.float32)
     st.begin_scores("e", [0])
     st.write_score_rows("e", 0, 8, scores[:8])
     try:
         st.scores("e")
-        need(False, "scores() returned while rows were not done")
     except StateError:
         pass
-    st.write_score_rows("e", 8, n, scores[8:])
-    need(np.array_equal(np.asarray(st.scores("e")[:]), scores), "scores read back differ")
+    else:
+        raise AssertionError("scores() returned while rows were not done")
+    st.write_score_rows("e", 8, meta.train_set_size, scores[8:])
+    assert np.array_equal(np.asarray(st.scores("e")[:]), scores), "scores read back differ"
+
+
+STORE_CHECKS = (
+    check_store_protocol,
+    check_store_train_rows,
+    check_store_inverse,
+    check_store_experiment,
+    check_store_scores,
+)
+
+
+def store_checks() -> tuple:
+    """The store checks, each ``check(make_store_or_case)``."""
+    return STORE_CHECKS
+
+
+def check_store(make_store: Callable[[Any], Any], *, checks: Sequence[Callable] | None = None) -> None:
+    """Run every store check (or ``checks``) on a backend (the contract of :class:`~trak_core.store.RunStore`):
+    ``make_store(meta)`` returns a new, empty store for a :class:`~trak_core.store.StoreMetadata` on every call.
+    Rows read back as written (in the store's dtype), flags follow their rows, unfinished results are refused;
+    the first failure raises AssertionError starting with the check's name."""
+    case = _as_store_case(make_store)
+    for check in checks or STORE_CHECKS:
+        check(case)

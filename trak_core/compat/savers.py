@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..errors import BadInputError
 
 SAVER_HELP = (
-    "trak_core keeps everything in one Zarr store (trak_core.TrakStore): give TRAKer a save_dir "
+    "trak_core keeps everything in one Zarr store (trak_core.store): give TRAKer a save_dir "
     "(a path or an fsspec URL such as s3://bucket/run.zarr, with storage_options=...) instead of a "
     "saver class"
 )

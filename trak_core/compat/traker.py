@@ -280,7 +280,7 @@ class TRAKer:
         self._locked = False
         engine.acquire_store(self.save_dir, run=f"TRAKer (pid {os.getpid()})")
         self._locked = True
-        self._store: engine.TrakStore | None = None
+        self._store: engine.RunStore | None = None
         # deferred: the store's metadata (None until then) and the model records of load_checkpoint calls
         self.metadata: engine.StoreMetadata | None = None if self._deferred else meta
         self._planned: list[tuple[int, dict, bool]] = []
@@ -322,7 +322,7 @@ class TRAKer:
 
     # ------------------------------------------------------------------ the store
     @property
-    def store(self) -> engine.TrakStore:
+    def store(self) -> engine.RunStore:
         """The store (StateError while the default projector waits for the first :meth:`featurize` call)."""
         if self._store is None:
             raise StateError(

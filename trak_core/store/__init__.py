@@ -22,7 +22,9 @@ array, coordinates); the root metadata is sealed and kept twice more (``models/`
 Modules, by job: :mod:`.schema` (metadata, array layout), :mod:`.root` (the sealed root metadata),
 :mod:`.arrays` (chunks and the damage guard), :mod:`.places` (the chunks' place records), :mod:`.nodes` (views
 of the groups), :mod:`.location` (paths, URLs), :mod:`.lock` (the run lock), :mod:`.zarr_store`
-(:class:`TrakStore`), :mod:`.verify` (fsck and repair), :mod:`.protocol` (what the algorithm needs from a store).
+(:class:`TrakStore`), :mod:`.verify` (fsck and repair), :mod:`.protocol` (what the algorithm needs from a store:
+:class:`RunRecords`, :class:`RowAccess`, :class:`RunLocking`, together :class:`RunStore`), :mod:`.factory`
+(:func:`open_store`, :func:`create_or_open_store`, :func:`store_exists`: how the rest of trak_core opens a store).
 A new backend implements :class:`RunStore` and passes ``trak_core.testing.check_store``.
 """
 
@@ -38,9 +40,10 @@ from .arrays import (
     read_chunk,
     stored_chunk_keys,
 )
+from .factory import create_or_open_store, open_store, store_exists
 from .lock import StoreLock
 from .nodes import ExperimentArrays, ModelArrays, ScoreWriter, TargetArrays
-from .protocol import RunStore
+from .protocol import RowAccess, RunLocking, RunRecords, RunStore
 from .schema import (
     CHUNK_TARGET_BYTES,
     CODEC_NAMES,
@@ -69,6 +72,9 @@ __all__ = [
     "ArraySpec",
     "ExperimentArrays",
     "ModelArrays",
+    "RowAccess",
+    "RunLocking",
+    "RunRecords",
     "RunStore",
     "ScoreWriter",
     "StoreLock",
@@ -80,6 +86,7 @@ __all__ = [
     "array_spec",
     "check_exp_name",
     "check_writable",
+    "create_or_open_store",
     "choose_chunk_rows",
     "chunk_coords_of_rows",
     "chunk_key",
@@ -88,8 +95,10 @@ __all__ = [
     "find_corrupt_chunk",
     "group_at",
     "mirror_upper",
+    "open_store",
     "pack_upper",
     "read_chunk",
+    "store_exists",
     "stored_chunk_keys",
     "unpack_upper",
 ]

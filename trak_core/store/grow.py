@@ -10,20 +10,29 @@ last, with the new ``train_set_size``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import zarr
 
 from ..errors import BadInputError
+from .protocol import RunStore
 from .root import write_root
 from .schema import SHARD_ARRAYS
 
-if TYPE_CHECKING:
-    from .zarr_store import TrakStore
+
+class _Growable(RunStore, Protocol):
+    """A store whose arrays are Zarr's (:class:`~trak_core.store.TrakStore`): what growing it touches."""
+
+    root: zarr.Group
+
+    def clear_finalize_info(self, model_id: int) -> None: ...
+
 
 #: a model's arrays with one entry per train row
 ROW_ARRAYS = ("grads", "out_to_loss", "featurized")
 
 
-def grow_train_rows(store: TrakStore, train_set_size: int) -> int:
+def grow_train_rows(store: _Growable, train_set_size: int) -> int:
     """Grow ``store`` to ``train_set_size`` train rows (rows [n, train_set_size) not featurized yet).
 
     Args:

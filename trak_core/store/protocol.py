@@ -1,54 +1,152 @@
-"""What the algorithm needs from a store: :class:`RunStore`. :class:`~trak_core.store.TrakStore` (Zarr) is one;
-``trak_core.testing.check_store`` checks any other against the same contract."""
+"""What the algorithm needs from a store, split by responsibility:
+
+- :class:`RunRecords`: records and status: the metadata, the pipeline's, model and experiment records, flags
+  (which rows, shards, models and targets are done);
+- :class:`RowAccess`: the arrays: train rows, shard partials, inverses, target gradients, scores;
+- :class:`RunLocking`: the run lock and the pinned block of handles;
+- :class:`RunStore`: all three, what the engine, the index and TRAKer talk to.
+
+:class:`~trak_core.store.TrakStore` (Zarr) is one; ``trak_core.testing.check_store`` checks any other against
+the same contract. No module outside this package names the Zarr class: they open stores with
+:func:`~trak_core.store.open_store` / :func:`~trak_core.store.create_or_open_store` and type them with these."""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .arrays import StoredArray
+from .lock import StoreLock
+from .nodes import ExperimentArrays, ModelArrays, ScoreWriter, TargetArrays
 from .schema import StoreMetadata
 
 
 @runtime_checkable
-class RunStore(Protocol):
-    """The steps' reads and writes. Every write of rows is followed by their flags, so a crash leaves them
-    visibly unfinished; a read of damaged data raises :class:`~trak_core.errors.StoreDamageError`."""
+class RunRecords(Protocol):
+    """The run's records and status flags. Reading a flag never reads rows."""
 
     meta: StoreMetadata
     location: str
 
-    def init_model(self, model_id: int) -> object:
-        """Create the arrays of ``model_id`` (idempotent)."""
+    def validate(self, expected: StoreMetadata, grow: bool = False) -> None:
+        """Refuse (StoreMismatchError) when ``expected`` differs from the stored metadata."""
+
+    def pipeline_info(self) -> dict:
+        """The pipeline's record of the run (plan, data fingerprints); {} when none."""
+
+    def set_pipeline_info(self, info: dict) -> None: ...
+
+    # models
+    def model_ids(self) -> list[int]: ...
+
+    def has_model(self, model_id: int) -> bool: ...
+
+    def checkpoint_record(self, model_id: int) -> dict | None: ...
+
+    def set_checkpoint_record(self, model_id: int, record: dict) -> None: ...
+
+    def check_feature_settings(self, model_id: int, lambda_setting, rescale_inverse: bool) -> None:
+        """Refuse settings that differ from those recorded for ``model_id``."""
+
+    def record_feature_settings(self, model_id: int, lambda_setting, rescale_inverse: bool) -> None: ...
+
+    def reset_model(self, model_id: int) -> None:
+        """Forget every row, partial and inverse of ``model_id`` (its arrays stay)."""
 
     def featurized_mask(self, model_id: int) -> np.ndarray:
         """Returns: (n,) bool, the train rows of ``model_id`` written."""
 
-    def write_train_rows(self, model_id: int, rows, grads: np.ndarray, out_to_loss: np.ndarray) -> None:
-        """Write rows (a slice or sorted indices) of projected gradients and Q, then mark them written."""
+    def shard_featurized(self, model_id: int, shard: int) -> bool: ...
+
+    def partial_done(self, model_id: int, shard: int) -> bool: ...
+
+    def finalize_info(self, model_id: int) -> dict | None: ...
+
+    def set_finalize_info(self, model_id: int, info: dict) -> None:
+        """Record finalize's result: the model is finalized."""
+
+    def is_finalized(self, model_id: int) -> bool: ...
+
+    # experiments
+    def experiments(self) -> list[str]: ...
+
+    def num_targets(self, exp_name: str) -> int: ...
+
+    def target_data_sha256(self, exp_name: str) -> str | None: ...
+
+    def set_target_data_sha256(self, exp_name: str, sha256: str) -> None: ...
+
+    def experiment_model_ids(self, exp_name: str) -> list[int]: ...
+
+    def targets_complete(self, exp_name: str, model_id: int) -> bool: ...
+
+    def solved_complete(self, exp_name: str, model_id: int) -> bool: ...
+
+    def scored_with(self, exp_name: str) -> list[int] | None: ...
+
+    def set_scored_with(self, exp_name: str, model_ids) -> None: ...
+
+    def scores_done_mask(self, exp_name: str) -> np.ndarray: ...
+
+
+@runtime_checkable
+class RowAccess(Protocol):
+    """The arrays. Every write of rows is followed by their flags, so a crash leaves them visibly unfinished; a
+    read of damaged data raises :class:`~trak_core.errors.StoreDamageError`."""
+
+    meta: StoreMetadata
+
+    # train rows, partials, inverse
+    def init_model(self, model_id: int) -> ModelArrays:
+        """Create the arrays of ``model_id`` (idempotent)."""
+
+    def model(self, model_id: int) -> ModelArrays:
+        """The arrays of ``model_id`` (grads, out_to_loss, featurized, partials, inverse)."""
+
+    def write_train_rows(
+        self, model_id: int, rows, grads, out_to_loss: np.ndarray, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Write rows (a slice or sorted indices) of projected gradients and Q, then mark them written;
+        returns the gradients as stored."""
 
     def read_train_rows(self, model_id: int, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Returns: grads (b - a, p) and Q (b - a,) of train rows [a, b) as stored."""
 
     def write_partial(
-        self, model_id: int, shard: int, partial: np.ndarray, row_sums: np.ndarray, ggn: np.ndarray | None = None
+        self,
+        model_id: int,
+        shard: int,
+        partial: np.ndarray,
+        row_sums: np.ndarray,
+        ggn: np.ndarray | None = None,
+        mark: bool = True,
     ) -> None:
-        """Write a shard's XᵀX (and row sums, and XᵀRX for ``curvature="ggn"``), then mark it done."""
+        """Write a shard's XᵀX (and row sums, and XᵀRX for ``curvature="ggn"``), then (``mark``) mark it done."""
+
+    def mark_partial(self, model_id: int, shard: int) -> None: ...
+
+    def grow_train_rows(self, train_set_size: int) -> int:
+        """Grow the store to ``train_set_size`` train rows, the stored ones kept bit for bit and everything that
+        depends on every row marked not done; returns the number of rows it had."""
 
     def write_inverse(self, model_id: int, inverse: np.ndarray) -> None:
         """Write the (p, p) inverse of ``model_id``, then mark it written."""
 
-    def set_finalize_info(self, model_id: int, info: dict) -> None:
-        """Record finalize's result: the model is finalized."""
-
     def inverse(self, model_id: int) -> np.ndarray:
         """Returns: the (p, p) float32 inverse of a finalized model."""
 
-    def init_experiment(self, exp_name: str, num_targets: int) -> object:
+    # targets
+    def init_experiment(self, exp_name: str, num_targets: int) -> ExperimentArrays:
         """Create (or check) the experiment ``exp_name`` of ``num_targets`` targets."""
 
-    def init_experiment_model(self, exp_name: str, model_id: int) -> object:
+    def experiment(self, exp_name: str) -> ExperimentArrays: ...
+
+    def init_experiment_model(self, exp_name: str, model_id: int) -> TargetArrays:
         """Create the target arrays of ``model_id`` in ``exp_name`` (idempotent)."""
+
+    def target_grads(self, exp_name: str, model_id: int) -> StoredArray: ...
 
     def stored_target_rows(self, exp_name: str, model_id: int, rows) -> np.ndarray | None:
         """The stored target gradients of rows ``rows``, or None unless every one is written."""
@@ -56,11 +154,38 @@ class RunStore(Protocol):
     def write_target_rows(self, exp_name: str, model_id: int, rows, grads: np.ndarray) -> None:
         """Write target gradient rows, then mark them written."""
 
+    def write_solved(self, exp_name: str, model_id: int, solved: np.ndarray) -> None: ...
+
+    # scores
     def begin_scores(self, exp_name: str, model_ids) -> None:
         """Create the score arrays for the combination ``model_ids`` (other combinations' rows are forgotten)."""
+
+    def init_scores(self, exp_name: str) -> tuple[StoredArray, StoredArray]: ...
+
+    def reset_scores(self, exp_name: str) -> None: ...
 
     def write_score_rows(self, exp_name: str, a: int, b: int, scores: np.ndarray) -> None:
         """Write the scores of train rows [a, b), then mark them done."""
 
-    def scores(self, exp_name: str) -> object:
+    def score_rows_writer(self, exp_name: str) -> ScoreWriter: ...
+
+    def scores(self, exp_name: str) -> StoredArray:
         """Returns: the (n, m) scores (array-like) once every row is done; StateError before."""
+
+
+@runtime_checkable
+class RunLocking(Protocol):
+    """The run lock, and the block within which opened handles are reused."""
+
+    @property
+    def lock(self) -> StoreLock: ...
+
+    def check_lock(self) -> None:
+        """Raise LockLostError when the lock this store was opened under is gone or taken."""
+
+    def pinned(self, handles: dict | None = None) -> AbstractContextManager[Any]: ...
+
+
+@runtime_checkable
+class RunStore(RunRecords, RowAccess, RunLocking, Protocol):
+    """Everything a run needs from its store."""

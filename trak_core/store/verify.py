@@ -50,6 +50,7 @@ from .arrays import (
     stored_chunk_keys,
 )
 from .places import place_problems
+from .protocol import RunRecords
 from .root import write_root
 from .schema import SHARD_ARRAYS, ArraySpec, _expected_document
 from .zarr_store import TrakStore
@@ -286,7 +287,7 @@ def verify_location(location: str, storage_options: dict | None = None, read_chu
     return verify_store(TrakStore.open(location, storage_options, check_arrays=False), read_chunks)
 
 
-def require_present(store: TrakStore, arrays: list[tuple[zarr.Array | StoredArray, np.ndarray]]) -> None:
+def require_present(store: RunRecords, arrays: list[tuple[zarr.Array | StoredArray, np.ndarray]]) -> None:
     """Raise :class:`StoreDamageError` naming the array and chunk when a chunk holding the given rows is not in
     the store (zarr would read it back as zeros). ``arrays``: (array, axis-0 indices about to be read)."""
     for arr, rows in arrays:

@@ -28,6 +28,7 @@ from .arrays import (
     stored_chunk_keys,
 )
 from .chunkio import stack_dtype
+from .grow import grow_train_rows as _grow_train_rows
 from .location import _open_zarr, _refuse_orphan_arrays, check_writable
 from .lock import StoreLock
 from .nodes import ExperimentArrays, ModelArrays, ScoreWriter, TargetArrays, _pinned
@@ -562,6 +563,10 @@ class TrakStore:
             _arrays._write_rows(m.ggn_partials, slice(shard, shard + 1), _packed(ggn)[None])
         if mark:
             self.mark_partial(model_id, shard)
+
+    def grow_train_rows(self, train_set_size: int) -> int:
+        """Grow to ``train_set_size`` train rows, the stored ones kept (:func:`.grow.grow_train_rows`)."""
+        return _grow_train_rows(self, train_set_size)
 
     def mark_partial(self, model_id: int, shard: int) -> None:
         """Mark the partials :meth:`write_partial` wrote for ``shard`` done."""

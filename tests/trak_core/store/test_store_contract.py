@@ -9,15 +9,35 @@ import numpy as np
 import pytest
 
 from trak_core.store import TrakStore
-from trak_core.testing import check_store
+from trak_core.testing import StoreCase, check_store, parametrize_with_checks, store_checks
+
+
+def _local(tmp_path):
+    return lambda meta: TrakStore.create_or_open(str(tmp_path / uuid.uuid4().hex), meta)
 
 
 def test_zarr_store_passes_the_contract(tmp_path):
-    check_store(lambda meta: TrakStore.create_or_open(str(tmp_path / "s"), meta))
+    check_store(_local(tmp_path))
 
 
-def test_zarr_store_in_memory_passes_the_contract():
-    check_store(lambda meta: TrakStore.create_or_open(f"memory://{uuid.uuid4().hex}", meta))
+def _in_memory(meta):
+    return TrakStore.create_or_open(f"memory://{uuid.uuid4().hex}", meta)
+
+
+@parametrize_with_checks([StoreCase(_in_memory, id="zarr-memory")])
+def test_zarr_store_in_memory_passes_each_check(obj, check):
+    check(obj)
+
+
+def test_store_checks_are_named_and_listed():
+    names = [c.__name__ for c in store_checks()]
+    assert names == [
+        "check_store_protocol",
+        "check_store_train_rows",
+        "check_store_inverse",
+        "check_store_experiment",
+        "check_store_scores",
+    ]
 
 
 def test_the_contract_fails_a_store_that_loses_flags(tmp_path):
@@ -26,10 +46,10 @@ def test_the_contract_fails_a_store_that_loses_flags(tmp_path):
             return np.zeros(self.meta.train_set_size, dtype=bool)
 
     def make(meta):
-        st = TrakStore.create_or_open(str(tmp_path / "f"), meta)
+        st = TrakStore.create_or_open(str(tmp_path / uuid.uuid4().hex), meta)
         return Forgetful(st.location, st.root, st.meta)
 
-    with pytest.raises(AssertionError, match="check_store: featurized_mask"):
+    with pytest.raises(AssertionError, match="^check_store_train_rows: featurized_mask"):
         check_store(make)
 
 
@@ -65,3 +85,36 @@ def test_store_package_modules_import_one_way_and_stay_small():
         if n not in state:
             visit(n, [])
     assert "zarr_store" in graph["verify"] and "schema" in graph["arrays"]
+
+
+def test_the_contract_fails_a_store_that_returns_unfinished_scores(tmp_path):
+    class Hasty(TrakStore):
+        def scores(self, exp_name: str):
+            return self.experiment(exp_name).scores
+
+    def make(meta):
+        st = TrakStore.create_or_open(str(tmp_path / uuid.uuid4().hex), meta)
+        return Hasty(st.location, st.root, st.meta)
+
+    check_store(make, checks=store_checks()[:-1])  # the other checks pass
+    with pytest.raises(AssertionError, match="^check_store_scores: scores\\(\\) returned while rows were not done"):
+        check_store(make)
+
+
+def test_only_the_store_package_names_the_zarr_class():
+    """The engine, reduce, streaming, the index, selection and compat talk to the store protocols: no module of
+    trak_core outside trak_core/store/ (its ``__init__`` and ``testing`` aside) names ``TrakStore``."""
+    import re
+    from pathlib import Path
+
+    import trak_core
+
+    root = Path(trak_core.__file__).parent
+    naming = sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if path.relative_to(root).parts[0] != "store"
+        and path.relative_to(root).as_posix() not in ("__init__.py", "testing.py")
+        and re.search(r"\bTrakStore\b", path.read_text())
+    )
+    assert naming == []
