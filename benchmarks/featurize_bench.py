@@ -1,31 +1,14 @@
-"""Featurize + finalize side by side: the floor, traker 0.3.2 (default and fastest CPU configurations) and
-trakflow's projectors, cold (first use in a fresh process) and warm (steady state), in one run.
+"""Featurize + finalize side by side (RESULTS.md, "Speed against the floor and traker"): the floor, traker 0.3.2
+(default and fastest CPU configurations) and trakflow's projectors, cold (first use in a fresh process) and warm
+(steady state), each row in ``--repeats`` fresh processes interleaved in time, best kept.
 
     .venv/bin/python benchmarks/featurize_bench.py --repeats 2      # writes its section of benchmarks/RESULTS.md
 
-Each row times, through each library's own ``TRAKer``: construction (store creation) + load_checkpoint +
-featurize of N examples in batches + finalize_features (XᵀX and its inverse; traker also writes the features Φ), float32
-store. Every row runs in a fresh process: its first pass there is **cold** (imports already done,
-everything else — torch.func set-up, projection matrices, store creation, BLAS/OpenMP start-up — paid on
-first use), then ``--warm-runs`` more passes with a new TRAKer and a new store each (**warm**, best kept).
-``--repeats`` fresh processes per row, interleaved in time across rows, best kept.
-
-Rows:
-* **floor**: a plain training pass over the same N examples (forward + backward + SGD step per batch) plus
-  finalize's unavoidable linear algebra in float32 on an N × p matrix: XᵀX, the Cholesky factorization and
-  inverse of the p × p matrix, Φ = X A — timed in the same process, warm, best of 3;
-* **traker-default**: traker 0.3.2 with its CPU defaults (``BasicProjector``, normal entries, the matrix
-  regenerated in blocks for every batch);
-* **traker-fastest**: traker with ``BasicSingleBlockProjector`` (Rademacher), the whole grad_dim × p matrix
-  generated once — inside the cold pass — and kept for the warm passes;
-* **traker-fastjl**: traker's GPU default, ``CudaProjector`` (fast_jl's kernel, Rademacher, no matrix stored);
-  needs a CUDA device and fast_jl;
-* trakflow with ``factored`` (the default), ``sjlt``, ``dense``.
-
-Models: a 400k-parameter MLP, a small conv net, and a transformer-style text classifier (token +
-position embeddings, two ``nn.TransformerEncoderLayer`` blocks, a linear head).
-
-Numbers are from one machine; other processes may share its cores (the report prints the load).
+Rows: **floor** (a training pass over the same N examples + finalize's float32 XᵀX, Cholesky, inverse and Φ = X A);
+**traker** (its CPU default, ``BasicProjector``, regenerating its matrix per batch); **traker-fastest**
+(``BasicSingleBlockProjector``, the matrix generated once and kept); **traker-fastjl** (``CudaProjector``, on a
+GPU); trakflow's ``factored`` (the default), ``factored@0`` (λ = 0), ``pipeline`` (the pipeline's task
+functions), ``sjlt`` and ``dense``. The report's paragraph below the table says what each pass includes.
 """
 
 from __future__ import annotations
@@ -53,7 +36,7 @@ if HERE not in sys.path:
 START, END = "<!-- featurize_bench:start -->", "<!-- featurize_bench:end -->"
 
 # the models and their data live in bench_models.py (re-exported here: the tests and matrix.py's workers use them)
-from bench_models import TRANSFORMER, make_data, make_model  # noqa: E402,F401
+from bench_models import TRANSFORMER, cpu_name, make_data, make_model, write_section  # noqa: E402,F401
 
 MODEL_LABEL = {
     "mlp10k": "MLP 64-128-10",
@@ -356,15 +339,7 @@ def run_worker(spec: dict, timeout: int = 900) -> dict:
 def machine() -> dict:
     import torch
 
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_name() or platform.processor()
     import trak  # noqa: F401
 
     return {
@@ -425,18 +400,6 @@ def _times(ratio: float) -> str:
 def _load_range(rows: list) -> str:
     vals = [v for r in rows for v in r.get("load_avg", [])]
     return f"{min(vals):.1f}–{max(vals):.1f} on {os.cpu_count()} cores" if vals else "not recorded"
-
-
-def write_section(path: str, body: str, start: str = START, end: str = END) -> None:
-    old = open(path).read() if os.path.exists(path) else "# trakflow benchmarks\n"
-    block = f"{start}\n{body.rstrip()}\n{end}\n"
-    if start in old and end in old:
-        a, b = old.index(start), old.index(end) + len(end)
-        new = old[:a] + block.rstrip("\n") + old[b:]
-    else:
-        new = old.rstrip("\n") + "\n\n" + block
-    with open(path, "w") as fh:
-        fh.write(new if new.endswith("\n") else new + "\n")
 
 
 DEFAULT_IMPLS = ["floor", "traker", "traker-fastest", "factored", "factored@0", "pipeline", "sjlt", "dense"]
@@ -543,7 +506,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as fh:
         json.dump(res, fh, indent=1, default=str)
-    write_section(a.out, report(res, a))
+    write_section(a.out, report(res, a), START, END)
     log(report(res, a))
     log(f"wrote {a.out} ({res['total_seconds']:.0f} s)")
 
@@ -608,16 +571,6 @@ def report(res: dict, a) -> str:
         "grad_dim × proj_dim matrix for every batch there: minutes per pass).",
         "",
     ]
-    tf = by.get(("transformer", "factored"))
-    if tf:
-        out += [
-            "The transformer's `factored` layout (layout_version 2): the feed-forward layers and the head "
-            "(`nn.Linear`, hooked), the token embedding (`nn.Embedding`, hooked: a gather of P_out rows), "
-            "`nn.MultiheadAttention`'s `in_proj_weight`/`out_proj` and the position table (weight "
-            "substitution, W + P_out Z P_inᵀ) are factored blocks — the small ones as Khatri-Rao pairs; only "
-            "the LayerNorms' 1-D parameters form the dense `__other__` block.",
-            "",
-        ]
     return "\n".join(out)
 
 
