@@ -439,8 +439,6 @@ def main() -> None:
         default=["mlp400k:dense", "transformer:dense", "convnet:factored@0", "transformer:factored@0"],
         help="model:impl pairs left out (dense regenerates a grad_dim × p matrix per batch there)",
     )
-    ap.add_argument("--default", default="factored", help="the projector named as default in the report")
-    ap.add_argument("--note", default="", help="a sentence added to the report (e.g. about the machine's load)")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--json", default=os.path.join(ROOT, ".cache", "featurize_bench.json"), help="the raw results")
     a = ap.parse_args()
@@ -521,15 +519,14 @@ def report(res: dict, a) -> str:
         f"Produced by {res['command']} in one run ({res['featurize_seconds'] / 60:.1f} min) on "
         f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads), traker {m['traker']}, "
         f"Python {m['python']}. Load average (1 min) during the run: {_load_range(feats)}. "
-        + (a.note + " " if a.note else "")
         + "Compare **ratios** within the table.",
         "",
     ]
-    f, t, d = by.get(("mlp400k", "floor")), by.get(("mlp400k", "traker-fastest")), by.get(("mlp400k", a.default))
+    f, t, d = by.get(("mlp400k", "floor")), by.get(("mlp400k", "traker-fastest")), by.get(("mlp400k", "factored"))
     if f and t and d and d.get("warm_s"):
         out += [
             f"**Headline (400k-parameter MLP, {d['n']:,} examples, proj_dim {d['proj_dim']}, batch "
-            f"{d['batch']}):** trakflow's default (`{a.default}`) featurizes + finalizes in "
+            f"{d['batch']}):** trakflow's default (`factored`) featurizes + finalizes in "
             f"{d['warm_s']:.2f} s warm / {d['cold_s']:.2f} s cold; traker 0.3.2's fastest "
             f"{'CPU' if a.device == 'cpu' else a.device} configuration "
             f"takes {t['warm_s']:.1f} s warm / {t['cold_s']:.1f} s cold — **{_times(t['warm_s'] / d['warm_s'])} "

@@ -629,7 +629,6 @@ def _best_fixed_or_none(rows: dict, case: str, kind: str, p: int) -> tuple[str, 
 def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
     rows = load_rows(paths)
     ad = str(parse_lambda_reg(ADAPTIVE_SETTING).setting)  # 'adaptive' as the runs name it
-    old = "deff:0.1,resid:3"  # 'adaptive' until 2026-11-24 (chosen by leave-one-case-out among deff, rel, resid)
     all_cases = make_cases()
     lds_of = lambda c, k, p, s: rows.get((c, k, p, s), {}).get("lds")  # noqa: E731
     print(f"\n`adaptive` = `{ad}`.\n")
@@ -680,9 +679,7 @@ def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
     print("| case | lambda_reg | " + " | ".join(str(p) for p in dims) + " | noop | 1024 − 256 |")
     print("|---|---|" + "---|" * (len(dims) + 2))
     for c in cases:
-        for label, s in [("0 (traker)", "0"), ("auto (rel:0.3)", "rel:0.3"), (f"{old} (adaptive before)", old)] + [
-            (f"**adaptive** ({ad})", ad)
-        ]:
+        for label, s in [("0 (traker)", "0"), ("auto (rel:0.3)", "rel:0.3"), (f"**adaptive** ({ad})", ad)]:
             cells = [fmt(rows.get((c, "dense", p, s))) for p in dims] + [fmt(rows.get((c, "noop", 0, s)))]
             a, b = lds_of(c, "dense", 1024, s), lds_of(c, "dense", 256, s)
             diff = f"{a - b:+.3f}" if a is not None and b is not None else "—"
