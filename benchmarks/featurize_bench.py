@@ -51,7 +51,6 @@ IMPL_LABEL = {
     "traker-fastjl": "traker 0.3.2, GPU default (CudaProjector: fast_jl)",
     "factored": "trakflow — factored (default)",
     "factored@0": "trakflow — factored, lambda_reg=0 (traker's damping)",
-    "factored+ggn": "trakflow — factored, curvature='ggn' (XᵀRX: a second partial and solve)",
     "pipeline": "trakflow pipeline tasks (featurize_shard + finalize_checkpoint), factored",
     "sjlt": "trakflow — sjlt",
     "dense": "trakflow — dense",
@@ -145,7 +144,6 @@ def worker(spec: dict) -> dict:
         return pipeline_worker(spec)
     warnings.simplefilter("ignore")
     impl, _, lam = spec["impl"].partition("@")  # "factored@0": TRAKer with lambda_reg=0
-    impl, _, curvature = impl.partition("+")  # "factored+ggn": TRAKer with curvature="ggn"
     dev = spec.get("device", "cpu")
     model, shape, kind = make_model(spec["model"])
     model.to(dev)
@@ -200,8 +198,6 @@ def worker(spec: dict) -> dict:
                 kw = {} if impl == "factored" else {"projector": make_projector(impl, model, grad_dim, p, dev)}
                 if lam:  # otherwise TRAKer's default lambda_reg ('adaptive')
                     kw["lambda_reg"] = float(lam)
-                if curvature:
-                    kw["curvature"] = curvature
                 tr = trak_core.TRAKer(
                     model=model,
                     task="image_classification",
