@@ -30,7 +30,7 @@ class Case:
     measures: str
     against: str  # the floor and the peer, measured in the same run
     commands: tuple[str, ...]
-    device: str = "cpu"  # "cuda": run on a GPU machine (benchmarks/gpu_session.sh runs these)
+    device: str = "cpu"  # "cuda": run on a GPU machine (benchmarks/gpu_session.sh runs its checks there)
 
 
 # the 92 damping settings of the LDS grid ($S in the LDS commands)
@@ -132,6 +132,13 @@ CASES = (
             "python benchmarks/memory_flat.py --sizes 50000 200000 --proj-dim 512",
             "MALLOC_MMAP_THRESHOLD_=1048576 python benchmarks/memory_flat.py --sizes 50000 200000 --proj-dim 512",
         ),
+    ),
+    Case(
+        "mixed-precision",
+        "Mixed precision",
+        "scores of an MLP and a 2-layer GPT-2 run in bfloat16 / float16 / float32, CPU",
+        "the same model in float64",
+        ("python benchmarks/mixed_precision.py",),
     ),
     Case(
         "matrix-cuda",

@@ -132,8 +132,6 @@ def make_data(shape, kind, n):
 def make_model(name: str):
     """(model, input shape, input kind) — seeded, in eval mode."""
     torch.manual_seed(0)
-    if name == "mlp10k":
-        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).eval(), (64,), "float"
     if name == "mlp400k":
         return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10)).eval(), (784,), "float"
     if name == "convnet":

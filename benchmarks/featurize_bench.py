@@ -39,7 +39,6 @@ START, END = "<!-- featurize_bench:start -->", "<!-- featurize_bench:end -->"
 from bench_models import TRANSFORMER, cpu_name, make_data, make_model, write_section  # noqa: E402,F401
 
 MODEL_LABEL = {
-    "mlp10k": "MLP 64-128-10",
     "mlp400k": "MLP 784-512-10",
     "convnet": "ConvNet 3×32×32 (2 conv + linear)",
     "transformer": "Transformer text classifier (embeddings + 2 encoder layers + head)",

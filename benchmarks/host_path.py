@@ -40,7 +40,7 @@ PARTIAL_STAGE = "XᵀX partial (Gram precomputed)"
 #: the stood-in device arithmetic done on the host (the rows' norms), subtracted from the total and the partial's stage
 DEVICE_ROW = "(device arithmetic stood in, subtracted)"
 
-#: (label, module, attribute) of each timed stage; names a version of the code lacks are skipped
+#: (label, module, attribute) of each timed stage
 STAGES = [
     ("store write (all arrays)", "trak_core.store.zarr_store", "TrakStore.write_train_rows"),
     ("  zarr array read/write (guarded)", "trak_core.store.arrays", "StoredArray._guard"),
@@ -59,16 +59,12 @@ STAGES = [
 
 
 def _resolve(module: str, attr: str):
-    try:
-        owner = importlib.import_module(module)
-    except ImportError:
-        return None
-    parts = attr.split(".")
-    for name in parts[:-1]:
-        owner = getattr(owner, name, None)
-        if owner is None:
-            return None
-    return (owner, parts[-1]) if hasattr(owner, parts[-1]) else None
+    """(owner, name) of ``module``'s ``attr`` (dotted), or None where it is gone."""
+    *path, name = attr.split(".")
+    owner = importlib.import_module(module)
+    for part in path:
+        owner = getattr(owner, part, None)
+    return (owner, name) if hasattr(owner, name) else None
 
 
 @contextlib.contextmanager

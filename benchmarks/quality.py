@@ -11,9 +11,9 @@ under ``.cache/lds/`` (keyed by ``trak_core.lds.truth_key``), and so are the pro
 (case, projector kind, proj_dim, checkpoint), computed with the pipeline's featurizer.
 
 Scores follow the pipeline's formula (float64 XᵀX, traker's rescale and checkpoint combination), computed in XᵀX's
-eigenbasis so that many ``lambda_reg`` settings are cheap (``Solver``; ``check_scores`` compares it with the
-pipeline's float32 path). ``traker`` rows run traker 0.3.2 itself with its CPU defaults. LDS = mean over targets
-of the Spearman correlation over subsets; intervals are 95 % percentile bootstraps over targets.
+eigenbasis so that many ``lambda_reg`` settings are cheap (``Solver``; tests/benchmarks/test_curvature_bench.py
+checks its scores against a brute-force inverse). ``traker`` rows run traker 0.3.2 itself with its CPU defaults.
+LDS = mean over targets of the Spearman correlation over subsets; intervals: 95 % bootstraps over targets.
 
     .venv/bin/python benchmarks/quality.py truth                         # train / load all ground truths
     .venv/bin/python benchmarks/quality.py eval --kinds dense --proj-dims 256 2048 --settings 0 adaptive --json d.json
@@ -442,7 +442,7 @@ class Solver:
     def scores(self, lam: float) -> torch.Tensor:
         """X (XᵀX + λI)⁻¹ Gᵀ with traker's rescale (float32 out). λ > 0: in XᵀX's eigenbasis, float64 —
         (XV) diag(1/(σ+λ)) (GV)ᵀ / mean|V diag(1/(σ+λ)) Vᵀ|, n·p·m per λ instead of n·p² (the pipeline's
-        float32 path to ~1e-6 relative, ``check_scores``); λ = 0 through damping.cholesky_inverse."""
+        float32 path to ~1e-6 relative); λ = 0 through damping.cholesky_inverse."""
         if lam == 0:
             return scores_block(features_block(self.x, self.inverse(lam)), self.g)
         if self._xv is None:
@@ -451,7 +451,7 @@ class Solver:
             self._vec32 = self.vec.to(torch.float32)
             p = self.vec.shape[0]
             # traker's rescale (a scalar per checkpoint) from SCALE_ROWS fixed random rows of the inverse when p is
-            # large: p²·SCALE_ROWS instead of p³ flops per λ (its relative error is ~1e-3, check_scores)
+            # large: p²·SCALE_ROWS instead of p³ flops per λ (its relative error is ~1e-3)
             self._rows = (
                 None if p <= SCALE_ROWS else torch.randperm(p, generator=torch.Generator().manual_seed(0))[:SCALE_ROWS]
             )
@@ -493,15 +493,6 @@ def evaluate(
             }
         )
     return rows
-
-
-def check_scores(case: Case, truth: dict, kind: str = "dense", proj_dim: int = 512, setting="rel:0.3") -> float:
-    """max |difference| / max |score| of Solver.scores (eigenbasis) against the pipeline's float32 formula
-    (features_block, scores_block) with damping.cholesky_inverse's rescaled inverse."""
-    s = Solver(features(case, truth, kind, proj_dim, 0))
-    lam = s.resolve(setting)
-    ref = scores_block(features_block(s.x, cholesky_inverse(s.xtx, lam, s.n, rescale=True)[0]), s.g)
-    return float((s.scores(lam) - ref).abs().max() / ref.abs().max())
 
 
 # ---------------------------------------------------------------------------- traker 0.3.2 itself
