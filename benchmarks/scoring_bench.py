@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -632,10 +631,6 @@ def main() -> None:
     others = None
     if cpu0 and cpu1:
         others = max(0.0, (cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / (wall * (os.cpu_count() or 1))
-    try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
-    except OSError:
-        pass
     text = report(res, a, cmd, wall, load, others)
     print(text)
     if a.json:

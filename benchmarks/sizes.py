@@ -1,18 +1,13 @@
-"""Featurize at the sizes users run: a ResNet-18-shaped net (11.7M parameters) and a GPT-2-small-shaped model
-(124M, transformers' GPT2LMHeadModel), random init, TRAKer's defaults (factored projector, proj_dim 2048).
+"""Featurize at the sizes users run (RESULTS.md, "Model sizes users run"): a ResNet-18-shaped net (11.7M
+parameters) and a GPT-2-small-shaped model (124M, transformers' GPT2LMHeadModel), random init, TRAKer's defaults.
 
-Each measurement runs in a fresh subprocess, so its peak RSS (ru_maxrss) is its own: TRAKer featurize of ``--rows``
-rows in batches of ``--batch``; a training pass over the same batches (forward, backward, SGD step: the floor a
-user compares with); traker 0.3.2's fastest CPU configuration (BasicSingleBlockProjector, the matrix generated
-once), which needs the grad_dim × proj_dim matrix in memory: it is run only where that fits in half the machine's
-memory, else reported as not run with the bytes it would need.
+Each measurement runs in a fresh subprocess (its peak RSS is its own): TRAKer featurize of ``--rows`` rows in
+batches of ``--batch``; a training pass over the same batches (the floor); traker 0.3.2's fastest CPU configuration
+where its grad_dim × proj_dim matrix fits in half the machine's memory. Prints one JSON line per measurement and a
+markdown table (rows/s, × the training pass, peak RSS).
 
     .venv/bin/python benchmarks/sizes.py                                  # both models, 256 rows
-    .venv/bin/python benchmarks/sizes.py --models gpt2 --rows 32 --seq-len 32 --batch 4
-    .venv/bin/python benchmarks/sizes.py --models gpt2 --rows 16 --seq-len 32 --batch 8 --what featurize
     python3 benchmarks/sizes.py --device cuda --models gpt2 gpt2-1b --rows 128 --batch 16 --what train featurize
-
-Prints one JSON line per measurement and a markdown table (rows/s, × the training pass, peak RSS).
 """
 
 from __future__ import annotations
