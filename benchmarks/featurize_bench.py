@@ -8,7 +8,7 @@ Rows: **floor** (a training pass over the same N examples + finalize's float32 X
 **traker** (its CPU default, ``BasicProjector``, regenerating its matrix per batch); **traker-fastest**
 (``BasicSingleBlockProjector``, the matrix generated once and kept); **traker-fastjl** (``CudaProjector``, on a
 GPU); trakflow's ``factored`` (the default), ``factored@0`` (λ = 0), ``pipeline`` (the pipeline's task
-functions), ``sjlt`` and ``dense``. The report's paragraph below the table says what each pass includes.
+functions). The report's paragraph below the table says what each pass includes.
 """
 
 from __future__ import annotations
@@ -51,31 +51,7 @@ IMPL_LABEL = {
     "factored": "trakflow — factored (default)",
     "factored@0": "trakflow — factored, lambda_reg=0 (traker's damping)",
     "pipeline": "trakflow pipeline tasks (featurize_shard + finalize_checkpoint), factored",
-    "sjlt": "trakflow — sjlt",
-    "dense": "trakflow — dense",
 }
-
-
-def make_projector(kind: str, model, grad_dim: int, proj_dim: int, device="cpu"):
-    from trak_core.factored import FactoredProjector
-    from trak_core.projectors import DenseProjector
-    from trak_core.sjlt import SJLTProjector
-
-    if str(device).startswith("cuda") and kind.split("-c")[0] in ("dense", "sjlt"):
-        from cuda_ext.projectors import CudaDenseProjector, CudaSJLTProjector  # the GPU plugin's kernels
-
-        if kind == "dense":
-            return CudaDenseProjector(grad_dim, proj_dim, 0, device=device)
-        c = int(kind.split("-c")[1]) if "-c" in kind else 4
-        return CudaSJLTProjector(grad_dim, proj_dim, 0, device=device, c=c)
-    if kind == "dense":
-        return DenseProjector(grad_dim, proj_dim, 0, "rademacher", device)
-    if kind.startswith("sjlt"):
-        c = int(kind.split("-c")[1]) if "-c" in kind else 4
-        return SJLTProjector(grad_dim, proj_dim, 0, c=c, device=device)
-    if kind == "factored":
-        return FactoredProjector.from_model(model, proj_dim, 0, device=device)
-    raise ValueError(kind)
 
 
 # ---------------------------------------------------------------------------- one row, in a fresh process
@@ -194,7 +170,7 @@ def worker(spec: dict) -> dict:
             else:
                 import trak_core
 
-                kw = {} if impl == "factored" else {"projector": make_projector(impl, model, grad_dim, p, dev)}
+                kw = {}  # factored: TRAKer's default projector
                 if lam:  # otherwise TRAKer's default lambda_reg ('adaptive')
                     kw["lambda_reg"] = float(lam)
                 tr = trak_core.TRAKer(
@@ -397,7 +373,7 @@ def _load_range(rows: list) -> str:
     return f"{min(vals):.1f}–{max(vals):.1f} on {os.cpu_count()} cores" if vals else "not recorded"
 
 
-DEFAULT_IMPLS = ["floor", "traker", "traker-fastest", "factored", "factored@0", "pipeline", "sjlt", "dense"]
+DEFAULT_IMPLS = ["floor", "traker", "traker-fastest", "factored", "factored@0", "pipeline"]
 
 
 def main() -> None:
@@ -427,12 +403,12 @@ def main() -> None:
         help="warm passes of traker's default row (it regenerates its matrix per batch: cold ≈ warm)",
     )
     ap.add_argument("--models", nargs="+", default=["mlp400k", "convnet", "transformer"])
-    ap.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS)
+    ap.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, choices=list(IMPL_LABEL))
     ap.add_argument(
         "--skip",
         nargs="*",
-        default=["mlp400k:dense", "transformer:dense", "convnet:factored@0", "transformer:factored@0"],
-        help="model:impl pairs left out (dense regenerates a grad_dim × p matrix per batch there)",
+        default=["convnet:factored@0", "transformer:factored@0"],
+        help="model:impl pairs left out",
     )
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--json", default=os.path.join(ROOT, ".cache", "featurize_bench.json"), help="the raw results")
@@ -559,8 +535,7 @@ def report(res: dict, a) -> str:
         "`featurize_shard` per shard, `finalize_checkpoint`; init = make_plan), its defaults otherwise; the "
         "model in eval mode, random inputs. The floor: a training pass over the same examples (forward, backward, SGD "
         "step per batch) + float32 XᵀX, Cholesky, Cholesky inverse and Φ = X·A on an n × proj_dim matrix, "
-        "best of 3 warm. Rows left out: " + (", ".join(a.skip) or "none") + " (dense regenerates a "
-        "grad_dim × proj_dim matrix for every batch there: minutes per pass).",
+        "best of 3 warm. Rows left out: " + (", ".join(a.skip) or "none") + ".",
         "",
     ]
     return "\n".join(out)
