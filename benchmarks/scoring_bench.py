@@ -2,7 +2,7 @@
 
 On a store of n rows of float16 projected gradients X and m targets, times the square-matmul peak, the same GEMM
 with X in memory, ``scores_from_grads`` (the reference whose scores the other paths must equal bit for bit),
-``reduce.finalize_scores`` (also with plain numpy buffers), and the pipeline's score tasks (``prepare_scores`` +
+``reduce.finalize_scores``, and the pipeline's score tasks (``prepare_scores`` +
 ``score_block``, as the score flow runs them, and one at a time); then each stage's CPU time per block, the CPU
 time by thread, finalize, and the bytes stored. The *interleaved* column divides each measurement by a 4096²
 matmul timed right before it (median over repetitions): robust to other jobs on the machine.
@@ -35,7 +35,7 @@ from bench_models import cpu_name, write_section  # noqa: E402
 from tasks import core  # noqa: E402
 from tasks.common import cores, threads_per_task, torch_threads  # noqa: E402
 from tasks.config import AttributeConfig  # noqa: E402
-from trak_core import reduce, streaming  # noqa: E402
+from trak_core import reduce  # noqa: E402
 from trak_core.errors import BadInputError, StateError  # noqa: E402
 from trak_core.scoring import combine_checkpoints  # noqa: E402
 from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
@@ -305,22 +305,6 @@ def cpu_by_thread(fn) -> dict | None:
     return out
 
 
-def numpy_buffers(fn):
-    """``fn`` run with the scoring's large buffers as plain numpy arrays (huge pages asked for, as before
-    ``streaming.page_array``): the A/B of that change in the same run."""
-
-    def run():
-        plain = lambda shape, dtype: np.empty(shape, dtype=dtype)  # noqa: E731
-        saved = streaming.page_array, reduce.page_array
-        streaming.page_array = reduce.page_array = plain
-        try:
-            return fn()
-        finally:
-            streaming.page_array, reduce.page_array = saved
-
-    return run
-
-
 def finalize_times(st: TrakStore, mid: int, lambda_reg, repeats: int) -> dict:
     """finalize (the partials summed, the solve, A written: no pass over the rows) against the solve alone from
     the summed partials; best of ``repeats`` each, alternated."""
@@ -372,9 +356,6 @@ def run(a) -> dict:
                 {
                     "X · (A Gᵀ) (scores_from_grads)": lambda exp=exp: scores_from_grads(st, exp, inverses),
                     "finalize_scores (G A from the store)": lambda exp=exp: reduce.finalize_scores(st, exp),
-                    "finalize_scores, buffers in numpy's huge pages": numpy_buffers(
-                        lambda exp=exp: reduce.finalize_scores(st, exp)
-                    ),
                     score_tasks_label(st, exp, used): lambda exp=exp: score_tasks(st, exp, used),
                     f"score tasks, one at a time ({cores()} threads each)": lambda exp=exp: score_tasks(
                         st, exp, used, max_workers=1
