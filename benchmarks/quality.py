@@ -708,31 +708,6 @@ def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
             f, t = lds_of(c, "factored", p, ad), lds_of(c, "traker", p, "traker")
             vs.append(f"{f - t:+.3f}" if f is not None and t is not None and np.isfinite(t) else "—")
         print(f"| {c} | {worst} | {noop} | {' / '.join(rise)} | {' / '.join(vs)} |")
-    compression(rows, dims, cases, ad)
-
-
-def compression(rows: dict, dims: list[int], cases: list[str], ad: str) -> None:
-    """The factored projector against dense at each proj_dim, with the compression (parameters / proj_dim)."""
-    lds_of = lambda c, k, p, s: rows.get((c, k, p, s), {}).get("lds")  # noqa: E731
-    print("\n### Compression: factored against dense (adaptive; LDS)\n")
-    with_traker = any(k[0] in cases and k[1] == "traker" for k in rows)  # the column only where traker ran
-    print(
-        "| case | parameters | proj_dim | compression | "
-        + ("traker 0.3.2 defaults | " if with_traker else "")
-        + "dense | factored | factored − dense | dense, best fixed λ |"
-    )
-    print("|---|---|---|---|---|---|---|---|" + ("---|" if with_traker else ""))
-    all_cases = make_cases()
-    for c in cases:
-        d = grad_dim(all_cases[c])
-        for p in dims:
-            t, a, f = lds_of(c, "traker", p, "traker"), lds_of(c, "dense", p, ad), lds_of(c, "factored", p, ad)
-            bf = _best_fixed_or_none(rows, c, "dense", p)
-            vals = (t, a, f) if with_traker else (a, f)
-            cells = [f"{v:.3f}" if v is not None and np.isfinite(v) else "—" for v in vals]
-            gap = f"{f - a:+.3f}" if f is not None and a is not None else "—"
-            best = f"{bf[1]:.3f} ({bf[0]})" if bf else "—"
-            print(f"| {c} | {d:,} | {p} | {d / p:,.0f}× | " + " | ".join(cells) + f" | {gap} | {best} |")
 
 
 def main(argv=None) -> None:
