@@ -51,7 +51,7 @@ STAGES = [
     ("  place checks", "trak_core.store.arrays", "place_problems"),
     ("  lock check", "trak_core.store.zarr_store", "TrakStore.check_lock"),
     ("finalized check", "trak_core.store.zarr_store", "TrakStore.is_finalized"),
-    (PARTIAL_STAGE, "trak_core.engine", "complete_shard"),  # the shard task's
+    (PARTIAL_STAGE, "trak_core.engine", "_write_partial_unmarked"),  # the shard task's
     (PARTIAL_STAGE, "trak_core.row_sink", "complete_shard"),  # TRAKer's (its partials' thread)
     ("  row sums (host float64)", "trak_core.reduce", "shard_row_sums"),
     ("  partial written", "trak_core.store.zarr_store", "TrakStore.write_partial"),
