@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.what == "list":
         for c in CASES:
-            print(f"{c.name:12} {c.device:5} [{c.section}] {c.measures}; against {c.against}")
+            print(f"{c.name:15} {c.device:5} [{c.section}] {c.measures}; against {c.against}")
         return 0
     case = BY_NAME[a.case]
     if a.what == "show":
