@@ -30,7 +30,7 @@ class Case:
     measures: str
     against: str  # the floor and the peer, measured in the same run
     commands: tuple[str, ...]
-    device: str = "cpu"  # "cuda": run on a GPU machine (benchmarks/gpu_session.sh runs these)
+    device: str = "cpu"  # "cuda": run on a GPU machine (benchmarks/gpu_session.sh runs its checks there)
 
 
 # the 92 damping settings of the LDS grid ($S in the LDS commands)
@@ -134,6 +134,13 @@ CASES = (
         ),
     ),
     Case(
+        "mixed-precision",
+        "Mixed precision",
+        "scores of an MLP and a 2-layer GPT-2 run in bfloat16 / float16 / float32, CPU",
+        "the same model in float64",
+        ("python benchmarks/mixed_precision.py",),
+    ),
+    Case(
         "matrix-cuda",
         "GPU (H200)",
         "featurize + finalize on the GPU: the matrix's MLP, conv net and transformer, 16,384 rows",
@@ -214,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.what == "list":
         for c in CASES:
-            print(f"{c.name:12} {c.device:5} [{c.section}] {c.measures}; against {c.against}")
+            print(f"{c.name:15} {c.device:5} [{c.section}] {c.measures}; against {c.against}")
         return 0
     case = BY_NAME[a.case]
     if a.what == "show":

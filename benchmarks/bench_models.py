@@ -9,6 +9,8 @@ self-attention) that classifies from its last token.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -130,8 +132,6 @@ def make_data(shape, kind, n):
 def make_model(name: str):
     """(model, input shape, input kind) — seeded, in eval mode."""
     torch.manual_seed(0)
-    if name == "mlp10k":
-        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).eval(), (64,), "float"
     if name == "mlp400k":
         return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10)).eval(), (784,), "float"
     if name == "convnet":
@@ -181,3 +181,25 @@ def make(name: str):
     if name == "gpt":
         return Decoder().eval(), (SEQ,), "tokens"
     raise ValueError(f"unknown model {name!r}; known: {', '.join(LABELS)}")
+
+
+# ---------------------------------------------------------------------------- shared by the report writers
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or "" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def write_section(path: str, body: str, start: str, end: str) -> None:
+    """Replace the block between the ``start`` and ``end`` markers of ``path`` (or append it) with ``body``."""
+    old = open(path).read() if os.path.exists(path) else "# trakflow benchmarks\n"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in old and end in old:
+        new = old[: old.index(start)] + block + old[old.index(end) + len(end) :]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w") as fh:
+        fh.write(new if new.endswith("\n") else new + "\n")

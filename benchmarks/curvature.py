@@ -1,33 +1,18 @@
 """Gauss-Newton curvature for TRAK: LDS with XᵀRX in place of XᵀX, on the evaluation cases of
-``benchmarks/quality.py``.
+``benchmarks/quality.py`` (RESULTS.md, "Gauss-Newton curvature"; docs/damping.md derives it).
 
-TRAK's estimator is one Newton step of the linearized model's logistic loss. That step's curvature is the
-Gauss-Newton matrix XᵀRX, R = diag(rᵢ) with rᵢ = ∂²loss/∂fᵢ² at train row i. For the margin output
-f = log(p/(1-p)) of every built-in task the loss is log(1 + e^(-f)), so with Q = ∂loss/∂f = 1 - p (traker's
-``out_to_loss``, stored per row) rᵢ = pᵢ(1 - pᵢ) = Qᵢ(1 - Qᵢ). traker 0.3.2 replaces XᵀRX by XᵀX (R = I).
-A confidently fitted row (p near 1) has rᵢ near 0: it hardly bends the loss, so it should hardly shape the
-inverse; XᵀX counts it as much as an uncertain row.
+rᵢ = ∂²loss/∂fᵢ² = pᵢ(1 − pᵢ) = Qᵢ(1 − Qᵢ) for the margin output of every built-in task; traker 0.3.2 uses XᵀX
+(R = I). Both are scored with quality.py's pipeline formula (``quality.Solver``) on its cached ground truth:
 
-Both are scored with quality.py's pipeline formula (``quality.Solver``: the curvature's eigendecomposition in
-float64, (H + λI)⁻¹ rescaled as traker does, scores X (H + λI)⁻¹ Gᵀ, traker's checkpoint combination) on its
-cached ground truth (100 half-subset models per case). Damping:
-
-* ``xtx``: H = XᵀX, λ by ``lambda_reg="adaptive"`` (today's default);
-* ``ggn``: H = XᵀRX + β·mean(r)·XᵀX (β = trak_core's GGN_FLOOR, 0.3: the row weights floored, as
-  ``curvature="ggn"`` builds it; ``--rules`` measures β = 0, ``--floors`` several β), λ = (the λ ``adaptive`` gives
-  XᵀX) × trace(H) / trace(XᵀX): the same damping relative to the curvature's scale. ``adaptive``'s constants were
-  chosen by leave-one-case-out in quality.py, on XᵀX, and β by leave-one-case-out here (``--floors``);
-* ``best fixed``: per case, kind and proj_dim the best of λ = rel:0.01 … rel:1000 × the curvature's mean
-  eigenvalue (an oracle), for each curvature.
+* ``xtx``: H = XᵀX, λ by ``lambda_reg="adaptive"``;
+* ``ggn``: H = XᵀRX + β·mean(r)·XᵀX (β = trak_core's GGN_FLOOR, as ``curvature="ggn"`` builds it; ``--floors``
+  compares several β), λ = (the λ ``adaptive`` gives XᵀX) × trace(H) / trace(XᵀX);
+* ``best fixed``: per case, kind and proj_dim the best of λ = rel:0.01 … rel:1000 (an oracle), for each curvature.
 
 Δ is ggn − xtx with both at their rule (paired bootstrap over targets, 95 %); "vs traker" compares with
 traker 0.3.2 itself at the same checkpoints and proj_dim (quality.py's cached run, ``quality.traker_lds``).
 
     .venv/bin/python benchmarks/curvature.py --kinds dense factored --proj-dims 128 256 512 1024 2048
-
-``--rules``: damping rules for XᵀRX (``RULES``: ``transfer`` scaled by constants or by the ratio of the rows'
-effective numbers, or ``deff:c`` on XᵀRX's own spectrum), each case's worst gap to XᵀRX's best fixed λ and
-leave-one-case-out, on the dense projector.
 """
 
 from __future__ import annotations
@@ -64,27 +49,17 @@ class GGNSolver(quality.Solver):
 
     def __init__(self, f: dict, base: quality.Solver, floor: float = GGN_FLOOR) -> None:
         r = loss_curvature(f["Q"])
-        r = r + floor * r.mean()  # ``floor`` β: rᵢ + β·mean(r), XᵀRX + β·mean(r)·XᵀX (``--floors``)
+        r = r + floor * r.mean()  # the floor β: rᵢ + β·mean(r), XᵀRX + β·mean(r)·XᵀX (``--floors``)
         super().__init__({**f, "X": (f["X"] * np.sqrt(r)[:, None]).astype(np.float32)})
         self.x = torch.from_numpy(f["X"])  # the scores' rows: X, not √R X
         self.base = base
         self.ratio = float(self.ev.sum() / base.ev.sum())
 
     def resolve(self, setting) -> float:
-        """``transfer``, ``transfer*k`` (k times it), ``transfer^a`` (times (n_eff / n_eff,R)^a: more damping
-        where R leaves fewer rows that count; n_eff = (trace)² / Σ‖row‖⁴ of X and of √R X), or a lambda_reg."""
-        if str(setting).startswith("transfer"):
-            lam = self.base.resolve(RULE) * self.ratio
-            if str(setting).startswith("transfer*"):
-                lam *= float(setting.split("*", 1)[1])
-            elif str(setting).startswith("transfer^"):
-                lam *= (self.effective_rows(self.base) / self.effective_rows(self)) ** float(setting.split("^", 1)[1])
-            return lam
+        """``transfer`` (the XᵀX rule's λ scaled by the traces' ratio) or a lambda_reg."""
+        if setting == "transfer":
+            return self.base.resolve(RULE) * self.ratio
         return super().resolve(setting)
-
-    @staticmethod
-    def effective_rows(s: quality.Solver) -> float:
-        return float(s.ev.sum()) ** 2 / float(s.norm4)
 
 
 def lds_of(solvers: list, settings: list, truth: dict) -> dict:
@@ -112,44 +87,6 @@ def evaluate(case, truth, kind: str, proj_dim: int, num_ckpts: int) -> dict:
     row["delta"] = quality.paired_ci(xg["transfer"][1], xb[RULE][1])
     row["per_ggn"] = xg["transfer"][1]
     return row
-
-
-RULES = (
-    [f"transfer*{k:g}" for k in (1, 1.5, 2, 3)]
-    + [f"transfer^{a:g}" for a in (0.25, 0.5, 1)]
-    + [f"deff:{c:g}" for c in (0.05, 0.1, 0.2)]  # on XᵀRX alone: d_eff of XᵀRX = c·n
-)
-
-
-def rules(names: list[str], dims: list[int], cases: dict, num_ckpts: int) -> None:
-    """Damping rules for XᵀRX (dense): per case the worst LDS gap to XᵀRX's best fixed λ over ``dims``, and
-    leave-one-case-out (the rule with the best mean LDS over the other cases' dims, scored on the held-out one)."""
-    lds_of_rule: dict[tuple[str, int, str], float] = {}
-    for name in names:
-        case = cases[name]
-        truth = quality.ground_truth(case, log=lambda *a: None)
-        for p in dims:
-            feats = [quality.features(case, truth, "dense", p, c) for c in range(num_ckpts)]
-            ggn = [GGNSolver(f, quality.Solver(f), floor=0.0) for f in feats]  # measured at β = 0 (no floor)
-            for setting, (val, _) in lds_of(ggn, RULES + FIXED, truth).items():
-                lds_of_rule[name, p, setting] = val
-
-    def gap(case: str, rule: str) -> float:
-        return min(lds_of_rule[case, p, rule] - max(lds_of_rule[case, p, f] for f in FIXED) for p in dims)
-
-    def mean(among: list[str], rule: str) -> float:
-        return float(np.mean([lds_of_rule[c, p, rule] for c in among for p in dims]))
-
-    print("| rule | " + " | ".join(names) + " | mean LDS |")
-    print("|---|" + "---|" * (len(names) + 1))
-    for rule in RULES:
-        print(f"| `{rule}` | " + " | ".join(f"{gap(c, rule):+.3f}" for c in names) + f" | {mean(names, rule):.4f} |")
-    print()
-    print("| held-out case | chosen on the others | its worst gap to the best fixed λ |")
-    print("|---|---|---|")
-    for held in names:
-        chosen = max(RULES, key=lambda r: mean([c for c in names if c != held], r))
-        print(f"| {held} | `{chosen}` | {gap(held, chosen):+.3f} |")
 
 
 FLOORS = (0.0, 0.03, 0.1, 0.3, 1.0)
@@ -200,15 +137,11 @@ def main(argv=None) -> None:
     ap.add_argument("--kinds", nargs="*", default=["dense", "factored"])
     ap.add_argument("--proj-dims", nargs="*", type=int, default=[128, 256, 512, 1024, 2048])
     ap.add_argument("--json", default=None, help="write the result rows (without per-target values) here")
-    ap.add_argument("--rules", action="store_true", help="compare damping rules for XᵀRX (dense) instead")
     ap.add_argument("--floors", action="store_true", help="compare floors β on the curvature weights (dense) instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cases = quality.make_cases()
     args.cases = args.cases or [c for c in cases if c not in quality.LARGE_CASES]
-    if args.rules:
-        rules(args.cases or list(cases), args.proj_dims, cases, quality.NUM_CKPTS)
-        return
     if args.floors:
         floors(args.cases or list(cases), args.proj_dims, cases, quality.NUM_CKPTS)
         return

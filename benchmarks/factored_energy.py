@@ -1,12 +1,10 @@
-"""The factored projector's two splits of proj_dim, side by side: LDS against dense.
+"""The factored projector's two splits of proj_dim, side by side: LDS against dense (RESULTS.md, "Attribution
+quality at realistic compression").
 
-``split="layer"`` (layout version 4: equal shares per block, water-filled at each block's size; quality.py's kind
-``factored-v4``) against ``split="energy"`` (layout version 5, the default of TRAKer and the pipeline; quality.py's
-kind ``factored``: shares ∝ each block's mean per-example ‖∂f/∂θ_block‖², probed by
-:func:`trak_core.energy.sketched_energies` on the first 64 train rows at checkpoint 0, water-filled at each block's
-size, at least 4 each). Both are built by ``FactoredProjector.from_model`` (the production code) in
-``quality.features``, whose cache under ``.cache/lds/feats`` they share (the projector's spec hash names them); the
-ground truth must exist (``quality.py truth --cases ...``).
+``split="layer"`` (layout version 4, equal shares per block; quality.py's kind ``factored-v4``) against
+``split="energy"`` (the default: shares ∝ each block's gradient energy, probed by ``sketched_energies``), both built
+by ``FactoredProjector.from_model`` in ``quality.features`` (cached under ``.cache/lds/feats``); the ground truth
+must exist (``quality.py truth --cases ...``).
 
     .venv/bin/python benchmarks/factored_energy.py --cases small-lm wide-mlp bn-conv --proj-dims 128 256 512 1024 2048
 """

@@ -1,31 +1,14 @@
-"""Featurize + finalize side by side: the floor, traker 0.3.2 (default and fastest CPU configurations) and
-trakflow's projectors, cold (first use in a fresh process) and warm (steady state), in one run.
+"""Featurize + finalize side by side (RESULTS.md, "Speed against the floor and traker"): the floor, traker 0.3.2
+(default and fastest CPU configurations) and trakflow's projectors, cold (first use in a fresh process) and warm
+(steady state), each row in ``--repeats`` fresh processes interleaved in time, best kept.
 
     .venv/bin/python benchmarks/featurize_bench.py --repeats 2      # writes its section of benchmarks/RESULTS.md
 
-Each row times, through each library's own ``TRAKer``: construction (store creation) + load_checkpoint +
-featurize of N examples in batches + finalize_features (XᵀX and its inverse; traker also writes the features Φ), float32
-store. Every row runs in a fresh process: its first pass there is **cold** (imports already done,
-everything else — torch.func set-up, projection matrices, store creation, BLAS/OpenMP start-up — paid on
-first use), then ``--warm-runs`` more passes with a new TRAKer and a new store each (**warm**, best kept).
-``--repeats`` fresh processes per row, interleaved in time across rows, best kept.
-
-Rows:
-* **floor**: a plain training pass over the same N examples (forward + backward + SGD step per batch) plus
-  finalize's unavoidable linear algebra in float32 on an N × p matrix: XᵀX, the Cholesky factorization and
-  inverse of the p × p matrix, Φ = X A — timed in the same process, warm, best of 3;
-* **traker-default**: traker 0.3.2 with its CPU defaults (``BasicProjector``, normal entries, the matrix
-  regenerated in blocks for every batch);
-* **traker-fastest**: traker with ``BasicSingleBlockProjector`` (Rademacher), the whole grad_dim × p matrix
-  generated once — inside the cold pass — and kept for the warm passes;
-* **traker-fastjl**: traker's GPU default, ``CudaProjector`` (fast_jl's kernel, Rademacher, no matrix stored);
-  needs a CUDA device and fast_jl;
-* trakflow with ``factored`` (the default), ``sjlt``, ``dense``.
-
-Models: a 400k-parameter MLP, a small conv net, and a transformer-style text classifier (token +
-position embeddings, two ``nn.TransformerEncoderLayer`` blocks, a linear head).
-
-Numbers are from one machine; other processes may share its cores (the report prints the load).
+Rows: **floor** (a training pass over the same N examples + finalize's float32 XᵀX, Cholesky, inverse and Φ = X A);
+**traker** (its CPU default, ``BasicProjector``, regenerating its matrix per batch); **traker-fastest**
+(``BasicSingleBlockProjector``, the matrix generated once and kept); **traker-fastjl** (``CudaProjector``, on a
+GPU); trakflow's ``factored`` (the default), ``factored@0`` (λ = 0), ``pipeline`` (the pipeline's task
+functions). The report's paragraph below the table says what each pass includes.
 """
 
 from __future__ import annotations
@@ -53,10 +36,9 @@ if HERE not in sys.path:
 START, END = "<!-- featurize_bench:start -->", "<!-- featurize_bench:end -->"
 
 # the models and their data live in bench_models.py (re-exported here: the tests and matrix.py's workers use them)
-from bench_models import TRANSFORMER, make_data, make_model  # noqa: E402,F401
+from bench_models import TRANSFORMER, cpu_name, make_data, make_model, write_section  # noqa: E402,F401
 
 MODEL_LABEL = {
-    "mlp10k": "MLP 64-128-10",
     "mlp400k": "MLP 784-512-10",
     "convnet": "ConvNet 3×32×32 (2 conv + linear)",
     "transformer": "Transformer text classifier (embeddings + 2 encoder layers + head)",
@@ -68,33 +50,8 @@ IMPL_LABEL = {
     "traker-fastjl": "traker 0.3.2, GPU default (CudaProjector: fast_jl)",
     "factored": "trakflow — factored (default)",
     "factored@0": "trakflow — factored, lambda_reg=0 (traker's damping)",
-    "factored+ggn": "trakflow — factored, curvature='ggn' (XᵀRX: a second partial and solve)",
     "pipeline": "trakflow pipeline tasks (featurize_shard + finalize_checkpoint), factored",
-    "sjlt": "trakflow — sjlt",
-    "dense": "trakflow — dense",
 }
-
-
-def make_projector(kind: str, model, grad_dim: int, proj_dim: int, device="cpu"):
-    from trak_core.factored import FactoredProjector
-    from trak_core.projectors import DenseProjector
-    from trak_core.sjlt import SJLTProjector
-
-    if str(device).startswith("cuda") and kind.split("-c")[0] in ("dense", "sjlt"):
-        from cuda_ext.projectors import CudaDenseProjector, CudaSJLTProjector  # the GPU plugin's kernels
-
-        if kind == "dense":
-            return CudaDenseProjector(grad_dim, proj_dim, 0, device=device)
-        c = int(kind.split("-c")[1]) if "-c" in kind else 4
-        return CudaSJLTProjector(grad_dim, proj_dim, 0, device=device, c=c)
-    if kind == "dense":
-        return DenseProjector(grad_dim, proj_dim, 0, "rademacher", device)
-    if kind.startswith("sjlt"):
-        c = int(kind.split("-c")[1]) if "-c" in kind else 4
-        return SJLTProjector(grad_dim, proj_dim, 0, c=c, device=device)
-    if kind == "factored":
-        return FactoredProjector.from_model(model, proj_dim, 0, device=device)
-    raise ValueError(kind)
 
 
 # ---------------------------------------------------------------------------- one row, in a fresh process
@@ -162,7 +119,6 @@ def worker(spec: dict) -> dict:
         return pipeline_worker(spec)
     warnings.simplefilter("ignore")
     impl, _, lam = spec["impl"].partition("@")  # "factored@0": TRAKer with lambda_reg=0
-    impl, _, curvature = impl.partition("+")  # "factored+ggn": TRAKer with curvature="ggn"
     dev = spec.get("device", "cpu")
     model, shape, kind = make_model(spec["model"])
     model.to(dev)
@@ -214,11 +170,9 @@ def worker(spec: dict) -> dict:
             else:
                 import trak_core
 
-                kw = {} if impl == "factored" else {"projector": make_projector(impl, model, grad_dim, p, dev)}
+                kw = {}  # factored: TRAKer's default projector
                 if lam:  # otherwise TRAKer's default lambda_reg ('adaptive')
                     kw["lambda_reg"] = float(lam)
-                if curvature:
-                    kw["curvature"] = curvature
                 tr = trak_core.TRAKer(
                     model=model,
                     task="image_classification",
@@ -356,15 +310,7 @@ def run_worker(spec: dict, timeout: int = 900) -> dict:
 def machine() -> dict:
     import torch
 
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_name() or platform.processor()
     import trak  # noqa: F401
 
     return {
@@ -427,19 +373,7 @@ def _load_range(rows: list) -> str:
     return f"{min(vals):.1f}–{max(vals):.1f} on {os.cpu_count()} cores" if vals else "not recorded"
 
 
-def write_section(path: str, body: str, start: str = START, end: str = END) -> None:
-    old = open(path).read() if os.path.exists(path) else "# trakflow benchmarks\n"
-    block = f"{start}\n{body.rstrip()}\n{end}\n"
-    if start in old and end in old:
-        a, b = old.index(start), old.index(end) + len(end)
-        new = old[:a] + block.rstrip("\n") + old[b:]
-    else:
-        new = old.rstrip("\n") + "\n\n" + block
-    with open(path, "w") as fh:
-        fh.write(new if new.endswith("\n") else new + "\n")
-
-
-DEFAULT_IMPLS = ["floor", "traker", "traker-fastest", "factored", "factored@0", "pipeline", "sjlt", "dense"]
+DEFAULT_IMPLS = ["floor", "traker", "traker-fastest", "factored", "factored@0", "pipeline"]
 
 
 def main() -> None:
@@ -469,15 +403,13 @@ def main() -> None:
         help="warm passes of traker's default row (it regenerates its matrix per batch: cold ≈ warm)",
     )
     ap.add_argument("--models", nargs="+", default=["mlp400k", "convnet", "transformer"])
-    ap.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS)
+    ap.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, choices=list(IMPL_LABEL))
     ap.add_argument(
         "--skip",
         nargs="*",
-        default=["mlp400k:dense", "transformer:dense", "convnet:factored@0", "transformer:factored@0"],
-        help="model:impl pairs left out (dense regenerates a grad_dim × p matrix per batch there)",
+        default=["convnet:factored@0", "transformer:factored@0"],
+        help="model:impl pairs left out",
     )
-    ap.add_argument("--default", default="factored", help="the projector named as default in the report")
-    ap.add_argument("--note", default="", help="a sentence added to the report (e.g. about the machine's load)")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--json", default=os.path.join(ROOT, ".cache", "featurize_bench.json"), help="the raw results")
     a = ap.parse_args()
@@ -543,7 +475,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as fh:
         json.dump(res, fh, indent=1, default=str)
-    write_section(a.out, report(res, a))
+    write_section(a.out, report(res, a), START, END)
     log(report(res, a))
     log(f"wrote {a.out} ({res['total_seconds']:.0f} s)")
 
@@ -558,15 +490,14 @@ def report(res: dict, a) -> str:
         f"Produced by {res['command']} in one run ({res['featurize_seconds'] / 60:.1f} min) on "
         f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads), traker {m['traker']}, "
         f"Python {m['python']}. Load average (1 min) during the run: {_load_range(feats)}. "
-        + (a.note + " " if a.note else "")
         + "Compare **ratios** within the table.",
         "",
     ]
-    f, t, d = by.get(("mlp400k", "floor")), by.get(("mlp400k", "traker-fastest")), by.get(("mlp400k", a.default))
+    f, t, d = by.get(("mlp400k", "floor")), by.get(("mlp400k", "traker-fastest")), by.get(("mlp400k", "factored"))
     if f and t and d and d.get("warm_s"):
         out += [
             f"**Headline (400k-parameter MLP, {d['n']:,} examples, proj_dim {d['proj_dim']}, batch "
-            f"{d['batch']}):** trakflow's default (`{a.default}`) featurizes + finalizes in "
+            f"{d['batch']}):** trakflow's default (`factored`) featurizes + finalizes in "
             f"{d['warm_s']:.2f} s warm / {d['cold_s']:.2f} s cold; traker 0.3.2's fastest "
             f"{'CPU' if a.device == 'cpu' else a.device} configuration "
             f"takes {t['warm_s']:.1f} s warm / {t['cold_s']:.1f} s cold — **{_times(t['warm_s'] / d['warm_s'])} "
@@ -604,20 +535,9 @@ def report(res: dict, a) -> str:
         "`featurize_shard` per shard, `finalize_checkpoint`; init = make_plan), its defaults otherwise; the "
         "model in eval mode, random inputs. The floor: a training pass over the same examples (forward, backward, SGD "
         "step per batch) + float32 XᵀX, Cholesky, Cholesky inverse and Φ = X·A on an n × proj_dim matrix, "
-        "best of 3 warm. Rows left out: " + (", ".join(a.skip) or "none") + " (dense regenerates a "
-        "grad_dim × proj_dim matrix for every batch there: minutes per pass).",
+        "best of 3 warm. Rows left out: " + (", ".join(a.skip) or "none") + ".",
         "",
     ]
-    tf = by.get(("transformer", "factored"))
-    if tf:
-        out += [
-            "The transformer's `factored` layout (layout_version 2): the feed-forward layers and the head "
-            "(`nn.Linear`, hooked), the token embedding (`nn.Embedding`, hooked: a gather of P_out rows), "
-            "`nn.MultiheadAttention`'s `in_proj_weight`/`out_proj` and the position table (weight "
-            "substitution, W + P_out Z P_inᵀ) are factored blocks — the small ones as Khatri-Rao pairs; only "
-            "the LayerNorms' 1-D parameters form the dense `__other__` block.",
-            "",
-        ]
     return "\n".join(out)
 
 

@@ -1,33 +1,20 @@
-"""The host path of featurizing, in µs per row: everything a featurize step does except the model's arithmetic.
+"""The host path of featurizing, in µs per row: everything a featurize step does except the model's arithmetic
+(RESULTS.md, "Host path: featurize without the model's arithmetic").
 
-Precomputed X (rows × proj_dim) and Q, as a GPU hands them over (X rounded to the store's float16 on the device
-where the code does so, else float32), are fed through the production write paths, with the model's arithmetic
-replaced by slices of those arrays:
+Precomputed X (rounded to the store's float16, as the device hands it over) and Q are fed through the production
+write paths, with the model's arithmetic replaced by slices of those arrays and each shard's XᵀX partial (the Gram
+and row sums the device would compute) precomputed, on the device ``meta`` so the code takes its device path:
 
-* ``traker``: :meth:`TRAKer.featurize` batch by batch (its checks, the rows held until a chunk is complete, the
-  store write: float16 conversion, crc32c, chunk files, place records, row flags), in the GPU setting where each
-  shard's XᵀX partial is stored as soon as its rows are written (the device's arithmetic, the packed upper triangle
-  of the p × p Gram and the shard's row sums, is precomputed; its copy to the host and the partial's write are
-  timed; a version of the code that sums the rows on the host has that timed too);
-* ``traker-behind``: the same with ``TRAKer(write_behind=True)`` (the writes on a background thread, overlapping
-  the next batches; here there is no model arithmetic to overlap, so this shows what the writer thread takes off
-  the caller);
-* ``shard``: :func:`trak_core.engine.featurize_shard`, the pipeline task's step (a shard written at once, its
-  partial on a second thread beside it, the Gram again precomputed);
-* ``floor``: the same bytes (X in float16, Q, the packed partials) written to new files as the store writes a chunk,
-  nothing else: what the file system costs here (on a virtual machine that hands freed memory back to its host,
-  page-cache pages come back at a page fault each, several µs a row when the machine is busy).
+* ``traker``: :meth:`TRAKer.featurize` batch by batch in the GPU setting (partials stored as shards complete);
+* ``traker-behind``: the same with ``TRAKer(write_behind=True)``;
+* ``shard``: :func:`trak_core.engine.featurize_shard`, the pipeline task's step;
+* ``floor``: the same bytes written to new files as the store writes a chunk, nothing else.
 
-The device "computes" on ``meta`` (any device other than the CPU takes the production code's device path); the
-stood-in norms are the pool's, so a shard must begin at a multiple of ``--pool`` rows (the defaults do).
-
-Each stage is the time spent inside the named production functions, wall / CPU of the calling thread (wrapped for
-the run; inclusive, so a stage may contain the one below it); ``total`` is the wall time of the whole loop,
-including the final write, and the process's CPU time (all threads), per row. On a loaded machine the CPU times
-are the steadier figures.
+Each stage is the time spent inside the named production functions (``STAGES``), wall / CPU of the calling
+thread, inclusive; ``total`` is the wall time of the whole loop and the process's CPU time, per row. A shard must
+begin at a multiple of ``--pool`` rows (the defaults do).
 
     PYTHONPATH=. .venv/bin/python benchmarks/host_path.py                 # 65,536 rows, batches 256 and 2,048
-    PYTHONPATH=. .venv/bin/python benchmarks/host_path.py --threads 1     # one torch and BLAS thread
     PYTHONPATH=. .venv/bin/python benchmarks/host_path.py --smoke         # every code path, tiny sizes
 """
 
@@ -53,7 +40,7 @@ PARTIAL_STAGE = "XᵀX partial (Gram precomputed)"
 #: the stood-in device arithmetic done on the host (the rows' norms), subtracted from the total and the partial's stage
 DEVICE_ROW = "(device arithmetic stood in, subtracted)"
 
-#: (label, module, attribute) of each timed stage; names a version of the code lacks are skipped
+#: (label, module, attribute) of each timed stage
 STAGES = [
     ("store write (all arrays)", "trak_core.store.zarr_store", "TrakStore.write_train_rows"),
     ("  zarr array read/write (guarded)", "trak_core.store.arrays", "StoredArray._guard"),
@@ -64,23 +51,20 @@ STAGES = [
     ("  place checks", "trak_core.store.arrays", "place_problems"),
     ("  lock check", "trak_core.store.zarr_store", "TrakStore.check_lock"),
     ("finalized check", "trak_core.store.zarr_store", "TrakStore.is_finalized"),
-    (PARTIAL_STAGE, "trak_core.engine", "complete_shard"),
+    (PARTIAL_STAGE, "trak_core.engine", "_write_partial_unmarked"),  # the shard task's
+    (PARTIAL_STAGE, "trak_core.row_sink", "complete_shard"),  # TRAKer's (its partials' thread)
     ("  row sums (host float64)", "trak_core.reduce", "shard_row_sums"),
     ("  partial written", "trak_core.store.zarr_store", "TrakStore.write_partial"),
 ]
 
 
 def _resolve(module: str, attr: str):
-    try:
-        owner = importlib.import_module(module)
-    except ImportError:
-        return None
-    parts = attr.split(".")
-    for name in parts[:-1]:
-        owner = getattr(owner, name, None)
-        if owner is None:
-            return None
-    return (owner, parts[-1]) if hasattr(owner, parts[-1]) else None
+    """(owner, name) of ``module``'s ``attr`` (dotted), or None where it is gone."""
+    *path, name = attr.split(".")
+    owner = importlib.import_module(module)
+    for part in path:
+        owner = getattr(owner, part, None)
+    return (owner, name) if hasattr(owner, name) else None
 
 
 @contextlib.contextmanager
@@ -116,25 +100,14 @@ def timed_stages(spent: dict):
             setattr(owner, name, real)
 
 
-def _rounded_on_the_device() -> bool:
-    """Whether this version of the code has the device round X to the store's dtype before handing it over."""
-    from trak_core.featurize import Featurizer
-
-    return "stored_dtype" in Featurizer.__init__.__code__.co_varnames
-
-
 class _Pool:
-    """X and Q handed over batch by batch: rows of a pool (views; never written to). X in float32, or in the
-    store's float16 where the code has the device round it (``rounded``)."""
+    """X and Q handed over batch by batch: rows of a pool (views; never written to), X in the store's float16."""
 
-    def __init__(self, rows: int, p: int, seed: int = 0, rounded: bool = False):
+    def __init__(self, rows: int, p: int, seed: int = 0):
         rng = np.random.default_rng(seed)
-        self.x = rng.standard_normal((rows, p), dtype=np.float32) * np.float32(0.02)
-        if rounded:
-            self.x = self.x.astype(np.float16)
+        self.x = (rng.standard_normal((rows, p), dtype=np.float32) * np.float32(0.02)).astype(np.float16)
         self.q = rng.random(rows, dtype=np.float32)
-        self.gram = np.eye(p, dtype=np.float64)
-        self.packed = self.gram[np.triu_indices(p)]
+        self.packed = np.eye(p, dtype=np.float64)[np.triu_indices(p)]
         wide = self.x.astype(np.float16).astype(np.float64)  # each row's ‖xᵢ‖² as stored (float16), in float64
         self.norms = np.einsum("ij,ij->i", wide, wide)
         self.wide = wide
@@ -169,38 +142,28 @@ DEVICE = "meta"
 
 @contextlib.contextmanager
 def _gram_precomputed(pool: _Pool, spent: dict):
-    """The device's Gram arithmetic replaced by the precomputed matrix: the packed triangle the device hands back
-    (``_device_upper``, what the production code then copies to the host) and, where asked, the shard's row sums
-    the device sums beside it (computed here on the host from the pool's precomputed norms: that time, the
-    device's arithmetic, is added to ``spent["device"]`` and subtracted from the figures); or, where a version of
-    the code has no device packing, the full matrix (what ``shard_grams``' ``.cpu().numpy()`` hands back)."""
+    """The device's Gram arithmetic (``reduce._device_upper``) replaced by the precomputed packed triangle and the
+    shard's row sums, summed here on the host from the pool's norms: that time, the device's arithmetic, is added to
+    ``spent["device"]`` and subtracted from the figures."""
     from trak_core import reduce
 
-    def upper(x, device, scale=None, q=None, sums=None, norms=None):
-        if sums is not None or norms is not None:  # a shard begins at a multiple of the pool's rows
+    def upper(x, device, scale=None, q=None, sums=None):
+        if sums is not None:  # a shard begins at a multiple of the pool's rows
             t, c = time.perf_counter(), time.thread_time()
             idx = np.arange(len(x)) % len(pool.norms)
             for i in (0, len(x) - 1):  # the rows are the pool's, as stored
                 if x[i].tobytes() != pool.x[idx[i]].astype(x.dtype).tobytes():
                     raise RuntimeError("the stood-in device sums: a shard's rows are not the pool's")
-            if norms is not None:  # a version of the code that takes only the norms from the device
-                norms[:] = pool.norms[idx]
-            else:
-                sums[:] = pool.sums_of(len(x), q)
+            sums[:] = pool.sums_of(len(x), q)
             spent["device"] += time.perf_counter() - t
             spent["cpu device"] += time.thread_time() - c
         return torch.from_numpy(pool.packed)
 
-    if hasattr(reduce, "_device_upper"):
-        name, real, stand_in = "_device_upper", reduce._device_upper, upper
-    else:
-        name, real = "shard_grams", reduce.shard_grams
-        stand_in = lambda store, mid, shard, rows, q, device=None, **k: (pool.gram.copy(), None)  # noqa: E731
-    setattr(reduce, name, stand_in)
+    real, reduce._device_upper = reduce._device_upper, upper
     try:
         yield
     finally:
-        setattr(reduce, name, real)
+        reduce._device_upper = real
 
 
 def run_traker(
@@ -329,7 +292,7 @@ def measure(path: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int 
             shutil.rmtree(folder, ignore_errors=True)
         dev, dev_cpu = spent["device"], spent["cpu device"]  # the device's arithmetic, stood in for: not counted
         row = {"path": path, "batch": batch, "total": (wall - dev) / n * 1e6, "total cpu": (cpu - dev_cpu) / n * 1e6}
-        for label, _, _ in STAGES:
+        for label in dict.fromkeys(s[0] for s in STAGES):
             if label in spent:
                 less = (dev, dev_cpu) if label == PARTIAL_STAGE else (0.0, 0.0)
                 row[label] = [(spent[label] - less[0]) / n * 1e6, (spent["cpu " + label] - less[1]) / n * 1e6]
@@ -341,7 +304,7 @@ def measure(path: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int 
 
 
 def table(rows: list[dict]) -> str:
-    labels = [label for label, _, _ in STAGES if any(label in r for r in rows)] + [DEVICE_ROW]
+    labels = [label for label in dict.fromkeys(s[0] for s in STAGES) if any(label in r for r in rows)] + [DEVICE_ROW]
     head = "| stage (µs per row, wall / CPU) | " + " | ".join(f"{r['path']} b{r['batch']}" for r in rows) + " |"
     lines = [head, "|---" * (len(rows) + 1) + "|"]
     lines.append(
@@ -382,7 +345,7 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
         limit = threadpool_limits(args.threads)
-    pool = _Pool(args.pool, args.p, rounded=_rounded_on_the_device())
+    pool = _Pool(args.pool, args.p)
     with limit:
         rows = [
             measure(path, args.n, args.p, b, pool, args.chunk_rows, args.repeats)

@@ -1,17 +1,10 @@
-"""The benchmark matrix: model families × sizes × proj_dim, each row against its floor and traker's fastest.
+"""The benchmark matrix (RESULTS.md, "The benchmark matrix" and "GPU (H200)"): model families × sizes × proj_dim,
+each cell in fresh processes through ``featurize_bench``'s worker (the same code as its table): the **floor**, traker
+0.3.2's fastest (``BasicSingleBlockProjector`` where its matrix fits in ``--traker-max-gib``; on ``--device cuda``
+also fast_jl's ``CudaProjector`` where it imports) and **trakflow**'s ``TRAKer`` defaults, cold and warm.
 
     .venv/bin/python benchmarks/matrix.py                       # the whole matrix (tens of minutes on 2 cores)
     .venv/bin/python benchmarks/matrix.py --models mlp3 --proj-dims 2048 --repeats 2
-
-Every cell runs in fresh processes through ``featurize_bench``'s worker (the same code as its table):
-* **floor**: a training pass over the same rows + finalize's unavoidable float32 linear algebra (XᵀX, the
-  Cholesky inverse, X·A), warm;
-* **traker-fastest**: traker 0.3.2 with ``BasicSingleBlockProjector`` (the matrix made once, kept), where that
-  grad_dim × proj_dim matrix fits in ``--traker-max-gib``; with ``--device cuda`` also traker's GPU default
-  (``CudaProjector``, fast_jl's kernel) where fast_jl imports;
-* **trakflow**: ``TRAKer`` defaults (factored projector, adaptive λ), cold (first pass in the process) and warm.
-The table gives warm seconds, × floor, cold/warm, × traker's fastest, and where the warm pass goes (set-up,
-featurize, finalize).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Peak RSS of featurize, finalize and score against the number of train rows n.
+"""Peak RSS of featurize, finalize and score against the number of train rows n (RESULTS.md, "Memory flat in n").
 
 Each phase runs in a fresh subprocess (peak RSS = ru_maxrss of that process), on a store of n rows of
-proj_dim-dim features from a small MLP, so the numbers show whether memory grows with n. The projector is
-TRAKer's default unless ``--projector`` names one (the store records which: the ``projector`` field of each
-row). ``delta_rss_mib`` is the peak minus the RSS after the imports (the phase's own memory).
+proj_dim-dim features from a small MLP through TRAKer's defaults. ``delta_rss_mib`` is the peak minus the RSS
+after the imports (the phase's own memory). tests/trak_core/test_memory_flat.py runs the same phases at moderate n.
 
     .venv/bin/python benchmarks/memory_flat.py --sizes 50000 200000 --proj-dim 512
-
-tests/trak_core/test_memory_flat.py runs the same phases at moderate n and fails when a phase's peak grows with n.
 """
 
 from __future__ import annotations
@@ -26,17 +23,10 @@ torch.manual_seed(0)
 import trak_core
 phase, store = sys.argv[1], sys.argv[2]
 n, p, m, bs = (int(a) for a in sys.argv[3:7])
-kind = sys.argv[7] if len(sys.argv) > 7 else "default"
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
-proj = None
-if kind != "default":
-    from trak_core.projectors import make_projector
-    from trak_core.compat.utils import parameters_to_vector
-    extra = {"model": model} if kind == "factored" else {}
-    proj = make_projector(kind, parameters_to_vector(model.parameters()).numel(), p, **extra)
 tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=n, save_dir=store, device="cpu",
-                      proj_dim=p, lambda_reg=1e-3, logging_level=logging.ERROR, projector=proj)
+                      proj_dim=p, lambda_reg=1e-3, logging_level=logging.ERROR)
 g = torch.Generator().manual_seed(1)
 t = time.perf_counter()
 if phase == "featurize":
@@ -62,20 +52,20 @@ print(json.dumps({"phase": phase, "n": n, "peak_rss_mib": peak / 1024, "baseline
 """
 
 
-def run_phase(phase: str, store: str, n: int, proj_dim: int, targets: int, batch: int, projector="default") -> dict:
+def run_phase(phase: str, store: str, n: int, proj_dim: int, targets: int, batch: int) -> dict:
     """One phase in a fresh interpreter; its JSON line (peak_rss_mib, baseline_rss_mib, delta_rss_mib, ...)."""
-    args = [phase, store, str(n), str(proj_dim), str(targets), str(batch), projector]
+    args = [phase, store, str(n), str(proj_dim), str(targets), str(batch)]
     out = subprocess.run([sys.executable, "-c", PHASE_CODE, *args], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(sizes, proj_dim, targets, batch, projector="default"):
+def run(sizes, proj_dim, targets, batch):
     rows = []
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
             store = os.path.join(tmp, "store")
             for phase in ("featurize", "finalize", "score"):
-                rows.append(run_phase(phase, store, n, proj_dim, targets, batch, projector))
+                rows.append(run_phase(phase, store, n, proj_dim, targets, batch))
                 print(rows[-1], flush=True)
     return rows
 
@@ -97,7 +87,7 @@ def table(rows, sizes, proj_dim, targets) -> str:
     kinds = sorted({r.get("projector", "?") for r in rows})
     lines.append("")
     lines.append(
-        f"Projector `{'/'.join(kinds)}` (TRAKer's default unless --projector), "
+        f"Projector `{'/'.join(kinds)}` (TRAKer's default), "
         f"proj_dim={proj_dim}, {targets} targets, float16 store; the grads array alone is "
         + ", ".join(f"{store_mib[n]:.0f} MiB at n={n:,}" for n in sizes)
         + ". Peak RSS includes the interpreter with torch and zarr loaded."
@@ -111,10 +101,9 @@ if __name__ == "__main__":
     ap.add_argument("--proj-dim", type=int, default=512)
     ap.add_argument("--targets", type=int, default=100)
     ap.add_argument("--batch", type=int, default=2048)
-    ap.add_argument("--projector", default="default", help="default (TRAKer's), dense, sjlt, factored")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    rows = run(a.sizes, a.proj_dim, a.targets, a.batch, a.projector)
+    rows = run(a.sizes, a.proj_dim, a.targets, a.batch)
     print(table(rows, a.sizes, a.proj_dim, a.targets))
     if a.json:
         with open(a.json, "w") as fh:

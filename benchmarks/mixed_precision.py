@@ -1,15 +1,12 @@
-"""Scores of a model run in bfloat16 / float16 / float32 against the same model in float64 (CPU or GPU).
+"""Scores of a model run in bfloat16 / float16 / float32 against the same model in float64, CPU or GPU (RESULTS.md,
+"Mixed precision"; docs/scaleout.md explains the dtypes' paths).
 
-Each run: TRAKer featurizes the train rows, finalizes, scores the targets, with the model and its inputs in one
-dtype (featurize computes in the model's dtype: its weights are not upcast; X and Q are float32, XᵀX float64).
-``fixed`` runs share one projection (the factored projector's equal split); ``default`` runs take TRAKer's default,
-whose proj_dim split follows the gradient energy probed in the run's own dtype (so a rounding difference may move
-a dimension between blocks: a different projection, which shows as a lower correlation than the dtype alone).
-Reported per dtype: the Pearson correlation of each target's score column with float64's (min and mean over the
-targets) and the largest score difference relative to float64's largest |score|.
+Each run: TRAKer featurizes, finalizes and scores with the model and its inputs in one dtype. ``fixed`` runs share
+one projection (the factored projector's equal split); ``default`` runs take TRAKer's default, whose split is probed
+in the run's own dtype. Reported per dtype: the Pearson correlation of each target's score column with float64's
+(min and mean over the targets) and the largest score difference relative to float64's largest |score|.
 
     .venv/bin/python benchmarks/mixed_precision.py                 # MLP and a 2-layer GPT-2, CPU
-    .venv/bin/python benchmarks/mixed_precision.py --device cuda   # the same on a GPU
     .venv/bin/python benchmarks/mixed_precision.py --smoke         # tiny sizes: every code path
 """
 

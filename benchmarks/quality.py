@@ -1,40 +1,25 @@
-"""Attribution quality (LDS) over a set of evaluation cases, with cached ground truth.
+"""Attribution quality (LDS) over a set of evaluation cases, with cached ground truth (RESULTS.md, "Attribution
+quality (LDS) against traker 0.3.2" and "Attribution quality at realistic compression").
 
-Cases (``make_cases``): five trained to near convergence with full-batch Adam — the digits MLP, a conv net on the
-digits as 8×8 images, the text example, a tabular MLP on breast cancer, and wine (n = 100 train rows, so every
-proj_dim ≥ 128 has n ≤ proj_dim) — and four stopped far from convergence with the pipeline's own mini-batch SGD
-(``tasks.trainer``): ``digits-sgd`` (the digits demo's recipe, examples/digits.py ``demo_configs``: 4 epochs,
-lr 0.01, batch 64, ~90 % train accuracy — its checkpoints are the demo's), ``conv-sgd``, ``cancer-sgd`` and
-``wine-sgd``. Two more have realistic compression (10⁵–10⁶ parameters: proj_dim 256–4096 compresses their
-gradients 70–1,700×; ``LARGE_CASES``, models in examples/digits_large.py, 8 / 6 epochs of mini-batch Adam with the
-pipeline's trainer, about a minute or two of training for their ground truth on one core): ``wide-mlp`` (digits,
-64→512→512→256→10, 429,834 parameters) and ``bn-conv`` (digits as 8×8 images, three conv + BatchNorm layers and
-two linear, 293,290 parameters); and ``small-lm``, a transformers GPT-2 of width 128 (examples/gpt.py ``wide_model``,
-415,360 parameters) trained with AdamW on 480 character-level texts of the standard library's docstrings (30 epochs'
-worth of steps), attributed with ``task="causal_lm"`` on 200 held-out texts: its output and ground truth are the
-log-odds of the target text. Their noop rows are out of reach (grad_dim² XᵀX).
+Cases (``make_cases``; RESULTS.md's tables describe each): nine small ones (``digits-mlp``, ``digits-conv``, ``text``,
+``cancer``, ``wine`` trained to near convergence with full-batch Adam; ``digits-sgd``, ``conv-sgd``,
+``cancer-sgd``, ``wine-sgd`` stopped early with the pipeline's own trainer) and ``LARGE_CASES`` at realistic
+compression (``wide-mlp``, ``bn-conv``, ``small-lm``: a GPT-2 of width 128 attributed with ``task="causal_lm"``).
 Per case, C checkpoints are trained on all train rows and M models on random half subsets
-(``trak_core.lds.subset_masks``, one init seed per subset), each with the case's recipe; the ground truth is
-the subset models' margin log(p/(1−p)) on the held-out targets. It is cached under ``.cache/lds/`` (keyed by
-``trak_core.lds.truth_key`` of the recipe), and so are the projected gradients X, Q, G per (case, projector
-kind, proj_dim, checkpoint), computed with the pipeline's featurizer.
+(``trak_core.lds.subset_masks``); the ground truth is the subset models' margins on held-out targets. It is cached
+under ``.cache/lds/`` (keyed by ``trak_core.lds.truth_key``), and so are the projected gradients X, Q, G per
+(case, projector kind, proj_dim, checkpoint), computed with the pipeline's featurizer.
 
-A configuration is (projector kind, proj_dim, lambda_reg setting, number of checkpoints). Its scores follow
-the pipeline's formula (float64 XᵀX; (XᵀX + λI)⁻¹ divided by its mean |entry| as traker does; traker's
-checkpoint combination), computed in XᵀX's eigenbasis from one eigendecomposition per checkpoint so that many
-settings are cheap (``check_scores`` compares with the pipeline's float32 path; λ = 0 goes through
-``trak_core.damping.cholesky_inverse``). Settings are anything ``lambda_reg`` accepts, e.g. ``deff:0.1``,
-``resid:3`` or ``deff:0.1,resid:3`` (the larger λ). ``traker`` rows run traker 0.3.2 itself (its CPU
-defaults: normal projection, float16 store, λ = 0) at the same checkpoints and proj_dim. LDS = mean over
-targets of the Spearman correlation over subsets; intervals are 95 % percentile bootstraps over targets.
+Scores follow the pipeline's formula (float64 XᵀX, traker's rescale and checkpoint combination), computed in XᵀX's
+eigenbasis so that many ``lambda_reg`` settings are cheap (``Solver``; tests/benchmarks/test_curvature_bench.py
+checks its scores against a brute-force inverse). ``traker`` rows run traker 0.3.2 itself with its CPU defaults.
+LDS = mean over targets of the Spearman correlation over subsets; intervals: 95 % bootstraps over targets.
 
     .venv/bin/python benchmarks/quality.py truth                         # train / load all ground truths
-    .venv/bin/python benchmarks/quality.py eval --kinds dense --proj-dims 128 256 512 1024 2048 \
-        --settings 0 rel:0.3 deff:0.1 resid:3 deff:0.1,resid:3 --json dense.json
-    .venv/bin/python benchmarks/quality.py traker --proj-dims 256 1024 2048 --json traker.json
-    .venv/bin/python benchmarks/quality.py report --json dense.json,traker.json --proj-dims 128 256 512 1024 2048
-    .venv/bin/python benchmarks/quality.py eval --cases wide-mlp bn-conv --kinds dense factored factored-v3 \
-        --proj-dims 512 2048 --settings adaptive --json large.json   # factored-v3 / -v4: layout version 3's / 4's split
+    .venv/bin/python benchmarks/quality.py eval --kinds dense --proj-dims 256 2048 --settings 0 adaptive --json d.json
+    .venv/bin/python benchmarks/quality.py traker --proj-dims 256 2048 --json traker.json
+    .venv/bin/python benchmarks/quality.py report --json d.json,traker.json --proj-dims 256 2048
+    (kinds ``factored-v3`` / ``factored-v4``: the factored projector with layout version 3's / 4's split)
 """
 
 from __future__ import annotations
@@ -457,7 +442,7 @@ class Solver:
     def scores(self, lam: float) -> torch.Tensor:
         """X (XᵀX + λI)⁻¹ Gᵀ with traker's rescale (float32 out). λ > 0: in XᵀX's eigenbasis, float64 —
         (XV) diag(1/(σ+λ)) (GV)ᵀ / mean|V diag(1/(σ+λ)) Vᵀ|, n·p·m per λ instead of n·p² (the pipeline's
-        float32 path to ~1e-6 relative, ``check_scores``); λ = 0 through damping.cholesky_inverse."""
+        float32 path to ~1e-6 relative); λ = 0 through damping.cholesky_inverse."""
         if lam == 0:
             return scores_block(features_block(self.x, self.inverse(lam)), self.g)
         if self._xv is None:
@@ -466,7 +451,7 @@ class Solver:
             self._vec32 = self.vec.to(torch.float32)
             p = self.vec.shape[0]
             # traker's rescale (a scalar per checkpoint) from SCALE_ROWS fixed random rows of the inverse when p is
-            # large: p²·SCALE_ROWS instead of p³ flops per λ (its relative error is ~1e-3, check_scores)
+            # large: p²·SCALE_ROWS instead of p³ flops per λ (its relative error is ~1e-3)
             self._rows = (
                 None if p <= SCALE_ROWS else torch.randperm(p, generator=torch.Generator().manual_seed(0))[:SCALE_ROWS]
             )
@@ -508,15 +493,6 @@ def evaluate(
             }
         )
     return rows
-
-
-def check_scores(case: Case, truth: dict, kind: str = "dense", proj_dim: int = 512, setting="rel:0.3") -> float:
-    """max |difference| / max |score| of Solver.scores (eigenbasis) against the pipeline's float32 formula
-    (features_block, scores_block) with damping.cholesky_inverse's rescaled inverse."""
-    s = Solver(features(case, truth, kind, proj_dim, 0))
-    lam = s.resolve(setting)
-    ref = scores_block(features_block(s.x, cholesky_inverse(s.xtx, lam, s.n, rescale=True)[0]), s.g)
-    return float((s.scores(lam) - ref).abs().max() / ref.abs().max())
 
 
 # ---------------------------------------------------------------------------- traker 0.3.2 itself
@@ -570,7 +546,9 @@ def traker_lds(case: Case, truth: dict, proj_dim: int, num_ckpts: int = NUM_CKPT
 
 
 # ---------------------------------------------------------------------------- tables
-def fmt(r: dict) -> str:
+def fmt(r: dict | None) -> str:
+    if r is None:
+        return "—"
     lo, hi = r["ci"]
     return f"{r['lds']:.3f} [{lo:.3f}, {hi:.3f}]"
 
@@ -591,13 +569,6 @@ def load_rows(paths: list[str]) -> dict:
             p = 0 if r["kind"] == "noop" else int(r["proj_dim"])
             out[(r["case"], r["kind"], p, str(r["setting"]))] = r
     return out
-
-
-def _cell(r: dict | None) -> str:
-    if r is None:
-        return "—"
-    lo, hi = r["ci"]
-    return f"{r['lds']:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
 def fixed_settings(rows: dict, case: str, kind: str, p: int) -> list[str]:
@@ -649,7 +620,6 @@ def _best_fixed_or_none(rows: dict, case: str, kind: str, p: int) -> tuple[str, 
 def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
     rows = load_rows(paths)
     ad = str(parse_lambda_reg(ADAPTIVE_SETTING).setting)  # 'adaptive' as the runs name it
-    old = "deff:0.1,resid:3"  # 'adaptive' until 2026-11-24 (chosen by leave-one-case-out among deff, rel, resid)
     all_cases = make_cases()
     lds_of = lambda c, k, p, s: rows.get((c, k, p, s), {}).get("lds")  # noqa: E731
     print(f"\n`adaptive` = `{ad}`.\n")
@@ -664,7 +634,7 @@ def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
         a, f = rows.get((c, "dense", 2048, ad)), rows.get((c, "factored", 2048, ad))
         fd = f"{f['lds'] - a['lds']:+.3f}" if f and a else "—"
         ft = f"{f['lds'] - t['lds']:+.3f}" if f and t else "—"
-        print(f"| {c}: {all_cases[c].about} | {_cell(t)} | {_cell(z)} | {_cell(a)} | {_cell(f)} | {fd} | {ft} |")
+        print(f"| {c}: {all_cases[c].about} | {fmt(t)} | {fmt(z)} | {fmt(a)} | {fmt(f)} | {fd} | {ft} |")
 
     cands = rule_settings(rows)
     fams = sorted({family_of(s) for s in cands}, key=lambda f: (f.count(","), f))
@@ -700,10 +670,8 @@ def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
     print("| case | lambda_reg | " + " | ".join(str(p) for p in dims) + " | noop | 1024 − 256 |")
     print("|---|---|" + "---|" * (len(dims) + 2))
     for c in cases:
-        for label, s in [("0 (traker)", "0"), ("auto (rel:0.3)", "rel:0.3"), (f"{old} (adaptive before)", old)] + [
-            (f"**adaptive** ({ad})", ad)
-        ]:
-            cells = [_cell(rows.get((c, "dense", p, s))) for p in dims] + [_cell(rows.get((c, "noop", 0, s)))]
+        for label, s in [("0 (traker)", "0"), ("auto (rel:0.3)", "rel:0.3"), (f"**adaptive** ({ad})", ad)]:
+            cells = [fmt(rows.get((c, "dense", p, s))) for p in dims] + [fmt(rows.get((c, "noop", 0, s)))]
             a, b = lds_of(c, "dense", 1024, s), lds_of(c, "dense", 256, s)
             diff = f"{a - b:+.3f}" if a is not None and b is not None else "—"
             print(f"| {c} | {label} | " + " | ".join(cells) + f" | {diff} |")
@@ -740,31 +708,6 @@ def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
             f, t = lds_of(c, "factored", p, ad), lds_of(c, "traker", p, "traker")
             vs.append(f"{f - t:+.3f}" if f is not None and t is not None and np.isfinite(t) else "—")
         print(f"| {c} | {worst} | {noop} | {' / '.join(rise)} | {' / '.join(vs)} |")
-    compression(rows, dims, cases, ad)
-
-
-def compression(rows: dict, dims: list[int], cases: list[str], ad: str) -> None:
-    """The factored projector against dense at each proj_dim, with the compression (parameters / proj_dim)."""
-    lds_of = lambda c, k, p, s: rows.get((c, k, p, s), {}).get("lds")  # noqa: E731
-    print("\n### Compression: factored against dense (adaptive; LDS)\n")
-    with_traker = any(k[0] in cases and k[1] == "traker" for k in rows)  # the column only where traker ran
-    print(
-        "| case | parameters | proj_dim | compression | "
-        + ("traker 0.3.2 defaults | " if with_traker else "")
-        + "dense | factored | factored − dense | dense, best fixed λ |"
-    )
-    print("|---|---|---|---|---|---|---|---|" + ("---|" if with_traker else ""))
-    all_cases = make_cases()
-    for c in cases:
-        d = grad_dim(all_cases[c])
-        for p in dims:
-            t, a, f = lds_of(c, "traker", p, "traker"), lds_of(c, "dense", p, ad), lds_of(c, "factored", p, ad)
-            bf = _best_fixed_or_none(rows, c, "dense", p)
-            vals = (t, a, f) if with_traker else (a, f)
-            cells = [f"{v:.3f}" if v is not None and np.isfinite(v) else "—" for v in vals]
-            gap = f"{f - a:+.3f}" if f is not None and a is not None else "—"
-            best = f"{bf[1]:.3f} ({bf[0]})" if bf else "—"
-            print(f"| {c} | {d:,} | {p} | {d / p:,.0f}× | " + " | ".join(cells) + f" | {gap} | {best} |")
 
 
 def main(argv=None) -> None:

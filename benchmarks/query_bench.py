@@ -1,24 +1,15 @@
-"""Warm top-k query latency of trak_core.TrakIndex against its floor, in one process.
+"""Warm top-k query latency of trak_core.TrakIndex against its floor, in one process (RESULTS.md, "Queries: top-k
+from a finished store").
 
-A synthetic store (``--rows`` train rows of random float16 projected gradients of ``--proj-dim`` dimensions, per
-``--checkpoints`` checkpoint, written through the store API, each checkpoint given an inverse and marked
-finalized) is queried with m random input vectors per checkpoint (``TrakIndex.query_vectors``: the scoring pass,
-without featurizing the inputs through a model). For each m it reports p50 / p95 of ``--repeats`` warm queries
-(after one untimed query), and the floor measured in the same run:
-
-* **read**: one pass over every checkpoint's stored rows through the store API (Zarr reads of whole chunks into
-  one reused buffer, decoded and checksummed), on the warm page cache as the queries see it;
-* **GEMM**: X (rows × p, float32, in memory) @ W (p × m) for every checkpoint, a block of rows repeated over the
-  rows: the fastest of a block that stays in the cache (as the scoring's trak_core.streaming.score_block_rows)
-  and 8192 rows, each with all of torch's threads in one GEMM call or one-thread GEMMs in one thread per core
-  (the best case of the GEMM: no conversion, no read);
-
-floor = read + GEMM (each the faster of a measurement before and one after the queries), and each latency as a
-multiple of it. The peak extra resident memory during the queries
-(sampled every 5 ms) shows memory flat in the number of rows.
+A synthetic finalized store (``--rows`` rows of random float16 X per ``--checkpoints`` checkpoint) is queried with
+m random vectors per checkpoint (``TrakIndex.query_vectors``: the scoring pass without a model); per m, p50 / p95
+of ``--repeats`` warm queries against the floor measured in the same run: **read** (one pass over the stored rows
+through the store API, warm page cache) + **GEMM** (X @ W in float32 in memory, the fastest of a cache-sized
+block and 8192 rows, threaded or one thread per core), each the faster of a measurement before and after the
+queries. The peak extra resident memory during the queries (sampled every 5 ms) shows memory flat in n.
 
     .venv/bin/python benchmarks/query_bench.py                      # 100,000 rows, m = 1, 16, 256
-    .venv/bin/python benchmarks/query_bench.py --imagenet           # 1,281,167 rows (needs ~5.2 GB per checkpoint)
+    .venv/bin/python benchmarks/query_bench.py --imagenet           # 1,281,167 rows (~5.2 GB per checkpoint)
 
 The store is kept under ``--dir`` (reused by later runs with the same shape); check ``df -h`` first.
 """

@@ -1,27 +1,11 @@
-"""Streaming scoring against the float32 matmul peak, in one process.
+"""Streaming scoring against the float32 matmul peak, in one process (RESULTS.md, "Scoring against the matmul peak").
 
-For n train rows of proj_dim-dim float16 projected gradients X (a Zarr store at schema 3: no features, the inverse A
-per checkpoint, ``ckpts`` checkpoints) and m targets, times:
-
-* **peak**: torch.matmul on square n×n float32 matrices (2048, 4096, 6144), best of the run (before and after);
-* **GEMM only**: the same product as the scoring, X (n × p, float32, in memory) @ W, W = A Gᵀ, in one addmm_: the
-  ceiling for this shape;
-* **X · (A Gᵀ)**: ``scores_from_grads`` (defined here: W from given inverses, the stored X streamed against it) — the
-  reference the other paths' scores must equal bit for bit;
-* **finalize_scores**: ``trak_core.reduce.finalize_scores`` end to end (G A read from the store — written once —,
-  Zarr reads of X, float16 → float32, the GEMMs, the combination, the Zarr writes of the scores, the returned array);
-* **finalize_scores, buffers in numpy's huge pages**: the same with the returned array and the workers' buffers
-  as plain numpy arrays (which ask for transparent huge pages), as before ``streaming.page_array``;
-* **score tasks**: what the pipeline's score step runs with its default config (``AttributeConfig``'s defaults:
-  the thread runner, ``max_workers`` task slots): ``tasks.core.prepare_scores`` (G A once, the task ranges of
-  ``streaming.score_task_ranges``), then ``tasks.core.score_block`` per range, ``task_slots`` at once, each with
-  its share of the cores (``tasks.common.threads_per_task``, as the Prefect task wrapper runs it) — without
-  Prefect;
-* **score tasks, one at a time**: the same tasks run one after another with all the cores each (the thread
-  runner with ``max_workers=1``).
-
-Each repetition times a 4096² matmul right before each measurement; the "interleaved" column is the median of
-(measurement GFLOP/s) / (that reference), robust to other jobs on the machine.
+On a store of n rows of float16 projected gradients X and m targets, times the square-matmul peak, the same GEMM
+with X in memory, ``scores_from_grads`` (the reference whose scores the other paths must equal bit for bit),
+``reduce.finalize_scores``, and the pipeline's score tasks (``prepare_scores`` +
+``score_block``, as the score flow runs them, and one at a time); then each stage's CPU time per block, the CPU
+time by thread, finalize, and the bytes stored. The *interleaved* column divides each measurement by a 4096²
+matmul timed right before it (median over repetitions): robust to other jobs on the machine.
 
     .venv/bin/python benchmarks/scoring_bench.py --n 65536 --targets 256 1024 4096 --repeats 2 [--results]
 """
@@ -33,7 +17,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,11 +28,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_models import cpu_name, write_section  # noqa: E402
 
 from tasks import core  # noqa: E402
 from tasks.common import cores, threads_per_task, torch_threads  # noqa: E402
 from tasks.config import AttributeConfig  # noqa: E402
-from trak_core import reduce, streaming  # noqa: E402
+from trak_core import reduce  # noqa: E402
 from trak_core.errors import BadInputError, StateError  # noqa: E402
 from trak_core.scoring import combine_checkpoints  # noqa: E402
 from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
@@ -75,17 +61,9 @@ def scores_from_grads(
     out: np.ndarray | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> np.ndarray:
-    """The experiment's combined scores from the projected gradients X, without features: per checkpoint c
-    with inverse A_c (``inverses[c]``, as :func:`trak_core.reduce.solve_model` returns it), W_c = A_c G_cᵀ
-    (:func:`grads_right_hand`), then X_c W_c streamed exactly as Φ_c G_cᵀ is (:func:`stream_scores` with
-    the stored gradients), combined with Q as :func:`trak_core.scoring.combine_checkpoints`. Returns the
-    (n, m) float32 scores (also stored; the checkpoints in ``inverses``' order are recorded as scored_with). The
-    benchmark's own path (the library scores through ``reduce.finalize_scores``, from the stored inverses).
-
-    The scores ``reduce.finalize_scores`` computes from the stored inverses, bit for bit (the inverse rounded to
-    float32 either way); traker's Φ Gᵀ up to rounding ((X A) Gᵀ and X (A Gᵀ) round differently, and traker
-    rounds Φ to the store's dtype). Needs every train row featurized and every target written for each
-    checkpoint; the checkpoints need not be finalized."""
+    """The experiment's combined (n, m) float32 scores from the stored X and given inverses A_c: W_c = A_c G_cᵀ, X_c W_c
+    streamed as ``stream_scores`` does, combined with Q (also stored). Equals ``reduce.finalize_scores`` from the
+    stored inverses bit for bit; needs every train row featurized and every target written."""
     with store.pinned():  # one call: its groups and arrays opened once
         ids = [int(mid) for mid in inverses]
         if not ids:
@@ -224,12 +202,8 @@ def exact_rows(st: TrakStore, exp: str, used: list[int], rows: int) -> np.ndarra
 
 
 def stage_costs(st: TrakStore, exp: str, rows: int, reps: int = 8) -> dict:
-    """CPU time (process, all threads: zarr's event loop and I/O threads included) per block of ``rows`` train
-    rows of each stage of the streaming scoring, one torch thread, the stages one after the other (best of
-    ``reps``): the Zarr read of the stored X, its float16 → float32 conversion, the GEMM against a (p, m)
-    float32 W, the combination with Q, the Zarr write of the scores, the write of their done flags. The Zarr
-    stages are timed in the units the stream uses them in — a read per piece (a score chunk of rows), a write
-    per score chunk, a flag write per flag chunk (a shard) — and divided by the blocks each unit holds."""
+    """Process CPU time per block of ``rows`` train rows of each stage of the streaming scoring (one torch thread,
+    stages one after the other, best of ``reps``), each Zarr stage timed in the units the stream uses."""
     from trak_core.streaming import _read_into
 
     p, m, n = st.meta.proj_dim, st.num_targets(exp), st.meta.train_set_size
@@ -331,42 +305,6 @@ def cpu_by_thread(fn) -> dict | None:
     return out
 
 
-def page_costs(gib: float = 1.0, idle: float = 5.0) -> dict:
-    """Seconds per GiB to fill memory the process has just freed (recycled) and memory that has been free for
-    ``idle`` seconds (fresh: on a virtual machine whose free pages go back to the host, a first touch is a fault
-    on the host too), for numpy arrays (which ask for transparent huge pages from 4 MiB on) and for
-    ``streaming.page_array`` (small pages: the scoring's large buffers)."""
-    n = int(gib * (1 << 28))
-    out = {"idle": idle}
-    kinds = {"huge": lambda: np.empty(n, dtype=np.float32), "small": lambda: page_array((n,), np.float32)}
-    for kind, make in kinds.items():
-        make().fill(1.0)  # fill and free once
-        t = time.perf_counter()
-        make().fill(1.0)
-        recycled = time.perf_counter() - t
-        time.sleep(idle)
-        t = time.perf_counter()
-        make().fill(1.0)
-        out[kind] = {"recycled": recycled / gib, "fresh": (time.perf_counter() - t) / gib}
-    return out
-
-
-def numpy_buffers(fn):
-    """``fn`` run with the scoring's large buffers as plain numpy arrays (huge pages asked for, as before
-    ``streaming.page_array``): the A/B of that change in the same run."""
-
-    def run():
-        plain = lambda shape, dtype: np.empty(shape, dtype=dtype)  # noqa: E731
-        saved = streaming.page_array, reduce.page_array
-        streaming.page_array = reduce.page_array = plain
-        try:
-            return fn()
-        finally:
-            streaming.page_array, reduce.page_array = saved
-
-    return run
-
-
 def finalize_times(st: TrakStore, mid: int, lambda_reg, repeats: int) -> dict:
     """finalize (the partials summed, the solve, A written: no pass over the rows) against the solve alone from
     the summed partials; best of ``repeats`` each, alternated."""
@@ -418,9 +356,6 @@ def run(a) -> dict:
                 {
                     "X · (A Gᵀ) (scores_from_grads)": lambda exp=exp: scores_from_grads(st, exp, inverses),
                     "finalize_scores (G A from the store)": lambda exp=exp: reduce.finalize_scores(st, exp),
-                    "finalize_scores, buffers in numpy's huge pages": numpy_buffers(
-                        lambda exp=exp: reduce.finalize_scores(st, exp)
-                    ),
                     score_tasks_label(st, exp, used): lambda exp=exp: score_tasks(st, exp, used),
                     f"score tasks, one at a time ({cores()} threads each)": lambda exp=exp: score_tasks(
                         st, exp, used, max_workers=1
@@ -497,9 +432,7 @@ def run(a) -> dict:
         print(json.dumps(other_row), flush=True)
     for s in peaks:
         peaks[s] = max(peaks[s], square_gflops(s))
-    pages = page_costs()
     return {
-        "pages": pages,
         "peaks": peaks,
         "peak": max(peaks.values()),
         "rows": rows,
@@ -542,7 +475,7 @@ def report(res: dict, a, cmd: str, wall: float, load: list, others: float | None
         "## Streaming scoring against the matmul peak",
         "",
         f"Produced by `{cmd}` in one run ({wall / 60:.1f} min) on {platform.processor() or 'x86_64'} "
-        f"{_cpu()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads). "
+        f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads). "
         f"Load average (1 min) at each measurement, this benchmark's own threads included: "
         f"{min(load):.1f}–{max(load):.1f} on {os.cpu_count()} cores"
         + (f"; {shared} (`/proc/stat` busy time less this process's CPU time)" if shared else "")
@@ -627,18 +560,6 @@ def report(res: dict, a, cmd: str, wall: float, load: list, others: float | None
                 f"{t['zarr']:.2f} s | {t['caller']:.2f} s | {t['other']:.2f} s | {100 * ceiling:.0f}% | "
                 f"{100 * fin['gflops'] / peak:.0f}% |"
             )
-    if res.get("pages"):
-        pg, big = res["pages"], max(a.targets)
-        hu, sm = pg["huge"], pg["small"]
-        lines += [
-            "",
-            f"Memory on this machine (`page_costs`, seconds to fill 1 GiB): numpy's arrays (transparent huge pages) "
-            f"{hu['recycled']:.2f} s just freed, {hu['fresh']:.2f} s free for {pg['idle']:.0f} s; "
-            f"`streaming.page_array` (small pages) {sm['recycled']:.2f} s and {sm['fresh']:.2f} s. Scoring "
-            f"m = {big:,} targets writes {a.n * big * 4 / 2**30:.2f} GiB of returned scores once, and as much page "
-            "cache for the score files. The scoring's large buffers are `page_array`s; the row *buffers in numpy's "
-            "huge pages* runs the same code with plain numpy buffers.",
-        ]
     fin, o = res["finalize"], res["other_dtype"]
     lines += [
         "",
@@ -667,28 +588,6 @@ def report(res: dict, a, cmd: str, wall: float, load: list, others: float | None
     return "\n".join(lines)
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def write_section(path: str, body: str) -> None:
-    text = open(path).read() if os.path.exists(path) else ""
-    block = f"{START}\n{body}\n{END}"
-    if START in text and END in text:
-        text = text[: text.index(START)] + block + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as fh:
-        fh.write(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=65536)
@@ -713,17 +612,13 @@ def main() -> None:
     others = None
     if cpu0 and cpu1:
         others = max(0.0, (cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / (wall * (os.cpu_count() or 1))
-    try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
-    except OSError:
-        pass
     text = report(res, a, cmd, wall, load, others)
     print(text)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1, default=str)
     if a.results:
-        write_section(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), text)
+        write_section(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), text, START, END)
 
 
 if __name__ == "__main__":

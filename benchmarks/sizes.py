@@ -1,19 +1,13 @@
-"""Featurize at the sizes users run: a ResNet-18-shaped net (11.7M parameters) and a GPT-2-small-shaped model
-(124M, transformers' GPT2LMHeadModel), random init, TRAKer's defaults (factored projector, proj_dim 2048).
+"""Featurize at the sizes users run (RESULTS.md, "Model sizes users run"): a ResNet-18-shaped net (11.7M
+parameters) and a GPT-2-small-shaped model (124M, transformers' GPT2LMHeadModel), random init, TRAKer's defaults.
 
-Each measurement runs in a fresh subprocess, so its peak RSS (ru_maxrss) is its own: TRAKer featurize of ``--rows``
-rows in batches of ``--batch``; a training pass over the same batches (forward, backward, SGD step: the floor a
-user compares with); traker 0.3.2's fastest CPU configuration (BasicSingleBlockProjector, the matrix generated
-once), which needs the grad_dim × proj_dim matrix in memory: it is run only where that fits in half the machine's
-memory, else reported as not run with the bytes it would need.
+Each measurement runs in a fresh subprocess (its peak RSS is its own): TRAKer featurize of ``--rows`` rows in
+batches of ``--batch``; a training pass over the same batches (the floor); traker 0.3.2's fastest CPU configuration
+where its grad_dim × proj_dim matrix fits in half the machine's memory. Prints one JSON line per measurement and a
+markdown table (rows/s, × the training pass, peak RSS).
 
     .venv/bin/python benchmarks/sizes.py                                  # both models, 256 rows
-    .venv/bin/python benchmarks/sizes.py --models gpt2 --rows 32 --seq-len 32 --batch 4
-    .venv/bin/python benchmarks/sizes.py --models gpt2-linear --rows 8 --seq-len 32 --batch 4   # nn.Linear layers
-    .venv/bin/python benchmarks/sizes.py --models gpt2 --rows 16 --seq-len 32 --batch 8 --what featurize
     python3 benchmarks/sizes.py --device cuda --models gpt2 gpt2-1b --rows 128 --batch 16 --what train featurize
-
-Prints one JSON line per measurement and a markdown table (rows/s, × the training pass, peak RSS).
 """
 
 from __future__ import annotations
@@ -57,11 +51,8 @@ def measure():
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         for b in batches:
-            if model_name.startswith("gpt2") and model_name != "gpt2-linear":
+            if model_name.startswith("gpt2"):
                 loss = model(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss
-            elif model_name == "gpt2-linear":
-                logits = model(input_ids=b[0], attention_mask=b[1])[:, :-1]
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[2][:, 1:].reshape(-1))
             else:
                 loss = torch.nn.functional.cross_entropy(model(b[0]), b[1])
             opt.zero_grad()
@@ -172,63 +163,7 @@ def build(name: str, seq_len: int, image_size: int, device: str = "cpu"):
             return ids, torch.ones_like(ids), labels
 
         return model, "causal_lm", make_batch
-    if name == "gpt2-linear":
-        model = LinearGPT().eval()
-
-        def make_batch(b, a):
-            g = torch.Generator().manual_seed(a)
-            ids = torch.randint(0, 50257, (b, seq_len), generator=g)
-            labels = ids.clone()
-            labels[:, 0] = -100
-            return ids, torch.ones_like(ids), labels
-
-        return model, "causal_lm", make_batch
     raise ValueError(f"unknown model {name!r}")
-
-
-def _linear_gpt():
-    """GPT-2 small's shape written with nn.Linear / nn.Embedding and an untied output layer (163M parameters):
-    every weight is a layer the factored projector hooks (transformers' GPT-2 has Conv1D layers and a head tied
-    to the embedding, which it projects by weight substitution, materializing per-example weights)."""
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self, d: int, heads: int):
-            super().__init__()
-            self.heads = heads
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-            self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x, mask):
-            b, t, d = x.shape
-            h = self.ln1(x)
-            q, k, v = (m(h).reshape(b, t, self.heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
-            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
-            return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self, vocab=50257, positions=1024, d=768, layers=12, heads=12):
-            super().__init__()
-            self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(positions, d)
-            self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-            self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-
-        def forward(self, input_ids, attention_mask):
-            t = input_ids.shape[-1]
-            keep = attention_mask.bool().unsqueeze(-2) & torch.ones(t, t, dtype=torch.bool).tril()
-            x = self.wte(input_ids) + self.wpe(torch.arange(t))
-            for blk in self.blocks:
-                x = blk(x, keep.unsqueeze(-3))
-            return self.head(self.ln(x))
-
-    return GPT
-
-
-def LinearGPT():  # noqa: N802 - reads as the class it builds
-    return _linear_gpt()()
 
 
 def run(what: str, model: str, args) -> dict:
