@@ -182,6 +182,15 @@ CASES = (
         ),
     ),
     Case(
+        "gpu-session",
+        "GPU session: large models, the conv net, the host path and a budget (H200)",
+        "one call on a lent GPU: GPT-2 124M and a ~1B model featurized (rows/s, peak GPU memory), the conv net, the "
+        "host path, max_memory against its measured peak, the CUDA tests",
+        "a training step of the same batches; traker 0.3.2 (BasicSingleBlockProjector, fast_jl); the floor",
+        ("OUT=/tmp/gs bash benchmarks/gpu_session.sh",),
+        device="cuda",
+    ),
+    Case(
         "sizes-cuda",
         "Model sizes users run",
         "the same on a GPU",

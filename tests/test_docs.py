@@ -135,7 +135,8 @@ def test_no_issue_numbers(path):
 
 
 COMMAND = re.compile(
-    r"(\.venv/bin/python|python3?)\s+(-m\s+pytest|benchmarks/\w+\.py)|\btrakflow\s+(run|evaluate|demo)\b"
+    r"(\.venv/bin/python|python3?)\s+(-m\s+pytest|benchmarks/\w+\.py)|\bbash\s+benchmarks/\w+\.sh\b"
+    r"|\btrakflow\s+(run|evaluate|demo)\b"
 )
 
 

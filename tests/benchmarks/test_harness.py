@@ -37,7 +37,7 @@ def test_cases_are_declared_once_and_name_scripts_that_exist(harness):
     names = [c.name for c in harness.CASES]
     assert len(names) == len(set(names)) == len(harness.BY_NAME)
     for case in harness.CASES:
-        scripts = re.findall(r"benchmarks/(\w+\.py)", " ".join(case.commands))
+        scripts = re.findall(r"benchmarks/(\w+\.(?:py|sh))", " ".join(case.commands))
         assert scripts, case.name
         assert all((BENCH / s).is_file() for s in scripts), (case.name, scripts)
 
