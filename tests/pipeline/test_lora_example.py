@@ -67,3 +67,14 @@ def test_lora_example_end_to_end(tmp_path, one_thread):
     report = (tmp_path / "report" / "lora_query.md").read_text()
     assert "which tokens carry each proponent's score" in report
     assert any(line.startswith("select: the top 25% (16 rows)") for line in (p.strip() for p in printed))
+
+
+def test_readme_command_is_this_example():
+    """The README's command names this module, and its options parse (the run itself is the test above)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "python -m examples.lora_instruct" in readme
+    with pytest.raises(SystemExit) as e:
+        lora_instruct.main(["--help"])
+    assert e.value.code == 0
