@@ -21,6 +21,11 @@ of :data:`MODULES`, the instruction ``Describe math.cos:`` and the answer, its d
 Run it (CPU; measured 45 s wall, 27 s of CPU, on 2 cores shared with other jobs)::
 
     python -m examples.lora_instruct              # everything above; --help for the sizes
+    trakflow query examples/lora_instruct.yaml --inputs trakflow_lora/queries.pt --k 3 --explain
+    trakflow select examples/lora_instruct.yaml --inputs trakflow_lora/targets.pt --fraction 0.1 --out trakflow_lora/sel
+
+The two commands ask the store the first one wrote (examples/lora_instruct.yaml names its model, adapter files,
+train data and decoder; ``queries.pt`` and ``targets.pt`` are written by the first command).
 """
 
 from __future__ import annotations
@@ -134,6 +139,11 @@ def split(num_train: int = NUM_TRAIN) -> tuple[tuple, tuple, tuple]:
 def train_data(num_train: int = NUM_TRAIN):
     """The train rows' batch (the store's train data)."""
     return encode(split(num_train)[0])
+
+
+def target_data(num_train: int = NUM_TRAIN):
+    """The target set's batch (held-out questions about :data:`TOPIC`)."""
+    return encode(split(num_train)[1])
 
 
 # ---------------------------------------------------------------------------- models
@@ -285,6 +295,8 @@ def run(
                 tr.featurize(tuple(t[a:b] for t in train), num_samples=b - a)
         tr.finalize_features()
         target_batch = encode(targets)
+        torch.save(target_batch, out / "targets.pt")  # the inputs of `trakflow select` and `trakflow query`
+        torch.save(encode(queries), out / "queries.pt")
         for mid, state in enumerate(states):
             tr.start_scoring_checkpoint("targets", state, mid, len(targets))
             tr.score(target_batch, num_samples=len(targets))

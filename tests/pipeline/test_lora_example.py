@@ -37,6 +37,9 @@ def test_lora_example_end_to_end(tmp_path, one_thread):
         assert (tmp_path / f"adapter_{c}" / "adapter_model.safetensors").is_file()
 
     train_rows, targets, queries = lora_instruct.split(N)
+    for name, rows in (("targets.pt", targets), ("queries.pt", queries)):  # the CLI commands' inputs
+        for saved, want in zip(torch.load(tmp_path / name), lora_instruct.encode(rows), strict=True):
+            assert torch.equal(saved, want)
     assert res.scores.shape == (N, len(targets)) == (N, lora_instruct.NUM_TARGETS)
     assert np.isfinite(res.scores).all() and np.abs(res.scores).max() > 0
 
@@ -78,3 +81,23 @@ def test_readme_command_is_this_example():
     with pytest.raises(SystemExit) as e:
         lora_instruct.main(["--help"])
     assert e.value.code == 0
+
+
+def test_cli_config_names_the_example_store(tmp_path, monkeypatch):
+    """examples/lora_instruct.yaml (what the README's query and select commands read) is a valid config whose store,
+    adapter files, proj_dim and functions are the ones the example writes and defines."""
+    from pathlib import Path
+
+    from tasks.config import AttributeConfig
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "lora_instruct.yaml"
+    monkeypatch.chdir(tmp_path)
+    out = lora_instruct.OUT
+    for c in range(3):  # the files the example writes, as it names them
+        (out / f"adapter_{c}").mkdir(parents=True)
+        (out / f"adapter_{c}" / "adapter_model.safetensors").write_bytes(b"")
+    cfg = AttributeConfig.from_yaml(str(path))
+    assert cfg.task == "causal_lm" and cfg.model == "examples.lora_instruct:make_model"
+    assert Path(cfg.store).resolve() == (tmp_path / out / "store.zarr").resolve() and cfg.proj_dim == 128
+    assert cfg.checkpoints == str(out / "adapter_*" / "adapter_model.safetensors")  # validated: it matches them
+    assert (cfg.train_data, cfg.show) == ("examples.lora_instruct:train_data", "examples.lora_instruct:decode")
