@@ -18,7 +18,7 @@ of :data:`MODULES`, the instruction ``Describe math.cos:`` and the answer, its d
    split over the characters of its train row, printed as ``trakflow query --explain`` prints them and written as
    the query report (``trakflow_lora/report/lora_query.md``).
 
-Run it (CPU; measured 45 s wall, 27 s of CPU, on 2 cores shared with other jobs)::
+Run it (CPU; measured 45 s and 71 s wall, 27 s and 42 s of CPU, on 2 cores shared with other jobs)::
 
     python -m examples.lora_instruct              # everything above; --help for the sizes
     trakflow query examples/lora_instruct.yaml --inputs trakflow_lora/queries.pt --k 3 --explain
