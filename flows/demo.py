@@ -55,7 +55,7 @@ def digits_demo(
 
 
 def _has_files(folder: Path) -> bool:
-    from examples import folder_data
+    from trakflow_demo_data import folder_data
 
     return folder.is_dir() and bool(folder_data.part_files(folder))
 

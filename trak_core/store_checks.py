@@ -1,0 +1,195 @@
+"""The store contract suite (as scikit-learn's ``check_estimator``): :func:`check_store` runs every named check
+on a backend, :func:`store_checks` lists them, and :class:`StoreCase` hands one to
+:func:`trak_core.testing.parametrize_with_checks`. A backend implements :class:`~trak_core.store.RunStore`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .checks import _check
+
+
+@dataclass
+class StoreCase:
+    """A store backend to check: ``make_store(meta)`` returns a new, empty store for a
+    :class:`~trak_core.store.StoreMetadata` on every call (each check builds its own)."""
+
+    make_store: Callable[[Any], Any]
+    id: str | None = None
+    marks: Any = ()
+
+    @property
+    def name(self) -> str:
+        return self.id or getattr(self.make_store, "__name__", "store").replace("<lambda>", "store")
+
+
+_N, _P, _M = 24, 6, 5  # train rows, projected dim, targets of the stores the checks build
+
+
+def _as_store_case(obj) -> StoreCase:
+    if isinstance(obj, StoreCase):
+        return obj
+    if callable(obj):
+        return StoreCase(obj)
+    raise TypeError(f"store checks take a StoreCase or a make_store(meta) callable, got {type(obj).__name__}")
+
+
+def _new_store(obj):
+    """(store, meta, train gradients x (n, p) float32, Q (n,) float32): a fresh store of 3 shards of 8 rows."""
+    import numpy as np
+
+    from .store import StoreMetadata
+
+    meta = StoreMetadata(train_set_size=_N, grad_dim=40, proj_dim=_P, dtype="float32", chunk_rows=4, shard_rows=8)
+    rng = np.random.default_rng(0)
+    x, q = rng.standard_normal((_N, _P)).astype(np.float32), rng.random(_N).astype(np.float32)
+    return _as_store_case(obj).make_store(meta), meta, x, q
+
+
+def _finalize(st, meta, x):
+    """Write every shard's XᵀX and the inverse of model 0 (after its rows); returns the float64 inverse."""
+    import numpy as np
+
+    for s in range(meta.num_shards):
+        xs = x[8 * s : 8 * (s + 1)].astype(np.float64)
+        st.write_partial(0, s, xs.T @ xs, np.zeros(_P + 3))
+    a = np.linalg.inv(x.T.astype(np.float64) @ x + np.eye(_P))
+    st.write_inverse(0, a)
+    st.set_finalize_info(0, {"lambda_reg": 1.0})
+    return a
+
+
+@_check
+def check_store_protocol(obj) -> None:
+    """The store implements :class:`~trak_core.store.RunStore` and keeps the metadata it was made for."""
+    from .store import RunStore
+
+    st, meta, _, _ = _new_store(obj)
+    assert isinstance(st, RunStore), f"{type(st).__name__} lacks methods of RunStore"
+    assert st.meta.model_dump(exclude={"versions"}) == meta.model_dump(exclude={"versions"}), "meta differs"
+
+
+@_check
+def check_store_train_rows(obj) -> None:
+    """Train rows (a slice or indices) read back as written and their flags follow them; init_model is
+    idempotent."""
+    import numpy as np
+
+    st, meta, x, q = _new_store(obj)
+    st.init_model(0)
+    st.init_model(0)  # idempotent
+    assert not st.featurized_mask(0).any(), "a new model has rows marked written"
+    st.write_train_rows(0, slice(0, 8), x[:8], q[:8])
+    st.write_train_rows(0, np.arange(12, 16), x[12:16], q[12:16])
+    want = np.zeros(meta.train_set_size, dtype=bool)
+    want[:8] = want[12:16] = True
+    assert np.array_equal(st.featurized_mask(0), want), "featurized_mask is not the rows written"
+    g, qq = st.read_train_rows(0, 2, 8)  # written rows only: a read of rows never written may be refused
+    g2, qq2 = st.read_train_rows(0, 12, 14)
+    same = np.array_equal(g, x[2:8]) and np.array_equal(g2, x[12:14])
+    assert same and np.array_equal(qq, q[2:8]) and np.array_equal(qq2, q[12:14]), "rows read back differ"
+
+
+@_check
+def check_store_inverse(obj) -> None:
+    """The inverse of an unfinalized model is refused (StateError); once written and the model finalized, it
+    reads back as float32(A)."""
+    import numpy as np
+
+    from .errors import StateError
+
+    st, meta, x, q = _new_store(obj)
+    st.init_model(0)
+    st.write_train_rows(0, slice(0, meta.train_set_size), x, q)
+    try:
+        st.inverse(0)
+    except StateError:
+        pass
+    else:
+        raise AssertionError("inverse() of an unfinalized model returned")
+    a = _finalize(st, meta, x)
+    assert st.is_finalized(0), "is_finalized is False after set_finalize_info"
+    assert np.array_equal(st.inverse(0), a.astype(np.float32)), "the inverse reads back other than float32(A)"
+
+
+@_check
+def check_store_experiment(obj) -> None:
+    """An experiment reopened with another number of targets is refused (StoreMismatchError); target rows
+    read back as written once every one asked for is written (None before)."""
+    import numpy as np
+
+    from .errors import StoreMismatchError
+
+    st, _, x, _ = _new_store(obj)
+    st.init_model(0)
+    st.init_experiment("e", _M)
+    st.init_experiment("e", _M)  # the same again: accepted
+    try:
+        st.init_experiment("e", _M + 1)
+    except StoreMismatchError:
+        pass
+    else:
+        raise AssertionError("an experiment reopened with another num_targets was accepted")
+    assert st.num_targets("e") == _M, f"num_targets is {st.num_targets('e')}, not {_M}"
+    st.init_experiment_model("e", 0)
+    st.write_target_rows("e", 0, slice(0, 2), x[:2])
+    everyone = np.arange(_M)
+    assert st.stored_target_rows("e", 0, everyone) is None, "stored_target_rows returned unwritten rows"
+    assert not st.targets_complete("e", 0), "targets_complete with rows unwritten"
+    st.write_target_rows("e", 0, slice(2, _M), x[2:_M])
+    assert st.targets_complete("e", 0), "targets_complete is False with every row written"
+    got = st.stored_target_rows("e", 0, everyone)
+    assert got is not None and np.array_equal(np.asarray(got), x[:_M]), "target rows read back differ"
+
+
+@_check
+def check_store_scores(obj) -> None:
+    """Scores are refused (StateError) while some rows are not done and read back as written once all are."""
+    import numpy as np
+
+    from .errors import StateError
+
+    st, meta, x, q = _new_store(obj)
+    st.init_model(0)
+    st.write_train_rows(0, slice(0, meta.train_set_size), x, q)
+    _finalize(st, meta, x)
+    st.init_experiment("e", _M)
+    st.init_experiment_model("e", 0)
+    st.write_target_rows("e", 0, slice(0, _M), x[:_M])
+    scores = np.random.default_rng(1).standard_normal((meta.train_set_size, _M)).astype(np.float32)
+    st.begin_scores("e", [0])
+    st.write_score_rows("e", 0, 8, scores[:8])
+    try:
+        st.scores("e")
+    except StateError:
+        pass
+    else:
+        raise AssertionError("scores() returned while rows were not done")
+    st.write_score_rows("e", 8, meta.train_set_size, scores[8:])
+    assert np.array_equal(np.asarray(st.scores("e")[:]), scores), "scores read back differ"
+
+
+STORE_CHECKS = (
+    check_store_protocol,
+    check_store_train_rows,
+    check_store_inverse,
+    check_store_experiment,
+    check_store_scores,
+)
+
+
+def store_checks() -> tuple:
+    """The store checks, each ``check(make_store_or_case)``."""
+    return STORE_CHECKS
+
+
+def check_store(make_store: Callable[[Any], Any], *, checks: Sequence[Callable] | None = None) -> None:
+    """Run every store check (or ``checks``) on a backend (the contract of :class:`~trak_core.store.RunStore`):
+    ``make_store(meta)`` returns a new, empty store for a :class:`~trak_core.store.StoreMetadata` on every call.
+    Rows read back as written (in the store's dtype), flags follow their rows, unfinished results are refused;
+    the first failure raises AssertionError starting with the check's name."""
+    case = _as_store_case(make_store)
+    for check in checks or STORE_CHECKS:
+        check(case)
