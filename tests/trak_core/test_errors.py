@@ -189,6 +189,7 @@ ALLOWED = {
     ("cuda_ext/projectors.py", "cannot query the device"): "a CUDA runtime fault, not input",
     ("trak_core/testing.py", "not a projector, a projector factory"): "the test kit's own argument check",
     ("trak_core/testing.py", "model output checks take a ModelOutputCase"): "the test kit's own argument check",
+    ("trak_core/store_checks.py", "store checks take a StoreCase"): "the test kit's own argument check",
 }
 PLAIN = {"ValueError", "TypeError", "RuntimeError"}
 
