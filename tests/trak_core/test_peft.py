@@ -235,7 +235,7 @@ def test_traker_and_index_on_adapter_checkpoints_match_float64_brute_force(tmp_p
         tr.load_checkpoint(c, model_id=mid)
         for a in range(0, len(train), 8):
             tr.featurize(mixed_batch(train[a : a + 8]), num_samples=len(train[a : a + 8]))
-    with pytest.raises(StoreMismatchError, match="model_id=0 .* different content"):  # another adapter, same rows
+    with pytest.raises(StoreMismatchError, match="model_id=0 .* content differs"):  # another adapter, same rows
         tr.load_checkpoint({k: v * 2 for k, v in ck[0].items()}, model_id=0)
     tr.finalize_features()
     for mid, c in enumerate(ck):
