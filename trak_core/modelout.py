@@ -202,10 +202,10 @@ def _out_of_vocabulary(input_ids: Tensor, vocab: int, e: Exception | None = None
 def _concrete(t: Tensor) -> Tensor:
     """``t`` itself, or inside ``torch.func`` transforms the tensor they wrap: with the batch dimension of each
     ``vmap`` moved to the front, so that rows count the examples of the outermost vmap (its per-example shape
-    follows the inner batch dimensions). Raises RuntimeError where a wrapper cannot be read."""
+    follows the inner batch dimensions). Raises RuntimeError (torch's) where a wrapper cannot be read."""
     from torch._C import _functorch as ft
 
-    for _ in range(64):
+    while True:  # each step goes one transform level down
         if ft.is_batchedtensor(t):
             bdim = ft.maybe_get_bdim(t)
             t = ft.get_unwrapped(t)
@@ -214,7 +214,6 @@ def _concrete(t: Tensor) -> Tensor:
             t = ft.get_unwrapped(t)
         else:
             return t
-    raise RuntimeError("too many nested torch.func wrappers")
 
 
 class AbstractModelOutput(ABC):
