@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from trak_core.adapters import read_state_file
-from trak_core.errors import BadInputError, StateError, StoreDamageError, StoreMismatchError
+from trak_core.errors import BadInputError, StateError, StoreDamageError, StoreMismatchError, TrakError
 from trak_core.store import TrakStore
 
-from .config import AttributeConfig, EvaluateConfig, TrainConfig, load_data
+from .config import AttributeConfig, EvaluateConfig, TrainConfig, load_data, load_object
 
 #: tag of tasks that run model code on the device: `prefect concurrency-limit create trakflow-gpu 1`
 GPU_TAG = "trakflow-gpu"
@@ -74,6 +74,26 @@ def cached_data(path: str, field: str) -> tuple:
 def clear_data_cache() -> None:
     with _data_lock:
         _data_cache.clear()
+
+
+def adopt_train_source(config: AttributeConfig) -> None:
+    """Where the config's train data is a callable told its source at run time (its ``adopt_source``, e.g. the
+    folder of ``trakflow_demo_data.folder_data:train_folder``) and the config's store was built from that callable,
+    tell it the source the store recorded (``train_source``), unless this process was told another: every route
+    that reads the store (a rerun, the report, ``trakflow show``, a query) sees the rows that grew it."""
+    try:
+        adopt = getattr(load_object(config.train_data, "train_data", config.import_roots), "adopt_source", None)
+    except BadInputError:  # the check that loads the data says what is wrong
+        return
+    if not callable(adopt):
+        return
+    try:
+        info = TrakStore.open(config.store, config.storage_options, mode="r").pipeline_info()
+    except (TrakError, OSError, ValueError):  # no store yet, or one the plan refuses with its own message
+        return
+    source = info.get("train_source") or {}
+    if source.get("train_data") == config.train_data and adopt(source):
+        clear_data_cache()
 
 
 def open_store(config: AttributeConfig, mode: str = "r+") -> TrakStore:

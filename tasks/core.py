@@ -27,7 +27,7 @@ from trak_core.store.verify import repair_store, verify_store
 from trak_core.streaming import score_task_ranges
 
 from . import progress
-from .common import cached_data, load_checkpoint, open_store
+from .common import adopt_train_source, cached_data, load_checkpoint, open_store
 from .config import AttributeConfig, load_object
 from .plan import FinalizeManifest, Plan, PlannedModel, ScoreBlockManifest, ScorePlan, ShardManifest, TargetsManifest
 
@@ -198,6 +198,7 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
     the projection against n, and that every checkpoint fits the model. Raises BadInputError naming the field."""
     model = config.build_model()
     task = config.build_task()
+    adopt_train_source(config)
     train = cached_data(config.train_data, "train_data")
     targets = cached_data(config.target_data, "target_data")
     _check_batch(task, train, config.batch_size, "train_data")

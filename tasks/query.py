@@ -29,6 +29,7 @@ from trak_core.modelout import TASK_TO_MODELOUT
 from trak_core.store import TrakStore
 
 from . import report
+from .common import adopt_train_source
 from .config import AttributeConfig, load_data, load_object, resolve_device
 
 register_config_loader(AttributeConfig.from_yaml)
@@ -222,6 +223,8 @@ def run_query(qc: QueryConfig, index: TrakIndex | None = None) -> dict:
     ``{"store", "inputs", "k", "model_ids", "rows", "markdown", "files", "text", "pngs"}``."""
     batch = load_inputs(qc.inputs)
     config = AttributeConfig.from_yaml(qc.store) if qc.is_config else None
+    if config is not None and not qc.train_data:
+        adopt_train_source(config)
     index = index or open_index(qc)
     roots = qc.import_roots or (config.import_roots if config else None)
     train = query_train_data(qc, index, config, roots)

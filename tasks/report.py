@@ -16,7 +16,7 @@ import torch
 from trak_core.store import TrakStore
 from trak_core.topk import top_k as core_top_k
 
-from .common import cached_data
+from .common import adopt_train_source, cached_data
 from .config import AttributeConfig, load_object
 
 
@@ -262,6 +262,7 @@ def build_report(config: AttributeConfig) -> tuple[dict, dict[int, bytes]]:
     store = TrakStore.open(config.store, config.storage_options, mode="r")
     exp = config.exp_name
     m = store.num_targets(exp)
+    adopt_train_source(config)
     train = cached_data(config.train_data, "train_data")
     targets = cached_data(config.target_data, "target_data")
     shown = list(range(min(config.report_targets, m)))

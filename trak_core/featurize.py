@@ -17,7 +17,7 @@ from .budget import FIRST_USE_BYTES, MemoryFit, check_budget, fit_memory, releas
 from .errors import BadInputError, NonFiniteGradientError
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from .memory import format_bytes
-from .modelout import AbstractModelOutput, resolve_task
+from .modelout import AbstractModelOutput, check_devices, resolve_task
 from .projectors import AbstractProjector
 
 
@@ -240,6 +240,7 @@ class Featurizer:
         self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int] | None = None
     ) -> tuple[Tensor, Tensor]:
         self.task.validate_batch(batch)
+        self.task.validate_inputs(self.model, batch)
         b = batch[0].shape[0]
         indices = list(range(b)) if indices is None else [int(i) for i in indices]
         if b <= self.rows_within_budget(batch, model_id):
@@ -259,6 +260,12 @@ class Featurizer:
 
     def _compute_rows(self, batch: Sequence[Tensor], model_id: int, indices: list[int]) -> tuple[Tensor, Tensor]:
         batch = self._to_device(batch)
+        check_devices(
+            (p.device for p in self.model.parameters()),
+            batch,
+            f" (the featurizer moves the batch to its device={str(self.device)!r}: move the model there, or give the "
+            "model's device)",
+        )
         b = batch[0].shape[0]
         # the projected fast path holds no per-example gradient: computed in blocks of ROW_BLOCK rows, a row gets the
         # same bits whatever its batch (the paths that materialize per-example gradients keep the batch's rows)

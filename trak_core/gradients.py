@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .adapters import adapter_param_names, is_peft_model
 from .errors import BadInputError
-from .modelout import AbstractModelOutput
+from .modelout import AbstractModelOutput, check_devices
 
 
 def grad_param_names(model: torch.nn.Module, grad_wrt: Iterable[str] | None) -> list[str]:
@@ -86,12 +86,16 @@ class AbstractGradientComputer(ABC):
 
     def compute_loss_grad(self, batch: Sequence[Tensor]) -> Tensor:
         """Q for each example, shape (B,) (flattened)."""
+        self._check_devices(batch)
         with torch.no_grad():
             q = self.modelout_fn.get_out_to_loss_grad(self.model, self._weights(), self._buffers(), batch)
         return q.reshape(-1)
 
     def _weights(self):
         return dict(self.model.named_parameters())
+
+    def _check_devices(self, batch: Sequence[Tensor]) -> None:
+        check_devices((w.device for w in self._weights().values()), batch)
 
     def _buffers(self):
         return dict(self.model.named_buffers())
@@ -121,6 +125,7 @@ class FunctionalGradientComputer(AbstractGradientComputer):
     def compute_per_sample_grad(self, batch: Sequence[Tensor], with_output: bool = False):
         """{name: (B, *shape)} per-example gradients of ``task.get_output``; with ``with_output``, (those, the
         outputs f (B,) of the same forward, detached)."""
+        self._check_devices(batch)
         task, model, fixed = self.modelout_fn, self.model, self.fixed_weights
 
         def output(weights, buffers, *sample):
@@ -148,6 +153,7 @@ class IterativeGradientComputer(AbstractGradientComputer):
         self.params = [named[n] for n in self.param_names]
 
     def compute_per_sample_grad(self, batch: Sequence[Tensor]) -> dict[str, Tensor]:
+        self._check_devices(batch)
         with torch.enable_grad():
             outputs = self.modelout_fn.get_output(self.model, None, None, *batch)
             if outputs.dim() != 1 or outputs.shape[0] != batch[0].shape[0]:

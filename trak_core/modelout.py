@@ -125,6 +125,7 @@ def _call_logits(model, weights, buffers, kwargs: dict) -> Tensor:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     _check_forward_takes(model, kwargs)
+    check_devices((w.device for w in (weights or {}).values()), [v for v in kwargs.values() if isinstance(v, Tensor)])
     try:
         with sdpa_kernel(SDPBackend.MATH), transformers_fixes(model):
             out = functional_call(model, (weights, buffers), args=(), kwargs=kwargs)
@@ -175,21 +176,44 @@ def _input_vocab_size(model) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def _out_of_vocabulary(input_ids: Tensor, vocab: int, e: Exception) -> str | None:
-    """The message for input ids outside [0, vocab): the rows that hold one, where the ids can be read (not inside
-    ``torch.func.vmap``, where the batch is not visible); None when they can be read and all are in range."""
+def _out_of_vocabulary(input_ids: Tensor, vocab: int, e: Exception | None = None) -> str | None:
+    """The message for input ids outside [0, vocab): the (row, position) pairs that hold one and their values, rows
+    counted in the batch (inside ``torch.func.vmap``, the batch the vmap runs over: :func:`_concrete`); None when all
+    are in range."""
     try:
-        ids = input_ids.long().reshape(input_ids.shape[0], -1)
-        bad = ((ids < 0) | (ids >= vocab)).any(1).nonzero().reshape(-1).tolist()
-        if not bad:
-            return None
-        rows = f"; rows {bad[:20]} hold such ids"
-    except RuntimeError:  # under vmap: the per-example view cannot be read
-        rows = f"; the rows holding one: ((input_ids < 0) | (input_ids >= {vocab})).any(1)"
+        ids = _concrete(input_ids).long()
+    except (RuntimeError, AttributeError):  # a wrapper this torch cannot unwrap: the ids cannot be read
+        return f"input_ids must be in [0, {vocab}), the rows of the model's input embedding" + (
+            f" (the forward raised IndexError: {e})" if e is not None else ""
+        )
+    ids = ids.reshape(ids.shape[0], -1) if ids.dim() else ids.reshape(1, 1)
+    where = ((ids < 0) | (ids >= vocab)).nonzero()
+    if not where.numel():
+        return None
+    rows = sorted({int(r) for r in where[:, 0].tolist()})
+    pairs = [tuple(p) for p in where.tolist()[:20]]
+    values = ids[where[:20, 0], where[:20, 1]].tolist()
     return (
-        f"input_ids must be in [0, {vocab}), the rows of the model's input embedding{rows} "
-        f"(the forward raised IndexError: {e})"
+        f"input_ids must be in [0, {vocab}), the rows of the model's input embedding; rows {rows[:20]} hold such "
+        f"ids: (row, position) {pairs} (values {values})"
     )
+
+
+def _concrete(t: Tensor) -> Tensor:
+    """``t`` itself, or inside ``torch.func`` transforms the tensor they wrap: with the batch dimension of each
+    ``vmap`` moved to the front, so that rows count the examples of the outermost vmap (its per-example shape
+    follows the inner batch dimensions). Raises RuntimeError (torch's) where a wrapper cannot be read."""
+    from torch._C import _functorch as ft
+
+    while True:  # each step goes one transform level down
+        if ft.is_batchedtensor(t):
+            bdim = ft.maybe_get_bdim(t)
+            t = ft.get_unwrapped(t)
+            t = t.movedim(bdim, 0) if bdim is not None else t
+        elif ft.is_gradtrackingtensor(t) or ft.is_functionaltensor(t):
+            t = ft.get_unwrapped(t)
+        else:
+            return t
 
 
 class AbstractModelOutput(ABC):
@@ -216,6 +240,23 @@ class AbstractModelOutput(ABC):
     def validate_batch(self, batch: Sequence[Tensor]) -> None:
         """Raise :class:`BadInputError` for malformed batches (called before any compute)."""
         check_batch(batch)
+
+    def validate_inputs(self, model, batch: Sequence[Tensor]) -> None:  # noqa: B027 - optional: nothing by default
+        """Raise :class:`BadInputError` for a batch (already :meth:`validate_batch`-checked) that ``model`` cannot
+        take, e.g. token ids outside its vocabulary; called before any compute, where the model is known."""
+
+
+def check_devices(model_devices: Iterable[torch.device], batch: Sequence[Tensor], hint: str = "") -> None:
+    """Refuse (BadInputError, naming both) a batch with a tensor on a device where the model has no parameter."""
+    have = sorted({str(d) for d in model_devices})
+    if not have:
+        return
+    off = sorted({str(x.device) for x in batch if isinstance(x, Tensor) and str(x.device) not in have})
+    if off:
+        raise BadInputError(
+            f"the batch is on {', '.join(off)} but the model's parameters are on {', '.join(have)}: put them on one "
+            f"device{hint or f' (model.to({off[0]!r}), or each batch tensor .to({have[0]!r}))'}"
+        )
 
 
 def check_batch(batch: Sequence[Tensor], expected_len: int | None = None) -> int:
@@ -440,6 +481,13 @@ class CausalLMModelOutput(AbstractModelOutput):
                 "at t or t − 1; a left-padded row's first token, like position 0, has nothing to be predicted "
                 "from): set those labels to -100"
             )
+
+    def validate_inputs(self, model, batch) -> None:
+        """Input ids in [0, the rows of the model's input embedding), where that table can be found."""
+        vocab = _input_vocab_size(model)
+        msg = None if vocab is None else _out_of_vocabulary(batch[0], vocab)
+        if msg is not None:
+            raise BadInputError(f"causal_lm: {msg}")
 
 
 def _check_token_labels(labels: Tensor, vocab_size: int | None) -> None:

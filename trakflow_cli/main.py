@@ -532,9 +532,11 @@ def show(
         }
         _top_k_tables([row], k)
         return
+    from tasks.common import adopt_train_source
     from tasks.config import load_data, load_object
     from tasks.report import add_texts, labels_of, top_k_table
 
+    adopt_train_source(config)
     train, targets = load_data(config.train_data, "train_data"), load_data(config.target_data, "target_data")
     if targets[0].shape[0] != scores.shape[1] or train[0].shape[0] != scores.shape[0]:
         _fail(

@@ -100,9 +100,25 @@ def train_folder() -> tuple[torch.Tensor, ...]:
     return load_folder(train_dir())
 
 
+#: the import path of the reader a store records with its folder
+READER = "trakflow_demo_data.folder_data:load_folder"
+
+
 def _source() -> dict:
-    return {"read": "trakflow_demo_data.folder_data:load_folder", "train_dir": str(train_dir())}
+    return {"read": READER, "train_dir": str(train_dir())}
+
+
+def _adopt(source: dict) -> bool:
+    """Read the folder a store recorded (``source``: its ``train_source``) unless $TRAKFLOW_TRAIN_DIR names one
+    (this process was told its folder). True when that changed the folder :func:`train_folder` reads."""
+    folder = source.get("train_dir")
+    if os.environ.get(TRAIN_DIR_ENV) or not folder or source.get("read") != READER:
+        return False
+    os.environ[TRAIN_DIR_ENV] = str(folder)
+    return True
 
 
 #: what a store built from this data records as its train data's source (read by the query route)
 train_folder.data_source = _source  # type: ignore[attr-defined]
+#: a route reading a store built from this data reads the folder the store recorded (tasks.common.adopt_train_source)
+train_folder.adopt_source = _adopt  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from services import REPO, dask_cluster, prefect_server, wait_for
+from services import REPO, dask_cluster, wait_for
 from trak_fixtures import tiny_attribute_config
 
 from examples import tiny
@@ -105,20 +105,17 @@ def bad_label_train_data():
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """One real Prefect server for the module, tiny checkpoints and the reference scores from a
-    programmatic run (thread runner) against that server."""
+def setup(tmp_path_factory, real_prefect_server):
+    """The session's real Prefect server (tests/pipeline/conftest.py), tiny checkpoints and the reference scores
+    from a programmatic run (thread runner) against that server."""
     tmp = tmp_path_factory.mktemp("services")
     ckpt_dir = tmp / "ck"
     tiny.save_checkpoints(ckpt_dir, seeds=(0, 1))
-    with prefect_server(tmp / "prefect") as server:
-        ref_cfg = tiny_config(tmp, ckpt_dir, "reference")
-        res = run_script(server, tmp, ref_cfg, "reference")
-        assert res.returncode == 0, res.stderr[-3000:]
-        yield server, tmp, ckpt_dir, scores(ref_cfg)
-        log = server.read_log()
-        assert "InvalidRequestError" not in log, "the server's services logged SQLAlchemy errors"
-        assert "IntegrityError" not in log, "a request conflicted with the server's database (a duplicate create?)"
+    server = real_prefect_server
+    ref_cfg = tiny_config(tmp, ckpt_dir, "reference")
+    res = run_script(server, tmp, ref_cfg, "reference")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return server, tmp, ckpt_dir, scores(ref_cfg)
 
 
 def test_second_run_on_a_store_logs_no_conflict(setup):
