@@ -329,7 +329,12 @@ class AttributeConfig(_Base):
         "H of the inverse (H + λI)⁻¹: 'xtx' (XᵀX, traker's; the default) or 'ggn' (XᵀRX, the Gauss-Newton matrix, "
         "R = diag(Q(1 − Q)), row weights floored at 0.3·mean: +0.020…+0.060 LDS on converged models, "
         "one more p × p partial per shard; "
-        "benchmarks/RESULTS.md 'Gauss-Newton curvature'); λ's rule still reads XᵀX, scaled by the traces",
+        "benchmarks/RESULTS.md 'Gauss-Newton curvature'); λ's rule still reads XᵀX, scaled by the traces; "
+        "'kfac' / 'ekfac': Kronecker-factored curvature of each Linear layer applied before the projection, "
+        "fitted by one more pass (two for 'ekfac') over the train rows per checkpoint (docs/damping.md)",
+    )
+    curvature_damping: float = _setting(
+        "curvature_damping", "'kfac'/'ekfac': λ of each factor = this × its mean eigenvalue (> 0; kronfluence's 0.1)"
     )
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")

@@ -522,6 +522,39 @@ class StoreFactors:
 
 def bind(feat, store):
     """``feat`` reading its curvature from ``store`` when the store's curvature is K-FAC's (else unchanged)."""
-    if store.meta.curvature in KFAC_CURVATURES and not isinstance(getattr(feat, "curvature", None), StoreFactors):
+    if store.meta.curvature in KFAC_CURVATURES and getattr(feat, "curvature", None) is None:
         feat.curvature = StoreFactors(store)
     return feat
+
+
+def finalize_inverse(meta, rule, rescale: bool) -> tuple[np.ndarray, dict]:
+    """Finalize of a K-FAC store: the rows are preconditioned already, so the inverse is c·I
+    (:func:`identity_inverse`; ``lambda_reg`` and ``rescale_inverse`` are recorded, not applied)."""
+    from .projectors import projector_traits
+
+    scale = 1.0 if projector_traits(meta.projector).is_identity else float(meta.proj_dim)
+    inv, c = identity_inverse(meta.grad_dim, meta.proj_dim, scale)
+    info = {
+        "curvature": meta.curvature,
+        "lambda_reg": 0.0,
+        "lambda_setting": rule.setting,
+        "rescale": bool(rescale),
+        "inverse_scale": c,
+    }
+    return inv, info
+
+
+def fit_step(store, model_id: int, feat, batches, damping=DEFAULT_DAMPING, grad_wrt=None) -> Preconditioner | None:
+    """Fit and record ``model_id``'s factors in a store of K-FAC curvature (None for another curvature); a model
+    with recorded factors keeps them (read back); one with featurized rows but no factors is refused."""
+    if store.meta.curvature not in KFAC_CURVATURES:
+        return None
+    if has_factors(store, model_id):
+        return load_factors(store, model_id)
+    if store.has_model(model_id) and store.featurized_mask(model_id).any():
+        raise StateError(
+            f"model_id={model_id}: {store.location} holds featurized rows but no curvature factors; use a new store"
+        )
+    pre = fit_factors(feat, batches, store.meta.curvature, damping, grad_wrt)
+    record_factors(store, model_id, pre)
+    return pre

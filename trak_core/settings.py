@@ -18,7 +18,7 @@ from .projectors import load_projector_plugins, registered_projectors
 
 ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
-Curvature = Literal["xtx", "ggn"]
+Curvature = Literal["xtx", "ggn", "kfac", "ekfac"]
 
 
 def normalize_lambda_reg(value: float | str) -> float | str:
@@ -67,7 +67,14 @@ class TrakSettings(BaseModel):
     lambda_reg: LambdaSetting = Field("adaptive", description="ridge term λ in (XᵀX + λI)⁻¹")
     rescale_inverse: bool = Field(True, description="divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
     dtype: StorageDtype = Field("float16", description="storage dtype of gradients")
-    curvature: Curvature = Field("xtx", description="H of (H + λI)⁻¹: 'xtx' (XᵀX, traker's) or 'ggn' (XᵀRX)")
+    curvature: Curvature = Field(
+        "xtx",
+        description="H of (H + λI)⁻¹: 'xtx' (XᵀX, traker's) or 'ggn' (XᵀRX); 'kfac' / 'ekfac': Kronecker-factored "
+        "curvature applied to each layer's gradient before the projection (docs/damping.md)",
+    )
+    curvature_damping: float = Field(
+        0.1, gt=0, allow_inf_nan=False, description="'kfac'/'ekfac': each factor's λ = this × its mean eigenvalue"
+    )
     grad_wrt: GradWrt = Field(
         None, description="parameter names to take gradients for (None: the trainable ones, a PEFT model's adapters)"
     )
