@@ -54,6 +54,7 @@ from pydantic import (
 from trak_core.errors import BadInputError
 from trak_core.settings import (
     Curvature,
+    CurvatureDamping,
     GradWrt,
     LambdaSetting,
     ProjectorKind,
@@ -333,8 +334,12 @@ class AttributeConfig(_Base):
         "'kfac' / 'ekfac': Kronecker-factored curvature of each Linear layer applied before the projection, "
         "fitted by one more pass (two for 'ekfac') over the train rows per checkpoint (docs/damping.md)",
     )
-    curvature_damping: float = _setting(
+    curvature_damping: CurvatureDamping = _setting(
         "curvature_damping", "'kfac'/'ekfac': λ of each factor = this × its mean eigenvalue (> 0; kronfluence's 0.1)"
+    )
+    curvature_rows: PositiveInt | None = Field(
+        None,
+        description="'kfac'/'ekfac': the factors are fitted on this many train rows, evenly spaced (null: all rows)",
     )
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")

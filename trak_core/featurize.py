@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,7 +113,7 @@ class Featurizer:
         self.normalize_factor = math.sqrt(self.grad_dim)
         # Kronecker-factored curvature (:mod:`trak_core.kfac`): model id → its preconditioner, applied before the
         # projection (None: the projector as given)
-        self.curvature: Callable[[int], object] | None = None
+        self.curvature: Callable[[int], Any] | None = None
         self._preconditioned: tuple[int, int, AbstractProjector] | None = None
 
     def load_state(self, state_dict: dict) -> None:

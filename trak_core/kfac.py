@@ -86,12 +86,6 @@ def check_damping(damping) -> float:
     return value
 
 
-def check_curvature_settings(curvature: str, damping) -> None:
-    """Refuse (BadInputError naming the field) a K-FAC damping that is not a finite number > 0; a curvature not of
-    this module passes (its own check names it)."""
-    check_damping(damping)
-
-
 # ---------------------------------------------------------------------------------------------- layers
 @dataclass(frozen=True)
 class Site:
@@ -142,8 +136,8 @@ class FactorSums:
         for mine, theirs in ((self.a, other.a), (self.s, other.s), (self.lam, other.lam)):
             for k, v in theirs.items():
                 mine[k] = mine[k] + v if k in mine else v.copy()
-        for k, v in other.tokens.items():
-            self.tokens[k] = self.tokens.get(k, 0) + v
+        for k, count in other.tokens.items():
+            self.tokens[k] = self.tokens.get(k, 0) + count
         self.examples += other.examples
         return self
 
@@ -300,7 +294,7 @@ def solve_factors(
                 alpha = logs.mean(axis=1) - mu / 2
                 beta = logs.mean(axis=0) - mu / 2
                 fit = alpha[:, None] + beta[None, :]
-                resid = float(np.linalg.norm(logs - fit) / max(np.linalg.norm(logs - mu), 1e-300))
+                resid = float(np.linalg.norm(logs - fit)) / max(float(np.linalg.norm(logs - mu)), 1e-300)
                 m_out = (u_s * np.exp(-alpha / 2)) @ u_s.T
                 m_in = (u_a * np.exp(-beta / 2)) @ u_a.T
                 per[name] = {"lambda": lam, "fit_residual": resid}

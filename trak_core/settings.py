@@ -19,6 +19,8 @@ from .projectors import load_projector_plugins, registered_projectors
 ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
 Curvature = Literal["xtx", "ggn", "kfac", "ekfac"]
+#: 'kfac'/'ekfac': each factor's λ = this × its mean eigenvalue (a finite number > 0)
+CurvatureDamping = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 def normalize_lambda_reg(value: float | str) -> float | str:
@@ -72,8 +74,8 @@ class TrakSettings(BaseModel):
         description="H of (H + λI)⁻¹: 'xtx' (XᵀX, traker's) or 'ggn' (XᵀRX); 'kfac' / 'ekfac': Kronecker-factored "
         "curvature applied to each layer's gradient before the projection (docs/damping.md)",
     )
-    curvature_damping: float = Field(
-        0.1, gt=0, allow_inf_nan=False, description="'kfac'/'ekfac': each factor's λ = this × its mean eigenvalue"
+    curvature_damping: CurvatureDamping = Field(
+        0.1, description="'kfac'/'ekfac': each factor's λ = this × its mean eigenvalue"
     )
     grad_wrt: GradWrt = Field(
         None, description="parameter names to take gradients for (None: the trainable ones, a PEFT model's adapters)"
@@ -90,6 +92,7 @@ __all__ = [
     "ProjType",
     "StorageDtype",
     "Curvature",
+    "CurvatureDamping",
     "LambdaSetting",
     "GradWrt",
     "normalize_lambda_reg",

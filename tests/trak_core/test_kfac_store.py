@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from test_kfac import C, D_IN, N, brute, brute_factors, brute_precondition, kfac_h, layer_grads, mlp
+from test_kfac import D_IN, C, N, brute, brute_factors, brute_precondition, kfac_h, layer_grads, mlp
 
 from trak_core import TRAKer, TrakIndex, kfac
 from trak_core.errors import BadInputError, StateError
