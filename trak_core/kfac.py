@@ -217,9 +217,12 @@ def batch_sums(feat, batch: Sequence[Tensor], sites: list[Site], bases: dict | N
             out.s[name] = torch.einsum("bto,btp->op", dt, dt).cpu().numpy()
             out.tokens[name] = int(at.shape[0] * at.shape[1])
         else:
-            u_s, u_a = (torch.from_numpy(m).to(at.device) for m in bases[name])
-            g = torch.einsum("bto,bti->boi", dt, at)  # each example's augmented layer gradient
-            out.lam[name] = ((u_s.T @ g @ u_a) ** 2).sum(0).cpu().numpy()
+            u_s, u_a = (torch.from_numpy(m).to(at.device) for m in bases[name][1::2])
+            ds, da = dt @ u_s, at @ u_a  # rotated first: U_Sᵀ G_n U_A = Σ_t (U_Sᵀ δ_t)(U_Aᵀ ã_t)ᵀ
+            if ds.shape[1] == 1:  # one position: (U_Sᵀ G U_A)² = (U_Sᵀ δ)² (U_Aᵀ ã)²ᵀ, summed by one product
+                out.lam[name] = (ds[:, 0] ** 2).T.matmul(da[:, 0] ** 2).cpu().numpy()
+            else:
+                out.lam[name] = (torch.einsum("bto,bti->boi", ds, da) ** 2).sum(0).cpu().numpy()
     return out, skipped
 
 
@@ -255,29 +258,35 @@ def _inv_sqrt(e: np.ndarray, u: np.ndarray, damping: float) -> tuple[np.ndarray,
     return (u * (e + lam) ** -0.5) @ u.T, lam
 
 
-def eigenbases(sums: FactorSums) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{site: (U_S, U_A)} of the factors of ``sums`` (EK-FAC's second pass)."""
+def eigenbases(sums: FactorSums) -> dict[str, tuple[np.ndarray, ...]]:
+    """{site: (eigenvalues of S, U_S, eigenvalues of A, U_A)} of the factors of ``sums``."""
     out = {}
     for name in sums.a:
-        _, u_a = _eig(sums.a[name] / max(1, sums.tokens[name]))
-        _, u_s = _eig(sums.s[name] / max(1, sums.examples))
-        out[name] = (u_s, u_a)
+        e_a, u_a = _eig(sums.a[name] / max(1, sums.tokens[name]))
+        e_s, u_s = _eig(sums.s[name] / max(1, sums.examples))
+        out[name] = (e_s, u_s, e_a, u_a)
     return out
 
 
 def solve_factors(
-    sums: FactorSums, sites: list[Site], kind: str = "kfac", damping: float = DEFAULT_DAMPING, identity=()
+    sums: FactorSums,
+    sites: list[Site],
+    kind: str = "kfac",
+    damping: float = DEFAULT_DAMPING,
+    identity=(),
+    bases: dict | None = None,
 ) -> Preconditioner:
-    """The :class:`Preconditioner` of reduced ``sums`` (``kind`` "ekfac": with its second pass's ``lam`` sums)."""
+    """The :class:`Preconditioner` of reduced ``sums`` (``kind`` "ekfac": with its second pass's ``lam`` sums;
+    ``bases``: their :func:`eigenbases`, when computed already)."""
     if kind not in KFAC_CURVATURES:
         raise BadInputError(f"curvature={kind!r}: expected one of {KFAC_CURVATURES}")
     damping = check_damping(damping)
     blocks, per = {}, {}
     by_name = {s.name: s for s in sites}
+    bases = eigenbases(sums) if bases is None else bases
     for name in sums.a:
         site = by_name[name]
-        e_a, u_a = _eig(sums.a[name] / max(1, sums.tokens[name]))
-        e_s, u_s = _eig(sums.s[name] / max(1, sums.examples))
+        e_s, u_s, e_a, u_a = bases[name]
         if kind == "kfac":
             m_in, lam_a = _inv_sqrt(e_a, u_a, damping)
             m_out, lam_s = _inv_sqrt(e_s, u_s, damping)
@@ -327,8 +336,8 @@ def fit_factors(
     if total.examples == 0:
         raise BadInputError("curvature: the factor pass was given no train rows")
     used = [s for s in sites if s.name not in skipped]
+    bases = eigenbases(total)
     if kind == "ekfac":
-        bases = eigenbases(total)
         for batch in batches():
             part, _ = batch_sums(feat, batch, used, bases)
             part.examples = 0  # (the examples were counted by the first pass)
@@ -341,7 +350,7 @@ def fit_factors(
             "the scores unpreconditioned)",
             stacklevel=2,
         )
-    return solve_factors(total, used, kind, damping, identity)
+    return solve_factors(total, used, kind, damping, identity, bases)
 
 
 # ---------------------------------------------------------------------------------------------- application
