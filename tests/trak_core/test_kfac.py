@@ -219,11 +219,13 @@ def test_scores_equal_explicit_solve():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())  # (float32 rows)
 
 
-def test_ekfac_separable_fit_matches_brute_force():
+@pytest.mark.parametrize("seq", [False, True])
+def test_ekfac_separable_fit_matches_brute_force(seq):
     """EK-FAC: corrected eigenvalues Λ_ij = mean_n (U_Sᵀ G_n U_A)²_ij in the K-FAC eigenbases, λ = damping × mean Λ,
-    log(Λ + λ) fitted by α_i + β_j (least squares), M_S = U_S e^(−α/2) U_Sᵀ, M_A = U_A e^(−β/2) U_Aᵀ."""
-    model = mlp()
-    x, y = data()
+    log(Λ + λ) fitted by α_i + β_j (least squares), M_S = U_S e^(−α/2) U_Sᵀ, M_A = U_A e^(−β/2) U_Aᵀ (one position
+    per example, and several: G_n = Σ_t δ_t ã_tᵀ)."""
+    model = SeqModel().double() if seq else mlp()
+    x, y = data(seq)
     rows = brute(model, x, y)
     fac = brute_factors(rows)
     feat = featurizer(model)
