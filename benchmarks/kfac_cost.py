@@ -2,13 +2,16 @@
 
     PYTHONPATH=. python benchmarks/kfac_cost.py [--rows 1024] [--width 256] [--proj-dim 512]
 
-Prints, per curvature, the seconds of the factor fit (one pass for K-FAC, two for EK-FAC), of featurizing the same
-rows with the factored projection (preconditioned or not), and the bytes of the factors recorded in the store."""
+Prints, per curvature, the seconds of the factor fit (one pass for K-FAC, two for EK-FAC, and the eigendecompositions
+of the factors), of those eigendecompositions alone (``eigh_s``: O(d³) per layer, the part that a busy BLAS slows
+most), of featurizing the same rows with the factored projection (preconditioned or not), the bytes of the factors
+recorded in the store, and the process's peak resident memory after each step."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 import torch
@@ -43,6 +46,12 @@ def main() -> None:
             t0 = time.perf_counter()
             pre = kfac.fit_factors(feat, batches, curvature)
             fit = time.perf_counter() - t0
+            sums = kfac.FactorSums()
+            for b in batches()[:1]:
+                sums.add(kfac.batch_sums(feat, b, kfac.linear_sites(model)[0])[0])
+            t0 = time.perf_counter()
+            kfac.eigenbases(sums)
+            out[f"{curvature}_eigh_s"] = round(time.perf_counter() - t0, 3)
             feat.curvature = lambda mid, pre=pre: pre
             out[f"{curvature}_record_bytes"] = len(json.dumps(kfac.to_record(pre)))
         t0 = time.perf_counter()
@@ -50,6 +59,7 @@ def main() -> None:
             feat.featurize(b, 0)
         out[f"{curvature}_fit_s"] = round(fit, 3)
         out[f"{curvature}_featurize_s"] = round(time.perf_counter() - t0, 3)
+        out[f"{curvature}_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     print(json.dumps(out))
 
 

@@ -17,6 +17,7 @@ from trak_core.errors import BadInputError, StateError
 from trak_core.projectors import NoOpProjector
 
 M = 5
+DEFAULT = object()  # run(projector=DEFAULT): TRAKer's default projector
 
 
 def make_data():
@@ -35,7 +36,7 @@ def run(path, curvature="kfac", projector=None, n=N, fit=True, **kw):
         train_set_size=n,
         save_dir=str(path),
         device="cpu",
-        projector=projector if projector is not None else NoOpProjector(),
+        projector=None if projector is DEFAULT else projector if projector is not None else NoOpProjector(),
         use_half_precision=False,
         lambda_reg=0.0,
         logging_level=logging.ERROR,
@@ -83,14 +84,22 @@ def test_traker_noop_scores_equal_explicit_solve(tmp_path):
     assert tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]["kind"] == "kfac"
 
 
-@pytest.mark.parametrize("curvature", ["kfac", "ekfac"])
-def test_index_queries_with_the_recorded_factors(tmp_path, curvature):
+@pytest.mark.parametrize(("curvature", "projector"), [("kfac", "factored"), ("ekfac", "factored"), ("kfac", None)])
+def test_index_queries_with_the_recorded_factors(tmp_path, curvature, projector):
+    """TrakIndex rebuilds the store's projection and reads its factors: its scores are finalize_scores'. ``None``:
+    TRAKer's default projector, whose store is created once rows are featurized (the factors fitted before are
+    recorded then)."""
     from trak_core.projectors import make_projector
 
     model = mlp()
     gd = sum(p.numel() for p in model.parameters())
-    proj = make_projector("factored", gd, 16, 0, "rademacher", model=model)
-    got, tr, model = run(tmp_path / "s", curvature, projector=proj)
+    if projector is None:
+        got, tr, model = run(tmp_path / "s", curvature, projector=DEFAULT, proj_dim=16)
+    else:
+        proj = make_projector("factored", gd, 16, 0, "rademacher", model=model)
+        got, tr, model = run(tmp_path / "s", curvature, projector=proj)
+    assert kfac.has_factors(tr.store, 0)
+    tr._close()
     del tr
     index = TrakIndex(
         tmp_path / "s", model=mlp(), checkpoints=[model.state_dict()], task="image_classification", device="cpu"
