@@ -517,6 +517,11 @@ class AttributeConfig(_Base):
             from trak_core.sharded import VMAP_REFUSAL
 
             raise BadInputError(VMAP_REFUSAL.format(kind=self.projector))
+        if self.processes_per_task > 1 and self.curvature in ("kfac", "ekfac"):
+            raise BadInputError(
+                f"curvature={self.curvature!r}: Kronecker-factored curvature is not supported with "
+                f"processes_per_task={self.processes_per_task} (model-parallel featurizing); use 1, or 'xtx' / 'ggn'"
+            )
         self._checkpoint_paths = resolve_checkpoints(self.checkpoints, "checkpoints")
         return self
 

@@ -89,6 +89,7 @@ def test_pipeline_equals_traker_and_index(tmp_path, curvature):
         ({"curvature": "kfacc"}, "curvature"),
         ({"curvature": "kfac", "curvature_damping": 0}, "curvature_damping"),
         ({"curvature": "kfac", "curvature_damping": float("inf")}, "curvature_damping"),
+        ({"curvature": "ekfac", "processes_per_task": 2}, "curvature='ekfac'.*processes_per_task"),
     ],
 )
 def test_bad_settings_named_by_the_config(tmp_path, over, field):
