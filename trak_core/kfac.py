@@ -258,7 +258,7 @@ def _inv_sqrt(e: np.ndarray, u: np.ndarray, damping: float) -> tuple[np.ndarray,
     return (u * (e + lam) ** -0.5) @ u.T, lam
 
 
-def eigenbases(sums: FactorSums) -> dict[str, tuple[np.ndarray, ...]]:
+def eigenbases(sums: FactorSums) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """{site: (eigenvalues of S, U_S, eigenvalues of A, U_A)} of the factors of ``sums``."""
     out = {}
     for name in sums.a:
