@@ -479,14 +479,22 @@ def has_factors(store, model_id: int) -> bool:
     return str(int(model_id)) in store.pipeline_info().get(RECORD_KEY, {})
 
 
-def record_factors(store, model_id: int, pre: Preconditioner) -> None:
-    """Record ``pre`` as ``model_id``'s factors in the store's pipeline record; a model that has factors keeps
-    them (StateError when they differ: a store never mixes two fits)."""
+def _checkpoint_of(store, model_id: int) -> str | None:
+    """The state digest of ``model_id``'s recorded checkpoint (None: none recorded)."""
+    rec = store.checkpoint_record(model_id) if store.has_model(model_id) else None
+    return None if rec is None else rec.get("state_sha256")
+
+
+def record_factors(store, model_id: int, pre: Preconditioner, replace: bool = False) -> None:
+    """Record ``pre`` as ``model_id``'s factors in the store's pipeline record, with the digest of the checkpoint the
+    store records for it; a model that has factors keeps them (StateError when they differ: a store never mixes two
+    fits) unless ``replace`` (a model started over, no row featurized with the old ones)."""
     info = store.pipeline_info()
     factors = dict(info.get(RECORD_KEY, {}))
+    pre.info["checkpoint"] = _checkpoint_of(store, model_id)
     rec = to_record(pre)
     old = factors.get(str(int(model_id)))
-    if old is not None:
+    if old is not None and not replace:
         if old.get("sha256") != rec["sha256"]:
             raise StateError(
                 f"model_id={model_id}: {store.location} holds curvature factors fitted before; a store keeps the "
@@ -552,12 +560,16 @@ def fit_step(store, model_id: int, feat, batches, damping=DEFAULT_DAMPING, grad_
     with recorded factors keeps them (read back); one with featurized rows but no factors is refused."""
     if store.meta.curvature not in KFAC_CURVATURES:
         return None
+    featurized = store.has_model(model_id) and bool(store.featurized_mask(model_id).any())
+    stale = False
     if has_factors(store, model_id):
-        return load_factors(store, model_id)
-    if store.has_model(model_id) and store.featurized_mask(model_id).any():
-        raise StateError(
-            f"model_id={model_id}: {store.location} holds featurized rows but no curvature factors; use a new store"
-        )
+        pre = load_factors(store, model_id)
+        if pre.info.get("checkpoint") == _checkpoint_of(store, model_id):
+            return pre
+        stale = True  # fitted at another checkpoint (the model was started over)
+    if featurized:
+        what = "factors fitted at another checkpoint" if stale else "no curvature factors"
+        raise StateError(f"model_id={model_id}: {store.location} holds featurized rows and {what}; use a new store")
     pre = fit_factors(feat, batches, store.meta.curvature, damping, grad_wrt)
-    record_factors(store, model_id, pre)
+    record_factors(store, model_id, pre, replace=stale)
     return pre

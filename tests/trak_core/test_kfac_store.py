@@ -154,3 +154,49 @@ def test_bad_settings_named_before_anything_is_created(tmp_path, kw, field):
             model=mlp(), task="image_classification", train_set_size=N, save_dir=str(tmp_path / "s"), device="cpu", **kw
         )
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
+
+
+def test_started_over_model_refits_its_factors(tmp_path):
+    """A model started over at another checkpoint (load_from_save_dir=False) gets factors fitted at that checkpoint;
+    the record names the checkpoint's digest. Featurized rows with factors of another checkpoint are refused."""
+    from trak_core import engine
+    from trak_core.featurize import Featurizer
+    from trak_core.store import open_store
+
+    _, tr, model = run(tmp_path / "s")
+    first = tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]
+    assert first["checkpoint"] == tr.store.checkpoint_record(0)["state_sha256"]
+    tr._close()
+    del tr
+    other = mlp()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    x, y, _, _ = make_data()
+    tr = TRAKer(
+        model=other,
+        task="image_classification",
+        train_set_size=N,
+        save_dir=str(tmp_path / "s"),
+        device="cpu",
+        projector=NoOpProjector(),
+        use_half_precision=False,
+        lambda_reg=0.0,
+        logging_level=logging.ERROR,
+        curvature="kfac",
+        load_from_save_dir=False,
+    )
+    tr.load_checkpoint(other.state_dict(), model_id=0)
+    tr.fit_curvature([(x, y)])
+    again = tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]
+    assert again["checkpoint"] == engine.state_fingerprint(other.state_dict()) != first["checkpoint"]
+    assert again["sha256"] != first["sha256"]
+    tr._close()
+    del tr
+    # a store whose rows were featurized at the first checkpoint: fitting at another is refused
+    run(tmp_path / "t")
+    st = open_store(str(tmp_path / "t"))
+    st.set_checkpoint_record(0, {"path": "x", "state_sha256": "0" * 64})
+    feat = Featurizer(other, "image_classification", NoOpProjector(), device="cpu")
+    with pytest.raises(StateError, match="another checkpoint"):
+        engine.fit_curvature(st, 0, feat, lambda: [(x, y)])
