@@ -201,13 +201,8 @@ def check_solve_settings(lambda_reg, curvature: str) -> None:
         raise BadInputError(f"curvature={curvature!r}: expected one of {CURVATURES}")
 
 
-def fit_curvature(
-    store: RunStore, model_id: int, featurizer: Featurizer, batches, damping=kfac.DEFAULT_DAMPING, grad_wrt=None
-):
-    """Fit and record ``model_id``'s Kronecker-factored curvature in a store of ``curvature="kfac"`` / ``"ekfac"``
-    (:func:`trak_core.kfac.fit_step`; ``batches()`` yields the train rows, twice for EK-FAC), before its rows are
-    featurized; a checkpoint that has factors keeps them. None for another curvature."""
-    return kfac.fit_step(store, model_id, featurizer, batches, damping, grad_wrt)
+#: fit and record a checkpoint's Kronecker-factored curvature before its rows (curvature "kfac" / "ekfac")
+fit_curvature = kfac.fit_step
 
 
 def check_new_store(location: str, storage_options: dict | None = None) -> None:
