@@ -6,9 +6,10 @@ from prefect import flow, get_run_logger
 
 from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
 from tasks import progress
-from tasks.attribution import featurize_shard, plan_attribution
+from tasks.attribution import featurize_shard, fit_curvature, plan_attribution
 from tasks.config import AttributeConfig
 from tasks.plan import Plan, summarize
+from trak_core.kfac import KFAC_CURVATURES
 
 
 @flow(name="featurize", task_runner=ConfigTaskRunner(), validate_parameters=True)
@@ -18,6 +19,9 @@ def featurize(config: AttributeConfig, plan: Plan | None = None) -> dict:
     with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
         progress.start("featurize", plan.train_set_size * len(plan.models))
+        if config.curvature in KFAC_CURVATURES:  # the factors before the rows; one at a time (one record writer)
+            for m in plan.models:
+                fit_curvature.submit(config, m.model_id, m.checkpoint).result()
         jobs = plan.featurize_jobs()
         futures = [featurize_shard.submit(config, m.model_id, m.checkpoint, s, tasks=len(jobs)) for m, s in jobs]
         manifests = gather(futures, "featurize", lambda m: m.num_rows)

@@ -53,6 +53,13 @@ def featurize_shard(
         return core.featurize_shard(config, model_id, checkpoint, shard)
 
 
+@task(name="fit-curvature", task_run_name="curvature-m{model_id}", tags=[GPU_TAG], **RETRIED_TASK)
+def fit_curvature(config: AttributeConfig, model_id: int, checkpoint: str, tasks: int = 1) -> bool:
+    """Kronecker-factored curvature of one checkpoint (``curvature: kfac`` / ``ekfac``), before its shards."""
+    with torch_threads(threads_per_task(config, tasks)):
+        return core.fit_curvature(config, model_id, checkpoint)
+
+
 @task(name="finalize-checkpoint", task_run_name="finalize-m{model_id}", **RETRIED_TASK)
 def finalize_checkpoint(config: AttributeConfig, model_id: int, tasks: int = 1) -> FinalizeManifest:
     with torch_threads(threads_per_task(config, tasks)):

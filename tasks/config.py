@@ -54,6 +54,7 @@ from pydantic import (
 from trak_core.errors import BadInputError
 from trak_core.settings import (
     Curvature,
+    CurvatureDamping,
     GradWrt,
     LambdaSetting,
     ProjectorKind,
@@ -329,7 +330,16 @@ class AttributeConfig(_Base):
         "H of the inverse (H + λI)⁻¹: 'xtx' (XᵀX, traker's; the default) or 'ggn' (XᵀRX, the Gauss-Newton matrix, "
         "R = diag(Q(1 − Q)), row weights floored at 0.3·mean: +0.020…+0.060 LDS on converged models, "
         "one more p × p partial per shard; "
-        "benchmarks/RESULTS.md 'Gauss-Newton curvature'); λ's rule still reads XᵀX, scaled by the traces",
+        "benchmarks/RESULTS.md 'Gauss-Newton curvature'); λ's rule still reads XᵀX, scaled by the traces; "
+        "'kfac' / 'ekfac': Kronecker-factored curvature of each Linear layer applied before the projection, "
+        "fitted by one more pass (two for 'ekfac') over the train rows per checkpoint (docs/damping.md)",
+    )
+    curvature_damping: CurvatureDamping = _setting(
+        "curvature_damping", "'kfac'/'ekfac': λ of each factor = this × its mean eigenvalue (> 0; kronfluence's 0.1)"
+    )
+    curvature_rows: PositiveInt | None = Field(
+        None,
+        description="'kfac'/'ekfac': the factors are fitted on this many train rows, evenly spaced (null: all rows)",
     )
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")
@@ -507,6 +517,11 @@ class AttributeConfig(_Base):
             from trak_core.sharded import VMAP_REFUSAL
 
             raise BadInputError(VMAP_REFUSAL.format(kind=self.projector))
+        if self.processes_per_task > 1 and self.curvature in ("kfac", "ekfac"):
+            raise BadInputError(
+                f"curvature={self.curvature!r}: Kronecker-factored curvature is not supported with "
+                f"processes_per_task={self.processes_per_task} (model-parallel featurizing); use 1, or 'xtx' / 'ggn'"
+            )
         self._checkpoint_paths = resolve_checkpoints(self.checkpoints, "checkpoints")
         return self
 

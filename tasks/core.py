@@ -20,6 +20,7 @@ from trak_core.energy import PROBE_ROWS
 from trak_core.errors import BadInputError, StoreMismatchError
 from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
+from trak_core.kfac import KFAC_CURVATURES, has_factors
 from trak_core.lds import array_fingerprint
 from trak_core.projectors import make_projector, projector_traits, rebuild_kwargs
 from trak_core.store import StoreMetadata, TrakStore
@@ -395,6 +396,26 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
         progress=lambda n: progress.advance("featurize", n),
     )
     return ShardManifest.timed(t0, skipped, model_id=model_id, shard=shard, rows=store.meta.shard_range(shard))
+
+
+# ---------------------------------------------------------------------------- curvature
+def fit_curvature(config: AttributeConfig, model_id: int, checkpoint: str) -> bool:
+    """The Kronecker-factored curvature of one checkpoint (``curvature: kfac`` / ``ekfac``), fitted on every train
+    row (or ``curvature_rows`` of them, evenly spaced) in batches of ``batch_size`` and recorded in the store before
+    its shards are featurized (:func:`trak_core.engine.fit_curvature`; a checkpoint that has factors keeps them).
+    Returns whether it fitted."""
+    store = open_store(config)
+    if store.meta.curvature not in KFAC_CURVATURES or has_factors(store, model_id):
+        return False
+    data = cached_data(config.train_data, "train_data")
+    n, size = store.meta.train_set_size, config.batch_size
+    rows = torch.arange(n)
+    if config.curvature_rows is not None and config.curvature_rows < n:  # a declared sample, evenly spaced
+        rows = torch.linspace(0, n - 1, config.curvature_rows).round().long().unique()
+    feat = build_featurizer(config, checkpoint, store.meta)
+    batches = lambda: ([t[rows[a : a + size]] for t in data] for a in range(0, len(rows), size))  # noqa: E731
+    engine.fit_curvature(store, model_id, feat, batches, config.curvature_damping, config.grad_wrt)
+    return True
 
 
 # ---------------------------------------------------------------------------- finalize

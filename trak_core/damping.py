@@ -335,7 +335,7 @@ def check_lambda(lambda_reg) -> None:
 
 
 #: the curvatures H of A = (H + λI)⁻¹ (``StoreMetadata.curvature``): XᵀX (traker's) and XᵀRX (Gauss-Newton)
-CURVATURES = ("xtx", "ggn")
+CURVATURES = ("xtx", "ggn", "kfac", "ekfac")  # the last two: trak_core.kfac, before the projection
 
 
 def loss_curvature(q: np.ndarray | Tensor) -> np.ndarray:

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import checkpoints
+from . import checkpoints, kfac
 from .budget import check_budget as check_budget  # the front doors' memory budget
 from .budget import memory_limit as memory_limit
 from .damping import CURVATURES, check_lambda
@@ -199,6 +199,10 @@ def check_solve_settings(lambda_reg, curvature: str) -> None:
         raise BadInputError(str(e)) from None
     if curvature not in CURVATURES:
         raise BadInputError(f"curvature={curvature!r}: expected one of {CURVATURES}")
+
+
+#: fit and record a checkpoint's Kronecker-factored curvature before its rows (curvature "kfac" / "ekfac")
+fit_curvature = kfac.fit_step
 
 
 def check_new_store(location: str, storage_options: dict | None = None) -> None:
@@ -597,7 +601,7 @@ def featurize_shard(
             return True
         require_not_finalized(store, model_id)
         start = a + _featurized_prefix(done)  # a shard the store grew into keeps its stored rows
-        feat = featurizer()
+        feat = kfac.bind(featurizer(), store)
         batch_size = _budget_batch(
             feat, store.meta, b - a, batch(start, min(b, start + PROBE_SAMPLE_ROWS)), model_id, batch_size
         )
@@ -712,7 +716,7 @@ def target_rows(store: RunStore, featurizer: Featurizer, exp_name: str, model_id
     same bits (the same targets again: a rerun) are left as they are, and so are their solve and scores."""
     rows = np.asarray(rows)
     order = np.argsort(rows)
-    g = featurizer.target_features(batch, model_id, rows)
+    g = kfac.bind(featurizer, store).target_features(batch, model_id, rows)
     rows, g = rows[order], g[order]
     stored = store.stored_target_rows(exp_name, model_id, rows)
     if stored is not None and np.array_equal(stored, g.astype(store.meta.np_dtype, copy=False)):
@@ -735,7 +739,7 @@ def featurize_targets(
     """
     if store.targets_complete(exp_name, model_id):
         return True
-    feat = featurizer()
+    feat = kfac.bind(featurizer(), store)
     m = store.num_targets(exp_name)
     batch_size = _budget_batch(feat, store.meta, m, batch(0, min(m, PROBE_SAMPLE_ROWS)), model_id, batch_size)
     gs = [

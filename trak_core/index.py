@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import kfac
 from .budget import parse_bytes
 from .checkpoints import check_record, file_sha256, load_state, record_of, state_digest
 from .errors import BadInputError, StateError, StoreMismatchError
@@ -211,6 +212,7 @@ class TrakIndex:
         self.featurizer = Featurizer(
             model, self.task, self.projector, gradient_computer, self.grad_wrt, self.device, max_memory=self.max_memory
         )
+        kfac.bind(self.featurizer, self.store)  # a K-FAC store: queries projected with its recorded factors
         first = self.model_ids[0]
         self.featurizer.load_state(self._states[first])  # a checkpoint that does not fit the model fails here
 

@@ -20,6 +20,8 @@ import torch
 
 from .damping import LambdaRule, loss_curvature, parse_lambda_reg, solve
 from .errors import BadInputError, StateError
+from .kfac import KFAC_CURVATURES
+from .kfac import finalize_inverse as kfac_finalize
 from .scoring import features_block
 from .store import RunStore, pack_upper, unpack_upper
 from .store.verify import require_present
@@ -602,9 +604,12 @@ def finalize_model(
         total, sums, writes, ggn = _sum_partials(store, model_id, writer, device, known)
         kw = _solve_inputs(store, model_id, rule, sums, ggn)
         linalg_device = None if device is None or torch.device(device).type == "cpu" else torch.device(device)
-        inv, info = solve(
-            total, store.meta.train_set_size, rule, rescale, model_id=model_id, linalg_device=linalg_device, **kw
-        )
+        if store.meta.curvature in KFAC_CURVATURES:  # rows preconditioned before the projection: c·I
+            inv, info = kfac_finalize(store.meta, rule, rescale)
+        else:
+            inv, info = solve(
+                total, store.meta.train_set_size, rule, rescale, model_id=model_id, linalg_device=linalg_device, **kw
+            )
         for w in writes:  # the partials are in the store before the inverse is
             w.result()
     store.write_inverse(model_id, inv)

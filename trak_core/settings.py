@@ -18,7 +18,9 @@ from .projectors import load_projector_plugins, registered_projectors
 
 ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
-Curvature = Literal["xtx", "ggn"]
+Curvature = Literal["xtx", "ggn", "kfac", "ekfac"]
+#: 'kfac'/'ekfac': each factor's λ = this × its mean eigenvalue (a finite number > 0)
+CurvatureDamping = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 def normalize_lambda_reg(value: float | str) -> float | str:
@@ -67,7 +69,14 @@ class TrakSettings(BaseModel):
     lambda_reg: LambdaSetting = Field("adaptive", description="ridge term λ in (XᵀX + λI)⁻¹")
     rescale_inverse: bool = Field(True, description="divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
     dtype: StorageDtype = Field("float16", description="storage dtype of gradients")
-    curvature: Curvature = Field("xtx", description="H of (H + λI)⁻¹: 'xtx' (XᵀX, traker's) or 'ggn' (XᵀRX)")
+    curvature: Curvature = Field(
+        "xtx",
+        description="H of (H + λI)⁻¹: 'xtx' (XᵀX, traker's) or 'ggn' (XᵀRX); 'kfac' / 'ekfac': Kronecker-factored "
+        "curvature applied to each layer's gradient before the projection (docs/damping.md)",
+    )
+    curvature_damping: CurvatureDamping = Field(
+        0.1, description="'kfac'/'ekfac': each factor's λ = this × its mean eigenvalue"
+    )
     grad_wrt: GradWrt = Field(
         None, description="parameter names to take gradients for (None: the trainable ones, a PEFT model's adapters)"
     )
@@ -83,6 +92,7 @@ __all__ = [
     "ProjType",
     "StorageDtype",
     "Curvature",
+    "CurvatureDamping",
     "LambdaSetting",
     "GradWrt",
     "normalize_lambda_reg",

@@ -478,6 +478,11 @@ def show(
         f"proj_dim {meta['proj_dim']} ({meta['projector']}, {meta['proj_type']}, seed {meta['proj_seed']}), "
         f"{meta['dtype']}, shards of {meta['shard_rows']} rows, task {meta['task']}"
         + (", curvature XᵀRX (ggn)" if meta.get("curvature") == "ggn" else "")
+        + (
+            f", curvature {meta['curvature']} (before the projection)"
+            if meta.get("curvature") in ("kfac", "ekfac")
+            else ""
+        )
     )
     t = Table(title="checkpoints", title_justify="left")
     for col in ("model_id", "featurized rows", "XᵀX partials", "finalized", "condition"):

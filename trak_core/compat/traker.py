@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import engine
+from .. import engine, kfac
 from ..errors import BadInputError, StateError
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
@@ -136,7 +136,9 @@ class TRAKer:
     shard 8 chunks: trak_core.store.choose_chunk_rows), ``storage_options`` (fsspec), ``curvature``: the H of
     (H + λI)⁻¹, ``"xtx"`` (XᵀX, traker's; the default) or ``"ggn"`` (XᵀRX, the Gauss-Newton matrix of the loss in
     the model output, R = diag(Q(1 − Q)) for the built-in tasks, row weights floored at 0.3·mean(r): +0.020 to +0.060
-    LDS on converged models at one more p × p partial per shard; benchmarks/RESULTS.md, "Gauss-Newton curvature").
+    LDS on converged models at one more p × p partial per shard; benchmarks/RESULTS.md, "Gauss-Newton curvature"),
+    ``"kfac"`` / ``"ekfac"`` (Kronecker-factored curvature applied before the projection: call :meth:`fit_curvature`
+    after each load_checkpoint; ``curvature_damping``: each factor's λ = this × its mean eigenvalue; docs/damping.md).
     A store keeps its curvature. ``write_behind``: rows are written by a background thread while the next batches
     are featurized (the GPU then does not wait on the store), so a :meth:`featurize` call returns before its rows
     are in the store and a write's error is raised by a later call; otherwise each call returns with its complete
@@ -172,6 +174,7 @@ class TRAKer:
         shard_rows: int | None = None,
         storage_options: dict | None = None,
         curvature: str = "xtx",
+        curvature_damping: float = kfac.DEFAULT_DAMPING,
         write_behind: bool | None = None,
         max_memory: int | str | None = None,
     ) -> None:
@@ -192,6 +195,9 @@ class TRAKer:
         if not isinstance(train_set_size, (int, np.integer)) or train_set_size <= 0:
             raise BadInputError(f"train_set_size must be a positive integer, got {train_set_size!r}")
         engine.check_solve_settings(lambda_reg, curvature)
+        self.curvature_damping = kfac.check_damping(curvature_damping)
+        self.curvature = curvature
+        self._fitted: dict[int, kfac.Preconditioner] = {}  # K-FAC factors fitted before the store exists
         self.model = model
         self.task = resolve_task(task)
         self.train_set_size = int(train_set_size)
@@ -305,6 +311,8 @@ class TRAKer:
         # under a budget, the rows held beside the batches (as check_featurize_memory counts them) and the partial
         held = proj_max_batch_size + (meta.rows_per_shard if on_device else meta.rows_per_chunk)
         self.featurizer.memory_reserve = held * meta.proj_dim * 8 + 2 * meta.proj_dim**2 * 8
+        if curvature in kfac.KFAC_CURVATURES:
+            self.featurizer.curvature = self._curvature_of
         self.gradient_computer = self.featurizer.gradient_computer
         self.ckpt_loaded: int | None = None
         self.current_model_id: int | None = None
@@ -378,6 +386,45 @@ class TRAKer:
         planned, self._planned = self._planned, []
         for mid, record, start_over in planned:
             engine.plan_model(self._store, mid, checkpoint=record, start_over=start_over)
+        for mid, pre in self._fitted.items():  # K-FAC factors fitted before the store existed
+            kfac.record_factors(self._store, mid, pre)
+
+    # ------------------------------------------------------------------ Kronecker-factored curvature
+    def fit_curvature(self, batches) -> None:
+        """Fit the current checkpoint's Kronecker-factored curvature (``curvature="kfac"`` / ``"ekfac"``) on train
+        ``batches`` (a list or DataLoader of batches as :meth:`featurize` takes them, all train rows or a sample;
+        iterated twice for ``"ekfac"``): after :meth:`load_checkpoint`, before :meth:`featurize`. The store records
+        the factors; a checkpoint that has them keeps them (this call then does nothing)."""
+        mid = self.current_model_id
+        if self.curvature not in kfac.KFAC_CURVATURES:
+            raise StateError(f"fit_curvature: this TRAKer's curvature is {self.curvature!r}, not 'kfac' or 'ekfac'")
+        if mid is None:
+            raise StateAssertionError("Load a checkpoint using traker.load_checkpoint before fit_curvature")
+        if mid in self._fitted:
+            return
+        self._flush_rows()
+        if self._store is not None:
+            pre = engine.fit_curvature(
+                self.store, mid, self.featurizer, lambda: batches, self.curvature_damping, self.grad_wrt
+            )
+        else:
+            pre = kfac.fit_factors(
+                self.featurizer, lambda: batches, self.curvature, self.curvature_damping, self.grad_wrt
+            )
+        if pre is not None:
+            self._fitted[mid] = pre
+
+    def _curvature_of(self, model_id: int) -> kfac.Preconditioner:
+        """The K-FAC factors of ``model_id``: fitted here, or recorded in the store."""
+        if model_id in self._fitted:
+            return self._fitted[model_id]
+        if self._store is not None and kfac.has_factors(self._store, model_id):
+            self._fitted[model_id] = kfac.load_factors(self._store, model_id)
+            return self._fitted[model_id]
+        raise StateError(
+            f"TRAKer(curvature={self.curvature!r}): model_id={model_id} has no fitted curvature; call "
+            "traker.fit_curvature(train_batches) after load_checkpoint and before featurize/score"
+        )
 
     # ------------------------------------------------------------------ featurizing
     def _forget_handles(self) -> None:
