@@ -77,14 +77,6 @@ def check_dtypes(model: torch.nn.Module, data: Sequence, field: str) -> None:
             )
 
 
-def check_data(model: torch.nn.Module, task, data: Sequence, field: str, indices: Sequence[int] | None = None) -> None:
-    """All checks of a batch of examples before its gradients are computed: :func:`check_batch`,
-    :func:`check_finite`, :func:`check_dtypes`."""
-    check_batch(task, data, field)
-    check_finite(data, field, indices)
-    check_dtypes(model, data, field)
-
-
 def check_projection(kind: str, proj_dim: int, train_set_size: int, lambda_setting) -> None:
     """Refuse a projection of ``proj_dim`` ≥ the number of train examples with no damping (``lambda_setting`` 0,
     :attr:`trak_core.damping.LambdaRule.setting`): XᵀX is then singular and the scores noise."""

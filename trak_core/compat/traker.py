@@ -12,7 +12,9 @@ Differences from traker 0.3.2, on purpose:
 * XᵀX is accumulated in float64 and inverted in float64 (traker: in the storage dtype / float32);
 * singular or badly conditioned XᵀX warns with the condition estimate and the remedy;
 * bad input raises a clear exception before anything is written (traker asserts or logs and goes on); where
-  traker asserted, the exception is also an ``AssertionError`` carrying traker's message;
+  traker asserted, the exception is also an ``AssertionError`` carrying traker's message. Batches and checkpoints
+  pass the pipeline's input rules (:mod:`trak_core.inputs`, the same messages): NaN/inf rows, dtypes, labels;
+  ``load_checkpoint`` refuses a state_dict with NaN or inf;
 * ``saver=`` / ``score_computer=``: traker's defaults (``MmapSaver``, ``BasicScoreComputer``) are accepted,
   ``BasicSingleBlockScoreComputer`` means the plain inverse, other classes are refused;
 * the default projector is the factored per-layer projection (featurize + finalize 28× traker's fastest CPU
@@ -24,7 +26,8 @@ Differences from traker 0.3.2, on purpose:
   without rounding Φ to the store's dtype); :meth:`TRAKer.features` computes Φ for the rows a caller asks for,
   and ``del_grads=True`` is ignored with a warning (the gradients are what scoring reads);
 * the default damping is ``lambda_reg="adaptive"`` (traker: 0.0, which leaves XᵀX singular when proj_dim ≥ n
-  and scores near LDS 0 on held-out cases at proj_dim 2048); ``lambda_reg=0.0`` reproduces traker.
+  and scores near LDS 0 on held-out cases at proj_dim 2048); ``lambda_reg=0.0`` reproduces traker where proj_dim < n
+  (proj_dim ≥ n with it is refused, as the pipeline refuses it: traker's scores would be noise).
 """
 
 from __future__ import annotations
