@@ -13,7 +13,7 @@ import torch
 from trak_core import engine, plan
 from trak_core.budget import memory_limit
 from trak_core.featurize import Featurizer
-from trak_core.inputs import read_checkpoint
+from trak_core.plan import read_checkpoint
 from trak_core.store import RunStore, StoreMetadata
 from trak_core.streaming import score_task_ranges
 

@@ -19,7 +19,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessRaisedException
 
 from trak_core import engine, sharded
 from trak_core.errors import BadInputError, TrakError
-from trak_core.inputs import read_checkpoint
+from trak_core.plan import read_checkpoint
 
 from .common import cached_data, open_store
 from .config import AttributeConfig

@@ -4,8 +4,8 @@ Both front doors call these functions and nothing else for a step: the pipeline'
 step per task, fanned out) and :class:`~trak_core.compat.traker.TRAKer` (one step per method call, batch by
 batch). Each step's checks (what the store must hold first, what it must not contradict) and records (what it
 writes besides arrays) live here; the math is in :mod:`trak_core.reduce` and :mod:`trak_core.streaming`. The
-rules of a run's inputs are in :mod:`trak_core.inputs`, the plan (projector choice, checks, the store's records
-created once) in :mod:`trak_core.plan`.
+plan step (the rules of a run's inputs, the projector choice, the store's records created once) is in
+:mod:`trak_core.plan`.
 """
 
 from __future__ import annotations

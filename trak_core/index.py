@@ -32,8 +32,8 @@ from .checkpoints import check_record, file_sha256, load_state, record_of, state
 from .errors import BadInputError, StateError, StoreMismatchError
 from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
-from .inputs import check_dtypes, check_finite
 from .modelout import AbstractModelOutput, check_batch, resolve_task
+from .plan import check_dtypes, check_finite
 from .projectors import AbstractProjector, make_projector, rebuild_kwargs
 from .store import RunStore, StoreLock, StoreMetadata, open_store
 from .store.verify import require_present
@@ -340,7 +340,7 @@ class TrakIndex:
             self.task.validate_batch(batch)
         except BadInputError as e:
             raise BadInputError(f"query batch: {e}") from None
-        if self.model is not None:  # the rules of every front door's inputs (trak_core.inputs)
+        if self.model is not None:  # the rules of every front door's inputs (trak_core.plan)
             check_dtypes(self.model, batch, "query batch")
             check_finite(batch, "query batch")
         return m

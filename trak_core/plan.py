@@ -1,42 +1,155 @@
-"""The plan step of a run, before anything is computed: which projector (a new store's default split by the
-gradient energy, probed once; an existing store's rebuilt from its record), the store's metadata and layout, every
-input checked against the settings and the existing store (:mod:`trak_core.inputs`), then the store's arrays and
-records created once, before any fan-out. Plain values in (the algorithm's :class:`~trak_core.settings.TrakSettings`,
-a model, a task, tensors, paths): the pipeline's plan task and TRAKer call these functions, and the featurize tasks
-rebuild their projector here from the store's record.
+"""The plan step of a run, before anything is computed: the rules every input must follow (one set for every front
+door), which projector (a new store's default split by the gradient energy, probed once; an existing store's rebuilt
+from its record), the store's metadata and layout, every input checked against the settings and the existing store,
+then the store's arrays and records created once, before any fan-out. Plain values in (the algorithm's
+:class:`~trak_core.settings.TrakSettings`, a model, a task, tensors, paths): the pipeline's plan task, TRAKer and
+TrakIndex call these functions, and the featurize tasks rebuild their projector here from the store's record.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import engine
-from .adapters import load_state
+from .adapters import load_state, read_state_file
 from .checkpoints import record_of, state_digest
 from .energy import PROBE_ROWS
 from .errors import BadInputError, StoreMismatchError
 from .featurize import Featurizer
 from .gradients import FunctionalGradientComputer, grad_dim_of
-from .inputs import (
-    check_batch,
-    check_dtypes,
-    check_finite,
-    check_projection,
-    check_state,
-    prefixed,
-    read_checkpoint,
-)
 from .lds import array_fingerprint
 from .projector_base import AbstractProjector
 from .projectors import make_projector, projector_traits, rebuild_kwargs
 from .settings import TrakSettings
 from .store import RunStore, StoreMetadata, open_store, store_exists
 from .store.verify import repair_store, verify_store
+
+# ---------------------------------------------------------------------------------------------- input rules
+# One set for every front door: the pipeline's plan checks its whole data once (:func:`check_inputs`); TRAKer checks
+# each batch as it is given and each checkpoint as it is loaded; TrakIndex each query batch. The same bad input gets
+# the same message either way: it names the field (``train_data``, ``target_data``, ``checkpoints[i]``,
+# ``proj_dim``, ``projector``) and the example indices, tensor or parameter names.
+#: rows per block of the NaN/inf scan: its temporaries stay O(block), not O(n)
+FINITE_CHECK_ROWS = 65_536
+
+
+def prefixed(field: str, e: Exception) -> BadInputError:
+    """``e`` as a BadInputError whose message starts with ``field``."""
+    msg = str(e)
+    return BadInputError(msg if msg.startswith(field) else f"{field}: {msg}")
+
+
+def check_batch(task, data: Sequence, field: str, rows: int | None = None) -> None:
+    """The task's own checks (:meth:`~trak_core.modelout.AbstractModelOutput.validate_batch`: the batch's form,
+    the labels' dtype and range) of ``data``, or of its first ``rows`` rows, named by ``field``."""
+    try:
+        task.validate_batch(data if rows is None else [t[:rows] for t in data])
+    except BadInputError as e:
+        raise prefixed(field, e) from None
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """One reduction proves a tensor finite (a NaN or inf makes its sum non-finite); a non-finite sum (which may
+    be an overflow of finite entries) is decided entry by entry."""
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def check_finite(data: Sequence, field: str, indices: Sequence[int] | None = None) -> None:
+    """Refuse NaN or inf anywhere in the floating tensors of ``data``, naming the example indices (``indices``:
+    the example index of each row, e.g. a batch's rows in the data set; by default the row positions)."""
+    for i, t in enumerate(data):
+        if not torch.is_tensor(t) or not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+            continue
+        flat = t.reshape(t.shape[0], -1)
+        bad: list[int] = []
+        for a in range(0, flat.shape[0], FINITE_CHECK_ROWS):
+            block = flat[a : a + FINITE_CHECK_ROWS]
+            if t.is_complex() or not _all_finite(block):
+                bad += (a + (~torch.isfinite(block).all(dim=1)).nonzero().reshape(-1)).tolist()
+        if bad:
+            if indices is not None:
+                bad = [int(indices[j]) for j in bad]
+            more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
+            raise BadInputError(
+                f"{field}: NaN or inf in tensor {i} at example indices {bad[:20]}{more}; nothing was written"
+            )
+
+
+def check_dtypes(model: torch.nn.Module, data: Sequence, field: str) -> None:
+    """Refuse floating inputs of another dtype than the model's parameters (float64 data, float32 model), which
+    would fail inside the forward pass. A mixed-precision model is left to its forward pass."""
+    model_dt = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(model_dt) != 1:
+        return
+    (want,) = model_dt
+    for i, t in enumerate(data):
+        if torch.is_tensor(t) and t.is_floating_point() and t.dtype != want:
+            raise BadInputError(
+                f"{field}: tensor {i} is {t.dtype} but the model's parameters are {want}: cast the data "
+                f"(x.to({want})) or the model (model.to({t.dtype})); nothing was written"
+            )
+
+
+def check_projection(kind: str, proj_dim: int, train_set_size: int, lambda_setting) -> None:
+    """Refuse a projection of ``proj_dim`` ≥ the number of train examples with no damping (``lambda_setting`` 0,
+    :attr:`trak_core.damping.LambdaRule.setting`): XᵀX is then singular and the scores noise."""
+    n = int(train_set_size)
+    if proj_dim < n or lambda_setting != 0:
+        return
+    if projector_traits(kind).is_identity:
+        raise BadInputError(
+            f"projector: {kind!r} keeps all {proj_dim} gradient dimensions, ≥ the number of "
+            f"train examples n={n}: XᵀX is singular with lambda_reg=0 (scores would be noise); "
+            "give an absolute lambda_reg > 0, or a projection with proj_dim well below n"
+        )
+    raise BadInputError(
+        f"proj_dim: {proj_dim} ≥ number of train examples n={n} makes XᵀX singular "
+        "(scores would be noise); use a proj_dim well below n, or lambda_reg > 0"
+    )
+
+
+def read_checkpoint(path: str, device="cpu", field: str = "checkpoints") -> dict:
+    """The state_dict in the file ``path`` (a torch file or safetensors, :func:`trak_core.adapters.read_state_file`),
+    or BadInputError naming ``field`` and the file when it is missing or holds no state_dict."""
+    try:
+        sd = read_state_file(path, device)
+    except FileNotFoundError:
+        raise BadInputError(f"{field}: checkpoint {path} does not exist") from None
+    except Exception as e:
+        raise BadInputError(
+            f"{field}: cannot load checkpoint {path} as a state_dict ({type(e).__name__}: {e})"
+        ) from None
+    if not isinstance(sd, dict):
+        raise BadInputError(f"{field}: {path} holds a {type(sd).__name__}, not a state_dict")
+    return sd
+
+
+def check_state_finite(state_dict: Mapping, field: str, source: str) -> None:
+    """Refuse a checkpoint (``source``: its file, or what gave it) with NaN or inf in a floating entry."""
+    bad = [
+        k
+        for k, v in state_dict.items()
+        if torch.is_tensor(v) and v.is_floating_point() and v.numel() and not _all_finite(v)
+    ]
+    if bad:
+        raise BadInputError(f"{field}: {source} has NaN or inf in {bad[:5]}; nothing was written")
+
+
+def check_state(model: torch.nn.Module, state_dict: Mapping, field: str, source: str, model_name: str = "") -> None:
+    """Load ``state_dict`` into ``model`` (refused, naming ``source``, when it does not fit) and refuse it when it is
+    not finite (:func:`check_state_finite`)."""
+    try:
+        load_state(model, dict(state_dict))
+    except RuntimeError as e:
+        named = f" {model_name!r}" if model_name else ""
+        raise BadInputError(f"{field}: {source} does not fit the model{named}: {e}") from None
+    check_state_finite(state_dict, field, source)
 
 
 # ---------------------------------------------------------------------------------------------- the projector
@@ -257,7 +370,7 @@ def check_inputs(
     model_name: str = "",
 ) -> CheckedInputs:
     """Check everything that can be checked without computing gradients: the task's batches, NaN/inf and dtypes of
-    the data, the projection against the number of train rows (:func:`trak_core.inputs.check_projection`), the
+    the data, the projection against the number of train rows (:func:`check_projection`), the
     memory of a task, that every checkpoint fits the model and is finite; then (a new store of a projector split by
     layer) probe the split. Raises BadInputError naming the field; nothing is written.
 

@@ -1,5 +1,5 @@
 """The same bad input gets the same error from TRAKer as from the pipeline's plan: both front doors apply the
-engine's input rules (trak_core.inputs) before anything is computed or written. Each case runs both routes on
+engine's input rules (trak_core.plan) before anything is computed or written. Each case runs both routes on
 examples.tiny and compares the messages."""
 
 from __future__ import annotations

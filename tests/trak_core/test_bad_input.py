@@ -80,7 +80,7 @@ def test_labels_out_of_range(loaded):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_inputs_name_the_indices(loaded, value):
-    """Refused before their gradients, as the pipeline's plan refuses them (trak_core.inputs.check_finite)."""
+    """Refused before their gradients, as the pipeline's plan refuses them (trak_core.plan.check_finite)."""
     tr, store, (x, y) = loaded
     before = snapshot(store)
     xb = x[8:16].clone()

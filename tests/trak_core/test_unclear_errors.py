@@ -15,9 +15,9 @@ from trak_fixtures import make_data, make_model
 from examples import tiny
 from trak_core import TRAKer, TrakIndex
 from trak_core.errors import BadInputError
-from trak_core.inputs import check_batch
 from trak_core.lm import causal_lm_batch
 from trak_core.modelout import resolve_task
+from trak_core.plan import check_batch
 
 
 def traker(save_dir, model=None, task="image_classification", n=16, **kw):

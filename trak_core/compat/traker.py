@@ -13,7 +13,7 @@ Differences from traker 0.3.2, on purpose:
 * singular or badly conditioned XᵀX warns with the condition estimate and the remedy;
 * bad input raises a clear exception before anything is written (traker asserts or logs and goes on); where
   traker asserted, the exception is also an ``AssertionError`` carrying traker's message. Batches and checkpoints
-  pass the pipeline's input rules (:mod:`trak_core.inputs`, the same messages): NaN/inf rows, dtypes, labels;
+  pass the pipeline's input rules (:mod:`trak_core.plan`, the same messages): NaN/inf rows, dtypes, labels;
   ``load_checkpoint`` refuses a state_dict with NaN or inf;
 * ``saver=`` / ``score_computer=``: traker's defaults (``MmapSaver``, ``BasicScoreComputer``) are accepted,
   ``BasicSingleBlockScoreComputer`` means the plain inverse, other classes are refused;
@@ -48,8 +48,8 @@ from .. import engine, plan
 from ..damping import parse_lambda_reg
 from ..errors import BadInputError, StateError
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
-from ..inputs import check_batch, check_dtypes, check_finite, check_projection, check_state_finite
 from ..modelout import AbstractModelOutput, resolve_task
+from ..plan import check_batch, check_dtypes, check_finite, check_projection, check_state_finite
 from ..projectors import (
     AbstractProjector,
     DenseProjector,
@@ -450,7 +450,7 @@ class TRAKer:
 
     def _checked(self, batch, inds, num_samples, attr: str, limit: int, field: str) -> np.ndarray:
         """The rows ``inds`` of a batch of ``field`` (``train_data`` or ``target_data``), after the pipeline's checks of
-        its inputs (:mod:`trak_core.inputs`: the task's, NaN/inf naming the example indices, dtypes)."""
+        its inputs (:mod:`trak_core.plan`: the task's, NaN/inf naming the example indices, dtypes)."""
         check_batch(self.task, batch, field)
         inds = self._resolve_inds(batch, inds, num_samples, attr, limit)
         check_finite(batch, field, inds)
