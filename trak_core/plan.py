@@ -282,13 +282,10 @@ def stored_layout(
     return StoreMetadata.model_validate({**meta.model_dump(), **layout})
 
 
-def probe_split(
-    model: torch.nn.Module, task, train: Sequence[torch.Tensor], state_dict: dict, grad_wrt, batch_size: int
-) -> dict:
+def probe_split(model: torch.nn.Module, task, train: Sequence[torch.Tensor], grad_wrt, batch_size: int) -> dict:
     """The split keywords of a new store's projector split by layer (:func:`trak_core.engine.probe_split`), probed
-    on the first :data:`~trak_core.energy.PROBE_ROWS` train rows at the first checkpoint ``state_dict``, on the CPU.
+    on the first :data:`~trak_core.energy.PROBE_ROWS` train rows with ``model`` at the first checkpoint, on the CPU.
     Computed once, by the plan: the store records them and every task rebuilds the projector from that record."""
-    load_state(model, state_dict)
     try:
         rows = [t[:PROBE_ROWS] for t in train]
         return engine.probe_split(model, task, rows, grad_wrt, batch_size, skip_nonfinite=False)
@@ -371,8 +368,8 @@ def check_inputs(
 ) -> CheckedInputs:
     """Check everything that can be checked without computing gradients: the task's batches, NaN/inf and dtypes of
     the data, the projection against the number of train rows (:func:`check_projection`), the
-    memory of a task, that every checkpoint fits the model and is finite; then (a new store of a projector split by
-    layer) probe the split. Raises BadInputError naming the field; nothing is written.
+    memory of a task, that every checkpoint fits the model and is finite; a new store of a projector split by layer
+    probes its split at the first checkpoint. Raises BadInputError naming the field; nothing is written.
 
     Args:
         checkpoints: their paths (model_id i is ``checkpoints[i]``, the field its errors name).
@@ -403,14 +400,14 @@ def check_inputs(
         projector=settings.projector,
         available=max_memory,
     )
+    probe = projector_traits(settings.projector).splits_by_layer and stored is None  # a new store's split
     digests = []
     for i, path in enumerate(checkpoints):
         sd = read_checkpoint(path, "cpu", field=f"checkpoints[{i}]")
         digests.append(state_digest(sd))
         check_state(model, sd, f"checkpoints[{i}]", path, model_name)
-    if projector_traits(settings.projector).splits_by_layer and stored is None:  # the split follows the energy
-        first = read_checkpoint(checkpoints[0], "cpu", field="checkpoints[0]")
-        meta = metadata(probe_split(model, task, train, first, settings.grad_wrt, batch_size))
+        if probe and i == 0:  # the model holds the first checkpoint: the split follows its gradient energy
+            meta = metadata(probe_split(model, task, train, settings.grad_wrt, batch_size))
     return CheckedInputs(
         meta=meta, checkpoints=tuple(checkpoints), train=train, targets=targets, state_digests=tuple(digests)
     )
