@@ -93,22 +93,14 @@ def _plan_of(config: AttributeConfig, inputs: plan.CheckedInputs, grown_from: in
     )
 
 
-def _checked(config: AttributeConfig) -> tuple[plan.CheckedInputs, dict]:
-    """The checked inputs and the run's records, checked against the existing store (nothing written)."""
-    inputs = validate_inputs(config)
-    records = plan.run_records(inputs, plan.fingerprints(inputs), config.settings, config.exp_name)
-    plan.check_against_store(config.store, inputs.meta, records, config.storage_options)
-    return inputs, records
-
-
 def make_plan(config: AttributeConfig) -> Plan:
-    """validate → fingerprint → check the existing store → create its arrays (:mod:`trak_core.plan`).
+    """validate → fingerprint → check the existing store and create its arrays (:mod:`trak_core.plan`).
 
     Raises (BadInputError / StoreMismatchError, naming the field) before writing anything when the model,
     data, task, checkpoints or an existing store do not fit together.
     """
-    inputs, records = _checked(config)
-    store, grown = plan.create_run(config.store, inputs.meta, records, config.storage_options)
+    inputs = validate_inputs(config)
+    store, grown = plan.create_run(config.store, inputs, config.settings, config.exp_name, config.storage_options)
     record_train_source(store, config)
     return _plan_of(config, inputs, grown_from=grown)
 
@@ -204,7 +196,8 @@ def up_to_date(config: AttributeConfig) -> Plan | None:
     naming the field) and writes nothing: the CLI answers a no-op run without starting Prefect."""
     if plan.stored_meta(config.store, config.storage_options) is None:
         return None
-    inputs, _ = _checked(config)
+    inputs = validate_inputs(config)
+    plan.check_against_store(config.store, inputs, config.settings, config.exp_name, config.storage_options)
     if not plan.run_complete(config.store, inputs, config.exp_name, config.storage_options):
         return None
     if (

@@ -385,6 +385,7 @@ def check_inputs(
     n = int(train[0].shape[0])
     stored = stored_meta(location, storage_options)
     split = split_of(stored) if stored is not None else None  # a store's own split, never probed again
+    probe = stored is None and projector_traits(settings.projector).splits_by_layer  # a new store's split
 
     def metadata(split):
         meta = run_metadata(settings, model, task, n, chunk_rows=chunk_rows, shard_rows=shard_rows, split=split)
@@ -400,7 +401,6 @@ def check_inputs(
         projector=settings.projector,
         available=max_memory,
     )
-    probe = projector_traits(settings.projector).splits_by_layer and stored is None  # a new store's split
     digests = []
     for i, path in enumerate(checkpoints):
         sd = read_checkpoint(path, "cpu", field=f"checkpoints[{i}]")
@@ -452,29 +452,31 @@ def run_records(inputs: CheckedInputs, prints: Fingerprints, settings: TrakSetti
 
 # ---------------------------------------------------------------------------------------------- the store
 def check_against_store(
-    location: str, meta: StoreMetadata, records: dict[str, Any], storage_options: dict | None = None
+    location: str, inputs: CheckedInputs, settings: TrakSettings, exp_name: str, storage_options: dict | None = None
 ) -> None:
     """Refuse (StoreMismatchError / BadInputError, naming the field) an existing store made with other settings,
-    data, checkpoints, λ or targets (``records``: :func:`run_records`), before anything is written. No store:
-    nothing to check. More train rows than the store holds pass: :func:`create_run` appends them."""
+    data, checkpoints, λ or targets (:func:`run_records`), before anything is written. No store: nothing to check.
+    More train rows than the store holds pass: :func:`create_run` appends them."""
     if not store_exists(location, storage_options):
         return
     store = open_store(location, storage_options)
-    store.validate(meta, grow=True)
-    engine.check_run(store, **records)
+    store.validate(inputs.meta, grow=True)
+    engine.check_run(store, **run_records(inputs, fingerprints(inputs), settings, exp_name))
 
 
 def create_run(
-    location: str, meta: StoreMetadata, records: dict[str, Any], storage_options: dict | None = None
+    location: str, inputs: CheckedInputs, settings: TrakSettings, exp_name: str, storage_options: dict | None = None
 ) -> tuple[RunStore, int | None]:
     """Create (or complete, or grow) the store's arrays and records once, before any fan-out, then make sure no
-    chunk of rows marked done has vanished (:func:`check_chunks`). Returns the store and the number of train rows
-    it had when this run grows it (None otherwise)."""
-    store = engine.open_run(location, meta, storage_options, grow=True)
+    chunk of rows marked done has vanished (:func:`check_chunks`). An existing store is checked first, as
+    :func:`check_against_store` checks it: one that contradicts the run is refused before anything is written.
+    Returns the store and the number of train rows it had when this run grows it (None otherwise)."""
+    records = run_records(inputs, fingerprints(inputs), settings, exp_name)
+    store = engine.open_run(location, inputs.meta, storage_options, grow=True)
     before = store.meta.train_set_size
     engine.plan_run(store, **records)
     check_chunks(store)
-    return store, before if before < meta.train_set_size else None
+    return store, before if before < inputs.meta.train_set_size else None
 
 
 def check_chunks(store: RunStore) -> None:
