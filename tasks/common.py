@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from trak_core.adapters import read_state_file
 from trak_core.errors import BadInputError, StateError, StoreDamageError, StoreMismatchError, TrakError
 from trak_core.store import TrakStore
 
@@ -101,20 +100,6 @@ def open_store(config: AttributeConfig, mode: str = "r+") -> TrakStore:
     checked every array; re-reading all of them per task costs ~1 ms an array, hundreds in a store of many
     checkpoints and experiments)."""
     return TrakStore.open(config.store, config.storage_options, mode=mode, check_arrays="on_use")
-
-
-def load_checkpoint(path: str, device: str = "cpu", field: str = "checkpoints") -> dict:
-    try:
-        sd = read_state_file(path, device)
-    except FileNotFoundError:
-        raise BadInputError(f"{field}: checkpoint {path} does not exist") from None
-    except Exception as e:
-        raise BadInputError(
-            f"{field}: cannot load checkpoint {path} as a state_dict ({type(e).__name__}: {e})"
-        ) from None
-    if not isinstance(sd, dict):
-        raise BadInputError(f"{field}: {path} holds a {type(sd).__name__}, not a state_dict")
-    return sd
 
 
 def cores() -> int:

@@ -19,8 +19,9 @@ from torch.multiprocessing.spawn import ProcessException, ProcessRaisedException
 
 from trak_core import engine, sharded
 from trak_core.errors import BadInputError, TrakError
+from trak_core.plan import read_checkpoint
 
-from .common import cached_data, load_checkpoint, open_store
+from .common import cached_data, open_store
 from .config import AttributeConfig
 
 #: how the ranks are started: "forkserver" (a server process started once, torch and the model's module imported
@@ -120,7 +121,7 @@ def _rank_main(
     try:
         store = open_store(config) if rank == 0 else open_store(config, mode="r")
         model = config.build_model()
-        model.load_state_dict(load_checkpoint(checkpoint, "cpu"))
+        model.load_state_dict(read_checkpoint(checkpoint, "cpu"))
         model.eval()
         proj = projector(config, store.meta, device, model)  # from the full model's shapes, before it is sharded
         from torch.distributed.device_mesh import init_device_mesh

@@ -3,7 +3,9 @@
 Both front doors call these functions and nothing else for a step: the pipeline's tasks (tasks/core.py, one
 step per task, fanned out) and :class:`~trak_core.compat.traker.TRAKer` (one step per method call, batch by
 batch). Each step's checks (what the store must hold first, what it must not contradict) and records (what it
-writes besides arrays) live here; the math is in :mod:`trak_core.reduce` and :mod:`trak_core.streaming`.
+writes besides arrays) live here; the math is in :mod:`trak_core.reduce` and :mod:`trak_core.streaming`. The
+plan step (the rules of a run's inputs, the projector choice, the store's records created once) is in
+:mod:`trak_core.plan`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from .featurize import Featurizer
 from .lds import array_fingerprint
 from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory, format_bytes
 from .projector_base import AbstractProjector
-from .projectors import make_projector, projector_traits, rebuild_kwargs
 from .reduce import (
     GramBuffers,
     features_rows,
@@ -88,21 +89,6 @@ def store_metadata(
     )
 
 
-def stored_split(location: str, storage_options: dict | None = None) -> tuple[bool, dict | None]:
-    """(whether a store is at ``location``, the factored projector's split keywords its metadata records, or None
-    when it records another kind): what rebuilds the store's projector from the model alone (:func:`rebuild_projector`).
-    A factored record of a layout version this code does not build is refused (StoreMismatchError)."""
-    if not store_exists(location, storage_options):
-        return False, None
-    meta = open_store(location, storage_options, mode="r", check_arrays=False).meta
-    if not projector_traits(meta.projector).splits_by_layer:
-        return True, None
-    try:
-        return True, rebuild_kwargs(meta.projector, dict(meta.projector_params))
-    except BadInputError as e:
-        raise StoreMismatchError(f"projector_params: the store at {location} cannot be read here ({e})") from None
-
-
 def probe_split(
     model, task, rows: Sequence[torch.Tensor], grad_wrt=None, chunk_rows: int | None = None, skip_nonfinite=True
 ) -> dict:
@@ -159,35 +145,6 @@ class ProbeRows:
         """The held batches, in order, and nothing held any more."""
         held, self.held, self.count = self.held, [], 0
         return held
-
-
-def rebuild_projector(
-    kind: str, grad_dim: int, proj_dim: int, seed: int, proj_type: str, split: dict, model, grad_wrt, device
-) -> AbstractProjector:
-    """The projector ``kind`` with a store's recorded keywords ``split`` (:func:`stored_split`, or
-    :func:`trak_core.projectors.rebuild_kwargs` of its metadata); a store of other sizes or seed is then refused by
-    its metadata, naming the field."""
-    try:
-        return make_projector(
-            kind, grad_dim, proj_dim, seed, proj_type, device=device, model=model, grad_wrt=grad_wrt, **split
-        )
-    except BadInputError as e:
-        raise BadInputError(f"projector: cannot rebuild the store's {kind!r} projection ({e})") from None
-
-
-def stored_projector(
-    location: str, model, grad_wrt=None, device: str = "cpu", storage_options: dict | None = None
-) -> AbstractProjector:
-    """The factored projector a store at ``location`` records, rebuilt from its record and ``model``: hand it to a
-    new run (``TRAKer(projector=...)``) to project with the split that store was created with."""
-    exists, split = stored_split(location, storage_options)
-    if split is None:
-        what = "no store" if not exists else "a store of another projector than 'factored'"
-        raise BadInputError(f"projector: {location} holds {what}; there is no recorded split to rebuild")
-    meta = open_store(location, storage_options, mode="r", check_arrays=False).meta
-    return rebuild_projector(
-        "factored", meta.grad_dim, meta.proj_dim, meta.proj_seed, meta.proj_type, split, model, grad_wrt, device
-    )
 
 
 def check_solve_settings(lambda_reg, curvature: str) -> None:

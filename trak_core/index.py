@@ -34,6 +34,7 @@ from .errors import BadInputError, StateError, StoreMismatchError
 from .featurize import Featurizer
 from .gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from .modelout import AbstractModelOutput, check_batch, resolve_task
+from .plan import check_dtypes, check_finite
 from .projectors import AbstractProjector, make_projector, rebuild_kwargs
 from .store import RunStore, StoreLock, StoreMetadata, open_store
 from .store.verify import require_present
@@ -341,17 +342,9 @@ class TrakIndex:
             self.task.validate_batch(batch)
         except BadInputError as e:
             raise BadInputError(f"query batch: {e}") from None
-        if self.model is not None:
-            want = {p.dtype for p in self.model.parameters() if p.is_floating_point()}
-            for i, t in enumerate(batch):
-                if t.is_floating_point() and len(want) == 1 and t.dtype not in want:
-                    raise BadInputError(
-                        f"query batch: tensor {i} is {t.dtype} but the model's parameters are {next(iter(want))}; "
-                        f"cast it (x.to({next(iter(want))}))"
-                    )
-                if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
-                    rows = (~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)).nonzero().reshape(-1)
-                    raise BadInputError(f"query batch: NaN or inf in tensor {i} at inputs {rows[:10].tolist()}")
+        if self.model is not None:  # the rules of every front door's inputs (trak_core.plan)
+            check_dtypes(self.model, batch, "query batch")
+            check_finite(batch, "query batch")
         return m
 
     def featurize(self, batch: Sequence[Tensor]) -> dict[int, np.ndarray]:

@@ -122,7 +122,7 @@ def test_a_failing_first_batch_creates_nothing(tmp_path):
     tr.load_checkpoint(model.state_dict(), model_id=0)
     bad = x[:8].clone()
     bad[3, 0] = float("nan")
-    with pytest.raises(Exception, match=r"model_id=0 at example indices \[3\]"):
+    with pytest.raises(Exception, match=r"train_data: NaN or inf in tensor 0 at example indices \[3\]"):
         tr.featurize((bad, y[:8]), inds=np.arange(8))
     assert tr.projector is None and not TrakStore.exists(str(tmp_path / "s"))
     tr.featurize((x[:8], y[:8]), inds=np.arange(8))  # a good batch is held; the rows that complete the probe

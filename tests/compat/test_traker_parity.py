@@ -122,7 +122,12 @@ def test_warns_on_rank_deficiency_where_traker_is_silent(tmp_path):
         run_traker(trak_core.TRAKer, tmp_path / "w", checkpoints(1), data, projector=trak_core.NoOpProjector())
 
 
-def test_warns_when_proj_dim_exceeds_train_size(tmp_path):
+def test_proj_dim_over_train_size_is_refused_undamped_and_warned_damped(tmp_path):
+    """traker returns noise at lambda_reg=0: refused before anything is created, as the pipeline refuses it; with a
+    damping that leaves XᵀX close to singular, finalize warns."""
     data = make_data(n=40)
-    with pytest.warns(trak_core.IllConditionedWarning, match="proj_dim=64 ≥ number of train examples n=40"):
+    with pytest.raises(trak_core.BadInputError, match="proj_dim: 64 ≥ number of train examples n=40"):
         run_traker(trak_core.TRAKer, tmp_path / "p", checkpoints(1), data, proj_dim=64)
+    assert not (tmp_path / "p" / "zarr.json").exists()
+    with pytest.warns(trak_core.IllConditionedWarning, match="badly conditioned .* proj_dim=64, n=40"):
+        run_traker(trak_core.TRAKer, tmp_path / "q", checkpoints(1), data, proj_dim=64, lambda_reg=1e-12)

@@ -12,6 +12,7 @@ from examples import tiny
 from tasks import core
 from tasks.config import AttributeConfig
 from trak_core import engine
+from trak_core import plan as trak_plan
 from trak_core.energy import PROBE_ROWS, quantize_energies, sketched_energies
 from trak_core.errors import StoreMismatchError
 from trak_core.factored import FactoredProjector
@@ -63,7 +64,9 @@ def test_a_version_4_store_keeps_its_equal_split_and_another_proj_dim_is_refused
     paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
     cfg = _config(tmp_path, paths, projector="factored")
     v4 = FactoredProjector.from_model(tiny.make_model(), cfg.proj_dim, layout_version=4)
-    meta = core.build_metadata(cfg, tiny.NUM_TRAIN, tiny.make_model(), cfg.build_task(), {"layout_version": 4})
+    rows = dict(chunk_rows=cfg.chunk_rows, shard_rows=cfg.shard_size)
+    model, task, split = tiny.make_model(), cfg.build_task(), {"layout_version": 4}
+    meta = trak_plan.run_metadata(cfg.settings, model, task, tiny.NUM_TRAIN, **rows, split=split)
     assert meta.projector_params == StoreMetadata.from_projector(v4.spec(), train_set_size=1).projector_params
     TrakStore.create_or_open(cfg.store, meta)  # a store as version 4's plan created it
     monkeypatch.setattr(engine, "sketched_energies", lambda *a, **k: (_ for _ in ()).throw(AssertionError("probed")))

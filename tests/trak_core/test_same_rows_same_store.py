@@ -2,7 +2,7 @@
 the store was created: TRAKer's default projector is probed on the first min(64, n) rows featurized whatever the
 batches (bit-identical stores for batches of 1, 4, 5, 32 and 100); a pipeline store created with ≥ 64 rows and
 grown later equals one built at once; a store created with fewer keeps the split of those rows, and a new run
-given that split (``engine.stored_projector``) reproduces it bit for bit."""
+given that split (``plan.stored_projector``) reproduces it bit for bit."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ import torch
 from trak_fixtures import tiny_attribute_config
 
 from examples import tiny
-from tasks import core
 from tasks.common import clear_data_cache
 from tasks.config import AttributeConfig
-from trak_core import TRAKer, engine
+from trak_core import TRAKer, plan
 from trak_core.errors import BadInputError
 from trak_core.store import TrakStore
 
@@ -68,13 +67,13 @@ def test_traker_stores_are_bit_identical_for_any_batch_size(tmp_path):
 
 def test_a_run_given_a_stores_projector_reproduces_it(tmp_path):
     params, grads, scores = _run(tmp_path / "a", 7)
-    given = engine.stored_projector(str(tmp_path / "a"), _model())
+    given = plan.stored_projector(str(tmp_path / "a"), _model())
     p, g, s = _run(tmp_path / "b", 50, projector=given)
     assert p == params
     np.testing.assert_array_equal(g, grads)
     np.testing.assert_array_equal(s, scores)
     with pytest.raises(BadInputError, match="no store"):
-        engine.stored_projector(str(tmp_path / "nothing"), _model())
+        plan.stored_projector(str(tmp_path / "nothing"), _model())
 
 
 # ------------------------------------------------------------------------------------------ the pipeline grows
@@ -130,7 +129,10 @@ def test_a_store_created_with_8_rows_keeps_their_split_and_a_run_given_it_matche
     # the from-scratch run probes 64 rows; given the grown store's split (its metadata created first, as the plan
     # of a new store would) it stores the same rows and scores
     cfg = _cfg(once, "examples.tiny:train_data")
-    meta = core.build_metadata(cfg, tiny.NUM_TRAIN, tiny.make_model(), cfg.build_task(), core.split_of(grown))
+    model, task = tiny.make_model(), cfg.build_task()
+    split = plan.split_of(grown)
+    rows = dict(chunk_rows=cfg.chunk_rows, shard_rows=cfg.shard_size)
+    meta = plan.run_metadata(cfg.settings, model, task, tiny.NUM_TRAIN, **rows, split=split)
     TrakStore.create_or_open(cfg.store, meta)
     attribute(cfg)
     _same_store(grow, once)

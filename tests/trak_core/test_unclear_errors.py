@@ -13,11 +13,11 @@ import torch
 from trak_fixtures import make_data, make_model
 
 from examples import tiny
-from tasks.core import _check_batch
 from trak_core import TRAKer, TrakIndex
 from trak_core.errors import BadInputError
 from trak_core.lm import causal_lm_batch
 from trak_core.modelout import resolve_task
+from trak_core.plan import check_batch
 
 
 def traker(save_dir, model=None, task="image_classification", n=16, **kw):
@@ -51,7 +51,7 @@ def test_int32_labels_give_the_int64_answers(tmp_path):
         stores[dt], feats[dt] = tr.save_dir, features(tr)
         tr._close()  # the lock released now, not at garbage collection
     np.testing.assert_array_equal(feats[torch.int64], feats[torch.int32])
-    _check_batch(resolve_task("image_classification"), (x, y.int()), 8, "train_data")  # the pipeline's check
+    check_batch(resolve_task("image_classification"), (x, y.int()), "train_data", rows=8)  # the pipeline's check
     index = TrakIndex(stores[torch.int64], model=make_model(), checkpoints=[make_model(1).state_dict()], device="cpu")
     r64, r32 = index.query((xt, yt), k=4), index.query((xt, yt.int()), k=4)
     np.testing.assert_array_equal(r64.indices, r32.indices)

@@ -12,7 +12,9 @@ Differences from traker 0.3.2, on purpose:
 * XᵀX is accumulated in float64 and inverted in float64 (traker: in the storage dtype / float32);
 * singular or badly conditioned XᵀX warns with the condition estimate and the remedy;
 * bad input raises a clear exception before anything is written (traker asserts or logs and goes on); where
-  traker asserted, the exception is also an ``AssertionError`` carrying traker's message;
+  traker asserted, the exception is also an ``AssertionError`` carrying traker's message. Batches and checkpoints
+  pass the pipeline's input rules (:mod:`trak_core.plan`, the same messages): NaN/inf rows, dtypes, labels;
+  ``load_checkpoint`` refuses a state_dict with NaN or inf;
 * ``saver=`` / ``score_computer=``: traker's defaults (``MmapSaver``, ``BasicScoreComputer``) are accepted,
   ``BasicSingleBlockScoreComputer`` means the plain inverse, other classes are refused;
 * the default projector is the factored per-layer projection (featurize + finalize 28× traker's fastest CPU
@@ -24,7 +26,8 @@ Differences from traker 0.3.2, on purpose:
   without rounding Φ to the store's dtype); :meth:`TRAKer.features` computes Φ for the rows a caller asks for,
   and ``del_grads=True`` is ignored with a warning (the gradients are what scoring reads);
 * the default damping is ``lambda_reg="adaptive"`` (traker: 0.0, which leaves XᵀX singular when proj_dim ≥ n
-  and scores near LDS 0 on held-out cases at proj_dim 2048); ``lambda_reg=0.0`` reproduces traker.
+  and scores near LDS 0 on held-out cases at proj_dim 2048); ``lambda_reg=0.0`` reproduces traker where proj_dim < n
+  (proj_dim ≥ n with it is refused, as the pipeline refuses it: traker's scores would be noise).
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import engine, kfac
+from .. import engine, kfac, plan
 from ..errors import BadInputError, StateError
 from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from ..modelout import AbstractModelOutput, resolve_task
+from ..plan import check_batch, check_dtypes, check_finite, check_projection, check_state_finite
 from ..projectors import (
     AbstractProjector,
     DenseProjector,
@@ -221,9 +225,9 @@ class TRAKer:
         if projector is None:
             if not isinstance(proj_dim, int) or isinstance(proj_dim, bool) or proj_dim <= 0:
                 raise BadInputError(f"proj_dim must be a positive integer, got {proj_dim!r}")
-            exists, split = engine.stored_split(str(save_dir), storage_options)
+            exists, split = plan.stored_split(str(save_dir), storage_options)
             if split is not None:  # a store of the default projector: its own split, rebuilt from its metadata
-                projector = engine.rebuild_projector(
+                projector = plan.rebuild_projector(
                     "factored",
                     self.num_params_for_grad,
                     proj_dim,
@@ -256,6 +260,8 @@ class TRAKer:
             )
         self.projector: AbstractProjector | None = None if self._deferred else projector
         self.proj_dim = projector.proj_dim
+        # the pipeline's rule: proj_dim ≥ n with no damping leaves XᵀX singular (traker returns noise)
+        check_projection(projector.kind, self.proj_dim, self.train_set_size, plan.lambda_setting(lambda_reg))
         self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
 
         # the store's metadata of a projector (deferred: of the one the first featurize call builds)
@@ -461,6 +467,7 @@ class TRAKer:
 
     def load_checkpoint(self, checkpoint: dict, model_id: int, _allow_featurizing_already_registered=False) -> None:
         """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
+        check_state_finite(checkpoint, "checkpoint", f"the state_dict of model_id={model_id}")
         self._flush_rows()
         self._rows.new_model()
         self._writable = None
@@ -486,6 +493,15 @@ class TRAKer:
         self.ckpt_loaded = model_id
         self.current_model_id = model_id
         self._last_ind = 0
+
+    def _checked(self, batch, inds, num_samples, attr: str, limit: int, field: str) -> np.ndarray:
+        """The rows ``inds`` of a batch of ``field`` (``train_data`` or ``target_data``), after the pipeline's checks of
+        its inputs (:mod:`trak_core.plan`: the task's, NaN/inf naming the example indices, dtypes)."""
+        check_batch(self.task, batch, field)
+        inds = self._resolve_inds(batch, inds, num_samples, attr, limit)
+        check_finite(batch, field, inds)
+        check_dtypes(self.model, batch, field)
+        return inds
 
     def _resolve_inds(self, batch, inds, num_samples, attr: str, limit: int) -> np.ndarray:
         if (inds is None) == (num_samples is None):
@@ -525,8 +541,7 @@ class TRAKer:
                 "(call load_checkpoint(state_dict, model_id=...) first)"
             )
         if self._deferred:  # held until the rows that decide the default projector are here (engine.ProbeRows)
-            self.task.validate_batch(batch)
-            inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
+            inds = self._checked(batch, inds, num_samples, "_last_ind", self.train_set_size, "train_data")
             self._probe.add(mid, batch, inds)
             if self._probe.full:
                 self._create_default_store()
@@ -541,8 +556,7 @@ class TRAKer:
             self._featurize(mid, batch, inds, num_samples)
 
     def _featurize(self, mid: int, batch, inds, num_samples, computed=None) -> None:
-        self.task.validate_batch(batch)
-        inds = self._resolve_inds(batch, inds, num_samples, "_last_ind", self.train_set_size)
+        inds = self._checked(batch, inds, num_samples, "_last_ind", self.train_set_size, "train_data")
         if self._writable != mid:
             if self.store.is_finalized(mid):  # every row is stored (finalize needs them all): skipped, as traker does
                 return
@@ -599,6 +613,7 @@ class TRAKer:
     # ------------------------------------------------------------------ scoring
     def start_scoring_checkpoint(self, exp_name: str, checkpoint: dict, model_id: int, num_targets: int) -> None:
         """Begin computing target gradients of experiment ``exp_name`` for checkpoint ``model_id``."""
+        check_state_finite(checkpoint, "checkpoint", f"the state_dict of model_id={model_id}")
         self._flush_rows()
         self._forget_handles()
         engine.begin_targets(self.store, exp_name, model_id, num_targets)
@@ -613,8 +628,7 @@ class TRAKer:
         exp, mid = self.current_experiment_name, self.current_model_id
         if exp is None or mid is None:  # the two are set together (start_scoring_checkpoint)
             raise StateError("call start_scoring_checkpoint(...) before score(...)")
-        self.task.validate_batch(batch)
-        inds = self._resolve_inds(batch, inds, num_samples, "_last_ind_target", self.store.num_targets(exp))
+        inds = self._checked(batch, inds, num_samples, "_last_ind_target", self.store.num_targets(exp), "target_data")
         engine.target_rows(self.store, self.featurizer, exp, mid, batch, inds)
 
     def finalize_scores(
