@@ -24,6 +24,7 @@ from .energy import PROBE_ROWS
 from .errors import BadInputError, StoreMismatchError
 from .featurize import Featurizer
 from .gradients import FunctionalGradientComputer, grad_dim_of
+from .kfac import KFAC_CURVATURES
 from .lds import array_fingerprint
 from .projector_base import AbstractProjector
 from .projectors import make_projector, projector_traits, rebuild_kwargs
@@ -103,9 +104,12 @@ def lambda_setting(lambda_reg):
     return parse_lambda_reg(lambda_reg).setting
 
 
-def check_projection(kind: str, proj_dim: int, train_set_size: int, lambda_setting) -> None:
+def check_projection(kind: str, proj_dim: int, train_set_size: int, lambda_setting, curvature: str = "xtx") -> None:
     """Refuse a projection of ``proj_dim`` ≥ the number of train examples with no damping (``lambda_setting`` 0,
-    :attr:`trak_core.damping.LambdaRule.setting`): XᵀX is then singular and the scores noise."""
+    :attr:`trak_core.damping.LambdaRule.setting`): XᵀX is then singular and the scores noise. A Kronecker-factored
+    ``curvature`` solves no XᵀX: nothing to refuse."""
+    if curvature in KFAC_CURVATURES:
+        return
     n = int(train_set_size)
     if proj_dim < n or lambda_setting != 0:
         return
@@ -399,7 +403,7 @@ def check_inputs(
         return stored_layout(meta, stored, chunk_rows, shard_rows)
 
     meta = metadata(split)
-    check_projection(settings.projector, meta.proj_dim, n, settings.lambda_rule.setting)
+    check_projection(settings.projector, meta.proj_dim, n, settings.lambda_rule.setting, settings.curvature)
     engine.check_memory(
         meta,
         model,

@@ -261,7 +261,7 @@ class TRAKer:
         self.projector: AbstractProjector | None = None if self._deferred else projector
         self.proj_dim = projector.proj_dim
         # the pipeline's rule: proj_dim ≥ n with no damping leaves XᵀX singular (traker returns noise)
-        check_projection(projector.kind, self.proj_dim, self.train_set_size, plan.lambda_setting(lambda_reg))
+        check_projection(projector.kind, self.proj_dim, self.train_set_size, plan.lambda_setting(lambda_reg), curvature)
         self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
 
         # the store's metadata of a projector (deferred: of the one the first featurize call builds)
