@@ -14,7 +14,8 @@ import torch
 
 from trak_core.adapters import read_state_file
 from trak_core.errors import BadInputError, StateError, StoreDamageError, StoreMismatchError
-from trak_core.store import TrakStore
+from trak_core.store import RunStore
+from trak_core.store import open_store as open_location
 
 from .config import AttributeConfig, EvaluateConfig, TrainConfig, load_data
 
@@ -76,11 +77,11 @@ def clear_data_cache() -> None:
         _data_cache.clear()
 
 
-def open_store(config: AttributeConfig, mode: str = "r+") -> TrakStore:
+def open_store(config: AttributeConfig, mode: str = "r+") -> RunStore:
     """The store of a pipeline task: each array's zarr.json is checked as the task opens it (the run's plan
     checked every array; re-reading all of them per task costs ~1 ms an array, hundreds in a store of many
     checkpoints and experiments)."""
-    return TrakStore.open(config.store, config.storage_options, mode=mode, check_arrays="on_use")
+    return open_location(config.store, config.storage_options, mode=mode, check_arrays="on_use")
 
 
 def load_checkpoint(path: str, device: str = "cpu", field: str = "checkpoints") -> dict:

@@ -22,7 +22,8 @@ from trak_core.featurize import Featurizer
 from trak_core.gradients import FunctionalGradientComputer, grad_dim_of
 from trak_core.lds import array_fingerprint
 from trak_core.projectors import make_projector, projector_traits, rebuild_kwargs
-from trak_core.store import StoreMetadata, TrakStore
+from trak_core.store import RunStore, StoreMetadata, store_exists
+from trak_core.store import open_store as open_location
 from trak_core.store.verify import repair_store, verify_store
 from trak_core.streaming import score_task_ranges
 
@@ -252,9 +253,9 @@ def validate_inputs(config: AttributeConfig) -> CheckedInputs:
 
 def _stored_meta(config: AttributeConfig) -> StoreMetadata | None:
     """The metadata of the config's store (None: no store yet)."""
-    if not TrakStore.exists(config.store, config.storage_options):
+    if not store_exists(config.store, config.storage_options):
         return None
-    return TrakStore.open(config.store, config.storage_options, mode="r", check_arrays=False).meta
+    return open_location(config.store, config.storage_options, mode="r", check_arrays=False).meta
 
 
 def _stored_layout(config: AttributeConfig, meta: StoreMetadata, stored: StoreMetadata | None) -> StoreMetadata:
@@ -283,9 +284,9 @@ def fingerprint_inputs(inputs: CheckedInputs) -> Fingerprints:
 def check_against_store(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerprints) -> None:
     """Refuse (StoreMismatchError / BadInputError, naming the field) an existing store made with other
     settings, data, checkpoints, λ or targets, before anything is written. No store: nothing to check."""
-    if not TrakStore.exists(config.store, config.storage_options):
+    if not store_exists(config.store, config.storage_options):
         return
-    store = TrakStore.open(config.store, config.storage_options)
+    store = open_location(config.store, config.storage_options)
     store.validate(inputs.meta, grow=True)  # more train rows than the store: the plan appends them
     engine.check_run(store, **_run_records(config, inputs, prints))
 
@@ -316,7 +317,7 @@ def create_plan(config: AttributeConfig, inputs: CheckedInputs, prints: Fingerpr
     return _plan_of(config, inputs, grown_from=grown)
 
 
-def record_train_source(store: TrakStore, config: AttributeConfig) -> None:
+def record_train_source(store: RunStore, config: AttributeConfig) -> None:
     """Record where the train data came from (``train_source``: its import path, and what the data callable
     says of its source, e.g. a folder), so a route that reads the store later (a query) sees the same rows."""
     source: dict = {"train_data": config.train_data}
@@ -346,7 +347,7 @@ def _plan_of(config: AttributeConfig, inputs: CheckedInputs, grown_from: int | N
     )
 
 
-def check_chunks(store: TrakStore) -> None:
+def check_chunks(store: RunStore) -> None:
     """The cheap part of ``trakflow verify`` (one listing per array, no chunk read), before any step skips work:
     a chunk of rows marked done that has vanished is unflagged with what depends on it (one warning naming the
     arrays and chunks), so this run recomputes those rows instead of reading zeros. Chunks that fail their
@@ -434,7 +435,7 @@ def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
     return ScorePlan(model_ids=tuple(used), blocks=score_ranges(config, store, used))
 
 
-def score_ranges(config: AttributeConfig, store: TrakStore, used: list[int]) -> tuple[tuple[int, int], ...]:
+def score_ranges(config: AttributeConfig, store: RunStore, used: list[int]) -> tuple[tuple[int, int], ...]:
     """The train-row ranges of the score tasks (:func:`trak_core.streaming.score_task_ranges` for this run)."""
     meta, m = store.meta, store.num_targets(config.exp_name)
     return score_task_ranges(
@@ -459,12 +460,12 @@ def up_to_date(config: AttributeConfig) -> Plan | None:
     every target gradient written, every score row combined from all checkpoints, the report's table on
     disk — else None. Runs the plan's checks first (a store that does not match the config still raises,
     naming the field) and writes nothing: the CLI answers a no-op run without starting Prefect."""
-    if not TrakStore.exists(config.store, config.storage_options):
+    if not store_exists(config.store, config.storage_options):
         return None
     inputs = validate_inputs(config)
     prints = fingerprint_inputs(inputs)
     check_against_store(config, inputs, prints)
-    store = TrakStore.open(config.store, config.storage_options, mode="r")
+    store = open_location(config.store, config.storage_options, mode="r")
     exp = config.exp_name
     if store.meta.train_set_size != inputs.meta.train_set_size:  # new train rows: the plan appends them
         return None
