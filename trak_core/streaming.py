@@ -8,7 +8,7 @@ X_c the stored projected gradients and W_c = A_c G_cᵀ (:func:`grads_right_hand
 :func:`stream_scores` splits [a, b) into pieces (:func:`score_pieces`): whole store chunks within one chunk of the
 experiment's scores (about 8 MiB: a whole shard for a few hundred targets). Three kinds of thread share the work:
 
-* one **reader** thread reads the pieces in order, one Zarr read per checkpoint (zarr's codecs and file reads
+* one **reader** thread reads the pieces in order, one store read per checkpoint (zarr's codecs and file reads
   release the GIL) into a free buffer of workers + 1 (so one piece waits read while every worker multiplies), and
   each piece's Σ_c Q_c;
 * as many **workers** as torch has intra-op threads each take the next piece: the conversion to float32 block by
