@@ -121,3 +121,30 @@ def test_only_the_store_package_names_the_zarr_class():
         and re.search(r"\bTrakStore\b", path.read_text())
     )
     assert naming == []
+
+
+def test_only_the_store_package_imports_zarr():
+    """The algorithm reads and writes rows through the protocol's methods (rows by array path): no module of
+    trak_core outside trak_core/store/ imports zarr or reaches for a store's Zarr arrays."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import trak_core
+
+    root = Path(trak_core.__file__).parent
+    found = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "store":
+            continue
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [f"{rel}: imports {n}" for n in names if n.split(".")[0] == "zarr"]
+        found += [f"{rel}: {m.group(0)}" for m in re.finditer(r"\.(oindex|score_rows_writer|target_grads)\b", text)]
+    assert found == []
