@@ -249,6 +249,37 @@ def check_store_score_pieces(obj) -> None:
     assert np.array_equal(np.asarray(st.scores("e")[:]), scores), "scores read back differ"
 
 
+@_check
+def check_store_grow(obj) -> None:
+    """Growing keeps the stored rows bit for bit, adds rows not written, and marks what depends on every row not
+    done (the inverse, the score rows); fewer rows are refused (BadInputError)."""
+    import numpy as np
+
+    from .errors import BadInputError
+    from .store import model_array
+
+    st, meta, x, q = _new_store(obj)
+    st.init_model(0)
+    st.write_train_rows(0, slice(0, meta.train_set_size), x, q)
+    _finalize(st, meta, x)
+    st.init_experiment("e", _M)
+    st.begin_scores("e", [0])
+    st.write_score_rows("e", 0, meta.train_set_size, np.ones((meta.train_set_size, _M), dtype=np.float32))
+    n = meta.train_set_size
+    assert st.grow_train_rows(n + 4) == n, "grow_train_rows does not return the rows the store had"
+    assert st.meta.train_set_size == n + 4, "the metadata does not have the new rows"
+    assert np.array_equal(st.read_rows(model_array(0, "grads"), slice(0, n)), x), "stored rows changed"
+    assert np.array_equal(st.featurized_mask(0), np.arange(n + 4) < n), "the new rows are not the rows unwritten"
+    assert not st.is_finalized(0) and not st.scores_done_mask("e").any(), "results of the old rows are still done"
+    assert [st.partial_done(0, s) for s in range(st.meta.num_shards)] == [True] * 3 + [False], "partials differ"
+    try:
+        st.grow_train_rows(n)
+    except BadInputError:
+        pass
+    else:
+        raise AssertionError("growing to fewer rows was not refused")
+
+
 STORE_CHECKS = (
     check_store_protocol,
     check_store_train_rows,
@@ -258,6 +289,7 @@ STORE_CHECKS = (
     check_store_rows_by_path,
     check_store_partials,
     check_store_score_pieces,
+    check_store_grow,
 )
 
 

@@ -40,6 +40,7 @@ def test_store_checks_are_named_and_listed():
         "check_store_rows_by_path",
         "check_store_partials",
         "check_store_score_pieces",
+        "check_store_grow",
     ]
 
 
