@@ -204,8 +204,6 @@ def exact_rows(st: TrakStore, exp: str, used: list[int], rows: int) -> np.ndarra
 def stage_costs(st: TrakStore, exp: str, rows: int, reps: int = 8) -> dict:
     """Process CPU time per block of ``rows`` train rows of each stage of the streaming scoring (one torch thread,
     stages one after the other, best of ``reps``), each Zarr stage timed in the units the stream uses."""
-    from trak_core.streaming import _read_into
-
     p, m, n = st.meta.proj_dim, st.num_targets(exp), st.meta.train_set_size
     grads = st.model(0).grads
     arr, done = st.init_scores(exp)
@@ -223,7 +221,7 @@ def stage_costs(st: TrakStore, exp: str, rows: int, reps: int = 8) -> dict:
         return [(s, s + size) for s in range(0, n - size + 1, size)][:reps]
 
     stages = {  # name: (function of a unit [s, e), the unit's rows)
-        "read X (Zarr, crc32c)": (lambda s, e: _read_into(grads, s, e, raw), score_rows),
+        "read X (Zarr, crc32c)": (lambda s, e: grads.read_into(s, e, raw), score_rows),
         "float16 → float32": (lambda s, e: x.copy_(torch.from_numpy(raw[:rows])), rows),
         "GEMM (one thread)": (lambda s, e: acc.addmm_(x, w), rows),
         "combination with Q": (lambda s, e: combine(), rows),

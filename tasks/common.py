@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from trak_core.errors import BadInputError, StateError, StoreDamageError, StoreMismatchError, TrakError
-from trak_core.store import TrakStore
+from trak_core.store import RunStore
+from trak_core.store import open_store as open_location
 
 from .config import AttributeConfig, EvaluateConfig, TrainConfig, load_data, load_object
 
@@ -87,7 +88,7 @@ def adopt_train_source(config: AttributeConfig) -> None:
     if not callable(adopt):
         return
     try:
-        info = TrakStore.open(config.store, config.storage_options, mode="r").pipeline_info()
+        info = open_location(config.store, config.storage_options, mode="r").pipeline_info()
     except (TrakError, OSError, ValueError):  # no store yet, or one the plan refuses with its own message
         return
     source = info.get("train_source") or {}
@@ -95,11 +96,11 @@ def adopt_train_source(config: AttributeConfig) -> None:
         clear_data_cache()
 
 
-def open_store(config: AttributeConfig, mode: str = "r+") -> TrakStore:
+def open_store(config: AttributeConfig, mode: str = "r+") -> RunStore:
     """The store of a pipeline task: each array's zarr.json is checked as the task opens it (the run's plan
     checked every array; re-reading all of them per task costs ~1 ms an array, hundreds in a store of many
     checkpoints and experiments)."""
-    return TrakStore.open(config.store, config.storage_options, mode=mode, check_arrays="on_use")
+    return open_location(config.store, config.storage_options, mode=mode, check_arrays="on_use")
 
 
 def cores() -> int:

@@ -30,7 +30,7 @@ from prefect.cache_policies import NONE
 
 from trak_core.errors import BadInputError
 from trak_core.lds import array_fingerprint, bootstrap_ci, lds, margins_from_logits, subset_masks, truth_key
-from trak_core.store import TrakStore
+from trak_core.store import open_store
 
 from . import progress
 from .attribution import RETRIED_TASK
@@ -171,7 +171,7 @@ def load_truth(path: str) -> dict[str, np.ndarray]:
 
 def experiment_scores(config: EvaluateConfig) -> np.ndarray:
     a = config.attribute
-    store = TrakStore.open(a.store, a.storage_options, mode="r")
+    store = open_store(a.store, a.storage_options, mode="r")
     if a.exp_name not in store.experiments():
         raise BadInputError(
             f"exp_name: no experiment {a.exp_name!r} in {a.store} (it has {store.experiments()}); "
@@ -199,7 +199,7 @@ def compute_lds(config: EvaluateConfig, truth_path: str, trained: int = 0) -> di
         )
     value, per = lds(scores, truth["masks"], truth["margins"])
     lo, hi = bootstrap_ci(per)
-    store = TrakStore.open(a.store, a.storage_options, mode="r")
+    store = open_store(a.store, a.storage_options, mode="r")
     fin = [store.finalize_info(mid) or {} for mid in store.model_ids()]
     result = {
         "lds": value,

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from trak_core.errors import BadInputError
 from trak_core.index import QueryResult, TrakIndex, register_config_loader
 from trak_core.modelout import TASK_TO_MODELOUT
-from trak_core.store import TrakStore
+from trak_core.store import RunStore, open_store
 
 from . import report
 from .common import adopt_train_source
@@ -107,7 +107,7 @@ def load_inputs(path: str | os.PathLike) -> tuple[torch.Tensor, ...]:
     return tuple(data)
 
 
-def _task_name(store: TrakStore) -> str:
+def _task_name(store: RunStore) -> str:
     """The built-in task whose class the store records (image_classification when it records none)."""
     names = [name for name, cls in TASK_TO_MODELOUT.items() if cls.__name__ == store.meta.task]
     return names[0] if names else "image_classification"
@@ -131,7 +131,7 @@ def open_index(qc: QueryConfig | str | os.PathLike) -> TrakIndex:
             f"model: querying the store {qc.store} needs the model's import path (--model pkg.mod:factory), "
             "or give the attribute config instead of the store"
         )
-    store = TrakStore.open(qc.store, mode="r")
+    store = open_store(qc.store, mode="r")
     ids = store.model_ids()
     checkpoints = qc.checkpoints
     if not checkpoints:

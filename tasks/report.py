@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trak_core.store import TrakStore
+from trak_core.store import RunStore, open_store
 from trak_core.topk import top_k as core_top_k
 
 from .common import adopt_train_source, cached_data
@@ -36,7 +36,7 @@ def top_k(scores: np.ndarray, target: int, k: int) -> tuple[np.ndarray, np.ndarr
 
 
 def top_k_table(
-    store: TrakStore,
+    store: RunStore,
     exp_name: str,
     targets: list[int],
     k: int,
@@ -259,7 +259,7 @@ def score_stats(scores: np.ndarray) -> dict:
 
 def build_report(config: AttributeConfig) -> tuple[dict, dict[int, bytes]]:
     """(summary with the table rows and file paths, {target: PNG bytes})."""
-    store = TrakStore.open(config.store, config.storage_options, mode="r")
+    store = open_store(config.store, config.storage_options, mode="r")
     exp = config.exp_name
     m = store.num_targets(exp)
     adopt_train_source(config)

@@ -20,6 +20,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessRaisedException
 from trak_core import engine, sharded
 from trak_core.errors import BadInputError, TrakError
 from trak_core.plan import read_checkpoint
+from trak_core.store import model_array
 
 from .common import cached_data, open_store
 from .config import AttributeConfig
@@ -49,7 +50,7 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
     store = open_store(config)
     a, b = store.meta.shard_range(shard)
     device = config.resolved_device()
-    if store.model(model_id).featurized[a:b].astype(bool).all():
+    if store.read_rows(model_array(model_id, "featurized"), slice(a, b)).astype(bool).all():
         return engine.featurize_shard(store, model_id, shard, _unused, _unused, config.batch_size, device=device)
     engine.require_not_finalized(store, model_id)
     n = config.processes_per_task

@@ -45,7 +45,7 @@ from .reduce import (
 )
 from .row_sink import RowSink as RowSink  # TRAKer's rows on their way into the store
 from .row_sink import complete_shard, write_rows
-from .store import RunStore, StoreMetadata, create_or_open_store, open_store, store_exists
+from .store import RunStore, StoreMetadata, create_or_open_store, model_array, open_store, store_exists
 from .store.chunkio import stack_dtype
 from .store.location import check_new_location
 from .store.lock import acquire_run_lock, release_run_lock
@@ -551,7 +551,7 @@ def featurize_shard(
     # the groups and arrays opened once for the shard (its task is their one writer; the flow created them)
     with store.pinned():
         a, b = store.meta.shard_range(shard)
-        done = store.model(model_id).featurized[a:b].astype(bool)  # the shard's flags, read once
+        done = store.read_rows(model_array(model_id, "featurized"), slice(a, b)).astype(bool)  # read once
         if done.all():
             complete_shard(store, model_id, shard, device)
             _advance(progress, b - a)
@@ -736,7 +736,7 @@ def score_all(
     store: RunStore, exp_name: str, model_ids: Iterable[int] | None = None, allow_skip: bool = False
 ) -> np.ndarray:
     """All rows' combined scores computed again in one pass (traker's ``finalize_scores``), (n, m) float32."""
-    store.experiment(exp_name)  # an unknown experiment: a clear error
+    store.num_targets(exp_name)  # an unknown experiment: a clear error
     return finalize_scores(store, exp_name, model_ids, allow_skip)
 
 

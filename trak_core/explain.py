@@ -45,6 +45,7 @@ from .factored_mha import ATTENTION
 from .gradients import grad_param_names
 from .modelout import AbstractModelOutput, CausalLMModelOutput, log_odds, sequence_log_prob
 from .projectors import AbstractProjector
+from .store import model_array
 from .streaming import grads_right_hand
 
 #: train rows featurized together (one forward and backward pass) by an explained query
@@ -480,7 +481,7 @@ def query_shares(index, result, vectors, train_data: Sequence[Tensor]) -> np.nda
     for mid in ids:
         featurizer.load_state(index._states[mid])
         right = grads_right_hand(index._inverses[mid], torch.as_tensor(np.asarray(vectors[mid]), dtype=torch.float32).T)
-        arrays = store.model(mid)
+        grads = model_array(mid, "grads")
         xs: dict[int, Tensor] = {}
         for a in range(0, len(rows), EXPLAIN_BATCH):
             part = rows[a : a + EXPLAIN_BATCH]
@@ -489,7 +490,7 @@ def query_shares(index, result, vectors, train_data: Sequence[Tensor]) -> np.nda
             xs.update({i: x.detach().to(torch.float64).cpu() for i, x in zip(part, got, strict=True)})
         for i in rows:
             x = xs.pop(i)
-            stored = torch.as_tensor(np.asarray(arrays.grads[i : i + 1], dtype=np.float64)).reshape(-1)
+            stored = torch.as_tensor(np.asarray(store.read_rows(grads, slice(i, i + 1)), dtype=np.float64)).reshape(-1)
             err = float((x.sum(0) - stored).norm()) / max(float(stored.norm()), 1e-30)
             if not err <= tol:
                 raise StoreMismatchError(
@@ -498,7 +499,8 @@ def query_shares(index, result, vectors, train_data: Sequence[Tensor]) -> np.nda
                     "from (or the model uses a parameter outside its layers' per-position forward)"
                 )
             acc[i] += x @ right.to(torch.float64)
-            qsum[i] += float(np.asarray(arrays.out_to_loss[i : i + 1], dtype=np.float64).reshape(-1)[0])
+            q = store.read_rows(model_array(mid, "out_to_loss"), slice(i, i + 1))
+            qsum[i] += float(np.asarray(q, dtype=np.float64).reshape(-1)[0])
     c = len(ids)
     out = np.zeros((m, k, length), dtype=np.float32)
     for j in range(m):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +36,7 @@ from .gradients import AbstractGradientComputer, FunctionalGradientComputer, gra
 from .modelout import AbstractModelOutput, check_batch, resolve_task
 from .plan import check_dtypes, check_finite
 from .projectors import AbstractProjector, make_projector, rebuild_kwargs
-from .store import RunStore, StoreLock, StoreMetadata, open_store
-from .store.verify import require_present
+from .store import StoreLock, StoreMetadata, model_array, open_store
 from .streaming import grads_right_hand, stream_scores
 from .topk import RunningTopK
 
@@ -70,7 +69,7 @@ class QueryResult:
 
 
 class _TopKWriter:
-    """Where :func:`stream_scores` puts each chunk of scores (the interface of the store's ScoreWriter): into
+    """Where :func:`stream_scores` puts each chunk of scores (a :class:`~trak_core.streaming.ScoreSink`): into
     running top-k's; nothing is marked done, nothing written."""
 
     def __init__(self, chunk_rows: int, topks: Sequence[RunningTopK]):
@@ -91,24 +90,6 @@ class _TopKWriter:
 
     def mark_done(self, a: int, b: int) -> None:
         """Nothing to mark: the scores are not stored."""
-
-
-class _RowsView:
-    """The store as :func:`stream_scores` reads it (metadata, each model's rows), with the query's m inputs as
-    its targets and a :class:`_TopKWriter` as its score writer."""
-
-    def __init__(self, store: RunStore, num_inputs: int, writer: _TopKWriter):
-        self._store, self._m, self._writer = store, int(num_inputs), writer
-        self.meta = store.meta
-
-    def model(self, model_id: int):
-        return self._store.model(model_id)
-
-    def num_targets(self, exp_name: str) -> int:
-        return self._m
-
-    def score_rows_writer(self, exp_name: str) -> _TopKWriter:
-        return self._writer
 
 
 def _holder_text(holder: dict | None) -> str:
@@ -261,8 +242,13 @@ class TrakIndex:
             done = int(self.store.featurized_mask(mid).sum())
             if done != n:
                 raise StateError(f"model_id={mid}: {n - done} of {n} train rows are not featurized")
-            m = self.store.model(mid)
-            require_present(self.store, [(m.grads, rows), (m.out_to_loss, rows), (m.inverse, np.zeros(1, int))])
+            self.store.check_present(
+                [
+                    (model_array(mid, "grads"), rows),
+                    (model_array(mid, "out_to_loss"), rows),
+                    (model_array(mid, "inverse"), np.zeros(1, int)),
+                ]
+            )
 
     def _load_checkpoint(self, pos: int, mid: int, ckpt) -> dict:
         """The state dict of ``checkpoints[pos]``, checked against the record of the checkpoint ``mid`` was
@@ -446,9 +432,8 @@ class TrakIndex:
         self._check_snapshot("since the index was opened")
         topks = [RunningTopK(m, k, opp) for opp in ends]
         writer = _TopKWriter(self.store.meta.score_chunk_rows(m), topks)
-        view = cast(RunStore, _RowsView(self.store, m, writer))
         with self.store.pinned():
-            stream_scores(view, "query", list(self.model_ids), 0, self.n, right, progress=progress)
+            stream_scores(self.store, "query", list(self.model_ids), 0, self.n, right, progress=progress, sink=writer)
         self._check_snapshot("during the query")
         out = []
         for t in topks:

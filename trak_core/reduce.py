@@ -23,8 +23,7 @@ from .errors import BadInputError, StateError
 from .kfac import KFAC_CURVATURES
 from .kfac import finalize_inverse as kfac_finalize
 from .scoring import features_block
-from .store import RunStore, pack_upper, unpack_upper
-from .store.verify import require_present
+from .store import RunStore, experiment_array, model_array, pack_upper, target_array, unpack_upper
 from .streaming import grads_right_hand, page_array, stream_scores
 
 #: bytes of one float64 block of rows in :func:`shard_partial` on a GPU (4,096 rows at proj_dim 2048)
@@ -43,7 +42,7 @@ def shard_partial(
     is exactly symmetric, as the host's syrk."""
     if rows is None:
         a, b = store.meta.shard_range(shard)
-        rows = store.model(model_id).grads[a:b]
+        rows = store.read_rows(model_array(model_id, "grads"), slice(a, b))
     return _grams(np.asarray(rows).astype(store.meta.np_dtype, copy=False), device, weights, both=False)[0]
 
 
@@ -74,7 +73,7 @@ def shard_grams(
     weights = loss_curvature(q) if both else None
     if rows is None:
         a, b = store.meta.shard_range(shard)
-        rows = store.model(model_id).grads[a:b]
+        rows = store.read_rows(model_array(model_id, "grads"), slice(a, b))
     x = np.asarray(rows).astype(store.meta.np_dtype, copy=False)
     if not packed:
         return _grams(x, device, weights, both)
@@ -280,9 +279,9 @@ def shard_row_sums(store: RunStore, model_id: int, shard: int, rows=None, q=None
     the given ones (:func:`rows_row_sums`' arithmetic shard by shard); stored beside the shard's XᵀX partial."""
     a, b = store.meta.shard_range(shard)
     if rows is None:
-        rows = store.model(model_id).grads[a:b]
+        rows = store.read_rows(model_array(model_id, "grads"), slice(a, b))
     if q is None:
-        q = store.model(model_id).out_to_loss[a:b]
+        q = store.read_rows(model_array(model_id, "out_to_loss"), slice(a, b))
     return row_sums_vec(rows, q, store.meta.np_dtype)
 
 
@@ -305,9 +304,9 @@ def ensure_partial(
             raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {shard} are not all featurized")
         a, b = store.meta.shard_range(shard)
         if rows is None:
-            rows = np.asarray(store.model(model_id).grads[a:b])
+            rows = store.read_rows(model_array(model_id, "grads"), slice(a, b))
         if q is None:
-            q = store.model(model_id).out_to_loss[a:b]
+            q = store.read_rows(model_array(model_id, "out_to_loss"), slice(a, b))
         part, sums, ggn = shard_partials(store, model_id, shard, rows, q, device, buffers)
         store.write_partial(model_id, shard, part, sums, ggn)
         return part, sums
@@ -360,32 +359,32 @@ class PartialSums:
         return self.model_id == model_id and self.shards == store.meta.num_shards and store.meta.curvature != "ggn"
 
 
-def _sum_shard_grams(store: RunStore, partials) -> np.ndarray:
-    """The sum of one Gram partial array's shards in shard order (the one canonical order; packed partials are
-    summed packed, entry by entry the same additions), unpacked."""
+def _sum_shard_grams(store: RunStore, path: str) -> np.ndarray:
+    """The sum of one Gram partial array's shards (at ``path``) in shard order (the one canonical order; packed
+    partials are summed packed, entry by entry the same additions), unpacked."""
     meta = store.meta
     total = np.zeros(meta.partial_shape, dtype=np.float64)
     for s in range(meta.num_shards):
-        total += partials[s]
+        total += store.read_rows(path, slice(s, s + 1))[0]
     return unpack_upper(total, meta.proj_dim) if meta.packed_partials else total
 
 
 def total_xtx(store: RunStore, model_id: int) -> np.ndarray:
     """XᵀX as the sum of the shard partials in shard order."""
-    return _sum_shard_grams(store, store.model(model_id).xtx_partials)
+    return _sum_shard_grams(store, model_array(model_id, "xtx_partials"))
 
 
 def total_ggn(store: RunStore, model_id: int) -> np.ndarray:
     """XᵀRX as the sum of the shards' ``ggn_partials`` in shard order (a store of ``curvature="ggn"``)."""
-    return _sum_shard_grams(store, store.model(model_id).ggn_partials)
+    return _sum_shard_grams(store, model_array(model_id, "ggn_partials"))
 
 
 def total_row_sums(store: RunStore, model_id: int) -> RowSums:
     """:class:`RowSums` as the sum of the shards' partials in shard order: the bits of :func:`rows_row_sums`."""
-    m = store.model(model_id)
+    path = model_array(model_id, "rowsum_partials")
     total = np.zeros(store.meta.proj_dim + 3, dtype=np.float64)
     for s in range(store.meta.num_shards):
-        total += m.rowsum_partials[s]
+        total += store.read_rows(path, slice(s, s + 1))[0]
     return RowSums.of(total)
 
 
@@ -402,12 +401,12 @@ def require_featurized(store: RunStore, model_id: int) -> None:
 def rows_row_sums(store: RunStore, model_id: int, block_rows: int | None = None) -> RowSums:
     """:class:`RowSums` by a pass over the stored train rows in blocks (of a shard by default); the reference that
     the per-shard partials (:func:`total_row_sums`) reproduce bit for bit."""
-    m = store.model(model_id)
     step = block_rows or store.meta.rows_per_shard
     total = np.zeros(store.meta.proj_dim + 3, dtype=np.float64)
     for a in range(0, store.meta.train_set_size, step):
         b = min(a + step, store.meta.train_set_size)
-        total += row_sums_vec(m.grads[a:b], m.out_to_loss[a:b], store.meta.np_dtype)
+        x, q = store.read_train_rows(model_id, a, b)
+        total += row_sums_vec(x, q, store.meta.np_dtype)
     return RowSums.of(total)
 
 
@@ -451,7 +450,7 @@ def _solve_inputs(store: RunStore, model_id: int, rule: LambdaRule, sums: RowSum
         if rule.needs_q2x2:
             kw["q2x2"] = sums.q2x2
     if store.meta.curvature == "ggn":
-        kw["ggn"], kw["out_to_loss"] = ggn, store.model(model_id).out_to_loss[:]
+        kw["ggn"], kw["out_to_loss"] = ggn, store.read_rows(model_array(model_id, "out_to_loss"), slice(None))
     return kw
 
 
@@ -472,9 +471,9 @@ def features_rows(store: RunStore, model_id: int, a: int = 0, b: int | None = No
     if not 0 <= a <= b <= n:
         raise BadInputError(f"features_rows: rows [{a}, {b}) are not within the {n} train rows")
     inv = torch.from_numpy(store.inverse(model_id)).to(torch.float32)
-    m = store.model(model_id)
-    require_present(store, [(m.grads, np.arange(a, b)), (m.inverse, np.zeros(1, dtype=np.int64))])
-    x = torch.from_numpy(np.asarray(m.grads[a:b]).astype(np.float32, copy=False))
+    grads = model_array(model_id, "grads")
+    store.check_present([(grads, np.arange(a, b)), (model_array(model_id, "inverse"), np.zeros(1, dtype=np.int64))])
+    x = torch.from_numpy(store.read_rows(grads, slice(a, b)).astype(np.float32, copy=False))
     return features_block(x, inv).numpy()
 
 
@@ -492,8 +491,8 @@ def _sum_partials(
     :func:`total_ggn` sums it in a store of ``curvature="ggn"``, else None). Missing
     partials are computed on ``device`` (:func:`shard_partial`). ``known``: the featurizing process's running sum
     of the partials it stored, used instead of reading them back when it covers every shard."""
-    m = store.model(model_id)
     p, shards, packed = store.meta.proj_dim, store.meta.num_shards, store.meta.packed_partials
+    xtx_path = model_array(model_id, "xtx_partials")
     if known is not None and known.covers(store, model_id) and known.total is not None and known.sums is not None:
         whole = unpack_upper(known.total, p) if packed else known.total.copy()
         return whole, RowSums.of(known.sums), [], None
@@ -501,12 +500,16 @@ def _sum_partials(
     sums = np.zeros(p + 3, dtype=np.float64)
     ggn_total = np.zeros(store.meta.partial_shape, dtype=np.float64) if store.meta.curvature == "ggn" else None
     writes: list = []
-    done = np.asarray(m.partial_done[:], dtype=bool)  # one read each, not one per shard
+    done = np.asarray(store.read_rows(model_array(model_id, "partial_done"), slice(None)), dtype=bool)  # one read
     # every partial computed here (none stored): summed unpacked, each one exactly symmetric, so every entry is
     # the same additions as the packed sum's and nothing is packed on this thread or unpacked at the end (the
     # store packs each one in the writer thread)
     full = packed and not done.any()
-    stored_sums = np.asarray(m.rowsum_partials[:], dtype=np.float64) if done.any() else None
+    stored_sums = (
+        np.asarray(store.read_rows(model_array(model_id, "rowsum_partials"), slice(None)), dtype=np.float64)
+        if done.any()
+        else None
+    )
     # the stored partials are read into reused buffers by READ_AHEAD background threads, the next ones while this
     # one is added (a 32 MiB partial, 16 MiB packed, takes ~20 ms to read, 1 ms to add: the reads bound the sum)
     shape = (1, *store.meta.partial_shape)
@@ -522,7 +525,7 @@ def _sum_partials(
             if s is None:
                 return
             k = free.pop()
-            reads[s] = (reader.submit(m.xtx_partials.read_into, s, s + 1, bufs[k]), k)
+            reads[s] = (reader.submit(store.read_rows, xtx_path, slice(s, s + 1), bufs[k]), k)
 
     def add(part: np.ndarray, reused: bool) -> None:
         nonlocal total, owned
@@ -544,13 +547,12 @@ def _sum_partials(
                 read_next()  # into the buffer just added, while the next ones are read
                 sums += stored_sums[s]  # type: ignore[index]
                 if ggn_total is not None:
-                    ggn_total += m.ggn_partials[s]
+                    ggn_total += store.read_rows(model_array(model_id, "ggn_partials"), slice(s, s + 1))[0]
                 continue
             a, b = store.meta.shard_range(s)
             if not store.shard_featurized(model_id, s):
                 raise StateError(f"model_id={model_id}: rows {a}..{b - 1} of shard {s} are not all featurized")
-            rows = np.asarray(m.grads[a:b])
-            q = np.asarray(m.out_to_loss[a:b])
+            rows, q = store.read_train_rows(model_id, a, b)
             part, part_r = shard_grams(store, model_id, s, rows, q, device)
             part_q = shard_row_sums(store, model_id, s, rows, q)
             for w in writes:  # one partial (p² float64) in flight at a time
@@ -591,11 +593,13 @@ def finalize_model(
     if recorded is not None:
         return recorded
     require_featurized(store, model_id)
-    m = store.model(model_id)
     rows = np.arange(store.meta.train_set_size)
-    done = np.flatnonzero(m.partial_done[:])
-    partials = [m.xtx_partials, m.rowsum_partials] + ([m.ggn_partials] if store.meta.curvature == "ggn" else [])
-    require_present(store, [(m.grads, rows), (m.out_to_loss, rows), *((arr, done) for arr in partials)])
+    done = np.flatnonzero(store.read_rows(model_array(model_id, "partial_done"), slice(None)))
+    names = ["xtx_partials", "rowsum_partials"] + (["ggn_partials"] if store.meta.curvature == "ggn" else [])
+    partials = [(model_array(model_id, name), done) for name in names]
+    store.check_present(
+        [(model_array(model_id, "grads"), rows), (model_array(model_id, "out_to_loss"), rows), *partials]
+    )
     # the settings are recorded before anything is written: a rerun with another λ or rescale is refused naming
     # the field, never finalized with two settings
     rule = parse_lambda_reg(lambda_reg)
@@ -643,15 +647,13 @@ def usable_models(
         raise StateError(f"no usable checkpoint for experiment {exp_name!r}")
     rows, targets = np.arange(store.meta.train_set_size), np.arange(store.num_targets(exp_name))
     for mid in used:  # a chunk lost after its rows were marked done is damage, never read back as zeros
-        m = store.model(mid)
-        require_present(
-            store,
+        store.check_present(
             [
-                (m.grads, rows),
-                (m.out_to_loss, rows),
-                (m.inverse, np.zeros(1, dtype=np.int64)),
-                (store.target_grads(exp_name, mid), targets),
-            ],
+                (model_array(mid, "grads"), rows),
+                (model_array(mid, "out_to_loss"), rows),
+                (model_array(mid, "inverse"), np.zeros(1, dtype=np.int64)),
+                (target_array(exp_name, mid, "grads"), targets),
+            ]
         )
     return used
 
@@ -659,7 +661,9 @@ def usable_models(
 def load_targets(store: RunStore, exp_name: str, model_ids: list[int]) -> dict[int, torch.Tensor]:
     """Each model's target gradients, transposed and contiguous: (p, m) float32."""
     return {
-        mid: torch.from_numpy(store.target_grads(exp_name, mid)[:].astype(np.float32)).T.contiguous()
+        mid: torch.from_numpy(
+            store.read_rows(target_array(exp_name, mid, "grads"), slice(None)).astype(np.float32)
+        ).T.contiguous()
         for mid in model_ids
     }
 
@@ -671,8 +675,7 @@ def solve_targets(store: RunStore, exp_name: str, model_ids: list[int]) -> None:
     for mid in model_ids:
         if store.solved_complete(exp_name, mid):
             continue
-        m = store.model(mid)
-        require_present(store, [(m.inverse, np.zeros(1, dtype=np.int64))])
+        store.check_present([(model_array(mid, "inverse"), np.zeros(1, dtype=np.int64))])
         g_t = load_targets(store, exp_name, [mid])[mid]
         store.write_solved(exp_name, mid, grads_right_hand(store.inverse(mid), g_t).T.numpy())
 
@@ -688,9 +691,9 @@ def load_solved(store: RunStore, exp_name: str, model_ids: list[int]) -> dict[in
                 f"experiment {exp_name!r}, model_id={mid}: the targets times the inverse (G·A) are not written; "
                 "prepare the scores first (reduce.solve_targets; the pipeline's prepare_scores)"
             )
-        arr = store.experiment(exp_name).model(mid).solved
-        require_present(store, [(arr, targets)])
-        out[mid] = torch.from_numpy(np.asarray(arr[:], dtype=np.float32)).T.contiguous()
+        path = target_array(exp_name, mid, "solved")
+        store.check_present([(path, targets)])
+        out[mid] = torch.from_numpy(np.asarray(store.read_rows(path, slice(None)), dtype=np.float32)).T.contiguous()
     return out
 
 
@@ -718,7 +721,8 @@ def score_rows(
 
 def unscored_ranges(store: RunStore, exp_name: str, a: int, b: int) -> list[tuple[int, int]]:
     """The runs [s, e) of train rows in [a, b) not marked scored, in order (empty when all are)."""
-    todo = np.flatnonzero(np.diff(np.r_[0, store.experiment(exp_name).scores_done[a:b] == 0, 0].astype(np.int8)))
+    done = store.read_rows(experiment_array(exp_name, "scores_done"), slice(a, b))
+    todo = np.flatnonzero(np.diff(np.r_[0, done == 0, 0].astype(np.int8)))
     return [(a + int(s), a + int(e)) for s, e in zip(todo[::2], todo[1::2], strict=True)]
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .reduce import GramBuffers, PartialSums, ensure_partial, host_empty
-from .store import RunStore
+from .store import RunStore, model_array
 from .store.writer import BackgroundWriter
 
 
@@ -97,7 +97,7 @@ class RowSink:
             self._flags = (mid, store.featurized_mask(mid))
         done = self._flags[1][inds]
         if done.any():  # flagged when last seen: the store says whether they still are
-            done = store.model(mid).featurized.oindex[inds].astype(bool)
+            done = store.read_rows(model_array(mid, "featurized"), inds).astype(bool)
         if pend is not None:
             done |= (inds >= pend["start"]) & (inds < pend["stop"])
         return ~done

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +31,6 @@ from torch import Tensor
 
 from .errors import BadInputError, StateError
 from .index import TrakIndex
-from .store import RunStore
 from .streaming import grads_right_hand, page_array, stream_scores
 
 #: targets featurized per call when summing a target set (their gradients are summed, never all held)
@@ -157,24 +156,6 @@ class _IntoVector:
         """Nothing is stored, nothing to mark."""
 
 
-class _OneTarget:
-    """The store as :func:`stream_scores` reads it, with one target (the targets' sum) and no score array."""
-
-    def __init__(self, store: RunStore):
-        self._store = store
-        self.meta = store.meta
-        self._writer = _IntoVector(store.meta.score_chunk_rows(1))
-
-    def model(self, model_id: int):
-        return self._store.model(model_id)
-
-    def num_targets(self, exp_name: str) -> int:
-        return 1
-
-    def score_rows_writer(self, exp_name: str) -> _IntoVector:
-        return self._writer
-
-
 def summed_influence(
     index: TrakIndex, sums: Mapping[int, np.ndarray], progress: Callable[[int], None] | None = None
 ) -> np.ndarray:
@@ -194,8 +175,8 @@ def summed_influence(
     out = page_array((n, 1), np.float32)
     index._check_snapshot("since the index was opened")  # a store a run changed is refused, as a query's
     with store.pinned():
-        view = cast(RunStore, _OneTarget(store))
-        stream_scores(view, "select", list(index.model_ids), 0, n, right, out=out, progress=progress)
+        sink = _IntoVector(store.meta.score_chunk_rows(1))
+        stream_scores(store, "select", list(index.model_ids), 0, n, right, out=out, progress=progress, sink=sink)
     index._check_snapshot("during the selection")
     return out.reshape(-1)
 

@@ -445,12 +445,13 @@ def featurize_shard(
     :func:`trak_core.engine.featurize_shard` (rows, flags, then the XᵀX partial, marked after). ``store``: rank 0's
     (None on the others). Returns True when the store held the shard already (on every rank)."""
     from . import engine
+    from .store import model_array
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     plan: list = [None]
     if rank == 0:
         a, b = store.meta.shard_range(shard)
-        done = store.model(model_id).featurized[a:b].astype(bool)
+        done = store.read_rows(model_array(model_id, "featurized"), slice(a, b)).astype(bool)
         if done.all():
             plan[0] = ("done", a, b)
         elif store.is_finalized(model_id):

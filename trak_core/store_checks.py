@@ -171,12 +171,125 @@ def check_store_scores(obj) -> None:
     assert np.array_equal(np.asarray(st.scores("e")[:]), scores), "scores read back differ"
 
 
+@_check
+def check_store_rows_by_path(obj) -> None:
+    """Rows of any array read back by path as written (a slice, sorted indices, into a caller's buffer); the
+    presence check passes for written rows; an unknown path or model is refused (BadInputError)."""
+    import numpy as np
+
+    from .errors import BadInputError
+    from .store import model_array
+
+    st, meta, x, q = _new_store(obj)
+    st.init_model(0)
+    st.write_train_rows(0, slice(0, 12), x[:12], q[:12])
+    grads = model_array(0, "grads")
+    assert np.array_equal(st.read_rows(grads, slice(2, 9)), x[2:9]), "read_rows of a slice differs"
+    assert np.array_equal(st.read_rows(grads, np.array([1, 4, 11])), x[[1, 4, 11]]), "read_rows of indices differs"
+    buf = np.full((4, _P), np.nan, dtype=np.float32)
+    got = st.read_rows(grads, slice(4, 8), buf)
+    assert got is buf and np.array_equal(buf, x[4:8]), "read_rows into a buffer differs"
+    assert np.array_equal(st.read_rows(model_array(0, "out_to_loss"), slice(0, 12)), q[:12]), "Q read back differs"
+    flags = st.read_rows(model_array(0, "featurized"), slice(None))
+    assert np.array_equal(flags.astype(bool), np.arange(meta.train_set_size) < 12), "flags read back differ"
+    st.check_present([(grads, np.arange(12)), (model_array(0, "out_to_loss"), np.arange(12))])
+    for bad in ("models/0/nothing", model_array(7, "grads"), "elsewhere"):
+        try:
+            st.read_rows(bad, slice(0, 1))
+        except BadInputError:
+            continue
+        raise AssertionError(f"read_rows({bad!r}) was not refused")
+
+
+@_check
+def check_store_partials(obj) -> None:
+    """A shard's partials read back packed as written; written unmarked they are not done until marked."""
+    import numpy as np
+
+    from .store import model_array, pack_upper
+
+    st, meta, x, q = _new_store(obj)
+    st.init_model(0)
+    st.write_train_rows(0, slice(0, meta.train_set_size), x, q)
+    xs = x[8:16].astype(np.float64)
+    sums = np.arange(_P + 3, dtype=np.float64)
+    st.write_partial(0, 1, xs.T @ xs, sums, mark=False)
+    assert not st.partial_done(0, 1), "a partial written unmarked is done"
+    st.mark_partial(0, 1)
+    assert st.partial_done(0, 1) and not st.partial_done(0, 0), "partial_done is not the shard marked"
+    got = st.read_rows(model_array(0, "xtx_partials"), slice(1, 2))[0]
+    want = pack_upper(xs.T @ xs) if meta.packed_partials else xs.T @ xs
+    assert np.array_equal(got, want), "the partial reads back other than as written (packed)"
+    assert np.array_equal(st.read_rows(model_array(0, "rowsum_partials"), slice(1, 2))[0], sums), "row sums differ"
+
+
+@_check
+def check_store_score_pieces(obj) -> None:
+    """Score pieces (:meth:`score_layout`: whole pieces of scores within pieces of flags) written unmarked are
+    not done until marked; the flags read by path follow."""
+    import numpy as np
+
+    from .store import experiment_array
+
+    st, meta, x, q = _new_store(obj)
+    st.init_model(0)
+    st.init_experiment("e", _M)
+    st.begin_scores("e", [0])
+    rows, done_rows = st.score_layout("e")
+    assert rows > 0 and done_rows % rows == 0 and meta.rows_per_shard % done_rows == 0, "score_layout does not tile"
+    scores = np.random.default_rng(2).standard_normal((meta.train_set_size, _M)).astype(np.float32)
+    st.write_score_rows("e", 0, done_rows, scores[:done_rows], mark=False)
+    assert not st.scores_done_mask("e").any(), "score rows written unmarked are done"
+    st.mark_score_rows("e", 0, done_rows)
+    want = np.arange(meta.train_set_size) < done_rows
+    assert np.array_equal(st.scores_done_mask("e"), want), "scores_done_mask is not the rows marked"
+    flags = st.read_rows(experiment_array("e", "scores_done"), slice(None)).astype(bool)
+    assert np.array_equal(flags, want), "the flags read by path differ"
+    st.write_score_rows("e", done_rows, meta.train_set_size, scores[done_rows:])
+    assert np.array_equal(np.asarray(st.scores("e")[:]), scores), "scores read back differ"
+
+
+@_check
+def check_store_grow(obj) -> None:
+    """Growing keeps the stored rows bit for bit, adds rows not written, and marks what depends on every row not
+    done (the inverse, the score rows); fewer rows are refused (BadInputError)."""
+    import numpy as np
+
+    from .errors import BadInputError
+    from .store import model_array
+
+    st, meta, x, q = _new_store(obj)
+    st.init_model(0)
+    st.write_train_rows(0, slice(0, meta.train_set_size), x, q)
+    _finalize(st, meta, x)
+    st.init_experiment("e", _M)
+    st.begin_scores("e", [0])
+    st.write_score_rows("e", 0, meta.train_set_size, np.ones((meta.train_set_size, _M), dtype=np.float32))
+    n = meta.train_set_size
+    assert st.grow_train_rows(n + 4) == n, "grow_train_rows does not return the rows the store had"
+    assert st.meta.train_set_size == n + 4, "the metadata does not have the new rows"
+    assert np.array_equal(st.read_rows(model_array(0, "grads"), slice(0, n)), x), "stored rows changed"
+    assert np.array_equal(st.featurized_mask(0), np.arange(n + 4) < n), "the new rows are not the rows unwritten"
+    assert not st.is_finalized(0) and not st.scores_done_mask("e").any(), "results of the old rows are still done"
+    assert [st.partial_done(0, s) for s in range(st.meta.num_shards)] == [True] * 3 + [False], "partials differ"
+    try:
+        st.grow_train_rows(n)
+    except BadInputError:
+        pass
+    else:
+        raise AssertionError("growing to fewer rows was not refused")
+
+
 STORE_CHECKS = (
     check_store_protocol,
     check_store_train_rows,
     check_store_inverse,
     check_store_experiment,
     check_store_scores,
+    check_store_rows_by_path,
+    check_store_partials,
+    check_store_score_pieces,
+    check_store_grow,
 )
 
 

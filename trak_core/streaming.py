@@ -8,7 +8,7 @@ X_c the stored projected gradients and W_c = A_c G_cᵀ (:func:`grads_right_hand
 :func:`stream_scores` splits [a, b) into pieces (:func:`score_pieces`): whole store chunks within one chunk of the
 experiment's scores (about 8 MiB: a whole shard for a few hundred targets). Three kinds of thread share the work:
 
-* one **reader** thread reads the pieces in order, one Zarr read per checkpoint (zarr's codecs and file reads
+* one **reader** thread reads the pieces in order, one store read per checkpoint (zarr's codecs and file reads
   release the GIL) into a free buffer of workers + 1 (so one piece waits read while every worker multiplies), and
   each piece's Σ_c Q_c;
 * as many **workers** as torch has intra-op threads each take the next piece: the conversion to float32 block by
@@ -37,12 +37,13 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from .errors import BadInputError, StateError
-from .store import RunStore
+from .store import RunStore, model_array
 
 #: used when the last-level cache size cannot be read (bytes)
 DEFAULT_CACHE_BYTES = 8 << 20
@@ -214,12 +215,45 @@ def score_blocks(a: int, b: int, step: int, shard_rows: int | None = None) -> li
     return out
 
 
-def _read_into(array, a: int, b: int, out: np.ndarray) -> None:
-    """``out[:] = array[a:b]`` without allocating: zarr decodes the chunks straight into ``out``."""
-    if hasattr(array, "read_into"):  # a StoredArray
-        array.read_into(a, b, out)
-    else:  # a plain zarr array or numpy
-        out[...] = array[a:b]
+class ScoreSink(Protocol):
+    """Where :func:`stream_scores` puts each computed piece of scores: the experiment's score array
+    (:class:`StoreScores`), or a query's running top-k."""
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows of a piece of scores written at once (a writer of whole pieces needs no lock)."""
+
+    @property
+    def done_rows(self) -> int:
+        """Rows of a piece of flags marked at once."""
+
+    def rows(self, a: int, b: int, scores: np.ndarray) -> None:
+        """The scores of train rows [a, b), not yet marked done."""
+
+    def mark_done(self, a: int, b: int) -> None:
+        """Mark rows [a, b) done (after their scores are written)."""
+
+
+class StoreScores:
+    """The experiment's score array of a store as a :class:`ScoreSink` (its layout read once)."""
+
+    def __init__(self, store: RunStore, exp_name: str):
+        self._store, self._exp = store, exp_name
+        self._layout = store.score_layout(exp_name)
+
+    @property
+    def chunk_rows(self) -> int:
+        return self._layout[0]
+
+    @property
+    def done_rows(self) -> int:
+        return self._layout[1]
+
+    def rows(self, a: int, b: int, scores: np.ndarray) -> None:
+        self._store.write_score_rows(self._exp, a, b, scores, mark=False)
+
+    def mark_done(self, a: int, b: int) -> None:
+        self._store.mark_score_rows(self._exp, a, b)
 
 
 def score_pieces(
@@ -268,10 +302,12 @@ def stream_scores(
     block_rows: int | None = None,
     out: np.ndarray | None = None,
     progress: Callable[[int], None] | None = None,
+    sink: ScoreSink | None = None,
 ) -> None:
     """Combined scores of train rows [a, b) from ``model_ids``' stored rows and the right-hand matrices
     ``targets`` ((p, m) float32 each), written to the experiment's score array one score chunk at a time, and
-    each flag chunk (a shard) marked done once all its score chunks are written.
+    each flag chunk (a shard) marked done once all its score chunks are written (``sink``: somewhere else, e.g.
+    a query's running top-k; ``exp_name`` then only names the call).
 
     The rows streamed are the stored projected gradients X; ``targets`` are W = A Gᵀ from :func:`grads_right_hand`
     (see ``trak_core.reduce.solve_targets``).
@@ -286,11 +322,29 @@ def stream_scores(
     is raised here; the rows marked done are those written."""
     if a >= b:
         return
+    with store.pinned() as opened:  # the store's arrays opened once in the call (its reader thread too)
+        _stream(store, exp_name, model_ids, a, b, targets, block_rows, out, progress, sink, opened)
+
+
+def _stream(
+    store: RunStore,
+    exp_name: str,
+    model_ids: Sequence[int],
+    a: int,
+    b: int,
+    targets: dict[int, torch.Tensor],
+    block_rows: int | None,
+    out: np.ndarray | None,
+    progress: Callable[[int], None] | None,
+    sink: ScoreSink | None,
+    opened: dict,
+) -> None:
     ids = [int(mid) for mid in model_ids]
     meta = store.meta
-    p, m = meta.proj_dim, store.num_targets(exp_name)
+    rights = [targets[mid] for mid in ids]
+    p, m = meta.proj_dim, (int(rights[0].shape[1]) if rights else store.num_targets(exp_name))
     threads = torch.get_num_threads()
-    writer = store.score_rows_writer(exp_name)  # the score arrays opened once, not per block
+    writer = StoreScores(store, exp_name) if sink is None else sink
     itemsize = meta.np_dtype.itemsize
     if block_rows:
         step, merge = int(block_rows), None
@@ -313,10 +367,8 @@ def stream_scores(
         flag_left[chunk] = flag_left.get(chunk, 0) + 1
     workers = max(1, min(threads, len(pieces)))
     piece_rows = max(e - s for s, e, _ in pieces)
-    models = [store.model(mid) for mid in ids]  # open each array once, not per block
-    feats = [mm.grads for mm in models]
-    qs = [mm.out_to_loss for mm in models]
-    rights = [targets[mid] for mid in ids]
+    feats = [model_array(mid, "grads") for mid in ids]
+    qs = [model_array(mid, "out_to_loss") for mid in ids]
     staging: dict[int, np.ndarray] = {}  # without ``out``: a segment's scores until it is written
     held: dict[int, np.ndarray] = {}  # the whole buffer (seg_rows × m) each staging view is of
     spare: list[np.ndarray] = []  # buffers whose segment is written, for the next segments
@@ -343,15 +395,17 @@ def stream_scores(
     def read_qsum(s: int, e: int) -> np.ndarray:
         """Σ_c Q_c of rows [s, e), summed in float64 in the checkpoints' order (the reader thread)."""
         total = np.zeros(e - s, dtype=np.float64)
-        for q in qs:
-            total += q[s:e].astype(np.float64)
+        with store.pinned(opened):
+            for q in qs:
+                total += store.read_rows(q, slice(s, e)).astype(np.float64)
         return total
 
     def read_piece(s: int, e: int, k: int) -> np.ndarray:
         """Piece [s, e) of checkpoint k, as stored, in a free read buffer (the reader thread, in piece order)."""
         raw = raws.take()
         try:
-            _read_into(feats[k], s, e, raw[: e - s])
+            with store.pinned(opened):
+                store.read_rows(feats[k], slice(s, e), raw[: e - s])  # decoded straight into the buffer
         except BaseException:
             raws.give(raw)
             raise

@@ -47,7 +47,10 @@ only. With ``reference=`` the output must equal a plain forward-pass computation
 
 The store contract (:class:`~trak_core.store.RunStore`), checked by :func:`check_store` or one test per check
 with :class:`StoreCase`: rows, targets and scores read back as written (in the store's dtype), flags follow their
-rows, unfinished results (an inverse before finalize, scores with rows not done) are refused.
+rows, unfinished results (an inverse before finalize, scores with rows not done) are refused, rows read by path and
+score pieces written then marked. :class:`MemoryStore` is a second backend that passes it: a store in this process's
+memory (numpy arrays) at a :func:`memory_location`, opened by the same factory, on which TRAKer, the pipeline and the
+index give the Zarr store's scores bit for bit.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ __all__ = [
     "ProjectorCase",
     "ModelOutputCase",
     "StoreCase",
+    "MemoryStore",
+    "memory_location",
     "check_projector",
     "check_model_output",
     "check_store",
@@ -623,4 +628,5 @@ def parametrize_with_checks(objects: Sequence[Any]):
 
 
 # the store contract suite lives beside (trak_core/store_checks.py); its names are part of this module's API
+from .store.memory import MemoryStore, memory_location  # noqa: E402
 from .store_checks import STORE_CHECKS, StoreCase, check_store, store_checks  # noqa: E402

@@ -383,37 +383,36 @@ def test_reads_ahead_in_a_reader_thread_and_writes_in_the_callers(tmp_path, monk
     there too), and the scores equal the plain loop's."""
     import threading
 
-    from trak_core import store as store_mod
-
     st = scored_store(tmp_path / "s", "float16", 2, n=2000, m=9)
     reduce.solve_targets(st, "e", [0, 1])
     right = reduce.load_solved(st, "e", [0, 1])
     seen: dict[str, list] = {"read": [], "rows": [], "done": [], "raw": []}
-    real_read, real_rows, real_done = streaming._read_into, store_mod.ScoreWriter.rows, store_mod.ScoreWriter.mark_done
+    real_read, real_rows, real_done = TrakStore.read_rows, TrakStore.write_score_rows, TrakStore.mark_score_rows
     real_page = streaming.page_array
     monkeypatch.setattr(streaming, "PAGE_ARRAY_BYTES", 1024)  # every read buffer is a page_array here
 
-    def read(array, a, b, out):
-        seen["read"].append((threading.current_thread().name, a))
-        real_read(array, a, b, out)
+    def read(store, path, rows, out=None):
+        if path.endswith("/grads") and out is not None:  # a piece of stored rows read into a buffer
+            seen["read"].append((threading.current_thread().name, rows.start))
+        return real_read(store, path, rows, out)
 
     def page(shape, dtype):
         if np.dtype(dtype) == np.float16:
             seen["raw"].append(tuple(shape))
         return real_page(shape, dtype)
 
-    monkeypatch.setattr(streaming, "_read_into", read)
+    def rows(store, exp, a, b, x, mark=True):
+        seen["rows"].append(threading.current_thread())
+        real_rows(store, exp, a, b, x, mark)
+
+    def done(store, exp, a, b):
+        seen["done"].append(threading.current_thread())
+        real_done(store, exp, a, b)
+
+    monkeypatch.setattr(TrakStore, "read_rows", read)
     monkeypatch.setattr(streaming, "page_array", page)
-    monkeypatch.setattr(
-        store_mod.ScoreWriter,
-        "rows",
-        lambda w, a, b, x: (seen["rows"].append(threading.current_thread()), real_rows(w, a, b, x))[1],
-    )
-    monkeypatch.setattr(
-        store_mod.ScoreWriter,
-        "mark_done",
-        lambda w, a, b: (seen["done"].append(threading.current_thread()), real_done(w, a, b))[1],
-    )
+    monkeypatch.setattr(TrakStore, "write_score_rows", rows)
+    monkeypatch.setattr(TrakStore, "mark_score_rows", done)
     st.reset_scores("e")
     prog = []
     reduce.score_rows(
@@ -439,7 +438,7 @@ def test_a_worker_failing_mid_stream_raises_its_error_and_marks_no_unwritten_row
     real_blocks = streaming.score_blocks
     # the failure starts at a score chunk's first row: a piece that starts below it ends at or before it (a piece
     # never crosses a score chunk), so which rows may be written does not depend on which thread finishes first
-    cut = 8 * st.score_rows_writer("e").chunk_rows
+    cut = 8 * st.score_layout("e")[0]
     assert 0 < cut < 2000
 
     def blocks(s, e, step, shard_rows=None):

@@ -43,7 +43,19 @@ from .arrays import (
 from .factory import create_or_open_store, open_store, store_exists
 from .lock import StoreLock
 from .nodes import ExperimentArrays, ModelArrays, ScoreWriter, TargetArrays
-from .protocol import RowAccess, RunLocking, RunRecords, RunStore
+from .protocol import (
+    EXPERIMENT_ARRAYS,
+    MODEL_ARRAYS,
+    TARGET_ARRAYS,
+    RowAccess,
+    RunLocking,
+    RunRecords,
+    RunStore,
+    ScoreArray,
+    experiment_array,
+    model_array,
+    target_array,
+)
 from .schema import (
     CHUNK_TARGET_BYTES,
     CODEC_NAMES,
@@ -65,6 +77,9 @@ from .zarr_store import TrakStore, check_writable
 __all__ = [
     "CHUNK_TARGET_BYTES",
     "CODEC_NAMES",
+    "EXPERIMENT_ARRAYS",
+    "MODEL_ARRAYS",
+    "TARGET_ARRAYS",
     "MAX_CHUNK_ROWS",
     "SCHEMA_VERSION",
     "SCORE_CHUNK_BYTES",
@@ -76,6 +91,7 @@ __all__ = [
     "RunLocking",
     "RunRecords",
     "RunStore",
+    "ScoreArray",
     "ScoreWriter",
     "StoreLock",
     "StoreMetadata",
@@ -87,6 +103,9 @@ __all__ = [
     "check_exp_name",
     "check_writable",
     "create_or_open_store",
+    "experiment_array",
+    "model_array",
+    "target_array",
     "choose_chunk_rows",
     "chunk_coords_of_rows",
     "chunk_key",

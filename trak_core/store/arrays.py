@@ -101,6 +101,29 @@ def damaged_chunk_error(arr: zarr.Array, coords: tuple[int, ...], problem: str) 
     )
 
 
+def require_present(location: str, arrays: list[tuple[zarr.Array | StoredArray, np.ndarray]]) -> None:
+    """Raise :class:`StoreDamageError` naming the array and chunk when a chunk holding the given rows is not in
+    the store at ``location`` (zarr would read it back as zeros). ``arrays``: (array, axis-0 indices about to be
+    read). One listing per array, no chunk is read."""
+    for arr, rows in arrays:
+        arr = arr.array if isinstance(arr, StoredArray) else arr
+        rows = np.asarray(rows).reshape(-1)
+        if not rows.size:
+            continue
+        present = stored_chunk_keys(arr)
+        for coords in chunk_coords_of_rows(arr, rows):
+            key = chunk_key(arr, coords)
+            if key not in present:
+                a, b = chunk_rows_of(arr, coords)
+                unit = "shards" if arr.path.endswith(SHARD_ARRAYS) else "rows"
+                where = "" if arr.path.endswith(("inverse", "inverse_done")) else f" ({unit} {a}..{b - 1})"
+                raise StoreDamageError(
+                    f"store {location}: array {arr.path}, chunk {key}{where}: is missing (deleted or lost on disk; "
+                    f"zarr would read it back as zeros). Run `trakflow verify {location} --repair`, then rerun to "
+                    f"recompute those {unit}."
+                )
+
+
 class StoredArray:
     """An array of the store: zarr's array (every chunk written, zeros too, so a missing chunk is damage), whose
     reads and writes raise :class:`StoreDamageError` naming the array and the chunk when a chunk does not decode

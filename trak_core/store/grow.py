@@ -15,6 +15,7 @@ from typing import Protocol
 import zarr
 
 from ..errors import BadInputError
+from .nodes import ExperimentArrays, ModelArrays
 from .protocol import RunStore
 from .root import write_root
 from .schema import SHARD_ARRAYS
@@ -26,6 +27,10 @@ class _Growable(RunStore, Protocol):
     root: zarr.Group
 
     def clear_finalize_info(self, model_id: int) -> None: ...
+
+    def model(self, model_id: int) -> ModelArrays: ...
+
+    def experiment(self, exp_name: str) -> ExperimentArrays: ...
 
 
 #: a model's arrays with one entry per train row

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from ..errors import StoreLockedError
+from ..errors import LockLostError, StoreLockedError
 from .location import _is_url, check_writable
 
 
@@ -294,6 +294,28 @@ class StoreLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def check_lock_held(location: str, seen: str | None) -> None:
+    """Raise :class:`LockLostError` when the run lock whose fingerprint was ``seen`` when a store at ``location``
+    was opened has since been removed or taken by another run (one small read; nothing when ``seen`` is None: the
+    store was opened unlocked). A store calls it before every commit of row flags."""
+    if seen is None:
+        return
+    lock = StoreLock(location)
+    raw = lock.read_raw()
+    if raw is not None and hashlib.sha256(raw).hexdigest() == seen:
+        return
+    if raw is None:
+        what = "was removed (e.g. `trakflow unlock`)"
+    else:
+        h = lock._parse(raw)
+        what = f"is now held by run {h.get('run') or '?'} (pid {h.get('pid')} on {h.get('host')})"
+    raise LockLostError(
+        f"store {location}: the run lock this run was writing under {what}; stopping before committing "
+        "more rows (rows already marked done are complete). Make sure only one run uses the store, then "
+        "rerun: it resumes from the rows marked done."
+    )
 
 
 # ---------------------------------------------------------------------------------------------- held in this process

@@ -2,7 +2,8 @@
 
 - :class:`RunRecords`: records and status: the metadata, the pipeline's, model and experiment records, flags
   (which rows, shards, models and targets are done);
-- :class:`RowAccess`: the arrays: train rows, shard partials, inverses, target gradients, scores;
+- :class:`RowAccess`: the arrays, by path and rows: train rows, shard partials, inverses, target gradients,
+  scores (rows read, written, then flagged; which are still stored);
 - :class:`RunLocking`: the run lock and the pinned block of handles;
 - :class:`RunStore`: all three, what the engine, the index and TRAKer talk to.
 
@@ -17,9 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .arrays import StoredArray
+from ..errors import BadInputError
 from .lock import StoreLock
-from .nodes import ExperimentArrays, ModelArrays, ScoreWriter, TargetArrays
 from .schema import StoreMetadata
 
 
@@ -91,19 +91,81 @@ class RunRecords(Protocol):
     def scores_done_mask(self, exp_name: str) -> np.ndarray: ...
 
 
+#: the arrays of a model (``models/<id>/<name>``): train rows (grads, out_to_loss and their flags, featurized),
+#: one entry per shard (xtx_partials, rowsum_partials, ggn_partials and their flags, partial_done), the inverse
+MODEL_ARRAYS = (
+    "grads",
+    "out_to_loss",
+    "featurized",
+    "xtx_partials",
+    "rowsum_partials",
+    "ggn_partials",
+    "partial_done",
+    "inverse",
+    "inverse_done",
+)
+#: the arrays of a model's targets in an experiment (``experiments/<exp>/models/<id>/<name>``)
+TARGET_ARRAYS = ("grads", "scored", "solved", "solved_done")
+#: the arrays of an experiment (``experiments/<exp>/<name>``)
+EXPERIMENT_ARRAYS = ("scores", "scores_done")
+
+
+def model_array(model_id: int, name: str) -> str:
+    """The path of a model's array ``name`` (one of :data:`MODEL_ARRAYS`), as :class:`RowAccess` names it."""
+    return f"models/{int(model_id)}/{name}"
+
+
+def target_array(exp_name: str, model_id: int, name: str) -> str:
+    """The path of the array ``name`` (one of :data:`TARGET_ARRAYS`) of ``model_id``'s targets in ``exp_name``."""
+    return f"experiments/{exp_name}/models/{int(model_id)}/{name}"
+
+
+def experiment_array(exp_name: str, name: str) -> str:
+    """The path of the experiment's array ``name`` (one of :data:`EXPERIMENT_ARRAYS`)."""
+    return f"experiments/{exp_name}/{name}"
+
+
+def split_path(path: str) -> tuple[str | None, int | None, str]:
+    """(experiment or None, model id or None, array name) of an array path (:func:`model_array`,
+    :func:`target_array`, :func:`experiment_array`); BadInputError for any other path."""
+    parts = path.strip("/").split("/")
+    if len(parts) == 3 and parts[0] == "models" and parts[1].isdigit() and parts[2] in MODEL_ARRAYS:
+        return None, int(parts[1]), parts[2]
+    if len(parts) == 3 and parts[0] == "experiments" and parts[2] in EXPERIMENT_ARRAYS:
+        return parts[1], None, parts[2]
+    if len(parts) == 5 and parts[0] == "experiments" and parts[2] == "models" and parts[3].isdigit():
+        if parts[4] in TARGET_ARRAYS:
+            return parts[1], int(parts[3]), parts[4]
+    raise BadInputError(f"{path!r} is not an array of a trakflow store")
+
+
+class ScoreArray(Protocol):
+    """An experiment's (n, m) scores as a store hands them out: ``scores[a:b]``, ``scores[:]``."""
+
+    def __getitem__(self, selection: Any, /) -> Any: ...
+
+
 @runtime_checkable
 class RowAccess(Protocol):
-    """The arrays. Every write of rows is followed by their flags, so a crash leaves them visibly unfinished; a
-    read of damaged data raises :class:`~trak_core.errors.StoreDamageError`."""
+    """The arrays, by path (:func:`model_array`, :func:`target_array`, :func:`experiment_array`). Every write of
+    rows is followed by their flags, so a crash leaves them visibly unfinished; a read of damaged data raises
+    :class:`~trak_core.errors.StoreDamageError`."""
 
     meta: StoreMetadata
 
-    # train rows, partials, inverse
-    def init_model(self, model_id: int) -> ModelArrays:
-        """Create the arrays of ``model_id`` (idempotent)."""
+    # any array
+    def read_rows(self, path: str, rows: slice | np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``rows`` (a slice, or sorted indices) along the first axis of the array at ``path``, as stored;
+        with ``out`` (a caller's buffer of exactly those rows) read into it and returned."""
 
-    def model(self, model_id: int) -> ModelArrays:
-        """The arrays of ``model_id`` (grads, out_to_loss, featurized, partials, inverse)."""
+    def check_present(self, arrays: list[tuple[str, np.ndarray]]) -> None:
+        """Raise :class:`~trak_core.errors.StoreDamageError` naming the array and rows when data holding the given
+        rows is no longer stored (a lost chunk would read back as zeros). ``arrays``: (path, first-axis indices
+        about to be read)."""
+
+    # train rows, partials, inverse
+    def init_model(self, model_id: int) -> object:
+        """Create the arrays of ``model_id`` (idempotent)."""
 
     def write_train_rows(
         self, model_id: int, rows, grads, out_to_loss: np.ndarray, out: np.ndarray | None = None
@@ -138,15 +200,11 @@ class RowAccess(Protocol):
         """Returns: the (p, p) float32 inverse of a finalized model."""
 
     # targets
-    def init_experiment(self, exp_name: str, num_targets: int) -> ExperimentArrays:
+    def init_experiment(self, exp_name: str, num_targets: int) -> object:
         """Create (or check) the experiment ``exp_name`` of ``num_targets`` targets."""
 
-    def experiment(self, exp_name: str) -> ExperimentArrays: ...
-
-    def init_experiment_model(self, exp_name: str, model_id: int) -> TargetArrays:
+    def init_experiment_model(self, exp_name: str, model_id: int) -> object:
         """Create the target arrays of ``model_id`` in ``exp_name`` (idempotent)."""
-
-    def target_grads(self, exp_name: str, model_id: int) -> StoredArray: ...
 
     def stored_target_rows(self, exp_name: str, model_id: int, rows) -> np.ndarray | None:
         """The stored target gradients of rows ``rows``, or None unless every one is written."""
@@ -157,19 +215,25 @@ class RowAccess(Protocol):
     def write_solved(self, exp_name: str, model_id: int, solved: np.ndarray) -> None: ...
 
     # scores
+    def init_scores(self, exp_name: str) -> object:
+        """Create the experiment's score arrays (idempotent)."""
+
     def begin_scores(self, exp_name: str, model_ids) -> None:
         """Create the score arrays for the combination ``model_ids`` (other combinations' rows are forgotten)."""
 
-    def init_scores(self, exp_name: str) -> tuple[StoredArray, StoredArray]: ...
-
     def reset_scores(self, exp_name: str) -> None: ...
 
-    def write_score_rows(self, exp_name: str, a: int, b: int, scores: np.ndarray) -> None:
-        """Write the scores of train rows [a, b), then mark them done."""
+    def score_layout(self, exp_name: str) -> tuple[int, int]:
+        """(rows per piece of scores written at once, rows per piece of their flags): a writer of whole pieces
+        never shares one with another writer."""
 
-    def score_rows_writer(self, exp_name: str) -> ScoreWriter: ...
+    def write_score_rows(self, exp_name: str, a: int, b: int, scores: np.ndarray, mark: bool = True) -> None:
+        """Write the scores of train rows [a, b), then (``mark``) mark them done."""
 
-    def scores(self, exp_name: str) -> StoredArray:
+    def mark_score_rows(self, exp_name: str, a: int, b: int) -> None:
+        """Mark score rows [a, b) done (after their scores are written)."""
+
+    def scores(self, exp_name: str) -> ScoreArray:
         """Returns: the (n, m) scores (array-like) once every row is done; StateError before."""
 
 
@@ -183,7 +247,9 @@ class RunLocking(Protocol):
     def check_lock(self) -> None:
         """Raise LockLostError when the lock this store was opened under is gone or taken."""
 
-    def pinned(self, handles: dict | None = None) -> AbstractContextManager[Any]: ...
+    def pinned(self, handles: dict | None = None) -> AbstractContextManager[dict]:
+        """A block within which the store's opened handles are reused (this thread's calls); yields them, so that
+        another thread's block given them reuses them too."""
 
 
 @runtime_checkable

@@ -361,3 +361,30 @@ def array_spec(m: StoreMetadata, path: str, experiment_attrs: Mapping[str, Any] 
                 "solved_done": rows(t, None, "uint8"),
             }.get(parts[4])
     return None
+
+
+def check_metadata(have_meta: StoreMetadata, expected: StoreMetadata, location: str, grow: bool = False) -> None:
+    """Refuse (:class:`StoreMismatchError`) ``expected`` when it differs from the metadata ``have_meta`` of the store
+    at ``location``; with ``grow``, more train rows than it holds pass, fewer are refused."""
+    have = have_meta.model_dump()
+    want = expected.model_dump()
+    for field in StoreMetadata.model_fields:
+        if field in ("versions", "store_id"):
+            continue
+        if grow and field == "train_set_size" and want[field] != have[field]:
+            if want[field] < have[field]:
+                raise StoreMismatchError(
+                    f"train_data: {want[field]} rows, but the store at {location} holds {have[field]}; a "
+                    "store only grows (use a new store for fewer rows)"
+                )
+            continue
+        if have[field] != want[field]:
+            raise StoreMismatchError(
+                f"store at {location} was created with {field}={have[field]!r}, but this run asks "
+                f"for {field}={want[field]!r}. Use another store, or the same {field}."
+            )
+
+
+def check_model_id(model_id) -> None:
+    if not isinstance(model_id, (int, np.integer)) or isinstance(model_id, bool) or model_id < 0:
+        raise BadInputError(f"model_id must be a non-negative integer, got {model_id!r}")

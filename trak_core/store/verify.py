@@ -49,6 +49,7 @@ from .arrays import (
     read_chunk,
     stored_chunk_keys,
 )
+from .arrays import require_present as _require_present
 from .places import place_problems
 from .protocol import RunRecords
 from .root import write_root
@@ -251,10 +252,13 @@ def _group_checks(
     return checks
 
 
-def verify_store(store: TrakStore, read_chunks: bool = True) -> VerifyReport:
+def verify_store(store: RunRecords, read_chunks: bool = True) -> VerifyReport:
     """Check every array of ``store``: its zarr.json against the root metadata, that every chunk holding rows
     marked written is present (one listing per array), and with ``read_chunks`` that every stored chunk decodes
-    (zarr checks its crc32c). Reads nothing else and writes nothing."""
+    (zarr checks its crc32c). Reads nothing else and writes nothing. A store of another backend than Zarr keeps
+    no chunks to lose: its report is empty (ok)."""
+    if not isinstance(store, TrakStore):
+        return VerifyReport(store.location, read_chunks, (), ())
     damage: list[ChunkDamage] = []
     checks: list[ArrayCheck] = []
     inconsistent: list[str] = []
@@ -290,21 +294,7 @@ def verify_location(location: str, storage_options: dict | None = None, read_chu
 def require_present(store: RunRecords, arrays: list[tuple[zarr.Array | StoredArray, np.ndarray]]) -> None:
     """Raise :class:`StoreDamageError` naming the array and chunk when a chunk holding the given rows is not in
     the store (zarr would read it back as zeros). ``arrays``: (array, axis-0 indices about to be read)."""
-    for arr, rows in arrays:
-        arr = arr.array if isinstance(arr, StoredArray) else arr
-        rows = np.asarray(rows).reshape(-1)
-        if not rows.size:
-            continue
-        present = stored_chunk_keys(arr)
-        for coords in chunk_coords_of_rows(arr, rows):
-            key = chunk_key(arr, coords)
-            if key not in present:
-                d = ChunkDamage(arr.path, key, chunk_rows_of(arr, coords), "missing")
-                raise StoreDamageError(
-                    f"store {store.location}: {d.describe()} (deleted or lost on disk; zarr would read it back as "
-                    f"zeros). Run `trakflow verify {store.location} --repair`, then rerun to recompute those "
-                    f"{d.unit}."
-                )
+    _require_present(store.location, arrays)
 
 
 # ---------------------------------------------------------------------------- repair

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 from collections.abc import Callable
@@ -13,7 +12,7 @@ import numpy as np
 import zarr
 from pydantic import ValidationError
 
-from ..errors import BadInputError, LockLostError, StateError, StoreDamageError, StoreMismatchError
+from ..errors import BadInputError, StateError, StoreDamageError, StoreMismatchError
 from . import arrays as _arrays
 from .arrays import (
     StoredArray,
@@ -30,9 +29,10 @@ from .arrays import (
 from .chunkio import stack_dtype
 from .grow import grow_train_rows as _grow_train_rows
 from .location import _open_zarr, _refuse_orphan_arrays, check_writable
-from .lock import StoreLock
+from .lock import StoreLock, check_lock_held
 from .nodes import ExperimentArrays, ModelArrays, ScoreWriter, TargetArrays, _pinned
 from .places import drop_record
+from .protocol import split_path
 from .root import read_root, write_root
 from .schema import (
     _META_KEY,
@@ -43,6 +43,8 @@ from .schema import (
     _score_layout,
     array_spec,
     check_exp_name,
+    check_metadata,
+    check_model_id,
     pack_upper,
 )
 
@@ -160,23 +162,7 @@ class TrakStore:
     def validate(self, expected: StoreMetadata, grow: bool = False) -> None:
         """Refuse (:class:`StoreMismatchError`) when ``expected`` differs from the stored metadata; with ``grow``,
         more train rows than the store holds pass (:meth:`grow_train_rows` adds them), fewer are refused."""
-        have = self.meta.model_dump()
-        want = expected.model_dump()
-        for field in StoreMetadata.model_fields:
-            if field in ("versions", "store_id"):
-                continue
-            if grow and field == "train_set_size" and want[field] != have[field]:
-                if want[field] < have[field]:
-                    raise StoreMismatchError(
-                        f"train_data: {want[field]} rows, but the store at {self.location} holds {have[field]}; a "
-                        "store only grows (use a new store for fewer rows)"
-                    )
-                continue
-            if have[field] != want[field]:
-                raise StoreMismatchError(
-                    f"store at {self.location} was created with {field}={have[field]!r}, but this run asks "
-                    f"for {field}={want[field]!r}. Use another store, or the same {field}."
-                )
+        check_metadata(self.meta, expected, self.location, grow)
 
     # ---------------------------------------------------------------- run lock
     @property
@@ -188,22 +174,7 @@ class TrakStore:
         """Raise :class:`LockLostError` when the run lock present when this store was opened has since been
         removed or taken by another run (one small read; nothing when the store was opened unlocked). Called
         before every commit of row flags, so a run that lost its lock stops before marking more rows done."""
-        if self._lock_seen is None:
-            return
-        lock = StoreLock(self.location)
-        raw = lock.read_raw()
-        if raw is not None and hashlib.sha256(raw).hexdigest() == self._lock_seen:
-            return
-        if raw is None:
-            what = "was removed (e.g. `trakflow unlock`)"
-        else:
-            h = lock._parse(raw)
-            what = f"is now held by run {h.get('run') or '?'} (pid {h.get('pid')} on {h.get('host')})"
-        raise LockLostError(
-            f"store {self.location}: the run lock this run was writing under {what}; stopping before committing "
-            "more rows (rows already marked done are complete). Make sure only one run uses the store, then "
-            "rerun: it resumes from the rows marked done."
-        )
+        check_lock_held(self.location, self._lock_seen)
 
     # ---------------------------------------------------------------- helpers
     @contextlib.contextmanager
@@ -213,14 +184,15 @@ class TrakStore:
         other process adds or removes the groups and arrays it uses or changes their attributes — one scoring
         call of the run that holds the store's lock. Blocks nest (the outer one's handles are kept); this
         thread's calls only. ``handles``: a dict the caller keeps to reuse them over several blocks (a TRAKer's
-        featurize calls on one model; it drops them when anything else may have changed)."""
+        featurize calls on one model; it drops them when anything else may have changed). Yields the handles of the
+        block: another thread's block given them reuses them (a reader thread of the same call)."""
         me = threading.get_ident()
         if me in self._pinned:
-            yield self
+            yield self._pinned[me]
             return
         self._pinned[me] = {} if handles is None else handles
         try:
-            yield self
+            yield self._pinned[me]
         finally:
             del self._pinned[me]
 
@@ -319,6 +291,41 @@ class TrakStore:
             await self.root.store.delete_dir(path.strip("/"))
 
         sync(_delete())
+
+    # ---------------------------------------------------------------- rows by path (the protocol's RowAccess)
+    def stored_array(self, path: str) -> StoredArray:
+        """The array at ``path`` (:func:`~trak_core.store.protocol.model_array`, ``target_array``,
+        ``experiment_array``) with its damage guard; BadInputError naming an unknown model, experiment or array."""
+        exp, mid, name = split_path(path)
+        if exp is None:
+            return self.model(int(mid or 0))._array(name)
+        e = self.experiment(exp)
+        if mid is None:
+            return e._array(name)
+        if not e.has_model(mid):
+            raise BadInputError(f"experiment {exp!r} has no target gradients for model_id={mid}")
+        return e.model(mid)._array(name)
+
+    def read_rows(self, path: str, rows: slice | np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``rows`` (a slice, or sorted indices) along the first axis of the array at ``path`` as stored;
+        with ``out``, decoded straight into it (a slice of rows only)."""
+        arr = self.stored_array(path)
+        if isinstance(rows, slice):
+            if out is not None:
+                start, stop, _ = rows.indices(int(arr.shape[0]))
+                arr.read_into(start, stop, out)
+                return out
+            return np.asarray(arr[rows])
+        got = np.asarray(arr.oindex[np.asarray(rows)])
+        if out is not None:
+            out[...] = got
+            return out
+        return got
+
+    def check_present(self, arrays: list[tuple[str, np.ndarray]]) -> None:
+        """Raise :class:`StoreDamageError` naming the array and chunk when a chunk holding the given rows is not in
+        the store (zarr would read it back as zeros): one listing per array, no chunk is read."""
+        _arrays.require_present(self.location, [(self.stored_array(path), rows) for path, rows in arrays])
 
     # ---------------------------------------------------------------- what determines the inverse
     def feature_settings(self, model_id: int) -> dict | None:
@@ -421,7 +428,7 @@ class TrakStore:
 
     def init_model(self, model_id: int) -> ModelArrays:
         """Create the arrays of ``model_id`` (idempotent). Call from one process before fanning out."""
-        _check_model_id(model_id)
+        check_model_id(model_id)
         m = self.meta
         g = self._models().require_group(str(int(model_id)))
         self._row_array(g, "grads", m.dtype, m.proj_dim)
@@ -708,9 +715,22 @@ class TrakStore:
             return np.zeros(self.meta.train_set_size, dtype=bool)
         return e.scores_done[:].astype(bool)
 
-    def write_score_rows(self, exp_name: str, a: int, b: int, scores: np.ndarray) -> None:
-        """Write the combined scores of train rows [a, b) then mark them done."""
-        self.score_rows_writer(exp_name)(a, b, scores)
+    def write_score_rows(self, exp_name: str, a: int, b: int, scores: np.ndarray, mark: bool = True) -> None:
+        """Write the combined scores of train rows [a, b) then (``mark``) mark them done."""
+        writer = self.score_rows_writer(exp_name)
+        writer.rows(a, b, scores)
+        if mark:
+            writer.mark_done(a, b)
+
+    def mark_score_rows(self, exp_name: str, a: int, b: int) -> None:
+        """Mark score rows [a, b) done (their scores written), if this process still holds the run lock."""
+        self.score_rows_writer(exp_name).mark_done(a, b)
+
+    def score_layout(self, exp_name: str) -> tuple[int, int]:
+        """(rows per chunk of the scores, rows per chunk of their flags: one shard, or the scores' chunk rows in an
+        older experiment)."""
+        writer = self.score_rows_writer(exp_name)
+        return writer.chunk_rows, writer.done_rows
 
     def score_rows_writer(self, exp_name: str) -> ScoreWriter:
         """:meth:`write_score_rows` for many blocks, with the score arrays opened once (opening them costs as
@@ -767,8 +787,3 @@ def _packed(gram: np.ndarray) -> np.ndarray:
 
 def _natural(key: str):
     return (0, int(key)) if key.isdigit() else (1, key)
-
-
-def _check_model_id(model_id) -> None:
-    if not isinstance(model_id, (int, np.integer)) or isinstance(model_id, bool) or model_id < 0:
-        raise BadInputError(f"model_id must be a non-negative integer, got {model_id!r}")
