@@ -495,7 +495,7 @@ def check_chunks(store: RunStore) -> None:
     chunk of rows marked done that has vanished is unflagged with what depends on it (one warning naming the arrays
     and chunks), so the run recomputes those rows instead of reading zeros. Chunks that fail their checksum are found
     when read (StoreDamageError, not retried) or by ``trakflow verify``."""
-    report = verify_store(store, read_chunks=False)  # type: ignore[arg-type]
+    report = verify_store(store, read_chunks=False)
     if report.ok:
         return
     done = repair_store(store, report)  # type: ignore[arg-type]
@@ -512,4 +512,4 @@ def run_complete(location: str, inputs: CheckedInputs, exp_name: str, storage_op
         return False
     if not engine.is_complete(store, exp_name, list(range(len(inputs.checkpoints)))):
         return False
-    return verify_store(store, read_chunks=False).ok  # type: ignore[arg-type]
+    return verify_store(store, read_chunks=False).ok
