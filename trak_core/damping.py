@@ -248,8 +248,7 @@ def cholesky_inverse(
         low = max(float(ev.min()), 0.0) + lam
         est = (float(ev.max()) + lam) / low if low > 0 else float("inf")
     elif p > EXACT_CONDITION_MAX_P:
-        reg = xtx.to(torch.float64) + lam * torch.eye(p, dtype=torch.float64, device=xtx.device)
-        hi, inv_hi = _top_eigenvalue(reg), _top_eigenvalue(inv)
+        hi, inv_hi = _top_eigenvalue(xtx.to(torch.float64)) + lam, _top_eigenvalue(inv)  # λ_max(XᵀX + λI)
         est = hi * inv_hi if hi > 0 and inv_hi > 0 else float("inf")
         if est >= CONDITION_WARN / 10 and not (p >= n_rows and lam == 0):
             est = None  # near the threshold: decide on the exact number
@@ -325,6 +324,10 @@ def solve_deff_fast(
     may be a pair (c, rows): its target is min(c · rows, rank / 2) (the ``neff`` rule's effective number of rows),
     while the rank bounds still use ``n_rows``.
 
+    0. with a floor that may decide (:func:`_floor_may_decide`), first the float64 inverse at the floor: λ is the
+       floor, with no eigenvalues (the third value returned is then None), when the exact d_eff there is at most
+       every target that a rank it proves gives (:func:`_floor_decides`); otherwise that inverse is kept for
+       steps 2 and 4;
     1. eigenvalues of XᵀX in float32 (:func:`_float32_eigenvalues`);
     2. a target min(c·n, rank / 2) needs the numerical rank only when it is below 2 c n: the rank is taken as
        certain when the count of float32 eigenvalues far above their round-off (> 8√p · ε₃₂ · σ_max) and
@@ -355,12 +358,24 @@ def solve_deff_fast(
     # a finite sum proves every entry finite (a NaN or an infinity propagates; an overflow only means the slow path)
     if not math.isfinite(float(np.sum(a) if linalg_device is None else a.sum())):
         return None
+    n = int(n_rows)
+    pairs = [(c, n if rows is None else rows) for c, rows in pairs]
+    floor = float(lam_floor)
+    known: dict[float, Any] = {}  # λ → its float64 inverse (None: not positive definite), each computed once
+
+    def inverse_at(lam: float) -> Any:
+        if lam not in known:
+            known[lam] = inverse(a, lam)
+        return known[lam]
+
+    if floor > 0 and math.isfinite(floor) and _floor_may_decide(float(a.trace()), p, n, floor, pairs):
+        inv = inverse_at(floor)
+        if inv is not None and _floor_decides(*terms(inv, floor), floor, float(a.trace()), p, n, pairs):
+            return floor, inv, None
     ev = eig(a)
     top = float(ev[-1])
     if not top > 0:
         return None
-    n = int(n_rows)
-    pairs = [(c, n if rows is None else rows) for c, rows in pairs]
     max_rank = min(n, p)
     theta = top * p * 1e-13  # deff_target's rank threshold
     if n < p:
@@ -374,8 +389,7 @@ def solve_deff_fast(
     if lowest != targets:
         # each deff λ solves d_eff(λ) = its target, which grows with the rank: when d_eff(floor) is at most the
         # lowest target any possible rank gives, every deff λ is ≤ the floor, and λ is the floor
-        floor = float(lam_floor)
-        inv = inverse(a, floor) if floor > 0 and math.isfinite(floor) else None
+        inv = inverse_at(floor) if floor > 0 and math.isfinite(floor) else None
         if inv is not None and terms(inv, floor)[0] <= min(lowest):
             return floor, inv, full
         if n < p:
@@ -386,7 +400,7 @@ def solve_deff_fast(
     for _ in range(1 + DEFF_NEWTON_STEPS):
         if not (lam > 0 and math.isfinite(lam)):
             return None
-        inv = inverse(a, lam)
+        inv = inverse_at(lam)
         if inv is None:
             return None
         d, slope = terms(inv, lam)
@@ -399,6 +413,34 @@ def solve_deff_fast(
             return lam, inv, full
         lam = new
     return None
+
+
+#: the floor's inverse is computed first (it may decide λ with no eigenvalues) when Jensen's bound on d_eff(floor)
+#: is at most this many times the smallest deff target: beyond it the deff λ is well above the floor on most spectra
+FLOOR_FIRST_RATIO = 4.0
+
+
+def _floor_may_decide(trace: float, p: int, n: int, floor: float, pairs) -> bool:
+    """Whether the floor may be λ, cheaply: d_eff(floor) ≤ p·m/(m + floor) (Jensen: σ/(σ+λ) is concave; m =
+    trace / p the mean eigenvalue) is within FLOOR_FIRST_RATIO of the largest value the smallest target can take."""
+    if not (trace > 0 and math.isfinite(trace)):
+        return False
+    jensen = p * trace / (trace + p * floor)
+    return jensen <= FLOOR_FIRST_RATIO * min(min(c * rows, min(n, p) / 2.0) for c, rows in pairs)
+
+
+def _floor_decides(d: float, slope: float, floor: float, trace: float, p: int, n: int, pairs) -> bool:
+    """Whether every deff λ is at most the floor, from the exact d = d_eff(floor) and slope = Σ fᵢ(1 − fᵢ), fᵢ =
+    σᵢ/(σᵢ + floor), of the float64 inverse at the floor (:func:`_exact_deff_terms`): each target min(c·rows,
+    rank / 2) grows with the rank (eigenvalues above θ = σ_max·p·1e-13), and Cauchy–Schwarz over those terms proves
+    rank ≥ (Σ_{σ>θ} fᵢ)² / Σ fᵢ² ≥ (d − p·θ/floor)² / (d − slope), with σ_max ≤ trace. The float64 round-off of d
+    and slope (≲ p·ε each) is taken against the floor."""
+    eps = 64.0 * p * float(np.finfo(np.float64).eps)
+    theta = 2.0 * trace * p * 1e-13
+    sq = max(d - slope, 0.0) + eps  # Σ fᵢ² = d − slope
+    covered = max(d - p * theta / floor - eps, 0.0)
+    rank = min(covered * covered / sq, float(min(n, p)))
+    return d + eps <= min(min(c * rows, rank / 2.0) for c, rows in pairs)
 
 
 def _has_deff(rule) -> bool:
