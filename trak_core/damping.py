@@ -315,8 +315,8 @@ def _exact_deff_terms(inv: np.ndarray, lam: float) -> tuple[float, float]:
 
 def solve_deff_fast(
     xtx: np.ndarray | Tensor, fractions, n_rows: int, lam_floor: float = 0.0, linalg_device=None
-) -> tuple[float, np.ndarray | Tensor, np.ndarray] | None:
-    """(λ, (XᵀX + λI)⁻¹ float64 unscaled, the eigenvalues used) for ``deff`` rules without a float64
+) -> tuple[float, np.ndarray | Tensor, np.ndarray | None] | None:
+    """(λ, (XᵀX + λI)⁻¹ float64 unscaled, the eigenvalues used or None) for ``deff`` rules without a float64
     eigendecomposition, or None where this cannot decide (the caller then takes the float64 path).
 
     λ = max(``lam_floor``, the ``deff:<c>`` λ of each fraction c in ``fractions``): a rule such as
@@ -370,7 +370,8 @@ def solve_deff_fast(
 
     if floor > 0 and math.isfinite(floor) and _floor_may_decide(float(a.trace()), p, n, floor, pairs):
         inv = inverse_at(floor)
-        if inv is not None and _floor_decides(*terms(inv, floor), floor, float(a.trace()), p, n, pairs):
+        d, slope = terms(inv, floor) if inv is not None else (math.inf, 0.0)
+        if _floor_decides(d, slope, floor, float(a.trace()), p, n, pairs):
             return floor, inv, None
     ev = eig(a)
     top = float(ev[-1])
