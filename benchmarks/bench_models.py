@@ -2,7 +2,8 @@
 
 ``make_model(name)`` returns (model in eval mode, input shape, input kind), seeded, and ``make_data`` random
 inputs for it. ``featurize_bench.py`` (the featurize table) uses ``mlp400k``, ``convnet`` and ``transformer``; the
-matrix (``matrix.py``) its families: MLPs of depth 2–4 on 784 inputs, a conv net with BatchNorm, a CIFAR-style
+matrix (``matrix.py``) its families: MLPs of depth 2–4 on 784 inputs, a held-out 3-layer MLP on 256 inputs
+(``mlp3w``: chosen after the defaults, a shape where finalize dominates), a conv net with BatchNorm, a CIFAR-style
 ResNet-18 (11.2M parameters), a transformer encoder classifier, and a small GPT-style decoder (causal
 self-attention) that classifies from its last token.
 """
@@ -20,6 +21,7 @@ LABELS = {
     "mlp2": "MLP 784-512-10",
     "mlp3": "MLP 784-384-256-10",
     "mlp4": "MLP 784-320-256-128-10",
+    "mlp3w": "MLP 256-512-512-10 (held out)",
     "convbn": "ConvNet + BatchNorm 3×32×32",
     "resnet18": "ResNet-18 (CIFAR stem) 3×32×32",
     "encoder": "Transformer encoder, 2 layers, d 64",
@@ -160,6 +162,8 @@ def make(name: str):
         return _mlp(784, 384, 256, 10).eval(), (784,), "float"
     if name == "mlp4":
         return _mlp(784, 320, 256, 128, 10).eval(), (784,), "float"
+    if name == "mlp3w":
+        return _mlp(256, 512, 512, 10).eval(), (256,), "float"
     if name == "convbn":
         model = nn.Sequential(
             nn.Conv2d(3, 32, 3, padding=1),

@@ -289,12 +289,14 @@ def pipeline_worker(spec: dict) -> dict:
     }
 
 
-def run_worker(spec: dict, timeout: int = 900) -> dict:
+def run_worker(spec: dict, timeout: int = 900, tree: str | None = None) -> dict:
     """Run one measurement in a fresh interpreter (this parent process never imports torch, so the
-    children's peak RSS — inherited through fork — is theirs)."""
+    children's peak RSS — inherited through fork — is theirs). ``tree``: another checkout's root, whose worker
+    (and so whose trak_core) runs instead of this one's."""
     load0 = os.getloadavg()[0]
+    script = os.path.abspath(__file__) if tree is None else os.path.join(tree, "benchmarks", "featurize_bench.py")
     out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+        [sys.executable, script, "--worker", json.dumps(spec)],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -5,6 +5,12 @@ also fast_jl's ``CudaProjector`` where it imports) and **trakflow**'s ``TRAKer``
 
     .venv/bin/python benchmarks/matrix.py                       # the whole matrix (tens of minutes on 2 cores)
     .venv/bin/python benchmarks/matrix.py --models mlp3 --proj-dims 2048 --repeats 2
+    .venv/bin/python benchmarks/matrix.py --models mlp3w --threads 1 --stat median --repeats 5 --baseline /tmp/old
+
+``--threads`` sets every worker's torch and BLAS threads; ``--stat median`` keeps each cell's median process
+instead of its best (a shared machine); ``--baseline DIR`` also runs another checkout's trakflow (DIR/benchmarks/
+featurize_bench.py, so DIR's trak_core) in the same interleaved loop and prints it beside this one's (before/after
+a change: not a table of RESULTS.md).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ def cells(a) -> list[dict]:
         n, bs = ROWS.get(m, (a.n, a.batch))
         d = grad_dim(m)
         for p in a.proj_dims:
-            impls = ["floor", "factored"]
+            impls = ["floor", "factored"] + (["baseline"] if a.baseline else [])
             if d * p * 4 <= a.traker_max_gib * 2**30:
                 impls.append("traker-fastest")
             if a.device.startswith("cuda") and importlib.util.find_spec("fast_jl") is not None:
@@ -58,11 +64,12 @@ def cells(a) -> list[dict]:
     return out
 
 
-def best(runs: list[dict]) -> dict:
+def best(runs: list[dict], stat: str = "min") -> dict:
+    """One cell from its processes: the best warm pass (``stat="median"``: the median process's), the best cold."""
     r = dict(runs[0])
-    warms = [x for x in runs if x.get("warm_s") is not None]
+    warms = sorted((x for x in runs if x.get("warm_s") is not None), key=lambda x: x["warm_s"])
     if warms:
-        w = min(warms, key=lambda x: x["warm_s"])
+        w = warms[0] if stat == "min" else warms[(len(warms) - 1) // 2]
         r.update({k: w[k] for k in ("warm_s", "warm", "train_s", "linalg_s") if k in w})
     colds = [x["cold_s"] for x in runs if x.get("cold_s") is not None]
     r["cold_s"] = min(colds) if colds else None
@@ -106,11 +113,43 @@ def table(res: dict, command: str) -> str:
             + f"{w.get('init_s', 0):.2f} / {w.get('featurize_s', 0):.2f} / {w.get('finalize_s', 0):.2f} |"
         )
     loads = [v for r in res["cells"] for v in r["load_avg"]]
+    threads = res.get("threads")
     lines += [
         "",
         f"Produced by `{command}` ({res['seconds'] / 60:.1f} min; 1-min load average {min(loads):.2f}–"
-        f"{max(loads):.2f} on {os.cpu_count()} cores).",
+        f"{max(loads):.2f} on {os.cpu_count()} cores"
+        + (f"; {threads} torch and BLAS thread{'s' if threads > 1 else ''} per worker" if threads else "")
+        + ").",
     ]
+    return "\n".join(lines)
+
+
+def baseline_table(res: dict) -> str:
+    """This checkout's trakflow beside ``--baseline``'s, each against the floor and traker's fastest of the run."""
+    by = {_key(r): r for r in res["cells"]}
+    lines = [
+        "| model | proj_dim | floor s | traker-fastest s | baseline s (× floor, × traker) | "
+        "this s (× floor, × traker) | finalize: baseline / this |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (m, p, impl), r in by.items():
+        if impl != "factored" or (m, p, "baseline") not in by:
+            continue
+        fl, tk, b = (
+            by[(m, p, "floor")]["warm_s"],
+            by.get((m, p, "traker-fastest"), {}).get("warm_s"),
+            by[(m, p, "baseline")],
+        )
+
+        def cell(x: dict) -> str:
+            s = x["warm_s"]
+            return f"{s:.2f} ({s / fl:.1f}×, " + (f"{tk / s:.1f}×)" if tk else "—)")
+
+        lines.append(
+            f"| {bench_models.LABELS.get(m, m)} | {p} | {fl:.2f} | " + (f"{tk:.2f}" if tk else "—") + " | "
+            f"{cell(b)} | {cell(r)} | {(b['warm'] or {}).get('finalize_s', 0):.2f} / "
+            f"{(r['warm'] or {}).get('finalize_s', 0):.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -125,22 +164,38 @@ def main() -> None:
     ap.add_argument("--warm-runs", type=int, default=1)
     ap.add_argument("--traker-max-gib", type=float, default=4.0, help="largest traker matrix tried")
     ap.add_argument("--json", default=None, help="write the raw results here")
+    ap.add_argument("--threads", type=int, default=None, help="torch and BLAS threads of every worker")
+    ap.add_argument("--stat", choices=("min", "median"), default="min", help="of a cell's --repeats processes")
+    ap.add_argument("--baseline", default=None, help="another checkout whose trakflow runs beside this one's")
     a = ap.parse_args()
+    if a.threads:  # read by torch, OpenBLAS and MKL as each worker starts
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(a.threads)
     command = shlex.join([".venv/bin/python", "benchmarks/matrix.py", *sys.argv[1:]])
     t0 = time.perf_counter()
     specs = cells(a)
     runs: dict = {}
     for _ in range(a.repeats):
         for spec in specs:
-            r = fb.run_worker(spec, timeout=3600)
+            if spec["impl"] == "baseline":
+                r = fb.run_worker({**spec, "impl": "factored"}, timeout=3600, tree=os.path.abspath(a.baseline))
+                r["impl"] = "baseline"
+            else:
+                r = fb.run_worker(spec, timeout=3600)
             runs.setdefault(_key(spec), []).append(r)
             keys = ("model", "proj_dim", "impl", "code", "cold_s", "warm_s")
             print(json.dumps({k: r.get(k) for k in keys}), flush=True)
-    res = {"cells": [best(v) for v in runs.values()], "seconds": time.perf_counter() - t0}
+    res = {
+        "cells": [best(v, a.stat) for v in runs.values()],
+        "seconds": time.perf_counter() - t0,
+        "threads": a.threads,
+    }
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1, default=str)
     print(table(res, command))
+    if a.baseline:
+        print("\n" + baseline_table(res))
 
 
 if __name__ == "__main__":

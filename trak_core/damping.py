@@ -1,8 +1,7 @@
-"""Damping and the solve of one checkpoint: λ from its rule, (XᵀX + λI)⁻¹ and its condition, in float64.
+"""Damping and the solve of one checkpoint: λ from its rule, (XᵀX + λI)⁻¹ and its condition.
 
-* :func:`parse_lambda_reg` reads a ``lambda_reg`` setting (a number, ``"auto"``, ``"rel:<c>"``, ``"adaptive"``,
-  ``"deff:<c>"``, ``"neff:<c>"``, ``"resid:<c>"``, ``"cresid:<c>"`` or several joined by ``,``) into a
-  :class:`LambdaRule`; the rule resolves λ from XᵀX (and the row sums some rules need).
+* the rules (:func:`parse_lambda_reg`, :class:`LambdaRule`: what λ a ``lambda_reg`` setting means) are in
+  :mod:`trak_core.lambda_rules`, their names imported here too;
 * :func:`solve` turns one checkpoint's XᵀX (the sum of its shard partials) into the inverse and finalize's
   record: the ``deff`` rules from float32 eigenvalues checked against the exact effective dimension
   (:func:`solve_deff_fast`), the Gauss-Newton curvature (``curvature="ggn"``), the conditioning warning.
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,313 +23,29 @@ from torch import Tensor
 
 from . import linalg_device as dl
 from .errors import BadInputError, IllConditionedWarning
+
+# the rules (what λ a setting means) live in lambda_rules; their names are damping's too
+from .lambda_rules import (  # noqa: F401
+    ADAPTIVE,
+    ADAPTIVE_CRESID,
+    ADAPTIVE_NEFF,
+    AUTO_DAMPING,
+    LambdaRule,
+    check_lambda,
+    coherent_residual,
+    deff_lambda,
+    deff_target,
+    effective_dimension,
+    effective_rows,
+    parse_lambda_reg,
+    residual_rayleigh,
+    resolve_lambda,
+    symmetric_eigenvalues,
+)
 from .store import mirror_upper
 
 # above this condition number of (XᵀX + λI) the float32 features are dominated by round-off
 CONDITION_WARN = 1e7
-
-
-# "auto": λ = AUTO_DAMPING × mean eigenvalue of XᵀX. Chosen by benchmarks/damping.py (in the git history: LDS on
-# the digits demo, digits trained longer and the text example, proj_dim 128/512/1024).
-AUTO_DAMPING = 0.3
-
-
-# "adaptive" = ADAPTIVE = "neff:0.12,cresid:10": the larger of the λ at which the effective dimension
-# Σ σᵢ/(σᵢ+λ) of XᵀX is min(ADAPTIVE_NEFF × n_eff, rank(XᵀX) / 2), n_eff = (Σ‖xᵢ‖²)²/Σ‖xᵢ‖⁴ the rows' effective
-# number, and ADAPTIVE_CRESID × the part of ‖Xᵀq‖²/‖q‖² that the rows' residual gradients share (the implicit
-# ridge of a training run stopped before convergence). Within 0.02 LDS of the best fixed λ on benchmarks/quality.py's
-# nine cases (five converged, four stopped early) at every proj_dim, and its constants chosen by leave-one-case-out
-# (until 2026-11-24: "deff:0.1,resid:3"): see "Attribution quality" in RESULTS.md.
-ADAPTIVE_NEFF = 0.12
-
-
-ADAPTIVE_CRESID = 10.0
-
-
-ADAPTIVE = f"neff:{ADAPTIVE_NEFF:g},cresid:{ADAPTIVE_CRESID:g}"
-
-
-_FORMS = (
-    "a number >= 0, 'auto', 'rel:<factor>', 'adaptive', 'deff:<fraction in (0, 1)>', 'neff:<fraction in (0, 1)>', "
-    "'resid:<factor>', 'cresid:<factor>' or several of these joined by ',' (their largest λ)"
-)
-
-
-@dataclass(frozen=True)
-class LambdaRule:
-    """A parsed ``lambda_reg`` setting: an absolute λ, ``factor`` × the mean eigenvalue of XᵀX (``relative``),
-    (``deff``) the λ at which XᵀX's effective dimension is min(``factor`` × n, rank / 2), (``resid``) ``factor`` ×
-    the Rayleigh quotient ‖Xᵀq‖² / ‖q‖² of XXᵀ at the train rows' out-to-loss vector q, (``cresid``) ``factor`` ×
-    its part shared between rows (‖Xᵀq‖² − Σᵢqᵢ²‖xᵢ‖²)₊ / ‖q‖², (``neff``) the ``deff``
-    rule with n replaced by the rows' effective number (Σ‖xᵢ‖²)² / Σ‖xᵢ‖⁴, or (``parts``) the largest λ of
-    several rules.
-
-    ``setting`` is the normalized form, what a store records and compares: a float, ``"auto"``,
-    ``"rel:<f>"``, ``"deff:<c>"``, ``"resid:<k>"`` or such parts joined by ``","`` (lower case, stripped);
-    ``"adaptive"`` is recorded as its parts (:data:`ADAPTIVE`), so that a store finalized under an earlier
-    meaning of ``"adaptive"`` is refused (naming lambda_reg) instead of mixing two rules."""
-
-    setting: float | str
-    factor: float
-    relative: bool
-    deff: bool = False
-    resid: bool = False
-    parts: tuple[LambdaRule, ...] = ()
-    neff: bool = False
-    cresid: bool = False
-
-    @property
-    def needs_row_norm4(self) -> bool:
-        """Whether :meth:`resolve` needs Σᵢ‖xᵢ‖⁴ over the train rows (a ``neff`` part)."""
-        return self.neff or any(r.needs_row_norm4 for r in self.parts)
-
-    @property
-    def needs_q2x2(self) -> bool:
-        """Whether :meth:`resolve` needs Σᵢqᵢ²‖xᵢ‖² over the train rows (a ``cresid`` part)."""
-        return self.cresid or any(r.needs_q2x2 for r in self.parts)
-
-    @property
-    def needs_xtq(self) -> bool:
-        """Whether :meth:`resolve` needs Xᵀq and qᵀq (a ``resid`` part)."""
-        return self.resid or self.cresid or any(r.needs_xtq for r in self.parts)
-
-    def resolve(
-        self,
-        xtx: Tensor,
-        n_rows: int | None = None,
-        eigenvalues: Tensor | None = None,
-        xtq: Tensor | np.ndarray | None = None,
-        qtq: float | None = None,
-        row_norm4: float | None = None,
-        q2x2: float | None = None,
-    ) -> float:
-        """The absolute λ for this XᵀX (trace / p is its mean eigenvalue). ``n_rows`` (the number of train rows
-        summed into XᵀX) and precomputed ``eigenvalues`` are used by the ``deff`` rule only; ``xtq`` = Xᵀq (p,)
-        and ``qtq`` = qᵀq, with q the train rows' out-to-loss weights Q (both sums over rows, accumulated like
-        XᵀX), by the ``resid`` rule only; ``row_norm4`` = Σᵢ‖xᵢ‖⁴ over the train rows (a sum over rows like XᵀX)
-        by the ``neff`` rule only, ``q2x2`` = Σᵢqᵢ²‖xᵢ‖² by the ``cresid`` rule only."""
-        if self.parts:
-            if eigenvalues is None and any(r.deff or r.neff for r in self.parts):
-                eigenvalues = _checked_eigenvalues(xtx)
-            return max(
-                r.resolve(xtx, n_rows, eigenvalues, xtq, qtq, row_norm4=row_norm4, q2x2=q2x2) for r in self.parts
-            )
-        if self.neff:
-            if eigenvalues is None:
-                eigenvalues = _checked_eigenvalues(xtx)
-            return deff_lambda(eigenvalues, self.factor, effective_rows(xtx, row_norm4))
-        if self.deff:
-            if eigenvalues is None:
-                eigenvalues = _checked_eigenvalues(xtx)
-            return deff_lambda(eigenvalues, self.factor, n_rows)
-        if self.resid:
-            return self.factor * residual_rayleigh(xtq, qtq)
-        if self.cresid:
-            return self.factor * coherent_residual(xtq, qtq, q2x2)
-        if not self.relative:
-            return self.factor
-        return float(self.factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
-
-
-def _checked_eigenvalues(xtx: Tensor) -> Tensor:
-    if not bool(torch.isfinite(xtx).all()):
-        raise BadInputError("lambda_reg 'adaptive'/'deff': XᵀX is not finite (no positive eigenvalue)")
-    return symmetric_eigenvalues(xtx)
-
-
-def residual_rayleigh(xtq: Tensor | np.ndarray | None, qtq: float | None) -> float:
-    """‖Xᵀq‖² / ‖q‖² (float64): the Rayleigh quotient of XXᵀ at q, the train rows' out-to-loss weights.
-
-    Why (the ``resid`` rule): Xᵀq is the projected gradient of the training loss at the checkpoint (Q = −∂loss/∂
-    margin). Training fits the directions of XᵀX with large eigenvalues first — gradient descent stopped after T
-    steps at rate η acts like a ridge of λ ≈ 1/(ηT) — and leaves its residual q in the directions with σ ≲ that
-    λ; the Rayleigh quotient is the σ at which the residual sits, so it estimates the implicit ridge of the
-    training run: about 0 at convergence, large far from it. It does not depend on proj_dim (a JL sketch keeps
-    ‖Xᵀq‖)."""
-    if xtq is None or qtq is None:
-        raise BadInputError(
-            "lambda_reg 'resid'/'adaptive' needs Xᵀq and qᵀq (q: the train rows' out-to-loss weights) besides XᵀX"
-        )
-    g = torch.as_tensor(xtq, dtype=torch.float64).reshape(-1)
-    q2 = float(qtq)
-    num = float(g @ g)
-    if not (math.isfinite(num) and math.isfinite(q2)) or q2 < 0:
-        raise BadInputError(f"lambda_reg 'resid'/'adaptive': Xᵀq or qᵀq is not finite (qᵀq={q2!r})")
-    return num / q2 if q2 > 0 else 0.0
-
-
-def coherent_residual(xtq: Tensor | np.ndarray | None, qtq: float | None, q2x2: float | None) -> float:
-    """(‖Xᵀq‖² − Σᵢqᵢ²‖xᵢ‖²)₊ / ‖q‖² (float64): the part of the ``resid`` Rayleigh quotient that the rows'
-    residual gradients qᵢxᵢ share (the cross terms Σ_{i≠j} qᵢqⱼ xᵢᵀxⱼ), 0 when they cancel.
-
-    Why (the ``cresid`` rule): a run stopped before convergence leaves a residual along directions it has not fit
-    yet, which the residual rows' gradients share; a converged fit of noisy labels leaves a residual on a few
-    rows whose gradients do not add up, and its Rayleigh quotient is then their own ‖qᵢxᵢ‖², not an implicit
-    ridge. Σᵢqᵢ²‖xᵢ‖² is a sum over rows (accumulated like XᵀX)."""
-    if q2x2 is None:
-        raise BadInputError("lambda_reg 'cresid' needs Σᵢqᵢ²‖xᵢ‖² over the train rows (q2x2) besides Xᵀq and qᵀq")
-    d = float(q2x2)
-    if not math.isfinite(d) or d < 0:
-        raise BadInputError(f"lambda_reg 'cresid': Σᵢqᵢ²‖xᵢ‖² must be finite and >= 0, got {d!r}")
-    total = residual_rayleigh(xtq, qtq)
-    q2 = float(qtq or 0.0)  # not None, finite and >= 0: checked by residual_rayleigh
-    return max(total - d / q2, 0.0) if q2 > 0 else 0.0
-
-
-def effective_rows(xtx: Tensor, row_norm4: float | None) -> float:
-    """(Σᵢ‖xᵢ‖²)² / Σᵢ‖xᵢ‖⁴ = trace(XᵀX)² / ``row_norm4`` (float64): the participation ratio of the rows' squared
-    gradient norms — n when all rows have the same norm, about the number of rows that carry the gradient when
-    a few dominate.
-
-    Why (the ``neff`` rule): the ``deff`` target c·n counts examples per kept direction; rows whose projected
-    gradients are small hardly estimate any direction, so they should not count as whole examples."""
-    if row_norm4 is None:
-        raise BadInputError("lambda_reg 'neff' needs Σᵢ‖xᵢ‖⁴ over the train rows (row_norm4) besides XᵀX")
-    tr = float(torch.trace(xtx.to(torch.float64)))
-    r4 = float(row_norm4)
-    if not (math.isfinite(tr) and math.isfinite(r4)) or not (r4 > 0 and tr > 0):
-        raise BadInputError(f"lambda_reg 'neff': trace(XᵀX)={tr!r} and Σ‖xᵢ‖⁴={r4!r} must be finite and > 0")
-    return tr * tr / r4
-
-
-def effective_dimension(eigenvalues: Tensor | np.ndarray, lam: float) -> float:
-    """d_eff(λ) = Σ σᵢ / (σᵢ + λ) over the eigenvalues σ of XᵀX (negative round-off clipped to 0), float64.
-    At λ = 0 it is the number of positive eigenvalues."""
-    ev = torch.as_tensor(eigenvalues, dtype=torch.float64).clamp(min=0)
-    if lam <= 0:
-        return float((ev > 0).sum())
-    return float((ev / (ev + lam)).sum())
-
-
-def deff_target(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: float | None = None) -> float:
-    """The effective dimension the ``deff:<fraction>`` rule aims for: min(fraction × n, rank / 2), with n the
-    number of train rows in XᵀX (``n_rows``; the numerical rank of XᵀX when not given) and rank the number of
-    eigenvalues above top × p × 1e-13 (≤ min(n, p))."""
-    ev = torch.as_tensor(eigenvalues, dtype=torch.float64).reshape(-1).clamp(min=0)
-    top = float(ev.max()) if ev.numel() else 0.0
-    if not top > 0 or not math.isfinite(top):
-        raise BadInputError(
-            "lambda_reg 'adaptive'/'deff': XᵀX has no positive eigenvalue (all projected gradients are zero "
-            "or not finite); check the model's outputs and gradients, or give an absolute lambda_reg"
-        )
-    rank = int((ev > top * ev.numel() * 1e-13).sum())
-    n = rank if n_rows is None else float(n_rows)  # float: the 'neff' rule's effective number of rows
-    return min(fraction * n, rank / 2.0)
-
-
-def deff_lambda(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: float | None = None) -> float:
-    """The λ > 0 with d_eff(λ) = Σ σᵢ/(σᵢ+λ) = :func:`deff_target` (float64 bisection on log λ, to relative
-    precision ~1e-12; d_eff is strictly decreasing in λ).
-
-    Why this rule: d_eff(λ) is the number of directions of XᵀX that the damped inverse keeps (σ ≫ λ kept,
-    σ ≪ λ shrunk); like the degrees of freedom of a ridge fit it should grow with the number of examples that
-    estimate those directions (fraction × n: 1/fraction examples per kept direction), not with proj_dim —
-    a fixed λ keeps ever more poorly estimated directions as proj_dim grows. A sketch of p < 2·fraction·n
-    dimensions keeps half of its directions (rank / 2): the rest carry the projection's noise."""
-    if not 0.0 < fraction < 1.0:
-        raise BadInputError(f"lambda_reg: the deff fraction must be in (0, 1), got {fraction!r}")
-    ev = torch.as_tensor(eigenvalues, dtype=torch.float64).reshape(-1).clamp(min=0)
-    target = deff_target(ev, fraction, n_rows)
-    top = float(ev.max())
-    lo, hi = math.log(top * 1e-14), math.log(top * 1e8)  # d_eff(lo) ≈ rank > target, d_eff(hi) ≤ p·1e-8 < target
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if effective_dimension(ev, math.exp(mid)) > target:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < 1e-13:
-            break
-    return math.exp(0.5 * (lo + hi))
-
-
-def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
-    """The one parser of a ``lambda_reg`` setting: a number ≥ 0 (also as text, e.g. from a command line),
-    ``"auto"`` (= ``rel:AUTO_DAMPING``), ``"rel:<f>"`` with f ≥ 0, ``"deff:<c>"`` with 0 < c < 1,
-    ``"resid:<k>"`` / ``"cresid:<k>"`` with k ≥ 0, ``"neff:<c>"`` with 0 < c < 1, several of these joined by
-    ``","`` (the largest of their λ), or ``"adaptive"`` (= :data:`ADAPTIVE`). Raises BadInputError (a ValueError)
-    naming lambda_reg.
-
-    Relative settings scale with the mean eigenvalue of XᵀX (trace / p), so they do not depend on the
-    gradient scale, the model size or proj_dim: ``"rel:0.1"`` adds 0.1 × the mean eigenvalue. ``deff``
-    settings solve for the λ at which the effective dimension Σ σᵢ/(σᵢ+λ) of XᵀX is min(c × n, rank / 2)
-    (see :func:`deff_lambda`; n = ``n_rows`` of :meth:`LambdaRule.resolve`): the damping follows proj_dim and n.
-    ``resid`` settings are k × ‖Xᵀq‖² / ‖q‖² (:func:`residual_rayleigh`): the damping follows how far the
-    checkpoint is from convergence. ``neff`` settings are ``deff`` with n replaced by the rows' effective number
-    (:func:`effective_rows`; ``row_norm4`` of :meth:`LambdaRule.resolve`); ``cresid`` settings count only the part
-    of ``resid`` that the rows' residual gradients share (:func:`coherent_residual`; ``q2x2``).
-    """
-    if isinstance(lambda_reg, LambdaRule):
-        return lambda_reg
-    if isinstance(lambda_reg, str):
-        text = lambda_reg.strip().lower()
-        try:
-            number = float(text)  # a number given as text
-        except ValueError:
-            number = None
-        if number is not None:
-            return parse_lambda_reg(number)
-        if text in ("adaptive", "deff"):
-            return parse_lambda_reg(ADAPTIVE)
-        if "," in text:
-            parts = tuple(_parse_part(part.strip(), lambda_reg) for part in text.split(","))
-            setting = ",".join(str(r.setting) for r in parts)
-            return LambdaRule(setting=setting, factor=0.0, relative=False, parts=parts)
-        return _parse_part(text, lambda_reg)
-    if isinstance(lambda_reg, bool):
-        raise BadInputError(f"lambda_reg must be {_FORMS}, got {lambda_reg!r}")
-    try:
-        value = float(lambda_reg)
-    except (TypeError, ValueError):
-        raise BadInputError(f"lambda_reg must be {_FORMS}, got {lambda_reg!r}") from None
-    if not value >= 0:
-        raise BadInputError(f"lambda_reg must be >= 0, got {lambda_reg!r}")
-    return LambdaRule(setting=value, factor=value, relative=False)
-
-
-def _parse_part(text: str, given) -> LambdaRule:
-    """One rule of a ``lambda_reg`` text (lower case, stripped): a number, auto, rel:, deff:, neff:, resid: or
-    cresid:."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is not None:
-        if not value >= 0:
-            raise BadInputError(f"lambda_reg={given!r}: {text!r} must be >= 0")
-        return LambdaRule(setting=value, factor=value, relative=False)
-    if text == "auto":
-        return LambdaRule(setting="auto", factor=AUTO_DAMPING, relative=True)
-    name, sep, arg = text.partition(":")
-    if not sep or name not in ("rel", "deff", "neff", "resid", "cresid"):
-        raise BadInputError(f"lambda_reg={given!r}: use {_FORMS}")
-    try:
-        factor = float(arg)
-    except ValueError:
-        raise BadInputError(f"lambda_reg={given!r}: expected '{name}:<number>'") from None
-    if name in ("deff", "neff"):
-        if not 0.0 < factor < 1.0:
-            raise BadInputError(f"lambda_reg={given!r}: the {name} fraction must be in (0, 1)")
-        if name == "neff":
-            return LambdaRule(setting=f"neff:{factor:g}", factor=factor, relative=False, neff=True)
-        return LambdaRule(setting=f"deff:{factor:g}", factor=factor, relative=False, deff=True)
-    if not factor >= 0 or not math.isfinite(factor):
-        raise BadInputError(f"lambda_reg={given!r}: the factor must be >= 0")
-    if name == "resid":
-        return LambdaRule(setting=f"resid:{factor:g}", factor=factor, relative=False, resid=True)
-    if name == "cresid":
-        return LambdaRule(setting=f"cresid:{factor:g}", factor=factor, relative=False, cresid=True)
-    return LambdaRule(setting=text, factor=factor, relative=True)
-
-
-def resolve_lambda(lambda_reg, xtx: Tensor, n_rows: int | None = None) -> float:
-    """The absolute λ for a ``lambda_reg`` setting (see :func:`parse_lambda_reg`) and this XᵀX of n_rows rows."""
-    return parse_lambda_reg(lambda_reg).resolve(xtx, n_rows=n_rows)
-
-
-def check_lambda(lambda_reg) -> None:
-    """Validate a lambda_reg setting without data (raises ValueError naming the problem)."""
-    parse_lambda_reg(lambda_reg)
 
 
 #: the curvatures H of A = (H + λI)⁻¹ (``StoreMetadata.curvature``): XᵀX (traker's) and XᵀRX (Gauss-Newton)
@@ -365,19 +79,6 @@ def ggn_lambda(lam_xtx: float, trace_xtx: float, trace_ggn: float) -> float:
     if not (trace_xtx > 0 and math.isfinite(trace_xtx) and math.isfinite(trace_ggn)):
         raise BadInputError(f"curvature 'ggn': trace(XᵀX)={trace_xtx!r}, trace(XᵀRX)={trace_ggn!r} must be finite, > 0")
     return float(lam_xtx) * float(trace_ggn) / float(trace_xtx)
-
-
-def symmetric_eigenvalues(mat: Tensor) -> Tensor:
-    """Eigenvalues (ascending, float64) of a symmetric matrix. On the CPU through LAPACK's MRRR driver
-    (``scipy.linalg.eigvalsh(driver="evr")``): the same values as ``torch.linalg.eigvalsh`` to round-off, and
-    steadier on shared cores (p = 2048, 6 runs under load: min 0.26 s / median 0.28 s, against 0.32 s / 0.75 s)."""
-    m = mat.detach().to(torch.float64)
-    if m.device.type != "cpu":
-        return torch.linalg.eigvalsh(m)
-    import scipy.linalg
-
-    ev = scipy.linalg.eigvalsh(m.numpy(), driver="evr", check_finite=False)
-    return torch.from_numpy(np.ascontiguousarray(ev))
 
 
 def condition_number(mat: Tensor) -> tuple[float, Tensor]:
@@ -547,8 +248,7 @@ def cholesky_inverse(
         low = max(float(ev.min()), 0.0) + lam
         est = (float(ev.max()) + lam) / low if low > 0 else float("inf")
     elif p > EXACT_CONDITION_MAX_P:
-        reg = xtx.to(torch.float64) + lam * torch.eye(p, dtype=torch.float64, device=xtx.device)
-        hi, inv_hi = _top_eigenvalue(reg), _top_eigenvalue(inv)
+        hi, inv_hi = _top_eigenvalue(xtx.to(torch.float64)) + lam, _top_eigenvalue(inv)  # λ_max(XᵀX + λI)
         est = hi * inv_hi if hi > 0 and inv_hi > 0 else float("inf")
         if est >= CONDITION_WARN / 10 and not (p >= n_rows and lam == 0):
             est = None  # near the threshold: decide on the exact number
@@ -615,8 +315,8 @@ def _exact_deff_terms(inv: np.ndarray, lam: float) -> tuple[float, float]:
 
 def solve_deff_fast(
     xtx: np.ndarray | Tensor, fractions, n_rows: int, lam_floor: float = 0.0, linalg_device=None
-) -> tuple[float, np.ndarray | Tensor, np.ndarray] | None:
-    """(λ, (XᵀX + λI)⁻¹ float64 unscaled, the eigenvalues used) for ``deff`` rules without a float64
+) -> tuple[float, np.ndarray | Tensor, np.ndarray | None] | None:
+    """(λ, (XᵀX + λI)⁻¹ float64 unscaled, the eigenvalues used or None) for ``deff`` rules without a float64
     eigendecomposition, or None where this cannot decide (the caller then takes the float64 path).
 
     λ = max(``lam_floor``, the ``deff:<c>`` λ of each fraction c in ``fractions``): a rule such as
@@ -624,6 +324,10 @@ def solve_deff_fast(
     may be a pair (c, rows): its target is min(c · rows, rank / 2) (the ``neff`` rule's effective number of rows),
     while the rank bounds still use ``n_rows``.
 
+    0. with a floor that may decide (:func:`_floor_may_decide`), first the float64 inverse at the floor: λ is the
+       floor, with no eigenvalues (the third value returned is then None), when the exact d_eff there is at most
+       every target that a rank it proves gives (:func:`_floor_decides`); otherwise that inverse is kept for
+       steps 2 and 4;
     1. eigenvalues of XᵀX in float32 (:func:`_float32_eigenvalues`);
     2. a target min(c·n, rank / 2) needs the numerical rank only when it is below 2 c n: the rank is taken as
        certain when the count of float32 eigenvalues far above their round-off (> 8√p · ε₃₂ · σ_max) and
@@ -654,12 +358,25 @@ def solve_deff_fast(
     # a finite sum proves every entry finite (a NaN or an infinity propagates; an overflow only means the slow path)
     if not math.isfinite(float(np.sum(a) if linalg_device is None else a.sum())):
         return None
+    n = int(n_rows)
+    pairs = [(c, n if rows is None else rows) for c, rows in pairs]
+    floor = float(lam_floor)
+    known: dict[float, Any] = {}  # λ → its float64 inverse (None: not positive definite), each computed once
+
+    def inverse_at(lam: float) -> Any:
+        if lam not in known:
+            known[lam] = inverse(a, lam)
+        return known[lam]
+
+    if floor > 0 and math.isfinite(floor) and _floor_may_decide(float(a.trace()), p, n, floor, pairs):
+        inv = inverse_at(floor)
+        d, slope = terms(inv, floor) if inv is not None else (math.inf, 0.0)
+        if _floor_decides(d, slope, floor, float(a.trace()), p, n, pairs):
+            return floor, inv, None
     ev = eig(a)
     top = float(ev[-1])
     if not top > 0:
         return None
-    n = int(n_rows)
-    pairs = [(c, n if rows is None else rows) for c, rows in pairs]
     max_rank = min(n, p)
     theta = top * p * 1e-13  # deff_target's rank threshold
     if n < p:
@@ -673,8 +390,7 @@ def solve_deff_fast(
     if lowest != targets:
         # each deff λ solves d_eff(λ) = its target, which grows with the rank: when d_eff(floor) is at most the
         # lowest target any possible rank gives, every deff λ is ≤ the floor, and λ is the floor
-        floor = float(lam_floor)
-        inv = inverse(a, floor) if floor > 0 and math.isfinite(floor) else None
+        inv = inverse_at(floor) if floor > 0 and math.isfinite(floor) else None
         if inv is not None and terms(inv, floor)[0] <= min(lowest):
             return floor, inv, full
         if n < p:
@@ -685,7 +401,7 @@ def solve_deff_fast(
     for _ in range(1 + DEFF_NEWTON_STEPS):
         if not (lam > 0 and math.isfinite(lam)):
             return None
-        inv = inverse(a, lam)
+        inv = inverse_at(lam)
         if inv is None:
             return None
         d, slope = terms(inv, lam)
@@ -698,6 +414,34 @@ def solve_deff_fast(
             return lam, inv, full
         lam = new
     return None
+
+
+#: the floor's inverse is computed first (it may decide λ with no eigenvalues) when Jensen's bound on d_eff(floor)
+#: is at most this many times the smallest deff target: beyond it the deff λ is well above the floor on most spectra
+FLOOR_FIRST_RATIO = 4.0
+
+
+def _floor_may_decide(trace: float, p: int, n: int, floor: float, pairs) -> bool:
+    """Whether the floor may be λ, cheaply: d_eff(floor) ≤ p·m/(m + floor) (Jensen: σ/(σ+λ) is concave; m =
+    trace / p the mean eigenvalue) is within FLOOR_FIRST_RATIO of the largest value the smallest target can take."""
+    if not (trace > 0 and math.isfinite(trace)):
+        return False
+    jensen = p * trace / (trace + p * floor)
+    return jensen <= FLOOR_FIRST_RATIO * min(min(c * rows, min(n, p) / 2.0) for c, rows in pairs)
+
+
+def _floor_decides(d: float, slope: float, floor: float, trace: float, p: int, n: int, pairs) -> bool:
+    """Whether every deff λ is at most the floor, from the exact d = d_eff(floor) and slope = Σ fᵢ(1 − fᵢ), fᵢ =
+    σᵢ/(σᵢ + floor), of the float64 inverse at the floor (:func:`_exact_deff_terms`): each target min(c·rows,
+    rank / 2) grows with the rank (eigenvalues above θ = σ_max·p·1e-13), and Cauchy–Schwarz over those terms proves
+    rank ≥ (Σ_{σ>θ} fᵢ)² / Σ fᵢ² ≥ (d − p·θ/floor)² / (d − slope), with σ_max ≤ trace. The float64 round-off of d
+    and slope (≲ p·ε each) is taken against the floor."""
+    eps = 64.0 * p * float(np.finfo(np.float64).eps)
+    theta = 2.0 * trace * p * 1e-13
+    sq = max(d - slope, 0.0) + eps  # Σ fᵢ² = d − slope
+    covered = max(d - p * theta / floor - eps, 0.0)
+    rank = min(covered * covered / sq, float(min(n, p)))
+    return d + eps <= min(min(c * rows, rank / 2.0) for c, rows in pairs)
 
 
 def _has_deff(rule) -> bool:
