@@ -88,10 +88,11 @@ def _child(store: str, rows: int, width: int, budget) -> tuple[dict, int]:
 @pytest.mark.slow
 def test_a_budget_keeps_the_measured_peak_under_it(tmp_path):
     """One batch of an MLP (64-1024-1024-10) in a fresh process (TRAKer): without a budget its resident memory grows
-    by 100-250 MB while featurizing 4,096 rows, depending on the machine's allocator (so the rows double until it
-    grows by more than 250 MB: half of that leaves room for the ~50 MiB a budget keeps beside); with a budget half of that above its memory before featurizing, the peak (its own
-    high-water mark over the featurize, and the resident memory sampled from outside over its whole life) stays
-    under the budget, and the rows equal the unbudgeted run's."""
+    by 100-250 MB while featurizing 4,096 rows, depending on the machine's allocator, so the rows double until it
+    grows by more than 250 MB (half of that leaves room for the ~50 MiB a budget keeps beside). With a budget half
+    of that above its memory before featurizing, the peak (its own high-water mark over the featurize, and the
+    resident memory sampled from outside over its whole life) stays under the budget, and the rows equal the
+    unbudgeted run's."""
     width = 1024
     for rows in (4096, 8192, 16384, 32768):
         free, free_sampled = _child(str(tmp_path / f"free{rows}"), rows, width, "-")
