@@ -509,10 +509,13 @@ def traker_scores(tr_cls, case: Case, truth: dict, num_ckpts: int = NUM_CKPTS, r
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tr = tr_cls(model=case.make_model(), task=case.task, train_set_size=n, save_dir=tmp, device="cpu", **kw)
+        batches = [[t[a : a + rows] for t in train] for a in range(0, n, rows)]
         for mid in range(num_ckpts):
             tr.load_checkpoint(truth["states"][mid], model_id=mid)
-            for a in range(0, n, rows):
-                tr.featurize([t[a : a + rows] for t in train], num_samples=min(rows, n - a))
+            if kw.get("curvature") in ("kfac", "ekfac"):  # trakflow's Kronecker-factored curvature: fitted first
+                tr.fit_curvature(batches)
+            for b in batches:
+                tr.featurize(b, num_samples=len(b[-1]))
         tr.finalize_features()
         for mid in range(num_ckpts):
             tr.start_scoring_checkpoint("q", truth["states"][mid], mid, m)

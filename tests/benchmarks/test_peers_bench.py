@@ -86,5 +86,5 @@ def test_kronfluence_adapter_scores_are_margin_influence(peers):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     # K-FAC with a damping far above the factors' eigenvalues: the identity's scores divided by the damping
     big = 1e6
-    kfac = peers.kron_scores(_model, states, train, targets, "kfac", batch=4, damping_factor=big)
-    np.testing.assert_allclose(kfac * big, want, rtol=1e-3, atol=1e-5)
+    kfac = peers.kron_scores(_model, states[:1], train, targets, "kfac", batch=4, damping_factor=big)
+    np.testing.assert_allclose(kfac * big, _brute(states[:1], train, targets), rtol=1e-3, atol=1e-5)
