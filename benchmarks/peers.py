@@ -1,14 +1,9 @@
-"""Attribution quality beside the peers, in one run (RESULTS.md, "Beside kronfluence"): trakflow's defaults, its
-curvature options (by name, ``CURVATURES``) and the dense projection; kronfluence 1.0.1's K-FAC and EK-FAC influence
-with its heuristic damping (0.1 × the mean eigenvalue, per module); traker 0.3.2's defaults. Same checkpoints, targets
-and ground truth (quality.py's cached half-subset models); kronfluence's scores are averaged over the checkpoints.
+"""trakflow (defaults, its curvature options by name, λ rel:1, dense) beside kronfluence 1.0.1 (K-FAC, EK-FAC, heuristic
+damping) and traker 0.3.2 on quality.py's cases, checkpoints and ground truth (RESULTS.md, "Beside kronfluence"):
+LDS, CPU and wall seconds, peak RSS above the RSS before the run, one process per (case, column, proj_dim), scores
+cached in .cache/lds/peers/. kronfluence: pip install --no-deps kronfluence==1.0.1 einops einconv opt-einsum
 
-Each (column, case, proj_dim) runs in its own process (one thread), from the model's checkpoints to the scores:
-wall time, and peak RSS above the process's RSS before the run (imports and data loaded). Scores are cached under
-.cache/lds/peers/; the table is rebuilt from them (``--fresh`` runs again).
-
-    .venv/bin/python benchmarks/peers.py --cases wide-mlp bn-conv --proj-dims 512 2048
-    kronfluence: pip install --no-deps kronfluence==1.0.1 einops einconv opt-einsum  (the `bench` extra)
+    python benchmarks/peers.py --cases wide-mlp bn-conv --proj-dims 512 2048
 """
 
 from __future__ import annotations
@@ -60,18 +55,14 @@ def kron_scores(make_model, states: list, train: tuple, targets: tuple, strategy
     class Margins(Task):
         def compute_train_loss(self, batch, model, sample=False):
             logits = model(*batch[:-1])
-            if sample:
-                with torch.no_grad():
-                    y = torch.multinomial(torch.softmax(logits.detach(), -1), 1).flatten()
-                return cross_entropy(logits, y, reduction="sum")
-            return cross_entropy(logits, batch[-1], reduction="sum")
+            with torch.no_grad():  # sample: labels drawn from the model (kronfluence's default, the true Fisher)
+                y = torch.multinomial(torch.softmax(logits.detach(), -1), 1).flatten() if sample else batch[-1]
+            return cross_entropy(logits, y, reduction="sum")
 
         def compute_measurement(self, batch, model):  # −margin: kronfluence's sign then gives the margin's increase
             return -_margin(model(*batch[:-1]), batch[-1]).sum()
 
-    data = torch.utils.data.TensorDataset(*train)
-    queries = torch.utils.data.TensorDataset(*targets)
-    total = 0.0
+    data, queries, total = torch.utils.data.TensorDataset(*train), torch.utils.data.TensorDataset(*targets), 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for i, state in enumerate(states):
             model = make_model()
@@ -101,12 +92,7 @@ def _dense(case, truth, p) -> np.ndarray:
 def _traker(case, truth, p) -> np.ndarray:
     from trak.traker import TRAKer
 
-    logging.getLogger("TRAK").setLevel(logging.ERROR)
     return quality.traker_scores(TRAKer, case, truth, proj_dim=p, logging_level=logging.ERROR)
-
-
-def _kron(strategy: str):
-    return lambda case, truth, p: kron_scores(case.make_model, truth["states"], case.train(), case.targets(), strategy)
 
 
 def column(name: str):
@@ -123,7 +109,12 @@ def column(name: str):
 COLUMNS = {"trakflow defaults": (_trakflow, True)}
 #: trakflow's options beside its defaults: its curvatures, and λ = rel:1 (leave-one-case-out between the two cases)
 COLUMNS.update({name: column(name) for name in [f"trakflow curvature={c}" for c in CURVATURES] + [REL]})
-COLUMNS.update({"trakflow dense": (_dense, True), **{f"kronfluence {s}": (_kron(s), False) for s in KRON}})
+COLUMNS["trakflow dense"] = (_dense, True)
+for _s in KRON:
+    COLUMNS[f"kronfluence {_s}"] = (
+        lambda c, t, p, s=_s: kron_scores(c.make_model, t["states"], c.train(), c.targets(), s),
+        False,
+    )
 COLUMNS["traker 0.3.2"] = (_traker, True)
 #: every column but traker 0.3.2 (its CPU projector takes hours on these models: ``--columns "traker 0.3.2"``)
 DEFAULT_COLUMNS = [c for c in COLUMNS if c != "traker 0.3.2"]
@@ -140,10 +131,8 @@ def one(case_name: str, col: str, p: int) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", FutureWarning)  # kronfluence's torch.cuda.amp.GradScaler, on every run
     case = quality.make_cases()[case_name]
-    truth = quality.ground_truth(case)
-    case.train(), case.targets()  # data loaded (and cached by the examples) before the clock
-    base, cpu0 = psutil.Process().memory_info().rss, time.process_time()
-    t0 = time.perf_counter()
+    truth, _ = quality.ground_truth(case), (case.train(), case.targets())  # data loaded before the clock
+    base, cpu0, t0 = psutil.Process().memory_info().rss, time.process_time(), time.perf_counter()
     sc = column(col)[0](case, truth, p)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base

@@ -1,19 +1,14 @@
-"""Attribution quality (LDS) over a set of evaluation cases, with cached ground truth (RESULTS.md, "Attribution
-quality (LDS) against traker 0.3.2" and "Attribution quality at realistic compression").
+"""Attribution quality (LDS) over evaluation cases with cached ground truth (RESULTS.md, "Attribution quality (LDS)
+against traker 0.3.2", "Attribution quality at realistic compression", "Beside kronfluence").
 
-Cases (``make_cases``; RESULTS.md's tables describe each): nine small ones (``digits-mlp``, ``digits-conv``, ``text``,
-``cancer``, ``wine`` trained to near convergence with full-batch Adam; ``digits-sgd``, ``conv-sgd``,
-``cancer-sgd``, ``wine-sgd`` stopped early with the pipeline's own trainer) and ``LARGE_CASES`` at realistic
-compression (``wide-mlp``, ``bn-conv``, ``small-lm``: a GPT-2 of width 128 attributed with ``task="causal_lm"``).
-Per case, C checkpoints are trained on all train rows and M models on random half subsets
-(``trak_core.lds.subset_masks``); the ground truth is the subset models' margins on held-out targets. It is cached
-under ``.cache/lds/`` (keyed by ``trak_core.lds.truth_key``), and so are the projected gradients X, Q, G per
-(case, projector kind, proj_dim, checkpoint), computed with the pipeline's featurizer.
-
-Scores follow the pipeline's formula (float64 XᵀX, traker's rescale and checkpoint combination), computed in XᵀX's
-eigenbasis so that many ``lambda_reg`` settings are cheap (``Solver``; tests/benchmarks/test_curvature_bench.py
-checks its scores against a brute-force inverse). ``traker`` rows run traker 0.3.2 itself with its CPU defaults.
-LDS = mean over targets of the Spearman correlation over subsets; intervals: 95 % bootstraps over targets.
+Cases (``make_cases``): nine small ones (five trained to near convergence with full-batch Adam, four stopped early by
+the pipeline's trainer) and ``LARGE_CASES`` at realistic compression (``wide-mlp``, ``bn-conv``, ``small-lm``). Per
+case, C checkpoints are trained on all train rows and M models on random half subsets (``trak_core.lds.subset_masks``);
+the ground truth is the subset models' outputs on held-out targets, cached under ``.cache/lds/`` (keyed by
+``truth_key``), as are the projected gradients X, Q, G per (case, projector kind, proj_dim, checkpoint). Scores follow
+the pipeline's formula (float64 XᵀX, traker's rescale and checkpoint combination) in XᵀX's eigenbasis, so that many
+``lambda_reg`` settings are cheap (``Solver``; tests/benchmarks/test_curvature_bench.py checks it against a
+brute-force inverse). LDS = mean over targets of the Spearman correlation over subsets; 95 % bootstraps over targets.
 
     .venv/bin/python benchmarks/quality.py truth                         # train / load all ground truths
     .venv/bin/python benchmarks/quality.py eval --kinds dense --proj-dims 256 2048 --settings 0 adaptive --json d.json
