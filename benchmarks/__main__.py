@@ -93,6 +93,17 @@ CASES = (
         ),
     ),
     Case(
+        "peers",
+        "Beside kronfluence: LDS, time and memory in one run",
+        "LDS, wall time and peak RSS of trakflow's defaults, its curvature options and the dense projection at "
+        "143–840× compression (wide-mlp, bn-conv; 100 half-subset models)",
+        "kronfluence 1.0.1 K-FAC and EK-FAC (heuristic damping), traker 0.3.2; same checkpoints, targets, truth",
+        (
+            "python benchmarks/quality.py truth --cases wide-mlp bn-conv",
+            f"python benchmarks/peers.py --cases wide-mlp bn-conv --proj-dims 512 2048 --json {J}peers.json",
+        ),
+    ),
+    Case(
         "parity",
         "Agreement with traker 0.3.2",
         "scores against traker 0.3.2's on the recipes of tests/compat/test_traker_parity.py",

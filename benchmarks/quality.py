@@ -1,19 +1,14 @@
-"""Attribution quality (LDS) over a set of evaluation cases, with cached ground truth (RESULTS.md, "Attribution
-quality (LDS) against traker 0.3.2" and "Attribution quality at realistic compression").
+"""Attribution quality (LDS) over evaluation cases with cached ground truth (RESULTS.md, "Attribution quality (LDS)
+against traker 0.3.2", "Attribution quality at realistic compression", "Beside kronfluence").
 
-Cases (``make_cases``; RESULTS.md's tables describe each): nine small ones (``digits-mlp``, ``digits-conv``, ``text``,
-``cancer``, ``wine`` trained to near convergence with full-batch Adam; ``digits-sgd``, ``conv-sgd``,
-``cancer-sgd``, ``wine-sgd`` stopped early with the pipeline's own trainer) and ``LARGE_CASES`` at realistic
-compression (``wide-mlp``, ``bn-conv``, ``small-lm``: a GPT-2 of width 128 attributed with ``task="causal_lm"``).
-Per case, C checkpoints are trained on all train rows and M models on random half subsets
-(``trak_core.lds.subset_masks``); the ground truth is the subset models' margins on held-out targets. It is cached
-under ``.cache/lds/`` (keyed by ``trak_core.lds.truth_key``), and so are the projected gradients X, Q, G per
-(case, projector kind, proj_dim, checkpoint), computed with the pipeline's featurizer.
-
-Scores follow the pipeline's formula (float64 XᵀX, traker's rescale and checkpoint combination), computed in XᵀX's
-eigenbasis so that many ``lambda_reg`` settings are cheap (``Solver``; tests/benchmarks/test_curvature_bench.py
-checks its scores against a brute-force inverse). ``traker`` rows run traker 0.3.2 itself with its CPU defaults.
-LDS = mean over targets of the Spearman correlation over subsets; intervals: 95 % bootstraps over targets.
+Cases (``make_cases``): nine small ones (five trained to near convergence with full-batch Adam, four stopped early by
+the pipeline's trainer) and ``LARGE_CASES`` at realistic compression (``wide-mlp``, ``bn-conv``, ``small-lm``). Per
+case, C checkpoints are trained on all train rows and M models on random half subsets (``trak_core.lds.subset_masks``);
+the ground truth is the subset models' outputs on held-out targets, cached under ``.cache/lds/`` (keyed by
+``truth_key``), as are the projected gradients X, Q, G per (case, projector kind, proj_dim, checkpoint). Scores follow
+the pipeline's formula (float64 XᵀX, traker's rescale and checkpoint combination) in XᵀX's eigenbasis, so that many
+``lambda_reg`` settings are cheap (``Solver``; tests/benchmarks/test_curvature_bench.py checks it against a
+brute-force inverse). LDS = mean over targets of the Spearman correlation over subsets; 95 % bootstraps over targets.
 
     .venv/bin/python benchmarks/quality.py truth                         # train / load all ground truths
     .venv/bin/python benchmarks/quality.py eval --kinds dense --proj-dims 256 2048 --settings 0 adaptive --json d.json
@@ -501,6 +496,28 @@ def traker_cache(case: Case, truth: dict, proj_dim: int, num_ckpts: int = NUM_CK
     return os.path.join(CACHE, f"traker-{case.name}-{truth['key']}-{proj_dim}-c{num_ckpts}.npz")
 
 
+def traker_scores(tr_cls, case: Case, truth: dict, num_ckpts: int = NUM_CKPTS, rows: int = 250, **kw) -> np.ndarray:
+    """(n, m) float64 scores of a TRAKer with traker 0.3.2's API (``tr_cls``: traker's or trakflow's) built with
+    ``kw`` on CPU in a temporary store: featurize in batches of ``rows``, finalize, score every checkpoint."""
+    train, targets = case.train(), case.targets()
+    n, m = train[-1].shape[0], targets[-1].shape[0]
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tr = tr_cls(model=case.make_model(), task=case.task, train_set_size=n, save_dir=tmp, device="cpu", **kw)
+        batches = [[t[a : a + rows] for t in train] for a in range(0, n, rows)]
+        for mid in range(num_ckpts):
+            tr.load_checkpoint(truth["states"][mid], model_id=mid)
+            if kw.get("curvature") in ("kfac", "ekfac"):  # trakflow's Kronecker-factored curvature: fitted first
+                tr.fit_curvature(batches)
+            for b in batches:
+                tr.featurize(b, num_samples=len(b[-1]))
+        tr.finalize_features()
+        for mid in range(num_ckpts):
+            tr.start_scoring_checkpoint("q", truth["states"][mid], mid, m)
+            tr.score(list(targets), num_samples=m)
+        return np.asarray(tr.finalize_scores("q"), dtype=np.float64)
+
+
 def traker_lds(case: Case, truth: dict, proj_dim: int, num_ckpts: int = NUM_CKPTS) -> dict:
     """LDS of traker 0.3.2 with its defaults (CPU: BasicProjector, normal; float16 store; λ = 0); cached."""
     path = traker_cache(case, truth, proj_dim, num_ckpts)
@@ -510,28 +527,7 @@ def traker_lds(case: Case, truth: dict, proj_dim: int, num_ckpts: int = NUM_CKPT
         from trak.traker import TRAKer as RefTRAKer
 
         logging.getLogger("TRAK").setLevel(logging.ERROR)
-        train, targets = case.train(), case.targets()
-        n, m = train[-1].shape[0], targets[-1].shape[0]
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tr = RefTRAKer(
-                model=case.make_model(),
-                task=case.task,
-                train_set_size=n,
-                save_dir=tmp,
-                device="cpu",
-                proj_dim=proj_dim,
-                logging_level=logging.ERROR,
-            )
-            for mid in range(num_ckpts):
-                tr.load_checkpoint(truth["states"][mid], model_id=mid)
-                for a in range(0, n, 250):
-                    tr.featurize([t[a : a + 250] for t in train], num_samples=min(250, n - a))
-            tr.finalize_features()
-            for mid in range(num_ckpts):
-                tr.start_scoring_checkpoint("q", truth["states"][mid], mid, m)
-                tr.score([t for t in targets], num_samples=m)
-            sc = np.asarray(tr.finalize_scores("q"), dtype=np.float64)
+        sc = traker_scores(RefTRAKer, case, truth, num_ckpts, proj_dim=proj_dim, logging_level=logging.ERROR)
         np.savez(path, scores=sc)
     with np.load(path) as f:
         sc = f["scores"]
@@ -683,31 +679,6 @@ def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
             gaps.append(f"{v - bf[1]:+.3f}" if bf and v is not None else "—")
         print(f"| {c} | best fixed (0, rel grid) | " + " | ".join(cells) + " | |")
         print(f"| {c} | adaptive − best fixed | " + " | ".join(gaps) + " | |")
-
-    print("\n### Quality goals per case (adaptive; dense unless named)\n")
-    print(
-        "| case | worst (adaptive − best fixed), 128…2048 | noop: adaptive − best fixed | 1024 − 256 (dense / "
-        "factored) | factored adaptive − traker at 256 / 1024 / 2048 |"
-    )
-    print("|---|---|---|---|---|")
-    for c in cases:
-        g = []
-        for p in dims:
-            bf, v = _best_fixed_or_none(rows, c, "dense", p), lds_of(c, "dense", p, ad)
-            if bf and v is not None:
-                g.append((v - bf[1], p))
-        worst = f"{min(g)[0]:+.3f} (at {min(g)[1]})" if g else "—"
-        bn, vn = _best_fixed_or_none(rows, c, "noop", 0), lds_of(c, "noop", 0, ad)
-        noop = f"{vn - bn[1]:+.3f}" if bn and vn is not None else "—"
-        rise = []
-        for k in ("dense", "factored"):
-            a, b = lds_of(c, k, 1024, ad), lds_of(c, k, 256, ad)
-            rise.append(f"{a - b:+.3f}" if a is not None and b is not None else "—")
-        vs = []
-        for p in (256, 1024, 2048):
-            f, t = lds_of(c, "factored", p, ad), lds_of(c, "traker", p, "traker")
-            vs.append(f"{f - t:+.3f}" if f is not None and t is not None and np.isfinite(t) else "—")
-        print(f"| {c} | {worst} | {noop} | {' / '.join(rise)} | {' / '.join(vs)} |")
 
 
 def main(argv=None) -> None:

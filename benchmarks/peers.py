@@ -1,0 +1,185 @@
+"""trakflow (defaults, its curvature options by name, λ rel:1, dense) beside kronfluence 1.0.1 (K-FAC, EK-FAC, heuristic
+damping) and traker 0.3.2 on quality.py's cases, checkpoints and ground truth (RESULTS.md, "Beside kronfluence"):
+LDS, CPU and wall seconds, peak RSS above the RSS before the run, one process per (case, column, proj_dim), scores
+cached in .cache/lds/peers/. kronfluence: pip install --no-deps kronfluence==1.0.1 einops einconv opt-einsum
+
+    python benchmarks/peers.py --cases wide-mlp bn-conv --proj-dims 512 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import quality  # noqa: E402
+
+from trak_core.lds import bootstrap_ci, lds  # noqa: E402
+
+#: trakflow's curvature options measured beside its defaults: TRAKer(curvature=<name>) for each
+CURVATURES = ("ggn",)  # + "kfac", "ekfac" once the kfac branch is merged (RESULTS.md measured them so)
+KRON = ("kfac", "ekfac")
+REL = "trakflow lambda_reg=rel:1"
+OUT = os.path.join(quality.CACHE, "peers")
+
+
+def _margin(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """TRAK's classification margin per example: logit of the label − logsumexp of the other logits."""
+    idx = torch.arange(len(labels))
+    other = logits.clone()
+    other[idx, labels] = -torch.inf
+    return logits[idx, labels] - other.logsumexp(-1)
+
+
+def kron_scores(make_model, states: list, train: tuple, targets: tuple, strategy: str, batch: int = 250, **score_kw):
+    """(n, m) float64 kronfluence 1.0.1 influence of each train example on each target's margin, averaged over the
+    checkpoints ``states``: factors (``strategy``: kfac, ekfac, identity, diagonal) fitted on ``train`` with the
+    sampled-label Fisher (its default), then pairwise scores; ``score_kw`` go to ScoreArguments (default here:
+    ``damping_factor=None``, kronfluence's heuristic). Classification models called as ``model(*inputs)``."""
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+    from kronfluence.task import Task
+    from torch.nn.functional import cross_entropy
+
+    class Margins(Task):
+        def compute_train_loss(self, batch, model, sample=False):
+            logits = model(*batch[:-1])
+            with torch.no_grad():  # sample: labels drawn from the model (kronfluence's default, the true Fisher)
+                y = torch.multinomial(torch.softmax(logits.detach(), -1), 1).flatten() if sample else batch[-1]
+            return cross_entropy(logits, y, reduction="sum")
+
+        def compute_measurement(self, batch, model):  # −margin: kronfluence's sign then gives the margin's increase
+            return -_margin(model(*batch[:-1]), batch[-1]).sum()
+
+    data, queries, total = torch.utils.data.TensorDataset(*train), torch.utils.data.TensorDataset(*targets), 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, state in enumerate(states):
+            model = make_model()
+            model.load_state_dict(state)
+            model = prepare_model(model.eval(), Margins())
+            an = Analyzer(f"c{i}", model, Margins(), cpu=True, disable_tqdm=True, output_dir=tmp,
+                          log_level=logging.WARNING)  # fmt: skip
+            an.fit_all_factors("f", data, batch, factor_args=FactorArguments(strategy=strategy))
+            args = ScoreArguments(**{"damping_factor": None, **score_kw})
+            an.compute_pairwise_scores("s", "f", queries, data, len(queries), batch, score_args=args)
+            total = total + an.load_pairwise_scores("s")["all_modules"].to(torch.float64).T.numpy()
+    return total / len(states)
+
+
+def _trakflow(case, truth, p, **kw) -> np.ndarray:
+    from trak_core.compat.traker import TRAKer
+
+    return quality.traker_scores(TRAKer, case, truth, proj_dim=p, logging_level=logging.ERROR, **kw)
+
+
+def _dense(case, truth, p) -> np.ndarray:
+    from trak_core.projectors import make_projector
+
+    return _trakflow(case, truth, p, projector=make_projector("dense", quality.grad_dim(case), p, 0, "rademacher"))
+
+
+def _traker(case, truth, p) -> np.ndarray:
+    from trak.traker import TRAKer
+
+    return quality.traker_scores(TRAKer, case, truth, proj_dim=p, logging_level=logging.ERROR)
+
+
+def column(name: str):
+    """(function (case, truth, proj_dim) -> (n, m) scores, whether it projects) of a column: one of ``COLUMNS`` or
+    ``"trakflow key=value ..."``, trakflow's TRAKer with those keywords (e.g. ``"trakflow lambda_reg=rel:1"``)."""
+    if name in COLUMNS:
+        return COLUMNS[name]
+    if name.startswith("trakflow ") and "=" in name:
+        kw = dict(part.split("=", 1) for part in name.split()[1:])
+        return lambda case, truth, p: _trakflow(case, truth, p, **kw), True
+    raise SystemExit(f"unknown column {name!r}: one of {list(COLUMNS)} or 'trakflow key=value ...'")
+
+
+COLUMNS = {"trakflow defaults": (_trakflow, True)}
+#: trakflow's options beside its defaults: its curvatures, and λ = rel:1 (leave-one-case-out between the two cases)
+COLUMNS.update({name: column(name) for name in [f"trakflow curvature={c}" for c in CURVATURES] + [REL]})
+COLUMNS["trakflow dense"] = (_dense, True)
+for _s in KRON:
+    COLUMNS[f"kronfluence {_s}"] = (
+        lambda c, t, p, s=_s: kron_scores(c.make_model, t["states"], c.train(), c.targets(), s),
+        False,
+    )
+COLUMNS["traker 0.3.2"] = (_traker, True)
+#: every column but traker 0.3.2 (its CPU projector takes hours on these models: ``--columns "traker 0.3.2"``)
+DEFAULT_COLUMNS = [c for c in COLUMNS if c != "traker 0.3.2"]
+
+
+def _path(case: str, truth: dict, column: str, p: int) -> str:
+    return os.path.join(OUT, f"{case}-{truth['key']}-{column.replace(' ', '_')}-{p}.npz")
+
+
+def one(case_name: str, col: str, p: int) -> None:
+    """In this process: the column's scores, wall time and peak RSS above the RSS before the run, cached."""
+    import psutil
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", FutureWarning)  # kronfluence's torch.cuda.amp.GradScaler, on every run
+    case = quality.make_cases()[case_name]
+    truth, _ = quality.ground_truth(case), (case.train(), case.targets())  # data loaded before the clock
+    base, cpu0, t0 = psutil.Process().memory_info().rss, time.process_time(), time.perf_counter()
+    sc = column(col)[0](case, truth, p)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    os.makedirs(OUT, exist_ok=True)
+    np.savez(_path(case_name, truth, col, p), scores=sc, wall=wall, cpu=cpu, peak=peak)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="*", default=["wide-mlp", "bn-conv"])
+    ap.add_argument("--proj-dims", nargs="*", type=int, default=[512, 2048])
+    ap.add_argument("--columns", nargs="*", default=DEFAULT_COLUMNS, help="names in COLUMNS or 'trakflow key=value'")
+    ap.add_argument("--fresh", action="store_true", help="run every column again (else: its cached scores)")
+    ap.add_argument("--cached", action="store_true", help="only the runs in the cache (no new run)")
+    ap.add_argument("--json", default=None, help="write the table's rows here")
+    ap.add_argument("--one", nargs=3, metavar=("CASE", "COLUMN", "PROJ_DIM"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.one:
+        return one(a.one[0], a.one[1], int(a.one[2]))
+    cases, rows = quality.make_cases(), []
+    print("| case | proj_dim (×) | column | LDS [95 % CI] | − kronfluence best (paired) | CPU s | wall s | peak MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in a.cases:
+        truth, gd, res = quality.ground_truth(cases[name]), quality.grad_dim(cases[name]), {}
+        for col in a.columns:
+            for p in a.proj_dims if column(col)[1] else [0]:
+                path = _path(name, truth, col, p)
+                if a.cached and not os.path.exists(path):
+                    continue
+                if a.fresh or not os.path.exists(path):
+                    subprocess.run([sys.executable, __file__, "--one", name, col, str(p)], check=True)
+                with np.load(path) as f:
+                    r = {k: float(f[k]) if k in f.files else float("nan") for k in ("cpu", "wall", "peak")}
+                    r["lds"], r["per"] = lds(f["scores"], truth["masks"], truth["margins"])
+                res[col, p] = {**r, "ci": bootstrap_ci(r["per"]), "peak": r["peak"] / 2**20}
+        kron = [k for k in res if k[0].startswith("kronfluence")]
+        best = max(kron, key=lambda k: res[k]["lds"]) if kron else None
+        for (col, p), r in res.items():
+            d = "{:+.3f} [{:+.3f}, {:+.3f}]".format(*quality.paired_ci(r["per"], res[best]["per"])) if best else "—"
+            where = f"{p} ({gd / p:,.0f}×)" if p else "— (exact per layer)"
+            cost = f"{r['cpu']:.0f} | {r['wall']:.0f} | {r['peak']:.0f}"
+            print(f"| {name} | {where} | {col} | {quality.fmt(r)} | {d if (col, p) != best else '—'} | {cost} |")
+            rows.append({"case": name, "column": col, "proj_dim": p, **{k: v for k, v in r.items() if k != "per"}})
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=0, default=float)
+
+
+if __name__ == "__main__":
+    main()
