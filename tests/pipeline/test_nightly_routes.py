@@ -32,6 +32,7 @@ def _fresh(monkeypatch, demo):
     clear_data_cache()
 
 
+@pytest.mark.slow
 def test_every_demo_route_works_after_a_nightly_append(tmp_path, monkeypatch):
     from deployments.serve import query_request
     from examples.digits import demo_configs

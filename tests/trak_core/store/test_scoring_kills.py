@@ -108,6 +108,7 @@ def featurized(tmp_path_factory):
     return d, ck, data, _score(d / "ref.zarr", ck, data)
 
 
+@pytest.mark.slow
 def test_a_kill_at_every_write_of_scoring_resumes_bit_for_bit(featurized, tmp_path, monkeypatch, request):
     d, ck, data, want = featurized
     with monkeypatch.context() as m:
