@@ -29,8 +29,10 @@ def prefect_harness():
 
 
 def pytest_collection_modifyitems(config, items):
-    """The modules that start real services run first: under ``make test`` (``-n 2 --dist loadfile
-    --no-loadscope-reorder``, modules handed out in this order) the longest modules then overlap the rest instead
-    of running alone at the end. A module's tests stay together and in their order (a stable sort by module)."""
-    slow = {item.module.__name__ for item in items if item.get_closest_marker("services")}
-    items.sort(key=lambda item: item.module.__name__ not in slow)
+    """The modules that start real services run first, then those with a test marked ``slow``: under ``make test``
+    (``-n 2 --dist loadfile --no-loadscope-reorder``, modules handed out in this order) the longest modules then
+    overlap the rest instead of running alone at the end. A module's tests stay together and in their order (a
+    stable sort by module)."""
+    services = {item.module.__name__ for item in items if item.get_closest_marker("services")}
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.module.__name__ not in services, item.module.__name__ not in slow))

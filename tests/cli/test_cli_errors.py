@@ -206,6 +206,7 @@ def _featurizing(store: Path) -> bool:
     return grads.is_dir() and any(grads.rglob("*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_signal_leaves_no_process_behind(tmp_path, sig):
     """`trakflow run` with Prefect's ephemeral server (no PREFECT_API_URL) and a slowed model, signalled once

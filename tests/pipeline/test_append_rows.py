@@ -4,6 +4,8 @@ one run over all rows. A changed old row, or fewer rows, is refused in one line.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 from trak_fixtures import tiny_attribute_config
@@ -34,85 +36,104 @@ def row_5_changed():
     return x, y
 
 
-def cfg(root, train="examples.tiny:train_data", **over):
+def cfg(root, ck, train="examples.tiny:train_data", **over):
     return AttributeConfig.model_validate(
-        tiny_attribute_config(root / "s.zarr", str(root / "ck" / "model_*.pt"), train_data=train, **over)
+        tiny_attribute_config(root / "s.zarr", str(ck / "model_*.pt"), train_data=train, **over)
     )
 
 
-def _stores(tmp_path, first: str, **over):
-    """A store built in two runs (``first`` rows, then all 64) and one built at once; both attributed."""
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, prefect_harness):
+    """Two checkpoints, a store of the first 48 rows and one of all 64 built at once, both attributed: the tests grow
+    copies of the first (``grown``) and compare them with the second (read only)."""
     from flows import attribute
 
-    grow, once = tmp_path / "grow", tmp_path / "once"
-    for root in (grow, once):
-        tiny.save_checkpoints(root / "ck", seeds=(0, 1))
+    d = tmp_path_factory.mktemp("append")
+    tiny.save_checkpoints(d / "ck", seeds=(0, 1))
     clear_data_cache()
-    attribute(cfg(grow, first, **over))
+    attribute(cfg(d / "first_48", d / "ck", "test_append_rows:first_48"))
+    attribute(cfg(d / "once", d / "ck"))
+    return d
+
+
+def grown(built, tmp_path):
+    """A copy of the store of the first 48 rows, in ``tmp_path``."""
+    shutil.copytree(built / "first_48" / "s.zarr", tmp_path / "s.zarr")
+    return tmp_path
+
+
+def test_two_appends_equal_one_run_bit_for_bit(built, tmp_path):
+    from flows import attribute
+
+    grow, once, ck = grown(built, tmp_path), built / "once", built / "ck"
     old = TrakStore.open(str(grow / "s.zarr"), mode="r")
     kept = {
         mid: tuple(np.asarray(getattr(old.model(mid), k)[:]).copy() for k in ("grads", "out_to_loss", "xtx_partials"))
         for mid in (0, 1)
     }
-    out = attribute(cfg(grow, **over))
-    attribute(cfg(once, **over))
-    return grow, once, kept, out
-
-
-def test_two_appends_equal_one_run_bit_for_bit(tmp_path):
-    grow, once, kept, out = _stores(tmp_path, "test_append_rows:first_48")
+    clear_data_cache()
+    out = attribute(cfg(grow, ck))
     assert out["plan"].grown_from == 48 and out["plan"].train_set_size == tiny.NUM_TRAIN
     assert out["featurize"]["computed"] == 2  # one new shard of 16 rows per checkpoint
     assert out["finalize"]["computed"] == 2  # XᵀX changed: every checkpoint solved again
-    grown, ref = TrakStore.open(str(grow / "s.zarr"), mode="r"), TrakStore.open(str(once / "s.zarr"), mode="r")
-    assert grown.meta.train_set_size == tiny.NUM_TRAIN
+    grown_store, ref = TrakStore.open(str(grow / "s.zarr"), mode="r"), TrakStore.open(str(once / "s.zarr"), mode="r")
+    assert grown_store.meta.train_set_size == tiny.NUM_TRAIN
     for mid in (0, 1):
-        np.testing.assert_array_equal(grown.model(mid).grads[:48], kept[mid][0])  # the old rows, untouched
-        np.testing.assert_array_equal(grown.model(mid).out_to_loss[:48], kept[mid][1])
-        np.testing.assert_array_equal(grown.model(mid).xtx_partials[:3], kept[mid][2])  # old shards' partials
-        assert grown.num_partials_done(mid) == 4 and grown.featurized_mask(mid).all()
-        np.testing.assert_array_equal(grown.model(mid).grads[:], ref.model(mid).grads[:])
-        np.testing.assert_array_equal(grown.inverse(mid), ref.inverse(mid))
-    np.testing.assert_array_equal(grown.scores("tiny")[:], ref.scores("tiny")[:])
-    report = verify_store(grown)
+        np.testing.assert_array_equal(grown_store.model(mid).grads[:48], kept[mid][0])  # the old rows, untouched
+        np.testing.assert_array_equal(grown_store.model(mid).out_to_loss[:48], kept[mid][1])
+        np.testing.assert_array_equal(grown_store.model(mid).xtx_partials[:3], kept[mid][2])  # old shards' partials
+        assert grown_store.num_partials_done(mid) == 4 and grown_store.featurized_mask(mid).all()
+        np.testing.assert_array_equal(grown_store.model(mid).grads[:], ref.model(mid).grads[:])
+        np.testing.assert_array_equal(grown_store.inverse(mid), ref.inverse(mid))
+    np.testing.assert_array_equal(grown_store.scores("tiny")[:], ref.scores("tiny")[:])
+    report = verify_store(grown_store)
     assert report.ok, report.summary()
     x = tiny.target_data()
-    a, b = TrakIndex.from_config(cfg(grow)).query(x, k=5), TrakIndex.from_config(cfg(once)).query(x, k=5)
+    a, b = TrakIndex.from_config(cfg(grow, ck)).query(x, k=5), TrakIndex.from_config(cfg(once, ck)).query(x, k=5)
     np.testing.assert_array_equal(a.indices, b.indices)
     np.testing.assert_array_equal(a.scores, b.scores)
 
 
-def test_append_into_a_partial_last_shard(tmp_path):
+def test_append_into_a_partial_last_shard(built, tmp_path):
     """40 rows (the last shard half full), then 64: the half shard keeps its 8 stored rows and gets 8 more."""
-    grow, once, kept, out = _stores(tmp_path, "test_append_rows:first_40")
-    assert out["plan"].grown_from == 40
-    assert out["featurize"]["computed"] == 2 * 2  # shards 2 (rows 40..47 new) and 3, per checkpoint
-    grown, ref = TrakStore.open(str(grow / "s.zarr"), mode="r"), TrakStore.open(str(once / "s.zarr"), mode="r")
-    for mid in (0, 1):
-        np.testing.assert_array_equal(grown.model(mid).grads[:40], kept[mid][0])
-        np.testing.assert_allclose(grown.model(mid).grads[:], ref.model(mid).grads[:], rtol=1e-3, atol=1e-6)
-    np.testing.assert_allclose(grown.scores("tiny")[:], ref.scores("tiny")[:], rtol=1e-4, atol=1e-6)
-    assert verify_store(grown).ok
-
-
-def test_changed_old_row_or_fewer_rows_refused(tmp_path):
     from flows import attribute
 
-    tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
+    once, ck = built / "once", built / "ck"
     clear_data_cache()
-    attribute(cfg(tmp_path, "test_append_rows:first_48"))
-    before = TrakStore.open(str(tmp_path / "s.zarr"), mode="r")
+    attribute(cfg(tmp_path, ck, "test_append_rows:first_40"))
+    kept = {mid: TrakStore.open(str(tmp_path / "s.zarr"), mode="r").model(mid).grads[:].copy() for mid in (0, 1)}
+    out = attribute(cfg(tmp_path, ck))
+    assert out["plan"].grown_from == 40
+    assert out["featurize"]["computed"] == 2 * 2  # shards 2 (rows 40..47 new) and 3, per checkpoint
+    grown_store, ref = (
+        TrakStore.open(str(tmp_path / "s.zarr"), mode="r"),
+        TrakStore.open(str(once / "s.zarr"), mode="r"),
+    )
+    for mid in (0, 1):
+        np.testing.assert_array_equal(grown_store.model(mid).grads[:40], kept[mid])
+        np.testing.assert_allclose(grown_store.model(mid).grads[:], ref.model(mid).grads[:], rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(grown_store.scores("tiny")[:], ref.scores("tiny")[:], rtol=1e-4, atol=1e-6)
+    assert verify_store(grown_store).ok
+
+
+def test_changed_old_row_or_fewer_rows_refused(built, tmp_path):
+    from flows import attribute
+
+    root, ck = grown(built, tmp_path), built / "ck"
+    clear_data_cache()
+    before = TrakStore.open(str(root / "s.zarr"), mode="r")
     with pytest.raises(StoreMismatchError, match=r"train_data: rows 0\.\.15 differ") as e:
-        attribute(cfg(tmp_path, "test_append_rows:row_5_changed"))
+        attribute(cfg(root, ck, "test_append_rows:row_5_changed"))
     assert "\n" not in str(e.value)
     with pytest.raises(StoreMismatchError, match="train_data: 40 rows, but the store .* holds 48") as e:
-        attribute(cfg(tmp_path, "test_append_rows:first_40"))
-    after = TrakStore.open(str(tmp_path / "s.zarr"), mode="r")
+        attribute(cfg(root, ck, "test_append_rows:first_40"))
+    after = TrakStore.open(str(root / "s.zarr"), mode="r")
     assert after.meta == before.meta  # nothing written
     np.testing.assert_array_equal(after.scores("tiny")[:], before.scores("tiny")[:])
 
 
-def test_growth_interrupted_before_the_root_is_written(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_growth_interrupted_before_the_root_is_written(built, tmp_path, monkeypatch):
     """A run that dies while growing the store (arrays resized, root metadata not yet written): the store is
     refused on open, `verify --repair` puts its arrays back to the root's size (no chunk deleted), and the rerun
     grows it and scores as one run over all rows."""
@@ -121,11 +142,8 @@ def test_growth_interrupted_before_the_root_is_written(tmp_path, monkeypatch):
     from trak_core.store import grow
     from trak_core.store.verify import repair_store, verify_location
 
-    grow_root, once = tmp_path / "grow", tmp_path / "once"
-    for root in (grow_root, once):
-        tiny.save_checkpoints(root / "ck", seeds=(0, 1))
+    grow_root, once, ck = grown(built, tmp_path), built / "once", built / "ck"
     clear_data_cache()
-    attribute(cfg(grow_root, "test_append_rows:first_48"))
     old = TrakStore.open(str(grow_root / "s.zarr"), mode="r")
     kept = old.model(0).grads[:].copy()
 
@@ -135,7 +153,7 @@ def test_growth_interrupted_before_the_root_is_written(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(grow, "write_root", dies)
         with pytest.raises(RuntimeError, match="killed while growing"):
-            attribute(cfg(grow_root))
+            attribute(cfg(grow_root, ck))
     location = str(grow_root / "s.zarr")
     with pytest.raises(StoreDamageError, match="shape"):
         TrakStore.open(location)
@@ -143,10 +161,9 @@ def test_growth_interrupted_before_the_root_is_written(tmp_path, monkeypatch):
     repair_store(TrakStore.open(location, check_arrays=False), report)
     assert verify_location(location).ok
     np.testing.assert_array_equal(TrakStore.open(location, mode="r").model(0).grads[:], kept)
-    attribute(cfg(grow_root))
-    attribute(cfg(once))
-    grown, ref = TrakStore.open(location, mode="r"), TrakStore.open(str(once / "s.zarr"), mode="r")
-    np.testing.assert_array_equal(grown.scores("tiny")[:], ref.scores("tiny")[:])
+    attribute(cfg(grow_root, ck))
+    grown_store, ref = TrakStore.open(location, mode="r"), TrakStore.open(str(once / "s.zarr"), mode="r")
+    np.testing.assert_array_equal(grown_store.scores("tiny")[:], ref.scores("tiny")[:])
     # a store that recorded the whole data's fingerprint only (before row fingerprints): its rows as one range
     from trak_core import engine
     from trak_core.lds import array_fingerprint

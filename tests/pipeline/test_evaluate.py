@@ -183,6 +183,7 @@ def test_ground_truth_margins_are_those_of_retrained_models(evaluated):
     np.testing.assert_allclose(truth["margins"][3], torch.log(p / (1 - p)).numpy(), rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_second_run_through_the_cli_trains_nothing(evaluated, monkeypatch):
     from typer.testing import CliRunner
 
@@ -198,7 +199,9 @@ def test_second_run_through_the_cli_trains_nothing(evaluated, monkeypatch):
 
     monkeypatch.setattr(ev, "train_on_rows", boom)
     path = tmp / "evaluate.yaml"
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    # the fixture's run scored the experiment: the rerun reads it (the attribute flow's own rerun, which recomputes
+    # nothing, is test_flows.py's test_second_run_recomputes_nothing)
+    path.write_text(yaml.safe_dump(cfg.model_copy(update={"run_attribute": False}).model_dump(mode="json")))
     out = CliRunner().invoke(app, ["evaluate", str(path)], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert out.exit_code == 0, out.output
     assert "0 models trained now (10 reused)" in out.output
@@ -237,7 +240,8 @@ def test_subset_models_train_with_their_share_of_the_cores(evaluated, monkeypatc
     real = ev.train_subset_model
     monkeypatch.setattr(ev, "train_subset_model", lambda *a: seen.append(torch.get_num_threads()) or real(*a))
     before = torch.get_num_threads()
-    evaluate(cfg.model_copy(update={"num_subsets": 4, "cache_dir": str(tmp / "cache-threads"), "max_workers": 2}))
+    threads = {"num_subsets": 4, "cache_dir": str(tmp / "cache-threads"), "max_workers": 2, "run_attribute": False}
+    evaluate(cfg.model_copy(update=threads))  # the experiment is the fixture's, scored
     assert seen == [1, 1, 1, 1] and torch.get_num_threads() == before
 
 

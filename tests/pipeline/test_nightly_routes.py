@@ -1,13 +1,16 @@
-"""After the nightly deployment appended train rows, every route that reads the demo's store sees the same train
-data as the run that grew it: the demo (``make demo``), ``trakflow run`` of the demo's attribute.yaml, ``trakflow
-show`` and ``trakflow query`` of it, and the ``query/digits`` deployment's request, each in a fresh environment
-(no ``TRAKFLOW_TRAIN_DIR``), the queries showing new rows with their own labels. In-process under the session's Prefect
-harness (the nightly's schedule itself is run by a real server in test_real_services.py)."""
+"""The nightly demo over a folder of train files appends a new file's rows: the next run featurizes only them,
+solves the checkpoint again and refreshes the report, and one with nothing new featurizes nothing. After the
+append, every route that reads the demo's store sees the same train data as the run that grew it: the demo
+(``make demo``), ``trakflow run`` of the demo's attribute.yaml, ``trakflow show`` and ``trakflow query`` of it, and
+the ``query/digits`` deployment's request, each in a fresh environment (no ``TRAKFLOW_TRAIN_DIR``), the queries
+showing new rows with their own labels. In-process under the session's Prefect harness (the nightly's schedule
+itself is run by a real server in test_real_services.py)"""
 
 from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -15,6 +18,7 @@ from typer.testing import CliRunner
 from examples import digits, folder_data
 from tasks.common import clear_data_cache
 from trak_core.store import TrakStore
+from trak_core.store.verify import verify_store
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -28,6 +32,7 @@ def _fresh(monkeypatch, demo):
     clear_data_cache()
 
 
+@pytest.mark.slow
 def test_every_demo_route_works_after_a_nightly_append(tmp_path, monkeypatch):
     from deployments.serve import query_request
     from examples.digits import demo_configs
@@ -38,16 +43,34 @@ def test_every_demo_route_works_after_a_nightly_append(tmp_path, monkeypatch):
     demo = tmp_path / "demo"
     params = dict(demo_dir=str(demo), num_models=1, epochs=1, proj_dim=32, lambda_reg=1.0)
     _fresh(monkeypatch, demo)
-    digits_demo(**params, train_folder=True)  # the nightly: seeds the folder
+    first = digits_demo(**params, train_folder=True)["attribute"]  # the nightly: seeds the folder
+    assert first["plan"].train_set_size == digits.NUM_TRAIN  # the folder seeded with the digits train set
+    report = demo / "report" / "digits_top_k.md"
+    before = report.read_text()
+    store = TrakStore.open(str(demo / "store.zarr"), mode="r")
+    old_rows, old_scores = store.model(0).grads[:].copy(), store.scores("digits")[:].copy()
     x, y = digits.heldout_data()
     new_x, new_y = x[digits.NUM_TARGETS : digits.NUM_TARGETS + NEW], y[digits.NUM_TARGETS : digits.NUM_TARGETS + NEW]
     folder_data.save_part(demo / "train", (new_x, new_y), 1)
     _fresh(monkeypatch, demo)
-    grown = digits_demo(**params, train_folder=True)["attribute"]  # the next nightly: appends
+    second = digits_demo(**params, train_folder=True)  # the next nightly: appends
+    grown = second["attribute"]
     n = digits.NUM_TRAIN + NEW
+    assert second["train"] is None  # the checkpoints were kept
     assert grown["plan"].train_set_size == n and grown["plan"].grown_from == digits.NUM_TRAIN
-    source = TrakStore.open(str(demo / "store.zarr"), mode="r").pipeline_info()["train_source"]
-    assert source["train_dir"] == str((demo / "train").absolute())
+    assert grown["featurize"]["computed"] == 1 and grown["featurize"]["skipped"] == 3  # the new shard only
+    assert grown["finalize"]["computed"] == 1
+    store = TrakStore.open(str(demo / "store.zarr"), mode="r")
+    assert store.pipeline_info()["train_source"]["train_dir"] == str((demo / "train").absolute())
+    np.testing.assert_array_equal(store.model(0).grads[: digits.NUM_TRAIN], old_rows)
+    scores = store.scores("digits")[:]
+    assert scores.shape == (n, digits.NUM_TARGETS) and not np.array_equal(scores[: digits.NUM_TRAIN], old_scores)
+    assert verify_store(store).ok
+    assert report.read_text() != before  # the report was refreshed from the new scores
+
+    _fresh(monkeypatch, demo)
+    third = digits_demo(**params, train_folder=True)["attribute"]  # nothing new arrived: nothing featurized
+    assert third["plan"].grown_from is None and third["featurize"]["computed"] == 0
 
     # make demo / trakflow demo: the demo without the nightly's flag reads the train folder the store grew from
     _fresh(monkeypatch, demo)

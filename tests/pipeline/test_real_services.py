@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from services import REPO, dask_cluster, wait_for
+from services import REPO, dask_cluster, stop, wait_for
 from trak_fixtures import tiny_attribute_config
 
 from examples import tiny
@@ -75,11 +75,15 @@ def flow_runs(server, deployment_name: str) -> list:
         )
 
 
-def wait_terminal(server, deployment_name: str, timeout: float, proc=None):
-    """The first flow run of the deployment once it is in a terminal state."""
+def wait_terminal(server, deployment_name: str, timeout: float, proc=None, run_id=None):
+    """The first flow run of the deployment (or its run ``run_id``) once it is in a terminal state."""
 
     def done():
-        runs = [r for r in flow_runs(server, deployment_name) if r.state_type and r.state_type.value in TERMINAL]
+        runs = [
+            r
+            for r in flow_runs(server, deployment_name)
+            if r.state_type and r.state_type.value in TERMINAL and run_id in (None, r.id)
+        ]
         return runs[0] if runs else None
 
     return wait_for(done, timeout, f"a finished run of deployment {deployment_name!r}", poll=1.0, proc=proc)
@@ -122,11 +126,10 @@ def test_second_run_on_a_store_logs_no_conflict(setup):
     """A second run on a store finds the store's queue (a global concurrency limit) and does not create it
     again: neither the server nor the run logs an IntegrityError."""
     server, tmp, ckpt_dir, ref = setup
-    cfg = tiny_config(tmp, ckpt_dir, "twice")
-    for name in ("twice-1", "twice-2"):
-        res = run_script(server, tmp, cfg, name)
-        assert res.returncode == 0, res.stderr[-3000:]
-        assert "IntegrityError" not in res.stdout + res.stderr, res.stderr[-3000:]
+    cfg = tiny_config(tmp, ckpt_dir, "reference")  # the store of the module's first run (the setup's)
+    res = run_script(server, tmp, cfg, "twice")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "IntegrityError" not in res.stdout + res.stderr, res.stderr[-3000:]
     assert "IntegrityError" not in server.read_log(), server.read_log()[-3000:]
     np.testing.assert_array_equal(scores(cfg), ref)
 
@@ -159,11 +162,11 @@ def test_schedule_fires_and_completes(setup):
     np.testing.assert_array_equal(scores(cfg), ref)
 
 
-def test_work_pool_route_with_ui_parameters(setup):
-    """prefect deploy (a prefect.yaml) + prefect worker start; the run is created through the API with the
-    JSON parameters of the UI's form, and completes with the reference scores."""
-    server, tmp, ckpt_dir, ref = setup
-    cfg = tiny_config(tmp, ckpt_dir, "pool")
+@pytest.fixture(scope="module")
+def pool(setup):
+    """`prefect work-pool create` + `prefect deploy` (a prefect.yaml): deployment 'attribute/pool' on the process
+    work pool 'test-pool', for the tests that start a worker on it (each stops its worker before it returns)."""
+    server, tmp, _, _ = setup
     prefect_yaml = tmp / "prefect.yaml"
     prefect_yaml.write_text(
         json.dumps(
@@ -190,29 +193,35 @@ def test_work_pool_route_with_ui_parameters(setup):
     ):
         res = subprocess.run(cmd, env=server.env, cwd=REPO, capture_output=True, text=True, timeout=400)
         assert res.returncode == 0, f"{cmd[1:3]}: {res.stdout[-2000:]}{res.stderr[-2000:]}"
+    return "attribute/pool"
+
+
+def test_work_pool_route_with_ui_parameters(setup, pool):
+    """prefect deploy (a prefect.yaml) + prefect worker start; the run is created through the API with the
+    JSON parameters of the UI's form, and completes with the reference scores."""
+    server, tmp, ckpt_dir, ref = setup
+    cfg = tiny_config(tmp, ckpt_dir, "pool")
+    prefect = str(Path(sys.executable).parent / "prefect")
     worker = server.spawn([prefect, "worker", "start", "--pool", "test-pool", "--limit", "1"], "worker")
+    try:
+        from prefect.deployments import run_deployment
+        from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings({PREFECT_API_URL: server.api_url}):
-        run_deployment("attribute/pool", parameters={"config": cfg}, timeout=0)
-    run = wait_terminal(server, "pool", timeout=480, proc=worker)
-    assert run.state_type.value == "COMPLETED", server.read_log("worker")[-3000:]
-    np.testing.assert_array_equal(scores(cfg), ref)
+        with temporary_settings({PREFECT_API_URL: server.api_url}):
+            created = run_deployment(pool, parameters={"config": cfg}, timeout=0)
+        run = wait_terminal(server, "pool", timeout=480, proc=worker, run_id=created.id)
+        assert run.state_type.value == "COMPLETED", server.read_log("worker")[-3000:]
+        np.testing.assert_array_equal(scores(cfg), ref)
+    finally:
+        stop(worker)  # the pool's next run is for another test's worker
 
 
 def test_real_dask_cluster_and_worker_kill(setup):
-    """dask_address → a `dask scheduler` with two `dask worker` processes: identical scores; then one
-    worker SIGKILLed after the first featurized shard, and the run still completes with identical scores."""
+    """dask_address → a `dask scheduler` with two `dask worker` processes, one of them SIGKILLed after the first
+    featurized shard: the run completes with the reference scores."""
     server, tmp, ckpt_dir, ref = setup
     with dask_cluster(tmp / "dask", server.env) as cluster:
-        cfg = tiny_config(tmp, ckpt_dir, "dask", task_runner="dask", dask_address=cluster.address)
-        res = run_script(server, tmp, cfg, "dask")
-        assert res.returncode == 0, res.stderr[-3000:]
-        np.testing.assert_array_equal(scores(cfg), ref)
-
-        # the same model, each forward pass slowed down, so the kill lands while shards are in flight
+        # the tiny model, each forward pass slowed down, so the kill lands while shards are in flight
         cfg = tiny_config(
             tmp,
             ckpt_dir,
@@ -358,7 +367,7 @@ def _featurizing(cfg: dict) -> bool:
 
 
 @pytest.mark.parametrize("command", ["serve", "worker"])
-def test_long_lived_commands_stop_on_sigterm(setup, command):
+def test_long_lived_commands_stop_on_sigterm(setup, command, request):
     """`trakflow serve` and `trakflow worker` while a run of theirs is featurizing: SIGTERM to the command
     ends it (exit 128 + 15) and every process it started (the run's too) within 10 s."""
     server, tmp, ckpt_dir, _ = setup
@@ -368,33 +377,8 @@ def test_long_lived_commands_stop_on_sigterm(setup, command):
     if command == "serve":
         cmd, deployment = ["serve"], "attribute/digits"
     else:
-        prefect = str(Path(sys.executable).parent / "prefect")
-        prefect_yaml = tmp / "prefect-sig.yaml"
-        prefect_yaml.write_text(
-            json.dumps(
-                {
-                    "name": "trakflow-sig",
-                    "build": None,
-                    "push": None,
-                    "pull": [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}],
-                    "deployments": [
-                        {
-                            "name": "sig",
-                            "entrypoint": "flows/attribute.py:attribute",
-                            "parameters": {},
-                            "work_pool": {"name": "sig-pool", "work_queue_name": "default"},
-                        }
-                    ],
-                }
-            )
-        )
-        for c in (
-            [prefect, "work-pool", "create", "sig-pool", "--type", "process"],
-            [prefect, "--no-prompt", "deploy", "--prefect-file", str(prefect_yaml), "--all"],
-        ):
-            res = subprocess.run(c, env=server.env, cwd=REPO, capture_output=True, text=True, timeout=400)
-            assert res.returncode == 0, f"{c[1:3]}: {res.stdout[-2000:]}{res.stderr[-2000:]}"
-        cmd, deployment = ["worker", "--pool", "sig-pool", "--limit", "1"], "attribute/sig"
+        deployment = request.getfixturevalue("pool")
+        cmd = ["worker", "--pool", "test-pool", "--limit", "1"]
     proc = server.spawn(
         [str(Path(sys.executable).parent / "trakflow"), *cmd], f"sig-{command}", TRAKFLOW_DEMO_DIR=str(tmp / "demo")
     )

@@ -24,9 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trak_core" / "stor
 from test_scoring_kills import Killed, Writes  # noqa: E402
 
 
+def first_48():
+    """tiny's first 48 train rows: 3 shards of 16."""
+    return tuple(t[:48] for t in tiny.train_data())
+
+
 def _config(store) -> AttributeConfig:
     ck = Path(store).parent / "ck"
-    raw = tiny_attribute_config(store, str(ck / "model_*.pt"), score_task_rows=32)  # 2 score tasks of 2 shards
+    # 2 score tasks: one of 2 shards (a kill between them leaves the task half done), one of 1 shard (a kill there
+    # finds the first task whole): every state and kind of write of the scoring steps, in fewer writes than 64 rows
+    raw = tiny_attribute_config(
+        store, str(ck / "model_*.pt"), train_data="test_scoring_kills_pipeline:first_48", score_task_rows=32
+    )
     return AttributeConfig.model_validate(raw)
 
 
@@ -57,6 +66,7 @@ def featurized(tmp_path_factory):
     return d, _score(_config(d / "ref.zarr"))
 
 
+@pytest.mark.slow
 def test_a_kill_at_every_write_of_the_pipelines_scoring_resumes_bit_for_bit(featurized, monkeypatch):
     d, want = featurized
     with monkeypatch.context() as m:
