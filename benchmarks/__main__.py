@@ -89,7 +89,6 @@ CASES = (
         (
             f"python benchmarks/curvature.py --kinds dense factored {DIMS} --json {J}curvature.json",
             f"python benchmarks/curvature.py --kinds noop --cases digits-mlp digits-conv --json {J}curvature-noop.json",
-            "python benchmarks/curvature.py --floors",
         ),
     ),
     Case(
@@ -154,17 +153,6 @@ CASES = (
         "scores of an MLP and a 2-layer GPT-2 run in bfloat16 / float16 / float32, CPU",
         "the same model in float64",
         ("python benchmarks/mixed_precision.py",),
-    ),
-    Case(
-        "matrix-cuda",
-        "GPU (H200)",
-        "featurize + finalize on the GPU: the matrix's MLP, conv net and transformer, 16,384 rows",
-        "the floor; traker 0.3.2 with BasicSingleBlockProjector and with fast_jl's CudaProjector",
-        (
-            "python3 benchmarks/matrix.py --device cuda --models mlp2 convbn encoder --proj-dims 2048 --n 16384 "
-            "--batch 1024",
-        ),
-        device="cuda",
     ),
     Case(
         "host-path",

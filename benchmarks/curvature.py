@@ -5,8 +5,8 @@ rᵢ = ∂²loss/∂fᵢ² = pᵢ(1 − pᵢ) = Qᵢ(1 − Qᵢ) for the margin 
 (R = I). Both are scored with quality.py's pipeline formula (``quality.Solver``) on its cached ground truth:
 
 * ``xtx``: H = XᵀX, λ by ``lambda_reg="adaptive"``;
-* ``ggn``: H = XᵀRX + β·mean(r)·XᵀX (β = trak_core's GGN_FLOOR, as ``curvature="ggn"`` builds it; ``--floors``
-  compares several β), λ = (the λ ``adaptive`` gives XᵀX) × trace(H) / trace(XᵀX);
+* ``ggn``: H = XᵀRX + β·mean(r)·XᵀX (β = trak_core's GGN_FLOOR, as ``curvature="ggn"`` builds it),
+  λ = (the λ ``adaptive`` gives XᵀX) × trace(H) / trace(XᵀX);
 * ``best fixed``: per case, kind and proj_dim the best of λ = rel:0.01 … rel:1000 (an oracle), for each curvature.
 
 Δ is ggn − xtx with both at their rule (paired bootstrap over targets, 95 %); "vs traker" compares with
@@ -92,59 +92,16 @@ def evaluate(case, truth, kind: str, proj_dim: int, num_ckpts: int) -> dict:
 FLOORS = (0.0, 0.03, 0.1, 0.3, 1.0)
 
 
-def floors(names: list[str], dims: list[int], cases: dict, num_ckpts: int) -> None:
-    """A floor on the curvature weights, rᵢ + β·mean(r) (XᵀRX + β·mean(r)·XᵀX; β = 0 is XᵀRX, β → ∞ XᵀX), dense,
-    λ by ``transfer``: per β and case the mean LDS over ``dims`` against XᵀX with ``adaptive`` and the worst gap to
-    that β's best fixed λ; leave-one-case-out picks β by the mean LDS over the other cases."""
-    val: dict[tuple[str, int, float], float] = {}
-    gap: dict[tuple[str, int, float], float] = {}
-    base_val: dict[tuple[str, int], float] = {}
-    for name in names:
-        case = cases[name]
-        truth = quality.ground_truth(case, log=lambda *a: None)
-        for p in dims:
-            feats = [quality.features(case, truth, "dense", p, c) for c in range(num_ckpts)]
-            base = [quality.Solver(f) for f in feats]
-            base_val[name, p] = lds_of(base, [RULE], truth)[RULE][0]
-            for beta in FLOORS:
-                res = lds_of(
-                    [GGNSolver(f, b, beta) for f, b in zip(feats, base, strict=True)], ["transfer", *FIXED], truth
-                )
-                val[name, p, beta] = res["transfer"][0]
-                gap[name, p, beta] = res["transfer"][0] - max(res[f][0] for f in FIXED)
-
-    def mean(among: list[str], beta: float) -> float:
-        return float(np.mean([val[c, p, beta] for c in among for p in dims]))
-
-    print("| β | " + " | ".join(names) + " | mean LDS |")
-    print("|---|" + "---|" * (len(names) + 1))
-    for beta in FLOORS:
-        delta = {c: float(np.mean([val[c, p, beta] - base_val[c, p] for p in dims])) for c in names}
-        cells = [f"{delta[c]:+.3f} ({min(gap[c, p, beta] for p in dims):+.3f})" for c in names]
-        print(f"| {beta:g} | " + " | ".join(cells) + f" | {mean(names, beta):.4f} |")
-    print()
-    print("| held-out case | β chosen on the others | its mean Δ against XᵀX | its worst gap to the best fixed λ |")
-    print("|---|---|---|---|")
-    for held in names:
-        beta = max(FLOORS, key=lambda b: mean([c for c in names if c != held], b))
-        d = np.mean([val[held, p, beta] - base_val[held, p] for p in dims])
-        print(f"| {held} | {beta:g} | {d:+.3f} | {min(gap[held, p, beta] for p in dims):+.3f} |")
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="*", default=None, help="default: the nine small cases (not quality.LARGE_CASES)")
     ap.add_argument("--kinds", nargs="*", default=["dense", "factored"])
     ap.add_argument("--proj-dims", nargs="*", type=int, default=[128, 256, 512, 1024, 2048])
     ap.add_argument("--json", default=None, help="write the result rows (without per-target values) here")
-    ap.add_argument("--floors", action="store_true", help="compare floors β on the curvature weights (dense) instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cases = quality.make_cases()
     args.cases = args.cases or [c for c in cases if c not in quality.LARGE_CASES]
-    if args.floors:
-        floors(args.cases or list(cases), args.proj_dims, cases, quality.NUM_CKPTS)
-        return
     rows = []
     print(
         "| case | kind | proj_dim | XᵀX, adaptive | XᵀRX, transfer | Δ (paired) | XᵀX best fixed | XᵀRX best fixed |"

@@ -1,4 +1,4 @@
-"""The benchmark matrix (RESULTS.md, "The benchmark matrix" and "GPU (H200)"): model families × sizes × proj_dim,
+"""The benchmark matrix (RESULTS.md, "The benchmark matrix" and "GPU session"): model families × sizes × proj_dim,
 each cell in fresh processes through ``featurize_bench``'s worker (the same code as its table): the **floor**, traker
 0.3.2's fastest (``BasicSingleBlockProjector`` where its matrix fits in ``--traker-max-gib``; on ``--device cuda``
 also fast_jl's ``CudaProjector`` where it imports) and **trakflow**'s ``TRAKer`` defaults, cold and warm.

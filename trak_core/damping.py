@@ -60,8 +60,8 @@ def loss_curvature(q: np.ndarray | Tensor) -> np.ndarray:
     return qd * (1.0 - qd)
 
 
-#: β of the floor on the curvature weights in :func:`ggn_curvature` (benchmarks/curvature.py ``--floors``: within 0.02
-#: LDS of the best fixed λ on all 9 evaluation cases; leave-one-case-out picks 0.3 for 7 of them)
+#: β of the floor on the curvature weights in :func:`ggn_curvature` (with it, within 0.03 LDS of the best fixed λ on all
+#: 9 evaluation cases: benchmarks/RESULTS.md, "Gauss-Newton curvature")
 GGN_FLOOR = 0.3
 
 
