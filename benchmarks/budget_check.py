@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sizes import build  # noqa: E402
 
 from trak_core import TRAKer  # noqa: E402
-from trak_core.budget import _reset_peak_rss, _status_kib, release_free_memory, used_now  # noqa: E402
+from trak_core.featurize.budget import _reset_peak_rss, _status_kib, release_free_memory, used_now  # noqa: E402
 
 
 def _reset(device: str) -> None:

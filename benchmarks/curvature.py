@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quality  # noqa: E402
 
-from trak_core.damping import GGN_FLOOR
 from trak_core.lds import bootstrap_ci, lds  # noqa: E402
-from trak_core.scoring import combine_checkpoints  # noqa: E402
+from trak_core.scoring.combine import combine_checkpoints  # noqa: E402
+from trak_core.solve.damping import GGN_FLOOR
 
 RULE = "adaptive"
 FIXED = [f"rel:{f:g}" for f in (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000)]

@@ -239,7 +239,7 @@ def pipeline_worker(spec: dict) -> dict:
 
     from tasks.config import AttributeConfig
     from tasks.core import featurize_shard, finalize_checkpoint, make_plan, open_store
-    from trak_core.reduce import features_rows
+    from trak_core.solve.reduce import features_rows
 
     warnings.simplefilter("ignore")
     os.environ["FEATURIZE_BENCH_MODEL"], os.environ["FEATURIZE_BENCH_N"] = spec["model"], str(spec["n"])
@@ -531,7 +531,7 @@ def report(res: dict, a) -> str:
         "seconds / the floor's; *× traker-fastest* = its seconds / the row's. Both libraries run their "
         "defaults otherwise: float32 store (`use_half_precision=False`), traker `lambda_reg=0` (its default), "
         "trakflow its default `lambda_reg='adaptive'` (λ from the eigenvalues of XᵀX: float32 eigenvalues "
-        "checked against the exact effective dimension, `trak_core.damping.solve_deff_fast`); the *λ = 0* row "
+        "checked against the exact effective dimension, `trak_core.solve.damping.solve_deff_fast`); the *λ = 0* row "
         "is TRAKer at traker's damping (n = proj_dim: XᵀX is rank-deficient, trakflow warns, traker does not); "
         "the *pipeline* row runs the pipeline's task functions in the worker process (`make_plan`, "
         "`featurize_shard` per shard, `finalize_checkpoint`; init = make_plan), its defaults otherwise; the "

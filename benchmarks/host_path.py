@@ -52,8 +52,8 @@ STAGES = [
     ("  lock check", "trak_core.store.zarr_store", "TrakStore.check_lock"),
     ("finalized check", "trak_core.store.zarr_store", "TrakStore.is_finalized"),
     (PARTIAL_STAGE, "trak_core.engine", "_write_partial_unmarked"),  # the shard task's
-    (PARTIAL_STAGE, "trak_core.row_sink", "complete_shard"),  # TRAKer's (its partials' thread)
-    ("  row sums (host float64)", "trak_core.reduce", "shard_row_sums"),
+    (PARTIAL_STAGE, "trak_core.featurize.row_sink", "complete_shard"),  # TRAKer's (its partials' thread)
+    ("  row sums (host float64)", "trak_core.solve.reduce", "shard_row_sums"),
     ("  partial written", "trak_core.store.zarr_store", "TrakStore.write_partial"),
 ]
 
@@ -145,7 +145,7 @@ def _gram_precomputed(pool: _Pool, spent: dict):
     """The device's Gram arithmetic (``reduce._device_upper``) replaced by the precomputed packed triangle and the
     shard's row sums, summed here on the host from the pool's norms: that time, the device's arithmetic, is added to
     ``spent["device"]`` and subtracted from the figures."""
-    from trak_core import reduce
+    from trak_core.solve import reduce
 
     def upper(x, device, scale=None, q=None, sums=None):
         if sums is not None:  # a shard begins at a multiple of the pool's rows
@@ -172,7 +172,7 @@ def run_traker(
     """Wall seconds of TRAKer.featurize over ``n`` rows (GPU setting: partials while featurizing), the last write
     included; ``write_behind``: TRAKer(write_behind=True)."""
     from trak_core.compat.traker import TRAKer
-    from trak_core.projectors import DenseProjector, ProjectionType
+    from trak_core.projection.projectors import DenseProjector, ProjectionType
 
     model = torch.nn.Linear(4, 2)
     proj = DenseProjector(10, p, 0, ProjectionType.rademacher, "cpu")
@@ -221,8 +221,8 @@ class _HandedOver:
 def run_shard(folder: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: int | None) -> float:
     """Wall seconds of engine.featurize_shard over every shard of ``n`` rows."""
     from trak_core import engine
-    from trak_core.modelout import resolve_task
-    from trak_core.projectors import DenseProjector, ProjectionType
+    from trak_core.featurize.modelout import resolve_task
+    from trak_core.projection.projectors import DenseProjector, ProjectionType
 
     proj = DenseProjector(10, p, 0, ProjectionType.rademacher, "cpu")
     meta = engine.store_metadata(
@@ -245,8 +245,8 @@ def run_floor(folder: str, n: int, p: int, batch: int, pool: _Pool, chunk_rows: 
     packed partial) to new files as the store writes a chunk (a temporary file renamed over it): no conversion,
     checksum, record or flag. What the file system itself costs on this machine."""
     from trak_core import engine
-    from trak_core.modelout import resolve_task
-    from trak_core.projectors import DenseProjector, ProjectionType
+    from trak_core.featurize.modelout import resolve_task
+    from trak_core.projection.projectors import DenseProjector, ProjectionType
 
     proj = DenseProjector(10, p, 0, ProjectionType.rademacher, "cpu")
     meta = engine.store_metadata(

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from trak_core import TRAKer
-from trak_core.gradients import grad_dim_of
-from trak_core.projectors import make_projector
+from trak_core.featurize.gradients import grad_dim_of
+from trak_core.projection.projectors import make_projector
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -84,7 +84,7 @@ def _trakflow(case, truth, p, **kw) -> np.ndarray:
 
 
 def _dense(case, truth, p) -> np.ndarray:
-    from trak_core.projectors import make_projector
+    from trak_core.projection.projectors import make_projector
 
     return _trakflow(case, truth, p, projector=make_projector("dense", quality.grad_dim(case), p, 0, "rademacher"))
 

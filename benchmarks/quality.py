@@ -36,15 +36,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from trak_core.damping import cholesky_inverse, parse_lambda_reg  # noqa: E402
-from trak_core.energy import PROBE_ROWS, sketched_energies  # noqa: E402
-from trak_core.factored import FactoredProjector  # noqa: E402
-from trak_core.featurize import Featurizer  # noqa: E402
-from trak_core.gradients import grad_dim_of  # noqa: E402
+from trak_core.featurize.featurizer import Featurizer  # noqa: E402
+from trak_core.featurize.gradients import grad_dim_of  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds, margins_from_logits, subset_masks, truth_key  # noqa: E402
-from trak_core.projectors import make_projector  # noqa: E402
-from trak_core.reduce import RowSums  # noqa: E402
-from trak_core.scoring import combine_checkpoints, features_block, scores_block  # noqa: E402
+from trak_core.projection.energy import PROBE_ROWS, sketched_energies  # noqa: E402
+from trak_core.projection.factored import FactoredProjector  # noqa: E402
+from trak_core.projection.projectors import make_projector  # noqa: E402
+from trak_core.scoring.combine import combine_checkpoints, features_block, scores_block  # noqa: E402
+from trak_core.solve.damping import cholesky_inverse, parse_lambda_reg  # noqa: E402
+from trak_core.solve.reduce import RowSums  # noqa: E402
 
 CACHE = os.path.join(ROOT, ".cache", "lds")
 NUM_SUBSETS = 100
@@ -148,7 +148,7 @@ def _lm_train(seed, rows):
 
 def _lm_outputs(model, targets) -> tuple[np.ndarray, None]:
     """The causal_lm model output on each target sequence: log(p / (1 − p)), p the sequence's probability."""
-    from trak_core.modelout import log_odds, sequence_log_prob
+    from trak_core.featurize.modelout import log_odds, sequence_log_prob
 
     ids, mask, labels = targets
     with torch.no_grad():

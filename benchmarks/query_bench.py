@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trak_core.index import TrakIndex  # noqa: E402
+from trak_core.scoring.index import TrakIndex  # noqa: E402
+from trak_core.scoring.streaming import score_block_rows  # noqa: E402
 from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
-from trak_core.streaming import score_block_rows  # noqa: E402
 
 IMAGENET_ROWS = 1_281_167
 

@@ -35,12 +35,9 @@ from bench_models import cpu_name, write_section  # noqa: E402
 from tasks import core  # noqa: E402
 from tasks.common import cores, threads_per_task, torch_threads  # noqa: E402
 from tasks.config import AttributeConfig  # noqa: E402
-from trak_core import reduce  # noqa: E402
 from trak_core.errors import BadInputError, StateError  # noqa: E402
-from trak_core.scoring import combine_checkpoints  # noqa: E402
-from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
-from trak_core.store.verify import require_present  # noqa: E402
-from trak_core.streaming import (  # noqa: E402
+from trak_core.scoring.combine import combine_checkpoints  # noqa: E402
+from trak_core.scoring.streaming import (  # noqa: E402
     cache_bytes,
     grads_right_hand,
     memory_bytes,
@@ -48,6 +45,9 @@ from trak_core.streaming import (  # noqa: E402
     score_block_rows,
     stream_scores,
 )
+from trak_core.solve import reduce  # noqa: E402
+from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
+from trak_core.store.verify import require_present  # noqa: E402
 
 START, END = "<!-- scoring_bench:start -->", "<!-- scoring_bench:end -->"
 

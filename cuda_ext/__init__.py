@@ -1,6 +1,6 @@
 """trakflow's own GPU projection kernels (CUDA C++, built at first use with torch's extension builder).
 
-The projections are those of :mod:`trak_core.counter_rng` (dense Rademacher, dense normal, SJLT): the GPU
+The projections are those of :mod:`trak_core.projection.counter_rng` (dense Rademacher, dense normal, SJLT): the GPU
 computes what the CPU computes, same seed ⇒ same result up to float rounding, on any GPU model.
 
 * :class:`CudaDenseProjector` — dense, matrix generated on the fly from the counter hash; split-K with a
@@ -10,7 +10,7 @@ computes what the CPU computes, same seed ⇒ same result up to float rounding, 
 * :func:`load_extension` / :func:`unavailable_reason` — the build, and why it is not there.
 
 trak_core never imports this package. Importing it registers the GPU projectors in trak_core's projector
-registry (:func:`trak_core.projectors.register_projector`); the installed package declares the entry point
+registry (:func:`trak_core.projection.projectors.register_projector`); the installed package declares the entry point
 ``trakflow.projectors: cuda_ext``, so ``make_projector(kind, ..., device="cuda")`` imports it on first use.
 Without CUDA the projectors fall back to trak_core's CPU projectors with a one-line
 :class:`CudaFallbackWarning`; kernels that fail their first-use self-check (:mod:`cuda_ext.selfcheck`) give

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from trak_core.errors import BadInputError
-from trak_core.projectors import AbstractProjector, ProjectionType, as_proj_type, check_dims
+from trak_core.projection.projectors import AbstractProjector, ProjectionType, as_proj_type, check_dims
 
 from .selfcheck import CudaBackendError
 

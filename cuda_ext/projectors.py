@@ -26,9 +26,9 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-from trak_core import counter_rng
 from trak_core.errors import BadInputError
-from trak_core.projectors import (
+from trak_core.projection import counter_rng
+from trak_core.projection.projectors import (
     AbstractProjector,
     DenseProjector,
     ProjectionType,
@@ -331,9 +331,9 @@ class CudaDenseProjector(_GpuProjectorBase):
 
 
 def _cpu_sjlt_class():
-    """trak_core's CPU SJLT projector (trak_core/sjlt.py), or None where this checkout lacks it."""
+    """trak_core's CPU SJLT projector (trak_core/projection/sjlt.py), or None where this checkout lacks it."""
     try:
-        from trak_core.sjlt import SJLTProjector
+        from trak_core.projection.sjlt import SJLTProjector
     except ImportError:
         return None
     return SJLTProjector

@@ -3,7 +3,7 @@
 A CUDA projector whose kernels have never run on this GPU (new architecture, new driver, a miscompile)
 must not give wrong projections silently. Before its first projection with the kernel backend, each
 projector runs its kernel on two small probe inputs and compares it with the device-independent torch
-path (:mod:`cuda_ext.torch_path`, matrix from :mod:`trak_core.counter_rng`) accumulated in float64:
+path (:mod:`cuda_ext.torch_path`, matrix from :mod:`trak_core.projection.counter_rng`) accumulated in float64:
 
 * the **integer probe**: integers in [-8, 8]. With ±1 (Rademacher) or ±1·√(proj_dim/c) (SJLT) entries
   every partial sum is an integer below 2**24, so float32 computes it exactly in *any* accumulation order

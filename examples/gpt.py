@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trak_core.lm import causal_lm_batch, per_token_targets
+from trak_core.featurize.lm import causal_lm_batch, per_token_targets
 
 #: standard-library modules whose docstrings (module, classes, functions) are the corpus
 MODULES = ("json", "textwrap", "string", "functools", "itertools", "collections", "heapq", "bisect", "shlex", "fnmatch")

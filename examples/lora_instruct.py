@@ -11,7 +11,7 @@ of :data:`MODULES`, the instruction ``Describe math.cos:`` and the answer, its d
    rows, the loss on the answers only (labels -100 on the instruction); an adapter checkpoint is saved with
    ``save_pretrained`` every ``--steps`` steps (``trakflow_lora/adapter_<c>/adapter_model.safetensors``).
 3. ``TRAKer`` (the default projector; gradients of the adapters) featurizes the train rows at each checkpoint.
-4. ``trak_core.selection.select`` ranks the train rows by their summed influence on a target set (held-out
+4. ``trak_core.scoring.selection.select`` ranks the train rows by their summed influence on a target set (held-out
    questions about :data:`TOPIC`) and keeps the top 10 %; the example checks the ranking against the summed
    columns of ``finalize_scores``.
 5. ``TrakIndex.query_both(..., explain=True, train_data=...)`` gives held-out questions' proponents, each score
@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trak_core.modelout import IGNORE_INDEX
+from trak_core.featurize.modelout import IGNORE_INDEX
 
 #: the modules whose documented public functions and classes are the questions
 MODULES = (
@@ -234,7 +234,7 @@ class Result:
 
     losses: list[float]
     scores: np.ndarray  # (n, m) finalize_scores of the target set
-    selection: object  # trak_core.selection.Selection
+    selection: object  # trak_core.scoring.selection.Selection
     top: object  # the explained QueryResult of the queries
     rows: list[dict]  # the query report's rows (tasks.query.result_rows)
     report: list[str]  # the files written
@@ -256,8 +256,8 @@ def run(
     from tasks import report
     from tasks.query import result_rows
     from trak_core import TRAKer, TrakIndex
-    from trak_core.adapters import read_state_file
-    from trak_core.selection import select
+    from trak_core.featurize.adapters import read_state_file
+    from trak_core.scoring.selection import select
     from trakflow_cli.query import token_text
 
     out = Path(out)

@@ -9,7 +9,7 @@ from tasks import progress
 from tasks.attribution import featurize_shard, fit_curvature, plan_attribution
 from tasks.config import AttributeConfig
 from tasks.plan import Plan, summarize
-from trak_core.kfac import KFAC_CURVATURES
+from trak_core.solve.kfac import KFAC_CURVATURES
 
 
 @flow(name="featurize", task_runner=ConfigTaskRunner(), validate_parameters=True)

@@ -3,7 +3,7 @@
     from flows.query import query
     query({"store": "trakflow_demo/store.zarr", "inputs": "new.pt", "model": "trakflow_demo_data.digits:make_model"})
 
-Reads the store only (no run lock: a run may hold the store meanwhile; see trak_core.index). Writes a table
+Reads the store only (no run lock: a run may hold the store meanwhile; see trak_core.scoring.index). Writes a table
 artifact (one row per input and rank), where the inputs can be drawn (``show``) one image per input, and with
 ``explain`` (sequence models) a markdown artifact of each proponent's text with the tokens that carry its score
 highlighted.

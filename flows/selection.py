@@ -3,7 +3,7 @@
     from flows.selection import select
     select({"store": "trakflow_demo/attribute.yaml", "inputs": "val.pt", "fraction": 0.1, "out_dir": "selected"})
 
-Reads the store only (one pass over its rows, no score array written; see trak_core.selection) and writes the
+Reads the store only (one pass over its rows, no score array written; see trak_core.scoring.selection) and writes the
 selected indices, their scores and, where the train data is known, the selected rows to ``out_dir``
 (tasks.selection). Its artifact is a table of the selected rows, best first.
 """

@@ -13,7 +13,7 @@ Conventions
   one leading dimension (the rows), in the order the task's batches use, e.g. ``(images, labels)`` for
   ``image_classification``; or such a tuple itself. Row ``i`` of ``train_data`` is train example ``i``.
 * **Task** (``task``): ``"image_classification"``, ``"text_classification"``, ... (trak_core's names), or
-  an import path to an :class:`~trak_core.modelout.AbstractModelOutput` subclass or instance.
+  an import path to an :class:`~trak_core.featurize.modelout.AbstractModelOutput` subclass or instance.
 * **Checkpoints** (``checkpoints``): a list of ``state_dict`` files, a glob (``"ckpts/*.pt"``), or the
   JSON manifest the train flow writes (``"ckpts/manifest.json"``). They are sorted by path and
   ``model_id`` is the position in that sorted list (trak_core.TRAKer's convention). Every file must
@@ -355,7 +355,7 @@ class AttributeConfig(_Base):
         None,
         description="train rows per score task (a multiple of shard_size); null: as many shards as give a task "
         "about 4e11 flops of GEMM, leaving at least 16 tasks and 4 per concurrent task (one shard each on an "
-        "existing Dask cluster, whose size the config does not say; trak_core.streaming.score_task_ranges)",
+        "existing Dask cluster, whose size the config does not say; trak_core.scoring.streaming.score_task_ranges)",
     )
     chunk_rows: PositiveInt | None = Field(
         None,
@@ -445,7 +445,7 @@ class AttributeConfig(_Base):
     @field_validator("max_memory")
     @classmethod
     def _max_memory(cls, v):
-        from trak_core.budget import parse_bytes
+        from trak_core.featurize.budget import parse_bytes
 
         return parse_bytes(v, "max_memory")
 
@@ -475,7 +475,7 @@ class AttributeConfig(_Base):
             raise BadInputError(
                 f"task: unknown task {v!r}; use one of {list(TASK_NAMES)} or an import path 'pkg.mod:ModelOutput'"
             )
-        from trak_core.modelout import AbstractModelOutput
+        from trak_core.featurize.modelout import AbstractModelOutput
 
         obj = load_object(v, "task", info.data.get("import_roots"))
         ok = isinstance(obj, AbstractModelOutput) or (isinstance(obj, type) and issubclass(obj, AbstractModelOutput))
@@ -514,7 +514,7 @@ class AttributeConfig(_Base):
                 "(each score task scores whole shards)"
             )
         if self.processes_per_task > 1 and self.projector != "factored":
-            from trak_core.sharded import VMAP_REFUSAL
+            from trak_core.featurize.sharded import VMAP_REFUSAL
 
             raise BadInputError(VMAP_REFUSAL.format(kind=self.projector))
         if self.processes_per_task > 1 and self.curvature in ("kfac", "ekfac"):
@@ -568,7 +568,7 @@ class AttributeConfig(_Base):
         return model
 
     def build_task(self):
-        from trak_core.modelout import TASK_TO_MODELOUT, AbstractModelOutput
+        from trak_core.featurize.modelout import TASK_TO_MODELOUT, AbstractModelOutput
 
         if self.task in TASK_TO_MODELOUT:
             return TASK_TO_MODELOUT[self.task]()
@@ -757,7 +757,7 @@ class EvaluateConfig(_Base):
         task = self.attribute.task
         lm = task == "causal_lm"
         if not lm and ":" in task:
-            from trak_core.modelout import CausalLMModelOutput
+            from trak_core.featurize.modelout import CausalLMModelOutput
 
             obj = load_object(task, "task", self.attribute.import_roots)
             cls = obj if isinstance(obj, type) else type(obj)

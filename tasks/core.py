@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 
 from trak_core import engine, plan
-from trak_core.budget import memory_limit
-from trak_core.featurize import Featurizer
-from trak_core.kfac import KFAC_CURVATURES, has_factors
+from trak_core.featurize.budget import memory_limit
+from trak_core.featurize.featurizer import Featurizer
 from trak_core.plan import read_checkpoint
+from trak_core.scoring.streaming import score_task_ranges
+from trak_core.solve.kfac import KFAC_CURVATURES, has_factors
 from trak_core.store import RunStore, StoreMetadata
-from trak_core.streaming import score_task_ranges
 
 from . import progress
 from .common import adopt_train_source, cached_data, open_store
@@ -192,7 +192,7 @@ def prepare_scores(config: AttributeConfig, model_ids: list[int]) -> ScorePlan:
 
 
 def score_ranges(config: AttributeConfig, store: RunStore, used: list[int]) -> tuple[tuple[int, int], ...]:
-    """The train-row ranges of the score tasks (:func:`trak_core.streaming.score_task_ranges` for this run)."""
+    """The train-row ranges of the score tasks (:func:`trak_core.scoring.streaming.score_task_ranges` for this run)."""
     meta, m = store.meta, store.num_targets(config.exp_name)
     return score_task_ranges(
         meta.train_set_size, meta.rows_per_shard, meta.proj_dim, m, len(used), config.score_task_rows, config.task_slots

@@ -24,8 +24,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trak_core.errors import BadInputError
-from trak_core.index import QueryResult, TrakIndex, register_config_loader
-from trak_core.modelout import TASK_TO_MODELOUT
+from trak_core.featurize.modelout import TASK_TO_MODELOUT
+from trak_core.scoring.index import QueryResult, TrakIndex, register_config_loader
 from trak_core.store import RunStore, open_store
 
 from . import report

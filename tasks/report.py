@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trak_core.scoring.topk import top_k as core_top_k
 from trak_core.store import RunStore, open_store
-from trak_core.topk import top_k as core_top_k
 
 from .common import adopt_train_source, cached_data
 from .config import AttributeConfig, load_object
@@ -30,7 +30,8 @@ def labels_of(data: tuple) -> np.ndarray | None:
 
 def top_k(scores: np.ndarray, target: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(proponents: highest scores first, opponents: lowest scores first) train indices for one target: the core's
-    one top-k (:func:`trak_core.topk.top_k`, equal scores ranked by the lower row), which the index's queries use."""
+    one top-k (:func:`trak_core.scoring.topk.top_k`, equal scores ranked by the lower row), which the index's queries
+    use."""
     col = scores[:, target : target + 1]
     return core_top_k(col, k)[0][0], core_top_k(col, k, opponents=True)[0][0]
 

@@ -3,7 +3,7 @@
 A selection names a store (or the YAML config of the attribute run that built it), a file of target inputs (the
 format of ``trakflow query``'s inputs, :func:`tasks.query.load_inputs`), and how many train rows to keep (a
 ``fraction`` of them or ``k``). It ranks the train rows by their summed influence on the targets
-(:func:`trak_core.selection.select`: one pass over the store) and writes to ``out_dir``:
+(:func:`trak_core.scoring.selection.select`: one pass over the store) and writes to ``out_dir``:
 
 * ``selected_indices.npy`` (k,) int64 and ``selected_scores.npy`` (k,) float32, best first;
 * ``selection.csv``: ``rank,index,score`` (and ``label`` where the train data has class labels);
@@ -26,8 +26,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trak_core.errors import BadInputError
-from trak_core.index import TrakIndex
-from trak_core.selection import Selection, select, selection_size
+from trak_core.scoring.index import TrakIndex
+from trak_core.scoring.selection import Selection, select, selection_size
 
 from . import report
 from .config import AttributeConfig, load_data

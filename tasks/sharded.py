@@ -1,5 +1,6 @@
 """One (checkpoint, shard) featurized by ``processes_per_task`` processes with the model sharded across them
-(torch FSDP2; :mod:`trak_core.sharded`): the task starts the processes (one per GPU: rank r uses cuda:r; gloo on
+(torch FSDP2; :mod:`trak_core.featurize.sharded`): the task starts the processes (one per GPU: rank r uses cuda:r; gloo
+on
 the CPU), waits for them, and re-raises the first rank's error. Rank 0 is the store's one writer for the shard; the
 store's flags make it resume after a crash like any shard."""
 
@@ -17,8 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessRaisedException
 
-from trak_core import engine, sharded
+from trak_core import engine
 from trak_core.errors import BadInputError, TrakError
+from trak_core.featurize import sharded
 from trak_core.plan import read_checkpoint
 from trak_core.store import model_array
 

@@ -293,9 +293,9 @@ def test_adaptive_claim_check_finds_a_stale_one():
 
 
 def test_stated_defaults_are_the_codes():
-    """What the docs call `adaptive`, the floor β of `ggn` and `auto` are the values in trak_core.damping."""
-    from trak_core.damping import ADAPTIVE, AUTO_DAMPING, GGN_FLOOR
+    """What the docs call `adaptive`, the floor β of `ggn` and `auto` are the values in trak_core.solve.damping."""
     from trak_core.settings import TrakSettings
+    from trak_core.solve.damping import ADAPTIVE, AUTO_DAMPING, GGN_FLOOR
 
     assert TrakSettings.model_fields["lambda_reg"].default == "adaptive"
     damping = (REPO / "docs" / "damping.md").read_text()

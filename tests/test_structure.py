@@ -294,7 +294,7 @@ def test_importing_the_core_the_pipeline_or_the_index_leaves_the_adapter_out(tmp
     """``import trak_core.engine`` (what every Prefect task imports), the pipeline's packages, the index and the
     CLI do not import trak_core.compat (nor run its import-time exit hook registration); ``trak_core.TRAKer`` is
     resolved from it on first use."""
-    roots = ["trak_core", "trak_core.engine", "trak_core.index", "trak_core.testing", "tasks", "flows"]
+    roots = ["trak_core", "trak_core.engine", "trak_core.scoring.index", "trak_core.testing", "tasks", "flows"]
     roots += ["trakflow_cli.main", "deployments.serve"]
     assert modules_loading_the_adapter(roots, tmp_path) == []
 

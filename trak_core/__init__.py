@@ -1,5 +1,29 @@
 """trak_core: TRAK data attribution as a pure library (no Prefect here)."""
 
+from trak_core.featurize.gradients import (
+    AbstractGradientComputer,
+    FunctionalGradientComputer,
+    IterativeGradientComputer,
+    vectorize,
+)
+from trak_core.featurize.modelout import (
+    TASK_TO_MODELOUT,
+    AbstractModelOutput,
+    CausalLMModelOutput,
+    CLIPModelOutput,
+    ImageClassificationModelOutput,
+    IterativeImageClassificationModelOutput,
+    TextClassificationModelOutput,
+)
+from trak_core.projection.projectors import (
+    AbstractProjector,
+    DenseProjector,
+    NoOpProjector,
+    ProjectionType,
+    make_projector,
+)
+from trak_core.scoring.index import QueryResult, TrakIndex
+
 from ._version import __version__
 from .alpha import Alpha
 from .errors import (
@@ -10,24 +34,6 @@ from .errors import (
     StoreLockedError,
     StoreMismatchError,
     TrakError,
-)
-from .gradients import AbstractGradientComputer, FunctionalGradientComputer, IterativeGradientComputer, vectorize
-from .index import QueryResult, TrakIndex
-from .modelout import (
-    TASK_TO_MODELOUT,
-    AbstractModelOutput,
-    CausalLMModelOutput,
-    CLIPModelOutput,
-    ImageClassificationModelOutput,
-    IterativeImageClassificationModelOutput,
-    TextClassificationModelOutput,
-)
-from .projectors import (
-    AbstractProjector,
-    DenseProjector,
-    NoOpProjector,
-    ProjectionType,
-    make_projector,
 )
 from .store import StoreMetadata, TrakStore
 

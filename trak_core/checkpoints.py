@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from .adapters import read_state_file
+from trak_core.featurize.adapters import read_state_file
+
 from .errors import BadInputError, StoreMismatchError
 
 #: the ``path`` of a record made from a state dict given as an object

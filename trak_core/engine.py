@@ -3,7 +3,8 @@
 Both front doors call these functions and nothing else for a step: the pipeline's tasks (tasks/core.py, one
 step per task, fanned out) and :class:`~trak_core.compat.traker.TRAKer` (one step per method call, batch by
 batch). Each step's checks (what the store must hold first, what it must not contradict) and records (what it
-writes besides arrays) live here; the math is in :mod:`trak_core.reduce` and :mod:`trak_core.streaming`. The
+writes besides arrays) live here; the math is in :mod:`trak_core.solve.reduce` and :mod:`trak_core.scoring.streaming`.
+The
 plan step (the rules of a run's inputs, the projector choice, the store's records created once) is in
 :mod:`trak_core.plan`.
 """
@@ -19,17 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import checkpoints, kfac
-from .budget import check_budget as check_budget  # the front doors' memory budget
-from .budget import memory_limit as memory_limit
-from .damping import CURVATURES, check_lambda
-from .energy import PROBE_ROWS, quantize_energies, sketched_energies
-from .errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
-from .featurize import Featurizer
-from .lds import array_fingerprint
-from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory, format_bytes
-from .projector_base import AbstractProjector
-from .reduce import (
+from trak_core import checkpoints
+from trak_core.featurize.budget import check_budget as check_budget  # the front doors' memory budget
+from trak_core.featurize.budget import memory_limit as memory_limit
+from trak_core.featurize.featurizer import Featurizer
+from trak_core.featurize.row_sink import RowSink as RowSink  # TRAKer's rows on their way into the store
+from trak_core.featurize.row_sink import complete_shard, write_rows
+from trak_core.projection.base import AbstractProjector
+from trak_core.projection.energy import PROBE_ROWS, quantize_energies, sketched_energies
+from trak_core.solve import kfac
+from trak_core.solve.damping import CURVATURES, check_lambda
+from trak_core.solve.reduce import (
     GramBuffers,
     features_rows,
     finalize_model,
@@ -43,8 +44,10 @@ from .reduce import (
     unscored_ranges,
     usable_models,
 )
-from .row_sink import RowSink as RowSink  # TRAKer's rows on their way into the store
-from .row_sink import complete_shard, write_rows
+
+from .errors import BadInputError, NonFiniteGradientError, StateError, StoreMismatchError
+from .lds import array_fingerprint
+from .memory import TaskMemory, Term, check_task_memory, estimate_task_memory, format_bytes
 from .store import RunStore, StoreMetadata, create_or_open_store, model_array, open_store, store_exists
 from .store.chunkio import stack_dtype
 from .store.location import check_new_location
@@ -93,10 +96,12 @@ def probe_split(
     model, task, rows: Sequence[torch.Tensor], grad_wrt=None, chunk_rows: int | None = None, skip_nonfinite=True
 ) -> dict:
     """The split keywords of a new store's default (factored) projector: proj_dim ∝ each block's gradient energy,
-    probed on ``rows`` (the first ≤ :data:`~trak_core.energy.PROBE_ROWS` train rows a run is given, in order, at its
+    probed on ``rows`` (the first ≤ :data:`~trak_core.projection.energy.PROBE_ROWS` train rows a run is given, in
+    order, at its
     first checkpoint; :class:`ProbeRows` gathers them across featurize calls) in passes of ``chunk_rows``. With
     ``skip_nonfinite``, rows whose gradient is not finite are left out (featurizing them names them). The
-    energies are rounded (:func:`~trak_core.energy.quantize_energies`) and recorded: every later step rebuilds the
+    energies are rounded (:func:`~trak_core.projection.energy.quantize_energies`) and recorded: every later step
+    rebuilds the
     projector from the store's record and never probes again, so a store that grows keeps the split it was created
     with."""
     energies = sketched_energies(
@@ -149,7 +154,7 @@ class ProbeRows:
 
 def check_solve_settings(lambda_reg, curvature: str) -> None:
     """Refuse (BadInputError naming the setting) a damping or curvature the solve does not know, before anything
-    is created (:func:`trak_core.damping.check_lambda`)."""
+    is created (:func:`trak_core.solve.damping.check_lambda`)."""
     try:
         check_lambda(lambda_reg)
     except ValueError as e:
@@ -496,7 +501,7 @@ SHARD_BUFFER_BYTES = 64 << 20
 
 class _ShardBuffers(threading.local):
     """A thread's host buffers for the shard it featurizes, reused by its next one: the shard's rows as stored and
-    its packed Gram partials (:class:`~trak_core.reduce.GramBuffers`). Fresh memory for them every shard is a page
+    its packed Gram partials (:class:`~trak_core.solve.reduce.GramBuffers`). Fresh memory for them every shard is a page
     fault per 4 KiB (1–2 µs a row at proj_dim 2048); kept only up to :data:`SHARD_BUFFER_BYTES`."""
 
     def __init__(self) -> None:
@@ -604,7 +609,7 @@ def _budget_batch(
     feat: Featurizer, meta: StoreMetadata, rows_held: int, sample: list, model_id: int, batch_size: int
 ) -> int:
     """The featurize batch: ``batch_size``, or under the featurizer's memory budget the most rows that fit beside
-    ``rows_held`` projected rows and their XᵀX partial (probed on ``sample``, :mod:`trak_core.budget`)."""
+    ``rows_held`` projected rows and their XᵀX partial (probed on ``sample``, :mod:`trak_core.featurize.budget`)."""
     if getattr(feat, "max_memory", None) is None:  # (a stand-in featurizer may have no budget at all)
         return batch_size
     p, itemsize = meta.proj_dim, meta.np_dtype.itemsize
@@ -633,7 +638,7 @@ def finalize(
     store: RunStore, model_id: int, lambda_reg, rescale: bool, device=None, known=None
 ) -> tuple[dict, bool, tuple[str, ...]]:
     """A = (XᵀX + λI)⁻¹ of ``model_id`` from its shard partials, written with its record (idempotent); ``known``:
-    their running sum kept while storing them (:class:`~trak_core.reduce.PartialSums`), else they are read.
+    their running sum kept while storing them (:class:`~trak_core.solve.reduce.PartialSums`), else they are read.
 
     Returns:
         (the finalize record, whether it was there already, the texts of the warnings issued).

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from trak_core.projection.projectors import projector_traits
+
 from .errors import BadInputError
-from .projectors import projector_traits
 
 
 def format_bytes(n: float) -> str:

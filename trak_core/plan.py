@@ -16,18 +16,19 @@ from typing import Any
 
 import torch
 
+from trak_core.featurize.adapters import load_state, read_state_file
+from trak_core.featurize.featurizer import Featurizer
+from trak_core.featurize.gradients import FunctionalGradientComputer, grad_dim_of
+from trak_core.projection.base import AbstractProjector
+from trak_core.projection.energy import PROBE_ROWS
+from trak_core.projection.projectors import make_projector, projector_traits, rebuild_kwargs
+from trak_core.solve.damping import parse_lambda_reg
+from trak_core.solve.kfac import KFAC_CURVATURES
+
 from . import engine
-from .adapters import load_state, read_state_file
 from .checkpoints import record_of, state_digest
-from .damping import parse_lambda_reg
-from .energy import PROBE_ROWS
 from .errors import BadInputError, StoreMismatchError
-from .featurize import Featurizer
-from .gradients import FunctionalGradientComputer, grad_dim_of
-from .kfac import KFAC_CURVATURES
 from .lds import array_fingerprint
-from .projector_base import AbstractProjector
-from .projectors import make_projector, projector_traits, rebuild_kwargs
 from .settings import TrakSettings
 from .store import RunStore, StoreMetadata, open_store, store_exists
 from .store.verify import repair_store, verify_store
@@ -48,7 +49,8 @@ def prefixed(field: str, e: Exception) -> BadInputError:
 
 
 def check_batch(task, data: Sequence, field: str, rows: int | None = None) -> None:
-    """The task's own checks (:meth:`~trak_core.modelout.AbstractModelOutput.validate_batch`: the batch's form,
+    """The task's own checks (:meth:`~trak_core.featurize.modelout.AbstractModelOutput.validate_batch`: the batch's
+    form,
     the labels' dtype and range) of ``data``, or of its first ``rows`` rows, named by ``field``."""
     try:
         task.validate_batch(data if rows is None else [t[:rows] for t in data])
@@ -106,7 +108,7 @@ def lambda_setting(lambda_reg):
 
 def check_projection(kind: str, proj_dim: int, train_set_size: int, lambda_setting, curvature: str = "xtx") -> None:
     """Refuse a projection of ``proj_dim`` ≥ the number of train examples with no damping (``lambda_setting`` 0,
-    :attr:`trak_core.damping.LambdaRule.setting`): XᵀX is then singular and the scores noise. A Kronecker-factored
+    :attr:`trak_core.solve.damping.LambdaRule.setting`): XᵀX is then singular and the scores noise. A Kronecker-factored
     ``curvature`` solves no XᵀX: nothing to refuse."""
     if curvature in KFAC_CURVATURES:
         return
@@ -126,7 +128,8 @@ def check_projection(kind: str, proj_dim: int, train_set_size: int, lambda_setti
 
 
 def read_checkpoint(path: str, device="cpu", field: str = "checkpoints") -> dict:
-    """The state_dict in the file ``path`` (a torch file or safetensors, :func:`trak_core.adapters.read_state_file`),
+    """The state_dict in the file ``path`` (a torch file or safetensors,
+    :func:`trak_core.featurize.adapters.read_state_file`),
     or BadInputError naming ``field`` and the file when it is missing or holds no state_dict."""
     try:
         sd = read_state_file(path, device)
@@ -295,7 +298,8 @@ def stored_layout(
 
 def probe_split(model: torch.nn.Module, task, train: Sequence[torch.Tensor], grad_wrt, batch_size: int) -> dict:
     """The split keywords of a new store's projector split by layer (:func:`trak_core.engine.probe_split`), probed
-    on the first :data:`~trak_core.energy.PROBE_ROWS` train rows with ``model`` at the first checkpoint, on the CPU.
+    on the first :data:`~trak_core.projection.energy.PROBE_ROWS` train rows with ``model`` at the first checkpoint, on
+    the CPU.
     Computed once, by the plan: the store records them and every task rebuilds the projector from that record."""
     try:
         rows = [t[:PROBE_ROWS] for t in train]

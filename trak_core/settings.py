@@ -12,9 +12,10 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
-from .damping import LambdaRule, parse_lambda_reg
+from trak_core.projection.projectors import load_projector_plugins, registered_projectors
+from trak_core.solve.damping import LambdaRule, parse_lambda_reg
+
 from .errors import BadInputError
-from .projectors import load_projector_plugins, registered_projectors
 
 ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
@@ -48,10 +49,11 @@ def check_grad_wrt(value: list[str] | None) -> list[str] | None:
     return value
 
 
-#: the name of a registered projector (trak_core.projectors.register_projector), e.g. ``"factored"`` or ``"fast_jl"``
+#: the name of a registered projector (trak_core.projection.projectors.register_projector), e.g. ``"factored"`` or
+#: ``"fast_jl"``
 ProjectorKind = Annotated[str, AfterValidator(check_projector_kind)]
 #: a number ≥ 0, ``"auto"``, ``"rel:<f>"``, ``"adaptive"``, ``"deff:<c>"``, ``"resid:<k>"`` or parts joined by ``","``
-#: (trak_core.damping.parse_lambda_reg)
+#: (trak_core.solve.damping.parse_lambda_reg)
 LambdaSetting = Annotated[NonNegativeFloat | str, AfterValidator(normalize_lambda_reg)]
 #: parameter names to take gradients for; None: all parameters
 GradWrt = Annotated[list[str] | None, AfterValidator(check_grad_wrt)]

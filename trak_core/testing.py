@@ -29,19 +29,19 @@ A projector is given as an instance, or better as a factory: a callable returnin
 may take ``seed=`` (the checks then build a fresh instance where the contract speaks of "another process",
 and a reseeded one to see that the seed changes the matrix).
 
-The projector contract (:mod:`trak_core.projectors`): ``project(grads, model_id)`` maps (B, grad_dim)
+The projector contract (:mod:`trak_core.projection.projectors`): ``project(grads, model_id)`` maps (B, grad_dim)
 gradients — or a dict of (B, *shape) pieces in vector order — to (B, proj_dim) in the projector's dtype;
 the result for one example depends only on (seed, model_id, grad_dim, proj_dim, kind) and that example
 (any batch, batch split or fresh instance; bit-identical for identical batches); E⟨Px, Py⟩ = scale·⟨x, y⟩;
 a gradient of the wrong shape is refused with :class:`~trak_core.errors.BadInputError` naming grad_dim;
 ``spec()`` identifies the projection; ``free_memory()`` drops caches without changing results.
 
-The model output contract (:mod:`trak_core.modelout`): ``validate_batch`` accepts good batches and refuses
+The model output contract (:mod:`trak_core.featurize.modelout`): ``validate_batch`` accepts good batches and refuses
 malformed ones with BadInputError; ``get_output(model, weights, buffers, *sample)`` on one example (no batch
 dimension) is a finite scalar computed from the ``weights``/``buffers`` it is given (``torch.func`` calls it
 with other tensors than the module's own) and vmaps over a batch as a loop over its examples would
 (values and gradients); ``get_out_to_loss_grad`` gives one finite Q per example, (B,) or (B, 1). Outputs
-for :class:`~trak_core.gradients.IterativeGradientComputer` (``batched_output=True``) take the whole batch
+for :class:`~trak_core.featurize.gradients.IterativeGradientComputer` (``batched_output=True``) take the whole batch
 and use the module's own parameters: one finite output per example, each depending on its own example
 only. With ``reference=`` the output must equal a plain forward-pass computation of f.
 
@@ -65,9 +65,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trak_core.projection.projectors import AbstractProjector, projector_traits
+
 from .checks import _check
 from .errors import BadInputError
-from .projectors import AbstractProjector, projector_traits
 
 __all__ = [
     "ProjectorCase",

@@ -16,7 +16,7 @@ import pytest
 import torch
 from trak_fixtures import REPO_ROOT
 
-from trak_core.modelout import ImageClassificationModelOutput
+from trak_core.featurize.modelout import ImageClassificationModelOutput
 
 ROOT = str(REPO_ROOT)
 

@@ -20,7 +20,7 @@ from trak_fixtures import REPO_ROOT
 pytest.importorskip("transformers")
 
 from examples import gpt  # noqa: E402
-from trak_core.modelout import CausalLMModelOutput  # noqa: E402
+from trak_core.featurize.modelout import CausalLMModelOutput  # noqa: E402
 
 ROOT = str(REPO_ROOT)
 

@@ -25,7 +25,7 @@ def _projector(kind: str, model: nn.Module, device: str):
         from cuda_ext.projectors import CudaDenseProjector, CudaSJLTProjector
 
         return (CudaDenseProjector if kind == "dense" else CudaSJLTProjector)(grad_dim, 64, 0, device=device, **kw)
-    return trak_core.projectors.make_projector(kind, grad_dim, 64, 0, device=device, **kw)
+    return trak_core.projection.projectors.make_projector(kind, grad_dim, 64, 0, device=device, **kw)
 
 
 def _run(tmp_path, device: str, projector: str, model: nn.Module, data) -> tuple[np.ndarray, dict]:
@@ -67,7 +67,7 @@ def test_traker_on_cuda_gives_the_cpus_scores(tmp_path, projector):
 def test_rows_come_back_from_the_gpu_in_reused_page_locked_memory():
     """Featurizer hands X and Q to the host in page-locked memory (a full-speed copy) with the device's values; a
     batch's block goes back to torch's cache when its arrays are dropped and the next batch gets it again."""
-    from trak_core.featurize import host_array
+    from trak_core.featurize.featurizer import host_array
 
     t = torch.randn(256, 512, device="cuda")
     first = host_array(t)
@@ -80,7 +80,7 @@ def test_rows_come_back_from_the_gpu_in_reused_page_locked_memory():
 
 
 def test_a_batch_above_the_page_locked_bound_is_copied_pageable(monkeypatch):
-    from trak_core import featurize
+    from trak_core.featurize import featurizer as featurize
 
     monkeypatch.setattr(featurize, "PINNED_BATCH_BYTES", 1024)
     t = torch.randn(16, 16, device="cuda")  # exactly the bound: page-locked; one more row: pageable
@@ -93,8 +93,8 @@ def test_a_batch_above_the_page_locked_bound_is_copied_pageable(monkeypatch):
 def test_train_rows_are_rounded_on_the_device_as_the_store_rounds_them(stored):
     """A featurizer for a float16 store hands train rows back in float16, rounded on the device: the bits the
     host's conversion gives the float32 rows (a float32 store: the float32 rows); target rows stay float32."""
-    from trak_core.featurize import Featurizer
-    from trak_core.projectors import make_projector
+    from trak_core.featurize.featurizer import Featurizer
+    from trak_core.projection.projectors import make_projector
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 4)).cuda().eval()

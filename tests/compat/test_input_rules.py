@@ -17,7 +17,7 @@ from tasks.common import clear_data_cache
 from tasks.config import AttributeConfig
 from trak_core import TRAKer
 from trak_core.errors import BadInputError
-from trak_core.projectors import NoOpProjector
+from trak_core.projection.projectors import NoOpProjector
 
 NAN_ROWS = [13, 41]
 

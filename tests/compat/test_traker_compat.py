@@ -26,7 +26,7 @@ from trak_core.compat import (
 )
 from trak_core.compat.errors import InputAssertionError, ModelIDException, StateAssertionError
 from trak_core.errors import BadInputError, StateError
-from trak_core.projectors import DenseProjector
+from trak_core.projection.projectors import DenseProjector
 
 trak = pytest.importorskip("trak")
 MODULES = [
@@ -174,7 +174,7 @@ def test_cuda_projector_on_cpu_equals_the_dense_projector():
     # importable where traker has it (trak.projectors), and not from the core's projectors module
     alias = trak_modules()["trak.projectors"]
     assert alias.CudaProjector is CudaProjector and alias.ChunkedCudaProjector is ChunkedCudaProjector
-    assert not hasattr(trak_core.projectors, "CudaProjector")
+    assert not hasattr(trak_core.projection.projectors, "CudaProjector")
 
 
 def test_chunked_cuda_projector_sums_the_chunk_projections():

@@ -11,10 +11,10 @@ import torch
 
 from trak_core import TRAKer
 from trak_core.compat.errors import ModelIDException
-from trak_core.energy import quantize_energies, sketched_energies
 from trak_core.errors import StateError, StoreMismatchError
-from trak_core.factored import FactoredProjector
-from trak_core.index import TrakIndex
+from trak_core.projection.energy import quantize_energies, sketched_energies
+from trak_core.projection.factored import FactoredProjector
+from trak_core.scoring.index import TrakIndex
 from trak_core.store import TrakStore
 
 N, P = 24, 32

@@ -18,7 +18,7 @@ import pytest
 from trak_fixtures import REPO_ROOT, make_data, make_model
 
 from trak_core.compat.traker import TRAKer
-from trak_core.row_sink import RowSink
+from trak_core.featurize.row_sink import RowSink
 from trak_core.store import TrakStore, chunkio
 from trak_core.store.verify import verify_location
 
@@ -162,7 +162,7 @@ def test_write_behind_is_the_default_on_a_cuda_device_only(tmp_path, monkeypatch
     """TRAKer's default write_behind (None): on for device="cuda" (here without CUDA: the device check and the
     featurizer are stand-ins), off for the CPU; an explicit setting wins on either."""
     from trak_core.compat import traker as compat_traker
-    from trak_core.projectors import DenseProjector, ProjectionType
+    from trak_core.projection.projectors import DenseProjector, ProjectionType
 
     class _NoFeaturizer:
         def __init__(self, *args, **kwargs):

@@ -2,7 +2,7 @@
 
 Without a GPU (CI, the development machine) this checks what can be checked there:
 * the host build of cuda_ext/counter_hash.h (the header the kernels use) gives the same words, keys,
-  signs, normals and SJLT entries as trak_core.counter_rng (g++);
+  signs, normals and SJLT entries as trak_core.projection.counter_rng (g++);
 * kernels.cu compiles with nvcc for sm_80 and sm_90, and binding.cpp compiles against this torch and links
   with it into an importable module (nvcc, g++);
 * the pure-torch path (the build-free GPU path, run here on the CPU) and the SJLT plan equal the definition;
@@ -44,9 +44,9 @@ except ImportError:  # a Python without the pipeline's dependencies (the GPU mac
 import cuda_ext  # noqa: E402
 from cuda_ext import _build, torch_path  # noqa: E402
 from cuda_ext.projectors import CudaDenseProjector, CudaFallbackWarning, CudaSJLTProjector  # noqa: E402
-from trak_core import counter_rng  # noqa: E402
 from trak_core.errors import BadInputError  # noqa: E402
-from trak_core.projectors import DenseProjector  # noqa: E402
+from trak_core.projection import counter_rng  # noqa: E402
+from trak_core.projection.projectors import DenseProjector  # noqa: E402
 
 HERE = ROOT / "cuda_ext"
 HAS_CUDA = torch.cuda.is_available()
@@ -58,7 +58,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 def _cpu_sjlt(grad_dim, proj_dim, seed, c):
     """The CPU SJLT projector of trak_core where this checkout has it, else the definition in float32."""
     try:
-        from trak_core.sjlt import SJLTProjector
+        from trak_core.projection.sjlt import SJLTProjector
 
         return SJLTProjector(grad_dim, proj_dim, seed, "rademacher", "cpu", c=c)
     except ImportError:
@@ -305,7 +305,7 @@ def test_counter_rng_on_the_gpu_equals_the_cpu():
 
 def test_cuda_ext_registers_into_trak_core():
     """Importing cuda_ext registers the GPU projectors; trak_core finds them for CUDA devices only."""
-    from trak_core import projectors
+    from trak_core.projection import projectors
 
     assert projectors.find_projector("dense", "cuda").factory is CudaDenseProjector
     assert projectors.find_projector("sjlt", "cuda:1").factory is CudaSJLTProjector
@@ -334,7 +334,7 @@ def test_trak_core_never_imports_cuda_ext():
             assert not [n for n in names if n.split(".")[0] == "cuda_ext"], f"{path.name}:{node.lineno} names cuda_ext"
     res = _run_python(
         "import sys, torch, trak_core\n"
-        "from trak_core.projectors import make_projector\n"
+        "from trak_core.projection.projectors import make_projector\n"
         "for k in ('dense', 'sjlt', 'noop'): make_projector(k, 100, 16)\n"
         "make_projector('factored', 15, 8, model=torch.nn.Linear(4, 3))\n"
         "assert 'cuda_ext' not in sys.modules, 'cuda_ext imported'\n"
@@ -355,7 +355,7 @@ def test_cuda_devices_load_the_plugin_through_its_entry_point():
     res = _run_python(
         "import sys, warnings, importlib.metadata as md\n"
         "assert any(e.name == 'cuda_ext' for e in md.entry_points(group='trakflow.projectors'))\n"
-        "from trak_core.projectors import make_projector\n"
+        "from trak_core.projection.projectors import make_projector\n"
         "assert 'cuda_ext' not in sys.modules\n"
         "warnings.simplefilter('ignore')\n"
         "p = make_projector('dense', 100, 16, device='cuda')\n"
@@ -436,7 +436,7 @@ def test_bad_arguments_are_refused():
 def test_make_projector_routes_cuda_devices_here():
     """trak_core.make_projector(kind in (dense, sjlt), device='cuda...') builds our GPU projectors (which fall
     back to the CPU ones where there is no CUDA); other devices keep trak_core's projectors."""
-    from trak_core.projectors import make_projector
+    from trak_core.projection.projectors import make_projector
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CudaFallbackWarning)

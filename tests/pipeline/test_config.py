@@ -239,7 +239,7 @@ def test_import_roots_from_the_environment(tmp_path, ckpts, monkeypatch):
     msg = fails_naming("model", good(tmp_path, ckpts, model="json.tool:main"))
     assert "outside the allowed import roots ['examples']" in msg and "TRAKFLOW_IMPORT_ROOTS" in msg
     assert "json.tool" not in sys.modules  # refused before import
-    fails_naming("task", good(tmp_path, ckpts, task="trak_core.modelout:ImageClassificationModelOutput"))
+    fails_naming("task", good(tmp_path, ckpts, task="trak_core.featurize.modelout:ImageClassificationModelOutput"))
     # a config cannot widen the deployment's list
     fails_naming("model", good(tmp_path, ckpts, model="json:dumps", import_roots=["examples", "json"]))
     monkeypatch.setenv("TRAKFLOW_IMPORT_ROOTS", "examples.tin")  # a prefix of a name is not its root

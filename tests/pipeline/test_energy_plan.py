@@ -13,9 +13,9 @@ from tasks import core
 from tasks.config import AttributeConfig
 from trak_core import engine
 from trak_core import plan as trak_plan
-from trak_core.energy import PROBE_ROWS, quantize_energies, sketched_energies
 from trak_core.errors import StoreMismatchError
-from trak_core.factored import FactoredProjector
+from trak_core.projection.energy import PROBE_ROWS, quantize_energies, sketched_energies
+from trak_core.projection.factored import FactoredProjector
 from trak_core.store import StoreMetadata, TrakStore
 
 

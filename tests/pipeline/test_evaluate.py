@@ -256,7 +256,7 @@ def test_unscored_experiment_without_run_attribute_names_the_field(evaluated):
     assert not (tmp / "other.zarr").exists()
 
 
-@pytest.mark.parametrize("task", ["causal_lm", "trak_core.modelout:CausalLMModelOutput"])
+@pytest.mark.parametrize("task", ["causal_lm", "trak_core.featurize.modelout:CausalLMModelOutput"])
 def test_evaluate_refuses_a_causal_lm_before_training(tmp_path, task):
     d = _eval_dict(tmp_path, tiny.save_checkpoints(tmp_path / "ck", seeds=(0,)))
     d["attribute"] = {**d["attribute"], "task": task}
@@ -372,7 +372,7 @@ def test_planted_duplicate_is_top_proponent_and_mislabeled_copy_top_opponent(pla
 # ---------------------------------------------------------------------------- damping settings in the config
 def test_attribute_config_lambda_reg_settings(tmp_path):
     from tasks.config import AttributeConfig
-    from trak_core.damping import ADAPTIVE, AUTO_DAMPING, resolve_lambda
+    from trak_core.solve.damping import ADAPTIVE, AUTO_DAMPING, resolve_lambda
 
     ck = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
     base = _eval_dict(tmp_path, ck)["attribute"]

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from tasks import report  # noqa: E402
 from tasks.query import QueryConfig, run_query  # noqa: E402
 from trak_core import TRAKer  # noqa: E402
-from trak_core.lm import causal_lm_batch  # noqa: E402
+from trak_core.featurize.lm import causal_lm_batch  # noqa: E402
 
 VOCAB, PAD, T, N = 24, 0, 8, 12
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"

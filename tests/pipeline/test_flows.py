@@ -17,7 +17,7 @@ from examples import tiny
 from tasks.config import AttributeConfig, TrainConfig
 from trak_core import TRAKer
 from trak_core.errors import BadInputError, StateError, StoreMismatchError
-from trak_core.featurize import Featurizer
+from trak_core.featurize.featurizer import Featurizer
 from trak_core.store import TrakStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -35,8 +35,8 @@ def traker_scores(
 ) -> np.ndarray:
     """trak_core.TRAKer on the same inputs, same batches and the same store layout (``record``: the pipeline store's
     projector_params, whose split the factored projector takes)."""
-    from trak_core.gradients import grad_dim_of
-    from trak_core.projectors import make_projector, rebuild_kwargs
+    from trak_core.featurize.gradients import grad_dim_of
+    from trak_core.projection.projectors import make_projector, rebuild_kwargs
 
     x, y = tiny.train_data()
     xt, yt = tiny.target_data()

@@ -15,8 +15,8 @@ from trak_fixtures import REPO_ROOT
 from examples import gpt  # noqa: E402
 from tasks.config import AttributeConfig  # noqa: E402
 from trak_core import TRAKer  # noqa: E402
-from trak_core.gradients import grad_dim_of  # noqa: E402
-from trak_core.projectors import make_projector, rebuild_kwargs  # noqa: E402
+from trak_core.featurize.gradients import grad_dim_of  # noqa: E402
+from trak_core.projection.projectors import make_projector, rebuild_kwargs  # noqa: E402
 from trak_core.store import TrakStore  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

@@ -12,7 +12,8 @@ from trak_fixtures import tiny_attribute_config
 
 from examples import tiny
 from tasks.config import AttributeConfig
-from trak_core import TRAKer, TrakIndex, kfac
+from trak_core import TRAKer, TrakIndex
+from trak_core.solve import kfac
 from trak_core.store import TrakStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -27,8 +28,8 @@ def config(tmp, ckpts, **over) -> AttributeConfig:
 def traker_scores(tmp, paths, curvature: str) -> np.ndarray:
     x, y = tiny.train_data()
     xt, yt = tiny.target_data()
-    from trak_core.gradients import grad_dim_of
-    from trak_core.projectors import make_projector
+    from trak_core.featurize.gradients import grad_dim_of
+    from trak_core.projection.projectors import make_projector
 
     model = tiny.make_model()
     proj = make_projector("dense", grad_dim_of(model), PROJ, 0, "rademacher", "cpu")

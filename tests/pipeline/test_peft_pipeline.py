@@ -13,11 +13,11 @@ peft = pytest.importorskip("peft")
 
 from tasks.config import AttributeConfig  # noqa: E402
 from trak_core import TRAKer  # noqa: E402
-from trak_core.adapters import read_state_file  # noqa: E402
 from trak_core.errors import BadInputError, StoreMismatchError  # noqa: E402
-from trak_core.gradients import grad_dim_of  # noqa: E402
-from trak_core.lm import causal_lm_batch  # noqa: E402
-from trak_core.projectors import make_projector, rebuild_kwargs  # noqa: E402
+from trak_core.featurize.adapters import read_state_file  # noqa: E402
+from trak_core.featurize.gradients import grad_dim_of  # noqa: E402
+from trak_core.featurize.lm import causal_lm_batch  # noqa: E402
+from trak_core.projection.projectors import make_projector, rebuild_kwargs  # noqa: E402
 from trak_core.store import TrakStore  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

@@ -22,7 +22,7 @@ from trak_fixtures import REPO_ROOT, tiny_attribute_config
 from examples import tiny
 from tasks.config import AttributeConfig
 from trak_core.errors import BadInputError, StoreLockedError
-from trak_core.featurize import Featurizer
+from trak_core.featurize.featurizer import Featurizer
 from trak_core.store import StoreLock, TrakStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

@@ -20,7 +20,7 @@ from examples import tiny
 from tasks.config import AttributeConfig
 from tasks.selection import SelectConfig, run_select
 from trak_core import TrakIndex
-from trak_core.selection import select
+from trak_core.scoring.selection import select
 from trak_core.store import TrakStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

@@ -217,7 +217,7 @@ def test_store_under_a_file_is_refused(tmp_path):
 
 
 def test_reopen_with_other_projector_parameters_is_refused(tmp_path):
-    from trak_core.sjlt import SJLTProjector
+    from trak_core.projection.sjlt import SJLTProjector
 
     base = dict(
         model=make_model(),
@@ -313,7 +313,7 @@ def test_unsafe_exp_name_is_refused_before_writing(loaded):
 def test_float64_model_and_inputs_work_with_every_projector(tmp_path, kind):
     """A float64 model on float64 inputs featurizes with each projector, and gives the features of the same
     model in float32 (up to float32 rounding)."""
-    from trak_core.projectors import make_projector
+    from trak_core.projection.projectors import make_projector
 
     x, y, _, _ = make_data(n=40)
     out = {}
@@ -347,7 +347,7 @@ def test_float64_inputs_to_a_float32_model_get_a_clear_error(tmp_path):
 def test_bad_rows_by_one_sum_equal_the_entry_by_entry_check(dtype):
     """The finiteness check by one sum names exactly the rows an entry-by-entry check names, also where finite
     entries sum to an overflow, where +inf and -inf would cancel to NaN, and with no bad row at all."""
-    from trak_core.featurize import _all_finite, _bad_rows
+    from trak_core.featurize.featurizer import _all_finite, _bad_rows
 
     big = torch.finfo(dtype).max
     g = torch.Generator().manual_seed(0)

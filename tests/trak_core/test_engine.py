@@ -89,7 +89,7 @@ STEPS = (
 
 
 def _count_calls(monkeypatch) -> dict[str, int]:
-    from trak_core import row_sink
+    from trak_core.featurize import row_sink
 
     calls: dict[str, int] = {}
     for name in STEPS:
@@ -130,8 +130,8 @@ def test_both_front_doors_drive_the_engine(tmp_path, monkeypatch):
 def test_traker_and_pipeline_give_the_same_scores(tmp_path):
     """Same settings, one checkpoint: the two front doors store the same scores, bit for bit; and TRAKer's default
     projector, probed on the same 64 rows, is the one the pipeline's plan recorded."""
-    from trak_core.energy import PROBE_ROWS
-    from trak_core.projectors import make_projector, rebuild_kwargs
+    from trak_core.projection.energy import PROBE_ROWS
+    from trak_core.projection.projectors import make_projector, rebuild_kwargs
     from trak_core.store import TrakStore
 
     paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))

@@ -17,9 +17,9 @@ import pytest
 import torch
 from trak_fixtures import REPO_ROOT
 
-from trak_core import counter_rng
 from trak_core.compat import utils
 from trak_core.errors import BadInputError
+from trak_core.projection import counter_rng
 
 ROOT = REPO_ROOT
 
@@ -69,7 +69,7 @@ def _plot_gauge(tmp_path):
 
 
 def _lambda(value):
-    from trak_core.damping import parse_lambda_reg
+    from trak_core.solve.damping import parse_lambda_reg
 
     parse_lambda_reg(value)
 
@@ -184,7 +184,7 @@ ALLOWED = {
     ("trak_core/alpha.py", "loss_fn must be callable"): "TypeError kept (as above)",
     ("trak_core/store.py", "must be a multiple of chunk_rows"): "inside a pydantic validator: it surfaces as a "
     "ValidationError, which should_retry already refuses",
-    ("trak_core/scoring.py", "no checkpoint contributed"): "an internal precondition (no user input reaches it "
+    ("trak_core/scoring/combine.py", "no checkpoint contributed"): "an internal precondition (no user input reaches it "
     "with 0 models), not input validation",
     ("cuda_ext/projectors.py", "cannot query the device"): "a CUDA runtime fault, not input",
     ("trak_core/testing.py", "not a projector, a projector factory"): "the test kit's own argument check",

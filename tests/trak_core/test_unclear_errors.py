@@ -15,8 +15,8 @@ from trak_fixtures import make_data, make_model
 from examples import tiny
 from trak_core import TRAKer, TrakIndex
 from trak_core.errors import BadInputError
-from trak_core.lm import causal_lm_batch
-from trak_core.modelout import resolve_task
+from trak_core.featurize.lm import causal_lm_batch
+from trak_core.featurize.modelout import resolve_task
 from trak_core.plan import check_batch
 
 

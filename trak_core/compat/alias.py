@@ -7,7 +7,9 @@ import sys
 import types
 import warnings
 
-from .. import gradients, modelout, projectors
+from trak_core.featurize import gradients, modelout
+from trak_core.projection import projectors
+
 from .._version import __version__
 from . import traker, utils
 from .errors import ModelIDException

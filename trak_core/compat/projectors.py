@@ -1,7 +1,8 @@
 """traker's ``CudaProjector``, ``ChunkedCudaProjector``, ``BasicProjector`` and ``BasicSingleBlockProjector`` names
 over trak_core's dense projection.
 
-They take traker's constructor arguments and map to :class:`~trak_core.projectors.DenseProjector` (counter-based
+They take traker's constructor arguments and map to :class:`~trak_core.projection.projectors.DenseProjector`
+(counter-based
 RNG): they work on any device, CPU included, and give the same vectors on every device. On a GPU the projection
 uses trakflow's kernels (``cuda_ext``) when they build. They are not fast_jl: the matrices differ from traker's.
 """
@@ -11,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trak_core.projection.projectors import DenseProjector, ProjectionType, make_projector
+
 from ..errors import BadInputError
-from ..projectors import DenseProjector, ProjectionType, make_projector
 
 __all__ = ["CudaProjector", "ChunkedCudaProjector", "BasicProjector", "BasicSingleBlockProjector"]
 
@@ -26,7 +28,7 @@ def _proj_type(value) -> ProjectionType:
 
 class CudaProjector(DenseProjector):
     """traker's ``CudaProjector(grad_dim, proj_dim, seed, proj_type, device, max_batch_size, ...)`` on any
-    device: the dense Rademacher/normal projection of :class:`~trak_core.projectors.DenseProjector`.
+    device: the dense Rademacher/normal projection of :class:`~trak_core.projection.projectors.DenseProjector`.
 
     As with fast_jl, the result has the dtype of the input gradients (``dtype=`` sets the compute dtype;
     float32 by default) and ``max_batch_size`` / ``num_sms`` do not change the result (they are kept as

@@ -44,12 +44,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import engine, kfac, plan
-from ..errors import BadInputError, StateError
-from ..gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
-from ..modelout import AbstractModelOutput, resolve_task
-from ..plan import check_batch, check_dtypes, check_finite, check_projection, check_state_finite
-from ..projectors import (
+from trak_core import engine, plan
+from trak_core.featurize.gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
+from trak_core.featurize.modelout import AbstractModelOutput, resolve_task
+from trak_core.projection.projectors import (
     AbstractProjector,
     DenseProjector,
     NoOpProjector,
@@ -57,6 +55,10 @@ from ..projectors import (
     make_projector,
     projector_traits,
 )
+from trak_core.solve import kfac
+
+from ..errors import BadInputError, StateError
+from ..plan import check_batch, check_dtypes, check_finite, check_projection, check_state_finite
 from .errors import InputAssertionError, ModelIDException, StateAssertionError
 from .savers import check_saver
 from .score_computers import score_computer_settings
@@ -108,7 +110,7 @@ def default_projector(
     model, grad_dim: int, proj_dim: int, seed: int, device, grad_wrt=None, energies: dict | None = None
 ) -> AbstractProjector:
     """trakflow's default: the factored per-layer projection (benchmarks/RESULTS.md), proj_dim split by
-    ``energies`` (:func:`trak_core.energy.sketched_energies`; equally between layers without them); the dense
+    ``energies`` (:func:`trak_core.projection.energy.sketched_energies`; equally between layers without them); the dense
     Rademacher projection, with a one-line warning, for models it cannot factor."""
     try:
         return make_projector(
@@ -134,7 +136,7 @@ class TRAKer:
     such that the effective dimension of each checkpoint's XᵀX is min(0.1·n, rank/2), chosen by
     leave-one-case-out (benchmarks/RESULTS.md, "Attribution quality"). It may also be a number,
     ``"auto"`` / ``"rel:<f>"`` (damping relative to the mean eigenvalue of XᵀX) or ``"deff:<c>"`` (see
-    :func:`trak_core.damping.parse_lambda_reg`). Extra keyword arguments: ``rescale_inverse``
+    :func:`trak_core.solve.damping.parse_lambda_reg`). Extra keyword arguments: ``rescale_inverse``
     (traker's division of (XᵀX+λI)⁻¹ by its mean |entry|; default True for parity),
     ``chunk_rows``/``shard_rows`` (store layout; by default a chunk holds at most 32 MiB and 1,024 rows, a
     shard 8 chunks: trak_core.store.choose_chunk_rows), ``storage_options`` (fsspec), ``curvature``: the H of
@@ -150,7 +152,7 @@ class TRAKer:
     flagged only once written (a killed process featurizes the rest again). ``max_memory``: a memory budget (bytes
     or a size like ``"4GB"``): each batch is featurized in pieces of the most rows a measured probe fits under it
     (the process's resident memory on the CPU, torch's allocated memory on a GPU), and scoring's buffers take a
-    share of what it leaves (:mod:`trak_core.budget`).
+    share of what it leaves (:mod:`trak_core.featurize.budget`).
     """
 
     def __init__(

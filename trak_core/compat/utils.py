@@ -48,7 +48,8 @@ def test_install(use_fast_jl: bool = True):
     projection on any device) on CUDA when a GPU is present, else on CPU; ``False`` uses the identity
     projection on CPU, as traker does.
     """
-    from ..projectors import AbstractProjector, NoOpProjector
+    from trak_core.projection.projectors import AbstractProjector, NoOpProjector
+
     from .projectors import CudaProjector
     from .traker import TRAKer
 

@@ -58,7 +58,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     warnings.simplefilter("ignore")
     import trak_core
-    from trak_core.projectors import NoOpProjector
+    from trak_core.projection.projectors import NoOpProjector
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 1000), torch.nn.ReLU(),
                                 torch.nn.Linear(1000, 10))

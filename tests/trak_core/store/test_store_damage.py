@@ -28,7 +28,7 @@ from tasks.common import should_retry
 from tasks.config import AttributeConfig
 from trak_core.compat.traker import TRAKer
 from trak_core.errors import BadInputError, StoreDamageError, StoreMismatchError
-from trak_core.projectors import make_projector, rebuild_kwargs
+from trak_core.projection.projectors import make_projector, rebuild_kwargs
 from trak_core.store import TrakStore
 from trak_core.store.verify import repair_store, verify_location, verify_store
 
@@ -302,7 +302,7 @@ def test_root_metadata_deleted_is_refused_never_reinitialized(clean, tmp_path, s
 
 # ---------------------------------------------------------------------------------------------- settings
 def test_crash_during_finalize_then_other_lambda_is_refused(clean, tmp_path, monkeypatch):
-    import trak_core.reduce as reduce
+    import trak_core.solve.reduce as reduce
 
     store = copy(clean, "featurize", tmp_path / "s.zarr")
     cfg = config(store, clean["ckpts"])
@@ -325,7 +325,7 @@ def test_crash_during_finalize_then_other_lambda_is_refused(clean, tmp_path, mon
 
 
 def test_traker_crash_during_finalize_then_other_lambda_is_refused(clean, tmp_path, monkeypatch):
-    import trak_core.reduce as reduce
+    import trak_core.solve.reduce as reduce
 
     save = tmp_path / "t.zarr"
     t = traker_run(save, clean["ckpts"], stages=("featurize",))
@@ -400,7 +400,7 @@ def test_corrupt_flag_chunk_is_found_by_the_plan_and_recomputed(clean, tmp_path)
 def test_score_task_of_several_shards_resumes_with_its_unfinished_shards(clean, tmp_path, monkeypatch):
     """A score task of two shards killed after its first shard's scores and flags were written: the rerun of the
     task scores only the second shard; progress counts every row once; the scores equal the clean run's."""
-    from trak_core import reduce
+    from trak_core.solve import reduce
 
     store = copy(clean, "finalize", tmp_path / "s.zarr")
     cfg = config(store, clean["ckpts"], score_task_rows=2 * SHARD)

@@ -8,8 +8,8 @@ import torch
 from trak_fixtures import checkpoints, make_data, rel_err, run_traker
 
 import trak_core
-from trak_core import damping, reduce
 from trak_core.errors import IllConditionedWarning, StoreMismatchError
+from trak_core.solve import damping, reduce
 from trak_core.store import StoreMetadata, TrakStore
 
 

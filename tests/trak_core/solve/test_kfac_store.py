@@ -1,0 +1,203 @@
+"""``curvature="kfac"`` / ``"ekfac"`` through TRAKer and TrakIndex: the stored rows, the finalized inverse c·I and the
+scores against a float64 brute force (explicit per-example gradients, explicit Kronecker H, explicit solve); the
+factors recorded in the store and reused by the index and by rows appended to a grown store; bad settings refused
+before anything is created."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from test_kfac import D_IN, C, N, brute, brute_factors, brute_precondition, kfac_h, layer_grads, mlp
+
+from trak_core import TRAKer, TrakIndex
+from trak_core.errors import BadInputError, StateError
+from trak_core.projection.projectors import NoOpProjector
+from trak_core.solve import kfac
+
+M = 5
+DEFAULT = object()  # run(projector=DEFAULT): TRAKer's default projector
+
+
+def make_data():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N + M, D_IN, generator=g, dtype=torch.float64)
+    y = torch.randint(0, C, (N + M,), generator=g)
+    return x[:N], y[:N], x[N:], y[N:]
+
+
+def run(path, curvature="kfac", projector=None, n=N, fit=True, **kw):
+    model = mlp()
+    x, y, xt, yt = make_data()
+    tr = TRAKer(
+        model=model,
+        task="image_classification",
+        train_set_size=n,
+        save_dir=str(path),
+        device="cpu",
+        projector=None if projector is DEFAULT else projector if projector is not None else NoOpProjector(),
+        use_half_precision=False,
+        lambda_reg=0.0,
+        logging_level=logging.ERROR,
+        curvature=curvature,
+        **kw,
+    )
+    ck = model.state_dict()
+    tr.load_checkpoint(ck, model_id=0)
+    if fit:
+        tr.fit_curvature([(x[a : a + 10], y[a : a + 10]) for a in range(0, N, 10)])
+    for a in range(0, n, 10):
+        tr.featurize((x[a : min(a + 10, n)], y[a : min(a + 10, n)]), num_samples=min(a + 10, n) - a)
+    tr.finalize_features()
+    tr.start_scoring_checkpoint("e", ck, 0, M)
+    tr.score((xt, yt), num_samples=M)
+    return np.asarray(tr.finalize_scores("e"), dtype=np.float64), tr, model
+
+
+def brute_scores(model):
+    x, y, xt, yt = make_data()
+    rows, targets = brute(model, x, y), brute(model, xt, yt)
+    hs = kfac_h(brute_factors(rows))
+    want = np.zeros((N, M))
+    for name, h in hs.items():
+        g = np.stack([layer_grads(model, r[0])[name].reshape(-1) for r in rows])
+        t = np.stack([layer_grads(model, r[0])[name].reshape(-1) for r in targets])
+        want += g @ np.linalg.solve(h, t.T)
+    q = np.array([r[1] for r in rows])
+    return want * q[:, None], rows, hs
+
+
+def test_traker_noop_scores_equal_explicit_solve(tmp_path):
+    got, tr, model = run(tmp_path / "s")
+    want, rows, hs = brute_scores(model)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    # the rows stored are H^(-1/2) g / √grad_dim, the inverse c·I, the factors in the store's record
+    x = tr.store.model(0).grads[:].astype(np.float64)
+    np.testing.assert_allclose(
+        x, brute_precondition(model, rows, hs) / np.sqrt(tr.num_params_for_grad), rtol=2e-6, atol=1e-7
+    )
+    c = tr.num_params_for_grad  # c = grad_dim / the noop projection's scale (1): X c Xᵀ = G' G'ᵀ
+    np.testing.assert_array_equal(tr.store.inverse(0), c * np.eye(x.shape[1], dtype=np.float32))
+    assert tr.store.finalize_info(0)["curvature"] == "kfac"
+    assert kfac.has_factors(tr.store, 0)
+    assert tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]["kind"] == "kfac"
+
+
+@pytest.mark.parametrize(("curvature", "projector"), [("kfac", "factored"), ("ekfac", "factored"), ("kfac", None)])
+def test_index_queries_with_the_recorded_factors(tmp_path, curvature, projector):
+    """TrakIndex rebuilds the store's projection and reads its factors: its scores are finalize_scores'. ``None``:
+    TRAKer's default projector, whose store is created once rows are featurized (the factors fitted before are
+    recorded then)."""
+    from trak_core.projection.projectors import make_projector
+
+    model = mlp()
+    gd = sum(p.numel() for p in model.parameters())
+    if projector is None:
+        got, tr, model = run(tmp_path / "s", curvature, projector=DEFAULT, proj_dim=16)
+    else:
+        proj = make_projector("factored", gd, 16, 0, "rademacher", model=model)
+        got, tr, model = run(tmp_path / "s", curvature, projector=proj)
+    assert kfac.has_factors(tr.store, 0)
+    tr._close()
+    del tr
+    index = TrakIndex(
+        tmp_path / "s", model=mlp(), checkpoints=[model.state_dict()], task="image_classification", device="cpu"
+    )
+    _, _, xt, yt = make_data()
+    res = index.query((xt, yt), k=N)
+    np.testing.assert_allclose(np.take_along_axis(got.T, res.indices, 1), res.scores, rtol=1e-5, atol=1e-6)
+
+
+def test_featurize_before_fit_is_refused(tmp_path):
+    with pytest.raises(StateError, match="fit_curvature"):
+        run(tmp_path / "s", fit=False)
+
+
+def test_grown_store_keeps_its_factors(tmp_path):
+    """Rows appended to a grown store are projected with the factors it recorded (the engine's featurize step reads
+    them back): the same rows as a store built at once with the same fit."""
+    from trak_core import engine
+    from trak_core.featurize.featurizer import Featurizer
+    from trak_core.store import open_store
+
+    _, tr, _ = run(tmp_path / "s", n=N - 4)
+    rec = tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]["sha256"]
+    tr._close()
+    del tr
+    st = open_store(str(tmp_path / "s"))
+    engine.grow_run(st, N)
+    assert st.pipeline_info()[kfac.RECORD_KEY]["0"]["sha256"] == rec
+    model = mlp()
+    feat = Featurizer(model, "image_classification", NoOpProjector(), device="cpu")
+    feat.load_state(model.state_dict())
+    x, y, _, _ = make_data()
+    for shard in range(st.meta.num_shards):
+        engine.featurize_shard(st, 0, shard, lambda: feat, lambda a, b: [x[a:b], y[a:b]], 10)
+    assert isinstance(feat.curvature, kfac.StoreFactors)
+    _, whole, _ = run(tmp_path / "t", n=N)
+    np.testing.assert_array_equal(st.model(0).grads[:], whole.store.model(0).grads[:])
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"curvature": "kfacc"}, "curvature"),
+        ({"curvature_damping": -1.0}, "curvature_damping"),
+        ({"curvature_damping": float("nan")}, "curvature_damping"),
+    ],
+)
+def test_bad_settings_named_before_anything_is_created(tmp_path, kw, field):
+    kw = {"curvature": "kfac", **kw}
+    with pytest.raises(BadInputError, match=field):
+        TRAKer(
+            model=mlp(), task="image_classification", train_set_size=N, save_dir=str(tmp_path / "s"), device="cpu", **kw
+        )
+    assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
+
+
+def test_started_over_model_refits_its_factors(tmp_path):
+    """A model started over at another checkpoint (load_from_save_dir=False) gets factors fitted at that checkpoint;
+    the record names the checkpoint's digest. Featurized rows with factors of another checkpoint are refused."""
+    from trak_core import engine
+    from trak_core.featurize.featurizer import Featurizer
+    from trak_core.store import open_store
+
+    _, tr, model = run(tmp_path / "s")
+    first = tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]
+    assert first["checkpoint"] == tr.store.checkpoint_record(0)["state_sha256"]
+    tr._close()
+    del tr
+    other = mlp()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    x, y, _, _ = make_data()
+    tr = TRAKer(
+        model=other,
+        task="image_classification",
+        train_set_size=N,
+        save_dir=str(tmp_path / "s"),
+        device="cpu",
+        projector=NoOpProjector(),
+        use_half_precision=False,
+        lambda_reg=0.0,
+        logging_level=logging.ERROR,
+        curvature="kfac",
+        load_from_save_dir=False,
+    )
+    tr.load_checkpoint(other.state_dict(), model_id=0)
+    tr.fit_curvature([(x, y)])
+    again = tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]
+    assert again["checkpoint"] == engine.state_fingerprint(other.state_dict()) != first["checkpoint"]
+    assert again["sha256"] != first["sha256"]
+    tr._close()
+    del tr
+    # a store whose rows were featurized at the first checkpoint: fitting at another is refused
+    run(tmp_path / "t")
+    st = open_store(str(tmp_path / "t"))
+    st.set_checkpoint_record(0, {"path": "x", "state_sha256": "0" * 64})
+    feat = Featurizer(other, "image_classification", NoOpProjector(), device="cpu")
+    with pytest.raises(StateError, match="another checkpoint"):
+        engine.fit_curvature(st, 0, feat, lambda: [(x, y)])
