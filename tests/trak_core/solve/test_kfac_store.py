@@ -28,15 +28,15 @@ def make_data():
     return x[:N], y[:N], x[N:], y[N:]
 
 
-def run(path, curvature="kfac", projector=None, n=N, fit=True, **kw):
-    model = mlp()
-    x, y, xt, yt = make_data()
+def run(path, curvature="kfac", projector=None, n=N, fit=True, device="cpu", **kw):
+    model = mlp().to(device)
+    x, y, xt, yt = (t.to(device) for t in make_data())
     tr = TRAKer(
         model=model,
         task="image_classification",
         train_set_size=n,
         save_dir=str(path),
-        device="cpu",
+        device=device,
         projector=None if projector is DEFAULT else projector if projector is not None else NoOpProjector(),
         use_half_precision=False,
         lambda_reg=0.0,
@@ -201,3 +201,12 @@ def test_started_over_model_refits_its_factors(tmp_path):
     feat = Featurizer(other, "image_classification", NoOpProjector(), device="cpu")
     with pytest.raises(StateError, match="another checkpoint"):
         engine.fit_curvature(st, 0, feat, lambda: [(x, y)])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("curvature", ["kfac", "ekfac"])
+def test_cuda_gives_the_cpu_scores(tmp_path, curvature):
+    """The factors fitted on the GPU and the GPU's projection give the CPU run's scores (the default projector)."""
+    cpu, _, _ = run(tmp_path / "c", curvature, projector=DEFAULT)
+    gpu, _, _ = run(tmp_path / "g", curvature, projector=DEFAULT, device="cuda")
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-4, atol=1e-6 * float(np.abs(cpu).max()))
