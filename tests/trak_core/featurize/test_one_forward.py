@@ -187,16 +187,27 @@ def test_a_closed_form_of_the_wrong_size_is_refused(tmp_path):
     assert not (tmp_path / "s" / "zarr.json").exists()  # the default projector's store: not created
 
 
+class _LogShift(torch.nn.Module):
+    """The model plus log(x₀ + 1000): finite inputs, a non-finite output for a row whose x₀ is −1000."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) + torch.log(x[:, :1] + 1000.0)
+
+
 @pytest.mark.parametrize("kind", ["factored", "noop"])
 def test_non_finite_outputs_named_as_outputs(tmp_path, kind):
-    """A NaN input makes the outputs non-finite: the error names the model outputs (the task's own Q check runs
-    before any gradient is checked), as with a separate forward."""
+    """Finite inputs that make the outputs non-finite (a NaN input is refused before any forward): the error names
+    the model outputs (the task's own Q check runs before any gradient is checked), as with a separate forward."""
     from trak_core.errors import NonFiniteGradientError
 
-    model = make_model(1)
+    model = _LogShift(make_model(1))
     x, y, _, _ = make_data(n=40)
     xb = x[:8].clone()
-    xb[3, 0] = float("nan")
+    xb[3, 0] = -1000.0
     tr = _traker(tmp_path, model=model, kind=kind)
     tr.load_checkpoint(model.state_dict(), model_id=0)
     with pytest.raises(NonFiniteGradientError, match="model outputs") as e:
