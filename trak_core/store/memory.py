@@ -27,7 +27,7 @@ from ..errors import BadInputError, StateError, StoreMismatchError
 from .chunkio import stack_dtype, to_dtype
 from .lock import StoreLock, check_lock_held
 from .protocol import split_path
-from .schema import StoreMetadata, check_exp_name, check_metadata, check_model_id, pack_upper
+from .schema import StoreMetadata, check_exp_name, check_metadata, check_model_id, check_partial_kind, pack_upper
 
 #: the locations of in-memory stores: ``memory://trakflow-memory/<name>``
 MEMORY_PREFIX = "memory://trakflow-memory/"
@@ -317,11 +317,7 @@ class MemoryStore:
         ggn: np.ndarray | None = None,
         mark: bool = True,
     ) -> None:
-        if (ggn is not None) != (self.meta.curvature == "ggn"):
-            raise BadInputError(
-                f"write_partial: the store's curvature is {self.meta.curvature!r}; "
-                + ("its Xₛᵀ Rₛ Xₛ partial (ggn=) is required" if ggn is None else "it keeps no Xₛᵀ Rₛ Xₛ partial")
-            )
+        check_partial_kind(self.meta, ggn)
         m = self._model(model_id).arrays
         m["xtx_partials"][shard] = _packed(partial)
         m["rowsum_partials"][shard] = np.asarray(row_sums)

@@ -386,6 +386,15 @@ def check_metadata(have_meta: StoreMetadata, expected: StoreMetadata, location: 
             )
 
 
+def check_partial_kind(meta: StoreMetadata, ggn) -> None:
+    """A shard's Xₛᵀ Rₛ Xₛ partial (``ggn``) is given exactly when the store's curvature is ``"ggn"``."""
+    if (ggn is not None) != (meta.curvature == "ggn"):
+        raise BadInputError(
+            f"write_partial: the store's curvature is {meta.curvature!r}; "
+            + ("its Xₛᵀ Rₛ Xₛ partial (ggn=) is required" if ggn is None else "it keeps no Xₛᵀ Rₛ Xₛ partial")
+        )
+
+
 def check_model_id(model_id) -> None:
     if not isinstance(model_id, (int, np.integer)) or isinstance(model_id, bool) or model_id < 0:
         raise BadInputError(f"model_id must be a non-negative integer, got {model_id!r}")

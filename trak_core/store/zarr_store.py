@@ -45,6 +45,7 @@ from .schema import (
     check_exp_name,
     check_metadata,
     check_model_id,
+    check_partial_kind,
     pack_upper,
 )
 
@@ -558,11 +559,7 @@ class TrakStore:
         its row sums (p + 3,) and, in a store of ``curvature="ggn"`` (where it is required), its Xₛᵀ Rₛ Xₛ
         (``ggn``, as ``partial``), then mark the shard's partials done (``mark=False``: the caller does, with
         :meth:`mark_partial`, once the shard's rows are marked featurized; unmarked, they are never read)."""
-        if (ggn is not None) != (self.meta.curvature == "ggn"):
-            raise BadInputError(
-                f"write_partial: the store's curvature is {self.meta.curvature!r}; "
-                + ("its Xₛᵀ Rₛ Xₛ partial (ggn=) is required" if ggn is None else "it keeps no Xₛᵀ Rₛ Xₛ partial")
-            )
+        check_partial_kind(self.meta, ggn)
         m = self.model(model_id)
         _arrays._write_rows(m.xtx_partials, slice(shard, shard + 1), _packed(partial)[None])
         _arrays._write_rows(m.rowsum_partials, slice(shard, shard + 1), np.asarray(row_sums)[None])
