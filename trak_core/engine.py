@@ -563,7 +563,7 @@ def featurize_shard(
             return True
         require_not_finalized(store, model_id)
         start = a + _featurized_prefix(done)  # a shard the store grew into keeps its stored rows
-        feat = kfac.bind(featurizer(), store)
+        feat = featurizer()
         batch_size = _budget_batch(
             feat, store.meta, b - a, batch(start, min(b, start + PROBE_SAMPLE_ROWS)), model_id, batch_size
         )
@@ -678,7 +678,7 @@ def target_rows(store: RunStore, featurizer: Featurizer, exp_name: str, model_id
     same bits (the same targets again: a rerun) are left as they are, and so are their solve and scores."""
     rows = np.asarray(rows)
     order = np.argsort(rows)
-    g = kfac.bind(featurizer, store).target_features(batch, model_id, rows)
+    g = featurizer.target_features(batch, model_id, rows)
     rows, g = rows[order], g[order]
     stored = store.stored_target_rows(exp_name, model_id, rows)
     if stored is not None and np.array_equal(stored, g.astype(store.meta.np_dtype, copy=False)):
@@ -701,7 +701,7 @@ def featurize_targets(
     """
     if store.targets_complete(exp_name, model_id):
         return True
-    feat = kfac.bind(featurizer(), store)
+    feat = featurizer()
     m = store.num_targets(exp_name)
     batch_size = _budget_batch(feat, store.meta, m, batch(0, min(m, PROBE_SAMPLE_ROWS)), model_id, batch_size)
     gs = [

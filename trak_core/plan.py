@@ -109,8 +109,14 @@ def lambda_setting(lambda_reg):
 def check_projection(kind: str, proj_dim: int, train_set_size: int, lambda_setting, curvature: str = "xtx") -> None:
     """Refuse a projection of ``proj_dim`` ≥ the number of train examples with no damping (``lambda_setting`` 0,
     :attr:`trak_core.solve.damping.LambdaRule.setting`): XᵀX is then singular and the scores noise. A Kronecker-factored
-    ``curvature`` solves no XᵀX: nothing to refuse."""
+    ``curvature`` damps each block of its own (nothing to refuse there) but needs the factored projection, whose blocks
+    are the layers."""
     if curvature in KFAC_CURVATURES:
+        if kind != "factored":
+            raise BadInputError(
+                f"curvature={curvature!r} needs the factored projector (its blocks are the layers that the Kronecker "
+                f"factors curve), not {kind!r}: use the default projector"
+            )
         return
     n = int(train_set_size)
     if proj_dim < n or lambda_setting != 0:

@@ -319,8 +319,6 @@ class TRAKer:
         # under a budget, the rows held beside the batches (as check_featurize_memory counts them) and the partial
         held = proj_max_batch_size + (meta.rows_per_shard if on_device else meta.rows_per_chunk)
         self.featurizer.memory_reserve = held * meta.proj_dim * 8 + 2 * meta.proj_dim**2 * 8
-        if curvature in kfac.KFAC_CURVATURES:
-            self.featurizer.curvature = self._curvature_of
         self.gradient_computer = self.featurizer.gradient_computer
         self.ckpt_loaded: int | None = None
         self.current_model_id: int | None = None
@@ -421,18 +419,6 @@ class TRAKer:
             )
         if pre is not None:
             self._fitted[mid] = pre
-
-    def _curvature_of(self, model_id: int) -> kfac.Preconditioner:
-        """The K-FAC factors of ``model_id``: fitted here, or recorded in the store."""
-        if model_id in self._fitted:
-            return self._fitted[model_id]
-        if self._store is not None and kfac.has_factors(self._store, model_id):
-            self._fitted[model_id] = kfac.load_factors(self._store, model_id)
-            return self._fitted[model_id]
-        raise StateError(
-            f"TRAKer(curvature={self.curvature!r}): model_id={model_id} has no fitted curvature; call "
-            "traker.fit_curvature(train_batches) after load_checkpoint and before featurize/score"
-        )
 
     # ------------------------------------------------------------------ featurizing
     def _forget_handles(self) -> None:

@@ -6,8 +6,7 @@ Shared by the TRAKer facade and the pipeline's tasks so both compute the same nu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -111,10 +110,6 @@ class Featurizer:
             model=model, task=self.task, grad_dim=self.grad_dim, dtype=dtype, device=device, grad_wrt=grad_wrt
         )
         self.normalize_factor = math.sqrt(self.grad_dim)
-        # Kronecker-factored curvature (:mod:`trak_core.solve.kfac`): model id → its preconditioner, applied before the
-        # projection (None: the projector as given)
-        self.curvature: Callable[[int], Any] | None = None
-        self._preconditioned: tuple[int, int, AbstractProjector] | None = None
 
     def load_state(self, state_dict: dict) -> None:
         try:
@@ -134,26 +129,11 @@ class Featurizer:
             raise NonFiniteGradientError(model_id, [indices[i] for i in bad], what="model outputs")
         return q
 
-    def projector_for(self, model_id: int):
-        """The projector of ``model_id``'s rows: :attr:`projector`, preconditioned by :attr:`curvature`'s factors."""
-        if self.curvature is None:
-            return self.projector
-        held = self._preconditioned
-        if held is None or held[0] != model_id or held[1] != id(self.projector):
-            from trak_core.solve.kfac import preconditioned
-
-            held = self._preconditioned = (
-                model_id,
-                id(self.projector),
-                preconditioned(self.projector, model_id, self.curvature(model_id)),
-            )
-        return held[2]
-
     def _fast_path(self, batch: Sequence[Tensor], model_id: int, with_output: bool = False):
         """A projector with ``featurize_batch`` (e.g. the factored one) projects without materialized
         per-example gradients; it returns None when it cannot (then: gradients + project). ``with_output``:
         (X, the outputs f of the same forward)."""
-        fast = getattr(self.projector_for(model_id), "featurize_batch", None)
+        fast = getattr(self.projector, "featurize_batch", None)
         if fast is None or not isinstance(self.gradient_computer, FunctionalGradientComputer):
             return None
         gc = self.gradient_computer
@@ -171,7 +151,7 @@ class Featurizer:
         bad = sorted({i for g in grads.values() for i in _bad_rows(g)})
         if bad:
             raise NonFiniteGradientError(model_id, [indices[i] for i in bad])
-        return self.projector_for(model_id).project(grads, model_id=model_id)
+        return self.projector.project(grads, model_id=model_id)
 
     def _scaled(self, x: Tensor, model_id: int, indices: Sequence[int]) -> Tensor:
         x = x.float() / self.normalize_factor

@@ -188,6 +188,18 @@ class Layout:
         ]
 
 
+def recorded_blocks(params: dict) -> list[Block]:
+    """The blocks of a recorded factored projection (its spec's ``"layout"`` table, :meth:`Layout.describe`), in
+    row order, without their parameter names: what regenerates the side matrices and the coordinate weights."""
+    out = []
+    for row in params.get("layout", []):
+        name, kind, d_out, d_in, bias, k, k_out, k_in, *flags = row
+        size = int(d_in) if kind == "other" else int(d_out) * (int(d_in) + int(bool(bias)))
+        out.append(Block(str(name), str(kind), (), int(d_out), int(d_in), bool(bias), size, int(k), int(k_out),
+                         int(k_in), "pairs" in flags, "id_out" in flags, "id_in" in flags))  # fmt: skip
+    return out
+
+
 def _apportion(sizes: Sequence[int], total: int) -> list[int]:
     """Largest-remainder split of ``total`` ∝ sizes, at least 1 each (ties: lower index first)."""
     n = len(sizes)

@@ -37,7 +37,6 @@ from trak_core.plan import check_dtypes, check_finite
 from trak_core.projection.projectors import AbstractProjector, make_projector, rebuild_kwargs
 from trak_core.scoring.streaming import grads_right_hand, stream_scores
 from trak_core.scoring.topk import RunningTopK
-from trak_core.solve import kfac
 from trak_core.store import StoreLock, StoreMetadata, model_array, open_store
 
 #: the metadata fields that identify a projection (compared with a rebuilt or given projector)
@@ -194,7 +193,6 @@ class TrakIndex:
         self.featurizer = Featurizer(
             model, self.task, self.projector, gradient_computer, self.grad_wrt, self.device, max_memory=self.max_memory
         )
-        kfac.bind(self.featurizer, self.store)  # a K-FAC store: queries projected with its recorded factors
         first = self.model_ids[0]
         self.featurizer.load_state(self._states[first])  # a checkpoint that does not fit the model fails here
 

@@ -608,8 +608,8 @@ def finalize_model(
         total, sums, writes, ggn = _sum_partials(store, model_id, writer, device, known)
         kw = _solve_inputs(store, model_id, rule, sums, ggn)
         linalg_device = None if device is None or torch.device(device).type == "cpu" else torch.device(device)
-        if store.meta.curvature in KFAC_CURVATURES:  # rows preconditioned before the projection: c·I
-            inv, info = kfac_finalize(store.meta, rule, rescale)
+        if store.meta.curvature in KFAC_CURVATURES:  # block-diagonal: Kronecker factors in the projected space
+            inv, info = kfac_finalize(store, model_id, total, rule, rescale)
         else:
             inv, info = solve(
                 total, store.meta.train_set_size, rule, rescale, model_id=model_id, linalg_device=linalg_device, **kw
