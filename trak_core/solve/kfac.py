@@ -518,6 +518,17 @@ def load_factors(store, model_id: int) -> Preconditioner:
     return from_record(rec, f" of model_id={model_id}")
 
 
+def recorded_factors(store, model_id: int) -> Preconditioner | None:
+    """``model_id``'s recorded factors (None: none recorded)."""
+    return load_factors(store, model_id) if has_factors(store, model_id) else None
+
+
+def wants_factors(store, model_id: int) -> bool:
+    """Whether the store's curvature is Kronecker-factored and ``model_id`` has no factors recorded yet (the fit
+    step has work to do)."""
+    return store.meta.curvature in KFAC_CURVATURES and not has_factors(store, model_id)
+
+
 class StoreFactors:
     """``feat.curvature``: model id → the store's recorded :class:`Preconditioner` (cached), for a featurizer."""
 
