@@ -15,7 +15,6 @@ from trak_core.featurize.budget import memory_limit
 from trak_core.featurize.featurizer import Featurizer
 from trak_core.plan import read_checkpoint
 from trak_core.scoring.streaming import score_task_ranges
-from trak_core.solve.kfac import KFAC_CURVATURES, has_factors
 from trak_core.store import RunStore, StoreMetadata
 
 from . import progress
@@ -140,7 +139,7 @@ def fit_curvature(config: AttributeConfig, model_id: int, checkpoint: str) -> bo
     its shards are featurized (:func:`trak_core.engine.fit_curvature`; a checkpoint that has factors keeps them).
     Returns whether it fitted."""
     store = open_store(config)
-    if store.meta.curvature not in KFAC_CURVATURES or has_factors(store, model_id):
+    if not engine.needs_curvature(store, model_id):
         return False
     data = cached_data(config.train_data, "train_data")
     n, size = store.meta.train_set_size, config.batch_size

@@ -5,8 +5,8 @@ step per task, fanned out) and :class:`~trak_core.compat.traker.TRAKer` (one ste
 batch). Each step's checks (what the store must hold first, what it must not contradict) and records (what it
 writes besides arrays) live here; the math is in :mod:`trak_core.solve.reduce` and :mod:`trak_core.scoring.streaming`.
 The
-plan step (the rules of a run's inputs, the projector choice, the store's records created once) is in
-:mod:`trak_core.plan`.
+plan step (the projector choice, the store's records created once) is in :mod:`trak_core.plan`; the rules of a run's
+inputs and of an existing store's projector, which both use, are in :mod:`trak_core.rules` and exposed here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from trak_core import checkpoints
+from trak_core import checkpoints, rules
 from trak_core.featurize.budget import check_budget as check_budget  # the front doors' memory budget
 from trak_core.featurize.budget import memory_limit as memory_limit
 from trak_core.featurize.featurizer import Featurizer
@@ -163,8 +163,24 @@ def check_solve_settings(lambda_reg, curvature: str) -> None:
         raise BadInputError(f"curvature={curvature!r}: expected one of {CURVATURES}")
 
 
-#: fit and record a checkpoint's Kronecker-factored curvature before its rows (curvature "kfac" / "ekfac")
+# the front doors' input rules and an existing store's projector (trak_core.rules, the plan's too)
+check_batch_rows = rules.check_batch_rows  # a batch given batch by batch: the task's checks, NaN/inf, dtypes
+check_state_finite = rules.check_state_finite  # a checkpoint: no NaN or inf
+check_projection = rules.check_projection  # proj_dim ≥ n with no damping: refused
+lambda_setting = rules.lambda_setting
+stored_split = rules.stored_split  # whether a store is at a location, the projector split it records
+rebuild_projector = rules.rebuild_projector  # a projector with a store's recorded split
+recorded_projector = rules.recorded_projector  # the projector a store's metadata records, of any kind
+
+# Kronecker-factored curvature ("kfac" / "ekfac"): each checkpoint's factors fitted before its rows, in the store
+KFAC_CURVATURES, DEFAULT_DAMPING = kfac.KFAC_CURVATURES, kfac.DEFAULT_DAMPING
+Preconditioner = kfac.Preconditioner
+check_damping = kfac.check_damping
+#: fit and record a checkpoint's factors (a checkpoint that has them keeps them)
 fit_curvature = kfac.fit_step
+needs_curvature = kfac.wants_factors  # whether a checkpoint of the store has factors to fit
+#: factors fitted before the store exists (TRAKer's default projector waits for its first rows), then recorded
+fit_factors, record_curvature = kfac.fit_factors, kfac.record_factors
 
 
 def check_new_store(location: str, storage_options: dict | None = None) -> None:

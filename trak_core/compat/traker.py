@@ -13,7 +13,7 @@ Differences from traker 0.3.2, on purpose:
 * singular or badly conditioned XᵀX warns with the condition estimate and the remedy;
 * bad input raises a clear exception before anything is written (traker asserts or logs and goes on); where
   traker asserted, the exception is also an ``AssertionError`` carrying traker's message. Batches and checkpoints
-  pass the pipeline's input rules (:mod:`trak_core.plan`, the same messages): NaN/inf rows, dtypes, labels;
+  pass the pipeline's input rules (:mod:`trak_core.rules`, the same messages): NaN/inf rows, dtypes, labels;
   ``load_checkpoint`` refuses a state_dict with NaN or inf;
 * ``saver=`` / ``score_computer=``: traker's defaults (``MmapSaver``, ``BasicScoreComputer``) are accepted,
   ``BasicSingleBlockScoreComputer`` means the plain inverse, other classes are refused;
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trak_core import engine, plan
+from trak_core import engine
 from trak_core.featurize.gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from trak_core.featurize.modelout import AbstractModelOutput, resolve_task
 from trak_core.projection.projectors import (
@@ -55,10 +55,8 @@ from trak_core.projection.projectors import (
     make_projector,
     projector_traits,
 )
-from trak_core.solve import kfac
 
 from ..errors import BadInputError, StateError
-from ..plan import check_batch, check_dtypes, check_finite, check_projection, check_state_finite
 from .errors import InputAssertionError, ModelIDException, StateAssertionError
 from .savers import check_saver
 from .score_computers import score_computer_settings
@@ -180,7 +178,7 @@ class TRAKer:
         shard_rows: int | None = None,
         storage_options: dict | None = None,
         curvature: str = "xtx",
-        curvature_damping: float = kfac.DEFAULT_DAMPING,
+        curvature_damping: float = engine.DEFAULT_DAMPING,
         write_behind: bool | None = None,
         max_memory: int | str | None = None,
     ) -> None:
@@ -201,9 +199,9 @@ class TRAKer:
         if not isinstance(train_set_size, (int, np.integer)) or train_set_size <= 0:
             raise BadInputError(f"train_set_size must be a positive integer, got {train_set_size!r}")
         engine.check_solve_settings(lambda_reg, curvature)
-        self.curvature_damping = kfac.check_damping(curvature_damping)
+        self.curvature_damping = engine.check_damping(curvature_damping)
         self.curvature = curvature
-        self._fitted: dict[int, kfac.Preconditioner] = {}  # K-FAC factors fitted before the store exists
+        self._fitted: dict[int, engine.Preconditioner] = {}  # K-FAC factors fitted before the store exists
         self.model = model
         self.task = resolve_task(task)
         self.train_set_size = int(train_set_size)
@@ -227,9 +225,9 @@ class TRAKer:
         if projector is None:
             if not isinstance(proj_dim, int) or isinstance(proj_dim, bool) or proj_dim <= 0:
                 raise BadInputError(f"proj_dim must be a positive integer, got {proj_dim!r}")
-            exists, split = plan.stored_split(str(save_dir), storage_options)
+            exists, split = engine.stored_split(str(save_dir), storage_options)
             if split is not None:  # a store of the default projector: its own split, rebuilt from its metadata
-                projector = plan.rebuild_projector(
+                projector = engine.rebuild_projector(
                     "factored",
                     self.num_params_for_grad,
                     proj_dim,
@@ -263,7 +261,9 @@ class TRAKer:
         self.projector: AbstractProjector | None = None if self._deferred else projector
         self.proj_dim = projector.proj_dim
         # the pipeline's rule: proj_dim ≥ n with no damping leaves XᵀX singular (traker returns noise)
-        check_projection(projector.kind, self.proj_dim, self.train_set_size, plan.lambda_setting(lambda_reg), curvature)
+        engine.check_projection(
+            projector.kind, self.proj_dim, self.train_set_size, engine.lambda_setting(lambda_reg), curvature
+        )
         self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
 
         # the store's metadata of a projector (deferred: of the one the first featurize call builds)
@@ -393,7 +393,7 @@ class TRAKer:
         for mid, record, start_over in planned:
             engine.plan_model(self._store, mid, checkpoint=record, start_over=start_over)
         for mid, pre in self._fitted.items():  # K-FAC factors fitted before the store existed
-            kfac.record_factors(self._store, mid, pre)
+            engine.record_curvature(self._store, mid, pre)
 
     # ------------------------------------------------------------------ Kronecker-factored curvature
     def fit_curvature(self, batches) -> None:
@@ -402,7 +402,7 @@ class TRAKer:
         iterated twice for ``"ekfac"``): after :meth:`load_checkpoint`, before :meth:`featurize`. The store records
         the factors; a checkpoint that has them keeps them (this call then does nothing)."""
         mid = self.current_model_id
-        if self.curvature not in kfac.KFAC_CURVATURES:
+        if self.curvature not in engine.KFAC_CURVATURES:
             raise StateError(f"fit_curvature: this TRAKer's curvature is {self.curvature!r}, not 'kfac' or 'ekfac'")
         if mid is None:
             raise StateAssertionError("Load a checkpoint using traker.load_checkpoint before fit_curvature")
@@ -414,7 +414,7 @@ class TRAKer:
                 self.store, mid, self.featurizer, lambda: batches, self.curvature_damping, self.grad_wrt
             )
         else:
-            pre = kfac.fit_factors(
+            pre = engine.fit_factors(
                 self.featurizer, lambda: batches, self.curvature, self.curvature_damping, self.grad_wrt
             )
         if pre is not None:
@@ -455,7 +455,7 @@ class TRAKer:
 
     def load_checkpoint(self, checkpoint: dict, model_id: int, _allow_featurizing_already_registered=False) -> None:
         """Load a state_dict and make ``model_id`` the current model for :meth:`featurize`."""
-        check_state_finite(checkpoint, "checkpoint", f"the state_dict of model_id={model_id}")
+        engine.check_state_finite(checkpoint, "checkpoint", f"the state_dict of model_id={model_id}")
         self._flush_rows()
         self._rows.new_model()
         self._writable = None
@@ -483,13 +483,11 @@ class TRAKer:
         self._last_ind = 0
 
     def _checked(self, batch, inds, num_samples, attr: str, limit: int, field: str) -> np.ndarray:
-        """The rows ``inds`` of a batch of ``field`` (``train_data`` or ``target_data``), after the pipeline's checks of
-        its inputs (:mod:`trak_core.plan`: the task's, NaN/inf naming the example indices, dtypes)."""
-        check_batch(self.task, batch, field)
-        inds = self._resolve_inds(batch, inds, num_samples, attr, limit)
-        check_finite(batch, field, inds)
-        check_dtypes(self.model, batch, field)
-        return inds
+        """The rows ``inds`` of a batch of ``field`` (``train_data`` or ``target_data``), after the pipeline's checks
+        of its inputs (:func:`trak_core.engine.check_batch_rows`: the task's, NaN/inf naming the example indices,
+        dtypes)."""
+        rows = functools.partial(self._resolve_inds, batch, inds, num_samples, attr, limit)
+        return engine.check_batch_rows(self.task, self.model, batch, field, rows)
 
     def _resolve_inds(self, batch, inds, num_samples, attr: str, limit: int) -> np.ndarray:
         if (inds is None) == (num_samples is None):
@@ -601,7 +599,7 @@ class TRAKer:
     # ------------------------------------------------------------------ scoring
     def start_scoring_checkpoint(self, exp_name: str, checkpoint: dict, model_id: int, num_targets: int) -> None:
         """Begin computing target gradients of experiment ``exp_name`` for checkpoint ``model_id``."""
-        check_state_finite(checkpoint, "checkpoint", f"the state_dict of model_id={model_id}")
+        engine.check_state_finite(checkpoint, "checkpoint", f"the state_dict of model_id={model_id}")
         self._flush_rows()
         self._forget_handles()
         engine.begin_targets(self.store, exp_name, model_id, num_targets)

@@ -27,14 +27,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from trak_core import engine
 from trak_core.checkpoints import check_record, file_sha256, load_state, record_of, state_digest
 from trak_core.errors import BadInputError, StateError, StoreMismatchError
 from trak_core.featurize.budget import parse_bytes
 from trak_core.featurize.featurizer import Featurizer
 from trak_core.featurize.gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from trak_core.featurize.modelout import AbstractModelOutput, check_batch, resolve_task
-from trak_core.plan import check_dtypes, check_finite
-from trak_core.projection.projectors import AbstractProjector, make_projector, rebuild_kwargs
+from trak_core.projection.projectors import AbstractProjector
+from trak_core.rules import check_dtypes, check_finite
 from trak_core.scoring.streaming import grads_right_hand, stream_scores
 from trak_core.scoring.topk import RunningTopK
 from trak_core.store import StoreLock, StoreMetadata, model_array, open_store
@@ -264,24 +265,11 @@ class TrakIndex:
 
     def _projector(self, given: AbstractProjector | None, model: torch.nn.Module) -> AbstractProjector:
         meta = self.store.meta
-        if given is None:
+        if given is None:  # rebuilt as TRAKer and the pipeline rebuild a store's projector
             try:
-                extra = rebuild_kwargs(meta.projector, dict(meta.projector_params))
-                given = make_projector(
-                    meta.projector,
-                    meta.grad_dim,
-                    meta.proj_dim,
-                    meta.proj_seed,
-                    meta.proj_type,
-                    device=self.device,
-                    model=model,
-                    grad_wrt=self.grad_wrt,
-                    **extra,
-                )
-            except BadInputError as e:
-                raise BadInputError(
-                    f"projector: cannot rebuild the store's {meta.projector!r} projection ({e}); pass projector="
-                ) from None
+                given = engine.recorded_projector(meta, model, self.grad_wrt, self.device)
+            except BadInputError as e:  # "projector: cannot rebuild the store's ... projection (...)"
+                raise BadInputError(f"{e}; pass projector=") from None
         have = StoreMetadata.from_projector(given.spec(), train_set_size=meta.train_set_size).model_dump()
         want = meta.model_dump()
         for field in PROJECTION_FIELDS:
@@ -326,7 +314,7 @@ class TrakIndex:
             self.task.validate_batch(batch)
         except BadInputError as e:
             raise BadInputError(f"query batch: {e}") from None
-        if self.model is not None:  # the rules of every front door's inputs (trak_core.plan)
+        if self.model is not None:  # the rules of every front door's inputs (trak_core.rules)
             check_dtypes(self.model, batch, "query batch")
             check_finite(batch, "query batch")
         return m

@@ -442,6 +442,12 @@ def load_factors(store, model_id: int) -> Preconditioner:
     return from_record(rec, f" of model_id={model_id}")
 
 
+def wants_factors(store, model_id: int) -> bool:
+    """Whether the store's curvature is Kronecker-factored and ``model_id`` has no factors recorded yet (the fit
+    step has work to do)."""
+    return store.meta.curvature in KFAC_CURVATURES and not has_factors(store, model_id)
+
+
 def fit_step(store, model_id: int, feat, batches, damping=DEFAULT_DAMPING, grad_wrt=None) -> Preconditioner | None:
     """Fit and record ``model_id``'s factors in a store of K-FAC curvature (None for another curvature); a model
     with factors recorded at its checkpoint keeps them (read back), one recorded at another checkpoint (the model
