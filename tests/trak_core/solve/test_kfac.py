@@ -1,7 +1,8 @@
-"""Kronecker-factored curvature (``curvature="kfac"`` / ``"ekfac"``): the factors, the preconditioned per-example
-gradients (through the noop, dense and factored projectors, the factored one on its fast path) and the scores,
-against a float64 brute force with explicit per-example gradients, an explicit Kronecker H and an explicit solve,
-on a tiny MLP and a sequence model (a Linear applied at every position)."""
+"""Kronecker-factored curvature in the projected space (``curvature="kfac"`` / ``"ekfac"``): the factors, their
+projection into the factored projection's blocks (grid, pairs and identity sides) and the block-diagonal inverse,
+against a float64 brute force with explicit per-example gradients, the projection as an explicit matrix (each
+gradient coordinate projected on its own) and an explicit Kronecker H, on a tiny MLP and a sequence model (a Linear
+applied at every position)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from trak_core.errors import BadInputError
 from trak_core.featurize.featurizer import Featurizer
 from trak_core.projection.projectors import make_projector
 from trak_core.solve import kfac
+from trak_core.store import StoreMetadata
 
 N, D_IN, H, C = 24, 6, 5, 3
 
@@ -98,15 +100,15 @@ def brute(model, x, y):
     return out
 
 
-def brute_factors(rows, damping=0.1):
-    """{layer: (A, S, λ_A, λ_S)}: A = Σ ããᵀ / positions, S = Σ r δδᵀ / N (r = Q(1 − Q)), λ = damping × mean eig."""
+def brute_factors(rows):
+    """{layer: (A, S)}: A = Σ ããᵀ / positions, S = Σ r δδᵀ / N (r = Q(1 − Q))."""
     res = {}
     for name in rows[0][2]:
         a_sum = sum(p[name][0].T @ p[name][0] for _, _, p in rows)
         t = sum(p[name][0].shape[0] for _, _, p in rows)
         s_sum = sum(q * (1 - q) * p[name][1].T @ p[name][1] for _, q, p in rows)
         a, s = a_sum / t, s_sum / len(rows)
-        res[name] = (a, s, damping * np.trace(a) / len(a), damping * np.trace(s) / len(s))
+        res[name] = (a, s)
     return res
 
 
@@ -135,24 +137,43 @@ def flat_of(model, blocks):
     return np.concatenate(parts)
 
 
-def inv_sqrt(h):
-    e, u = np.linalg.eigh(h)
-    return (u * e**-0.5) @ u.T
+def projection_matrix(feat) -> np.ndarray:
+    """The factored projection as a (proj_dim × grad_dim) float64 matrix: each gradient coordinate projected alone."""
+    model, gd = feat.model, feat.grad_dim
+    eye = torch.eye(gd, dtype=torch.float64)
+    grads, off = {}, 0
+    for n, p in model.named_parameters():
+        grads[n] = eye[:, off : off + p.numel()].reshape(gd, *p.shape)
+        off += p.numel()
+    return feat.projector.project(grads, model_id=0).double().numpy().T
 
 
-def brute_precondition(model, rows, hs):
-    """H^(-1/2) g per example, H = blockdiag((S + λ_S I) ⊗ (A + λ_A I)) built explicitly: (N, grad_dim)."""
-    roots = {n: inv_sqrt(h) for n, h in hs.items()}
-    out = []
-    for g, _, _ in rows:
-        blocks = layer_grads(model, g)
-        pre = {n: (roots[n] @ blocks[n].reshape(-1)).reshape(blocks[n].shape) for n in blocks}
-        out.append(flat_of(model, pre))
-    return np.stack(out)
+def kron_of(model, fac) -> np.ndarray:
+    """blockdiag over the Linear layers of S ⊗ A in the gradient's parameter coordinates (grad_dim²)."""
+    gd = sum(p.numel() for p in model.parameters())
+    k = np.zeros((gd, gd))
+    offs, off = {}, 0
+    for n, p in model.named_parameters():
+        offs[n] = off
+        off += p.numel()
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        a, s = fac[name]
+        pre = f"{name}." if name else ""
+        idx = []  # the gradient coordinate of augmented entry (o, i), row-major
+        for o in range(m.out_features):
+            for i in range(m.in_features + (m.bias is not None)):
+                if i < m.in_features:
+                    idx.append(offs[pre + "weight"] + o * m.in_features + i)
+                else:
+                    idx.append(offs[pre + "bias"] + o)
+        k[np.ix_(idx, idx)] = np.kron(s, a)
+    return k
 
 
-def kfac_h(fac):
-    return {n: np.kron(s + ls * np.eye(len(s)), a + la * np.eye(len(a))) for n, (a, s, la, ls) in fac.items()}
+def meta_of(feat) -> StoreMetadata:
+    return StoreMetadata.from_projector(feat.projector.spec(), train_set_size=N)
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -160,152 +181,190 @@ def kfac_h(fac):
 def test_factors_match_brute_force(seq):
     model = SeqModel().double() if seq else mlp()
     x, y = data(seq)
-    feat = featurizer(model)
-    sites, others = kfac.linear_sites(model)
-    assert others == []
-    total = kfac.FactorSums()
-    for b in batches(x, y)():
-        total.add(kfac.batch_sums(feat, b, sites)[0])
     want = brute_factors(brute(model, x, y))
-    for name, (a, s, la, ls) in want.items():
-        np.testing.assert_allclose(total.a[name] / total.tokens[name], a, rtol=1e-10, atol=1e-12)
-        np.testing.assert_allclose(total.s[name] / total.examples, s, rtol=1e-10, atol=1e-14)
-    pre = kfac.fit_factors(feat, batches(x, y), "kfac", 0.1)
-    for name, (a, s, la, ls) in want.items():
-        _, m_in, m_out = pre.blocks[name]
-        np.testing.assert_allclose(m_in, inv_sqrt(a + la * np.eye(len(a))), rtol=1e-8, atol=1e-10)
-        np.testing.assert_allclose(m_out, inv_sqrt(s + ls * np.eye(len(s))), rtol=1e-8, atol=1e-8)
-        assert pre.info["layers"][name]["lambda_in"] == pytest.approx(la, rel=1e-10)
+    pre = kfac.fit_factors(featurizer(model), batches(x, y), "kfac")
+    assert set(pre.blocks) == set(want)
+    for name, (a, s) in want.items():
+        _, got_a, got_s = pre.blocks[name]
+        np.testing.assert_allclose(got_a, a, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(got_s, s, rtol=1e-10, atol=1e-12)
+    assert pre.info["rows"] == N and pre.info["damping"] == kfac.DEFAULT_DAMPING
 
 
+@pytest.fixture(params=["pairs", "grid"])
+def block_form(request, monkeypatch):
+    """The tiny layers get pairs (their default) or, with pairs switched off, the (k_out, k_in) grid."""
+    if request.param == "grid":
+        from trak_core.projection import layout
+
+        for name in ("PAIRS_MAX_WEIGHTS", "PAIRS_MAX_MACS", "PAIRS_MAX_RATIO"):
+            monkeypatch.setattr(layout, name, 0)
+    return request.param
+
+
+def forms(model, proj_dim) -> set:
+    out = set()
+    for b in featurizer(model, "factored", proj_dim).projector.layout.blocks:
+        if b.kind == "linear":
+            out.add("pairs" if b.pairs else "identity side" if (b.id_in or b.id_out) else "grid")
+    return out
+
+
+@pytest.mark.parametrize("proj_dim", [7, 12, 20])
 @pytest.mark.parametrize("seq", [False, True])
-@pytest.mark.parametrize("kind", ["noop", "dense", "factored"])
-def test_preconditioned_gradients_match_brute_force(seq, kind):
-    """The featurizer's rows with the fitted curvature = P (H^(-1/2) g) / √grad_dim, P the projector's own explicit
-    matrix (noop: I): the factored projector on its fast path (side matrices M P) included."""
+def test_projected_factors_match_brute_force(seq, proj_dim, block_form):
+    """F_b = Π_b (S ⊗ A) Π_bᵀ, Π the factored projection as an explicit matrix, for every Linear block."""
     model = SeqModel().double() if seq else mlp()
     x, y = data(seq)
-    rows = brute(model, x, y)
-    want = brute_precondition(model, rows, kfac_h(brute_factors(rows)))
-    feat = featurizer(model, kind, proj_dim=None if kind == "noop" else 16)
-    pre = kfac.fit_factors(feat, batches(x, y), "kfac", 0.1)
-    feat.curvature = lambda mid: pre
-    gd = feat.grad_dim
-    p = np.eye(gd) if kind == "noop" else feat.projector.project(torch.eye(gd, dtype=torch.float64), 0).numpy()
-    xs, _ = feat.featurize([x, y], 0)
-    tol = 2e-6 if kind == "noop" else 2e-5  # rows come back float32; dense and factored also compute in float32
-    np.testing.assert_allclose(xs, want @ p / np.sqrt(gd), rtol=tol, atol=tol * np.abs(want @ p).max() / np.sqrt(gd))
-    if kind == "factored":  # the fast path is what ran; the materialized path agrees
-        assert hasattr(feat.projector_for(0), "featurize_batch")
+    feat = featurizer(model, "factored", proj_dim)
+    pre = kfac.fit_factors(feat, batches(x, y), "kfac")
+    pi = projection_matrix(feat)
+    full = pi @ kron_of(model, {n: (a, s) for n, (_, a, s) in pre.blocks.items()}) @ pi.T
+    got = kfac.projected_factors(meta_of(feat), 0, pre)
+    layout = feat.projector.layout
+    assert set(got) == {b.name for b in layout.blocks if b.kind == "linear"}
+    off = 0
+    for b in layout.blocks:
+        if b.name in got:
+            o, f = got[b.name]
+            assert o == off
+            np.testing.assert_allclose(
+                f, full[off : off + b.k, off : off + b.k], rtol=1e-6, atol=1e-9 * np.abs(f).max()
+            )
+        off += b.k
 
 
-def test_scores_equal_explicit_solve():
-    """Noop projection: X c Xᵀ (c = grad_dim / scale, finalize's inverse) = g_xᵀ H⁻¹ g_y by an explicit solve."""
-    model = mlp()
-    x, y = data()
-    rows = brute(model, x, y)
-    hs = kfac_h(brute_factors(rows))
-    feat = featurizer(model)
-    pre = kfac.fit_factors(feat, batches(x, y), "kfac", 0.1)
-    feat.curvature = lambda mid: pre
-    xs, _ = feat.featurize([x, y], 0)
-    inv, c = kfac.identity_inverse(feat.grad_dim, feat.grad_dim, feat.projector.scale)
-    got = xs @ (c * np.eye(feat.grad_dim)) @ xs.T
-    want = np.zeros((N, N))
-    blocks = [layer_grads(model, g) for g, _, _ in rows]
-    for n, h in hs.items():
-        gb = np.stack([b[n].reshape(-1) for b in blocks])
-        want += gb @ np.linalg.solve(h, gb.T)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())  # (float32 rows)
+def test_layouts_cover_grid_pairs_and_identity_sides(monkeypatch):
+    """The cases above exercise each way a block keeps its coordinates: pairs, a grid of random sides, and a grid
+    with an identity side."""
+    seen = {f for seq in (False, True) for p in (7, 12, 20) for f in forms(SeqModel() if seq else mlp(), p)}
+    assert "pairs" in seen
+    from trak_core.projection import layout
+
+    for name in ("PAIRS_MAX_WEIGHTS", "PAIRS_MAX_MACS", "PAIRS_MAX_RATIO"):
+        monkeypatch.setattr(layout, name, 0)
+    seen = {f for seq in (False, True) for p in (7, 12, 20) for f in forms(SeqModel() if seq else mlp(), p)}
+    assert {"grid", "identity side"} <= seen
 
 
-@pytest.mark.parametrize("seq", [False, True])
-def test_ekfac_separable_fit_matches_brute_force(seq):
-    """EK-FAC: corrected eigenvalues Λ_ij = mean_n (U_Sᵀ G_n U_A)²_ij in the K-FAC eigenbases, λ = damping × mean Λ,
-    log(Λ + λ) fitted by α_i + β_j (least squares), M_S = U_S e^(−α/2) U_Sᵀ, M_A = U_A e^(−β/2) U_Aᵀ (one position
-    per example, and several: G_n = Σ_t δ_t ã_tᵀ)."""
-    model = SeqModel().double() if seq else mlp()
-    x, y = data(seq)
-    rows = brute(model, x, y)
-    fac = brute_factors(rows)
-    feat = featurizer(model)
-    pre = kfac.fit_factors(feat, batches(x, y), "ekfac", 0.1)
-    for name, (a, s, _, _) in fac.items():
-        _, u_a = np.linalg.eigh(a)
-        _, u_s = np.linalg.eigh(s)
-        gs = [layer_grads(model, g)[name] * np.sqrt(q * (1 - q)) for g, q, _ in rows]
-        lam = np.mean([(u_s.T @ g @ u_a) ** 2 for g in gs], axis=0)
-        logs = np.log(lam + 0.1 * lam.mean())
-        fit = logs.mean(1)[:, None] + logs.mean(0)[None, :] - logs.mean()
-        # the preconditioner's Kronecker H⁻¹ = M_S² ⊗ M_A² has eigenvalues e^(−fit) in the (U_S, U_A) basis
-        _, m_in, m_out = pre.blocks[name]
-        h_inv = np.kron(m_out @ m_out, m_in @ m_in)
-        basis = np.kron(u_s, u_a)
-        np.testing.assert_allclose(
-            basis.T @ h_inv @ basis, np.diag(np.exp(-fit.reshape(-1))), atol=1e-8 * np.exp(-fit).max()
-        )
-        assert 0 <= pre.info["layers"][name]["fit_residual"] < 1
+def brute_inverse(model, feat, fac, xtx, kind, damping=kfac.DEFAULT_DAMPING):
+    """The block-diagonal inverse by its definition, from the explicit projection and Kronecker matrix."""
+    pi = projection_matrix(feat)
+    full = pi @ kron_of(model, fac) @ pi.T
+    inv, off = np.zeros_like(xtx), 0
+    for b in feat.projector.layout.blocks:
+        sl = slice(off, off + b.k)
+        g = xtx[sl, sl]
+        if b.kind == "linear":
+            f = full[sl, sl]
+            if kind == "ekfac":
+                _, u = np.linalg.eigh(f)
+                h = u @ np.diag(np.diag(u.T @ g @ u)) @ u.T
+            else:
+                h = f * np.trace(g) / np.trace(f)
+            lam = damping * np.trace(h) / b.k
+        else:
+            h, lam = g, kfac.EMPIRICAL_DAMPING * np.trace(g) / b.k
+        inv[sl, sl] = np.linalg.inv(h + lam * np.eye(b.k))
+        off += b.k
+    return inv
 
 
-def test_ekfac_equals_kfac_on_separable_eigenvalues():
-    """The separable fit is exact where the corrected eigenvalues are products (one example, one position: Λ = s ⊗ a
-    in rank one): then the preconditioner is the exact (Λ + λ)^(-1/2) in the eigenbasis — checked by the solve."""
-    sums = kfac.FactorSums()
-    rng = np.random.default_rng(0)
-    site = kfac.Site("l", "l.weight", None, 3, 4)
-    q_a, _ = np.linalg.qr(rng.standard_normal((4, 4)))
-    q_s, _ = np.linalg.qr(rng.standard_normal((3, 3)))
-    ea, es = np.sort(rng.uniform(0.5, 2, 4)), np.sort(rng.uniform(0.5, 2, 3))  # (eigh's order)
-    sums.a["l"], sums.s["l"], sums.tokens["l"], sums.examples = (q_a * ea) @ q_a.T, (q_s * es) @ q_s.T, 1, 1
-    sums.lam["l"] = np.outer(es, ea)  # product eigenvalues, damped multiplicatively below
-    pre = kfac.solve_factors(sums, [site], "ekfac", 0.1)
-    _, m_in, m_out = pre.blocks["l"]
-    e_s, u_s = np.linalg.eigh(sums.s["l"])
-    e_a, u_a = np.linalg.eigh(sums.a["l"])
-    got = np.diag(np.kron(u_s, u_a).T @ np.kron(m_out @ m_out, m_in @ m_in) @ np.kron(u_s, u_a))
-    lam = np.outer(e_s, e_a)
-    logs = np.log(lam + 0.1 * lam.mean())
-    want = np.exp(-(logs.mean(1)[:, None] + logs.mean(0)[None, :] - logs.mean())).reshape(-1)
-    np.testing.assert_allclose(got, want, rtol=1e-10)
-
-
-def test_unsupported_layers_keep_identity_with_a_warning():
+@pytest.mark.parametrize("kind", ["kfac", "ekfac"])
+def test_block_inverse_matches_brute_force(kind):
+    """A Linear layer's block: K-FAC's shape (or EK-FAC's corrected eigenvalues) from the factors; the conv's block:
+    its XᵀX block; all damped, as defined, against the explicit projection of an explicit S ⊗ A."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv1d(1, 2, 3), nn.Flatten(), nn.Linear(16, C)).double()
-    x = torch.randn(N, 1, 10, dtype=torch.float64)
-    y = torch.randint(0, C, (N,))
-    feat = featurizer(model)
-    with pytest.warns(UserWarning, match="keep the identity"):
-        pre = kfac.fit_factors(feat, batches(x, y), "kfac", 0.1)
-    assert set(pre.blocks) == {"2"}
+    x, y = torch.randn(N, 1, 10, dtype=torch.float64), torch.randint(0, C, (N,))
+    feat = featurizer(model, "factored", 14)
+    with pytest.warns(UserWarning, match="keep their block of XᵀX"):
+        pre = kfac.fit_factors(feat, batches(x, y), kind)
     assert pre.info["identity"] == ["0.bias", "0.weight"]
-    feat.curvature = lambda mid: pre
     xs, _ = feat.featurize([x, y], 0)
-    raw = featurizer(model).featurize([x, y], 0)[0]
-    np.testing.assert_array_equal(xs[:, :8], raw[:, :8])  # the conv's coordinates as they were
-    assert not np.allclose(xs[:, 8:], raw[:, 8:])
+    xtx = xs.astype(np.float64).T @ xs.astype(np.float64)
+    got, per = kfac.block_inverse(meta_of(feat), 0, pre, xtx)
+    want = brute_inverse(model, feat, {n: (a, s) for n, (_, a, s) in pre.blocks.items()}, xtx, kind)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9 * np.abs(want).max())
+    assert per["2"]["block"] == kind and per["0"]["block"] == "xtx"
 
 
-def test_record_round_trip_and_damage(tmp_path):
-    from trak_core.errors import StoreDamageError
+def test_ekfac_equals_kfac_when_the_rows_follow_the_factors():
+    """EK-FAC's corrected eigenvalues are K-FAC's own when XᵀX is (a multiple of) the projected Kronecker matrix."""
+    model = mlp()
+    x, y = data()
+    feat = featurizer(model, "factored", 12)
+    pre = kfac.fit_factors(feat, batches(x, y), "kfac")
+    blocks = kfac.projected_factors(meta_of(feat), 0, pre)
+    xtx = np.zeros((12, 12))
+    for o, f in blocks.values():
+        xtx[o : o + len(f), o : o + len(f)] = 3.0 * f
+    inv_k, _ = kfac.block_inverse(meta_of(feat), 0, pre, xtx)
+    pre.info["kind"] = "ekfac"
+    inv_e, _ = kfac.block_inverse(meta_of(feat), 0, pre, xtx)
+    np.testing.assert_allclose(inv_e, inv_k, rtol=1e-8, atol=1e-12 * np.abs(inv_k).max())
+
+
+def test_scores_equal_brute_force(tmp_path):
+    """TRAKer(curvature="kfac") end to end: Q · X_target H⁻¹ X_trainᵀ, with X the explicit projection of the brute
+    force's float64 gradients (/√grad_dim, as TRAK normalizes) and H⁻¹ the block inverse by its definition."""
+    from trak_core.compat.traker import TRAKer
 
     model = mlp()
     x, y = data()
-    pre = kfac.fit_factors(featurizer(model), batches(x, y), "kfac", 0.1)
+    rows = brute(model, x, y)
+    fac = brute_factors(rows)
+    feat = featurizer(model, "factored", 12)
+    pi = projection_matrix(feat)
+    g = np.stack([r[0] for r in rows])
+    xs = g @ pi.T / np.sqrt(feat.grad_dim)
+    want = (xs @ brute_inverse(model, feat, fac, xs.T @ xs, "kfac") @ xs.T) * np.array([r[1] for r in rows])[:, None]
+    tr = TRAKer(model=model, task="image_classification", train_set_size=N, save_dir=str(tmp_path / "s"), device="cpu",
+                projector=make_projector("factored", feat.grad_dim, 12, 0, "rademacher", model=model),
+                proj_dim=12, use_half_precision=False, curvature="kfac", logging_level=40)  # fmt: skip
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    tr.fit_curvature([[x, y]])
+    tr.featurize([x, y], num_samples=N)
+    tr.finalize_features()
+    tr.start_scoring_checkpoint("e", model.state_dict(), 0, N)
+    tr.score([x, y], num_samples=N)
+    got = np.asarray(tr.finalize_scores("e"), dtype=np.float64)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())  # (float32 rows and inverse)
+
+
+def test_record_round_trip_and_damage():
+    from trak_core.errors import StateError, StoreDamageError
+
+    model = mlp()
+    x, y = data()
+    pre = kfac.fit_factors(featurizer(model), batches(x, y), "kfac")
     rec = kfac.to_record(pre)
     back = kfac.from_record(rec)
-    for n, (_, m_in, m_out) in pre.blocks.items():
-        np.testing.assert_array_equal(back.blocks[n][1], m_in)
-        np.testing.assert_array_equal(back.blocks[n][2], m_out)
-    rec["blocks"]["0"]["m_in"]["data"] = kfac._encode(pre.blocks["0"][1] * 2)["data"]
+    for n, (_, a, s) in pre.blocks.items():
+        np.testing.assert_array_equal(back.blocks[n][1], a)
+        np.testing.assert_array_equal(back.blocks[n][2], s)
+    assert back.info == pre.info
+    bad = {**rec, "blocks": {**rec["blocks"], "0": {**rec["blocks"]["0"], "a": kfac._encode(pre.blocks["0"][1] * 2)}}}
     with pytest.raises(StoreDamageError, match="sha256"):
-        kfac.from_record(rec)
+        kfac.from_record(bad)
+    old = {k: v for k, v in rec.items() if k != "form"}  # a record of the earlier form (whitening before projecting)
+    with pytest.raises(StateError, match="earlier trakflow"):
+        kfac.from_record(old)
 
 
 @pytest.mark.parametrize("bad", [0, -0.1, float("nan"), float("inf"), "0.1", True, None])
 def test_bad_damping_names_the_field(bad):
     with pytest.raises(BadInputError, match="curvature_damping"):
         kfac.check_damping(bad)
+
+
+@pytest.mark.parametrize("kind", ["dense", "noop", "sjlt"])
+def test_a_projector_without_layers_is_refused(kind):
+    from trak_core.rules import check_projection
+
+    with pytest.raises(BadInputError, match="needs the factored projector"):
+        check_projection(kind, 8, 100, "adaptive", "kfac")
+    check_projection("factored", 8, 100, "adaptive", "kfac")
 
 
 def test_unknown_kind_and_no_rows():
