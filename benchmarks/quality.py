@@ -547,11 +547,8 @@ def traker_lds(case: Case, truth: dict, proj_dim: int, num_ckpts: int = NUM_CKPT
     with np.load(path) as f:
         sc = f["scores"]
     if not np.isfinite(sc).all():
-        return {
-            "lds": float("nan"),
-            "ci": (float("nan"), float("nan")),
-            "per": np.full(truth["margins"].shape[1], np.nan),
-        }
+        nan = float("nan")
+        return {"lds": nan, "ci": (nan, nan), "per": np.full(truth["margins"].shape[1], nan)}
     val, per = lds(sc, truth["masks"], truth["margins"])
     return {"lds": val, "ci": bootstrap_ci(per), "per": per}
 

@@ -386,19 +386,10 @@ def run(a) -> dict:
                     del r
             for k in paths:
                 best = min(res[k]["t"])
-                rows.append(
-                    {
-                        "path": k,
-                        "m": m,
-                        "seconds": best,
-                        "gflops": flops / best / 1e9,
-                        "interleaved": statistics.median(res[k]["frac"]),
-                        "cpu_share": statistics.median(res[k]["cpu"]),
-                        "bit_identical": checks[k][0] if k in checks else None,
-                        "rel_diff": checks[k][1] if k in checks else None,
-                        "rel_exact": checks[k][2] if k in checks else None,
-                    }
-                )
+                row = {"path": k, "m": m, "seconds": best, "gflops": flops / best / 1e9}
+                row.update(interleaved=statistics.median(res[k]["frac"]), cpu_share=statistics.median(res[k]["cpu"]))
+                row.update(zip(("bit_identical", "rel_diff", "rel_exact"), checks.get(k, (None, None, None))))
+                rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)
             del out, base, checks
             split = cpu_by_thread(lambda exp=exp: reduce.finalize_scores(st, exp))
