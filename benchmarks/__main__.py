@@ -20,7 +20,6 @@ import tempfile
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ CASES = (
             f"python benchmarks/quality.py eval {LARGE} --kinds dense {DIMS} --settings $S --json {J}loco-large.json",
             f"python benchmarks/quality.py eval {LARGE} --kinds factored {DIMS} --settings neff:0.12,cresid:10 "
             f"--json {J}large-factored.json",
-            "python benchmarks/factored_energy.py --cases small-lm wide-mlp bn-conv",
+            f"python benchmarks/quality.py splits --cases small-lm wide-mlp bn-conv {DIMS}",
         ),
     ),
     Case(

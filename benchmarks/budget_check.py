@@ -115,13 +115,11 @@ def main(argv=None) -> None:
     print(f"| none | | {free['peak'] / mib:.0f} | | {args.rows} | {free['rows_per_s']} |")
     for r in runs:
         if "error" in r:
-            print(f"| used + {r['fraction']} × growth | {r['budget'] / mib:.0f} | {r['error']} | | | |")
+            cells = [r["error"], "", "", ""]
         else:
             under = "yes" if r["peak"] <= r["budget"] else "NO"
-            print(
-                f"| used + {r['fraction']} × growth | {r['budget'] / mib:.0f} | {r['peak'] / mib:.0f} | {under} | "
-                f"{r['budget_rows']} | {r['rows_per_s']} |"
-            )
+            cells = [f"{r['peak'] / mib:.0f}", under, r["budget_rows"], r["rows_per_s"]]
+        print(f"| used + {r['fraction']} × growth | {r['budget'] / mib:.0f} | " + " | ".join(map(str, cells)) + " |")
 
 
 if __name__ == "__main__":

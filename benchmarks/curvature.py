@@ -18,7 +18,6 @@ traker 0.3.2 itself at the same checkpoints and proj_dim (quality.py's cached ru
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,10 +27,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quality  # noqa: E402
+from common import write_json  # noqa: E402
 
-from trak_core.lds import bootstrap_ci, lds  # noqa: E402
-from trak_core.scoring.combine import combine_checkpoints  # noqa: E402
-from trak_core.solve.damping import GGN_FLOOR
+from trak_core.solve.damping import GGN_FLOOR  # noqa: E402
 
 RULE = "adaptive"
 FIXED = [f"rel:{f:g}" for f in (0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000)]
@@ -62,34 +60,24 @@ class GGNSolver(quality.Solver):
         return super().resolve(setting)
 
 
-def lds_of(solvers: list, settings: list, truth: dict) -> dict:
-    """{setting: (LDS, per-target correlations)} for the checkpoints' solvers."""
-    qsum = sum(s.q for s in solvers).astype(np.float32)
-    out = {}
-    for setting in settings:
-        acc = sum(s.scores(s.resolve(setting)) for s in solvers)
-        sc = combine_checkpoints(acc.numpy(), qsum, len(solvers)).astype(np.float64)
-        out[setting] = lds(sc, truth["masks"], truth["margins"])
-    return out
+def by_setting(solvers: list, settings: list, truth: dict) -> dict:
+    """{setting: quality.py's row (LDS, its interval, per-target correlations)} for the checkpoints' solvers."""
+    return {r["setting"]: r for r in quality.solver_rows(solvers, settings, truth)}
 
 
 def evaluate(case, truth, kind: str, proj_dim: int, num_ckpts: int) -> dict:
     feats = [quality.features(case, truth, kind, proj_dim, c) for c in range(num_ckpts)]
     base = [quality.Solver(f) for f in feats]
     ggn = [GGNSolver(f, b) for f, b in zip(feats, base, strict=True)]
-    xb = lds_of(base, [RULE, *FIXED], truth)
-    xg = lds_of(ggn, ["transfer", *FIXED], truth)
+    xb = by_setting(base, [RULE, *FIXED], truth)
+    xg = by_setting(ggn, ["transfer", *FIXED], truth)
     row = {"case": case.name, "kind": kind, "proj_dim": base[0].x.shape[1]}
     for name, res, rule in (("xtx", xb, RULE), ("ggn", xg, "transfer")):
-        val, per = res[rule]
-        best = max(FIXED, key=lambda s, res=res: res[s][0])
-        row[name] = {"lds": val, "ci": bootstrap_ci(per), "best": res[best][0], "best_setting": best}
-    row["delta"] = quality.paired_ci(xg["transfer"][1], xb[RULE][1])
-    row["per_ggn"] = xg["transfer"][1]
+        best = max(FIXED, key=lambda s, res=res: res[s]["lds"])
+        row[name] = {"lds": res[rule]["lds"], "ci": res[rule]["ci"], "best": res[best]["lds"], "best_setting": best}
+    row["delta"] = quality.paired_ci(xg["transfer"]["per"], xb[RULE]["per"])
+    row["per_ggn"] = xg["transfer"]["per"]
     return row
-
-
-FLOORS = (0.0, 0.03, 0.1, 0.3, 1.0)
 
 
 def main(argv=None) -> None:
@@ -108,7 +96,7 @@ def main(argv=None) -> None:
         " XᵀRX − traker 0.3.2 |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for name in args.cases or list(cases):
+    for name in args.cases:
         case = cases[name]
         truth = quality.ground_truth(case, log=lambda *a: None)
         for kind in args.kinds:
@@ -131,9 +119,7 @@ def main(argv=None) -> None:
                 )
                 print(f"  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
                 rows.append({k: v for k, v in r.items() if k != "per_ggn"})
-                if args.json:
-                    with open(args.json, "w") as fh:
-                        json.dump(rows, fh, indent=1, default=float)
+                write_json(args.json, rows, default=float)
 
 
 if __name__ == "__main__":

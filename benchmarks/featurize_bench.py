@@ -20,23 +20,20 @@ import os
 import platform
 import resource
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [p for p in (ROOT, HERE) if p not in sys.path]
 
 START, END = "<!-- featurize_bench:start -->", "<!-- featurize_bench:end -->"
 
 # the models and their data live in bench_models.py (re-exported here: the tests and matrix.py's workers use them)
-from bench_models import TRANSFORMER, cpu_name, make_data, make_model, write_section  # noqa: E402,F401
+from bench_models import TRANSFORMER, make_data, make_model  # noqa: E402,F401
+from common import cpu_name, fresh_json, write_json, write_section  # noqa: E402
 
 MODEL_LABEL = {
     "mlp400k": "MLP 784-512-10",
@@ -66,6 +63,14 @@ def _pass_times(t0: float, t1: float, t2: float, t3: float, feats) -> dict:
         "total_s": t3 - t0,
         "finite": bool(np.isfinite(feats).all()),
     }
+
+
+def _result(spec: dict, projector: str, grad_dim: int, passes: list[dict], **extra) -> dict:
+    """A worker's result: its cold pass (the first) and its best warm pass (None without one)."""
+    warm = min(passes[1:], key=lambda r: r["total_s"]) if len(passes) > 1 else None
+    cold_s, warm_s = passes[0]["total_s"], warm["total_s"] if warm else None
+    return {**spec, "projector": projector, "grad_dim": grad_dim, "passes": passes, "cold": passes[0], "warm": warm,
+            "cold_s": cold_s, "warm_s": warm_s, **extra}  # fmt: skip
 
 
 def floor_worker(spec: dict) -> dict:
@@ -129,62 +134,40 @@ def worker(spec: dict) -> dict:
     passes = []
     # the library is imported before the cold pass: cold = first use in the process, not first import
     if impl.startswith("traker"):
-        import trak  # noqa: F401
+        import trak as lib
     else:
-        import trak_core  # noqa: F401
+        import trak_core as lib
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for _ in range(1 + spec["warm_runs"]):
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            if spec["impl"].startswith("traker"):
-                import trak
+            # traker: its default lambda_reg (0); trakflow: its default ('adaptive') unless the row names one
+            kw = {"lambda_reg": 0.0} if impl.startswith("traker") else {"lambda_reg": float(lam)} if lam else {}
+            if impl == "traker-fastest":
+                from trak.projectors import BasicSingleBlockProjector, ProjectionType
 
-                kw = {}
-                if spec["impl"] == "traker-fastest":
-                    from trak.projectors import BasicSingleBlockProjector, ProjectionType
+                if "proj" not in kept:  # generated once (in the cold pass), then kept
+                    kept["proj"] = BasicSingleBlockProjector(grad_dim, p, 0, ProjectionType.rademacher, dev)
+                    # traker frees the matrix after finalize (and never regenerates it for the same
+                    # model_id): keep it, as this configuration means
+                    kept["proj"].free_memory = lambda: None
+                kw["projector"] = kept["proj"]
+            elif impl == "traker-fastjl":
+                from trak.projectors import CudaProjector, ProjectionType
 
-                    if "proj" not in kept:  # generated once (in the cold pass), then kept
-                        kept["proj"] = BasicSingleBlockProjector(grad_dim, p, 0, ProjectionType.rademacher, dev)
-                        # traker frees the matrix after finalize (and never regenerates it for the same
-                        # model_id): keep it, as this configuration means
-                        kept["proj"].free_memory = lambda: None
-                    kw["projector"] = kept["proj"]
-                elif spec["impl"] == "traker-fastjl":
-                    from trak.projectors import CudaProjector, ProjectionType
-
-                    # traker's own choice on a GPU (max_batch_size 32: its TRAKer's default)
-                    kw["projector"] = CudaProjector(grad_dim, p, 0, ProjectionType.rademacher, dev, 32)
-                tr = trak.TRAKer(
-                    model=model,
-                    task="image_classification",
-                    train_set_size=n,
-                    save_dir=os.path.join(tmp, "t"),
-                    device=dev,
-                    proj_dim=p,
-                    use_half_precision=False,
-                    lambda_reg=0.0,  # traker's default
-                    logging_level=logging.ERROR,
-                    **kw,
-                )
-                label = type(tr.projector).__name__
-            else:
-                import trak_core
-
-                kw = {}  # factored: TRAKer's default projector
-                if lam:  # otherwise TRAKer's default lambda_reg ('adaptive')
-                    kw["lambda_reg"] = float(lam)
-                tr = trak_core.TRAKer(
-                    model=model,
-                    task="image_classification",
-                    train_set_size=n,
-                    save_dir=os.path.join(tmp, "o"),
-                    device=dev,
-                    proj_dim=p,
-                    use_half_precision=False,
-                    logging_level=logging.ERROR,
-                    **kw,
-                )
-                label = type(tr.projector).__name__
+                # traker's own choice on a GPU (max_batch_size 32: its TRAKer's default)
+                kw["projector"] = CudaProjector(grad_dim, p, 0, ProjectionType.rademacher, dev, 32)
+            tr = lib.TRAKer(
+                model=model,
+                task="image_classification",
+                train_set_size=n,
+                save_dir=os.path.join(tmp, "s"),
+                device=dev,
+                proj_dim=p,
+                use_half_precision=False,
+                logging_level=logging.ERROR,
+                **kw,
+            )
             t1 = time.perf_counter()
             tr.load_checkpoint(model.state_dict(), model_id=0)
             for a in range(0, n, bs):
@@ -193,28 +176,21 @@ def worker(spec: dict) -> dict:
             t2 = time.perf_counter()
             tr.finalize_features()
             t3 = time.perf_counter()
-            if spec["impl"].startswith("traker"):
+            if impl.startswith("traker"):
                 feats = np.asarray(tr.saver.current_store["features"][:n], dtype=np.float32)
             else:
                 feats = tr.features(0, 0, n)  # Φ = X A on demand (the store keeps the inverse, not Φ)
             passes.append(_pass_times(t0, t1, t2, t3, feats))
-    warm = min(passes[1:], key=lambda r: r["total_s"]) if len(passes) > 1 else None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {
-        **spec,
-        "projector": label,
-        "grad_dim": grad_dim,
-        "passes": passes,
-        "cold": passes[0],
-        "warm": warm,
-        "cold_s": passes[0]["total_s"],
-        "warm_s": warm["total_s"] if warm else None,
-        "peak_rss_mib": peak / 1024,
-        "baseline_rss_mib": base / 1024,
-        "code": os.path.dirname(
-            os.path.abspath(sys.modules[impl.startswith("traker") and "trak" or "trak_core"].__file__)
-        ),
-    }
+    return _result(
+        spec,
+        type(tr.projector).__name__,
+        grad_dim,
+        passes,
+        peak_rss_mib=peak / 1024,
+        baseline_rss_mib=base / 1024,
+        code=os.path.dirname(os.path.abspath(lib.__file__)),
+    )
 
 
 def pipe_model():
@@ -270,43 +246,49 @@ def pipeline_worker(spec: dict) -> dict:
             finalize_checkpoint(cfg, 0)
             t3 = time.perf_counter()
             feats = features_rows(open_store(cfg), 0, 0, spec["n"])
-            passes.append(
-                {
-                    **_pass_times(t0, t1, t2, t3, feats),
-                    "lambda_reg": open_store(cfg).finalize_info(0)["lambda_reg"],
-                }
-            )
-    warm = min(passes[1:], key=lambda r: r["total_s"]) if len(passes) > 1 else None
-    return {
-        **spec,
-        "projector": "FactoredProjector",
-        "grad_dim": sum(q.numel() for q in model.parameters()),
-        "passes": passes,
-        "cold": passes[0],
-        "warm": warm,
-        "cold_s": passes[0]["total_s"],
-        "warm_s": warm["total_s"] if warm else None,
-    }
+            lam = open_store(cfg).finalize_info(0)["lambda_reg"]
+            passes.append({**_pass_times(t0, t1, t2, t3, feats), "lambda_reg": lam})
+    return _result(spec, "FactoredProjector", sum(q.numel() for q in model.parameters()), passes)
 
 
-def run_worker(spec: dict, timeout: int = 900, tree: str | None = None) -> dict:
-    """Run one measurement in a fresh interpreter (this parent process never imports torch, so the
-    children's peak RSS — inherited through fork — is theirs). ``tree``: another checkout's root, whose worker
-    (and so whose trak_core) runs instead of this one's."""
+def run_worker(spec: dict, timeout: int = 900) -> dict:
+    """Run one measurement in a fresh interpreter (this parent process never runs a model: the children's peak RSS
+    is theirs), with the 1-min load average before and after."""
     load0 = os.getloadavg()[0]
-    script = os.path.abspath(__file__) if tree is None else os.path.join(tree, "benchmarks", "featurize_bench.py")
-    out = subprocess.run(
-        [sys.executable, script, "--worker", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"worker {spec} failed:\n{out.stderr[-3000:]}")
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    if isinstance(res, dict):
-        res["load_avg"] = [load0, os.getloadavg()[0]]
+    res = fresh_json([os.path.abspath(__file__), "--worker", json.dumps(spec)], timeout=timeout)
+    res["load_avg"] = [load0, os.getloadavg()[0]]
     return res
+
+
+def best(runs: list[dict], stat: str = "min") -> dict:
+    """One row from its processes: the best cold pass and the best warm pass (``stat="median"``: the median
+    process's), each process's cold and warm seconds, the load averages."""
+    r = dict(runs[0])
+    warms = sorted((x for x in runs if x.get("warm_s") is not None), key=lambda x: x["warm_s"])
+    if warms:
+        w = warms[0] if stat == "min" else warms[(len(warms) - 1) // 2]
+        r.update({k: w[k] for k in ("warm_s", "warm", "train_s", "linalg_s") if k in w})
+    colds = [x["cold_s"] for x in runs if x.get("cold_s") is not None]
+    r["cold_s"] = min(colds) if colds else None
+    r["all_cold_s"], r["all_warm_s"] = colds, [x.get("warm_s") for x in runs]
+    r["load_avg"] = [v for x in runs for v in x.get("load_avg", [])]
+    r["processes"] = len(runs)
+    return r
+
+
+def interleaved(specs: list[dict], repeats: int, timeout: int, key, adapt=lambda rep, spec: spec) -> dict:
+    """{key(spec): [each process's result]}: every spec in ``repeats`` fresh processes, the repetitions interleaved
+    in time (rep 1 of every spec, then rep 2, ...): a load spike from other jobs on shared cores has to hit every
+    repetition of a row to show up. ``adapt(rep, spec)``: the spec that repetition runs, or None to skip it."""
+    runs: dict = {}
+    for rep in range(repeats):
+        for spec in specs:
+            if (run := adapt(rep, spec)) is not None:
+                r = run_worker(run, timeout=timeout)
+                runs.setdefault(key(spec), []).append(r)
+                keys = ("model", "impl", "proj_dim", "cold_s", "warm_s", "train_s", "linalg_s", "load_avg")
+                print(json.dumps({k: r.get(k) for k in keys}), flush=True)
+    return runs
 
 
 def machine() -> dict:
@@ -417,69 +399,33 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         spec = json.loads(a.worker)
-        section = spec.get("section")
-        out = {"machine": machine()} if section == "machine" else worker(spec)
-        print(json.dumps(out))
+        print(json.dumps({"machine": machine()} if spec.get("section") == "machine" else worker(spec)))
         return
 
     command = "`" + shlex.join([".venv/bin/python", "benchmarks/featurize_bench.py", *sys.argv[1:]]) + "`"
     t_all = time.perf_counter()
-    res = {"featurize": [], "command": command}
-    log = lambda *x: print(*x, flush=True)  # noqa: E731
+    res: dict = {"command": command}
 
-    # 1. featurize + finalize, side by side: every row in `--repeats` fresh processes, the repetitions
-    #    interleaved in time (rep 1 of every row of every model, then rep 2, ...): a load spike from other
-    #    jobs on shared cores has to hit every repetition of a row to show up; best cold and best warm kept
+    # featurize + finalize, side by side: every row in `--repeats` fresh processes, interleaved; best kept
     specs = [
-        {
-            "model": m,
-            "impl": i,
-            "n": a.n,
-            "batch": a.batch,
-            "proj_dim": a.proj_dim,
-            "warm_runs": a.warm_runs,
-            "device": a.device,
-        }
+        dict(model=m, impl=i, n=a.n, batch=a.batch, proj_dim=a.proj_dim, warm_runs=a.warm_runs, device=a.device)
         for m in a.models
         for i in a.impls
         if f"{m}:{i}" not in a.skip
     ]
-    runs: dict = {}
-    for rep in range(a.repeats):
-        for spec in specs:
-            if spec["impl"] == "traker" and rep >= a.slow_repeats:
-                continue
-            wspec = dict(spec, warm_runs=a.slow_warm_runs) if spec["impl"] == "traker" else spec
-            r = run_worker(wspec, timeout=1800)
-            runs.setdefault((spec["model"], spec["impl"]), []).append(r)
-            log(
-                json.dumps(
-                    {k: r.get(k) for k in ("model", "impl", "cold_s", "warm_s", "train_s", "linalg_s", "load_avg")}
-                )
-            )
-    for spec in specs:
-        rs = runs[(spec["model"], spec["impl"])]
-        best = dict(rs[0])
-        colds = [r["cold_s"] for r in rs if r.get("cold_s") is not None]
-        best["cold_s"] = min(colds) if colds else None
-        wbest = min(rs, key=lambda r: r["warm_s"] if r.get("warm_s") is not None else float("inf"))
-        for k in ("warm_s", "warm", "train_s", "linalg_s"):
-            if k in wbest:
-                best[k] = wbest[k]
-        best["all_cold_s"], best["all_warm_s"] = colds, [r.get("warm_s") for r in rs]
-        best["load_avg"] = [v for r in rs for v in r["load_avg"]]
-        best["processes"] = len(rs)
-        res["featurize"].append(best)
-    res["machine"] = run_worker({"section": "machine"})["machine"]
-    res["featurize_seconds"] = time.perf_counter() - t_all
 
-    res["total_seconds"] = time.perf_counter() - t_all
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as fh:
-        json.dump(res, fh, indent=1, default=str)
+    def adapt(rep: int, spec: dict) -> dict | None:  # traker's default row: its own repeats and warm passes
+        if spec["impl"] != "traker":
+            return spec
+        return dict(spec, warm_runs=a.slow_warm_runs) if rep < a.slow_repeats else None
+
+    runs = interleaved(specs, a.repeats, 1800, lambda s: (s["model"], s["impl"]), adapt)
+    res["featurize"] = [best(runs[(spec["model"], spec["impl"])]) for spec in specs]
+    res["machine"] = run_worker({"section": "machine"})["machine"]
+    res["featurize_seconds"] = res["total_seconds"] = time.perf_counter() - t_all
+    write_json(a.json, res)
     write_section(a.out, report(res, a), START, END)
-    log(report(res, a))
-    log(f"wrote {a.out} ({res['total_seconds']:.0f} s)")
+    print(report(res, a), f"\nwrote {a.out} ({res['total_seconds']:.0f} s)", flush=True)
 
 
 def report(res: dict, a) -> str:

@@ -117,5 +117,20 @@ else
     step budget "${BUDGET_S:-40}" $PY benchmarks/budget_check.py --device cuda --model gpt2 --rows 64 --seq-len 128
 fi
 
-$PY benchmarks/gpu_session_summary.py "$OUT" >"$OUT/results.md" 2>>"$OUT/status.txt"
+# results.md: the environment, each step's status, the CUDA tests' summary line and the steps' tables
+{
+    printf '# GPU session results\n\n## Machine\n\n'
+    sed 's/^/    /' "$OUT/env.txt"
+    printf '\n## Steps\n\n'
+    sed 's/^/- /' "$OUT/status.txt"
+    printf '\n## CUDA tests\n\n'
+    { grep -E ' passed| failed| skipped|error' "$OUT/cuda_tests.md" 2>/dev/null || echo "(no summary line)"; } | tail -n 1
+    printf '\n## fast_jl\n\n%s\n' "$(grep . "$OUT/fastjl.log" | tail -n 1)"
+    for s in "sizes:GPT-2 124M and ~1B: featurize against a training step of the same batches" \
+        "matrix_conv:Conv net against traker (+ fast_jl)" "host_path:Host path (µs a row)" \
+        "budget:Memory budget against the measured peak"; do
+        printf '\n## %s\n\n' "${s#*:}"
+        grep '^|' "$OUT/${s%%:*}.md" 2>/dev/null || echo "(no table: see ${s%%:*}.md)"
+    done
+} >"$OUT/results.md"
 echo "done: $OUT/results.md"

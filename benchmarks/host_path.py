@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
 import os
 import shutil
 import sys
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import write_json  # noqa: E402
 
 PARTIAL_STAGE = "XᵀX partial (Gram precomputed)"
 #: the stood-in device arithmetic done on the host (the rows' norms), subtracted from the total and the partial's stage
@@ -356,9 +356,7 @@ def main(argv=None) -> int:
         load = fh.read().split()[:3]
     print(f"n={args.n} proj_dim={args.p} float16, torch threads {torch.get_num_threads()}, loadavg {' '.join(load)}")
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"n": args.n, "p": args.p, "loadavg": load, "rows": rows}, fh, indent=1)
+    write_json(args.json, {"n": args.n, "p": args.p, "loadavg": load, "rows": rows})
     return 0
 
 

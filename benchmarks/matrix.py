@@ -5,76 +5,43 @@ also fast_jl's ``CudaProjector`` where it imports) and **trakflow**'s ``TRAKer``
 
     .venv/bin/python benchmarks/matrix.py                       # the whole matrix (tens of minutes on 2 cores)
     .venv/bin/python benchmarks/matrix.py --models mlp3 --proj-dims 2048 --repeats 2
-    .venv/bin/python benchmarks/matrix.py --models mlp3w --threads 1 --stat median --repeats 5 --baseline /tmp/old
+    .venv/bin/python benchmarks/matrix.py --models mlp3w --threads 1 --stat median --repeats 5
 
 ``--threads`` sets every worker's torch and BLAS threads; ``--stat median`` keeps each cell's median process
-instead of its best (a shared machine); ``--baseline DIR`` also runs another checkout's trakflow (DIR/benchmarks/
-featurize_bench.py, so DIR's trak_core) in the same interleaved loop and prints it beside this one's (before/after
-a change: not a table of RESULTS.md).
+instead of its best (a shared machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shlex
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import bench_models  # noqa: E402
-import featurize_bench as fb  # noqa: E402
+import bench_models
+import featurize_bench as fb
+from common import write_json
 
 #: rows featurized per model (the large ones fewer: cost per row is what the table compares) and batch size
 ROWS = {"resnet18": (256, 64), "gpt": (512, 64)}
-
-
-def grad_dim(name: str) -> int:
-    model, _, _ = bench_models.make(name)
-    return sum(p.numel() for p in model.parameters())
 
 
 def cells(a) -> list[dict]:
     out = []
     for m in a.models:
         n, bs = ROWS.get(m, (a.n, a.batch))
-        d = grad_dim(m)
+        d = sum(q.numel() for q in bench_models.make(m)[0].parameters())  # grad_dim
         for p in a.proj_dims:
-            impls = ["floor", "factored"] + (["baseline"] if a.baseline else [])
+            impls = ["floor", "factored"]
             if d * p * 4 <= a.traker_max_gib * 2**30:
                 impls.append("traker-fastest")
             if a.device.startswith("cuda") and importlib.util.find_spec("fast_jl") is not None:
                 impls.append("traker-fastjl")
-            for i in impls:
-                out.append(
-                    {
-                        "model": m,
-                        "impl": i,
-                        "n": n,
-                        "batch": bs,
-                        "proj_dim": p,
-                        "warm_runs": a.warm_runs,
-                        "device": a.device,
-                    }
-                )
+            cell = dict(model=m, n=n, batch=bs, proj_dim=p, warm_runs=a.warm_runs, device=a.device)
+            out += [dict(cell, impl=i) for i in impls]
     return out
-
-
-def best(runs: list[dict], stat: str = "min") -> dict:
-    """One cell from its processes: the best warm pass (``stat="median"``: the median process's), the best cold."""
-    r = dict(runs[0])
-    warms = sorted((x for x in runs if x.get("warm_s") is not None), key=lambda x: x["warm_s"])
-    if warms:
-        w = warms[0] if stat == "min" else warms[(len(warms) - 1) // 2]
-        r.update({k: w[k] for k in ("warm_s", "warm", "train_s", "linalg_s") if k in w})
-    colds = [x["cold_s"] for x in runs if x.get("cold_s") is not None]
-    r["cold_s"] = min(colds) if colds else None
-    r["load_avg"] = [v for x in runs for v in x.get("load_avg", [])]
-    return r
 
 
 def _key(r: dict) -> tuple:
@@ -124,35 +91,6 @@ def table(res: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def baseline_table(res: dict) -> str:
-    """This checkout's trakflow beside ``--baseline``'s, each against the floor and traker's fastest of the run."""
-    by = {_key(r): r for r in res["cells"]}
-    lines = [
-        "| model | proj_dim | floor s | traker-fastest s | baseline s (× floor, × traker) | "
-        "this s (× floor, × traker) | finalize: baseline / this |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for (m, p, impl), r in by.items():
-        if impl != "factored" or (m, p, "baseline") not in by:
-            continue
-        fl, tk, b = (
-            by[(m, p, "floor")]["warm_s"],
-            by.get((m, p, "traker-fastest"), {}).get("warm_s"),
-            by[(m, p, "baseline")],
-        )
-
-        def cell(x: dict) -> str:
-            s = x["warm_s"]
-            return f"{s:.2f} ({s / fl:.1f}×, " + (f"{tk / s:.1f}×)" if tk else "—)")
-
-        lines.append(
-            f"| {bench_models.LABELS.get(m, m)} | {p} | {fl:.2f} | " + (f"{tk:.2f}" if tk else "—") + " | "
-            f"{cell(b)} | {cell(r)} | {(b['warm'] or {}).get('finalize_s', 0):.2f} / "
-            f"{(r['warm'] or {}).get('finalize_s', 0):.2f} |"
-        )
-    return "\n".join(lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(bench_models.LABELS))
@@ -166,36 +104,17 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the raw results here")
     ap.add_argument("--threads", type=int, default=None, help="torch and BLAS threads of every worker")
     ap.add_argument("--stat", choices=("min", "median"), default="min", help="of a cell's --repeats processes")
-    ap.add_argument("--baseline", default=None, help="another checkout whose trakflow runs beside this one's")
     a = ap.parse_args()
     if a.threads:  # read by torch, OpenBLAS and MKL as each worker starts
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(a.threads)
     command = shlex.join([".venv/bin/python", "benchmarks/matrix.py", *sys.argv[1:]])
     t0 = time.perf_counter()
-    specs = cells(a)
-    runs: dict = {}
-    for _ in range(a.repeats):
-        for spec in specs:
-            if spec["impl"] == "baseline":
-                r = fb.run_worker({**spec, "impl": "factored"}, timeout=3600, tree=os.path.abspath(a.baseline))
-                r["impl"] = "baseline"
-            else:
-                r = fb.run_worker(spec, timeout=3600)
-            runs.setdefault(_key(spec), []).append(r)
-            keys = ("model", "proj_dim", "impl", "code", "cold_s", "warm_s")
-            print(json.dumps({k: r.get(k) for k in keys}), flush=True)
-    res = {
-        "cells": [best(v, a.stat) for v in runs.values()],
-        "seconds": time.perf_counter() - t0,
-        "threads": a.threads,
-    }
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(res, fh, indent=1, default=str)
+    runs = fb.interleaved(cells(a), a.repeats, 3600, _key)
+    res = {"cells": [fb.best(v, a.stat) for v in runs.values()], "seconds": time.perf_counter() - t0}
+    res["threads"] = a.threads
+    write_json(a.json, res)
     print(table(res, command))
-    if a.baseline:
-        print("\n" + baseline_table(res))
 
 
 if __name__ == "__main__":

@@ -10,11 +10,12 @@ after the imports (the phase's own memory). tests/trak_core/test_memory_flat.py 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import fresh_json, md_table, write_json  # noqa: E402
 
 PHASE_CODE = r"""
 import json, logging, resource, sys, time, warnings
@@ -54,9 +55,7 @@ print(json.dumps({"phase": phase, "n": n, "peak_rss_mib": peak / 1024, "baseline
 
 def run_phase(phase: str, store: str, n: int, proj_dim: int, targets: int, batch: int) -> dict:
     """One phase in a fresh interpreter; its JSON line (peak_rss_mib, baseline_rss_mib, delta_rss_mib, ...)."""
-    args = [phase, store, str(n), str(proj_dim), str(targets), str(batch)]
-    out = subprocess.run([sys.executable, "-c", PHASE_CODE, *args], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return fresh_json(["-c", PHASE_CODE, phase, store, str(n), str(proj_dim), str(targets), str(batch)])
 
 
 def run(sizes, proj_dim, targets, batch):
@@ -71,28 +70,22 @@ def run(sizes, proj_dim, targets, batch):
 
 
 def table(rows, sizes, proj_dim, targets) -> str:
-    lines = [
-        "| phase | "
-        + " | ".join(f"n={n:,}" for n in sizes)
-        + f" | ratio (n={sizes[-1]:,} / n={sizes[0]:,}) | phase's own memory (peak − after imports) |",
-        "|---|" + "---|" * (len(sizes) + 2),
-    ]
+    ratio = f"ratio (n={sizes[-1]:,} / n={sizes[0]:,})"
+    head = ["phase", *(f"n={n:,}" for n in sizes), ratio, "phase's own memory (peak − after imports)"]
+    body = []
     for phase in ("featurize", "finalize", "score"):
         vals = [r for r in rows if r["phase"] == phase]
         cells = [f"{r['peak_rss_mib']:.0f} MiB ({r['seconds']:.1f} s)" for r in vals]
-        ratio = vals[-1]["peak_rss_mib"] / vals[0]["peak_rss_mib"]
-        deltas = " → ".join(f"{r['delta_rss_mib']:.0f}" for r in vals)
-        lines.append(f"| {phase} | " + " | ".join(cells) + f" | {ratio:.2f} | {deltas} MiB |")
+        ratio = f"{vals[-1]['peak_rss_mib'] / vals[0]['peak_rss_mib']:.2f}"
+        body.append([phase, *cells, ratio, " → ".join(f"{r['delta_rss_mib']:.0f}" for r in vals) + " MiB"])
     store_mib = {n: n * proj_dim * 2 / 2**20 for n in sizes}  # float16 grads (the store keeps no features)
     kinds = sorted({r.get("projector", "?") for r in rows})
-    lines.append("")
-    lines.append(
-        f"Projector `{'/'.join(kinds)}` (TRAKer's default), "
+    return md_table(head, body) + (
+        f"\n\nProjector `{'/'.join(kinds)}` (TRAKer's default), "
         f"proj_dim={proj_dim}, {targets} targets, float16 store; the grads array alone is "
         + ", ".join(f"{store_mib[n]:.0f} MiB at n={n:,}" for n in sizes)
         + ". Peak RSS includes the interpreter with torch and zarr loaded."
     )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
@@ -105,6 +98,4 @@ if __name__ == "__main__":
     a = ap.parse_args()
     rows = run(a.sizes, a.proj_dim, a.targets, a.batch)
     print(table(rows, a.sizes, a.proj_dim, a.targets))
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+    write_json(a.json, rows)

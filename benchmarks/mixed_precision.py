@@ -129,29 +129,20 @@ def main(argv=None) -> None:
         for projector in args.projectors:
             ref = run(make, task, data, targets, torch.float64, args.device, args.proj_dim, projector)
             for dt in args.dtypes:
+                row = {"model": name, "projector": projector, "dtype": dt}
                 try:
                     s = run(make, task, data, targets, DTYPES[dt], args.device, args.proj_dim, projector)
-                    row = {"model": name, "projector": projector, "dtype": dt, **compare(s, ref)}
+                    row.update(compare(s, ref))
                 except Exception as e:  # noqa: BLE001 - a dtype an op does not support is reported, not fatal
-                    row = {
-                        "model": name,
-                        "projector": projector,
-                        "dtype": dt,
-                        "error": f"{type(e).__name__}: {e}"[:200],
-                    }
+                    row["error"] = f"{type(e).__name__}: {e}"[:200]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print(f"\n{args.device}, n={args.n}, m={args.m}, proj_dim={args.proj_dim}; against float64 (same projector kind)\n")
     print("| model | projector | dtype | min corr | mean corr | max rel. error |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        if "error" in r:
-            print(f"| {r['model']} | {r['projector']} | {r['dtype']} | not run: {r['error']} | | |")
-        else:
-            print(
-                f"| {r['model']} | {r['projector']} | {r['dtype']} | {r['min_corr']} | {r['mean_corr']} "
-                f"| {r['rel_err']} |"
-            )
+        vals = f"not run: {r['error']} | |" if "error" in r else f"{r['min_corr']} | {r['mean_corr']} | {r['rel_err']}"
+        print(f"| {r['model']} | {r['projector']} | {r['dtype']} | {vals} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

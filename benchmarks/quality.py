@@ -14,12 +14,14 @@ brute-force inverse). LDS = mean over targets of the Spearman correlation over s
     .venv/bin/python benchmarks/quality.py eval --kinds dense --proj-dims 256 2048 --settings 0 adaptive --json d.json
     .venv/bin/python benchmarks/quality.py traker --proj-dims 256 2048 --json traker.json
     .venv/bin/python benchmarks/quality.py report --json d.json,traker.json --proj-dims 256 2048
+    .venv/bin/python benchmarks/quality.py splits --cases small-lm --proj-dims 256 2048   # the factored splits
     (kinds ``factored-v3`` / ``factored-v4``: the factored projector with layout version 3's / 4's split)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -74,18 +76,14 @@ class Case:
     outputs: Any = None
 
 
-def _digits_targets(num: int = 200):
-    from examples import digits
-
-    x, y = digits.heldout_data()
+def _digits_targets(num: int = 200, module: str = "digits"):
+    """The first ``num`` held-out rows of the sklearn digits (``module``: as examples/<module>.py shapes them)."""
+    x, y = importlib.import_module(f"examples.{module}").heldout_data()
     return x[:num], y[:num]
 
 
-def _conv_targets(num: int = 200):
-    from examples import digits_conv
-
-    x, y = digits_conv.heldout_data()
-    return x[:num], y[:num]
+def _conv_targets():
+    return _digits_targets(module="digits_conv")
 
 
 def _text_targets(num: int = 200):
@@ -464,30 +462,47 @@ def evaluate(
 ) -> list[dict]:
     """Per setting: LDS, its interval, per-target correlations, resolved λ per checkpoint, d_eff / min(n, p)."""
     solvers = [Solver(features(case, truth, kind, proj_dim, c, seed)) for c in range(num_ckpts)]
+    return [{"case": case.name, "kind": kind, **r} for r in solver_rows(solvers, settings, truth)]
+
+
+def solver_rows(solvers: list[Solver], settings: list, truth: dict) -> list[dict]:
+    """:func:`evaluate` from the checkpoints' solvers (any :class:`Solver`, e.g. another curvature's)."""
     qsum = sum(s.q for s in solvers).astype(np.float32)
     p = solvers[0].x.shape[1]
     rows = []
     for setting in settings:
         lams = [s.resolve(setting) for s in solvers]
         acc = sum(s.scores(lam) for s, lam in zip(solvers, lams, strict=True))
-        sc = combine_checkpoints(acc.numpy(), qsum, num_ckpts).astype(np.float64)
+        sc = combine_checkpoints(acc.numpy(), qsum, len(solvers)).astype(np.float64)
         val, per = lds(sc, truth["masks"], truth["margins"])
         lo, hi = bootstrap_ci(per)
         frac = [s.deff(lam) / min(s.n, p) for s, lam in zip(solvers, lams, strict=True)]
-        rows.append(
-            {
-                "case": case.name,
-                "kind": kind,
-                "proj_dim": p,
-                "setting": str(setting),
-                "lds": val,
-                "ci": (lo, hi),
-                "per": per,
-                "lams": lams,
-                "deff_frac": float(np.mean(frac)),
-            }
-        )
+        row = dict(proj_dim=p, setting=str(setting), lds=val, ci=(lo, hi), per=per, lams=lams)
+        rows.append({**row, "deff_frac": float(np.mean(frac))})
     return rows
+
+
+def split_table(names: list[str], cases: dict, dims: list[int], setting: str = ADAPTIVE_SETTING) -> None:
+    """The factored projector's two splits of proj_dim beside dense (RESULTS.md, "Attribution quality at realistic
+    compression"): ``split="layer"`` (layout version 4, equal shares per block: kind ``factored-v4``) and
+    ``split="energy"`` (the default: shares ∝ each block's gradient energy, probed by ``sketched_energies``)."""
+    print(
+        "| case | parameters | proj_dim | compression | dense | factored, equal split | − dense | "
+        "factored, energy split | − dense |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        truth, d = ground_truth(cases[name]), grad_dim(cases[name])
+        for p in dims:
+            dense, equal, energy = (
+                evaluate(cases[name], truth, kind, p, [setting])[0]["lds"]
+                for kind in ("dense", FACTORED_V4, "factored")
+            )
+            print(
+                f"| {name} | {d:,} | {p} | {d / p:,.0f}× | {dense:.3f} | {equal:.3f} | {equal - dense:+.3f} | "
+                f"{energy:.3f} | {energy - dense:+.3f} |",
+                flush=True,
+            )
 
 
 # ---------------------------------------------------------------------------- traker 0.3.2 itself
@@ -532,11 +547,8 @@ def traker_lds(case: Case, truth: dict, proj_dim: int, num_ckpts: int = NUM_CKPT
     with np.load(path) as f:
         sc = f["scores"]
     if not np.isfinite(sc).all():
-        return {
-            "lds": float("nan"),
-            "ci": (float("nan"), float("nan")),
-            "per": np.full(truth["margins"].shape[1], np.nan),
-        }
+        nan = float("nan")
+        return {"lds": nan, "ci": (nan, nan), "per": np.full(truth["margins"].shape[1], nan)}
     val, per = lds(sc, truth["masks"], truth["margins"])
     return {"lds": val, "ci": bootstrap_ci(per), "per": per}
 
@@ -579,8 +591,11 @@ def _num(s: str) -> bool:
     return True
 
 
-def best_fixed(rows: dict, case: str, kind: str, p: int) -> tuple[str, float]:
+def best_fixed(rows: dict, case: str, kind: str, p: int) -> tuple[str, float] | None:
+    """(setting, LDS) of the best fixed λ in the rows; None where no fixed λ was run."""
     cands = [(rows[(case, kind, p, s)]["lds"], s) for s in fixed_settings(rows, case, kind, p)]
+    if not cands:
+        return None
     v, s = max(cands)
     return s, v
 
@@ -604,13 +619,6 @@ def choose(rows: dict, among: list[str], dims: list[int], cands: list[str], kind
         return float(np.mean(vals)) if vals and all(v is not None for v in vals) else -np.inf
 
     return max(cands, key=score)
-
-
-def _best_fixed_or_none(rows: dict, case: str, kind: str, p: int) -> tuple[str, float] | None:
-    try:
-        return best_fixed(rows, case, kind, p)
-    except ValueError:
-        return None
 
 
 def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
@@ -652,7 +660,7 @@ def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
         )
         gaps = []
         for p in (256, 1024, 2048):
-            b, v = _best_fixed_or_none(rows, h, "dense", p) or (None, None), lds_of(h, "dense", p, pick)
+            b, v = best_fixed(rows, h, "dense", p) or (None, None), lds_of(h, "dense", p, pick)
             gaps.append(f"{v - b[1]:+.3f}" if b[0] is not None and v is not None else "—")
         fam_cells = []
         for f in fams:
@@ -673,7 +681,7 @@ def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
             print(f"| {c} | {label} | " + " | ".join(cells) + f" | {diff} |")
         cells, gaps = [], []
         for k, p in [("dense", p) for p in dims] + [("noop", 0)]:
-            bf = _best_fixed_or_none(rows, c, k, p)
+            bf = best_fixed(rows, c, k, p)
             v = lds_of(c, k, p, ad)
             cells.append(f"{bf[1]:.3f} ({bf[0]})" if bf else "—")
             gaps.append(f"{v - bf[1]:+.3f}" if bf and v is not None else "—")
@@ -683,7 +691,7 @@ def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["truth", "eval", "traker", "report"])
+    ap.add_argument("what", choices=["truth", "eval", "traker", "report", "splits"])
     ap.add_argument("--cases", nargs="*", default=None, help=f"default: all but {', '.join(LARGE_CASES)}")
     ap.add_argument("--kinds", nargs="*", default=["dense"])
     ap.add_argument("--proj-dims", nargs="*", type=int, default=[512])
@@ -695,8 +703,9 @@ def main(argv=None) -> None:
     cases = make_cases()
     names = args.cases or [c for c in cases if c not in LARGE_CASES]  # the large ones named: hours of training
     if args.what == "report":
-        report(args.json.split(","), args.proj_dims, names)
-        return
+        return report(args.json.split(","), args.proj_dims, names)
+    if args.what == "splits":
+        return split_table(names, cases, args.proj_dims)
     out = []
     for name in names:
         case = cases[name]

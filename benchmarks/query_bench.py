@@ -17,7 +17,6 @@ The store is kept under ``--dir`` (reused by later runs with the same shape); ch
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -30,6 +29,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import write_json  # noqa: E402
+
+from trak_core.featurize.budget import process_rss  # noqa: E402
 from trak_core.scoring.index import TrakIndex  # noqa: E402
 from trak_core.scoring.streaming import score_block_rows  # noqa: E402
 from trak_core.store import StoreMetadata, TrakStore  # noqa: E402
@@ -119,23 +121,18 @@ def best_gemm(n: int, p: int, m: int, checkpoints: int, blocks: list[int]) -> fl
     return min(time_gemm(n, p, m, checkpoints, b, w) for b in blocks for w in (0, threads))
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class PeakRss:
     """The peak resident memory above the start, sampled every 5 ms in a thread."""
 
     def __init__(self):
-        self.base = rss_bytes()
+        self.base = process_rss()
         self.peak = self.base
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_bytes())
+            self.peak = max(self.peak, process_rss())
 
     def __enter__(self):
         self._t.start()
@@ -216,9 +213,7 @@ def main() -> None:
         )
     print(f"\ntorch threads {torch.get_num_threads()}, cores {os.cpu_count()}, {args.repeats} warm queries per m, "
           f"k={args.k}, {len(ids)} checkpoints, proj_dim {p}")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

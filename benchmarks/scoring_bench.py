@@ -13,6 +13,7 @@ matmul timed right before it (median over repetitions): robust to other jobs on 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_models import cpu_name, write_section  # noqa: E402
+from common import cpu_name, write_json, write_section  # noqa: E402
 
 from tasks import core  # noqa: E402
 from tasks.common import cores, threads_per_task, torch_threads  # noqa: E402
@@ -228,10 +229,8 @@ def stage_costs(st: TrakStore, exp: str, rows: int, reps: int = 8) -> dict:
         "write scores (Zarr, crc32c)": (lambda s, e: arr.__setitem__(slice(s, e), chunk), score_rows),
         "mark rows done (Zarr)": (lambda s, e: done.__setitem__(slice(s, e), 1), done_rows),
     }
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = {}
+    out = {}
+    with one_torch_thread():
         for k, (fn, size) in stages.items():
             blocks = units(size)
             fn(*blocks[0])
@@ -241,26 +240,31 @@ def stage_costs(st: TrakStore, exp: str, rows: int, reps: int = 8) -> dict:
                 fn(*blk)
                 best = min(best, time.process_time() - c)
             out[k] = best * rows / size
-    finally:
-        torch.set_num_threads(threads)
     st.reset_scores(exp)
     return out
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Torch's intra-op threads at 1 inside the block, restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def one_thread_gemm_cpu(x: torch.Tensor, w: torch.Tensor, rows: int = 8192) -> float:
     """CPU seconds of x @ w with one torch thread, from its first ``rows`` rows scaled to all of x (best of 2):
     the CPU time the scoring's GEMM needs on its own, whatever the load (other processes do not count)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        part, acc = x[:rows], torch.zeros(min(rows, len(x)), w.shape[1])
-        best = float("inf")
+    part, acc = x[:rows], torch.zeros(min(rows, len(x)), w.shape[1])
+    best = float("inf")
+    with one_torch_thread():
         for _ in range(2):
             c = time.process_time()
             acc.addmm_(part, w)
             best = min(best, time.process_time() - c)
-    finally:
-        torch.set_num_threads(threads)
     return best * len(x) / len(part)
 
 
@@ -349,22 +353,20 @@ def run(a) -> dict:
                 for mid in used:
                     out.addmm_(x_mem, g[mid])
 
-            paths = {"GEMM only (X in memory, float32)": gemm_only}
-            paths.update(
-                {
-                    "X · (A Gᵀ) (scores_from_grads)": lambda exp=exp: scores_from_grads(st, exp, inverses),
-                    "finalize_scores (G A from the store)": lambda exp=exp: reduce.finalize_scores(st, exp),
-                    score_tasks_label(st, exp, used): lambda exp=exp: score_tasks(st, exp, used),
-                    f"score tasks, one at a time ({cores()} threads each)": lambda exp=exp: score_tasks(
-                        st, exp, used, max_workers=1
-                    ),
-                }
-            )
+            paths = {
+                "GEMM only (X in memory, float32)": gemm_only,
+                "X · (A Gᵀ) (scores_from_grads)": lambda exp=exp: scores_from_grads(st, exp, inverses),
+                "finalize_scores (G A from the store)": lambda exp=exp: reduce.finalize_scores(st, exp),
+                score_tasks_label(st, exp, used): lambda exp=exp: score_tasks(st, exp, used),
+                f"score tasks, one at a time ({cores()} threads each)": lambda exp=exp: score_tasks(
+                    st, exp, used, max_workers=1
+                ),
+            }
             res = {k: {"t": [], "frac": [], "cpu": []} for k in paths}
             gemm_cpu = one_thread_gemm_cpu(x_mem, g[used[0]]) * len(used)
             exact = exact_rows(st, exp, used, a.exact_rows)
             checks: dict[str, tuple[bool, float, float]] = {}  # bitwise == before, rel. diff, rel. to float64
-            base = grads_r = None
+            base = None
             for rep in range(a.repeats):
                 for k, fn in paths.items():
                     ref = 2 * 4096**3 / _timed(lambda: torch.matmul(ref_a, ref_b)) / 1e9
@@ -381,26 +383,15 @@ def run(a) -> dict:
                         base = r if base is None else base
                         same = bool(np.array_equal(r, base))
                         checks[k] = (same, max_rel(r, base), max_rel(r[: a.exact_rows], exact))
-                        if k.startswith("X · (A Gᵀ) (scores_from_grads)"):
-                            grads_r = r
                     del r
             for k in paths:
                 best = min(res[k]["t"])
-                rows.append(
-                    {
-                        "path": k,
-                        "m": m,
-                        "seconds": best,
-                        "gflops": flops / best / 1e9,
-                        "interleaved": statistics.median(res[k]["frac"]),
-                        "cpu_share": statistics.median(res[k]["cpu"]),
-                        "bit_identical": checks[k][0] if k in checks else None,
-                        "rel_diff": checks[k][1] if k in checks else None,
-                        "rel_exact": checks[k][2] if k in checks else None,
-                    }
-                )
+                row = {"path": k, "m": m, "seconds": best, "gflops": flops / best / 1e9}
+                row.update(interleaved=statistics.median(res[k]["frac"]), cpu_share=statistics.median(res[k]["cpu"]))
+                row.update(zip(("bit_identical", "rel_diff", "rel_exact"), checks.get(k, (None, None, None))))
+                rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)
-            del out, base, checks, grads_r
+            del out, base, checks
             split = cpu_by_thread(lambda exp=exp: reduce.finalize_scores(st, exp))
             if split is not None:
                 split["gemm"], split["flops"] = gemm_cpu, flops
@@ -612,9 +603,7 @@ def main() -> None:
         others = max(0.0, (cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / (wall * (os.cpu_count() or 1))
     text = report(res, a, cmd, wall, load, others)
     print(text)
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(res, fh, indent=1, default=str)
+    write_json(a.json, res)
     if a.results:
         write_section(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), text, START, END)
 

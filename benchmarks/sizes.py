@@ -16,16 +16,16 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 
 import psutil
+from common import fresh_json, md_table
 
 CODE = r"""
 import json, logging, resource, sys, tempfile, time, warnings
 import torch
 warnings.filterwarnings("ignore")
-sys.path.insert(0, sys.argv[1])
-from benchmarks.sizes import build
+sys.path[:0] = [sys.argv[1] + "/benchmarks", sys.argv[1]]
+from sizes import build
 what, model_name, rows, batch, seq_len, image_size, proj_dim = sys.argv[2], sys.argv[3], *map(int, sys.argv[4:9])
 device, passes = sys.argv[9], int(sys.argv[10])
 model, task, make_batch = build(model_name, seq_len, image_size, device)
@@ -87,44 +87,6 @@ print(json.dumps({"model": model_name, "what": what, "params": params, "rows": r
 """
 
 
-def resnet18(classes: int = 1000):
-    """ResNet-18's shape (BasicBlocks 2-2-2-2, widths 64-512, BatchNorm, 11.69M parameters at 1000 classes)."""
-    from torch import nn
-
-    def block(cin, cout, stride):
-        body = nn.Sequential(
-            nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
-            nn.BatchNorm2d(cout),
-            nn.ReLU(),
-            nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
-            nn.BatchNorm2d(cout),
-        )
-        skip = (
-            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-            if stride != 1 or cin != cout
-            else nn.Identity()
-        )
-        return Residual(body, skip)
-
-    class Residual(nn.Module):
-        def __init__(self, body, skip):
-            super().__init__()
-            self.body, self.skip = body, skip
-
-        def forward(self, x):
-            return torch.relu(self.body(x) + self.skip(x))
-
-    import torch
-
-    layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)]
-    cin = 64
-    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [block(cin, cout, stride), block(cout, cout, 1)]
-        cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes)]
-    return nn.Sequential(*layers)
-
-
 #: GPT-2-shaped configurations built from transformers' GPT2Config (random init; nothing is downloaded): GPT-2 small
 #: (124M), a ~1B one (d 2048, 18 layers: 1.01B) and a tiny one for smoke runs
 GPT2_SHAPES = {
@@ -141,7 +103,9 @@ def build(name: str, seq_len: int, image_size: int, device: str = "cpu"):
 
     torch.manual_seed(0)
     if name == "resnet18":
-        model = resnet18().eval()
+        from bench_models import ResNet18
+
+        model = ResNet18(1000, imagenet=True).eval()
 
         def make_batch(b, a):
             g = torch.Generator().manual_seed(a)
@@ -168,16 +132,14 @@ def build(name: str, seq_len: int, image_size: int, device: str = "cpu"):
 
 def run(what: str, model: str, args) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    argv = [sys.executable, "-c", CODE, root, what, model]
+    argv = ["-c", CODE, root, what, model]
     argv += [str(v) for v in (args.rows, args.batch, args.seq_len, args.image_size, args.proj_dim)]
-    argv += [args.device, str(args.passes)]
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+        return fresh_json([*argv, args.device, str(args.passes)], timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"model": model, "what": what, "error": f"over the {args.timeout} s limit"}
-    if out.returncode != 0:
-        return {"model": model, "what": what, "error": out.stderr.strip().splitlines()[-1:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    except RuntimeError as e:
+        return {"model": model, "what": what, "error": str(e).strip().splitlines()[-1:]}
 
 
 def main(argv=None) -> None:
@@ -198,34 +160,29 @@ def main(argv=None) -> None:
     results = []
     for model in args.models:
         for what in args.what:
-            if what == "traker":
-                if model.startswith("gpt2"):
-                    results.append({"model": model, "what": what, "error": "traker 0.3.2 has no causal-LM task"})
-                    print(json.dumps(results[-1]), flush=True)
-                    continue
-                params = next((r["params"] for r in results if r["model"] == model and "params" in r), 0)
-                need = params * args.proj_dim * 4
-                if need > psutil.virtual_memory().total / 2 and args.device == "cpu":
-                    results.append({"model": model, "what": what, "error": f"needs a {need / 2**30:.0f} GiB matrix"})
-                    print(json.dumps(results[-1]), flush=True)
-                    continue
-            results.append(run(what, model, args))
+            params = next((r["params"] for r in results if r["model"] == model and "params" in r), 0)
+            need = params * args.proj_dim * 4  # traker's matrix on the CPU
+            if what == "traker" and model.startswith("gpt2"):
+                results.append({"model": model, "what": what, "error": "traker 0.3.2 has no causal-LM task"})
+            elif what == "traker" and need > psutil.virtual_memory().total / 2 and args.device == "cpu":
+                results.append({"model": model, "what": what, "error": f"needs a {need / 2**30:.0f} GiB matrix"})
+            else:
+                results.append(run(what, model, args))
             print(json.dumps(results[-1]), flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
-    print("| model | params | measurement | rows/s | × training pass | peak RSS MiB | peak GPU MiB |")
-    print("|---|---|---|---|---|---|---|")
+    rows = []
     for model in args.models:
         rs = {r["what"]: r for r in results if r["model"] == model}
         floor = rs.get("train", {}).get("rows_per_s")
         for what, r in rs.items():
             if "error" in r:
-                print(f"| {model} | | {what} | not run: {r['error']} | | |")
+                rows.append([model, "", what, f"not run: {r['error']}", "", "", ""])
                 continue
             ratio = f"{r['rows_per_s'] / floor:.3f}" if floor else ""
-            print(
-                f"| {model} | {r['params'] / 1e6:.1f}M | {what} | {r['rows_per_s']} | {ratio} | {r['peak_rss_mib']} | "
-                f"{r.get('gpu_peak_mib', 0)} |"
-            )
+            params = f"{r['params'] / 1e6:.1f}M"
+            rows.append([model, params, what, r["rows_per_s"], ratio, r["peak_rss_mib"], r.get("gpu_peak_mib", 0)])
+    head = ["model", "params", "measurement", "rows/s", "× training pass", "peak RSS MiB", "peak GPU MiB"]
+    print(md_table(head, rows))
 
 
 if __name__ == "__main__":
