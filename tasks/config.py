@@ -331,11 +331,12 @@ class AttributeConfig(_Base):
         "R = diag(Q(1 − Q)), row weights floored at 0.3·mean: +0.020…+0.060 LDS on converged models, "
         "one more p × p partial per shard; "
         "benchmarks/RESULTS.md 'Gauss-Newton curvature'); λ's rule still reads XᵀX, scaled by the traces; "
-        "'kfac' / 'ekfac': Kronecker-factored curvature of each Linear layer applied before the projection, "
-        "fitted by one more pass (two for 'ekfac') over the train rows per checkpoint (docs/damping.md)",
+        "'kfac' / 'ekfac': each Linear layer's Kronecker factors in the factored projection's space (a block-diagonal "
+        "H; other layers keep their XᵀX block), fitted by one more pass over the train rows per checkpoint "
+        "(docs/damping.md)",
     )
     curvature_damping: CurvatureDamping = _setting(
-        "curvature_damping", "'kfac'/'ekfac': λ of each factor = this × its mean eigenvalue (> 0; kronfluence's 0.1)"
+        "curvature_damping", "'kfac'/'ekfac': λ of each Kronecker block = this × its mean eigenvalue (> 0)"
     )
     curvature_rows: PositiveInt | None = Field(
         None,
@@ -517,6 +518,11 @@ class AttributeConfig(_Base):
             from trak_core.featurize.sharded import VMAP_REFUSAL
 
             raise BadInputError(VMAP_REFUSAL.format(kind=self.projector))
+        if self.curvature in ("kfac", "ekfac") and self.projector != "factored":
+            raise BadInputError(
+                f"curvature={self.curvature!r} needs the factored projector (its blocks are the layers that the "
+                f"Kronecker factors curve), not projector={self.projector!r}"
+            )
         if self.processes_per_task > 1 and self.curvature in ("kfac", "ekfac"):
             raise BadInputError(
                 f"curvature={self.curvature!r}: Kronecker-factored curvature is not supported with "

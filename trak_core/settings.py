@@ -14,13 +14,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeFl
 
 from trak_core.projection.projectors import load_projector_plugins, registered_projectors
 from trak_core.solve.damping import LambdaRule, parse_lambda_reg
+from trak_core.solve.kfac import DEFAULT_DAMPING
 
 from .errors import BadInputError
 
 ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
 Curvature = Literal["xtx", "ggn", "kfac", "ekfac"]
-#: 'kfac'/'ekfac': each factor's λ = this × its mean eigenvalue (a finite number > 0)
+#: 'kfac'/'ekfac': each Kronecker block's λ = this × its mean eigenvalue (a finite number > 0)
 CurvatureDamping = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
@@ -73,11 +74,11 @@ class TrakSettings(BaseModel):
     dtype: StorageDtype = Field("float16", description="storage dtype of gradients")
     curvature: Curvature = Field(
         "xtx",
-        description="H of (H + λI)⁻¹: 'xtx' (XᵀX, traker's) or 'ggn' (XᵀRX); 'kfac' / 'ekfac': Kronecker-factored "
-        "curvature applied to each layer's gradient before the projection (docs/damping.md)",
+        description="H of (H + λI)⁻¹: 'xtx' (XᵀX, traker's) or 'ggn' (XᵀRX); 'kfac' / 'ekfac': per-layer Kronecker "
+        "factors in the factored projection's space, a block-diagonal H (docs/damping.md)",
     )
     curvature_damping: CurvatureDamping = Field(
-        0.1, description="'kfac'/'ekfac': each factor's λ = this × its mean eigenvalue"
+        DEFAULT_DAMPING, description="'kfac'/'ekfac': each Kronecker block's λ = this × its mean eigenvalue"
     )
     grad_wrt: GradWrt = Field(
         None, description="parameter names to take gradients for (None: the trainable ones, a PEFT model's adapters)"

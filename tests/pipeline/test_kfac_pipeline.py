@@ -25,14 +25,14 @@ def config(tmp, ckpts, **over) -> AttributeConfig:
     return AttributeConfig.model_validate(tiny_attribute_config(tmp / "store.zarr", ckpts, **over))
 
 
-def traker_scores(tmp, paths, curvature: str) -> np.ndarray:
+def traker_scores(tmp, paths, curvature: str, meta) -> np.ndarray:
+    """TRAKer's scores with the projector the pipeline's store ``meta`` records (its energy split)."""
     x, y = tiny.train_data()
     xt, yt = tiny.target_data()
-    from trak_core.featurize.gradients import grad_dim_of
-    from trak_core.projection.projectors import make_projector
+    from trak_core import engine
 
     model = tiny.make_model()
-    proj = make_projector("dense", grad_dim_of(model), PROJ, 0, "rademacher", "cpu")
+    proj = engine.recorded_projector(meta, model)
     tr = TRAKer(
         model,
         "image_classification",
@@ -65,17 +65,17 @@ def test_pipeline_equals_traker_and_index(tmp_path, curvature):
     from flows import attribute
 
     paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0, 1))
-    cfg = config(tmp_path, paths, curvature=curvature, projector="dense", report_targets=0)
+    cfg = config(tmp_path, paths, curvature=curvature, projector="factored", report_targets=0)
     attribute(cfg)
     store = TrakStore.open(cfg.store, mode="r")
     assert store.meta.curvature == curvature
     assert sorted(store.pipeline_info()[kfac.RECORD_KEY]) == ["0", "1"]
     assert all(store.finalize_info(mid)["curvature"] == curvature for mid in (0, 1))
     ours = np.asarray(store.scores("tiny")[:])
-    want = traker_scores(tmp_path, paths, curvature)
+    want = traker_scores(tmp_path, paths, curvature, store.meta)
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     # not the scores without the curvature
-    plain = config(tmp_path / "plain", paths, projector="dense", report_targets=0, lambda_reg=0.0)
+    plain = config(tmp_path / "plain", paths, projector="factored", report_targets=0, lambda_reg=0.0)
     attribute(plain)
     assert not np.allclose(ours, TrakStore.open(plain.store, mode="r").scores("tiny")[:], rtol=1e-2)
     index = TrakIndex.from_config(cfg)
@@ -91,6 +91,7 @@ def test_pipeline_equals_traker_and_index(tmp_path, curvature):
         ({"curvature": "kfac", "curvature_damping": 0}, "curvature_damping"),
         ({"curvature": "kfac", "curvature_damping": float("inf")}, "curvature_damping"),
         ({"curvature": "ekfac", "processes_per_task": 2}, "curvature='ekfac'.*processes_per_task"),
+        ({"curvature": "kfac", "projector": "dense"}, "needs the factored projector"),
     ],
 )
 def test_bad_settings_named_by_the_config(tmp_path, over, field):

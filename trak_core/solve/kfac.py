@@ -450,8 +450,9 @@ def wants_factors(store, model_id: int) -> bool:
 
 def fit_step(store, model_id: int, feat, batches, damping=DEFAULT_DAMPING, grad_wrt=None) -> Preconditioner | None:
     """Fit and record ``model_id``'s factors in a store of K-FAC curvature (None for another curvature); a model
-    with factors recorded at its checkpoint keeps them (read back), one recorded at another checkpoint (the model
-    was started over) is fitted again. The rows do not depend on the factors: they may be featurized before."""
+    with factors recorded at its checkpoint keeps them (read back). The rows do not depend on the factors, so they may
+    be featurized before; factors recorded at another checkpoint (the model was started over) are fitted again, unless
+    rows are featurized already (they are then of another checkpoint than the factors: refused)."""
     if store.meta.curvature not in KFAC_CURVATURES:
         return None
     stale = False
@@ -460,6 +461,11 @@ def fit_step(store, model_id: int, feat, batches, damping=DEFAULT_DAMPING, grad_
         if pre.info.get("checkpoint") == _checkpoint_of(store, model_id):
             return pre
         stale = True
+        if store.has_model(model_id) and bool(store.featurized_mask(model_id).any()):
+            raise StateError(
+                f"model_id={model_id}: {store.location} holds featurized rows and factors fitted at another "
+                "checkpoint; use a new store"
+            )
     pre = fit_factors(feat, batches, store.meta.curvature, damping, grad_wrt)
     record_factors(store, model_id, pre, replace=stale)
     return pre

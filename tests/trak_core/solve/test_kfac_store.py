@@ -1,7 +1,7 @@
-"""``curvature="kfac"`` / ``"ekfac"`` through TRAKer and TrakIndex: the stored rows, the finalized inverse c·I and the
-scores against a float64 brute force (explicit per-example gradients, explicit Kronecker H, explicit solve); the
-factors recorded in the store and reused by the index and by rows appended to a grown store; bad settings refused
-before anything is created."""
+"""``curvature="kfac"`` / ``"ekfac"`` through TRAKer, the engine and TrakIndex: the stored rows are the plain
+projection's, the finalized inverse is the block inverse of the recorded factors (tests/trak_core/solve/test_kfac.py
+checks both against a float64 brute force); the factors recorded in the store and reused by the index and by a grown
+store; bad settings refused before anything is created."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import logging
 import numpy as np
 import pytest
 import torch
-from test_kfac import D_IN, C, N, brute, brute_factors, brute_precondition, kfac_h, layer_grads, mlp
+from test_kfac import D_IN, C, N, mlp
 
 from trak_core import TRAKer, TrakIndex
 from trak_core.errors import BadInputError, StateError
-from trak_core.projection.projectors import NoOpProjector
+from trak_core.projection.projectors import make_projector
 from trak_core.solve import kfac
 
 M = 5
@@ -28,6 +28,10 @@ def make_data():
     return x[:N], y[:N], x[N:], y[N:]
 
 
+def factored(model):
+    return make_projector("factored", sum(p.numel() for p in model.parameters()), 16, 0, "rademacher", model=model)
+
+
 def run(path, curvature="kfac", projector=None, n=N, fit=True, device="cpu", **kw):
     model = mlp().to(device)
     x, y, xt, yt = (t.to(device) for t in make_data())
@@ -37,7 +41,7 @@ def run(path, curvature="kfac", projector=None, n=N, fit=True, device="cpu", **k
         train_set_size=n,
         save_dir=str(path),
         device=device,
-        projector=None if projector is DEFAULT else projector if projector is not None else NoOpProjector(),
+        projector=None if projector is DEFAULT else projector if projector is not None else factored(model),
         use_half_precision=False,
         lambda_reg=0.0,
         logging_level=logging.ERROR,
@@ -56,33 +60,19 @@ def run(path, curvature="kfac", projector=None, n=N, fit=True, device="cpu", **k
     return np.asarray(tr.finalize_scores("e"), dtype=np.float64), tr, model
 
 
-def brute_scores(model):
-    x, y, xt, yt = make_data()
-    rows, targets = brute(model, x, y), brute(model, xt, yt)
-    hs = kfac_h(brute_factors(rows))
-    want = np.zeros((N, M))
-    for name, h in hs.items():
-        g = np.stack([layer_grads(model, r[0])[name].reshape(-1) for r in rows])
-        t = np.stack([layer_grads(model, r[0])[name].reshape(-1) for r in targets])
-        want += g @ np.linalg.solve(h, t.T)
-    q = np.array([r[1] for r in rows])
-    return want * q[:, None], rows, hs
+@pytest.mark.parametrize("curvature", ["kfac", "ekfac"])
+def test_rows_are_the_plain_projection_and_the_inverse_is_the_block_inverse(tmp_path, curvature):
+    from trak_core.solve.reduce import total_xtx
 
-
-def test_traker_noop_scores_equal_explicit_solve(tmp_path):
-    got, tr, model = run(tmp_path / "s")
-    want, rows, hs = brute_scores(model)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
-    # the rows stored are H^(-1/2) g / √grad_dim, the inverse c·I, the factors in the store's record
-    x = tr.store.model(0).grads[:].astype(np.float64)
-    np.testing.assert_allclose(
-        x, brute_precondition(model, rows, hs) / np.sqrt(tr.num_params_for_grad), rtol=2e-6, atol=1e-7
-    )
-    c = tr.num_params_for_grad  # c = grad_dim / the noop projection's scale (1): X c Xᵀ = G' G'ᵀ
-    np.testing.assert_array_equal(tr.store.inverse(0), c * np.eye(x.shape[1], dtype=np.float32))
-    assert tr.store.finalize_info(0)["curvature"] == "kfac"
-    assert kfac.has_factors(tr.store, 0)
-    assert tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]["kind"] == "kfac"
+    got, tr, _ = run(tmp_path / "s", curvature)
+    plain, ref, _ = run(tmp_path / "p", "xtx", fit=False)
+    np.testing.assert_array_equal(tr.store.model(0).grads[:], ref.store.model(0).grads[:])
+    want, _ = kfac.block_inverse(tr.store.meta, 0, kfac.load_factors(tr.store, 0), total_xtx(tr.store, 0))
+    np.testing.assert_array_equal(tr.store.inverse(0), want.astype(np.float32))
+    info = tr.store.finalize_info(0)
+    assert info["curvature"] == curvature and set(info["blocks"]) == {"0", "2"}
+    assert tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]["kind"] == curvature
+    assert not np.allclose(got, plain, rtol=1e-2)  # the curvature changes the scores
 
 
 @pytest.mark.parametrize(("curvature", "projector"), [("kfac", "factored"), ("ekfac", "factored"), ("kfac", None)])
@@ -90,15 +80,12 @@ def test_index_queries_with_the_recorded_factors(tmp_path, curvature, projector)
     """TrakIndex rebuilds the store's projection and reads its factors: its scores are finalize_scores'. ``None``:
     TRAKer's default projector, whose store is created once rows are featurized (the factors fitted before are
     recorded then)."""
-    from trak_core.projection.projectors import make_projector
 
     model = mlp()
-    gd = sum(p.numel() for p in model.parameters())
     if projector is None:
         got, tr, model = run(tmp_path / "s", curvature, projector=DEFAULT, proj_dim=16)
     else:
-        proj = make_projector("factored", gd, 16, 0, "rademacher", model=model)
-        got, tr, model = run(tmp_path / "s", curvature, projector=proj)
+        got, tr, model = run(tmp_path / "s", curvature, projector=factored(model))
     assert kfac.has_factors(tr.store, 0)
     tr._close()
     del tr
@@ -110,14 +97,30 @@ def test_index_queries_with_the_recorded_factors(tmp_path, curvature, projector)
     np.testing.assert_allclose(np.take_along_axis(got.T, res.indices, 1), res.scores, rtol=1e-5, atol=1e-6)
 
 
-def test_featurize_before_fit_is_refused(tmp_path):
+def test_finalize_before_fit_is_refused_and_a_later_fit_serves(tmp_path):
+    """The rows do not depend on the factors: featurizing first is fine, finalizing without factors is refused naming
+    the fit, and fitting after the rows gives the scores of fitting first."""
     with pytest.raises(StateError, match="fit_curvature"):
         run(tmp_path / "s", fit=False)
+    first, _, _ = run(tmp_path / "f")
+    model = mlp()
+    x, y, xt, yt = make_data()
+    tr = TRAKer(model=model, task="image_classification", train_set_size=N, save_dir=str(tmp_path / "l"),
+                device="cpu", projector=factored(model), use_half_precision=False, logging_level=logging.ERROR,
+                curvature="kfac")  # fmt: skip
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    for a in range(0, N, 10):
+        tr.featurize((x[a : a + 10], y[a : a + 10]), num_samples=len(y[a : a + 10]))
+    tr.fit_curvature([(x[a : a + 10], y[a : a + 10]) for a in range(0, N, 10)])
+    tr.finalize_features()
+    tr.start_scoring_checkpoint("e", model.state_dict(), 0, M)
+    tr.score((xt, yt), num_samples=M)
+    np.testing.assert_array_equal(np.asarray(tr.finalize_scores("e")), first)
 
 
 def test_grown_store_keeps_its_factors(tmp_path):
-    """Rows appended to a grown store are projected with the factors it recorded (the engine's featurize step reads
-    them back): the same rows as a store built at once with the same fit."""
+    """A grown store keeps the factors it recorded: its rows and its inverse are those of a store built at once with
+    the same fit."""
     from trak_core import engine
     from trak_core.featurize.featurizer import Featurizer
     from trak_core.store import open_store
@@ -130,14 +133,15 @@ def test_grown_store_keeps_its_factors(tmp_path):
     engine.grow_run(st, N)
     assert st.pipeline_info()[kfac.RECORD_KEY]["0"]["sha256"] == rec
     model = mlp()
-    feat = Featurizer(model, "image_classification", NoOpProjector(), device="cpu")
+    feat = Featurizer(model, "image_classification", factored(model), device="cpu")
     feat.load_state(model.state_dict())
     x, y, _, _ = make_data()
     for shard in range(st.meta.num_shards):
         engine.featurize_shard(st, 0, shard, lambda: feat, lambda a, b: [x[a:b], y[a:b]], 10)
-    assert isinstance(feat.curvature, kfac.StoreFactors)
+    engine.finalize(st, 0, 0.0, True)
     _, whole, _ = run(tmp_path / "t", n=N)
     np.testing.assert_array_equal(st.model(0).grads[:], whole.store.model(0).grads[:])
+    np.testing.assert_array_equal(st.inverse(0), whole.store.inverse(0))
 
 
 @pytest.mark.parametrize(
@@ -159,7 +163,8 @@ def test_bad_settings_named_before_anything_is_created(tmp_path, kw, field):
 
 def test_started_over_model_refits_its_factors(tmp_path):
     """A model started over at another checkpoint (load_from_save_dir=False) gets factors fitted at that checkpoint;
-    the record names the checkpoint's digest. Featurized rows with factors of another checkpoint are refused."""
+    the record names the checkpoint's digest. Refitting where rows are featurized with factors of another checkpoint
+    is refused."""
     from trak_core import engine
     from trak_core.featurize.featurizer import Featurizer
     from trak_core.store import open_store
@@ -180,7 +185,7 @@ def test_started_over_model_refits_its_factors(tmp_path):
         train_set_size=N,
         save_dir=str(tmp_path / "s"),
         device="cpu",
-        projector=NoOpProjector(),
+        projector=factored(other),
         use_half_precision=False,
         lambda_reg=0.0,
         logging_level=logging.ERROR,
@@ -198,7 +203,7 @@ def test_started_over_model_refits_its_factors(tmp_path):
     run(tmp_path / "t")
     st = open_store(str(tmp_path / "t"))
     st.set_checkpoint_record(0, {"path": "x", "state_sha256": "0" * 64})
-    feat = Featurizer(other, "image_classification", NoOpProjector(), device="cpu")
+    feat = Featurizer(other, "image_classification", factored(other), device="cpu")
     with pytest.raises(StateError, match="another checkpoint"):
         engine.fit_curvature(st, 0, feat, lambda: [(x, y)])
 
