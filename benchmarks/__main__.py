@@ -93,12 +93,14 @@ CASES = (
     Case(
         "peers",
         "Beside kronfluence: LDS, time and memory in one run",
-        "LDS, wall time and peak RSS of trakflow's defaults, its curvature options and the dense projection at "
-        "143–840× compression (wide-mlp, bn-conv; 100 half-subset models)",
+        "LDS, wall time and peak RSS of trakflow's defaults and its Kronecker-factored curvatures at 143–840× "
+        "compression (wide-mlp, bn-conv; 100 half-subset models)",
         "kronfluence 1.0.1 K-FAC and EK-FAC (heuristic damping), traker 0.3.2; same checkpoints, targets, truth",
         (
             "python benchmarks/quality.py truth --cases wide-mlp bn-conv",
-            f"python benchmarks/peers.py --cases wide-mlp bn-conv --proj-dims 512 2048 --json {J}peers.json",
+            "python benchmarks/peers.py --cases wide-mlp bn-conv --proj-dims 512 2048 --columns \"trakflow defaults\" "
+            '"trakflow curvature=kfac" "trakflow curvature=ekfac" "kronfluence kfac" "kronfluence ekfac" '
+            f"--json {J}peers.json",
         ),
     ),
     Case(
