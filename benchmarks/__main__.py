@@ -98,9 +98,7 @@ CASES = (
         "kronfluence 1.0.1 K-FAC and EK-FAC (heuristic damping), traker 0.3.2; same checkpoints, targets, truth",
         (
             "python benchmarks/quality.py truth --cases wide-mlp bn-conv",
-            "python benchmarks/peers.py --cases wide-mlp bn-conv --proj-dims 512 2048 --columns \"trakflow defaults\" "
-            '"trakflow curvature=kfac" "trakflow curvature=ekfac" "kronfluence kfac" "kronfluence ekfac" '
-            f"--json {J}peers.json",
+            f"python benchmarks/peers.py --cases wide-mlp bn-conv --proj-dims 512 2048 --json {J}peers.json",
         ),
     ),
     Case(

@@ -116,8 +116,9 @@ for _s in KRON:
         False,
     )
 COLUMNS["traker 0.3.2"] = (_traker, True)
-#: every column but traker 0.3.2 (its CPU projector takes hours on these models: ``--columns "traker 0.3.2"``)
-DEFAULT_COLUMNS = [c for c in COLUMNS if c != "traker 0.3.2"]
+#: the defaults, the Kronecker-factored curvatures and kronfluence's (the others by ``--columns``; traker 0.3.2's CPU
+#: projector takes hours on these models)
+DEFAULT_COLUMNS = ["trakflow defaults"] + [f"trakflow curvature={c}" for c in KRON] + [f"kronfluence {c}" for c in KRON]
 
 
 def _path(case: str, truth: dict, column: str, p: int) -> str:
