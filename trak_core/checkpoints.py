@@ -12,6 +12,7 @@ raises :class:`StoreMismatchError` naming the model id.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from trak_core.featurize.adapters import load_state as load_into_model
 from trak_core.featurize.adapters import read_state_file
 
 from .errors import BadInputError, StoreMismatchError
@@ -132,3 +134,50 @@ def check_record(
 
 
 __all__ = ["STATE_DICT", "check_record", "file_sha256", "load_state", "record_of", "same_checkpoint", "state_digest"]
+
+
+# ---------------------------------------------------------------------------------------------- a checkpoint's rules
+# (the same for every front door: the pipeline's plan, TRAKer's load_checkpoint, the index)
+def all_finite(t: torch.Tensor) -> bool:
+    """One reduction proves a tensor finite (a NaN or inf makes its sum non-finite); a non-finite sum (which may
+    be an overflow of finite entries) is decided entry by entry."""
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def read_checkpoint(path: str, device="cpu", field: str = "checkpoints") -> dict:
+    """The state_dict in the file ``path`` (a torch file or safetensors,
+    :func:`trak_core.featurize.adapters.read_state_file`),
+    or BadInputError naming ``field`` and the file when it is missing or holds no state_dict."""
+    try:
+        sd = read_state_file(path, device)
+    except FileNotFoundError:
+        raise BadInputError(f"{field}: checkpoint {path} does not exist") from None
+    except Exception as e:
+        raise BadInputError(
+            f"{field}: cannot load checkpoint {path} as a state_dict ({type(e).__name__}: {e})"
+        ) from None
+    if not isinstance(sd, dict):
+        raise BadInputError(f"{field}: {path} holds a {type(sd).__name__}, not a state_dict")
+    return sd
+
+
+def check_state_finite(state_dict: Mapping, field: str, source: str) -> None:
+    """Refuse a checkpoint (``source``: its file, or what gave it) with NaN or inf in a floating entry."""
+    bad = [
+        k
+        for k, v in state_dict.items()
+        if torch.is_tensor(v) and v.is_floating_point() and v.numel() and not all_finite(v)
+    ]
+    if bad:
+        raise BadInputError(f"{field}: {source} has NaN or inf in {bad[:5]}; nothing was written")
+
+
+def check_state(model: torch.nn.Module, state_dict: Mapping, field: str, source: str, model_name: str = "") -> None:
+    """Load ``state_dict`` into ``model`` (refused, naming ``source``, when it does not fit) and refuse it when it is
+    not finite (:func:`check_state_finite`)."""
+    try:
+        load_into_model(model, dict(state_dict))
+    except RuntimeError as e:
+        named = f" {model_name!r}" if model_name else ""
+        raise BadInputError(f"{field}: {source} does not fit the model{named}: {e}") from None
+    check_state_finite(state_dict, field, source)

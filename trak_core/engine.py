@@ -165,7 +165,7 @@ def check_solve_settings(lambda_reg, curvature: str) -> None:
 
 # the front doors' input rules and an existing store's projector (trak_core.rules, the plan's too)
 check_batch_rows = rules.check_batch_rows  # a batch given batch by batch: the task's checks, NaN/inf, dtypes
-check_state_finite = rules.check_state_finite  # a checkpoint: no NaN or inf
+check_state_finite = checkpoints.check_state_finite  # a checkpoint: no NaN or inf
 check_projection = rules.check_projection  # proj_dim ≥ n with no damping: refused
 lambda_setting = rules.lambda_setting
 stored_split = rules.stored_split  # whether a store is at a location, the projector split it records

@@ -23,6 +23,9 @@ from trak_core.projection.energy import PROBE_ROWS
 from trak_core.projection.projectors import make_projector, projector_traits
 
 from . import engine
+from .checkpoints import check_state as check_state
+from .checkpoints import check_state_finite as check_state_finite
+from .checkpoints import read_checkpoint as read_checkpoint
 from .checkpoints import record_of, state_digest
 from .errors import BadInputError
 from .lds import array_fingerprint
@@ -31,11 +34,8 @@ from .rules import check_batch as check_batch
 from .rules import check_dtypes as check_dtypes
 from .rules import check_finite as check_finite
 from .rules import check_projection as check_projection
-from .rules import check_state as check_state
-from .rules import check_state_finite as check_state_finite
 from .rules import lambda_setting as lambda_setting
 from .rules import prefixed as prefixed
-from .rules import read_checkpoint as read_checkpoint
 from .rules import rebuild_projector as rebuild_projector
 from .rules import split_of as split_of
 from .rules import stored_meta as stored_meta
@@ -238,6 +238,8 @@ def check_inputs(
     for data, field in named:
         check_dtypes(model, data, field)
     n = int(train[0].shape[0])
+    lam, curvature = settings.lambda_rule.setting, settings.curvature
+    check_projection(settings.projector, settings.proj_dim, n, lam, curvature, model=model, grad_wrt=settings.grad_wrt)
     stored = stored_meta(location, storage_options)
     split = split_of(stored) if stored is not None else None  # a store's own split, never probed again
     probe = stored is None and projector_traits(settings.projector).splits_by_layer  # a new store's split
@@ -247,7 +249,6 @@ def check_inputs(
         return stored_layout(meta, stored, chunk_rows, shard_rows)
 
     meta = metadata(split)
-    check_projection(settings.projector, meta.proj_dim, n, settings.lambda_rule.setting, settings.curvature)
     engine.check_memory(
         meta,
         model,

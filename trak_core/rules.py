@@ -7,12 +7,12 @@ store records, rebuilt from its record. Plain values in, an error naming the fie
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from trak_core.featurize.adapters import load_state, read_state_file
+from trak_core.featurize.gradients import grad_dim_of
 from trak_core.projection.base import AbstractProjector
 from trak_core.projection.projectors import make_projector, projector_traits, rebuild_kwargs
 from trak_core.solve.damping import parse_lambda_reg
@@ -107,11 +107,14 @@ def lambda_setting(lambda_reg):
     return parse_lambda_reg(lambda_reg).setting
 
 
-def check_projection(kind: str, proj_dim: int, train_set_size: int, lambda_setting, curvature: str = "xtx") -> None:
+def check_projection(
+    kind: str, proj_dim: int, train_set_size: int, lambda_setting, curvature: str = "xtx", *, model=None, grad_wrt=None
+) -> None:
     """Refuse a projection of ``proj_dim`` ≥ the number of train examples with no damping (``lambda_setting`` 0,
     :attr:`trak_core.solve.damping.LambdaRule.setting`): XᵀX is then singular and the scores noise. A Kronecker-factored
     ``curvature`` damps each block of its own (nothing to refuse there) but needs the factored projection, whose blocks
-    are the layers."""
+    are the layers. With ``model`` (and its ``grad_wrt``), an identity projector keeps its gradient's dimension,
+    whatever ``proj_dim`` says."""
     if curvature in KFAC_CURVATURES:
         if kind != "factored":
             raise BadInputError(
@@ -119,6 +122,8 @@ def check_projection(kind: str, proj_dim: int, train_set_size: int, lambda_setti
                 f"factors curve), not {kind!r}: use the default projector"
             )
         return
+    if model is not None and projector_traits(kind).is_identity:  # it keeps every gradient dimension of ``model``
+        proj_dim = grad_dim_of(model, grad_wrt)
     n = int(train_set_size)
     if proj_dim < n or lambda_setting != 0:
         return
@@ -132,45 +137,6 @@ def check_projection(kind: str, proj_dim: int, train_set_size: int, lambda_setti
         f"proj_dim: {proj_dim} ≥ number of train examples n={n} makes XᵀX singular "
         "(scores would be noise); use a proj_dim well below n, or lambda_reg > 0"
     )
-
-
-def read_checkpoint(path: str, device="cpu", field: str = "checkpoints") -> dict:
-    """The state_dict in the file ``path`` (a torch file or safetensors,
-    :func:`trak_core.featurize.adapters.read_state_file`),
-    or BadInputError naming ``field`` and the file when it is missing or holds no state_dict."""
-    try:
-        sd = read_state_file(path, device)
-    except FileNotFoundError:
-        raise BadInputError(f"{field}: checkpoint {path} does not exist") from None
-    except Exception as e:
-        raise BadInputError(
-            f"{field}: cannot load checkpoint {path} as a state_dict ({type(e).__name__}: {e})"
-        ) from None
-    if not isinstance(sd, dict):
-        raise BadInputError(f"{field}: {path} holds a {type(sd).__name__}, not a state_dict")
-    return sd
-
-
-def check_state_finite(state_dict: Mapping, field: str, source: str) -> None:
-    """Refuse a checkpoint (``source``: its file, or what gave it) with NaN or inf in a floating entry."""
-    bad = [
-        k
-        for k, v in state_dict.items()
-        if torch.is_tensor(v) and v.is_floating_point() and v.numel() and not _all_finite(v)
-    ]
-    if bad:
-        raise BadInputError(f"{field}: {source} has NaN or inf in {bad[:5]}; nothing was written")
-
-
-def check_state(model: torch.nn.Module, state_dict: Mapping, field: str, source: str, model_name: str = "") -> None:
-    """Load ``state_dict`` into ``model`` (refused, naming ``source``, when it does not fit) and refuse it when it is
-    not finite (:func:`check_state_finite`)."""
-    try:
-        load_state(model, dict(state_dict))
-    except RuntimeError as e:
-        named = f" {model_name!r}" if model_name else ""
-        raise BadInputError(f"{field}: {source} does not fit the model{named}: {e}") from None
-    check_state_finite(state_dict, field, source)
 
 
 # ---------------------------------------------------------------------------------------------- a store's projector
