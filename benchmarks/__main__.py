@@ -47,6 +47,7 @@ LDS_SETTINGS = (
 DIMS = "--proj-dims 128 256 512 1024 2048"
 LARGE = "--cases wide-mlp bn-conv small-lm"
 J = ".cache/lds/"
+SMALL = "digits-mlp digits-conv text cancer wine digits-sgd conv-sgd cancer-sgd wine-sgd"
 
 CASES = (
     Case(
@@ -99,6 +100,9 @@ CASES = (
         (
             "python benchmarks/quality.py truth --cases wide-mlp bn-conv",
             f"python benchmarks/peers.py --cases wide-mlp bn-conv --proj-dims 512 2048 --json {J}peers.json",
+            "python benchmarks/quality.py truth",
+            f"python benchmarks/peers.py --cases {SMALL} --proj-dims 512 2048 --json {J}peers-small.json",
+            f"python benchmarks/peers.py --cases {SMALL} --proj-dims 512 --cached --summary",
         ),
     ),
     Case(

@@ -149,13 +149,15 @@ def main(argv=None) -> None:
     ap.add_argument("--fresh", action="store_true", help="run every column again (else: its cached scores)")
     ap.add_argument("--cached", action="store_true", help="only the runs in the cache (no new run)")
     ap.add_argument("--json", default=None, help="write the table's rows here")
+    ap.add_argument("--summary", action="store_true", help="one row per case and proj_dim: each column's LDS")
     ap.add_argument("--one", nargs=3, metavar=("CASE", "COLUMN", "PROJ_DIM"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.one:
         return one(a.one[0], a.one[1], int(a.one[2]))
     cases, rows = quality.make_cases(), []
-    print("| case | proj_dim (×) | column | LDS [95 % CI] | − kronfluence best (paired) | CPU s | wall s | peak MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    head = ["case", "proj_dim (×)"] + a.columns if a.summary else ["case", "proj_dim (×)", "column", "LDS [95 % CI]"]
+    head += [] if a.summary else ["− kronfluence best (paired)", "CPU s", "wall s", "peak MiB"]
+    print("| " + " | ".join(head) + " |\n" + "|---" * len(head) + "|")
     for name in a.cases:
         truth, gd, res = quality.ground_truth(cases[name]), quality.grad_dim(cases[name]), {}
         for col in a.columns:
@@ -171,7 +173,10 @@ def main(argv=None) -> None:
                 res[col, p] = {**r, "ci": bootstrap_ci(r["per"]), "peak": r["peak"] / 2**20}
         kron = [k for k in res if k[0].startswith("kronfluence")]
         best = max(kron, key=lambda k: res[k]["lds"]) if kron else None
-        for (col, p), r in res.items():
+        for p in a.proj_dims if a.summary else []:
+            cells = [f"{(res.get((c, p)) or res.get((c, 0)) or {'lds': float('nan')})['lds']:.3f}" for c in a.columns]
+            print(f"| {name} | {p} ({gd / p:,.0f}×) | " + " | ".join(cells) + " |")
+        for (col, p), r in [] if a.summary else res.items():
             d = "{:+.3f} [{:+.3f}, {:+.3f}]".format(*quality.paired_ci(r["per"], res[best]["per"])) if best else "—"
             where = f"{p} ({gd / p:,.0f}×)" if p else "— (exact per layer)"
             cost = f"{r['cpu']:.0f} | {r['wall']:.0f} | {r['peak']:.0f}"
