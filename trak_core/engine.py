@@ -174,7 +174,7 @@ recorded_projector = rules.recorded_projector  # the projector a store's metadat
 
 # Kronecker-factored curvature ("kfac" / "ekfac"): each checkpoint's factors fitted before its rows, in the store
 KFAC_CURVATURES, DEFAULT_DAMPING = kfac.KFAC_CURVATURES, kfac.DEFAULT_DAMPING
-Preconditioner = kfac.Preconditioner
+KroneckerFactors = kfac.KroneckerFactors
 check_damping = kfac.check_damping
 #: fit and record a checkpoint's factors (a checkpoint that has them keeps them)
 fit_curvature = kfac.fit_step

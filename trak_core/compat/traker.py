@@ -201,7 +201,7 @@ class TRAKer:
         engine.check_solve_settings(lambda_reg, curvature)
         self.curvature_damping = engine.check_damping(curvature_damping)
         self.curvature = curvature
-        self._fitted: dict[int, engine.Preconditioner] = {}  # K-FAC factors fitted before the store exists
+        self._fitted: dict[int, engine.KroneckerFactors] = {}  # K-FAC factors fitted before the store exists
         self.model = model
         self.task = resolve_task(task)
         self.train_set_size = int(train_set_size)

@@ -83,7 +83,7 @@ def check_damping(damping) -> float:
 # ---------------------------------------------------------------------------------------------- layers
 @dataclass(frozen=True)
 class Site:
-    """One preconditioned layer: the ``nn.Linear`` module ``name`` with its weight (and bias) parameter names."""
+    """A layer with Kronecker factors: the ``nn.Linear`` module ``name``, its weight (and bias) parameter names."""
 
     name: str
     weight: str
@@ -117,17 +117,16 @@ def linear_sites(model: nn.Module, grad_wrt: Iterable[str] | None = None) -> tup
 # ---------------------------------------------------------------------------------------------- the pass
 @dataclass
 class FactorSums:
-    """Partial sums of one fit, reducible by :meth:`add` (shards, processes): Σ ããᵀ and Σ δδᵀ per layer, the
-    positions and examples counted, and (EK-FAC's second pass) Σ (U_Sᵀ G U_A)²."""
+    """Partial sums of one fit, reducible by :meth:`add` (shards, processes): Σ ããᵀ and Σ δδᵀ per layer, and the
+    positions and examples counted."""
 
     a: dict[str, np.ndarray] = field(default_factory=dict)
     s: dict[str, np.ndarray] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
     examples: int = 0
-    lam: dict[str, np.ndarray] = field(default_factory=dict)
 
     def add(self, other: FactorSums) -> FactorSums:
-        for mine, theirs in ((self.a, other.a), (self.s, other.s), (self.lam, other.lam)):
+        for mine, theirs in ((self.a, other.a), (self.s, other.s)):
             for k, v in theirs.items():
                 mine[k] = mine[k] + v if k in mine else v.copy()
         for k, count in other.tokens.items():
@@ -213,7 +212,7 @@ def batch_sums(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[Factor
 
 # ---------------------------------------------------------------------------------------------- the factors
 @dataclass
-class Preconditioner:
+class KroneckerFactors:
     """The fitted curvature of one checkpoint: {site name: (Site, A (in_rows²), S (d_out²))} float64, and ``info``
     (kind, damping, rows, the parameters left with their XᵀX block)."""
 
@@ -223,8 +222,8 @@ class Preconditioner:
 
 def solve_factors(
     sums: FactorSums, sites: list[Site], kind: str = "kfac", damping: float = DEFAULT_DAMPING, identity=()
-) -> Preconditioner:
-    """The :class:`Preconditioner` of reduced ``sums``: A = Σ ããᵀ / positions, S = Σ δδᵀ / examples per layer."""
+) -> KroneckerFactors:
+    """The :class:`KroneckerFactors` of reduced ``sums``: A = Σ ããᵀ / positions, S = Σ δδᵀ / examples per layer."""
     if kind not in KFAC_CURVATURES:
         raise BadInputError(f"curvature={kind!r}: expected one of {KFAC_CURVATURES}")
     damping = check_damping(damping)
@@ -234,7 +233,7 @@ def solve_factors(
         for name in sums.a
     }
     info = {"kind": kind, "damping": damping, "rows": int(sums.examples), "identity": sorted(identity)}
-    return Preconditioner(blocks, info)
+    return KroneckerFactors(blocks, info)
 
 
 def fit_factors(
@@ -244,7 +243,7 @@ def fit_factors(
     damping: float = DEFAULT_DAMPING,
     grad_wrt: Iterable[str] | None = None,
     warn: bool = True,
-) -> Preconditioner:
+) -> KroneckerFactors:
     """Fit the factors of ``feat``'s current checkpoint over the train rows ``batches()`` yields (one pass, for
     either kind: EK-FAC's correction is taken from XᵀX at finalize): forward + backward of the task's output, no
     per-example gradient. Parameters other than single-use ``nn.Linear`` layers keep their XᵀX block (a warning
@@ -272,7 +271,7 @@ def fit_factors(
 
 
 # ---------------------------------------------------------------------------------------------- the inverse
-def projected_factors(meta, model_id: int, pre: Preconditioner) -> dict[str, tuple[int, np.ndarray]]:
+def projected_factors(meta, model_id: int, pre: KroneckerFactors) -> dict[str, tuple[int, np.ndarray]]:
     """{block name: (its offset in the row, F_b (k_b × k_b) float64)} of the K-FAC layers of the store's factored
     projection for ``model_id`` (module docstring), from the recorded layout and the side matrices it names."""
     from trak_core.projection.layout import SIDE_IN, SIDE_OUT, coordinate_weights, factor_matrix, recorded_blocks
@@ -310,7 +309,7 @@ def _damped_inverse(h: np.ndarray, damping: float) -> tuple[np.ndarray, float]:
     return np.linalg.inv(h + lam * np.eye(len(h))), lam
 
 
-def block_inverse(meta, model_id: int, pre: Preconditioner, xtx: np.ndarray) -> tuple[np.ndarray, dict]:
+def block_inverse(meta, model_id: int, pre: KroneckerFactors, xtx: np.ndarray) -> tuple[np.ndarray, dict]:
     """The block-diagonal inverse (p × p float64) of a K-FAC store's model from its factors and XᵀX (float64):
     K-FAC (or EK-FAC) blocks where a layer has factors, XᵀX blocks elsewhere (module docstring), and per block its
     kind and λ."""
@@ -372,7 +371,7 @@ def _digest(blocks: dict) -> str:
     return h.hexdigest()
 
 
-def to_record(pre: Preconditioner) -> dict:
+def to_record(pre: KroneckerFactors) -> dict:
     blocks = {
         n: {"weight": s.weight, "bias": s.bias, "d_out": s.d_out, "d_in": s.d_in, "a": _encode(a), "s": _encode(sm)}
         for n, (s, a, sm) in pre.blocks.items()
@@ -380,7 +379,7 @@ def to_record(pre: Preconditioner) -> dict:
     return {**pre.info, "form": RECORD_FORM, "blocks": blocks, "sha256": _digest(blocks)}
 
 
-def from_record(rec: dict, where: str = "") -> Preconditioner:
+def from_record(rec: dict, where: str = "") -> KroneckerFactors:
     if rec.get("form") != RECORD_FORM:
         raise StateError(
             f"curvature factors{where} were recorded by an earlier trakflow (preconditioning before the projection); "
@@ -396,7 +395,7 @@ def from_record(rec: dict, where: str = "") -> Preconditioner:
         site = Site(n, b["weight"], b["bias"], int(b["d_out"]), int(b["d_in"]))
         out[n] = (site, _decode(b["a"]), _decode(b["s"]))
     info = {k: v for k, v in rec.items() if k not in ("blocks", "sha256", "form")}
-    return Preconditioner(out, info)
+    return KroneckerFactors(out, info)
 
 
 def has_factors(store, model_id: int) -> bool:
@@ -409,7 +408,7 @@ def _checkpoint_of(store, model_id: int) -> str | None:
     return None if rec is None else rec.get("state_sha256")
 
 
-def record_factors(store, model_id: int, pre: Preconditioner, replace: bool = False) -> None:
+def record_factors(store, model_id: int, pre: KroneckerFactors, replace: bool = False) -> None:
     """Record ``pre`` as ``model_id``'s factors in the store's pipeline record, with the digest of the checkpoint the
     store records for it; a model that has factors keeps them (StateError when they differ: a store never mixes two
     fits) unless ``replace`` (a model started over, no row featurized with the old ones)."""
@@ -430,7 +429,7 @@ def record_factors(store, model_id: int, pre: Preconditioner, replace: bool = Fa
     store.set_pipeline_info(info)
 
 
-def load_factors(store, model_id: int) -> Preconditioner:
+def load_factors(store, model_id: int) -> KroneckerFactors:
     """``model_id``'s recorded factors, or StateError saying to fit them first."""
     rec = store.pipeline_info().get(RECORD_KEY, {}).get(str(int(model_id)))
     if rec is None:
@@ -448,7 +447,7 @@ def wants_factors(store, model_id: int) -> bool:
     return store.meta.curvature in KFAC_CURVATURES and not has_factors(store, model_id)
 
 
-def fit_step(store, model_id: int, feat, batches, damping=DEFAULT_DAMPING, grad_wrt=None) -> Preconditioner | None:
+def fit_step(store, model_id: int, feat, batches, damping=DEFAULT_DAMPING, grad_wrt=None) -> KroneckerFactors | None:
     """Fit and record ``model_id``'s factors in a store of K-FAC curvature (None for another curvature); a model
     with factors recorded at its checkpoint keeps them (read back). The rows do not depend on the factors, so they may
     be featurized before; factors recorded at another checkpoint (the model was started over) are fitted again, unless
