@@ -220,7 +220,7 @@ class KroneckerFactors:
     info: dict
 
 
-def solve_factors(
+def factors_of(
     sums: FactorSums, sites: list[Site], kind: str = "kfac", damping: float = DEFAULT_DAMPING, identity=()
 ) -> KroneckerFactors:
     """The :class:`KroneckerFactors` of reduced ``sums``: A = Σ ããᵀ / positions, S = Σ δδᵀ / examples per layer."""
@@ -267,7 +267,7 @@ def fit_factors(
             f"{identity[:10]}{' and more' if len(identity) > 10 else ''} keep their block of XᵀX",
             stacklevel=2,
         )
-    return solve_factors(total, used, kind, damping, identity)
+    return factors_of(total, used, kind, damping, identity)
 
 
 # ---------------------------------------------------------------------------------------------- the inverse
