@@ -157,9 +157,8 @@ class StoreMetadata(BaseModel):
     # the curvature H of the inverse A = (H + λI)⁻¹: "xtx" = XᵀX (traker's), "ggn" = XᵀRX, the Gauss-Newton matrix
     # of the loss in the model output, R = diag(rᵢ), rᵢ = Qᵢ(1 − Qᵢ) (damping.loss_curvature); set at creation: a
     # "ggn" store keeps both partials per shard (λ's rule reads XᵀX's spectrum)
-    # "kfac" / "ekfac": Kronecker-factored curvature applied before the projection (trak_core.solve.kfac; its factors
-    # are
-    # in the pipeline record, "curvature_factors"), the inverse c·I
+    # "kfac" / "ekfac": each Linear layer's Kronecker factors in the projected space (trak_core.solve.kfac; its factors
+    # are in the pipeline record, "curvature_factors"), the inverse block-diagonal
     curvature: Literal["xtx", "ggn", "kfac", "ekfac"] = "xtx"
     versions: dict[str, str] = Field(default_factory=_versions)
     # random at creation: each chunk's place record is sealed with it (a chunk of another store does not pass)
