@@ -318,11 +318,12 @@ class AttributeConfig(_Base):
     proj_seed: NonNegativeInt = _setting("proj_seed", "seed of the projection")
     lambda_reg: LambdaSetting = _setting(
         "lambda_reg",
-        "ridge term λ in (XᵀX + λI)⁻¹: 'adaptive' (the default, = 'neff:0.12,cresid:10': per checkpoint the larger "
-        "of the λ where the effective dimension of XᵀX is min(0.12·n_eff, rank/2), n_eff the rows' effective number, "
-        "and 10 × the shared part of ‖Xᵀq‖²/‖q‖², the implicit ridge of a run stopped before convergence), a number "
-        "≥ 0, 'auto' / 'rel:<f>' (f × the mean eigenvalue of XᵀX; 'auto' = rel:0.3), 'deff:<c>', 'neff:<c>', "
-        "'resid:<k>', 'cresid:<k>', or rules joined by ',' (their largest λ)",
+        "ridge term λ in (XᵀX + λI)⁻¹: 'adaptive' (the default, = 'neff:0.12,uresid:10/0.3': per checkpoint the "
+        "larger of the λ where the effective dimension of XᵀX is min(0.12·n_eff, rank/2), n_eff the rows' effective "
+        "number, and 10 × the shared part of ‖Xᵀq‖²/‖q‖², the implicit ridge of a run stopped before convergence, "
+        "× min(1, mean q²/0.3²): in full while the rows are far from fit), a number ≥ 0, 'auto' / 'rel:<f>' (f × the "
+        "mean eigenvalue of XᵀX; 'auto' = rel:0.3), 'deff:<c>', 'neff:<c>', 'resid:<k>', 'cresid:<k>', "
+        "'uresid:<k>[/<rms>]', or rules joined by ',' (their largest λ)",
     )
     rescale_inverse: bool = _setting("rescale_inverse", "divide (XᵀX + λI)⁻¹ by its mean |entry| (traker 0.3.2)")
     curvature: Curvature = _setting(

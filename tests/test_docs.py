@@ -282,7 +282,9 @@ def test_every_docs_page_is_linked_from_the_readme():
         assert f"(docs/{page.name})" in text, page.name
 
 
-ADAPTIVE_CLAIM = re.compile(r"adaptive`?\)?\s*(?:=|means|is)\s*[`\"]?((?:deff|neff):[0-9.]+,c?resid:[0-9.]+)")
+ADAPTIVE_CLAIM = re.compile(
+    r"adaptive`?\)?\s*(?:=|means|is)\s*[`\"]?((?:deff|neff):[0-9.]+,[cu]?resid:[0-9.]+(?:/[0-9.]*[0-9])?)"
+)
 
 
 def test_adaptive_claim_check_finds_a_stale_one():
@@ -290,6 +292,7 @@ def test_adaptive_claim_check_finds_a_stale_one():
     assert ADAPTIVE_CLAIM.findall("`adaptive` = `neff:0.12,cresid:10` and deff:0.1,resid:3 before") == [
         "neff:0.12,cresid:10"
     ]
+    assert ADAPTIVE_CLAIM.findall("`adaptive` = `neff:0.12,uresid:10/0.3`.") == ["neff:0.12,uresid:10/0.3"]
 
 
 def test_stated_defaults_are_the_codes():

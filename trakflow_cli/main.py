@@ -235,8 +235,8 @@ def demo(
     proj_dim: int = typer.Option(512, min=1, help="projection dimension (< 1500 train digits)"),
     lambda_reg: str = typer.Option(
         "adaptive",
-        help="ridge term λ: 'adaptive' (neff:0.12,cresid:10), a number, 'auto', 'rel:<f>', 'deff:<c>', 'neff:<c>', "
-        "'resid:<k>', 'cresid:<k>'",
+        help="ridge term λ: 'adaptive' (neff:0.12,uresid:10/0.3), a number, 'auto', 'rel:<f>', 'deff:<c>', "
+        "'neff:<c>', 'resid:<k>', 'cresid:<k>', 'uresid:<k>[/<rms>]'",
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show Prefect's logs"),
 ) -> None:

@@ -27,24 +27,33 @@ from trak_core.errors import BadInputError
 AUTO_DAMPING = 0.3
 
 
-# "adaptive" = ADAPTIVE = "neff:0.12,cresid:10": the larger of the λ at which the effective dimension
+# "adaptive" = ADAPTIVE = "neff:0.12,uresid:10/0.3": the larger of the λ at which the effective dimension
 # Σ σᵢ/(σᵢ+λ) of XᵀX is min(ADAPTIVE_NEFF × n_eff, rank(XᵀX) / 2), n_eff = (Σ‖xᵢ‖²)²/Σ‖xᵢ‖⁴ the rows' effective
 # number, and ADAPTIVE_CRESID × the part of ‖Xᵀq‖²/‖q‖² that the rows' residual gradients share (the implicit
-# ridge of a training run stopped before convergence). Within 0.02 LDS of the best fixed λ on benchmarks/quality.py's
-# nine cases (five converged, four stopped early) at every proj_dim, and its constants chosen by leave-one-case-out
-# (until 2026-11-24: "deff:0.1,resid:3"): see "Attribution quality" in RESULTS.md.
+# ridge of a training run stopped before convergence), counted in full only while the rows are not fit:
+# × min(1, mean qᵢ² / UNFIT_RMS²). Within 0.02 LDS of the best fixed λ on benchmarks/quality.py's nine cases (five
+# converged, four stopped early) at every proj_dim, its constants chosen by leave-one-case-out (until 2026-11-24:
+# "deff:0.1,resid:3"; until 2026-11-28: "neff:0.12,cresid:10", which damped the large cases' fitted models as if
+# they had stopped early): see "Attribution quality" in RESULTS.md.
 ADAPTIVE_NEFF = 0.12
 
 
 ADAPTIVE_CRESID = 10.0
 
 
-ADAPTIVE = f"neff:{ADAPTIVE_NEFF:g},cresid:{ADAPTIVE_CRESID:g}"
+# the root-mean-square out-to-loss weight q (for a classifier 1 − p(label)) at and above which a checkpoint counts
+# as unfit: the ``uresid`` rule's coherent residual is weighted by min(1, mean qᵢ² / UNFIT_RMS²). Chosen by
+# leave-one-case-out among 0.1, 0.2, 0.3, 0.5 (benchmarks/RESULTS.md, "Attribution quality at realistic
+# compression"): the early-stopped cases sit at 0.35–0.59, the fitted large ones at 0.004–0.07.
+UNFIT_RMS = 0.3
+
+
+ADAPTIVE = f"neff:{ADAPTIVE_NEFF:g},uresid:{ADAPTIVE_CRESID:g}/{UNFIT_RMS:g}"
 
 
 _FORMS = (
     "a number >= 0, 'auto', 'rel:<factor>', 'adaptive', 'deff:<fraction in (0, 1)>', 'neff:<fraction in (0, 1)>', "
-    "'resid:<factor>', 'cresid:<factor>' or several of these joined by ',' (their largest λ)"
+    "'resid:<factor>', 'cresid:<factor>', 'uresid:<factor>[/<rms>]' or several of these joined by ',' (their largest λ)"
 )
 
 
@@ -53,7 +62,8 @@ class LambdaRule:
     """A parsed ``lambda_reg`` setting: an absolute λ, ``factor`` × the mean eigenvalue of XᵀX (``relative``),
     (``deff``) the λ at which XᵀX's effective dimension is min(``factor`` × n, rank / 2), (``resid``) ``factor`` ×
     the Rayleigh quotient ‖Xᵀq‖² / ‖q‖² of XXᵀ at the train rows' out-to-loss vector q, (``cresid``) ``factor`` ×
-    its part shared between rows (‖Xᵀq‖² − Σᵢqᵢ²‖xᵢ‖²)₊ / ‖q‖², (``neff``) the ``deff``
+    its part shared between rows (‖Xᵀq‖² − Σᵢqᵢ²‖xᵢ‖²)₊ / ‖q‖², (``uresid``) that part × min(1, mean qᵢ² /
+    ``rms``²), (``neff``) the ``deff``
     rule with n replaced by the rows' effective number (Σ‖xᵢ‖²)² / Σ‖xᵢ‖⁴, or (``parts``) the largest λ of
     several rules.
 
@@ -70,6 +80,8 @@ class LambdaRule:
     parts: tuple[LambdaRule, ...] = ()
     neff: bool = False
     cresid: bool = False
+    unfit: bool = False  # a ``cresid`` part weighted by the rows' unfit share (``uresid``)
+    rms: float = 0.0  # ``uresid``: the root-mean-square q at and above which the rows count as unfit
 
     @property
     def needs_row_norm4(self) -> bool:
@@ -118,7 +130,8 @@ class LambdaRule:
         if self.resid:
             return self.factor * residual_rayleigh(xtq, qtq)
         if self.cresid:
-            return self.factor * coherent_residual(xtq, qtq, q2x2)
+            lam = self.factor * coherent_residual(xtq, qtq, q2x2)
+            return lam * unfit_share(qtq, n_rows, self.rms) if self.unfit else lam
         if not self.relative:
             return self.factor
         return float(self.factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
@@ -167,6 +180,23 @@ def coherent_residual(xtq: Tensor | np.ndarray | None, qtq: float | None, q2x2: 
     total = residual_rayleigh(xtq, qtq)
     q2 = float(qtq or 0.0)  # not None, finite and >= 0: checked by residual_rayleigh
     return max(total - d / q2, 0.0) if q2 > 0 else 0.0
+
+
+def unfit_share(qtq: float | None, n_rows: int | None, rms: float = UNFIT_RMS) -> float:
+    """min(1, (qᵀq / n) / rms²) (float64): how far the rows are from fit, in [0, 1].
+
+    Why (the ``uresid`` rule): the coherent residual (:func:`coherent_residual`) says where a run's residual
+    sits, not whether it matters. A run stopped early leaves much of the rows' loss unfit (q of a classifier:
+    1 − p(label), a root mean square of 0.35–0.6 on the early-stopped cases of benchmarks/quality.py), and its
+    implicit ridge is the one that ``cresid`` estimates; a model that fits its rows (0.004–0.07 on the large
+    cases there, trained by Adam) leaves a residual that is small however coherent, and damping it as if it had
+    stopped early over-damps it by 10–40× the mean eigenvalue."""
+    if n_rows is None or not n_rows > 0:
+        raise BadInputError("lambda_reg 'uresid'/'adaptive' needs the number of train rows (n_rows)")
+    q2 = float(qtq or 0.0)
+    if not math.isfinite(q2) or q2 < 0:
+        raise BadInputError(f"lambda_reg 'uresid'/'adaptive': qᵀq must be finite and >= 0, got {qtq!r}")
+    return min(1.0, q2 / float(n_rows) / rms**2)
 
 
 def effective_rows(xtx: Tensor, row_norm4: float | None) -> float:
@@ -239,7 +269,8 @@ def deff_lambda(eigenvalues: Tensor | np.ndarray, fraction: float, n_rows: float
 def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
     """The one parser of a ``lambda_reg`` setting: a number ≥ 0 (also as text, e.g. from a command line),
     ``"auto"`` (= ``rel:AUTO_DAMPING``), ``"rel:<f>"`` with f ≥ 0, ``"deff:<c>"`` with 0 < c < 1,
-    ``"resid:<k>"`` / ``"cresid:<k>"`` with k ≥ 0, ``"neff:<c>"`` with 0 < c < 1, several of these joined by
+    ``"resid:<k>"`` / ``"cresid:<k>"`` with k ≥ 0, ``"uresid:<k>[/<rms>]"`` (rms > 0, default
+    :data:`UNFIT_RMS`), ``"neff:<c>"`` with 0 < c < 1, several of these joined by
     ``","`` (the largest of their λ), or ``"adaptive"`` (= :data:`ADAPTIVE`). Raises BadInputError (a ValueError)
     naming lambda_reg.
 
@@ -250,7 +281,8 @@ def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
     ``resid`` settings are k × ‖Xᵀq‖² / ‖q‖² (:func:`residual_rayleigh`): the damping follows how far the
     checkpoint is from convergence. ``neff`` settings are ``deff`` with n replaced by the rows' effective number
     (:func:`effective_rows`; ``row_norm4`` of :meth:`LambdaRule.resolve`); ``cresid`` settings count only the part
-    of ``resid`` that the rows' residual gradients share (:func:`coherent_residual`; ``q2x2``).
+    of ``resid`` that the rows' residual gradients share (:func:`coherent_residual`; ``q2x2``), ``uresid``
+    settings that part weighted by how far the rows are from fit (:func:`unfit_share`).
     """
     if isinstance(lambda_reg, LambdaRule):
         return lambda_reg
@@ -282,7 +314,7 @@ def parse_lambda_reg(lambda_reg: float | int | str | LambdaRule) -> LambdaRule:
 
 def _parse_part(text: str, given) -> LambdaRule:
     """One rule of a ``lambda_reg`` text (lower case, stripped): a number, auto, rel:, deff:, neff:, resid: or
-    cresid:."""
+    cresid: / uresid:."""
     try:
         value = float(text)
     except ValueError:
@@ -294,8 +326,17 @@ def _parse_part(text: str, given) -> LambdaRule:
     if text == "auto":
         return LambdaRule(setting="auto", factor=AUTO_DAMPING, relative=True)
     name, sep, arg = text.partition(":")
-    if not sep or name not in ("rel", "deff", "neff", "resid", "cresid"):
+    if not sep or name not in ("rel", "deff", "neff", "resid", "cresid", "uresid"):
         raise BadInputError(f"lambda_reg={given!r}: use {_FORMS}")
+    rms = UNFIT_RMS
+    if name == "uresid" and "/" in arg:
+        arg, _, rms_text = arg.partition("/")
+        try:
+            rms = float(rms_text)
+        except ValueError:
+            raise BadInputError(f"lambda_reg={given!r}: expected 'uresid:<number>/<rms>'") from None
+        if not (rms > 0 and math.isfinite(rms)):
+            raise BadInputError(f"lambda_reg={given!r}: the uresid rms must be a finite number > 0")
     try:
         factor = float(arg)
     except ValueError:
@@ -312,6 +353,10 @@ def _parse_part(text: str, given) -> LambdaRule:
         return LambdaRule(setting=f"resid:{factor:g}", factor=factor, relative=False, resid=True)
     if name == "cresid":
         return LambdaRule(setting=f"cresid:{factor:g}", factor=factor, relative=False, cresid=True)
+    if name == "uresid":
+        return LambdaRule(
+            setting=f"uresid:{factor:g}/{rms:g}", factor=factor, relative=False, cresid=True, unfit=True, rms=rms
+        )
     return LambdaRule(setting=text, factor=factor, relative=True)
 
 

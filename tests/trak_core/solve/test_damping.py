@@ -316,8 +316,70 @@ def test_cresid_joined_normalized_and_clear_errors():
         )
 
 
+# ---------------------------------------------------------------- 'uresid': cresid while the rows are unfit
+@pytest.mark.parametrize("rms", [0.0, 0.01, 0.1, 0.29, 0.3, 0.31, 0.6])
+def test_uresid_is_cresid_times_the_unfit_share(rms):
+    """uresid:k = cresid:k × min(1, mean qᵢ² / UNFIT_RMS²): the full coherent residual for rows far from fit,
+    a share of it for fitted ones (q scaled to the root mean square ``rms``; the direction of q, and so
+    cresid, does not change with its scale)."""
+    from trak_core.solve.lambda_rules import UNFIT_RMS
+
+    g = np.random.default_rng(7)
+    x = g.standard_normal((150, 30)) + 0.8 * g.standard_normal(30)  # rows sharing a direction: cresid > 0
+    q = g.uniform(0.2, 1.0, 150)
+    q = q * rms / math.sqrt(float(np.mean(q**2))) if rms > 0 else np.zeros(150)
+    share = min(1.0, rms**2 / UNFIT_RMS**2)
+    cres = _resolve_cresid("cresid:10", x, q)
+    assert _resolve_cresid("uresid:10", x, q) == pytest.approx(cres * share, rel=1e-9, abs=1e-12)
+    if rms > UNFIT_RMS:
+        assert _resolve_cresid("uresid:10", x, q) == cres > 0
+    elif rms > 0:  # scale-free in q: cresid is the same for every rms, the weight is not
+        base = _resolve_cresid("cresid:10", x, q * UNFIT_RMS / rms)
+        assert cres == pytest.approx(base, rel=1e-9) and _resolve_cresid("uresid:10", x, q) < cres
+
+
+def test_adaptive_damps_a_fitted_model_less_than_an_early_stopped_one():
+    """The same rows and the same direction of q: with q small (a model that fits its rows) the coherent residual
+    counts by its unfit share, with q large (stopped early) in full, as cresid (the earlier default) does."""
+    from trak_core.solve.lambda_rules import UNFIT_RMS
+
+    g = np.random.default_rng(3)
+    x = g.standard_normal((400, 60)) * 0.9 ** np.arange(60) + 2.0 * g.standard_normal(60) * 0.9 ** np.arange(60)
+    q = g.uniform(0.5, 1.0, 400)
+    neff = f"neff:{ADAPTIVE_NEFF:g}"
+    for scale in (0.02, 0.6):
+        qs = q * scale
+        share = min(1.0, float(np.mean(qs**2)) / UNFIT_RMS**2)
+        old = max(_resolve_cresid(neff, x, qs), _resolve_cresid("cresid:10", x, qs))
+        want = max(_resolve_cresid(neff, x, qs), share * _resolve_cresid("cresid:10", x, qs))
+        assert _resolve_cresid(ADAPTIVE, x, qs) == pytest.approx(want, rel=1e-9)
+        if scale == 0.6:
+            assert share == 1.0 and _resolve_cresid(ADAPTIVE, x, qs) == pytest.approx(old, rel=1e-12)
+        else:
+            assert share < 0.01 and _resolve_cresid(ADAPTIVE, x, qs) < 0.01 * old
+
+
+def test_uresid_parses_records_and_names_what_it_lacks():
+    from trak_core.solve.lambda_rules import UNFIT_RMS
+
+    rule = parse_lambda_reg(" UResid:10 ")
+    assert rule.setting == f"uresid:10/{UNFIT_RMS:g}" and rule.needs_xtq and rule.needs_q2x2 and not rule.needs_row_norm4
+    assert parse_lambda_reg("neff:0.12,uresid:10").setting == ADAPTIVE == parse_lambda_reg(ADAPTIVE).setting
+    assert parse_lambda_reg("uresid:4/0.50").setting == "uresid:4/0.5"
+    g = np.random.default_rng(5)
+    x, q = g.standard_normal((80, 12)) + 1.0, g.uniform(0.0, 0.4, 80)
+    share = min(1.0, float(np.mean(q**2)) / 0.2**2)
+    assert _resolve_cresid("uresid:4/0.2", x, q) == pytest.approx(share * _resolve_cresid("cresid:4", x, q), rel=1e-12)
+    x = torch.ones(4, 3, dtype=torch.float64)
+    with pytest.raises(BadInputError, match="n_rows"):
+        parse_lambda_reg("uresid:1").resolve(x.T @ x, None, xtq=x.T @ torch.ones(4, dtype=torch.float64), qtq=4.0, q2x2=12.0)
+    for bad in ("uresid:-1", "uresid:x", "uresid:", "uresid:1/0", "uresid:1/-0.3", "uresid:1/x", "uresid:1/inf"):
+        with pytest.raises(BadInputError, match="lambda_reg"):
+            parse_lambda_reg(bad)
+
+
 @pytest.mark.parametrize("n,p", [(900, 600), (300, 40), (400, 700)])
-@pytest.mark.parametrize("setting", ["neff:0.12,cresid:10", "neff:0.3", "cresid:2,deff:0.05"])
+@pytest.mark.parametrize("setting", ["neff:0.12,uresid:10", "neff:0.12,cresid:10", "neff:0.3", "cresid:2,deff:0.05"])
 def test_finalize_resolves_neff_and_cresid_from_the_shard_partials(tmp_path, n, p, setting):
     """The store's per-shard row sums (Σ‖xᵢ‖⁴, Σqᵢ²‖xᵢ‖², Xᵀq, qᵀq) give finalize the λ that brute force over
     the rows gives (p > 512: float32 eigenvalues checked by the exact effective dimension, to 1e-3)."""
