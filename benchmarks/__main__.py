@@ -5,9 +5,8 @@ RESULTS.md its tables fill, what it measures, what it is measured against in the
     python -m benchmarks show featurize       # its commands, as RESULTS.md gives them
     python -m benchmarks run featurize        # run them (from the repository root; `python` is this interpreter)
 
-The commands are shell lines, run in order by bash in the repository root with `python`/`python3` resolved to the
-interpreter that runs this module and the repository on PYTHONPATH. RESULTS.md quotes them verbatim in the case's
-section (tests/benchmarks/test_harness.py checks it), so the table and its command cannot drift apart.
+The commands are bash lines run in order in the repository root (`python` = this interpreter, the repository on
+PYTHONPATH). RESULTS.md quotes them verbatim in the case's section (tests/benchmarks/test_harness.py checks it).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ class Case:
     device: str = "cpu"  # "cuda": run on a GPU machine (benchmarks/gpu_session.sh runs its checks there)
 
 
-# the 92 damping settings of the LDS grid ($S in the LDS commands)
+# the 93 damping settings of the LDS grid ($S in the LDS commands)
 LDS_SETTINGS = (
     'S="0 rel:0.01 rel:0.03 rel:0.1 rel:0.3 rel:1 rel:3 rel:10 rel:30 rel:100 rel:300 rel:1000 '
     'deff:0.02 deff:0.03 deff:0.05 deff:0.1 deff:0.2 deff:0.3 deff:0.5 resid:1 resid:3 resid:10 resid:30"',
@@ -42,12 +41,14 @@ LDS_SETTINGS = (
     'S="$S $c,cresid:$k"; done; done',
     'for c in 0.08 0.1 0.12 0.15 0.2; do for k in 2 2.5 3; do S="$S neff:$c,resid:$k"; done; done',
     'S="$S neff:0.12,cresid:7 neff:0.12,cresid:10 neff:0.1,cresid:10 neff:0.15,cresid:10 deff:0.08,cresid:10 '
-    'deff:0.09,cresid:10 deff:0.1,cresid:10 neff:0.12,cresid:20"',
+    'deff:0.09,cresid:10 deff:0.1,cresid:10 neff:0.12,cresid:20 neff:0.12,uresid:10/0.3"',
 )
+U = "neff:0.12,cresid:10 " + " ".join(f"neff:0.12,uresid:10/{r}" for r in (0.1, 0.2, 0.3, 0.5))  # the unfit share
 DIMS = "--proj-dims 128 256 512 1024 2048"
 LARGE = "--cases wide-mlp bn-conv small-lm"
 J = ".cache/lds/"
 SMALL = "digits-mlp digits-conv text cancer wine digits-sgd conv-sgd cancer-sgd wine-sgd"
+ELEVEN = f"--cases wide-mlp bn-conv {SMALL}"  # the eleven cases with cached truth
 
 CASES = (
     Case(
@@ -60,7 +61,7 @@ CASES = (
             "python benchmarks/quality.py truth",
             f"python benchmarks/quality.py eval --kinds dense {DIMS} --settings $S --json {J}grid-dense.json",
             f"python benchmarks/quality.py eval --kinds noop --settings $S --json {J}grid-noop.json",
-            f"python benchmarks/quality.py eval --kinds factored {DIMS} --settings 0 neff:0.12,cresid:10 "
+            f"python benchmarks/quality.py eval --kinds factored {DIMS} --settings 0 neff:0.12,uresid:10/0.3 "
             f"--json {J}grid-factored.json",
             f"python benchmarks/quality.py traker --proj-dims 2048 256 1024 --json {J}traker.json",
             f"python benchmarks/quality.py report --json {J}grid-dense.json,{J}grid-noop.json,{J}grid-factored.json,"
@@ -76,9 +77,11 @@ CASES = (
             *LDS_SETTINGS,
             f"python benchmarks/quality.py truth {LARGE}",
             f"python benchmarks/quality.py eval {LARGE} --kinds dense {DIMS} --settings $S --json {J}loco-large.json",
-            f"python benchmarks/quality.py eval {LARGE} --kinds factored {DIMS} --settings neff:0.12,cresid:10 "
+            f"python benchmarks/quality.py eval {LARGE} --kinds factored {DIMS} --settings neff:0.12,uresid:10/0.3 "
             f"--json {J}large-factored.json",
             f"python benchmarks/quality.py splits --cases small-lm wide-mlp bn-conv {DIMS}",
+            f"python benchmarks/quality.py eval {ELEVEN} --kinds factored {DIMS} --settings {U} --json {J}unfit.json",
+            f"python benchmarks/quality.py loco --json {J}unfit.json --kinds factored {DIMS} {ELEVEN}",
         ),
     ),
     Case(

@@ -1,7 +1,7 @@
-"""trakflow (defaults, its curvature options by name, λ rel:1, dense) beside kronfluence 1.0.1 (K-FAC, EK-FAC, heuristic
-damping) and traker 0.3.2 on quality.py's cases, checkpoints and ground truth (RESULTS.md, "Beside kronfluence"):
-LDS, CPU and wall seconds, peak RSS above the RSS before the run, one process per (case, column, proj_dim), scores
-cached in .cache/lds/peers/. kronfluence: pip install --no-deps kronfluence==1.0.1 einops einconv opt-einsum
+"""trakflow (defaults, curvature options, λ rel:1, dense) beside kronfluence 1.0.1 (K-FAC, EK-FAC, heuristic damping)
+and traker 0.3.2 on quality.py's cases and truth (RESULTS.md, "Beside kronfluence"): LDS, CPU and wall s, peak RSS
+above the RSS before, one process per (case, column, proj_dim), scores cached in .cache/lds/peers/. kronfluence:
+pip install --no-deps kronfluence==1.0.1 einops einconv opt-einsum
 
     python benchmarks/peers.py --cases wide-mlp bn-conv --proj-dims 512 2048
 """
@@ -107,7 +107,6 @@ def column(name: str):
 
 
 COLUMNS = {"trakflow defaults": (_trakflow, True)}
-#: trakflow's options beside its defaults: its curvatures, and λ = rel:1 (leave-one-case-out between the two cases)
 COLUMNS.update({name: column(name) for name in [f"trakflow curvature={c}" for c in CURVATURES] + [REL]})
 COLUMNS["trakflow dense"] = (_dense, True)
 for _s in KRON:
@@ -116,9 +115,9 @@ for _s in KRON:
         False,
     )
 COLUMNS["traker 0.3.2"] = (_traker, True)
-#: the defaults, the Kronecker-factored curvatures and kronfluence's (the others by ``--columns``; traker 0.3.2's CPU
-#: projector takes hours on these models)
-DEFAULT_COLUMNS = ["trakflow defaults"] + [f"trakflow curvature={c}" for c in KRON] + [f"kronfluence {c}" for c in KRON]
+#: the defaults, the curvature options and kronfluence's (others by ``--columns``; traker's CPU projector takes hours)
+DEFAULT_COLUMNS = ["trakflow defaults"] + [f"trakflow curvature={c}" for c in CURVATURES]
+DEFAULT_COLUMNS += [f"kronfluence {k}" for k in KRON]
 
 
 def _path(case: str, truth: dict, column: str, p: int) -> str:

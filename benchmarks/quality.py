@@ -1,21 +1,19 @@
-"""Attribution quality (LDS) over evaluation cases with cached ground truth (RESULTS.md, "Attribution quality (LDS)
-against traker 0.3.2", "Attribution quality at realistic compression", "Beside kronfluence").
+"""Attribution quality (LDS) over evaluation cases with cached ground truth (RESULTS.md: quality, peers).
 
-Cases (``make_cases``): nine small ones (five trained to near convergence with full-batch Adam, four stopped early by
-the pipeline's trainer) and ``LARGE_CASES`` at realistic compression (``wide-mlp``, ``bn-conv``, ``small-lm``). Per
-case, C checkpoints are trained on all train rows and M models on random half subsets (``trak_core.lds.subset_masks``);
-the ground truth is the subset models' outputs on held-out targets, cached under ``.cache/lds/`` (keyed by
-``truth_key``), as are the projected gradients X, Q, G per (case, projector kind, proj_dim, checkpoint). Scores follow
-the pipeline's formula (float64 XᵀX, traker's rescale and checkpoint combination) in XᵀX's eigenbasis, so that many
-``lambda_reg`` settings are cheap (``Solver``; tests/benchmarks/test_curvature_bench.py checks it against a
-brute-force inverse). LDS = mean over targets of the Spearman correlation over subsets; 95 % bootstraps over targets.
+Cases (``make_cases``): nine small ones (five near convergence, four stopped early) and ``LARGE_CASES``. Per case,
+C checkpoints are trained on all train rows and M models on random half subsets (``trak_core.lds.subset_masks``); the
+ground truth is the subset models' outputs on held-out targets, cached under ``.cache/lds/`` (``truth_key``), as are
+X, Q, G per (case, projector kind, proj_dim, checkpoint). Scores follow the pipeline's formula (float64 XᵀX, traker's
+rescale and checkpoint combination) in XᵀX's eigenbasis, so many ``lambda_reg`` settings are cheap (``Solver``,
+checked against a brute-force inverse in tests/benchmarks). LDS = the mean over targets of the Spearman correlation
+over subsets; 95 % bootstraps over targets.
 
     .venv/bin/python benchmarks/quality.py truth                         # train / load all ground truths
     .venv/bin/python benchmarks/quality.py eval --kinds dense --proj-dims 256 2048 --settings 0 adaptive --json d.json
     .venv/bin/python benchmarks/quality.py traker --proj-dims 256 2048 --json traker.json
     .venv/bin/python benchmarks/quality.py report --json d.json,traker.json --proj-dims 256 2048
-    .venv/bin/python benchmarks/quality.py splits --cases small-lm --proj-dims 256 2048   # the factored splits
-    (kinds ``factored-v3`` / ``factored-v4``: the factored projector with layout version 3's / 4's split)
+    .venv/bin/python benchmarks/quality.py splits --cases small-lm --proj-dims 256 2048   # kind factored-v4 beside
+    .venv/bin/python benchmarks/quality.py loco --json d.json --kinds factored --cases …  # rule by leave-one-case-out
 """
 
 from __future__ import annotations
@@ -584,11 +582,7 @@ def fixed_settings(rows: dict, case: str, kind: str, p: int) -> list[str]:
 
 
 def _num(s: str) -> bool:
-    try:
-        float(s)
-    except ValueError:
-        return False
-    return True
+    return s.replace(".", "", 1).isdigit()  # an absolute λ ("0", "2.5"), not a rule
 
 
 def best_fixed(rows: dict, case: str, kind: str, p: int) -> tuple[str, float] | None:
@@ -689,9 +683,22 @@ def report(paths: list[str], dims: list[int], cases: list[str]) -> None:
         print(f"| {c} | adaptive − best fixed | " + " | ".join(gaps) + " | |")
 
 
+def loco(paths: list[str], dims: list[int], cases: list[str], kind: str) -> None:
+    """Leave-one-case-out among the damping rules of the rows (one kind): each held-out case's pick on the others."""
+    rows, ad = load_rows(paths), str(parse_lambda_reg(ADAPTIVE_SETTING).setting)
+    at = lambda c, s, p: rows[(c, kind, p, s)]["lds"]  # noqa: E731
+    cells = lambda c, s: " / ".join(f"{at(c, s, p):.3f}" for p in dims)  # noqa: E731
+    print(f"| held-out case | chosen on the others | LDS at {dims} | `{ad}` (default) |\n|---|---|---|---|")
+    for h in cases:
+        pick = choose(rows, [c for c in cases if c != h], dims, rule_settings(rows, kind), kind)
+        print(f"| {h} | `{pick}` | {cells(h, pick)} | {cells(h, ad)} |")
+    means = [f"`{s}` {np.mean([at(c, s, p) for c in cases for p in dims]):.4f}" for s in rule_settings(rows, kind)]
+    print("\nmean LDS over every case and proj_dim:", ", ".join(means))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["truth", "eval", "traker", "report", "splits"])
+    ap.add_argument("what", choices=["truth", "eval", "traker", "report", "splits", "loco"])
     ap.add_argument("--cases", nargs="*", default=None, help=f"default: all but {', '.join(LARGE_CASES)}")
     ap.add_argument("--kinds", nargs="*", default=["dense"])
     ap.add_argument("--proj-dims", nargs="*", type=int, default=[512])
@@ -706,6 +713,8 @@ def main(argv=None) -> None:
         return report(args.json.split(","), args.proj_dims, names)
     if args.what == "splits":
         return split_table(names, cases, args.proj_dims)
+    if args.what == "loco":
+        return loco(args.json.split(","), args.proj_dims, names, args.kinds[0])
     out = []
     for name in names:
         case = cases[name]

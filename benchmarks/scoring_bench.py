@@ -1,11 +1,9 @@
 """Streaming scoring against the float32 matmul peak, in one process (RESULTS.md, "Scoring against the matmul peak").
 
-On a store of n rows of float16 projected gradients X and m targets, times the square-matmul peak, the same GEMM
-with X in memory, ``scores_from_grads`` (the reference whose scores the other paths must equal bit for bit),
-``reduce.finalize_scores``, and the pipeline's score tasks (``prepare_scores`` +
-``score_block``, as the score flow runs them, and one at a time); then each stage's CPU time per block, the CPU
-time by thread, finalize, and the bytes stored. The *interleaved* column divides each measurement by a 4096²
-matmul timed right before it (median over repetitions): robust to other jobs on the machine.
+On a store of n float16 rows X and m targets: the square-matmul peak, the same GEMM with X in memory,
+``scores_from_grads`` (the reference the other paths equal bit for bit), ``reduce.finalize_scores`` and the score
+tasks (``prepare_scores`` + ``score_block``, as the flow runs them, and one at a time); each stage's CPU time per
+block and by thread, finalize, the bytes stored. *interleaved*: each time / a 4096² matmul timed right before it.
 
     .venv/bin/python benchmarks/scoring_bench.py --n 65536 --targets 256 1024 4096 --repeats 2 [--results]
 """
