@@ -1,11 +1,12 @@
 """The damping rules: a ``lambda_reg`` setting parsed into a :class:`LambdaRule` and the λ it resolves to.
 
 * :func:`parse_lambda_reg` reads a setting (a number, ``"auto"``, ``"rel:<c>"``, ``"adaptive"``, ``"deff:<c>"``,
-  ``"neff:<c>"``, ``"resid:<c>"``, ``"cresid:<c>"`` or several joined by ``,``) into a :class:`LambdaRule`;
+  ``"neff:<c>"``, ``"resid:<c>"``, ``"cresid:<c>"``, ``"uresid:<c>[/<rms>]"`` or several joined by ``,``) into a
+  :class:`LambdaRule`;
   :meth:`LambdaRule.resolve` gives λ from XᵀX (and the row sums some rules need), in float64.
 * the rules' math: the effective dimension and the ``deff`` λ (:func:`deff_lambda`), the rows' effective number
   (:func:`effective_rows`), the residual's Rayleigh quotients (:func:`residual_rayleigh`,
-  :func:`coherent_residual`).
+  :func:`coherent_residual`) and the rows' unfit share (:func:`unfit_share`).
 
 This is the rules' meaning (what λ a setting asks for); :mod:`trak_core.solve.damping` solves for it, faster, to a
 stated tolerance, and inverts.

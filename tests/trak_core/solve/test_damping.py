@@ -363,7 +363,9 @@ def test_uresid_parses_records_and_names_what_it_lacks():
     from trak_core.solve.lambda_rules import UNFIT_RMS
 
     rule = parse_lambda_reg(" UResid:10 ")
-    assert rule.setting == f"uresid:10/{UNFIT_RMS:g}" and rule.needs_xtq and rule.needs_q2x2 and not rule.needs_row_norm4
+    assert (
+        rule.setting == f"uresid:10/{UNFIT_RMS:g}" and rule.needs_xtq and rule.needs_q2x2 and not rule.needs_row_norm4
+    )
     assert parse_lambda_reg("neff:0.12,uresid:10").setting == ADAPTIVE == parse_lambda_reg(ADAPTIVE).setting
     assert parse_lambda_reg("uresid:4/0.50").setting == "uresid:4/0.5"
     g = np.random.default_rng(5)
@@ -372,7 +374,9 @@ def test_uresid_parses_records_and_names_what_it_lacks():
     assert _resolve_cresid("uresid:4/0.2", x, q) == pytest.approx(share * _resolve_cresid("cresid:4", x, q), rel=1e-12)
     x = torch.ones(4, 3, dtype=torch.float64)
     with pytest.raises(BadInputError, match="n_rows"):
-        parse_lambda_reg("uresid:1").resolve(x.T @ x, None, xtq=x.T @ torch.ones(4, dtype=torch.float64), qtq=4.0, q2x2=12.0)
+        parse_lambda_reg("uresid:1").resolve(
+            x.T @ x, None, xtq=x.T @ torch.ones(4, dtype=torch.float64), qtq=4.0, q2x2=12.0
+        )
     for bad in ("uresid:-1", "uresid:x", "uresid:", "uresid:1/0", "uresid:1/-0.3", "uresid:1/x", "uresid:1/inf"):
         with pytest.raises(BadInputError, match="lambda_reg"):
             parse_lambda_reg(bad)
