@@ -43,9 +43,10 @@ ADAPTIVE_CRESID = 10.0
 
 
 # the root-mean-square out-to-loss weight q (for a classifier 1 − p(label)) at and above which a checkpoint counts
-# as unfit: the ``uresid`` rule's coherent residual is weighted by min(1, mean qᵢ² / UNFIT_RMS²). Chosen by
-# leave-one-case-out among 0.1, 0.2, 0.3, 0.5 (benchmarks/RESULTS.md, "Attribution quality at realistic
-# compression"): the early-stopped cases sit at 0.35–0.59, the fitted large ones at 0.004–0.07.
+# as unfit: the ``uresid`` rule's coherent residual is weighted by min(1, mean qᵢ² / UNFIT_RMS²). The early-stopped
+# cases sit at 0.35–0.59, the fitted large ones at 0.004–0.07. Leave-one-case-out over 0.1, 0.2, 0.3 and 0.5 picks
+# 0.5 by 0.0007 mean LDS; 0.3 keeps every λ of the nine small cases as it was (benchmarks/RESULTS.md, "Attribution
+# quality at realistic compression").
 UNFIT_RMS = 0.3
 
 
@@ -81,8 +82,7 @@ class LambdaRule:
     parts: tuple[LambdaRule, ...] = ()
     neff: bool = False
     cresid: bool = False
-    unfit: bool = False  # a ``cresid`` part weighted by the rows' unfit share (``uresid``)
-    rms: float = 0.0  # ``uresid``: the root-mean-square q at and above which the rows count as unfit
+    rms: float = 0.0  # > 0: a ``uresid`` part, the root-mean-square q at and above which the rows count as unfit
 
     @property
     def needs_row_norm4(self) -> bool:
@@ -132,7 +132,7 @@ class LambdaRule:
             return self.factor * residual_rayleigh(xtq, qtq)
         if self.cresid:
             lam = self.factor * coherent_residual(xtq, qtq, q2x2)
-            return lam * unfit_share(qtq, n_rows, self.rms) if self.unfit else lam
+            return lam * unfit_share(qtq, n_rows, self.rms) if self.rms > 0 else lam
         if not self.relative:
             return self.factor
         return float(self.factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
@@ -191,7 +191,7 @@ def unfit_share(qtq: float | None, n_rows: int | None, rms: float = UNFIT_RMS) -
     1 − p(label), a root mean square of 0.35–0.6 on the early-stopped cases of benchmarks/quality.py), and its
     implicit ridge is the one that ``cresid`` estimates; a model that fits its rows (0.004–0.07 on the large
     cases there, trained by Adam) leaves a residual that is small however coherent, and damping it as if it had
-    stopped early over-damps it by 10–40× the mean eigenvalue."""
+    stopped early over-damps it by 13–37× the mean eigenvalue."""
     if n_rows is None or not n_rows > 0:
         raise BadInputError("lambda_reg 'uresid'/'adaptive' needs the number of train rows (n_rows)")
     q2 = float(qtq or 0.0)
@@ -355,9 +355,7 @@ def _parse_part(text: str, given) -> LambdaRule:
     if name == "cresid":
         return LambdaRule(setting=f"cresid:{factor:g}", factor=factor, relative=False, cresid=True)
     if name == "uresid":
-        return LambdaRule(
-            setting=f"uresid:{factor:g}/{rms:g}", factor=factor, relative=False, cresid=True, unfit=True, rms=rms
-        )
+        return LambdaRule(setting=f"uresid:{factor:g}/{rms:g}", factor=factor, relative=False, cresid=True, rms=rms)
     return LambdaRule(setting=text, factor=factor, relative=True)
 
 
