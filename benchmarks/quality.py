@@ -582,7 +582,7 @@ def fixed_settings(rows: dict, case: str, kind: str, p: int) -> list[str]:
 
 
 def _num(s: str) -> bool:
-    return s.replace(".", "", 1).isdigit()  # an absolute λ ("0", "2.5"), not a rule
+    return isinstance(parse_lambda_reg(s).setting, float)  # an absolute λ ("0", "2.5", "1e-3"), not a rule
 
 
 def best_fixed(rows: dict, case: str, kind: str, p: int) -> tuple[str, float] | None:
