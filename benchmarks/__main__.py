@@ -98,11 +98,11 @@ CASES = (
         "peers",
         "Beside kronfluence: LDS, time and memory in one run",
         "LDS, wall time and peak RSS of trakflow's defaults and its Kronecker-factored curvatures at 143–840× "
-        "compression (wide-mlp, bn-conv; 100 half-subset models)",
+        "compression (wide-mlp, bn-conv, small-lm; 100 half-subset models)",
         "kronfluence 1.0.1 K-FAC and EK-FAC (heuristic damping), traker 0.3.2; same checkpoints, targets, truth",
         (
-            "python benchmarks/quality.py truth --cases wide-mlp bn-conv",
-            f"python benchmarks/peers.py --cases wide-mlp bn-conv --proj-dims 512 2048 --json {J}peers.json",
+            f"python benchmarks/quality.py truth {LARGE}",
+            f"python benchmarks/peers.py {LARGE} --proj-dims 512 2048 --json {J}peers.json",
             "python benchmarks/quality.py truth",
             f"python benchmarks/peers.py --cases {SMALL} --proj-dims 512 2048 --json {J}peers-small.json",
             f"python benchmarks/peers.py --cases {SMALL} --proj-dims 512 --cached --summary",

@@ -42,33 +42,65 @@ def _margin(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return logits[idx, labels] - other.logsumexp(-1)
 
 
-def kron_scores(make_model, states: list, train: tuple, targets: tuple, strategy: str, batch: int = 250, **score_kw):
-    """(n, m) float64 kronfluence 1.0.1 influence of each train example on each target's margin, averaged over the
-    checkpoints ``states``: factors (``strategy``: kfac, ekfac, identity, diagonal) fitted on ``train`` with the
-    sampled-label Fisher (its default), then pairwise scores; ``score_kw`` go to ScoreArguments (default here:
-    ``damping_factor=None``, kronfluence's heuristic). Classification models called as ``model(*inputs)``."""
+def _linear_gpt(model: torch.nn.Module) -> list[str]:
+    """Each transformers ``Conv1D`` replaced in place by the same map as ``nn.Linear`` (what kronfluence fits)."""
+    names = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    for n in names:
+        conv = model.get_submodule(n)
+        lin = torch.nn.Linear(*conv.weight.shape)
+        lin.weight.data, lin.bias.data = conv.weight.data.T.contiguous(), conv.bias.data.clone()
+        model.set_submodule(n, lin)
+    return names
+
+
+def kron_scores(case, states: list, strategy: str, batch: int = 250, **score_kw):
+    """(n, m) float64 kronfluence 1.0.1 influence of each train example on each target's model output (the margin; a
+    causal LM's sequence log-odds), averaged over the checkpoints ``states``: factors (``strategy``: kfac, ekfac,
+    identity, diagonal) fitted on the train rows with the sampled-label Fisher (its default), then pairwise scores;
+    ``score_kw`` go to ScoreArguments (default here: ``damping_factor=None``, kronfluence's heuristic). A GPT's
+    ``Conv1D`` layers are fitted as the equal ``nn.Linear`` (its tied output head is left out)."""
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.task import Task
     from torch.nn.functional import cross_entropy
 
-    class Margins(Task):
+    from trak_core.featurize.modelout import log_odds, sequence_log_prob
+
+    lm, tracked = case.task == "causal_lm", None
+
+    def logits_of(batch, model):
+        return model(input_ids=batch[0], attention_mask=batch[1]).logits if lm else model(*batch[:-1])
+
+    class Outputs(Task):
         def compute_train_loss(self, batch, model, sample=False):
-            logits = model(*batch[:-1])
-            with torch.no_grad():  # sample: labels drawn from the model (kronfluence's default, the true Fisher)
-                y = torch.multinomial(torch.softmax(logits.detach(), -1), 1).flatten() if sample else batch[-1]
-            return cross_entropy(logits, y, reduction="sum")
+            logits, y = logits_of(batch, model), batch[-1]
+            if lm:  # next-token loss over the scored tokens (labels -100 elsewhere)
+                logits, y = logits[:, :-1].flatten(0, 1), y[:, 1:].flatten()
+            if sample:  # labels drawn from the model (kronfluence's default, the true Fisher)
+                with torch.no_grad():
+                    y = torch.where(y != -100, torch.multinomial(torch.softmax(logits, -1), 1).flatten(), y)
+            return cross_entropy(logits, y, ignore_index=-100, reduction="sum")
 
-        def compute_measurement(self, batch, model):  # −margin: kronfluence's sign then gives the margin's increase
-            return -_margin(model(*batch[:-1]), batch[-1]).sum()
+        def compute_measurement(self, batch, model):  # −output: kronfluence's sign then gives the output's increase
+            logits = logits_of(batch, model)
+            out = log_odds(sequence_log_prob(logits, batch[-1])) if lm else _margin(logits, batch[-1])
+            return -out.sum()
 
+        def get_influence_tracked_modules(self):
+            return tracked
+
+        def get_attention_mask(self, batch):
+            return batch[1] if lm else None
+
+    train, targets = case.train(), case.targets()
     data, queries, total = torch.utils.data.TensorDataset(*train), torch.utils.data.TensorDataset(*targets), 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for i, state in enumerate(states):
-            model = make_model()
+            model = case.make_model()
             model.load_state_dict(state)
-            model = prepare_model(model.eval(), Margins())
-            an = Analyzer(f"c{i}", model, Margins(), cpu=True, disable_tqdm=True, output_dir=tmp,
+            tracked = _linear_gpt(model) if lm else None
+            model = prepare_model(model.eval(), Outputs())
+            an = Analyzer(f"c{i}", model, Outputs(), cpu=True, disable_tqdm=True, output_dir=tmp,
                           log_level=logging.WARNING)  # fmt: skip
             an.fit_all_factors("f", data, batch, factor_args=FactorArguments(strategy=strategy))
             args = ScoreArguments(**{"damping_factor": None, **score_kw})
@@ -111,7 +143,7 @@ COLUMNS.update({name: column(name) for name in [f"trakflow curvature={c}" for c 
 COLUMNS["trakflow dense"] = (_dense, True)
 for _s in KRON:
     COLUMNS[f"kronfluence {_s}"] = (
-        lambda c, t, p, s=_s: kron_scores(c.make_model, t["states"], c.train(), c.targets(), s),
+        lambda c, t, p, s=_s: kron_scores(c, t["states"], s),
         False,
     )
 COLUMNS["traker 0.3.2"] = (_traker, True)

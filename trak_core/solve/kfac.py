@@ -3,7 +3,8 @@
 
 The curvature
 -------------
-For an ``nn.Linear`` layer (weight W, d_out × d_in, and its bias) one example's gradient is the augmented
+For an ``nn.Linear`` layer (weight W, d_out × d_in, and its bias; a transformers ``Conv1D``, weight Wᵀ, is the same
+layer without its bias, its block the transposed view: A and S change sides) one example's gradient is the augmented
 matrix G = Σ_t δ_t ãᵀ_t (d_out × (d_in [+1])), ã_t = [a_t; 1] the layer's input at position t (with a 1 for the
 bias), δ_t = √r · ∂f/∂(layer output)_t, f the task's model output (TRAK's margin) and r = Q(1 − Q) the curvature
 of the loss in f (:func:`trak_core.solve.damping.loss_curvature`, the weighting of ``curvature="ggn"``). K-FAC
@@ -83,13 +84,16 @@ def check_damping(damping) -> float:
 # ---------------------------------------------------------------------------------------------- layers
 @dataclass(frozen=True)
 class Site:
-    """A layer with Kronecker factors: the ``nn.Linear`` module ``name``, its weight (and bias) parameter names."""
+    """A layer with Kronecker factors: the module ``name``, its weight (and bias) parameter names, its output and
+    input widths. ``transposed``: a transformers ``Conv1D`` (weight [d_in, d_out], y = x W + b), whose projection
+    block is the weight's d_in × d_out view; its bias is not part of the site (it keeps its XᵀX block)."""
 
     name: str
     weight: str
     bias: str | None
     d_out: int
     d_in: int
+    transposed: bool = False
 
     @property
     def in_rows(self) -> int:
@@ -97,19 +101,23 @@ class Site:
 
 
 def linear_sites(model: nn.Module, grad_wrt: Iterable[str] | None = None) -> tuple[list[Site], list[str]]:
-    """(the ``nn.Linear`` layers whose weight is in the gradient, the gradient's other parameters)."""
+    """(the ``nn.Linear`` and transformers ``Conv1D`` layers whose weight is in the gradient, the gradient's other
+    parameters)."""
+    from trak_core.projection.layout import is_conv1d
+
     names = grad_param_names(model, grad_wrt)
     wanted = set(names)
     sites = []
     for mname, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear):
-            continue
         prefix = f"{mname}." if mname else ""
         w, b = prefix + "weight", prefix + "bias"
         if w not in wanted:
             continue
-        bias = b if mod.bias is not None and b in wanted else None
-        sites.append(Site(mname, w, bias, mod.out_features, mod.in_features))
+        if is_conv1d(mod):
+            sites.append(Site(mname, w, None, int(mod.nf), int(mod.weight.shape[0]), transposed=True))
+        elif isinstance(mod, nn.Linear):
+            bias = b if mod.bias is not None and b in wanted else None
+            sites.append(Site(mname, w, bias, mod.out_features, mod.in_features))
     covered = {n for s in sites for n in (s.weight, s.bias) if n is not None}
     return sites, [n for n in names if n not in covered]
 
@@ -246,8 +254,8 @@ def fit_factors(
 ) -> KroneckerFactors:
     """Fit the factors of ``feat``'s current checkpoint over the train rows ``batches()`` yields (one pass, for
     either kind: EK-FAC's correction is taken from XᵀX at finalize): forward + backward of the task's output, no
-    per-example gradient. Parameters other than single-use ``nn.Linear`` layers keep their XᵀX block (a warning
-    names them)."""
+    per-example gradient. Parameters other than single-use ``nn.Linear`` and ``Conv1D`` layers keep their XᵀX block
+    (a warning names them)."""
     if kind not in KFAC_CURVATURES:
         raise BadInputError(f"curvature={kind!r}: expected one of {KFAC_CURVATURES}")
     damping = check_damping(damping)
@@ -263,7 +271,8 @@ def fit_factors(
     identity = list(others) + [n for s in sites if s.name in skipped for n in (s.weight, s.bias) if n]
     if identity and warn:
         warnings.warn(
-            f"curvature={kind!r}: only nn.Linear layers called once per forward get Kronecker factors; parameters "
+            f"curvature={kind!r}: only nn.Linear and Conv1D layers called once per forward get Kronecker factors; "
+            "parameters "
             f"{identity[:10]}{' and more' if len(identity) > 10 else ''} keep their block of XᵀX",
             stacklevel=2,
         )
@@ -273,15 +282,32 @@ def fit_factors(
 # ---------------------------------------------------------------------------------------------- the inverse
 def projected_factors(meta, model_id: int, pre: KroneckerFactors) -> dict[str, tuple[int, np.ndarray]]:
     """{block name: (its offset in the row, F_b (k_b × k_b) float64)} of the K-FAC layers of the store's factored
-    projection for ``model_id`` (module docstring), from the recorded layout and the side matrices it names."""
-    from trak_core.projection.layout import SIDE_IN, SIDE_OUT, coordinate_weights, factor_matrix, recorded_blocks
+    projection for ``model_id`` (module docstring), from the recorded layout and the side matrices it names. A
+    ``Conv1D`` site's block is its weight's view (rows: the input a, columns: the output δ), so A goes to the rows'
+    side and S to the columns'; a view with its bias attached (a square ``Conv1D``) is not a Kronecker product and
+    keeps its XᵀX block."""
+    from trak_core.projection.layout import (
+        MATRIX,
+        SIDE_IN,
+        SIDE_OUT,
+        coordinate_weights,
+        factor_matrix,
+        recorded_blocks,
+    )
 
+    views = {site.weight: (site, s, a) for site, a, s in pre.blocks.values() if site.transposed}
     out, offset = {}, 0
     for blk in recorded_blocks(dict(meta.projector_params)):
-        entry = pre.blocks.get(blk.name)
-        if entry is not None and blk.kind == "linear":
-            site, a, s = entry
-            if site.in_rows != blk.in_rows or site.d_out != blk.d_out:
+        entry, shape = None, None
+        if blk.kind == "linear" and blk.name in pre.blocks and not pre.blocks[blk.name][0].transposed:
+            entry = pre.blocks[blk.name]
+            shape = (entry[0].d_out, entry[0].in_rows)
+        elif blk.kind == MATRIX and blk.name in views and not blk.bias:
+            entry = views[blk.name]
+            shape = (entry[0].d_in, entry[0].d_out)
+        if entry is not None:
+            site, a, s = entry  # a: the columns' factor, s: the rows'
+            if shape != (blk.d_out, blk.in_rows):
                 raise StateError(f"curvature factors of {blk.name!r} do not match the store's projection layout")
 
             def side(which: int, rows: int, cols: int, identity: bool, name: str = blk.name) -> np.ndarray:
@@ -374,6 +400,7 @@ def _digest(blocks: dict) -> str:
 def to_record(pre: KroneckerFactors) -> dict:
     blocks = {
         n: {"weight": s.weight, "bias": s.bias, "d_out": s.d_out, "d_in": s.d_in, "a": _encode(a), "s": _encode(sm)}
+        | ({"transposed": True} if s.transposed else {})
         for n, (s, a, sm) in pre.blocks.items()
     }
     return {**pre.info, "form": RECORD_FORM, "blocks": blocks, "sha256": _digest(blocks)}
@@ -392,7 +419,7 @@ def from_record(rec: dict, where: str = "") -> KroneckerFactors:
         raise StoreDamageError(f"curvature factors{where}: their record does not match its sha256 (damaged)")
     out = {}
     for n, b in blocks.items():
-        site = Site(n, b["weight"], b["bias"], int(b["d_out"]), int(b["d_in"]))
+        site = Site(n, b["weight"], b["bias"], int(b["d_out"]), int(b["d_in"]), bool(b.get("transposed", False)))
         out[n] = (site, _decode(b["a"]), _decode(b["s"]))
     info = {k: v for k, v in rec.items() if k not in ("blocks", "sha256", "form")}
     return KroneckerFactors(out, info)

@@ -1,8 +1,8 @@
 """Kronecker-factored curvature in the projected space (``curvature="kfac"`` / ``"ekfac"``): the factors, their
 projection into the factored projection's blocks (grid, pairs and identity sides) and the block-diagonal inverse,
 against a float64 brute force with explicit per-example gradients, the projection as an explicit matrix (each
-gradient coordinate projected on its own) and an explicit Kronecker H, on a tiny MLP and a sequence model (a Linear
-applied at every position)."""
+gradient coordinate projected on its own) and an explicit Kronecker H, on a tiny MLP and sequence models (a Linear,
+or transformers' Conv1D, applied at every position)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,35 @@ class SeqModel(nn.Module):
         return self.head(torch.tanh(self.tok(x)).mean(-2))
 
 
+class Conv1DSeq(nn.Module):
+    """transformers' ``Conv1D`` (weight [d_in, d_out], y = x W + b) at each of T positions, mean-pooled, then a head
+    (``width`` = D_IN: a square Conv1D, whose projection block carries its bias)."""
+
+    def __init__(self, width: int = H) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        torch.manual_seed(2)
+        self.tok = Conv1D(width, D_IN)
+        nn.init.normal_(self.tok.weight, std=0.5)  # (Conv1D starts at std 0.02 and a zero bias)
+        nn.init.normal_(self.tok.bias, std=0.3)
+        self.head = nn.Linear(width, C, bias=False)
+
+    def forward(self, x):  # x (B, T, D_IN)
+        return self.head(torch.tanh(self.tok(x)).mean(-2))
+
+
+def sites(model) -> dict:
+    """{module name: (module, d_in, d_out, whether its bias is part of the site)} of the Linear and Conv1D layers."""
+    out = {}
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            out[n] = (m, m.in_features, m.out_features, m.bias is not None)
+        elif type(m).__name__ == "Conv1D":
+            out[n] = (m, m.weight.shape[0], m.nf, False)
+    return out
+
+
 def data(seq: bool = False):
     g = torch.Generator().manual_seed(3)
     x = (
@@ -64,9 +93,9 @@ def featurizer(model, kind="noop", proj_dim=None):
 
 # ------------------------------------------------------------------------------------------ brute force
 def brute(model, x, y):
-    """Per example: the flat gradient of the margin (parameter order), Q, and per Linear layer ã (T, in_rows) and
-    δ = ∂f/∂(layer output) (T, d_out) — one example at a time, plain autograd, float64."""
-    lins = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """Per example: the flat gradient of the margin (parameter order), Q, and per Linear or Conv1D layer ã (T,
+    in_rows) and δ = ∂f/∂(layer output) (T, d_out) — one example at a time, plain autograd, float64."""
+    lins = {n: site[0] for n, site in sites(model).items()}
     out = []
     for i in range(len(y)):
         acts, outs = {}, {}
@@ -91,11 +120,11 @@ def brute(model, x, y):
         g = torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()])
         q = np.float32(1 - torch.softmax(logits.detach(), 0)[yi])  # Q as stored (float32), as TRAK weights with it
         per = {}
-        for n, m in lins.items():
-            a = acts[n].reshape(-1, m.in_features)
-            if m.bias is not None:
+        for n, (_, d_in, d_out, bias) in sites(model).items():
+            a = acts[n].reshape(-1, d_in)
+            if bias:
                 a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], 1)
-            per[n] = (a.numpy(), outs[n].grad.reshape(-1, m.out_features).numpy())
+            per[n] = (a.numpy(), outs[n].grad.reshape(-1, d_out).numpy())
         out.append((g.numpy(), float(q), per))
     return out
 
@@ -149,7 +178,8 @@ def projection_matrix(feat) -> np.ndarray:
 
 
 def kron_of(model, fac) -> np.ndarray:
-    """blockdiag over the Linear layers of S ⊗ A in the gradient's parameter coordinates (grad_dim²)."""
+    """blockdiag over the Linear layers of S ⊗ A in the gradient's parameter coordinates (grad_dim²); a Conv1D's
+    weight [d_in, d_out] (row-major): A ⊗ S."""
     gd = sum(p.numel() for p in model.parameters())
     k = np.zeros((gd, gd))
     offs, off = {}, 0
@@ -157,6 +187,10 @@ def kron_of(model, fac) -> np.ndarray:
         offs[n] = off
         off += p.numel()
     for name, m in model.named_modules():
+        if type(m).__name__ == "Conv1D":
+            a, s = fac[name]
+            w = offs[f"{name}.weight"]
+            k[w : w + m.weight.numel(), w : w + m.weight.numel()] = np.kron(a, s)
         if not isinstance(m, nn.Linear):
             continue
         a, s = fac[name]
@@ -232,6 +266,47 @@ def test_projected_factors_match_brute_force(seq, proj_dim, block_form):
                 f, full[off : off + b.k, off : off + b.k], rtol=1e-6, atol=1e-9 * np.abs(f).max()
             )
         off += b.k
+
+
+@pytest.mark.parametrize("proj_dim", [7, 20])
+def test_conv1d_factors_and_projected_factors_match_brute_force(proj_dim, block_form):
+    """A transformers Conv1D gets K-FAC factors (A of its input, S of its output), and its block, the weight's
+    d_in × d_out view, gets Π_b (A ⊗ S) Π_bᵀ; its bias keeps its XᵀX block (in the "other" block here)."""
+    model = Conv1DSeq().double()
+    x, y = data(seq=True)
+    want = brute_factors(brute(model, x, y))
+    feat = featurizer(model, "factored", proj_dim)
+    with pytest.warns(UserWarning, match="tok.bias"):
+        pre = kfac.fit_factors(feat, batches(x, y), "kfac")
+    assert set(pre.blocks) == {"tok", "head"} and pre.blocks["tok"][0].transposed
+    for name, (a, s) in want.items():
+        np.testing.assert_allclose(pre.blocks[name][1], a, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(pre.blocks[name][2], s, rtol=1e-10, atol=1e-12)
+    pi = projection_matrix(feat)
+    full = pi @ kron_of(model, {n: (a, s) for n, (_, a, s) in pre.blocks.items()}) @ pi.T
+    got = kfac.projected_factors(meta_of(feat), 0, pre)
+    assert set(got) == {"tok.weight", "head"}
+    off = 0
+    for b in feat.projector.layout.blocks:
+        if b.name in got:
+            assert got[b.name][0] == off
+            f = got[b.name][1]
+            np.testing.assert_allclose(f, full[off : off + b.k, off : off + b.k], rtol=1e-6, atol=1e-9 * abs(f).max())
+        off += b.k
+    assert kfac.from_record(kfac.to_record(pre)).blocks["tok"][0].transposed
+
+
+def test_square_conv1d_with_its_bias_in_the_block_keeps_xtx():
+    """A square Conv1D's block carries its bias as one more column: not S ⊗ A, so the block keeps XᵀX."""
+    model = Conv1DSeq(width=D_IN).double()
+    x, y = data(seq=True)
+    feat = featurizer(model, "factored", 12)
+    assert [b.bias for b in feat.projector.layout.blocks if b.name == "tok.weight"] == [True]
+    with pytest.warns(UserWarning):
+        pre = kfac.fit_factors(feat, batches(x, y), "kfac")
+    xs, _ = feat.featurize([x, y], 0)
+    _, per = kfac.block_inverse(meta_of(feat), 0, pre, xs.astype(np.float64).T @ xs.astype(np.float64))
+    assert per["tok.weight"]["block"] == "xtx" and per["head"]["block"] == "kfac"
 
 
 def test_layouts_cover_grid_pairs_and_identity_sides(monkeypatch):
