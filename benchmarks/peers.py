@@ -46,19 +46,17 @@ def _linear_gpt(model: torch.nn.Module) -> list[str]:
     """Each transformers ``Conv1D`` replaced in place by the same map as ``nn.Linear`` (what kronfluence fits)."""
     names = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
     for n in names:
-        conv = model.get_submodule(n)
-        lin = torch.nn.Linear(*conv.weight.shape)
+        conv, lin = model.get_submodule(n), torch.nn.Linear(*model.get_submodule(n).weight.shape)
         lin.weight.data, lin.bias.data = conv.weight.data.T.contiguous(), conv.bias.data.clone()
         model.set_submodule(n, lin)
     return names
 
 
 def kron_scores(case, states: list, strategy: str, batch: int = 250, **score_kw):
-    """(n, m) float64 kronfluence 1.0.1 influence of each train example on each target's model output (the margin; a
-    causal LM's sequence log-odds), averaged over the checkpoints ``states``: factors (``strategy``: kfac, ekfac,
-    identity, diagonal) fitted on the train rows with the sampled-label Fisher (its default), then pairwise scores;
-    ``score_kw`` go to ScoreArguments (default here: ``damping_factor=None``, kronfluence's heuristic). A GPT's
-    ``Conv1D`` layers are fitted as the equal ``nn.Linear`` (its tied output head is left out)."""
+    """(n, m) float64 kronfluence 1.0.1 influence of each train example on each target's output (margin; a causal LM's
+    log-odds), averaged over ``states``: factors (``strategy``: kfac, ekfac, identity, diagonal) fitted on the train
+    rows with the sampled-label Fisher (its default), then pairwise scores; ``score_kw`` go to ScoreArguments (here
+    ``damping_factor=None``: its heuristic). A GPT's ``Conv1D`` layers as ``nn.Linear``, its tied head left out."""
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.task import Task
@@ -66,7 +64,7 @@ def kron_scores(case, states: list, strategy: str, batch: int = 250, **score_kw)
 
     from trak_core.featurize.modelout import log_odds, sequence_log_prob
 
-    lm, tracked = case.task == "causal_lm", None
+    lm, tracked, total = case.task == "causal_lm", None, 0.0
 
     def logits_of(batch, model):
         return model(input_ids=batch[0], attention_mask=batch[1]).logits if lm else model(*batch[:-1])
@@ -92,8 +90,7 @@ def kron_scores(case, states: list, strategy: str, batch: int = 250, **score_kw)
         def get_attention_mask(self, batch):
             return batch[1] if lm else None
 
-    train, targets = case.train(), case.targets()
-    data, queries, total = torch.utils.data.TensorDataset(*train), torch.utils.data.TensorDataset(*targets), 0.0
+    data, queries = (torch.utils.data.TensorDataset(*t) for t in (case.train(), case.targets()))
     with tempfile.TemporaryDirectory() as tmp:
         for i, state in enumerate(states):
             model = case.make_model()

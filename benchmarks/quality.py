@@ -134,6 +134,38 @@ LM_ADAMW = {"opt": "adamw", "epochs": 30, "batch": 32, "lr": 3e-3, "weight_decay
 LARGE_CASES = ("wide-mlp", "bn-conv", "small-lm")
 
 
+# fmt: off
+#: the cases trained by the pipeline's trainer: name, about, model, train data, targets ("module:name" or a function),
+#: recipe (None: the digits demo's)
+TRAINER_CASES = (
+    ("digits-sgd", "the digits demo's checkpoints: digits MLP, 4 epochs SGD lr 0.01 batch 64 (~90 % train acc.)",
+     "examples.digits:make_model", "examples.digits:train_data", _digits_targets, None),
+    ("conv-sgd", "digits conv net, 3 epochs SGD lr 0.01 batch 64",
+     "examples.digits_conv:make_model", "examples.digits_conv:train_data", _conv_targets, CONV_SGD),
+    ("cancer-sgd", "breast-cancer MLP, 2 epochs SGD lr 0.003 batch 32",
+     "examples.tabular:cancer_model", "examples.tabular:cancer_train", "examples.tabular:cancer_heldout", CANCER_SGD),
+    ("wine-sgd", "wine MLP, 3 epochs SGD lr 0.003 batch 16 (n=100 ≤ proj_dim)",
+     "examples.tabular:wine_model", "examples.tabular:wine_train", "examples.tabular:wine_heldout", WINE_SGD),
+    ("wide-mlp", "sklearn digits, 64→512→512→256→10 MLP (429,834 params), 8 epochs Adam batch 64",
+     "examples.digits_large:mlp_model", "examples.digits:train_data", _digits_targets, WIDE_ADAM),
+    ("bn-conv", "sklearn digits as 1×8×8 images, 3 conv+BatchNorm, 2 linear (293,290 params), 6 epochs Adam batch 64",
+     "examples.digits_large:bn_conv_model", "examples.digits_conv:train_data", _conv_targets, BN_ADAM),
+)
+# fmt: on
+
+
+def _trainer_case(name: str, about: str, model: str, data: str, targets, recipe: dict | None) -> Case:
+    """A classification case of :data:`TRAINER_CASES`."""
+    model_fn, data_fn, targets = (
+        getattr(importlib.import_module(p.split(":")[0]), p.split(":")[1]) if isinstance(p, str) else p
+        for p in (model, data, targets)
+    )
+    recipe = _demo_recipe() if recipe is None else recipe
+    train_fn = _pipeline_recipe(model, data, **recipe)
+    return Case(name, about, model_fn, data_fn, targets, "image_classification", train_fn,
+                {"trainer": "tasks.trainer", **recipe})  # fmt: skip
+
+
 def _lm_train(seed, rows):
     from examples import gpt
 
@@ -153,9 +185,7 @@ def _lm_outputs(model, targets) -> tuple[np.ndarray, None]:
 
 
 def make_cases() -> dict[str, Case]:
-    from examples import digits, digits_conv, digits_large, gpt, tabular, text
-
-    demo = _demo_recipe()
+    from examples import digits, digits_conv, gpt, tabular, text
 
     return {
         c.name: c
@@ -210,68 +240,9 @@ def make_cases() -> dict[str, Case]:
                 _full_batch(tabular.wine_model, tabular.wine_train, 200, 0.01),
                 {"opt": "adam full-batch", "steps": 200, "lr": 0.01},
             ),
-            # other training regimes: mini-batch SGD, stopped far from convergence (the pipeline's trainer)
-            Case(
-                "digits-sgd",
-                "the digits demo's checkpoints: digits MLP, 4 epochs SGD lr 0.01 batch 64 (~90 % train acc.)",
-                digits.make_model,
-                digits.train_data,
-                _digits_targets,
-                "image_classification",
-                _pipeline_recipe("examples.digits:make_model", "examples.digits:train_data", **demo),
-                {"trainer": "tasks.trainer", **demo},
-            ),
-            Case(
-                "conv-sgd",
-                "digits conv net, 3 epochs SGD lr 0.01 batch 64",
-                digits_conv.make_model,
-                digits_conv.train_data,
-                _conv_targets,
-                "image_classification",
-                _pipeline_recipe("examples.digits_conv:make_model", "examples.digits_conv:train_data", **CONV_SGD),
-                {"trainer": "tasks.trainer", **CONV_SGD},
-            ),
-            Case(
-                "cancer-sgd",
-                "breast-cancer MLP, 2 epochs SGD lr 0.003 batch 32",
-                tabular.cancer_model,
-                tabular.cancer_train,
-                tabular.cancer_heldout,
-                "image_classification",
-                _pipeline_recipe("examples.tabular:cancer_model", "examples.tabular:cancer_train", **CANCER_SGD),
-                {"trainer": "tasks.trainer", **CANCER_SGD},
-            ),
-            Case(
-                "wine-sgd",
-                "wine MLP, 3 epochs SGD lr 0.003 batch 16 (n=100 ≤ proj_dim)",
-                tabular.wine_model,
-                tabular.wine_train,
-                tabular.wine_heldout,
-                "image_classification",
-                _pipeline_recipe("examples.tabular:wine_model", "examples.tabular:wine_train", **WINE_SGD),
-                {"trainer": "tasks.trainer", **WINE_SGD},
-            ),
-            # realistic compression: a few hundred thousand parameters (examples/digits_large.py)
-            Case(
-                "wide-mlp",
-                "sklearn digits, 64→512→512→256→10 MLP (429,834 params), 8 epochs Adam batch 64",
-                digits_large.mlp_model,
-                digits.train_data,
-                _digits_targets,
-                "image_classification",
-                _pipeline_recipe("examples.digits_large:mlp_model", "examples.digits:train_data", **WIDE_ADAM),
-                {"trainer": "tasks.trainer", **WIDE_ADAM},
-            ),
-            Case(
-                "bn-conv",
-                "sklearn digits as 1×8×8 images, 3 conv+BatchNorm, 2 linear (293,290 params), 6 epochs Adam batch 64",
-                digits_large.bn_conv_model,
-                digits_conv.train_data,
-                _conv_targets,
-                "image_classification",
-                _pipeline_recipe("examples.digits_large:bn_conv_model", "examples.digits_conv:train_data", **BN_ADAM),
-                {"trainer": "tasks.trainer", **BN_ADAM},
-            ),
+            # other training regimes, stopped early (mini-batch SGD), and realistic compression (a few hundred
+            # thousand parameters, Adam): trained by the pipeline's own trainer
+            *[_trainer_case(*row) for row in TRAINER_CASES],
             Case(
                 "small-lm",
                 "a GPT-2 (transformers) of width 128, 2 layers (415,360 params), characters of stdlib docstrings, "
