@@ -239,7 +239,9 @@ def check_inputs(
         check_dtypes(model, data, field)
     n = int(train[0].shape[0])
     lam, curvature = settings.lambda_rule.setting, settings.curvature
-    check_projection(settings.projector, settings.proj_dim, n, lam, curvature, model=model, grad_wrt=settings.grad_wrt)
+    check_projection(
+        settings.projector, settings.proj_dim, n, lam, curvature, model=model, grad_wrt=settings.grad_wrt, task=task
+    )
     stored = stored_meta(location, storage_options)
     split = split_of(stored) if stored is not None else None  # a store's own split, never probed again
     probe = stored is None and projector_traits(settings.projector).splits_by_layer  # a new store's split

@@ -7,6 +7,7 @@ store records, rebuilt from its record. Plain values in, an error naming the fie
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -108,13 +109,32 @@ def lambda_setting(lambda_reg):
 
 
 def check_projection(
-    kind: str, proj_dim: int, train_set_size: int, lambda_setting, curvature: str = "xtx", *, model=None, grad_wrt=None
+    kind: str,
+    proj_dim: int,
+    train_set_size: int,
+    lambda_setting,
+    curvature: str = "xtx",
+    *,
+    model=None,
+    grad_wrt=None,
+    task=None,
 ) -> None:
     """Refuse a projection of ``proj_dim`` ≥ the number of train examples with no damping (``lambda_setting`` 0,
     :attr:`trak_core.solve.damping.LambdaRule.setting`): XᵀX is then singular and the scores noise. A Kronecker-factored
     ``curvature`` damps each block of its own (nothing to refuse there) but needs the factored projection, whose blocks
     are the layers. With ``model`` (and its ``grad_wrt``), an identity projector keeps its gradient's dimension,
-    whatever ``proj_dim`` says."""
+    whatever ``proj_dim`` says. ``curvature="ggn"`` with a causal LM's ``task`` is allowed with a warning: its weights
+    r = Q(1 − Q) are about each sequence's probability, near 0 (docs/damping.md measures it below ``xtx``)."""
+    from trak_core.featurize.modelout import CausalLMModelOutput
+
+    if curvature == "ggn" and isinstance(task, CausalLMModelOutput):
+        warnings.warn(
+            "curvature='ggn' with task='causal_lm': each sequence's weight r = Q(1 − Q) is about its probability, "
+            "near 0 for most sequences, so the curvature is set by a few rows; on the held-out language model it "
+            "scored below curvature='xtx' (the default): see docs/damping.md",
+            UserWarning,
+            stacklevel=3,
+        )
     if curvature in KFAC_CURVATURES:
         if kind != "factored":
             raise BadInputError(

@@ -261,8 +261,9 @@ class TRAKer:
         self.projector: AbstractProjector | None = None if self._deferred else projector
         self.proj_dim = projector.proj_dim
         # the pipeline's rule: proj_dim ≥ n with no damping leaves XᵀX singular (traker returns noise)
+        lam_setting = engine.lambda_setting(lambda_reg)
         engine.check_projection(
-            projector.kind, self.proj_dim, self.train_set_size, engine.lambda_setting(lambda_reg), curvature
+            projector.kind, self.proj_dim, self.train_set_size, lam_setting, curvature, task=self.task
         )
         self.normalize_factor = torch.sqrt(torch.tensor(self.num_params_for_grad, dtype=torch.float32))
 

@@ -309,3 +309,55 @@ def test_shard_grams_on_a_device_are_the_hosts_grams(tmp_path, monkeypatch):
     host_xtx, host_ggn = reduce.shard_grams(st, 0, 0, rows, q)
     np.testing.assert_allclose(xtx, host_xtx, rtol=1e-12, atol=1e-12 * np.abs(host_xtx).max())
     np.testing.assert_allclose(ggn, host_ggn, rtol=1e-12, atol=1e-12 * np.abs(host_ggn).max())
+
+
+def _tiny_gpt():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("curvature", ["ggn", "xtx"])
+def test_ggn_with_a_causal_lm_warns_on_both_routes(tmp_path, curvature):
+    """curvature='ggn' on task='causal_lm' (r = Q(1 − Q) ≈ each sequence's probability ≈ 0) is allowed with a warning
+    naming both, from TRAKer and from the pipeline's input check (the same rule); 'xtx' does not warn."""
+    import warnings
+
+    from trak_core.featurize.modelout import resolve_task
+    from trak_core.plan import check_inputs
+    from trak_core.settings import TrakSettings
+
+    ids = torch.randint(2, 11, (12, 8), generator=torch.Generator().manual_seed(1))
+    data = (ids, torch.ones_like(ids), ids.clone())
+    model = _tiny_gpt()
+    torch.save(model.state_dict(), tmp_path / "c.pt")
+    routes = {
+        "TRAKer": lambda: TRAKer(
+            model=model,
+            task="causal_lm",
+            train_set_size=12,
+            save_dir=str(tmp_path / "s"),
+            device="cpu",
+            proj_dim=8,
+            curvature=curvature,
+            logging_level=40,
+        ),  # fmt: skip
+        "pipeline": lambda: check_inputs(
+            TrakSettings(proj_dim=8, curvature=curvature),
+            model,
+            resolve_task("causal_lm"),
+            data,
+            data,
+            [str(tmp_path / "c.pt")],
+            location=str(tmp_path / "p"),
+            batch_size=4,
+        ),  # fmt: skip
+    }
+    for route, build in routes.items():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            build()
+        named = [w for w in seen if "curvature='ggn' with task='causal_lm'" in str(w.message)]
+        assert len(named) == (curvature == "ggn"), (route, [str(w.message) for w in seen])
