@@ -10,7 +10,9 @@ bias), δ_t = √r · ∂f/∂(layer output)_t, f the task's model output (TRAK'
 of the loss in f (:func:`trak_core.solve.damping.loss_curvature`, the weighting of ``curvature="ggn"``). K-FAC
 approximates that block's curvature by
 
-    H ≈ S ⊗ A,   A = (1/T) Σ_{n,t} ã ãᵀ  (T positions in all),   S = (1/N) Σ_{n,t} δ δᵀ  (N examples).
+    H ≈ S ⊗ A,   A = (1/T) Σ_{n,t} ã ãᵀ  (T positions in all),   S = (1/N) Σ_{n,t} δ δᵀ  (N examples),
+
+summed over a text task's real tokens only (padding positions left out, :func:`token_mask`).
 
 Where it is applied
 -------------------
@@ -206,15 +208,32 @@ def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dic
     return a_out, d_out, skipped
 
 
+def token_mask(task, batch: Sequence[Tensor]) -> Tensor | None:
+    """(B, T) float64 1 for a real token, 0 for padding, of a batch of the built-in text tasks (their attention
+    mask: a causal LM's second tensor, a text classifier's third); None for other tasks (every position counts)."""
+    from trak_core.featurize.modelout import CausalLMModelOutput, TextClassificationModelOutput
+
+    at = {CausalLMModelOutput: 1, TextClassificationModelOutput: 2}.get(type(task))
+    return None if at is None else (batch[at] != 0).to(torch.float64)
+
+
 def batch_sums(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[FactorSums, list]:
-    """One batch's :class:`FactorSums` and the sites left out (called other than once)."""
+    """One batch's :class:`FactorSums` and the sites left out (called other than once). A layer applied at every
+    token of a text task counts its real tokens only (:func:`token_mask`): a padding position's input is no input
+    of the data, and would otherwise weigh in A as much as a real one."""
     a, d, skipped = _site_tensors(feat, batch, sites)
     out = FactorSums(examples=int(batch[0].shape[0]))
+    mask = token_mask(feat.task, batch)
     for name, at in a.items():
         dt = d[name]
+        if mask is not None and at.shape[1] == mask.shape[1]:
+            m = mask.to(at.device).unsqueeze(-1)
+            at, dt = at * m, dt * m
+            out.tokens[name] = int(mask.sum())
+        else:
+            out.tokens[name] = int(at.shape[0] * at.shape[1])
         out.a[name] = torch.einsum("bti,btj->ij", at, at).cpu().numpy()
         out.s[name] = torch.einsum("bto,btp->op", dt, dt).cpu().numpy()
-        out.tokens[name] = int(at.shape[0] * at.shape[1])
     return out, skipped
 
 

@@ -449,3 +449,42 @@ def test_unknown_kind_and_no_rows():
         kfac.fit_factors(feat, lambda: [], "kfacc")
     with pytest.raises(BadInputError, match="no train rows"):
         kfac.fit_factors(feat, lambda: [], "kfac")
+
+
+def test_a_causal_lm_s_factors_do_not_depend_on_its_padding():
+    """A text task's factors sum over its real tokens: the same texts right-padded to 6 or to 9 positions give the
+    same A and S (a padding position's input would otherwise weigh in A), and A's positions are the real tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=11, n_positions=12, n_embd=8, n_layer=1, n_head=2)).double().eval()
+    lengths = [6, 3, 5, 2, 6, 4]
+
+    def padded(width):
+        ids = torch.zeros(len(lengths), width, dtype=torch.long)
+        for i, n in enumerate(lengths):
+            ids[i, :n] = torch.randint(2, 11, (n,), generator=torch.Generator().manual_seed(10 + i))
+        mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+        return [ids, mask, torch.where(mask.bool(), ids, torch.full_like(ids, -100))]
+
+    fits = []
+    for width in (6, 9):
+        gd = sum(p.numel() for p in model.parameters())
+        feat = Featurizer(model, "causal_lm", make_projector("noop", gd, gd, 0, "rademacher", device="cpu"),
+                          dtype=torch.float64)  # fmt: skip
+        feat.load_state(model.state_dict())
+        batch = padded(width)
+        with pytest.warns(UserWarning):
+            fits.append(kfac.fit_factors(feat, lambda b=batch: [[t[:4] for t in b], [t[4:] for t in b]], "kfac"))
+    layers = {f"transformer.h.0.{n}" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert set(fits[0].blocks) == layers
+    for name in fits[0].blocks:
+        for part in (1, 2):
+            np.testing.assert_allclose(fits[1].blocks[name][part], fits[0].blocks[name][part], rtol=1e-9, atol=1e-12)
+    # A of the first layer: the mean over the real tokens of its input's outer product (ln_1 of the embeddings)
+    ids, mask, _ = padded(9)
+    with torch.no_grad():
+        h = model.transformer.h[0].ln_1(model.transformer.wte(ids) + model.transformer.wpe(torch.arange(9)))
+    real = h[mask.bool()]
+    np.testing.assert_allclose(fits[1].blocks["transformer.h.0.attn.c_attn"][1], (real.T @ real / len(real)).numpy(),
+                               rtol=1e-9, atol=1e-12)  # fmt: skip
