@@ -206,14 +206,22 @@ def _featurizing(store: Path) -> bool:
     return grads.is_dir() and any(grads.rglob("*"))
 
 
+@pytest.fixture(scope="module")
+def signal_home(tmp_path_factory):
+    """One PREFECT_HOME for the signal tests: the ephemeral server's database is created (all its migrations) by
+    the first run only; each later run also finds the pid file of the run signalled before it (gone) and drops it."""
+    return tmp_path_factory.mktemp("signal-home")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
-def test_signal_leaves_no_process_behind(tmp_path, sig):
+def test_signal_leaves_no_process_behind(tmp_path, signal_home, sig):
     """`trakflow run` with Prefect's ephemeral server (no PREFECT_API_URL) and a slowed model, signalled once
     featurization has started: SIGINT/SIGTERM end it within seconds with one `error: interrupted` line; after
-    any of them (SIGKILL included) none of the processes it started, nor of its process group, is left."""
-    home = tmp_path / "home"
-    path = write_config(tmp_path, model="services:make_slow_tiny_model", batch_size=2, max_workers=1)
+    any of them (SIGKILL included) none of the processes it started, nor of its process group, is left.
+    The dense projector: no split probe in the plan (32 more slowed forward passes before featurization)."""
+    home = signal_home
+    path = write_config(tmp_path, model="services:make_slow_tiny_model", projector="dense", batch_size=2, max_workers=1)
     log = tmp_path / "cli.log"
     with open(log, "wb") as fh:  # a file, not a pipe: a surviving child would hold a pipe open
         proc = subprocess.Popen(
