@@ -1,8 +1,8 @@
 """The nightly demo over a folder of train files appends a new file's rows: the next run featurizes only them,
 solves the checkpoint again and refreshes the report, and one with nothing new featurizes nothing; the demo
 (``make demo``, without the nightly's flag) then reads the train folder the store grew from. In-process under the
-session's Prefect harness (the nightly's schedule itself is run by a real server in test_real_services.py). The
-routes that read the grown store (``trakflow run``, ``show`` and ``query`` of the demo's attribute.yaml and the
+session's Prefect harness (the nightly's schedule itself is run by a real server in test_nightly_real_server.py).
+The routes that read the grown store (``trakflow run``, ``show`` and ``query`` of the demo's attribute.yaml and the
 ``query/digits`` deployment's request, new rows shown with their own labels) are asserted in fresh processes
 against a real server, after a served nightly append, in test_nightly_real_server.py."""
 
