@@ -16,7 +16,7 @@ import re
 import subprocess
 import sys
 import textwrap
-from datetime import UTC
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
@@ -109,8 +109,8 @@ def _table_rows(server, flow_run_id: str) -> list[dict]:
 
 
 def _schedule_soon(server, name: str, seconds: float):
-    """Give the deployment ``name`` an hourly schedule whose first run is due in ``seconds``; returns its id."""
-    from datetime import datetime, timedelta
+    """Give the deployment ``name`` an hourly schedule whose first run is due in ``seconds``; returns the
+    deployment's id and that first run's time."""
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.schedules import IntervalSchedule
@@ -121,17 +121,26 @@ def _schedule_soon(server, name: str, seconds: float):
         client.create_deployment_schedules(
             dep.id, [(IntervalSchedule(interval=timedelta(hours=1), anchor_date=first), True)]
         )
-    return dep.id
+    return dep.id, first
 
 
-def _finished_scheduled_run(server, deployment_id):
-    """A run of the deployment that the server's scheduler created, once it is in a terminal state (else None)."""
+def _finished_scheduled_run(server, deployment_id, first):
+    """The deployment's run that the server's scheduler created for ``first`` (or later), once it is in a terminal
+    state (else None)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     with _api(server), get_client(sync_client=True) as client:
         runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
-    done = [r for r in runs if r.auto_scheduled and r.state_type and r.state_type.value in TERMINAL]
+    done = [
+        r
+        for r in runs
+        if r.auto_scheduled
+        and r.expected_start_time is not None
+        and r.expected_start_time >= first - timedelta(seconds=1)
+        and r.state_type
+        and r.state_type.value in TERMINAL
+    ]
     return done[0] if done else None
 
 
@@ -188,9 +197,13 @@ def test_demo_routes_after_a_served_nightly_append(real_prefect_server, tmp_path
     chunk_files = sorted((demo / "store.zarr" / "models" / "0" / "grads" / "c").rglob("*"))
     mtimes = {p: p.stat().st_mtime_ns for p in chunk_files if p.is_file()}
     folder_data.save_part(demo / "train", (x[later], y[later]), 1)
-    nightly_id = _schedule_soon(server, "digits-demo/nightly", seconds=8)
+    nightly_id, first = _schedule_soon(server, "digits-demo/nightly", seconds=8)
     run = wait_for(
-        lambda: _finished_scheduled_run(server, nightly_id), 300, "the scheduled nightly run", poll=1.0, proc=proc
+        lambda: _finished_scheduled_run(server, nightly_id, first),
+        300,
+        "the scheduled nightly run",
+        poll=1.0,
+        proc=proc,
     )
     assert run.state_type.value == "COMPLETED", log()
     grown = TrakStore.open(store, mode="r")
