@@ -151,21 +151,37 @@ def test_enospc_in_a_task_names_the_path_once_not_retried(tmp_path, monkeypatch)
 def test_task_failure_is_one_line_traceback_only_with_verbose(tmp_path):
     """A BadInputError inside a task: one `error:` line, nothing of Prefect's (a real process: Prefect logs to
     the process's stderr); with -v the traceback and Prefect's error logs are there."""
-    path = write_config(tmp_path, train_data="test_cli_errors:bad_label_train_data")
-    env = cli_env(tmp_path / "home", harness_api_url())
-    cmd = [sys.executable, "-m", "trakflow_cli.main", "run", str(path)]
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    out = res.stdout + res.stderr
-    assert res.returncode == 1, out
+    # the run with and the one without -v at once, each on its own store
+    paths = [write_config(tmp_path / d, train_data="test_cli_errors:bad_label_train_data") for d in ("q", "v")]
+    cmds = [[sys.executable, "-m", "trakflow_cli.main", "run", str(p)] for p in paths]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=cli_env(p.parent / "home", harness_api_url()),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for cmd, p in zip((cmds[0], cmds[1] + ["-v"]), paths, strict=True)
+    ]
+    try:
+        (quiet, quiet_err), (verbose, verbose_err) = (p.communicate(timeout=300) for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = quiet + quiet_err
+    assert procs[0].returncode == 1, out
     lines = error_lines(out)
     assert len(lines) == 1, out
     assert lines[0].startswith("error: BadInputError: train_data rows 16..23 (model_id="), out
     assert lines[0].endswith("labels out of range [0, 3) at batch positions [4] (values [7])"), out
     assert "Traceback" not in out and "Finished in state Failed" not in out and "| ERROR" not in out, out
     assert "rerun with -v" in out
-    res = subprocess.run(cmd + ["-v"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    out = res.stdout + res.stderr
-    assert res.returncode == 1 and len(error_lines(out)) == 1, out
+    out = verbose + verbose_err
+    assert procs[1].returncode == 1 and len(error_lines(out)) == 1, out
     assert "Traceback" in out and "tasks/core.py" in out, out
 
 
@@ -206,14 +222,22 @@ def _featurizing(store: Path) -> bool:
     return grads.is_dir() and any(grads.rglob("*"))
 
 
+@pytest.fixture(scope="module")
+def signal_home(tmp_path_factory):
+    """One PREFECT_HOME for the signal tests: the ephemeral server's database is created (all its migrations) by
+    the first run only; each later run also finds the pid file of the run signalled before it (gone) and drops it."""
+    return tmp_path_factory.mktemp("signal-home")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
-def test_signal_leaves_no_process_behind(tmp_path, sig):
+def test_signal_leaves_no_process_behind(tmp_path, signal_home, sig):
     """`trakflow run` with Prefect's ephemeral server (no PREFECT_API_URL) and a slowed model, signalled once
     featurization has started: SIGINT/SIGTERM end it within seconds with one `error: interrupted` line; after
-    any of them (SIGKILL included) none of the processes it started, nor of its process group, is left."""
-    home = tmp_path / "home"
-    path = write_config(tmp_path, model="services:make_slow_tiny_model", batch_size=2, max_workers=1)
+    any of them (SIGKILL included) none of the processes it started, nor of its process group, is left.
+    The dense projector: no split probe in the plan (32 more slowed forward passes before featurization)."""
+    home = signal_home
+    path = write_config(tmp_path, model="services:make_slow_tiny_model", projector="dense", batch_size=2, max_workers=1)
     log = tmp_path / "cli.log"
     with open(log, "wb") as fh:  # a file, not a pipe: a surviving child would hold a pipe open
         proc = subprocess.Popen(

@@ -1,5 +1,5 @@
 """The folder of train files the nightly demo reads (the nightly append itself, in-process: test_nightly_routes.py;
-from a real server's schedule: test_real_services.py)"""
+from a real server's schedule: test_nightly_real_server.py)"""
 
 from __future__ import annotations
 

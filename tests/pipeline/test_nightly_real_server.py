@@ -1,11 +1,13 @@
-"""The demo's routes after a nightly append, end to end against a real Prefect server (the session's, from
+"""The demo's routes after nightly appends, end to end against a real Prefect server (the session's, from
 tests/pipeline/conftest.py): the demo's ``digits-demo/nightly`` and ``query/digits`` deployments (built by
 deployments/serve.py; a small nightly: one checkpoint, one epoch) served by a separate process. A first nightly run
-(called directly) builds the store; after a new train file, the nightly deployment's run, started through the server
-as a user does it (``trakflow trigger --wait``) and executed by the serving process, appends its rows. Then every
-route that reads the grown store works and shows new rows with their own labels: the ``query/digits`` deployment's
-run (its table artifact), and ``trakflow run``, ``show`` and ``query`` of the demo's attribute.yaml in fresh
-processes (no TRAKFLOW_TRAIN_DIR, no TRAKFLOW_DEMO_DIR, another working directory)."""
+(called directly) builds the store. After a new train file, the nightly deployment on a schedule due in a few
+seconds: the server's scheduler creates the run and the serving process appends the rows, without writing the old
+rows' chunk files again. After another file, the nightly deployment's run, started through the server as a user does
+it (``trakflow trigger --wait``), appends its rows. Then every route that reads the grown store works and shows new
+rows with their own labels: the ``query/digits`` deployment's run (its table artifact), and ``trakflow run``,
+``show`` and ``query`` of the demo's attribute.yaml in fresh processes (no TRAKFLOW_TRAIN_DIR, no TRAKFLOW_DEMO_DIR,
+another working directory)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import re
 import subprocess
 import sys
 import textwrap
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from services import REPO, wait_for
@@ -25,7 +29,8 @@ from trakflow_demo_data import digits, folder_data
 
 pytestmark = pytest.mark.services
 
-NEW = 12  # rows the second nightly run appends
+NEW = 12  # rows the triggered nightly run appends
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 SMALL = dict(num_models=1, epochs=1, proj_dim=64, lambda_reg=1.0)
 TRAKFLOW = str(Path(sys.executable).parent / "trakflow")
 NO_FOLDER = {folder_data.TRAIN_DIR_ENV: ""}  # empty: unset (this process's tests may have set it)
@@ -103,6 +108,42 @@ def _table_rows(server, flow_run_id: str) -> list[dict]:
     return json.loads(data) if isinstance(data, str) else data
 
 
+def _schedule_soon(server, name: str, seconds: float):
+    """Give the deployment ``name`` an hourly schedule whose first run is due in ``seconds``; returns the
+    deployment's id and that first run's time."""
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    with _api(server), get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(name)
+        first = datetime.now(UTC) + timedelta(seconds=seconds)
+        client.create_deployment_schedules(
+            dep.id, [(IntervalSchedule(interval=timedelta(hours=1), anchor_date=first), True)]
+        )
+    return dep.id, first
+
+
+def _finished_scheduled_run(server, deployment_id, first):
+    """The deployment's run that the server's scheduler created for ``first`` (or later), once it is in a terminal
+    state (else None)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with _api(server), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+    done = [
+        r
+        for r in runs
+        if r.auto_scheduled
+        and r.expected_start_time is not None
+        and r.expected_start_time >= first - timedelta(seconds=1)
+        and r.state_type
+        and r.state_type.value in TERMINAL
+    ]
+    return done[0] if done else None
+
+
 def test_demo_routes_after_a_served_nightly_append(real_prefect_server, tmp_path):
     server = real_prefect_server
     demo = tmp_path / "demo"
@@ -143,23 +184,51 @@ def test_demo_routes_after_a_served_nightly_append(real_prefect_server, tmp_path
     wait_for(registered, 300, "the demo's deployments served", poll=0.5, proc=proc)
     assert seed.wait(300) == 0, server.read_log("seed-demo")[-3000:]
     store = str(demo / "store.zarr")
-    assert TrakStore.open(store, mode="r").meta.train_set_size == digits.NUM_TRAIN
+    old = TrakStore.open(store, mode="r")
+    assert old.meta.train_set_size == digits.NUM_TRAIN
     log = lambda: server.read_log("serve-demo")[-3000:]  # noqa: E731
 
-    # a new train file: target 0's own digit, then unseen held-out digits; the nightly deployment's run appends it
+    # the nightly deployment on a schedule due in a few seconds, after a new train file (held-out digits not used
+    # below): the server's scheduler creates the run, the serving process runs it, the store holds the new rows too
+    # and the old rows' chunk files were not written again
     x, y = digits.heldout_data()
+    later = list(range(digits.NUM_TARGETS + NEW - 1, len(y)))
+    old_rows = old.model(0).grads[:].copy()
+    chunk_files = sorted((demo / "store.zarr" / "models" / "0" / "grads" / "c").rglob("*"))
+    mtimes = {p: p.stat().st_mtime_ns for p in chunk_files if p.is_file()}
+    folder_data.save_part(demo / "train", (x[later], y[later]), 1)
+    nightly_id, first = _schedule_soon(server, "digits-demo/nightly", seconds=8)
+    run = wait_for(
+        lambda: _finished_scheduled_run(server, nightly_id, first),
+        300,
+        "the scheduled nightly run",
+        poll=1.0,
+        proc=proc,
+    )
+    assert run.state_type.value == "COMPLETED", log()
+    grown = TrakStore.open(store, mode="r")
+    base = digits.NUM_TRAIN + len(later)
+    assert grown.meta.train_set_size == base and bool(grown.featurized_mask(0).all())
+    np.testing.assert_array_equal(grown.model(0).grads[: digits.NUM_TRAIN], old_rows)
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes  # the old rows' chunks were not written again
+    assert grown.scores("digits")[:].shape == (base, digits.NUM_TARGETS)
+
+    # another train file: target 0's own digit, then unseen held-out digits; the nightly deployment's run, started
+    # through the server as a user does it (`trakflow trigger --wait`), appends it
     take = [0, *range(digits.NUM_TARGETS, digits.NUM_TARGETS + NEW - 1)]
     new_x, new_y = x[take], y[take]
-    folder_data.save_part(demo / "train", (new_x, new_y), 1)
+    folder_data.save_part(demo / "train", (new_x, new_y), 2)
     res = _cli(server, "trigger", "digits-demo/nightly", "--wait")
     assert res.returncode == 0, res.stdout + res.stderr + log()
     grown = TrakStore.open(store, mode="r")
-    n = digits.NUM_TRAIN + NEW
+    n = base + NEW
     assert grown.meta.train_set_size == n and bool(grown.featurized_mask(0).all())
     assert grown.scores("digits")[:].shape == (n, digits.NUM_TARGETS)
 
     def label_of(i: int) -> int:
-        return int(new_y[i - digits.NUM_TRAIN]) if i >= digits.NUM_TRAIN else int(digits.train_data()[1][i])
+        if i >= base:
+            return int(new_y[i - base])
+        return int(y[later[i - digits.NUM_TRAIN]]) if i >= digits.NUM_TRAIN else int(digits.train_data()[1][i])
 
     # every route that reads the grown store, at once (none writes): the query/digits deployment on new rows as
     # inputs, and trakflow run / show / query of the demo's attribute.yaml, each in a fresh process, from another
@@ -187,12 +256,12 @@ def test_demo_routes_after_a_served_nightly_append(real_prefect_server, tmp_path
     }
     assert all(lab == label_of(i) for i, lab in shown), rows
     for j in range(3):
-        assert digits.NUM_TRAIN + 1 + j in {r["proponent"] for r in rows if r["input"] == j}, rows
+        assert base + 1 + j in {r["proponent"] for r in rows if r["input"] == j}, rows
 
     assert f"({n} train rows" in out["run"][1], out["run"][1]  # complete: nothing to run
     text = out["show"][1]  # target 0's own digit, appended: among its proponents, with its label
-    assert f"{n} train rows" in text and re.search(rf"#{digits.NUM_TRAIN}\b\D*y={int(new_y[0])}", text), text
+    assert f"{n} train rows" in text and re.search(rf"#{base}\b\D*y={int(new_y[0])}", text), text
     text = out["query"][1]
     listed = {int(i): int(lab) for i, lab in re.findall(r"#(\d+) y=(\d+)", text)}
-    assert {digits.NUM_TRAIN + 1 + j for j in range(3)} <= set(listed), text
+    assert {base + 1 + j for j in range(3)} <= set(listed), text
     assert all(lab == label_of(i) for i, lab in listed.items()), text

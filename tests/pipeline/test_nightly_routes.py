@@ -1,19 +1,15 @@
 """The nightly demo over a folder of train files appends a new file's rows: the next run featurizes only them,
-solves the checkpoint again and refreshes the report, and one with nothing new featurizes nothing. After the
-append, every route that reads the demo's store sees the same train data as the run that grew it: the demo
-(``make demo``), ``trakflow run`` of the demo's attribute.yaml, ``trakflow show`` and ``trakflow query`` of it, and
-the ``query/digits`` deployment's request, each in a fresh environment (no ``TRAKFLOW_TRAIN_DIR``), the queries
-showing new rows with their own labels. In-process under the session's Prefect harness (the nightly's schedule
-itself is run by a real server in test_real_services.py)"""
+solves the checkpoint again and refreshes the report, and one with nothing new featurizes nothing; the demo
+(``make demo``, without the nightly's flag) then reads the train folder the store grew from. In-process under the
+session's Prefect harness (the nightly's schedule itself is run by a real server in test_nightly_real_server.py).
+The routes that read the grown store (``trakflow run``, ``show`` and ``query`` of the demo's attribute.yaml and the
+``query/digits`` deployment's request, new rows shown with their own labels) are asserted in fresh processes
+against a real server, after a served nightly append, in test_nightly_real_server.py."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
-import torch
-from typer.testing import CliRunner
 
 from examples import digits, folder_data
 from tasks.common import clear_data_cache
@@ -33,12 +29,8 @@ def _fresh(monkeypatch, demo):
 
 
 @pytest.mark.slow
-def test_every_demo_route_works_after_a_nightly_append(tmp_path, monkeypatch):
-    from deployments.serve import query_request
-    from examples.digits import demo_configs
+def test_nightly_appends_then_the_demo_reads_the_grown_folder(tmp_path, monkeypatch):
     from flows import digits_demo
-    from flows.query import query
-    from trakflow_cli.main import app
 
     demo = tmp_path / "demo"
     params = dict(demo_dir=str(demo), num_models=1, epochs=1, proj_dim=32, lambda_reg=1.0)
@@ -76,27 +68,3 @@ def test_every_demo_route_works_after_a_nightly_append(tmp_path, monkeypatch):
     _fresh(monkeypatch, demo)
     again = digits_demo(**params)["attribute"]
     assert again["plan"].train_set_size == n and again["featurize"]["computed"] == 0
-
-    # trakflow run / show / query of the demo's attribute.yaml, in a fresh environment
-    yaml_path = demo / "attribute.yaml"
-    queries = demo / "query.pt"
-    torch.save((new_x[:3], new_y[:3]), queries)  # new rows as inputs: each is its own top proponent
-    runner = CliRunner()
-    for args in (["run", yaml_path], ["show", yaml_path, "--target", 0], ["query", yaml_path, "--inputs", queries]):
-        _fresh(monkeypatch, demo)
-        out = runner.invoke(app, [str(a) for a in args])
-        assert out.exit_code == 0, (args, out.output)
-        if args[0] == "query":  # new rows among the proponents, each with its own label
-            shown = {int(i): int(lab) for i, lab in re.findall(r"#(\d+) y=(\d+)", out.output)}
-            new = {i: lab for i, lab in shown.items() if i >= digits.NUM_TRAIN}
-            assert new and all(lab == int(new_y[i - digits.NUM_TRAIN]) for i, lab in new.items()), out.output
-
-    # the query/digits deployment's request (the store's recorded train data), top-k holding new rows
-    _fresh(monkeypatch, demo)
-    _, attr = demo_configs(demo)
-    request = {**query_request(attr), "inputs": str(queries), "report_dir": None}
-    answer = query(request)
-    entries = [e for r in answer["rows"] for e in r["proponents"] + r["opponents"]]
-    new = [e for e in entries if e["index"] >= digits.NUM_TRAIN]
-    assert new and all(e["label"] == int(new_y[e["index"] - digits.NUM_TRAIN]) for e in new)
-    assert all(e["label"] == int(digits.train_data()[1][e["index"]]) for e in entries if e not in new)

@@ -134,31 +134,15 @@ def test_second_run_on_a_store_logs_no_conflict(setup):
     np.testing.assert_array_equal(scores(cfg), ref)
 
 
-def test_schedule_fires_and_completes(setup):
-    """A served deployment with a schedule due in a few seconds: the server's scheduler creates the run
-    (auto_scheduled), the serving process runs it, and the store holds the reference scores."""
+def test_schedule_fires_and_completes(setup, served):
+    """A served deployment with a schedule due in a few seconds (the ``served`` fixture's 'attribute/scheduled'):
+    the server's scheduler creates the run (auto_scheduled), the serving process runs it, and the store holds the
+    reference scores."""
     server, tmp, ckpt_dir, ref = setup
-    cfg = tiny_config(tmp, ckpt_dir, "scheduled")
-    (tmp / "scheduled.json").write_text(json.dumps(cfg))
-    script = tmp / "serve_scheduled.py"
-    script.write_text(
-        textwrap.dedent("""
-        import json, sys
-        from datetime import datetime, timedelta, timezone
-        from prefect import serve
-        from prefect.schedules import Interval
-        from flows import attribute
-
-        cfg = json.load(open(sys.argv[1]))
-        first = datetime.now(timezone.utc) + timedelta(seconds=8)
-        serve(attribute.to_deployment(name="scheduled", parameters={"config": cfg},
-                                      schedule=Interval(timedelta(hours=1), anchor_date=first)))
-    """)
-    )
-    proc = server.spawn([sys.executable, str(script), str(tmp / "scheduled.json")], "serve-scheduled")
-    run = wait_terminal(server, "scheduled", timeout=480, proc=proc)
+    cfg = tiny_config(tmp, ckpt_dir, "scheduled")  # the config the fixture gave the deployment
+    run = wait_terminal(server, "scheduled", timeout=480, proc=served)
     assert run.auto_scheduled, "the run was not created by the scheduler"
-    assert run.state_type.value == "COMPLETED", server.read_log("serve-scheduled")[-3000:]
+    assert run.state_type.value == "COMPLETED", server.read_log("serve-attribute")[-3000:]
     np.testing.assert_array_equal(scores(cfg), ref)
 
 
@@ -263,13 +247,30 @@ def test_real_dask_cluster_and_worker_kill(setup):
 
 @pytest.fixture(scope="module")
 def served(setup):
-    """The attribute flow served as deployment 'attribute/served' (no schedule), like `trakflow serve`."""
-    server, tmp, _, _ = setup
-    script = tmp / "serve_plain.py"
+    """One serving process (like `trakflow serve`) for two deployments of the attribute flow: 'attribute/served'
+    (no schedule) and 'attribute/scheduled' (the config of the store "scheduled", on a schedule whose first run is
+    due 8 s after the deployments are registered)."""
+    server, tmp, ckpt_dir, _ = setup
+    (tmp / "scheduled.json").write_text(json.dumps(tiny_config(tmp, ckpt_dir, "scheduled")))
+    script = tmp / "serve_attribute.py"
     script.write_text(
-        "from prefect import serve\nfrom flows import attribute\nserve(attribute.to_deployment(name='served'))\n"
+        textwrap.dedent("""
+        import json, sys
+        from datetime import datetime, timedelta, timezone
+        from prefect import serve
+        from prefect.schedules import Interval
+        from flows import attribute
+
+        cfg = json.load(open(sys.argv[1]))
+        first = datetime.now(timezone.utc) + timedelta(seconds=8)
+        serve(
+            attribute.to_deployment(name="served"),
+            attribute.to_deployment(name="scheduled", parameters={"config": cfg},
+                                    schedule=Interval(timedelta(hours=1), anchor_date=first)),
+        )
+    """)
     )
-    proc = server.spawn([sys.executable, str(script)], "serve-plain")
+    proc = server.spawn([sys.executable, str(script), str(tmp / "scheduled.json")], "serve-attribute")
     wait_for(lambda: "attribute/served" in _names(server), 300, "deployment attribute/served", poll=1.0, proc=proc)
     return proc
 
@@ -310,7 +311,7 @@ def test_busy_store_queues(setup, served):
         return len(states) == 2 and all(s in TERMINAL for s in states) and states
 
     states = wait_for(finished, 600, "both queued runs", poll=1.0, proc=served)
-    assert states == ["COMPLETED", "COMPLETED"], server.read_log("serve-plain")[-3000:]
+    assert states == ["COMPLETED", "COMPLETED"], server.read_log("serve-attribute")[-3000:]
     assert any("queued" in _logs(server, r.id) for r in runs), "no run waited in the store's queue"
     np.testing.assert_array_equal(scores(cfg), ref)
 
@@ -399,58 +400,3 @@ def test_long_lived_commands_stop_on_sigterm(setup, command, request):
     _, alive = psutil.wait_procs(family, timeout=max(0.1, 10 - (time.monotonic() - t0)))
     left = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [" ".join(p.cmdline()) for p in left]
-
-
-def test_nightly_schedule_appends_new_train_files(setup):
-    """The digits demo's nightly deployment (its parameters from deployments/serve.py; a small demo: one
-    checkpoint, one epoch) on a schedule due in a few seconds, after a first run and a new train file in the
-    demo's train folder: the scheduled run completes, the store holds the new rows too, and the old rows' chunk
-    files were not rewritten."""
-    from trakflow_demo_data import digits, folder_data
-
-    server, tmp, _, _ = setup
-    demo = tmp / "nightly"
-    small = dict(num_models=1, epochs=1, proj_dim=64, lambda_reg=1.0)
-    prelude = (
-        "import json, sys\nfrom deployments.serve import build_deployments\n"
-        "nightly = build_deployments(sys.argv[1])[0]\nassert nightly.name == 'nightly'\n"
-        f"params = {{**nightly.parameters, **{small!r}}}\n"
-    )
-    first = prelude + "from flows import digits_demo\ndigits_demo(**params)\n"
-    res = subprocess.run(
-        [sys.executable, "-c", first, str(demo)], env=server.env, cwd=REPO, capture_output=True, text=True, timeout=400
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    store = str(demo / "store.zarr")
-    old = TrakStore.open(store, mode="r")
-    assert old.meta.train_set_size == digits.NUM_TRAIN
-    old_rows = old.model(0).grads[:].copy()
-    chunk_files = sorted((demo / "store.zarr" / "models" / "0" / "grads" / "c").rglob("*"))
-    mtimes = {p: p.stat().st_mtime_ns for p in chunk_files if p.is_file()}
-
-    x, y = digits.heldout_data()
-    folder_data.save_part(demo / "train", (x[digits.NUM_TARGETS :], y[digits.NUM_TARGETS :]), 1)
-    script = tmp / "serve_nightly.py"
-    script.write_text(
-        prelude
-        + textwrap.dedent("""
-        from datetime import datetime, timedelta, timezone
-        from prefect import serve
-        from prefect.schedules import Interval
-        from flows import digits_demo
-
-        first = datetime.now(timezone.utc) + timedelta(seconds=8)
-        serve(digits_demo.to_deployment(name="nightly-now", parameters=params,
-                                        schedule=Interval(timedelta(hours=1), anchor_date=first)))
-    """)
-    )
-    proc = server.spawn([sys.executable, str(script), str(demo)], "serve-nightly")
-    run = wait_terminal(server, "nightly-now", timeout=300, proc=proc)
-    assert run.auto_scheduled, "the run was not created by the scheduler"
-    assert run.state_type.value == "COMPLETED", server.read_log("serve-nightly")[-3000:]
-    grown = TrakStore.open(store, mode="r")
-    n = digits.NUM_TRAIN + len(y) - digits.NUM_TARGETS
-    assert grown.meta.train_set_size == n and bool(grown.featurized_mask(0).all())
-    np.testing.assert_array_equal(grown.model(0).grads[: digits.NUM_TRAIN], old_rows)
-    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes  # the old rows' chunks were not written again
-    assert grown.scores("digits")[:].shape == (n, digits.NUM_TARGETS)
