@@ -103,6 +103,7 @@ CASES = (
         (
             f"python benchmarks/quality.py truth {LARGE}",
             f"python benchmarks/peers.py {LARGE} --proj-dims 512 2048 --json {J}peers.json",
+            'python benchmarks/peers.py --cases small-lm --columns "kronfluence identity" "kronfluence diagonal"',
             "python benchmarks/quality.py truth",
             f"python benchmarks/peers.py --cases {SMALL} --proj-dims 512 2048 --json {J}peers-small.json",
             f"python benchmarks/peers.py --cases {SMALL} --proj-dims 512 --cached --summary",

@@ -138,11 +138,8 @@ def column(name: str):
 COLUMNS = {"trakflow defaults": (_trakflow, True)}
 COLUMNS.update({name: column(name) for name in [f"trakflow curvature={c}" for c in CURVATURES] + [REL]})
 COLUMNS["trakflow dense"] = (_dense, True)
-for _s in KRON:
-    COLUMNS[f"kronfluence {_s}"] = (
-        lambda c, t, p, s=_s: kron_scores(c, t["states"], s),
-        False,
-    )
+for _s in KRON + ("identity", "diagonal"):  # the last two: kronfluence without its factors, or their diagonal
+    COLUMNS[f"kronfluence {_s}"] = (lambda c, t, p, s=_s: kron_scores(c, t["states"], s), False)
 COLUMNS["traker 0.3.2"] = (_traker, True)
 #: the defaults, the curvature options and kronfluence's (others by ``--columns``; traker's CPU projector takes hours)
 DEFAULT_COLUMNS = ["trakflow defaults"] + [f"trakflow curvature={c}" for c in CURVATURES]
