@@ -5,8 +5,7 @@ C checkpoints are trained on all train rows and M models on random half subsets 
 ground truth is the subset models' outputs on held-out targets, cached under ``.cache/lds/`` (``truth_key``), as are
 X, Q, G per (case, projector kind, proj_dim, checkpoint). Scores follow the pipeline's formula (float64 XᵀX, traker's
 rescale and checkpoint combination) in XᵀX's eigenbasis, so many ``lambda_reg`` settings are cheap (``Solver``,
-checked against a brute-force inverse in tests/benchmarks). LDS = the mean over targets of the Spearman correlation
-over subsets; 95 % bootstraps over targets.
+checked against a brute-force inverse in tests/benchmarks). LDS: the mean over targets of the Spearman correlation.
 
     .venv/bin/python benchmarks/quality.py truth                         # train / load all ground truths
     .venv/bin/python benchmarks/quality.py eval --kinds dense --proj-dims 256 2048 --settings 0 adaptive --json d.json
@@ -44,6 +43,7 @@ from trak_core.projection.factored import FactoredProjector  # noqa: E402
 from trak_core.projection.projectors import make_projector  # noqa: E402
 from trak_core.scoring.combine import combine_checkpoints, features_block, scores_block  # noqa: E402
 from trak_core.solve.damping import cholesky_inverse, parse_lambda_reg  # noqa: E402
+from trak_core.solve.lambda_rules import unfit_share_of_task  # noqa: E402
 from trak_core.solve.reduce import RowSums  # noqa: E402
 
 CACHE = os.path.join(ROOT, ".cache", "lds")
@@ -367,8 +367,8 @@ def features(case: Case, truth: dict, kind: str, proj_dim: int, ckpt: int, seed:
 class Solver:
     """One checkpoint's XᵀX, eigendecomposition and the inverse for any λ (traker's rescale included)."""
 
-    def __init__(self, f: dict) -> None:
-        self.x = torch.from_numpy(f["X"])
+    def __init__(self, f: dict, unfit: float | None = None) -> None:  # unfit: unfit_share_of_task(the case's task)
+        self.x, self.unfit = torch.from_numpy(f["X"]), unfit
         self.g = torch.from_numpy(f["G"])
         self.q = f["Q"].astype(np.float64)
         self.n = self.x.shape[0]
@@ -391,6 +391,7 @@ class Solver:
             qtq=self.qtq,
             row_norm4=self.norm4,
             q2x2=self.q2x2,
+            unfit=self.unfit,
         )
 
     def inverse(self, lam: float) -> torch.Tensor:
@@ -430,7 +431,8 @@ def evaluate(
     case: Case, truth: dict, kind: str, proj_dim: int, settings: list, num_ckpts: int = NUM_CKPTS, seed: int = 0
 ) -> list[dict]:
     """Per setting: LDS, its interval, per-target correlations, resolved λ per checkpoint, d_eff / min(n, p)."""
-    solvers = [Solver(features(case, truth, kind, proj_dim, c, seed)) for c in range(num_ckpts)]
+    unfit = unfit_share_of_task(case.task)
+    solvers = [Solver(features(case, truth, kind, proj_dim, c, seed), unfit) for c in range(num_ckpts)]
     return [{"case": case.name, "kind": kind, **r} for r in solver_rows(solvers, settings, truth)]
 
 

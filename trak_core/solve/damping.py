@@ -459,6 +459,7 @@ def solve(
     qtq=None,
     row_norm4=None,
     q2x2=None,
+    unfit=None,
     ggn: np.ndarray | None = None,
     out_to_loss: np.ndarray | None = None,
     linalg_device=None,
@@ -471,6 +472,7 @@ def solve(
         rule: the parsed ``lambda_reg`` (:func:`parse_lambda_reg`).
         rescale: divide the inverse by its mean |entry|, as traker does.
         xtq, qtq, row_norm4, q2x2: the row sums the rule asks for (``rule.needs_*``), else None.
+        unfit: the rows' unfit share where the task's q does not measure it (``uresid``), else None.
         ggn, out_to_loss: XᵀRX's partial sum and the stored Q, for ``curvature="ggn"``; None for XᵀX.
         linalg_device: where the eigenvalues and inverses are computed: None on the host (LAPACK through scipy,
             faster on a CPU), a torch device (a GPU's) with torch there.
@@ -483,7 +485,7 @@ def solve(
     xtx_d = xtx_t if linalg_device is None else dl.on_device(xtx_t, linalg_device)  # where it is inverted
     n = n_rows
     kw: dict[str, Any] = {}
-    for name, value in (("xtq", xtq), ("qtq", qtq), ("row_norm4", row_norm4), ("q2x2", q2x2)):
+    for name, value in (("xtq", xtq), ("qtq", qtq), ("row_norm4", row_norm4), ("q2x2", q2x2), ("unfit", unfit)):
         if value is not None:
             kw[name] = value
     fast = None

@@ -85,6 +85,11 @@ class LambdaRule:
     rms: float = 0.0  # > 0: a ``uresid`` part, the root-mean-square q at and above which the rows count as unfit
 
     @property
+    def has_unfit_share(self) -> bool:
+        """Whether a part is ``uresid`` (it reads the rows' unfit share)."""
+        return self.rms > 0 or any(r.has_unfit_share for r in self.parts)
+
+    @property
     def needs_row_norm4(self) -> bool:
         """Whether :meth:`resolve` needs Σᵢ‖xᵢ‖⁴ over the train rows (a ``neff`` part)."""
         return self.neff or any(r.needs_row_norm4 for r in self.parts)
@@ -108,17 +113,20 @@ class LambdaRule:
         qtq: float | None = None,
         row_norm4: float | None = None,
         q2x2: float | None = None,
+        unfit: float | None = None,
     ) -> float:
         """The absolute λ for this XᵀX (trace / p is its mean eigenvalue). ``n_rows`` (the number of train rows
         summed into XᵀX) and precomputed ``eigenvalues`` are used by the ``deff`` rule only; ``xtq`` = Xᵀq (p,)
         and ``qtq`` = qᵀq, with q the train rows' out-to-loss weights Q (both sums over rows, accumulated like
         XᵀX), by the ``resid`` rule only; ``row_norm4`` = Σᵢ‖xᵢ‖⁴ over the train rows (a sum over rows like XᵀX)
-        by the ``neff`` rule only, ``q2x2`` = Σᵢqᵢ²‖xᵢ‖² by the ``cresid`` rule only."""
+        by the ``neff`` rule only, ``q2x2`` = Σᵢqᵢ²‖xᵢ‖² by the ``cresid`` rule only; ``unfit``: the rows' unfit
+        share where q does not measure it (:func:`unfit_share_of_task`), else None (from qᵀq)."""
         if self.parts:
             if eigenvalues is None and any(r.deff or r.neff for r in self.parts):
                 eigenvalues = _checked_eigenvalues(xtx)
             return max(
-                r.resolve(xtx, n_rows, eigenvalues, xtq, qtq, row_norm4=row_norm4, q2x2=q2x2) for r in self.parts
+                r.resolve(xtx, n_rows, eigenvalues, xtq, qtq, row_norm4=row_norm4, q2x2=q2x2, unfit=unfit)
+                for r in self.parts
             )
         if self.neff:
             if eigenvalues is None:
@@ -132,7 +140,9 @@ class LambdaRule:
             return self.factor * residual_rayleigh(xtq, qtq)
         if self.cresid:
             lam = self.factor * coherent_residual(xtq, qtq, q2x2)
-            return lam * unfit_share(qtq, n_rows, self.rms) if self.rms > 0 else lam
+            if self.rms <= 0:
+                return lam
+            return lam * (unfit_share(qtq, n_rows, self.rms) if unfit is None else unfit)
         if not self.relative:
             return self.factor
         return float(self.factor * torch.trace(xtx.to(torch.float64)) / xtx.shape[0])
@@ -198,6 +208,19 @@ def unfit_share(qtq: float | None, n_rows: int | None, rms: float = UNFIT_RMS) -
     if not math.isfinite(q2) or q2 < 0:
         raise BadInputError(f"lambda_reg 'uresid'/'adaptive': qᵀq must be finite and >= 0, got {qtq!r}")
     return min(1.0, q2 / float(n_rows) / rms**2)
+
+
+#: the model outputs (their class names, or the task names that make them) whose q does not say how well a model
+#: fits its rows: a causal LM's sequence-level q = 1 − p(sequence) is near 1 for any model (p of a text of tens of
+#: tokens is tiny), so :func:`unfit_share_of_task` gives them no unfit share and ``uresid`` adds nothing
+SEQUENCE_OUTPUTS = frozenset({"CausalLMModelOutput", "causal_lm"})
+
+
+def unfit_share_of_task(task) -> float | None:
+    """0.0 for a task whose q does not measure the fit (:data:`SEQUENCE_OUTPUTS`; a name, or an output by its
+    class name), None otherwise (the share comes from qᵀq: :func:`unfit_share`)."""
+    name = task if isinstance(task, str) else type(task).__name__
+    return 0.0 if name in SEQUENCE_OUTPUTS else None
 
 
 def effective_rows(xtx: Tensor, row_norm4: float | None) -> float:

@@ -24,6 +24,7 @@ from trak_core.scoring.streaming import grads_right_hand, page_array, stream_sco
 from trak_core.solve.damping import LambdaRule, loss_curvature, parse_lambda_reg, solve
 from trak_core.solve.kfac import KFAC_CURVATURES
 from trak_core.solve.kfac import finalize_inverse as kfac_finalize
+from trak_core.solve.lambda_rules import unfit_share_of_task
 from trak_core.store import RunStore, experiment_array, model_array, pack_upper, target_array, unpack_upper
 
 #: bytes of one float64 block of rows in :func:`shard_partial` on a GPU (4,096 rows at proj_dim 2048)
@@ -449,6 +450,8 @@ def _solve_inputs(store: RunStore, model_id: int, rule: LambdaRule, sums: RowSum
             kw["row_norm4"] = sums.row_norm4
         if rule.needs_q2x2:
             kw["q2x2"] = sums.q2x2
+    if rule.has_unfit_share and unfit_share_of_task(store.meta.task) is not None:  # (a causal LM's q ≈ 1)
+        kw["unfit"] = unfit_share_of_task(store.meta.task)
     if store.meta.curvature == "ggn":
         kw["ggn"], kw["out_to_loss"] = ggn, store.read_rows(model_array(model_id, "out_to_loss"), slice(None))
     return kw

@@ -410,3 +410,57 @@ def test_finalize_resolves_neff_and_cresid_from_the_shard_partials(tmp_path, n, 
     )
     assert info["lambda_reg"] == pytest.approx(want, rel=1e-3)
     assert info["lambda_setting"] == parse_lambda_reg(setting).setting
+
+
+# ---------------------------------------------------------------- a causal LM's q does not measure its fit
+def test_a_causal_lm_gets_no_unfit_share():
+    """q = 1 − p(sequence) is near 1 for any causal LM: its task gives the unfit share 0, so ``adaptive`` is its
+    ``neff`` part (what ``uresid`` would add otherwise is checked to be larger here), other tasks keep the share
+    from qᵀq; the share may also be given to the rule directly."""
+    from trak_core.featurize.modelout import CausalLMModelOutput, ImageClassificationModelOutput
+    from trak_core.solve.lambda_rules import unfit_share_of_task
+
+    assert unfit_share_of_task("causal_lm") == 0.0 == unfit_share_of_task(CausalLMModelOutput())
+    assert unfit_share_of_task("CausalLMModelOutput") == 0.0
+    assert unfit_share_of_task("image_classification") is None is unfit_share_of_task(ImageClassificationModelOutput())
+    g = np.random.default_rng(3)
+    x = g.standard_normal((400, 60)) * 0.9 ** np.arange(60) + 2.0 * g.standard_normal(60) * 0.9 ** np.arange(60)
+    q = 1.0 - g.uniform(0.0, 1e-6, 400)  # sequences' q: 1 − a tiny probability
+    xt = torch.from_numpy(x)
+    kw = dict(n_rows=400, xtq=torch.from_numpy(x.T @ q), qtq=float(q @ q), q2x2=float((q**2 * (x**2).sum(1)).sum()))
+    kw["row_norm4"] = float(((x**2).sum(1) ** 2).sum())
+    neff = parse_lambda_reg(f"neff:{ADAPTIVE_NEFF:g}").resolve(xt.T @ xt, **kw)
+    assert parse_lambda_reg(ADAPTIVE).resolve(xt.T @ xt, **kw) > 2 * neff  # the share from q: 1
+    assert parse_lambda_reg(ADAPTIVE).resolve(xt.T @ xt, **kw, unfit=0.0) == pytest.approx(neff, rel=1e-12)
+    half = parse_lambda_reg("uresid:10").resolve(xt.T @ xt, **kw, unfit=0.5)
+    assert half == pytest.approx(0.5 * parse_lambda_reg("cresid:10").resolve(xt.T @ xt, **kw), rel=1e-12)
+
+
+@pytest.mark.parametrize("task", ["CausalLMModelOutput", "ImageClassificationModelOutput"])
+def test_finalize_of_a_causal_lm_store_resolves_adaptive_without_the_unfit_share(tmp_path, task):
+    """finalize (the one path of TRAKer and the pipeline, reduce.finalize_model) reads the store's task: a causal
+    LM's ``adaptive`` λ is its ``neff`` part's; a classifier's, with the same rows, the one with the share from qᵀq."""
+    from trak_core.solve import reduce
+    from trak_core.store import StoreMetadata, TrakStore
+
+    n, p = 300, 40
+    g = np.random.default_rng(11)
+    x = (g.standard_normal((n, p)) * 0.9 ** np.arange(p) + 2.0 * g.standard_normal(p) * 0.9 ** np.arange(p)).astype(
+        np.float32
+    )
+    q = (1.0 - g.uniform(0.0, 1e-3, n)).astype(np.float32)
+    meta = StoreMetadata(train_set_size=n, grad_dim=2 * p, proj_dim=p, dtype="float32", chunk_rows=50, task=task)
+    st = TrakStore.create_or_open(str(tmp_path / "s"), meta)
+    st.init_model(0)
+    st.write_train_rows(0, slice(0, n), x, q)
+    info = reduce.finalize_model(st, 0, "adaptive", rescale=False)
+    x64, q64 = x.astype(np.float64), q.astype(np.float64)
+    rn = (x64**2).sum(axis=1)
+    kw = dict(n_rows=n, xtq=torch.from_numpy(x64.T @ q64), qtq=float(q64 @ q64), row_norm4=float(rn @ rn))
+    kw["q2x2"] = float((q64**2) @ rn)
+    xtx = torch.from_numpy(x64.T @ x64)
+    neff = parse_lambda_reg(f"neff:{ADAPTIVE_NEFF:g}").resolve(xtx, **kw)
+    full = parse_lambda_reg(ADAPTIVE).resolve(xtx, **kw)
+    assert full > 2 * neff
+    want = neff if task == "CausalLMModelOutput" else full
+    assert info["lambda_reg"] == pytest.approx(want, rel=1e-6) and info["lambda_setting"] == ADAPTIVE
