@@ -450,8 +450,9 @@ def _solve_inputs(store: RunStore, model_id: int, rule: LambdaRule, sums: RowSum
             kw["row_norm4"] = sums.row_norm4
         if rule.needs_q2x2:
             kw["q2x2"] = sums.q2x2
-    if rule.has_unfit_share and unfit_share_of_task(store.meta.task) is not None:  # (a causal LM's q ≈ 1)
-        kw["unfit"] = unfit_share_of_task(store.meta.task)
+    unfit = unfit_share_of_task(store.meta.task) if rule.has_unfit_share else None
+    if unfit is not None:  # a causal LM's q (≈ 1) says nothing of its fit
+        kw["unfit"] = unfit
     if store.meta.curvature == "ggn":
         kw["ggn"], kw["out_to_loss"] = ggn, store.read_rows(model_array(model_id, "out_to_loss"), slice(None))
     return kw
