@@ -36,6 +36,9 @@ GRACE_SECONDS = 10.0
 #: marks the ephemeral server's command line (and the pid files that record it)
 SERVER_MARK = "prefect.server.api.server:create_app"
 PIDFILE_GLOB = "trakflow-ephemeral-server-*.json"
+#: the ephemeral server's own output (uvicorn and the database's errors, e.g. a query cut short when the server
+#: is stopped), appended under PREFECT_HOME rather than printed between the CLI's lines
+SERVER_LOG = "trakflow-ephemeral-server.log"
 #: seconds the ephemeral server may take to answer its first request: Prefect's default (20 s) is exceeded on a
 #: busy 2-core machine; PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, when set, is used instead
 EPHEMERAL_STARTUP_SECONDS = 120
@@ -83,8 +86,11 @@ def child_pids() -> set[int]:
 
 def stop_children(keep: set[int], grace: float = 3.0) -> list[int]:
     """SIGTERM this process's descendants not in ``keep`` (the ones started since), SIGKILL those left after
-    ``grace`` seconds; returns their pids."""
+    ``grace`` seconds; returns their pids. Prefect's log worker, which would report (on stderr, between the
+    CLI's lines) each batch it can no longer send to the stopped server, is silenced first: the run is over."""
     import psutil
+
+    logging.raiseExceptions = False  # Prefect's APILogWorker writes its send errors only while this is set
 
     try:
         procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep]
@@ -199,8 +205,9 @@ def stop_stale_servers(home: Path) -> list[int]:
 
 def start_ephemeral_server() -> None:
     """Start Prefect's ephemeral server now, from the main thread, when no API URL is set (Prefect would
-    start the same one on the flow's first API call): its process gets the parent-death signal, and its pid
-    is recorded (removed again at exit) after stopping servers left by CLIs that are gone."""
+    start the same one on the flow's first API call): its process gets the parent-death signal, its output goes
+    to :data:`SERVER_LOG` under PREFECT_HOME, and its pid is recorded (removed again at exit) after stopping
+    servers left by CLIs that are gone."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME
 
@@ -211,26 +218,35 @@ def start_ephemeral_server() -> None:
         return
     home = Path(PREFECT_HOME.value()).expanduser()
     stop_stale_servers(home)
-    preexec = _pdeathsig_preexec()
-    if preexec is not None and threading.current_thread() is threading.main_thread():
-        original = server._run_uvicorn_command
+    preexec = _pdeathsig_preexec() if threading.current_thread() is threading.main_thread() else None
+    home.mkdir(parents=True, exist_ok=True)
+    log = open(home / SERVER_LOG, "ab")  # noqa: SIM115  (closed once the server answers)
+    original = server._run_uvicorn_command
 
-        def run_uvicorn():  # Prefect's own command, with the death signal set in the child
-            popen = subprocess.Popen
+    def run_uvicorn():  # Prefect's own command: its output to the log, the death signal set in the child
+        popen = subprocess.Popen
 
-            def popen_dying_with_parent(*args, **kwargs):
+        def popen_logged(*args, **kwargs):
+            kwargs.setdefault("stdout", log)
+            kwargs.setdefault("stderr", subprocess.STDOUT)
+            if preexec is not None:
                 kwargs.setdefault("preexec_fn", preexec)
-                return popen(*args, **kwargs)
+            return popen(*args, **kwargs)
 
-            subprocess.Popen = popen_dying_with_parent  # type: ignore[misc]
-            try:
-                return original()
-            finally:
-                subprocess.Popen = popen  # type: ignore[misc]
+        subprocess.Popen = popen_logged  # type: ignore[misc]
+        try:
+            return original()
+        finally:
+            subprocess.Popen = popen  # type: ignore[misc]
 
-        server._run_uvicorn_command = run_uvicorn  # type: ignore[method-assign]
+    server._run_uvicorn_command = run_uvicorn  # type: ignore[method-assign]
     chosen = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in os.environ
-    server.start(timeout=None if chosen else EPHEMERAL_STARTUP_SECONDS)
+    try:
+        server.start(timeout=None if chosen else EPHEMERAL_STARTUP_SECONDS)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} The server's output is in {home / SERVER_LOG}") from e
+    finally:
+        log.close()  # the server process holds its own copy
     proc = server.server_process
     if proc is None:  # pragma: no cover
         return

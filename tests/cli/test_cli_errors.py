@@ -263,6 +263,8 @@ def test_signal_leaves_no_process_behind(tmp_path, signal_home, sig):
         assert server, f"the ephemeral server was not among the CLI's children: {_alive(list(seen.values()))}"
         recorded = list(home.glob(lifecycle.PIDFILE_GLOB))
         assert [json.loads(f.read_text())["pid"] for f in recorded] == [server[0].pid]
+        if Path(f"/proc/{server[0].pid}/fd/2").exists():  # its errors (after the signal) go to its log
+            assert os.readlink(f"/proc/{server[0].pid}/fd/2") == str(home / lifecycle.SERVER_LOG)
         t0 = time.monotonic()
         proc.send_signal(sig)
         rc = proc.wait(timeout=30)
@@ -386,3 +388,61 @@ def test_ephemeral_server_gets_a_startup_timeout_a_busy_machine_meets(tmp_path, 
         lifecycle.start_ephemeral_server()
     assert lifecycle.EPHEMERAL_STARTUP_SECONDS > 20
     assert seen == [lifecycle.EPHEMERAL_STARTUP_SECONDS if env_timeout is None else None]
+
+
+def test_ephemeral_server_output_goes_to_its_log_not_between_the_cli_lines(tmp_path, monkeypatch, capfd):
+    """What the ephemeral server prints (uvicorn's and the database's errors, e.g. when it is stopped mid-query
+    after a signal) is appended to SERVER_LOG under PREFECT_HOME, not to the CLI's console; a server that does
+    not come up is reported with that log's path."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    def fake_uvicorn(self):  # Prefect's command, stood in by a child that writes to both streams
+        code = "import sys; print('server out'); print('Traceback: server err', file=sys.stderr)"
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    def fake_start(self, timeout=None):
+        self._run_uvicorn_command().wait(timeout=60)
+        self.server_process = None
+
+    monkeypatch.setattr(SubprocessASGIServer, "_run_uvicorn_command", fake_uvicorn)
+    monkeypatch.setattr(SubprocessASGIServer, "start", fake_start)
+    monkeypatch.setattr(SubprocessASGIServer, "_instances", {})
+    home = temporary_settings(updates={PREFECT_HOME: str(tmp_path)}, restore_defaults={PREFECT_API_URL})
+    with home:
+        lifecycle.start_ephemeral_server()
+    out, err = capfd.readouterr()
+    assert "server" not in out + err
+    logged = (tmp_path / lifecycle.SERVER_LOG).read_text()
+    assert "server out" in logged and "Traceback: server err" in logged
+    assert subprocess.Popen.__name__ == "Popen"  # the stand-in is gone again
+
+    def failed_start(self, timeout=None):
+        raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server.")
+
+    monkeypatch.setattr(SubprocessASGIServer, "start", failed_start)
+    home = temporary_settings(updates={PREFECT_HOME: str(tmp_path)}, restore_defaults={PREFECT_API_URL})
+    with home, pytest.raises(RuntimeError) as e:
+        lifecycle.start_ephemeral_server()
+    assert str(tmp_path / lifecycle.SERVER_LOG) in str(e.value)
+
+
+def test_stopping_the_run_silences_prefects_log_sends_to_the_stopped_server(monkeypatch, capfd):
+    """After a signal the CLI stops the server; Prefect's log worker would then write `--- Error logging to API
+    ---` and the connection error (with no newline) onto stderr, ahead of the CLI's one error line."""
+    import asyncio
+
+    from prefect.logging.handlers import APILogWorker
+
+    class Gone:
+        async def create_logs(self, items):
+            raise ConnectionError("All connection attempts failed")
+
+    worker = APILogWorker.__new__(APILogWorker)  # only _handle_batch is exercised: no thread, no client
+    worker._client = Gone()
+    monkeypatch.setattr(logging, "raiseExceptions", True)
+    asyncio.run(worker._handle_batch([{"message": "m"}]))
+    assert "Error logging to API" in capfd.readouterr().err  # what a user saw before
+    lifecycle.stop_children(keep=lifecycle.child_pids())
+    asyncio.run(worker._handle_batch([{"message": "m"}]))
+    assert capfd.readouterr().err == ""
