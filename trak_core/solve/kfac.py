@@ -7,7 +7,9 @@ For an ``nn.Linear`` layer (weight W, d_out × d_in, and its bias; a transformer
 layer without its bias, its block the transposed view: A and S change sides) one example's gradient is the augmented
 matrix G = Σ_t δ_t ãᵀ_t (d_out × (d_in [+1])), ã_t = [a_t; 1] the layer's input at position t (with a 1 for the
 bias), δ_t = √r · ∂f/∂(layer output)_t, f the task's model output (TRAK's margin) and r = Q(1 − Q) the curvature
-of the loss in f (:func:`trak_core.solve.damping.loss_curvature`, the weighting of ``curvature="ggn"``). K-FAC
+of the loss in f (:func:`trak_core.solve.damping.loss_curvature`, the weighting of ``curvature="ggn"``); r = 1 for a
+causal LM, whose r ≈ 0 on every sequence says nothing of its fit (:func:`~trak_core.solve.lambda_rules.q_measures_fit`:
+S is then the output gradients' own second moment, as XᵀX weighs its rows). K-FAC
 approximates that block's curvature by
 
     H ≈ S ⊗ A,   A = (1/T) Σ_{n,t} ã ãᵀ  (T positions in all),   S = (1/N) Σ_{n,t} δ δᵀ  (N examples),
@@ -150,6 +152,7 @@ def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dic
     one forward of the task's output per example (vmap) and one backward of their sum (each example's δ is its
     own: vmap gives each example its own zero probe added to the layer's output)."""
     from trak_core.solve.damping import loss_curvature
+    from trak_core.solve.lambda_rules import q_measures_fit
 
     model, task, gc = feat.model, feat.task, feat.gradient_computer
     weights, buffers = gc._weights(), gc._buffers()
@@ -195,8 +198,11 @@ def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dic
         ctx["e"] = None
         for h in handles:
             h.remove()
-    q = gc.compute_loss_grad(batch)
-    root_r = torch.from_numpy(np.sqrt(np.maximum(loss_curvature(q.detach().cpu()), 0.0))).to(feat.device)
+    if q_measures_fit(task):  # S of the loss's Gauss-Newton: δ scaled by √r, r = Q(1 − Q)
+        q = gc.compute_loss_grad(batch)
+        root_r = torch.from_numpy(np.sqrt(np.maximum(loss_curvature(q.detach().cpu()), 0.0))).to(feat.device)
+    else:  # r ≈ 0 for every sequence says nothing of the fit: S of the output's own gradients (as XᵀX, R = I)
+        root_r = torch.ones(bsz, dtype=torch.float64, device=feat.device)
     a_out, d_out = {}, {}
     for s, g in zip(used, grads, strict=True):
         a = acts[s.name].to(torch.float64).reshape(bsz, -1, s.d_in)

@@ -216,11 +216,18 @@ def unfit_share(qtq: float | None, n_rows: int | None, rms: float = UNFIT_RMS) -
 SEQUENCE_OUTPUTS = frozenset({"CausalLMModelOutput", "causal_lm"})
 
 
-def unfit_share_of_task(task) -> float | None:
-    """0.0 for a task whose q does not measure the fit (:data:`SEQUENCE_OUTPUTS`; a name, or an output by its
-    class name), None otherwise (the share comes from qᵀq: :func:`unfit_share`)."""
+def q_measures_fit(task) -> bool:
+    """Whether a task's q = 1 − p measures how well a row is fit: False for :data:`SEQUENCE_OUTPUTS` (a name, or an
+    output by its class name), whose p is a whole sequence's probability, near 0 for any model, so q ≈ 1 and the
+    Gauss-Newton weight q(1 − q) ≈ 0 (exactly 0 in float32) for nearly every row."""
     name = task if isinstance(task, str) else type(task).__name__
-    return 0.0 if name in SEQUENCE_OUTPUTS else None
+    return name not in SEQUENCE_OUTPUTS
+
+
+def unfit_share_of_task(task) -> float | None:
+    """0.0 for a task whose q does not measure the fit (:func:`q_measures_fit`), None otherwise (the share comes
+    from qᵀq: :func:`unfit_share`)."""
+    return None if q_measures_fit(task) else 0.0
 
 
 def effective_rows(xtx: Tensor, row_norm4: float | None) -> float:

@@ -488,3 +488,46 @@ def test_a_causal_lm_s_factors_do_not_depend_on_its_padding():
     real = h[mask.bool()]
     np.testing.assert_allclose(fits[1].blocks["transformer.h.0.attn.c_attn"][1], (real.T @ real / len(real)).numpy(),
                                rtol=1e-9, atol=1e-12)  # fmt: skip
+
+
+def test_a_causal_lm_s_is_its_output_gradients_second_moment():
+    """A causal LM's q = 1 − p(sequence) is near 1 (1 in float32 for real texts), so S weighted by q(1 − q) would
+    vanish: S is Σ_t δ_t δ_tᵀ / N of the sequence output's own gradients δ_t with respect to the layer's output at
+    each real token (brute force: autograd per text), unweighted."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from trak_core.featurize.modelout import CausalLMModelOutput
+
+    torch.manual_seed(1)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=13, n_positions=12, n_embd=8, n_layer=1, n_head=2)).double().eval()
+    lengths = [7, 4, 6, 3, 7]
+    ids = torch.zeros(len(lengths), 7, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(2, 13, (n,), generator=torch.Generator().manual_seed(30 + i))
+    mask = (torch.arange(7) < torch.tensor(lengths)[:, None]).long()
+    batch = [ids, mask, torch.where(mask.bool(), ids, torch.full_like(ids, -100))]
+    gd = sum(p.numel() for p in model.parameters())
+    feat = Featurizer(model, "causal_lm", make_projector("noop", gd, gd, 0, "rademacher", device="cpu"),
+                      dtype=torch.float64)  # fmt: skip
+    feat.load_state(model.state_dict())
+    r = feat.out_to_loss(batch, 0, range(5)).double().numpy()
+    assert np.all(r * (1 - r) < 0.01)  # the weights S would have had
+    with pytest.warns(UserWarning):
+        pre = kfac.fit_factors(feat, lambda: [[t[:3] for t in batch], [t[3:] for t in batch]], "kfac")
+    task = CausalLMModelOutput()
+    params = dict(model.named_parameters())
+    for name in ("transformer.h.0.attn.c_attn", "transformer.h.0.mlp.c_proj"):
+        layer, s = model.get_submodule(name), 0
+        for i in range(len(lengths)):
+            kept = {}
+            handle = layer.register_forward_hook(lambda m, a, o: (o.retain_grad(), kept.setdefault("o", o))[1])
+            try:
+                out = task.get_output(model, params, {}, *[t[i] for t in batch])
+            finally:
+                handle.remove()
+            (d,) = torch.autograd.grad(out, kept["o"])
+            d = d.reshape(-1, d.shape[-1])[: lengths[i]].detach().numpy()
+            s = s + d.T @ d
+        got = pre.blocks[name][2]
+        assert np.abs(got).max() > 0
+        np.testing.assert_allclose(got, s / len(lengths), rtol=1e-8, atol=1e-12 * np.abs(s).max())
