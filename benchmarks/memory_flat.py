@@ -1,6 +1,6 @@
 """Peak RSS of featurize, finalize and score against the number of train rows n (RESULTS.md, "Memory flat in n").
 
-Each phase runs in a fresh subprocess (peak RSS = ru_maxrss of that process), on a store of n rows of
+Each phase runs in a fresh subprocess (peak RSS = that process's own high-water mark, VmHWM), on a store of n rows of
 proj_dim-dim features from a small MLP through TRAKer's defaults. ``delta_rss_mib`` is the peak minus the RSS
 after the imports (the phase's own memory). tests/trak_core/test_memory_flat.py runs the same phases at moderate n.
 
@@ -20,11 +20,23 @@ from common import fresh_json, md_table, write_json  # noqa: E402
 PHASE_CODE = r"""
 import json, logging, resource, sys, time, warnings
 import numpy as np, torch
+
+
+def high_water_kib():
+    # this process's own high-water mark (VmHWM); ru_maxrss also counts the parent's, inherited when it started
+    # this process (a large parent, e.g. a test worker, would be all it shows)
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+    except OSError:  # no /proc (macOS: ru_maxrss in bytes there)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform == "darwin" else 1)
+
+
 torch.manual_seed(0)
 import trak_core
 phase, store = sys.argv[1], sys.argv[2]
 n, p, m, bs = (int(a) for a in sys.argv[3:7])
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = high_water_kib()
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
 tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=n, save_dir=store, device="cpu",
                       proj_dim=p, lambda_reg=1e-3, logging_level=logging.ERROR)
@@ -46,7 +58,7 @@ elif phase == "score":
     tr.score((x, y), num_samples=m)
     s = tr.finalize_scores("bench")
     assert s.shape == (n, m)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = high_water_kib()
 print(json.dumps({"phase": phase, "n": n, "peak_rss_mib": peak / 1024, "baseline_rss_mib": base / 1024,
                   "delta_rss_mib": (peak - base) / 1024, "seconds": time.perf_counter() - t,
                   "projector": tr.store.meta.projector}))
