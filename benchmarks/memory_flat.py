@@ -18,25 +18,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fresh_json, md_table, write_json  # noqa: E402
 
 PHASE_CODE = r"""
-import json, logging, resource, sys, time, warnings
+import json, logging, sys, time, warnings
 import numpy as np, torch
-
-
-def high_water_kib():
-    # this process's own high-water mark (VmHWM); ru_maxrss also counts the parent's, inherited when it started
-    # this process (a large parent, e.g. a test worker, would be all it shows)
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
-    except OSError:  # no /proc (macOS: ru_maxrss in bytes there)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform == "darwin" else 1)
-
-
+def hwm():  # own peak (KiB): ru_maxrss also holds the parent's mark, inherited at this process's start
+    return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
 torch.manual_seed(0)
 import trak_core
 phase, store = sys.argv[1], sys.argv[2]
 n, p, m, bs = (int(a) for a in sys.argv[3:7])
-base = high_water_kib()
+base = hwm()
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
 tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=n, save_dir=store, device="cpu",
                       proj_dim=p, lambda_reg=1e-3, logging_level=logging.ERROR)
@@ -58,10 +48,9 @@ elif phase == "score":
     tr.score((x, y), num_samples=m)
     s = tr.finalize_scores("bench")
     assert s.shape == (n, m)
-peak = high_water_kib()
-print(json.dumps({"phase": phase, "n": n, "peak_rss_mib": peak / 1024, "baseline_rss_mib": base / 1024,
-                  "delta_rss_mib": (peak - base) / 1024, "seconds": time.perf_counter() - t,
-                  "projector": tr.store.meta.projector}))
+peak = hwm()
+print(json.dumps({"phase": phase, "n": n, "peak_rss_mib": peak / 1024, "baseline_rss_mib": base / 1024, "delta_rss_mib":
+                  (peak - base) / 1024, "seconds": time.perf_counter() - t, "projector": tr.store.meta.projector}))
 """
 
 
@@ -74,9 +63,8 @@ def run(sizes, proj_dim, targets, batch):
     rows = []
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
-            store = os.path.join(tmp, "store")
             for phase in ("featurize", "finalize", "score"):
-                rows.append(run_phase(phase, store, n, proj_dim, targets, batch))
+                rows.append(run_phase(phase, os.path.join(tmp, "store"), n, proj_dim, targets, batch))
                 print(rows[-1], flush=True)
     return rows
 
