@@ -1,6 +1,6 @@
 """Peak RSS of featurize, finalize and score against the number of train rows n (RESULTS.md, "Memory flat in n").
 
-Each phase runs in a fresh subprocess (peak RSS = ru_maxrss of that process), on a store of n rows of
+Each phase runs in a fresh subprocess (peak RSS = that process's own high-water mark, VmHWM), on a store of n rows of
 proj_dim-dim features from a small MLP through TRAKer's defaults. ``delta_rss_mib`` is the peak minus the RSS
 after the imports (the phase's own memory). tests/trak_core/test_memory_flat.py runs the same phases at moderate n.
 
@@ -18,13 +18,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import fresh_json, md_table, write_json  # noqa: E402
 
 PHASE_CODE = r"""
-import json, logging, resource, sys, time, warnings
+import json, logging, sys, time, warnings
 import numpy as np, torch
+def hwm():  # own peak (KiB): ru_maxrss also holds the parent's mark, inherited at this process's start
+    return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
 torch.manual_seed(0)
 import trak_core
 phase, store = sys.argv[1], sys.argv[2]
 n, p, m, bs = (int(a) for a in sys.argv[3:7])
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = hwm()
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
 tr = trak_core.TRAKer(model=model, task="image_classification", train_set_size=n, save_dir=store, device="cpu",
                       proj_dim=p, lambda_reg=1e-3, logging_level=logging.ERROR)
@@ -46,10 +48,9 @@ elif phase == "score":
     tr.score((x, y), num_samples=m)
     s = tr.finalize_scores("bench")
     assert s.shape == (n, m)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"phase": phase, "n": n, "peak_rss_mib": peak / 1024, "baseline_rss_mib": base / 1024,
-                  "delta_rss_mib": (peak - base) / 1024, "seconds": time.perf_counter() - t,
-                  "projector": tr.store.meta.projector}))
+peak = hwm()
+print(json.dumps({"phase": phase, "n": n, "peak_rss_mib": peak / 1024, "baseline_rss_mib": base / 1024, "delta_rss_mib":
+                  (peak - base) / 1024, "seconds": time.perf_counter() - t, "projector": tr.store.meta.projector}))
 """
 
 
@@ -62,9 +63,8 @@ def run(sizes, proj_dim, targets, batch):
     rows = []
     for n in sizes:
         with tempfile.TemporaryDirectory() as tmp:
-            store = os.path.join(tmp, "store")
             for phase in ("featurize", "finalize", "score"):
-                rows.append(run_phase(phase, store, n, proj_dim, targets, batch))
+                rows.append(run_phase(phase, os.path.join(tmp, "store"), n, proj_dim, targets, batch))
                 print(rows[-1], flush=True)
     return rows
 

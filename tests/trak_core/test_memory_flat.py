@@ -2,8 +2,9 @@
 
 Each phase runs in a fresh interpreter (benchmarks/memory_flat.py's phase code: TRAKer with its default
 projector, a small MLP, proj_dim 256, float16 store) at n = 20,000 and n = 80,000; the peak RSS is that process's
-``ru_maxrss``. A phase that held its rows (one float16 copy of the 80,000-row array is 39 MiB, a float64 one
-156 MiB) fails one of the two checks.
+own high-water mark (VmHWM, not ru_maxrss: that also holds this worker's mark, inherited at the child's start). A
+phase that held its rows (one float16 copy of the 80,000-row array is 39 MiB, a float64 one 156 MiB) fails one of
+the two checks.
 """
 
 import importlib.util
