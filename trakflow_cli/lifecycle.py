@@ -255,7 +255,6 @@ def start_ephemeral_server() -> None:
     import psutil
 
     with contextlib.suppress(OSError, psutil.Error):
-        home.mkdir(parents=True, exist_ok=True)
         f = home / PIDFILE_GLOB.replace("*", str(os.getpid()))
         started = psutil.Process(proc.pid).create_time()
         record = {"cli_pid": os.getpid(), "pid": proc.pid, "create_time": started, "port": server.port}
