@@ -28,7 +28,7 @@ import quality  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds  # noqa: E402
 
 #: trakflow's curvature options measured beside its defaults: TRAKer(curvature=<name>) for each
-CURVATURES = ("ggn", "kfac", "ekfac")
+CURVATURES = ("ggn", "kfac", "ekfac", "kfac-eigen")
 KRON = ("kfac", "ekfac")
 REL = "trakflow lambda_reg=rel:1"
 OUT = os.path.join(quality.CACHE, "peers")

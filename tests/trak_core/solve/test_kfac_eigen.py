@@ -360,3 +360,28 @@ def test_rows_featurized_without_factors_are_refused_by_the_fit(tmp_path):
     with pytest.raises(StateError, match="featurized without curvature factors"):
         tr.fit_curvature([[x, y]])
     assert isinstance(tr, TRAKer)
+
+
+@pytest.mark.parametrize("projector", ["factored", None])
+def test_index_queries_in_the_recorded_eigenbasis(tmp_path, projector):
+    """TrakIndex rebuilds the store's projection and binds the recorded factors' eigenbasis: its scores are
+    finalize_scores'."""
+    from trak_core import TrakIndex
+
+    model = mlp()
+    x, y = data()
+    tr = traker(model, tmp_path / "s", projector)
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    tr.fit_curvature([[x, y]])
+    tr.featurize([x, y], num_samples=N)
+    tr.finalize_features()
+    xt, yt = x[:5] * 0.5, y[:5]
+    tr.start_scoring_checkpoint("e", model.state_dict(), 0, 5)
+    tr.score([xt, yt], num_samples=5)
+    got = np.asarray(tr.finalize_scores("e"), dtype=np.float64)
+    tr._close()
+    del tr
+    index = TrakIndex(tmp_path / "s", model=mlp(), checkpoints=[model.state_dict()], task="image_classification",
+                      device="cpu")  # fmt: skip
+    res = index.query((xt, yt), k=N)
+    np.testing.assert_allclose(np.take_along_axis(got.T, res.indices, 1), res.scores, rtol=1e-5, atol=1e-6)
