@@ -183,7 +183,7 @@ needs_curvature = kfac.wants_factors  # whether a checkpoint of the store has fa
 fit_factors, record_curvature = kfac.fit_factors, kfac.record_factors
 #: "kfac-eigen": rows projected in each checkpoint's factor eigenbasis, so its factors come before its rows
 FIT_BEFORE_FEATURIZE, default_damping = kfac.FIT_BEFORE_FEATURIZE, kfac.default_damping
-bind_eigen, current_factors = kfac.bind_eigen, kfac.current_factors
+bind_eigen, current_factors, eigen_energies = kfac.bind_eigen, kfac.current_factors, kfac.eigen_energies
 
 
 def check_new_store(location: str, storage_options: dict | None = None) -> None:

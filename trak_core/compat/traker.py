@@ -364,6 +364,9 @@ class TRAKer:
         except RuntimeError as e:
             self.featurizer._dtype_mismatch(batch, e)
             raise
+        energies = split["energies"]
+        if self.curvature in engine.FIT_BEFORE_FEATURIZE and self._fitted:  # the split the first fit's factors say
+            energies = engine.eigen_energies(next(iter(self._fitted.values())), energies, self.proj_dim)
         projector = default_projector(
             self.model,
             self.num_params_for_grad,
@@ -371,7 +374,7 @@ class TRAKer:
             self.proj_seed,
             self.device,
             self.grad_wrt,
-            energies=split["energies"],
+            energies=energies,
         )
         if self.curvature in engine.FIT_BEFORE_FEATURIZE:
             self._bind_eigen(projector)

@@ -94,6 +94,8 @@ EMPIRICAL_DAMPING = 0.1
 #: ``"kfac-eigen"``: λ of each eigen block's diagonal inverse = EIGEN_DAMPING × the mean of its rows' second moments
 #: (0.1 on the wide-mlp case offline, where it scored above kronfluence's exact EK-FAC at proj_dim 2048)
 EIGEN_DAMPING = 0.1
+#: ``"kfac-eigen"``'s split between layers: each eigen-coordinate ranked by e/(e + λ), λ = this × its layer's mean e
+EIGEN_RANK_DAMPING = 0.1
 #: the form of a recorded fit (per-layer A and S); a record of another form was written by an earlier version
 RECORD_FORM = "factors-v2"
 #: the key of the store's pipeline record under which the fitted factors are kept, per model id
@@ -423,6 +425,39 @@ def eigen_sides(
             out[name] = (uc[:, j], ur[:, i])
         else:
             out[name] = (uc[:, : blk.k_in], ur[:, : blk.k_out])
+    return out
+
+
+def eigen_energies(pre: KroneckerFactors, energies: dict, proj_dim: int) -> dict[str, float]:
+    """The energies of ``"kfac-eigen"``'s split of ``proj_dim`` between blocks (the factored projector's
+    ``split="energy"``), from the probe's ``energies`` ({parameter name: energy}) and one checkpoint's factors: the
+    Kronecker layers together keep their share of the probe's energy, E_K, but it is redistributed between them ∝
+    n_ℓ, the number of layer ℓ's eigen-coordinates among the p_K = round(proj_dim · E_K / E) of largest e/(e + λ)
+    over all of them (λ = :data:`EIGEN_RANK_DAMPING` × each layer's mean e; on the layer's weight, its bias 0): the
+    coordinates worth keeping are spread over the layers as the factors say, not as the gradient's energy does.
+    Other parameters keep their energy. A square ``Conv1D`` (its block carries its bias) is left as the others."""
+    total = float(sum(energies.values()))
+    sites = [site for site, _, _ in pre.blocks.values() if not (site.transposed and site.d_in == site.d_out)]
+    group = {n for s in sites for n in (s.weight, s.bias) if n is not None}
+    e_k = float(sum(v for k, v in energies.items() if k in group))
+    if not sites or e_k <= 0 or total <= 0:
+        return dict(energies)
+    p_k = max(1, round(proj_dim * e_k / total))
+    keys, owner = [], []
+    for i, site in enumerate(sites):
+        _, a, s = pre.blocks[site.name]
+        e = np.outer(_eigen(s)[0], _eigen(a)[0]).reshape(-1)
+        lam = EIGEN_RANK_DAMPING * float(e.mean())
+        keys.append(e / (e + lam) if lam > 0 else e)
+        owner.append(np.full(e.size, i))
+    key, own = np.concatenate(keys), np.concatenate(owner)
+    top = np.argsort(-key, kind="stable")[: min(p_k, key.size)]
+    counts = np.bincount(own[top], minlength=len(sites))
+    out = {k: float(v) for k, v in energies.items() if k not in group}
+    for site, c in zip(sites, counts, strict=True):
+        out[site.weight] = e_k * float(c) / float(counts.sum())
+        if site.bias is not None:
+            out[site.bias] = 0.0
     return out
 
 

@@ -385,3 +385,63 @@ def test_index_queries_in_the_recorded_eigenbasis(tmp_path, projector):
                       device="cpu")  # fmt: skip
     res = index.query((xt, yt), k=N)
     np.testing.assert_allclose(np.take_along_axis(got.T, res.indices, 1), res.scores, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ the split
+def brute_energies(pre, energies: dict, proj_dim: int) -> dict:
+    """``kfac.eigen_energies`` by its definition, by enumeration of every layer's eigen-coordinates."""
+    group = {n for site, _, _ in pre.blocks.values() for n in (site.weight, site.bias) if n}
+    e_k = sum(v for k, v in energies.items() if k in group)
+    p_k = round(proj_dim * e_k / sum(energies.values()))
+    ranked = []
+    for name, (site, a, s) in pre.blocks.items():
+        ea, es = np.clip(np.linalg.eigvalsh(a), 0, None), np.clip(np.linalg.eigvalsh(s), 0, None)
+        e = [x * y for x in es for y in ea]
+        lam = kfac.EIGEN_RANK_DAMPING * np.mean(e)
+        ranked += [(x / (x + lam), site) for x in e]
+    ranked.sort(key=lambda t: -t[0])
+    counts: dict = {}
+    for _, site in ranked[:p_k]:
+        counts[site.weight] = counts.get(site.weight, 0) + 1
+    out = {k: v for k, v in energies.items() if k not in group}
+    for site, _, _ in pre.blocks.values():
+        out[site.weight] = e_k * counts.get(site.weight, 0) / p_k
+        if site.bias:
+            out[site.bias] = 0.0
+    return out
+
+
+def test_eigen_energies_follow_the_top_eigen_coordinates():
+    """The Kronecker layers keep their share of the probe's energy, split ∝ their coordinates among the top p_K by
+    e/(e + λ); other parameters keep theirs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(1, 2, 3), nn.Flatten(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, C)).double()
+    x, y = torch.randn(N, 1, 10, dtype=torch.float64), torch.randint(0, C, (N,))
+    with pytest.warns(UserWarning):
+        pre = kfac.fit_factors(featurizer(model, "factored", 14), batches(x, y), kfac.EIGEN)
+    energies = {"0.weight": 2.0, "0.bias": 0.5, "2.weight": 3.0, "2.bias": 0.25, "4.weight": 1.0, "4.bias": 0.25}
+    for p in (6, 20, 60):
+        got = kfac.eigen_energies(pre, energies, p)
+        want = brute_energies(pre, energies, p)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-12), (p, k)
+        assert got["0.weight"] == 2.0 and sum(got.values()) == pytest.approx(sum(energies.values()))
+
+
+def test_the_default_projector_splits_by_the_fitted_factors(tmp_path, monkeypatch):
+    """TRAKer's default projector (created by the first rows) takes its energies from the first fit's factors."""
+    from trak_core import engine
+
+    model = mlp()
+    x, y = data()
+    probe = {"0.weight": 1.0, "0.bias": 0.1, "2.weight": 3.0, "2.bias": 0.2}
+    monkeypatch.setattr(engine, "probe_split", lambda *a, **k: {"energies": dict(probe)})
+    tr = traker(model, tmp_path / "s", None)
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    tr.fit_curvature([[x, y]])
+    tr.featurize([x, y], num_samples=N)
+    tr._flush_rows()
+    want = brute_energies(tr._fitted[0], probe, 12)
+    assert tr.projector.energies == pytest.approx(want)
+    assert tr.store.meta.projector_params["energies"] == pytest.approx(want)
