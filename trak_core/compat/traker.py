@@ -145,7 +145,7 @@ class TRAKer:
     after each load_checkpoint; ``curvature_damping``: each factor's λ = this × its mean eigenvalue; docs/damping.md),
     ``"kfac-eigen"`` (the layers projected in their factors' eigenbasis, EK-FAC's diagonal inverse: call
     :meth:`fit_curvature` after each load_checkpoint and before featurize or score; ``curvature_damping``: each
-    such block's λ = this × its rows' mean second moment, default 0.1; trak_core.solve.kfac).
+    such block's λ = this × its rows' mean second moment, default 0.01; trak_core.solve.kfac).
     A store keeps its curvature. ``write_behind``: rows are written by a background thread while the next batches
     are featurized (the GPU then does not wait on the store), so a :meth:`featurize` call returns before its rows
     are in the store and a write's error is raised by a later call; otherwise each call returns with its complete

@@ -51,9 +51,12 @@ by EK-FAC's diagonal: diag(1 / (diag(G_b) + λ_b)), G_b its XᵀX block (the row
 eigenbasis), λ_b = ``damping`` (default :data:`EIGEN_DAMPING`) × their mean; every other block keeps its damped XᵀX
 block. The rows depend on the factors, so each checkpoint's factors are fitted before its rows
 (:data:`FIT_BEFORE_FEATURIZE`); a square Conv1D whose block carries its bias, and the layers without factors,
-keep random sides. Offline (wide-mlp, proj_dim 512 / 2048) this scored 0.260 / 0.304 LDS against 0.242 / 0.286 for
-``"kfac"`` and 0.296 for kronfluence's exact EK-FAC; whitening each gradient then projecting it at random scored far
-below. TRAKer only so far: the pipeline's featurize tasks do not bind the eigenbasis (its config refuses the name).
+keep random sides. Which coordinates are worth keeping is the factors' business, not the gradient energy's: TRAKer's
+default projector (created by the first rows, after the first fit) splits proj_dim with energies whose Kronecker
+layers' share is spread ∝ their eigen-coordinates among the top ones by e/(e + λ) over all those layers
+(:func:`eigen_energies`); on wide-mlp the probe's energy split scored 0.05 LDS lower at proj_dim 512. Whitening
+each gradient then projecting it at random scored far below (offline). TRAKer and TrakIndex only so far: the
+pipeline's featurize tasks do not bind the eigenbasis (its config refuses the name).
 
 The record
 ----------
@@ -92,8 +95,8 @@ DEFAULT_DAMPING = 0.001
 #: λ of each other block of the inverse (its XᵀX block) = EMPIRICAL_DAMPING × its mean eigenvalue
 EMPIRICAL_DAMPING = 0.1
 #: ``"kfac-eigen"``: λ of each eigen block's diagonal inverse = EIGEN_DAMPING × the mean of its rows' second moments
-#: (0.1 on the wide-mlp case offline, where it scored above kronfluence's exact EK-FAC at proj_dim 2048)
-EIGEN_DAMPING = 0.1
+#: (on wide-mlp, 0.003–0.03 scored within 0.006 LDS of each other at proj_dim 512 and 2048, 0.1 up to 0.016 lower)
+EIGEN_DAMPING = 0.01
 #: ``"kfac-eigen"``'s split between layers: each eigen-coordinate ranked by e/(e + λ), λ = this × its layer's mean e
 EIGEN_RANK_DAMPING = 0.1
 #: the form of a recorded fit (per-layer A and S); a record of another form was written by an earlier version
