@@ -445,3 +445,20 @@ def test_the_default_projector_splits_by_the_fitted_factors(tmp_path, monkeypatc
     want = brute_energies(tr._fitted[0], probe, 12)
     assert tr.projector.energies == pytest.approx(want)
     assert tr.store.meta.projector_params["energies"] == pytest.approx(want)
+
+
+def test_settings_refused_where_the_eigenbasis_is_not_bound():
+    """The factored projector is required (its blocks are the layers); the pipeline's settings refuse the name (its
+    featurize tasks do not bind the eigenbasis); a TRAKer given a dense projector is refused before anything."""
+    from pydantic import ValidationError
+
+    from trak_core.rules import check_projection
+    from trak_core.settings import TrakSettings
+
+    with pytest.raises(BadInputError, match="needs the factored projector"):
+        check_projection("dense", 8, 100, "adaptive", kfac.EIGEN)
+    check_projection("factored", 8, 100, "adaptive", kfac.EIGEN)
+    with pytest.raises(ValidationError, match="curvature"):
+        TrakSettings(curvature=kfac.EIGEN)
+    with pytest.raises(BadInputError, match="curvature_damping"):
+        traker(mlp(), "/nonexistent/never-created", curvature_damping=0.0)
