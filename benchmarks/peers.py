@@ -28,7 +28,7 @@ import quality  # noqa: E402
 from trak_core.lds import bootstrap_ci, lds  # noqa: E402
 
 #: trakflow's curvature options measured beside its defaults: TRAKer(curvature=<name>) for each
-CURVATURES = ("ggn", "kfac", "ekfac")
+CURVATURES = ("ggn", "kfac", "ekfac", "kfac-eigen")
 KRON = ("kfac", "ekfac")
 REL = "trakflow lambda_reg=rel:1"
 OUT = os.path.join(quality.CACHE, "peers")
@@ -130,7 +130,8 @@ def column(name: str):
     if name in COLUMNS:
         return COLUMNS[name]
     if name.startswith("trakflow ") and "=" in name:
-        kw = dict(part.split("=", 1) for part in name.split()[1:])
+        kw: dict = dict(part.split("=", 1) for part in name.split()[1:])
+        kw = {k: float(v) if k == "curvature_damping" else v for k, v in kw.items()}
         return lambda case, truth, p: _trakflow(case, truth, p, **kw), True
     raise SystemExit(f"unknown column {name!r}: one of {list(COLUMNS)} or 'trakflow key=value ...'")
 

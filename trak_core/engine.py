@@ -181,6 +181,9 @@ fit_curvature = kfac.fit_step
 needs_curvature = kfac.wants_factors  # whether a checkpoint of the store has factors to fit
 #: factors fitted before the store exists (TRAKer's default projector waits for its first rows), then recorded
 fit_factors, record_curvature = kfac.fit_factors, kfac.record_factors
+#: "kfac-eigen": rows projected in each checkpoint's factor eigenbasis, so its factors come before its rows
+FIT_BEFORE_FEATURIZE, default_damping = kfac.FIT_BEFORE_FEATURIZE, kfac.default_damping
+bind_eigen, current_factors, eigen_energies = kfac.bind_eigen, kfac.current_factors, kfac.eigen_energies
 
 
 def check_new_store(location: str, storage_options: dict | None = None) -> None:

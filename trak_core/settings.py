@@ -20,6 +20,8 @@ from .errors import BadInputError
 
 ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
+#: the pipeline's curvatures; "kfac-eigen" (trak_core.solve.kfac) is TRAKer's only so far: its rows are projected in
+#: each checkpoint's factor eigenbasis, which the pipeline's featurize tasks do not bind yet
 Curvature = Literal["xtx", "ggn", "kfac", "ekfac"]
 #: 'kfac'/'ekfac': each Kronecker block's λ = this × its mean eigenvalue (a finite number > 0)
 CurvatureDamping = Annotated[float, Field(gt=0, allow_inf_nan=False)]

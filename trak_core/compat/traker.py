@@ -142,7 +142,10 @@ class TRAKer:
     the model output, R = diag(Q(1 − Q)) for the built-in tasks, row weights floored at 0.3·mean(r): +0.020 to +0.060
     LDS on converged models at one more p × p partial per shard; benchmarks/RESULTS.md, "Gauss-Newton curvature"),
     ``"kfac"`` / ``"ekfac"`` (Kronecker-factored curvature applied before the projection: call :meth:`fit_curvature`
-    after each load_checkpoint; ``curvature_damping``: each factor's λ = this × its mean eigenvalue; docs/damping.md).
+    after each load_checkpoint; ``curvature_damping``: each factor's λ = this × its mean eigenvalue; docs/damping.md),
+    ``"kfac-eigen"`` (the layers projected in their factors' eigenbasis, EK-FAC's diagonal inverse: call
+    :meth:`fit_curvature` after each load_checkpoint and before featurize or score; ``curvature_damping``: each
+    such block's λ = this × its rows' mean second moment, default 0.01; trak_core.solve.kfac).
     A store keeps its curvature. ``write_behind``: rows are written by a background thread while the next batches
     are featurized (the GPU then does not wait on the store), so a :meth:`featurize` call returns before its rows
     are in the store and a write's error is raised by a later call; otherwise each call returns with its complete
@@ -178,7 +181,7 @@ class TRAKer:
         shard_rows: int | None = None,
         storage_options: dict | None = None,
         curvature: str = "xtx",
-        curvature_damping: float = engine.DEFAULT_DAMPING,
+        curvature_damping: float | None = None,
         write_behind: bool | None = None,
         max_memory: int | str | None = None,
     ) -> None:
@@ -199,6 +202,8 @@ class TRAKer:
         if not isinstance(train_set_size, (int, np.integer)) or train_set_size <= 0:
             raise BadInputError(f"train_set_size must be a positive integer, got {train_set_size!r}")
         engine.check_solve_settings(lambda_reg, curvature)
+        if curvature_damping is None:  # the curvature's own default
+            curvature_damping = engine.default_damping(curvature)
         self.curvature_damping = engine.check_damping(curvature_damping)
         self.curvature = curvature
         self._fitted: dict[int, engine.KroneckerFactors] = {}  # K-FAC factors fitted before the store exists
@@ -317,6 +322,8 @@ class TRAKer:
             stored_dtype=self.dtype,
             max_memory=self.max_memory,
         )
+        if curvature in engine.FIT_BEFORE_FEATURIZE:
+            self._bind_eigen(projector)
         # under a budget, the rows held beside the batches (as check_featurize_memory counts them) and the partial
         held = proj_max_batch_size + (meta.rows_per_shard if on_device else meta.rows_per_chunk)
         self.featurizer.memory_reserve = held * meta.proj_dim * 8 + 2 * meta.proj_dim**2 * 8
@@ -357,15 +364,21 @@ class TRAKer:
         except RuntimeError as e:
             self.featurizer._dtype_mismatch(batch, e)
             raise
-        return default_projector(
+        energies = split["energies"]
+        if self.curvature in engine.FIT_BEFORE_FEATURIZE and self._fitted:  # the split the first fit's factors say
+            energies = engine.eigen_energies(next(iter(self._fitted.values())), energies, self.proj_dim)
+        projector = default_projector(
             self.model,
             self.num_params_for_grad,
             self.proj_dim,
             self.proj_seed,
             self.device,
             self.grad_wrt,
-            energies=split["energies"],
+            energies=energies,
         )
+        if self.curvature in engine.FIT_BEFORE_FEATURIZE:
+            self._bind_eigen(projector)
+        return projector
 
     def _create_default_store(self) -> None:
         """The default projector from the rows held (:class:`engine.ProbeRows`), their features computed with it,
@@ -397,6 +410,27 @@ class TRAKer:
             engine.record_curvature(self._store, mid, pre)
 
     # ------------------------------------------------------------------ Kronecker-factored curvature
+    def _bind_eigen(self, projector: AbstractProjector) -> None:
+        """``curvature="kfac-eigen"``: ``projector`` projects each model's Kronecker blocks in the eigenbasis of
+        the factors fitted by :meth:`fit_curvature` (or recorded in the store at its checkpoint); a model without
+        them is refused when featurized or scored."""
+        me = weakref.ref(self)
+
+        def factors_of(model_id: int) -> engine.KroneckerFactors:
+            tr = me()
+            pre = None if tr is None else tr._fitted.get(model_id)
+            if pre is None and tr is not None and tr._store is not None:
+                pre = engine.current_factors(tr._store, model_id)
+            if pre is None:
+                raise StateError(
+                    f"model_id={model_id}: curvature='kfac-eigen' projects with the eigenbasis of the checkpoint's "
+                    "Kronecker factors, and none are fitted: call TRAKer.fit_curvature(batches) after "
+                    "load_checkpoint, before featurize"
+                )
+            return pre
+
+        engine.bind_eigen(projector, factors_of)
+
     def fit_curvature(self, batches) -> None:
         """Fit the current checkpoint's Kronecker-factored curvature (``curvature="kfac"`` / ``"ekfac"``) on train
         ``batches`` (a list or DataLoader of batches as :meth:`featurize` takes them, all train rows or a sample;
@@ -404,7 +438,9 @@ class TRAKer:
         the factors; a checkpoint that has them keeps them (this call then does nothing)."""
         mid = self.current_model_id
         if self.curvature not in engine.KFAC_CURVATURES:
-            raise StateError(f"fit_curvature: this TRAKer's curvature is {self.curvature!r}, not 'kfac' or 'ekfac'")
+            raise StateError(
+                f"fit_curvature: this TRAKer's curvature is {self.curvature!r}, not one of {engine.KFAC_CURVATURES}"
+            )
         if mid is None:
             raise StateAssertionError("Load a checkpoint using traker.load_checkpoint before fit_curvature")
         if mid in self._fitted:
@@ -420,6 +456,8 @@ class TRAKer:
             )
         if pre is not None:
             self._fitted[mid] = pre
+            if self.curvature in engine.FIT_BEFORE_FEATURIZE:  # the projector's cached sides are of no factors
+                self._bind_eigen(self.featurizer.projector)
 
     # ------------------------------------------------------------------ featurizing
     def _forget_handles(self) -> None:

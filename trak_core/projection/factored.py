@@ -161,7 +161,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -282,6 +282,7 @@ class FactoredProjector(AbstractProjector):
         self.model_id = model_id
         self._offsets = layout.offsets()
         self._factors: tuple[int, dict] | None = None
+        self._side_override: Callable[[int], dict] | None = None
         self._verified: set[int] = set()  # id() of the models whose hooked weights have no other use (checked)
         self._substitute: set[str] = set()  # hooked blocks found used outside their forward: weight substitution
 
@@ -328,6 +329,20 @@ class FactoredProjector(AbstractProjector):
     def free_memory(self) -> None:
         self._factors = None
 
+    @property
+    def side_override(self) -> Callable[[int], dict] | None:
+        """None, or a callable model_id → {block name: (P_in, P_out)} whose side matrices replace those blocks'
+        random ones (and their coordinate weights by 1) in :meth:`factors`, hence in :meth:`project` and the fast
+        path alike: ``curvature="kfac-eigen"``'s eigenbases (:func:`trak_core.solve.kfac.bind_eigen`). P_in is
+        (d_in [+1]) × (k for pairs, else k_in), P_out d_out × (k, else k_out); any float dtype (cast to the
+        projector's). Setting it drops the matrices cached here; errors it raises reach the caller."""
+        return self._side_override
+
+    @side_override.setter
+    def side_override(self, fn: Callable[[int], dict] | None) -> None:
+        self._side_override = fn
+        self._factors = None
+
     # ------------------------------------------------------------------ matrices
     def factors(self, model_id: int) -> dict:
         """{block name: (P_in, P_out, weight)} for ``model_id`` (P_out is None for dense blocks; an identity side
@@ -337,7 +352,12 @@ class FactoredProjector(AbstractProjector):
             return self._factors[1]
         out: dict[str, tuple[Tensor, Tensor | None, float | Tensor]] = {}
         dev = torch.device(self.device)
+        over = self._overridden_sides(model_id)
         for b in self.layout.blocks:
+            if b.name in over:
+                p_in, p_out = over[b.name]
+                out[b.name] = (p_in.to(self.device, self.dtype), p_out.to(self.device, self.dtype), 1.0)
+                continue
             if b.kind == "other":
                 p_in = factor_matrix(self.seed, model_id, b.name, SIDE_DENSE, b.size, b.k, self.proj_type, dev)
                 out[b.name] = (p_in.to(self.device, self.dtype), None, math.sqrt(self.proj_dim / b.k))
@@ -354,6 +374,27 @@ class FactoredProjector(AbstractProjector):
                 p_out = factor_matrix(self.seed, model_id, b.name, SIDE_OUT, b.d_out, b.k_out, self.proj_type, dev)
             out[b.name] = (p_in.to(self.device, self.dtype), p_out.to(self.device, self.dtype), w)
         self._factors = (model_id, out)
+        return out
+
+    def _overridden_sides(self, model_id: int) -> dict[str, tuple[Tensor, Tensor]]:
+        """{block name: (P_in, P_out)} of :attr:`side_override` for ``model_id`` as tensors, their shapes checked."""
+        if self._side_override is None:
+            return {}
+        by_name = {b.name: b for b in self.layout.blocks}
+        out = {}
+        for name, (p_in, p_out) in self._side_override(model_id).items():
+            b = by_name.get(name)
+            if b is None or b.kind in ("other", "flat"):
+                raise BadInputError(f"factored projector: side_override names {name!r}, not a factored block")
+            p_in, p_out = torch.as_tensor(p_in), torch.as_tensor(p_out)
+            want_in = (b.in_rows, b.k if b.pairs else b.k_in)
+            want_out = (b.d_out, b.k if b.pairs else b.k_out)
+            if tuple(p_in.shape) != want_in or tuple(p_out.shape) != want_out:
+                raise BadInputError(
+                    f"factored projector: side_override of {name!r} has P_in {tuple(p_in.shape)} and P_out "
+                    f"{tuple(p_out.shape)}; its block needs {want_in} and {want_out}"
+                )
+            out[name] = (p_in, p_out)
         return out
 
     def matrix(self, model_id: int) -> Tensor:

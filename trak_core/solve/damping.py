@@ -49,7 +49,7 @@ CONDITION_WARN = 1e7
 
 
 #: the curvatures H of A = (H + λI)⁻¹ (``StoreMetadata.curvature``): XᵀX (traker's) and XᵀRX (Gauss-Newton)
-CURVATURES = ("xtx", "ggn", "kfac", "ekfac")  # the last two: trak_core.solve.kfac, before the projection
+CURVATURES = ("xtx", "ggn", "kfac", "ekfac", "kfac-eigen")  # the last three: trak_core.solve.kfac
 
 
 def loss_curvature(q: np.ndarray | Tensor) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Kronecker-factored curvature (K-FAC, and EK-FAC's eigenvalue correction) in the factored projection's space
-(``curvature="kfac"`` / ``"ekfac"``): LoGra's order, project first, then curve.
+(``curvature="kfac"`` / ``"ekfac"``): LoGra's order, project first, then curve; or the projection itself in the
+factors' eigenbasis (``curvature="kfac-eigen"``).
 
 The curvature
 -------------
@@ -37,6 +38,28 @@ Why this order: whitening each gradient before a random projection (H^(-1/2) g, 
 over every direction, and the projection's error grows with the whitened norms; on the held-out cases of
 benchmarks/RESULTS.md that scored below the defaults, while curving in the projected space scores above them.
 
+The eigenbasis projection (``curvature="kfac-eigen"``)
+-----------------------------------------------------
+Instead of random side matrices, a Kronecker block (:func:`kronecker_blocks`) is projected in the eigenbasis of its
+own factors, R = U_R diag(e_R) U_Rᵀ (the block's rows: S of a Linear, A of a Conv1D's view) and C = U_C diag(e_C)
+U_Cᵀ (its columns): coordinate (i, j) of the rotated gradient U_Rᵀ G U_C has K-FAC eigenvalue e = e_R,i · e_C,j. A
+pairs block of k pairs keeps the k coordinates of largest e/(e + λ) (λ = :data:`EIGEN_DAMPING` × the block's mean
+e; within a block the same order as e), a grid block (k_out × k_in) the top k_out eigenvectors of R and the top
+k_in of C (a side as wide as its dimension: its full eigenbasis), weight 1 (:func:`eigen_sides`, bound to the
+projector by :func:`bind_eigen` through ``FactoredProjector.side_override``). Finalize inverts each such block
+by EK-FAC's diagonal: diag(1 / (diag(G_b) + λ_b)), G_b its XᵀX block (the rows' own second moments in the
+eigenbasis), λ_b = ``damping`` (default :data:`EIGEN_DAMPING`) × their mean; every other block keeps its damped XᵀX
+block. The rows depend on the factors, so each checkpoint's factors are fitted before its rows
+(:data:`FIT_BEFORE_FEATURIZE`); a square Conv1D whose block carries its bias, and the layers without factors,
+keep random sides. Which coordinates are worth keeping is the factors' business, not the gradient energy's: TRAKer's
+default projector (created by the first rows, after the first fit) splits proj_dim with energies whose Kronecker
+layers' share is spread ∝ their eigen-coordinates among the top ones by e/(e + λ) over all those layers
+(:func:`eigen_energies`); on wide-mlp the probe's energy split scored 0.05 LDS lower at proj_dim 512. Whitening
+each gradient then projecting it at random scored far below (offline). benchmarks/peers.py, LDS at proj_dim 512 /
+2048: wide-mlp 0.260 / 0.288 ("kfac" 0.242 / 0.286, kronfluence's exact EK-FAC 0.296), bn-conv 0.337 / 0.405
+(0.307 / 0.386, kronfluence 0.392), the small GPT-2 0.170 / 0.211 (0.166 / 0.208, kronfluence 0.334). TRAKer and
+TrakIndex only so far: the pipeline's featurize tasks do not bind the eigenbasis (its config refuses the name).
+
 The record
 ----------
 A fit is a pass over train rows (or a sample of them) at one checkpoint, reducible as sums
@@ -63,16 +86,31 @@ from trak_core.errors import BadInputError, StateError
 from trak_core.featurize.gradients import grad_param_names
 
 #: the curvatures of this module (``StoreMetadata.curvature``)
-KFAC_CURVATURES = ("kfac", "ekfac")
+KFAC_CURVATURES = ("kfac", "ekfac", "kfac-eigen")
+#: the curvature whose projection is the factors' eigenbasis ("The eigenbasis projection" in the module docstring)
+EIGEN = "kfac-eigen"
+#: the curvatures whose rows depend on the factors: each checkpoint's factors are fitted before its rows
+FIT_BEFORE_FEATURIZE = (EIGEN,)
 #: λ of each K-FAC block of the inverse = DEFAULT_DAMPING × its mean eigenvalue (chosen on held-out cases,
 #: benchmarks/RESULTS.md "Beside kronfluence")
 DEFAULT_DAMPING = 0.001
 #: λ of each other block of the inverse (its XᵀX block) = EMPIRICAL_DAMPING × its mean eigenvalue
 EMPIRICAL_DAMPING = 0.1
+#: ``"kfac-eigen"``: λ of each eigen block's diagonal inverse = EIGEN_DAMPING × the mean of its rows' second moments
+#: (on wide-mlp, 0.003–0.03 scored within 0.006 LDS of each other at proj_dim 512 and 2048, 0.1 up to 0.016 lower)
+EIGEN_DAMPING = 0.01
+#: ``"kfac-eigen"``'s split between layers: each eigen-coordinate ranked by e/(e + λ), λ = this × its layer's mean e
+EIGEN_RANK_DAMPING = 0.1
 #: the form of a recorded fit (per-layer A and S); a record of another form was written by an earlier version
 RECORD_FORM = "factors-v2"
 #: the key of the store's pipeline record under which the fitted factors are kept, per model id
 RECORD_KEY = "curvature_factors"
+
+
+def default_damping(curvature: str) -> float:
+    """The damping a curvature of this module uses unless told: :data:`EIGEN_DAMPING` for ``"kfac-eigen"``,
+    :data:`DEFAULT_DAMPING` for the others."""
+    return EIGEN_DAMPING if curvature == EIGEN else DEFAULT_DAMPING
 
 
 def check_damping(damping) -> float:
@@ -254,12 +292,13 @@ class KroneckerFactors:
 
 
 def factors_of(
-    sums: FactorSums, sites: list[Site], kind: str = "kfac", damping: float = DEFAULT_DAMPING, identity=()
+    sums: FactorSums, sites: list[Site], kind: str = "kfac", damping: float | None = None, identity=()
 ) -> KroneckerFactors:
-    """The :class:`KroneckerFactors` of reduced ``sums``: A = Σ ããᵀ / positions, S = Σ δδᵀ / examples per layer."""
+    """The :class:`KroneckerFactors` of reduced ``sums``: A = Σ ããᵀ / positions, S = Σ δδᵀ / examples per layer
+    (``damping`` None: the kind's :func:`default_damping`)."""
     if kind not in KFAC_CURVATURES:
         raise BadInputError(f"curvature={kind!r}: expected one of {KFAC_CURVATURES}")
-    damping = check_damping(damping)
+    damping = check_damping(default_damping(kind) if damping is None else damping)
     by_name = {s.name: s for s in sites}
     blocks = {
         name: (by_name[name], sums.a[name] / max(1, sums.tokens[name]), sums.s[name] / max(1, sums.examples))
@@ -273,7 +312,7 @@ def fit_factors(
     feat,
     batches: Callable[[], Iterable[Sequence[Tensor]]],
     kind: str = "kfac",
-    damping: float = DEFAULT_DAMPING,
+    damping: float | None = None,
     grad_wrt: Iterable[str] | None = None,
     warn: bool = True,
 ) -> KroneckerFactors:
@@ -283,7 +322,7 @@ def fit_factors(
     (a warning names them)."""
     if kind not in KFAC_CURVATURES:
         raise BadInputError(f"curvature={kind!r}: expected one of {KFAC_CURVATURES}")
-    damping = check_damping(damping)
+    damping = check_damping(default_damping(kind) if damping is None else damping)
     sites, others = linear_sites(feat.model, grad_wrt)
     total, skipped = FactorSums(), set()
     for batch in batches():
@@ -305,24 +344,16 @@ def fit_factors(
 
 
 # ---------------------------------------------------------------------------------------------- the inverse
-def projected_factors(meta, model_id: int, pre: KroneckerFactors) -> dict[str, tuple[int, np.ndarray]]:
-    """{block name: (its offset in the row, F_b (k_b × k_b) float64)} of the K-FAC layers of the store's factored
-    projection for ``model_id`` (module docstring), from the recorded layout and the side matrices it names. A
-    ``Conv1D`` site's block is its weight's view (rows: the input a, columns: the output δ), so A goes to the rows'
-    side and S to the columns'; a view with its bias attached (a square ``Conv1D``) is not a Kronecker product and
-    keeps its XᵀX block."""
-    from trak_core.projection.layout import (
-        MATRIX,
-        SIDE_IN,
-        SIDE_OUT,
-        coordinate_weights,
-        factor_matrix,
-        recorded_blocks,
-    )
+def kronecker_blocks(blocks, pre: KroneckerFactors) -> dict:
+    """{block name: (block, R, C)} of the factored projection's ``blocks`` that are a Kronecker product of ``pre``'s
+    factors: R the factor of the block's rows (d_out side), C of its columns (in_rows side). A linear block's R is
+    S, its C is A; a ``Conv1D`` site's block is its weight's view (rows: the input a, columns: the output δ), so
+    R = A, C = S; a view with its bias attached (a square ``Conv1D``) is not a Kronecker product and is left out."""
+    from trak_core.projection.layout import MATRIX
 
     views = {site.weight: (site, s, a) for site, a, s in pre.blocks.values() if site.transposed}
-    out, offset = {}, 0
-    for blk in recorded_blocks(dict(meta.projector_params)):
+    out = {}
+    for blk in blocks:
         entry, shape = None, None
         if blk.kind == "linear" and blk.name in pre.blocks and not pre.blocks[blk.name][0].transposed:
             entry = pre.blocks[blk.name]
@@ -331,9 +362,25 @@ def projected_factors(meta, model_id: int, pre: KroneckerFactors) -> dict[str, t
             entry = views[blk.name]
             shape = (entry[0].d_in, entry[0].d_out)
         if entry is not None:
-            site, a, s = entry  # a: the columns' factor, s: the rows'
+            site, c, r = entry  # c: the columns' factor, r: the rows'
             if shape != (blk.d_out, blk.in_rows):
                 raise StateError(f"curvature factors of {blk.name!r} do not match the store's projection layout")
+            out[blk.name] = (blk, r, c)
+    return out
+
+
+def projected_factors(meta, model_id: int, pre: KroneckerFactors) -> dict[str, tuple[int, np.ndarray]]:
+    """{block name: (its offset in the row, F_b (k_b × k_b) float64)} of the K-FAC layers of the store's factored
+    projection for ``model_id`` (module docstring), from the recorded layout and the side matrices it names
+    (:func:`kronecker_blocks` says which blocks, and which factor goes to which side)."""
+    from trak_core.projection.layout import SIDE_IN, SIDE_OUT, coordinate_weights, factor_matrix, recorded_blocks
+
+    blocks = recorded_blocks(dict(meta.projector_params))
+    kron = kronecker_blocks(blocks, pre)
+    out, offset = {}, 0
+    for blk in blocks:
+        if blk.name in kron:
+            _, s, a = kron[blk.name]  # s: the rows' factor, a: the columns'
 
             def side(which: int, rows: int, cols: int, identity: bool, name: str = blk.name) -> np.ndarray:
                 if identity:
@@ -353,6 +400,80 @@ def projected_factors(meta, model_id: int, pre: KroneckerFactors) -> dict[str, t
     return out
 
 
+def _eigen(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(eigenvalues clipped at 0, eigenvectors as columns) of a symmetric factor, largest first (ties: eigh's
+    order reversed, deterministic)."""
+    e, u = np.linalg.eigh((m + m.T) / 2)
+    order = np.argsort(-e, kind="stable")
+    return np.clip(e[order], 0.0, None), u[:, order]
+
+
+def eigen_sides(
+    blocks, pre: KroneckerFactors, damping: float | None = None
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{block name: (P_in, P_out)} float64 of ``curvature="kfac-eigen"`` for the Kronecker blocks of ``blocks``
+    (:func:`kronecker_blocks`), from one checkpoint's factors (module docstring, "The eigenbasis projection"): a
+    pairs block of k pairs keeps the k eigen-coordinates (i, j) of largest e/(e + λ), e = e_R,i · e_C,j, λ =
+    ``damping`` × the block's mean e (P_out's columns u_R,i, P_in's u_C,j); a grid block (k_out × k_in, an
+    identity side included: its full eigenbasis) the top k_out eigenvectors of R and the top k_in of C."""
+    damping = float(pre.info.get("damping", EIGEN_DAMPING)) if damping is None else float(damping)
+    out = {}
+    for name, (blk, r, c) in kronecker_blocks(blocks, pre).items():
+        er, ur = _eigen(r)
+        ec, uc = _eigen(c)
+        if blk.pairs:
+            e = np.outer(er, ec).reshape(-1)
+            lam = damping * float(e.mean())
+            key = e / (e + lam) if lam > 0 else e
+            keep = np.argsort(-key, kind="stable")[: blk.k]
+            i, j = keep // len(ec), keep % len(ec)
+            out[name] = (uc[:, j], ur[:, i])
+        else:
+            out[name] = (uc[:, : blk.k_in], ur[:, : blk.k_out])
+    return out
+
+
+def eigen_energies(pre: KroneckerFactors, energies: dict, proj_dim: int) -> dict[str, float]:
+    """The energies of ``"kfac-eigen"``'s split of ``proj_dim`` between blocks (the factored projector's
+    ``split="energy"``), from the probe's ``energies`` ({parameter name: energy}) and one checkpoint's factors: the
+    Kronecker layers together keep their share of the probe's energy, E_K, but it is redistributed between them ∝
+    n_ℓ, the number of layer ℓ's eigen-coordinates among the p_K = round(proj_dim · E_K / E) of largest e/(e + λ)
+    over all of them (λ = :data:`EIGEN_RANK_DAMPING` × each layer's mean e; on the layer's weight, its bias 0): the
+    coordinates worth keeping are spread over the layers as the factors say, not as the gradient's energy does.
+    Other parameters keep their energy. A square ``Conv1D`` (its block carries its bias) is left as the others."""
+    total = float(sum(energies.values()))
+    sites = [site for site, _, _ in pre.blocks.values() if not (site.transposed and site.d_in == site.d_out)]
+    group = {n for s in sites for n in (s.weight, s.bias) if n is not None}
+    e_k = float(sum(v for k, v in energies.items() if k in group))
+    if not sites or e_k <= 0 or total <= 0:
+        return dict(energies)
+    p_k = max(1, round(proj_dim * e_k / total))
+    keys, owner = [], []
+    for i, site in enumerate(sites):
+        _, a, s = pre.blocks[site.name]
+        e = np.outer(_eigen(s)[0], _eigen(a)[0]).reshape(-1)
+        lam = EIGEN_RANK_DAMPING * float(e.mean())
+        keys.append(e / (e + lam) if lam > 0 else e)
+        owner.append(np.full(e.size, i))
+    key, own = np.concatenate(keys), np.concatenate(owner)
+    top = np.argsort(-key, kind="stable")[: min(p_k, key.size)]
+    counts = np.bincount(own[top], minlength=len(sites))
+    out = {k: float(v) for k, v in energies.items() if k not in group}
+    for site, c in zip(sites, counts, strict=True):
+        out[site.weight] = e_k * float(c) / float(counts.sum())
+        if site.bias is not None:
+            out[site.bias] = 0.0
+    return out
+
+
+def bind_eigen(projector, factors_of: Callable[[int], KroneckerFactors]) -> None:
+    """Make ``projector`` (a :class:`~trak_core.projection.factored.FactoredProjector`) project the Kronecker blocks
+    of each model id in the eigenbasis of the factors ``factors_of(model_id)`` gives (:func:`eigen_sides`; it
+    raises when a checkpoint has none); its other blocks keep their random sides."""
+    blocks = projector.layout.blocks
+    projector.side_override = lambda model_id: eigen_sides(blocks, factors_of(model_id))
+
+
 def _damped_inverse(h: np.ndarray, damping: float) -> tuple[np.ndarray, float]:
     lam = damping * float(np.trace(h)) / len(h)
     if lam <= 0:  # a block whose rows are all zero: nothing to score through it
@@ -366,14 +487,22 @@ def block_inverse(meta, model_id: int, pre: KroneckerFactors, xtx: np.ndarray) -
     kind and λ."""
     from trak_core.projection.layout import recorded_blocks
 
-    proj = projected_factors(meta, model_id, pre)
+    kind = pre.info.get("kind", "kfac")
+    blocks = recorded_blocks(dict(meta.projector_params))
+    eigen = set(kronecker_blocks(blocks, pre)) if kind == EIGEN else set()
+    proj = {} if kind == EIGEN else projected_factors(meta, model_id, pre)
     inv, per, offset = np.zeros_like(xtx), {}, 0
-    damping = float(pre.info.get("damping", DEFAULT_DAMPING))
-    for blk in recorded_blocks(dict(meta.projector_params)):
+    damping = float(pre.info.get("damping", default_damping(kind)))
+    for blk in blocks:
         sl = slice(offset, offset + blk.k)
         g = xtx[sl, sl]
         f = proj.get(blk.name, (0, None))[1]
-        if f is not None and np.trace(f) > 0:
+        if blk.name in eigen:  # rows in the factors' eigenbasis: EK-FAC's diagonal, the rows' own second moments
+            d = np.diag(g).copy()
+            lam = damping * float(d.mean())
+            inv[sl, sl] = np.diag(1.0 / (d + lam)) if lam > 0 else 0.0
+            per[blk.name] = {"block": EIGEN, "lambda": lam if lam > 0 else 0.0}
+        elif f is not None and np.trace(f) > 0:
             if pre.info.get("kind") == "ekfac":  # F_b's eigenbasis, the rows' own second moments as eigenvalues
                 _, u = np.linalg.eigh((f + f.T) / 2)
                 h = (u * np.einsum("ij,jk,ki->i", u.T, g, u)) @ u.T
@@ -493,26 +622,41 @@ def load_factors(store, model_id: int) -> KroneckerFactors:
     return from_record(rec, f" of model_id={model_id}")
 
 
+def current_factors(store, model_id: int) -> KroneckerFactors | None:
+    """``model_id``'s recorded factors when they were fitted at the checkpoint the store records for it, else None."""
+    if not has_factors(store, model_id):
+        return None
+    pre = load_factors(store, model_id)
+    return pre if pre.info.get("checkpoint") == _checkpoint_of(store, model_id) else None
+
+
 def wants_factors(store, model_id: int) -> bool:
     """Whether the store's curvature is Kronecker-factored and ``model_id`` has no factors recorded yet (the fit
     step has work to do)."""
     return store.meta.curvature in KFAC_CURVATURES and not has_factors(store, model_id)
 
 
-def fit_step(store, model_id: int, feat, batches, damping=DEFAULT_DAMPING, grad_wrt=None) -> KroneckerFactors | None:
+def fit_step(store, model_id: int, feat, batches, damping=None, grad_wrt=None) -> KroneckerFactors | None:
     """Fit and record ``model_id``'s factors in a store of K-FAC curvature (None for another curvature); a model
-    with factors recorded at its checkpoint keeps them (read back). The rows do not depend on the factors, so they may
-    be featurized before; factors recorded at another checkpoint (the model was started over) are fitted again, unless
+    with factors recorded at its checkpoint keeps them (read back). The rows of ``"kfac"`` / ``"ekfac"`` do not depend
+    on the factors, so they may be featurized before (``"kfac-eigen"``'s do: rows featurized without factors are
+    refused); factors recorded at another checkpoint (the model was started over) are fitted again, unless
     rows are featurized already (they are then of another checkpoint than the factors: refused)."""
     if store.meta.curvature not in KFAC_CURVATURES:
         return None
     stale = False
+    featurized = store.has_model(model_id) and bool(store.featurized_mask(model_id).any())
+    if store.meta.curvature in FIT_BEFORE_FEATURIZE and featurized and not has_factors(store, model_id):
+        raise StateError(
+            f"model_id={model_id}: {store.location} holds rows featurized without curvature factors, but "
+            f"curvature={store.meta.curvature!r} projects with them; use a new store"
+        )
     if has_factors(store, model_id):
         pre = load_factors(store, model_id)
         if pre.info.get("checkpoint") == _checkpoint_of(store, model_id):
             return pre
         stale = True
-        if store.has_model(model_id) and bool(store.featurized_mask(model_id).any()):
+        if featurized:
             raise StateError(
                 f"model_id={model_id}: {store.location} holds featurized rows and factors fitted at another "
                 "checkpoint; use a new store"

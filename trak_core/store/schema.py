@@ -158,8 +158,9 @@ class StoreMetadata(BaseModel):
     # of the loss in the model output, R = diag(rᵢ), rᵢ = Qᵢ(1 − Qᵢ) (damping.loss_curvature); set at creation: a
     # "ggn" store keeps both partials per shard (λ's rule reads XᵀX's spectrum)
     # "kfac" / "ekfac": each Linear layer's Kronecker factors in the projected space (trak_core.solve.kfac; its factors
-    # are in the pipeline record, "curvature_factors"), the inverse block-diagonal
-    curvature: Literal["xtx", "ggn", "kfac", "ekfac"] = "xtx"
+    # are in the pipeline record, "curvature_factors"), the inverse block-diagonal; "kfac-eigen": those layers
+    # projected in their factors' eigenbasis (fitted before the rows), each such block's inverse diagonal
+    curvature: Literal["xtx", "ggn", "kfac", "ekfac", "kfac-eigen"] = "xtx"
     versions: dict[str, str] = Field(default_factory=_versions)
     # random at creation: each chunk's place record is sealed with it (a chunk of another store does not pass)
     store_id: str = Field(default_factory=lambda: uuid.uuid4().hex, pattern=r"^[0-9a-f]{32}$")
