@@ -130,8 +130,7 @@ def column(name: str):
     if name in COLUMNS:
         return COLUMNS[name]
     if name.startswith("trakflow ") and "=" in name:
-        kw: dict = dict(part.split("=", 1) for part in name.split()[1:])
-        kw = {k: float(v) if k == "curvature_damping" else v for k, v in kw.items()}
+        kw = {k: float(v) if k == "curvature_damping" else v for k, v in (p.split("=", 1) for p in name.split()[1:])}
         return lambda case, truth, p: _trakflow(case, truth, p, **kw), True
     raise SystemExit(f"unknown column {name!r}: one of {list(COLUMNS)} or 'trakflow key=value ...'")
 
