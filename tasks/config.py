@@ -62,6 +62,7 @@ from trak_core.settings import (
     StorageDtype,
     TrakSettings,
 )
+from trak_core.solve.kfac import KFAC_CURVATURES
 from trak_core.store import check_exp_name, check_writable
 
 _GLOB_CHARS = set("*?[")
@@ -333,15 +334,19 @@ class AttributeConfig(_Base):
         "one more p × p partial per shard; "
         "benchmarks/RESULTS.md 'Gauss-Newton curvature'); λ's rule still reads XᵀX, scaled by the traces; "
         "'kfac' / 'ekfac': each Linear layer's Kronecker factors in the factored projection's space (a block-diagonal "
-        "H; other layers keep their XᵀX block), fitted by one more pass over the train rows per checkpoint "
-        "(docs/damping.md)",
+        "H; other layers keep their XᵀX block), fitted by one more pass over the train rows per checkpoint; "
+        "'kfac-eigen': those layers projected in their factors' eigenbasis (fitted before the rows), EK-FAC's "
+        "diagonal inverse (docs/damping.md)",
     )
-    curvature_damping: CurvatureDamping = _setting(
-        "curvature_damping", "'kfac'/'ekfac': λ of each Kronecker block = this × its mean eigenvalue (> 0)"
+    curvature_damping: CurvatureDamping | None = _setting(
+        "curvature_damping",
+        "'kfac'/'ekfac': λ of each Kronecker block = this × its mean eigenvalue (> 0; default 0.001); 'kfac-eigen': "
+        "× its rows' mean second moment (default 0.01); null: the curvature's default",
     )
     curvature_rows: PositiveInt | None = Field(
         None,
-        description="'kfac'/'ekfac': the factors are fitted on this many train rows, evenly spaced (null: all rows)",
+        description="'kfac'/'ekfac'/'kfac-eigen': the factors are fitted on this many train rows, evenly spaced "
+        "(null: all rows)",
     )
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")
@@ -519,12 +524,12 @@ class AttributeConfig(_Base):
             from trak_core.featurize.sharded import VMAP_REFUSAL
 
             raise BadInputError(VMAP_REFUSAL.format(kind=self.projector))
-        if self.curvature in ("kfac", "ekfac") and self.projector != "factored":
+        if self.curvature in KFAC_CURVATURES and self.projector != "factored":
             raise BadInputError(
                 f"curvature={self.curvature!r} needs the factored projector (its blocks are the layers that the "
                 f"Kronecker factors curve), not projector={self.projector!r}"
             )
-        if self.processes_per_task > 1 and self.curvature in ("kfac", "ekfac"):
+        if self.processes_per_task > 1 and self.curvature in KFAC_CURVATURES:
             raise BadInputError(
                 f"curvature={self.curvature!r}: Kronecker-factored curvature is not supported with "
                 f"processes_per_task={self.processes_per_task} (model-parallel featurizing); use 1, or 'xtx' / 'ggn'"

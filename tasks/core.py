@@ -42,25 +42,28 @@ def validate_inputs(config: AttributeConfig) -> plan.CheckedInputs:
         shard_rows=config.shard_size,
         max_memory=config.max_memory,
         model_name=config.model,
+        curvature_rows=config.curvature_rows,
+        device=config.resolved_device(),
     )
 
 
 def task_projector(config: AttributeConfig, meta: StoreMetadata, device: str, model: torch.nn.Module):
     """The projector of a featurize task: rebuilt from the store's metadata ``meta`` for ``model``."""
-    return plan.task_projector(config.settings, meta, device, model)
+    return plan.task_projector(config.settings, meta, device, model, open_store(config))
 
 
-def build_featurizer(config: AttributeConfig, checkpoint: str, meta: StoreMetadata) -> Featurizer:
-    """The featurizer of a task: the projector rebuilt from the store's metadata ``meta`` (never probed again)."""
+def build_featurizer(config: AttributeConfig, checkpoint: str, store: RunStore) -> Featurizer:
+    """The featurizer of a task: the projector rebuilt from the store's metadata (never probed again)."""
     device = config.resolved_device()
     return plan.task_featurizer(
         config.settings,
-        meta,
+        store.meta,
         config.build_model(),
         config.build_task(),
         read_checkpoint(checkpoint, device),
         device,
         config.max_memory,
+        store,
     )
 
 
@@ -123,7 +126,7 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
         store,
         model_id,
         shard,
-        lambda: build_featurizer(config, checkpoint, store.meta),
+        lambda: build_featurizer(config, checkpoint, store),
         lambda a, b: [t[a:b] for t in data],
         config.batch_size,
         device=config.resolved_device(),
@@ -134,7 +137,8 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
 
 # ---------------------------------------------------------------------------- curvature
 def fit_curvature(config: AttributeConfig, model_id: int, checkpoint: str) -> bool:
-    """The Kronecker-factored curvature of one checkpoint (``curvature: kfac`` / ``ekfac``), fitted on every train
+    """The Kronecker-factored curvature of one checkpoint (``curvature: kfac`` / ``ekfac`` / ``kfac-eigen``; the
+    plan of a new ``kfac-eigen`` store fitted model 0's already), fitted on every train
     row (or ``curvature_rows`` of them, evenly spaced) in batches of ``batch_size`` and recorded in the store before
     its shards are featurized (:func:`trak_core.engine.fit_curvature`; a checkpoint that has factors keeps them).
     Returns whether it fitted."""
@@ -142,12 +146,8 @@ def fit_curvature(config: AttributeConfig, model_id: int, checkpoint: str) -> bo
     if not engine.needs_curvature(store, model_id):
         return False
     data = cached_data(config.train_data, "train_data")
-    n, size = store.meta.train_set_size, config.batch_size
-    rows = torch.arange(n)
-    if config.curvature_rows is not None and config.curvature_rows < n:  # a declared sample, evenly spaced
-        rows = torch.linspace(0, n - 1, config.curvature_rows).round().long().unique()
-    feat = build_featurizer(config, checkpoint, store.meta)
-    batches = lambda: ([t[rows[a : a + size]] for t in data] for a in range(0, len(rows), size))  # noqa: E731
+    feat = build_featurizer(config, checkpoint, store)
+    batches = engine.curvature_batches(data, config.curvature_rows, config.batch_size)
     engine.fit_curvature(store, model_id, feat, batches, config.curvature_damping, config.grad_wrt)
     return True
 
@@ -174,7 +174,7 @@ def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str) -
         store,
         config.exp_name,
         model_id,
-        lambda: build_featurizer(config, checkpoint, store.meta),
+        lambda: build_featurizer(config, checkpoint, store),
         lambda a, b: [t[a:b] for t in data],
         config.batch_size,
     )

@@ -183,7 +183,26 @@ needs_curvature = kfac.wants_factors  # whether a checkpoint of the store has fa
 fit_factors, record_curvature = kfac.fit_factors, kfac.record_factors
 #: "kfac-eigen": rows projected in each checkpoint's factor eigenbasis, so its factors come before its rows
 FIT_BEFORE_FEATURIZE, default_damping = kfac.FIT_BEFORE_FEATURIZE, kfac.default_damping
-bind_eigen, current_factors, eigen_energies = kfac.bind_eigen, kfac.current_factors, kfac.eigen_energies
+bind_eigen, current_factors = kfac.bind_eigen, kfac.current_factors
+bind_recorded_eigen = kfac.bind_recorded  # a store's rows: the eigenbasis of the factors it records
+
+
+def eigen_split(split: dict, pre: KroneckerFactors, proj_dim: int) -> dict:
+    """The split keywords of a new ``"kfac-eigen"`` store: the probe's ``split`` (:func:`probe_split`) with its
+    Kronecker layers' share of proj_dim spread as the first checkpoint's factors ``pre`` say
+    (:func:`trak_core.solve.kfac.eigen_energies`), rounded as every recorded split is. TRAKer and the pipeline's
+    plan both call it, with the factors of model 0's fit."""
+    return {**split, "energies": quantize_energies(kfac.eigen_energies(pre, split["energies"], proj_dim))}
+
+
+def curvature_batches(train: Sequence[torch.Tensor], rows: int | None, batch_size: int):
+    """The factor fit's batches over ``train``: every row, or ``rows`` of them evenly spaced (a declared sample), in
+    order, ``batch_size`` at a time; a function returning a fresh iterator (the fit's ``batches``)."""
+    n = int(train[0].shape[0])
+    pick = torch.arange(n)
+    if rows is not None and rows < n:
+        pick = torch.linspace(0, n - 1, rows).round().long().unique()
+    return lambda: ([t[pick[a : a + batch_size]] for t in train] for a in range(0, len(pick), batch_size))
 
 
 def check_new_store(location: str, storage_options: dict | None = None) -> None:

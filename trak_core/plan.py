@@ -27,7 +27,7 @@ from .checkpoints import check_state as check_state
 from .checkpoints import check_state_finite as check_state_finite
 from .checkpoints import read_checkpoint as read_checkpoint
 from .checkpoints import record_of, state_digest
-from .errors import BadInputError
+from .errors import BadInputError, StateError
 from .lds import array_fingerprint
 from .rules import FINITE_CHECK_ROWS as FINITE_CHECK_ROWS
 from .rules import check_batch as check_batch
@@ -148,10 +148,13 @@ def probe_split(model: torch.nn.Module, task, train: Sequence[torch.Tensor], gra
         raise prefixed("checkpoints[0]", e) from None
 
 
-def task_projector(settings: TrakSettings, meta: StoreMetadata, device, model: torch.nn.Module) -> AbstractProjector:
-    """The projector of a featurize task: rebuilt from the store's metadata ``meta`` for ``model`` (never probed)."""
+def task_projector(
+    settings: TrakSettings, meta: StoreMetadata, device, model: torch.nn.Module, store: RunStore | None = None
+) -> AbstractProjector:
+    """The projector of a featurize task: rebuilt from the store's metadata ``meta`` for ``model`` (never probed); of
+    a ``"kfac-eigen"`` store, bound to the factors ``store`` records (:func:`trak_core.engine.bind_recorded_eigen`)."""
     s = settings
-    return build_projector(
+    projector = build_projector(
         s.projector,
         meta.grad_dim,
         s.proj_dim,
@@ -162,6 +165,11 @@ def task_projector(settings: TrakSettings, meta: StoreMetadata, device, model: t
         device=device,
         split=split_of(meta),
     )
+    if meta.curvature in engine.FIT_BEFORE_FEATURIZE:
+        if store is None:
+            raise StateError(f"curvature={meta.curvature!r}: the projector needs the store its factors are recorded in")
+        engine.bind_recorded_eigen(projector, store)
+    return projector
 
 
 def task_featurizer(
@@ -172,13 +180,15 @@ def task_featurizer(
     state_dict: dict,
     device,
     max_memory: int | None = None,
+    store: RunStore | None = None,
 ) -> Featurizer:
-    """The featurizer of a task at checkpoint ``state_dict``, its projector rebuilt from the store's ``meta``."""
+    """The featurizer of a task at checkpoint ``state_dict``, its projector rebuilt from the store's ``meta`` (and
+    ``store``: :func:`task_projector`)."""
     model = model.to(device)
     feat = Featurizer(
         model,
         task,
-        task_projector(settings, meta, device, model),
+        task_projector(settings, meta, device, model, store),
         FunctionalGradientComputer,
         settings.grad_wrt,
         device,
@@ -199,6 +209,8 @@ class CheckedInputs:
     train: tuple
     targets: tuple
     state_digests: tuple[str, ...] = ()  # each checkpoint's trak_core.checkpoints.state_digest
+    #: a new "kfac-eigen" store: model 0's factors, fitted to split its projection (:func:`eigen_fit`), recorded
+    factors: engine.KroneckerFactors | None = None
 
     @property
     def num_targets(self) -> int:
@@ -220,6 +232,8 @@ def check_inputs(
     shard_rows: int | None = None,
     max_memory: int | None = None,
     model_name: str = "",
+    curvature_rows: int | None = None,
+    device="cpu",
 ) -> CheckedInputs:
     """Check everything that can be checked without computing gradients: the task's batches, NaN/inf and dtypes of
     the data, the projection against the number of train rows (:func:`check_projection`), the
@@ -229,6 +243,7 @@ def check_inputs(
     Args:
         checkpoints: their paths (model_id i is ``checkpoints[i]``, the field its errors name).
         location: the store's (an existing store keeps its own split and, when it grows, its layout).
+        curvature_rows, device: a new ``"kfac-eigen"`` store's fit of model 0 (:func:`eigen_fit`).
     """
     named = ((train, "train_data"), (targets, "target_data"))
     for data, field in named:
@@ -259,16 +274,49 @@ def check_inputs(
         projector=settings.projector,
         available=max_memory,
     )
-    digests = []
+    digests, factors = [], None
     for i, path in enumerate(checkpoints):
         sd = read_checkpoint(path, "cpu", field=f"checkpoints[{i}]")
         digests.append(state_digest(sd))
         check_state(model, sd, f"checkpoints[{i}]", path, model_name)
         if probe and i == 0:  # the model holds the first checkpoint: the split follows its gradient energy
-            meta = metadata(probe_split(model, task, train, settings.grad_wrt, batch_size))
+            split = probe_split(model, task, train, settings.grad_wrt, batch_size)
+            if settings.curvature in engine.FIT_BEFORE_FEATURIZE:  # ... spread as its factors say
+                factors = eigen_fit(
+                    settings, metadata(split), model, task, sd, train, batch_size, curvature_rows, device
+                )
+                split = engine.eigen_split(split, factors, settings.proj_dim)
+            meta = metadata(split)
     return CheckedInputs(
-        meta=meta, checkpoints=tuple(checkpoints), train=train, targets=targets, state_digests=tuple(digests)
+        meta=meta,
+        checkpoints=tuple(checkpoints),
+        train=train,
+        targets=targets,
+        state_digests=tuple(digests),
+        factors=factors,
     )
+
+
+def eigen_fit(
+    settings: TrakSettings,
+    meta: StoreMetadata,
+    model: torch.nn.Module,
+    task,
+    state_dict: dict,
+    train: Sequence[torch.Tensor],
+    batch_size: int,
+    rows: int | None,
+    device="cpu",
+) -> engine.KroneckerFactors:
+    """Model 0's Kronecker factors at ``state_dict`` (the fit the pipeline's fit step would make: ``rows`` of
+    ``train`` evenly spaced, or all), fitted by the plan of a new ``"kfac-eigen"`` store: its projection's split
+    between layers is theirs (:func:`trak_core.engine.eigen_split`, as TRAKer's), and they are recorded with it."""
+    feat = task_featurizer(settings, meta.model_copy(update={"curvature": "xtx"}), model, task, state_dict, device)
+    batches = engine.curvature_batches(train, rows, batch_size)
+    try:
+        return engine.fit_factors(feat, batches, settings.curvature, settings.curvature_damping, settings.grad_wrt)
+    except BadInputError as e:
+        raise prefixed("checkpoints[0]", e) from None
 
 
 @dataclass(frozen=True)
@@ -333,6 +381,8 @@ def create_run(
     store = engine.open_run(location, inputs.meta, storage_options, grow=True)
     before = store.meta.train_set_size
     engine.plan_run(store, **records)
+    if inputs.factors is not None and not engine.current_factors(store, 0):  # fitted by the plan (eigen_fit)
+        engine.record_curvature(store, 0, inputs.factors)
     check_chunks(store)
     return store, before if before < inputs.meta.train_set_size else None
 

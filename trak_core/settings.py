@@ -14,15 +14,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeFl
 
 from trak_core.projection.projectors import load_projector_plugins, registered_projectors
 from trak_core.solve.damping import LambdaRule, parse_lambda_reg
-from trak_core.solve.kfac import DEFAULT_DAMPING
 
 from .errors import BadInputError
 
 ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
-#: the pipeline's curvatures; "kfac-eigen" (trak_core.solve.kfac) is TRAKer's only so far: its rows are projected in
-#: each checkpoint's factor eigenbasis, which the pipeline's featurize tasks do not bind yet
-Curvature = Literal["xtx", "ggn", "kfac", "ekfac"]
+Curvature = Literal["xtx", "ggn", "kfac", "ekfac", "kfac-eigen"]
 #: 'kfac'/'ekfac': each Kronecker block's λ = this × its mean eigenvalue (a finite number > 0)
 CurvatureDamping = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
@@ -77,10 +74,13 @@ class TrakSettings(BaseModel):
     curvature: Curvature = Field(
         "xtx",
         description="H of (H + λI)⁻¹: 'xtx' (XᵀX, traker's) or 'ggn' (XᵀRX); 'kfac' / 'ekfac': per-layer Kronecker "
-        "factors in the factored projection's space, a block-diagonal H (docs/damping.md)",
+        "factors in the factored projection's space, a block-diagonal H; 'kfac-eigen': those layers projected in "
+        "their factors' eigenbasis, EK-FAC's diagonal inverse (docs/damping.md)",
     )
-    curvature_damping: CurvatureDamping = Field(
-        DEFAULT_DAMPING, description="'kfac'/'ekfac': each Kronecker block's λ = this × its mean eigenvalue"
+    curvature_damping: CurvatureDamping | None = Field(
+        None,
+        description="'kfac'/'ekfac': each Kronecker block's λ = this × its mean eigenvalue (default 0.001); "
+        "'kfac-eigen': × its rows' mean second moment (default 0.01); null: the curvature's default",
     )
     grad_wrt: GradWrt = Field(
         None, description="parameter names to take gradients for (None: the trainable ones, a PEFT model's adapters)"

@@ -1,6 +1,6 @@
-"""``curvature: kfac`` / ``ekfac`` through the pipeline (a fit task per checkpoint before its shards, then the usual
-featurize/finalize/score) = TRAKer with ``fit_curvature`` on the same batches; the query index reads the recorded
-factors; bad settings are refused by the config, naming the field."""
+"""``curvature: kfac`` / ``ekfac`` / ``kfac-eigen`` through the pipeline (a fit task per checkpoint before its
+shards, then the usual featurize/finalize/score) = TRAKer with ``fit_curvature`` on the same batches; the query index
+reads the recorded factors; bad settings are refused by the config, naming the field."""
 
 from __future__ import annotations
 
@@ -25,14 +25,19 @@ def config(tmp, ckpts, **over) -> AttributeConfig:
     return AttributeConfig.model_validate(tiny_attribute_config(tmp / "store.zarr", ckpts, **over))
 
 
-def traker_scores(tmp, paths, curvature: str, meta) -> np.ndarray:
-    """TRAKer's scores with the projector the pipeline's store ``meta`` records (its energy split)."""
+def first_48():
+    return tuple(t[:48] for t in tiny.train_data())
+
+
+def traker_scores(tmp, paths, curvature: str, meta=None, fit_batch=BATCH, fit_rows=N) -> np.ndarray:
+    """TRAKer's scores with the projector the pipeline's store ``meta`` records (its energy split; None: TRAKer's own
+    default projector), the factors fitted on the first ``fit_rows`` rows in batches of ``fit_batch``."""
     x, y = tiny.train_data()
     xt, yt = tiny.target_data()
     from trak_core import engine
 
     model = tiny.make_model()
-    proj = engine.recorded_projector(meta, model)
+    proj = None if meta is None else engine.recorded_projector(meta, model)
     tr = TRAKer(
         model,
         "image_classification",
@@ -43,11 +48,11 @@ def traker_scores(tmp, paths, curvature: str, meta) -> np.ndarray:
         lambda_reg=1e-3,
         chunk_rows=8,
         shard_rows=16,
-        projector=proj,
         curvature=curvature,
+        **({} if proj is None else {"projector": proj}),
     )
     sds = [torch.load(p, weights_only=True) for p in sorted(paths)]
-    batches = [(x[a : a + BATCH], y[a : a + BATCH]) for a in range(0, N, BATCH)]
+    batches = [(x[a : a + fit_batch], y[a : a + fit_batch]) for a in range(0, fit_rows, fit_batch)]
     for mid, sd in enumerate(sds):
         tr.load_checkpoint(sd, mid)
         tr.fit_curvature(batches)
@@ -57,7 +62,7 @@ def traker_scores(tmp, paths, curvature: str, meta) -> np.ndarray:
     for mid, sd in enumerate(sds):
         tr.start_scoring_checkpoint("tiny", sd, mid, M)
         tr.score((xt, yt), inds=np.arange(M))
-    return np.asarray(tr.finalize_scores("tiny"))
+    return np.asarray(tr.finalize_scores("tiny")), tr.store.meta
 
 
 @pytest.mark.parametrize("curvature", ["kfac"])  # (EK-FAC through TRAKer and the index: test_kfac_store)
@@ -72,7 +77,7 @@ def test_pipeline_equals_traker_and_index(tmp_path, curvature):
     assert sorted(store.pipeline_info()[kfac.RECORD_KEY]) == ["0", "1"]
     assert all(store.finalize_info(mid)["curvature"] == curvature for mid in (0, 1))
     ours = np.asarray(store.scores("tiny")[:])
-    want = traker_scores(tmp_path, paths, curvature, store.meta)
+    want, _ = traker_scores(tmp_path, paths, curvature, store.meta)
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     # not the scores without the curvature
     plain = config(tmp_path / "plain", paths, projector="factored", report_targets=0, lambda_reg=0.0)
@@ -84,6 +89,61 @@ def test_pipeline_equals_traker_and_index(tmp_path, curvature):
     np.testing.assert_allclose(res.scores, np.take_along_axis(ours.T, res.indices, 1), rtol=1e-5, atol=1e-6)
 
 
+def test_eigen_pipeline_equals_traker_default_projector_and_index(tmp_path):
+    """``kfac-eigen``: the plan fits model 0's factors and splits proj_dim by them as TRAKer's default projector does
+    (one engine rule), so the pipeline and a TRAKer left to its defaults (fitting in batches of another size) lay
+    out the same projection and give the same scores; the index answers in the recorded eigenbasis."""
+    from flows import attribute
+    from trak_core import engine
+    from trak_core.projection.energy import PROBE_ROWS
+
+    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0, 1))
+    cfg = config(tmp_path, paths, curvature="kfac-eigen", projector="factored")
+    attribute(cfg)
+    store = TrakStore.open(cfg.store, mode="r")
+    assert sorted(store.pipeline_info()[kfac.RECORD_KEY]) == ["0", "1"]
+    assert all(store.finalize_info(mid)["curvature"] == "kfac-eigen" for mid in (0, 1))
+    model = tiny.make_model()
+    model.load_state_dict(torch.load(sorted(paths)[0], weights_only=True))
+    probed = engine.probe_split(model, "image_classification", [t[:PROBE_ROWS] for t in tiny.train_data()])
+    split = engine.eigen_split(probed, kfac.load_factors(store, 0), PROJ)
+    assert store.meta.projector_params["energies"] == split["energies"] != probed["energies"]
+    ours = np.asarray(store.scores("tiny")[:])
+    want, meta = traker_scores(tmp_path, paths, "kfac-eigen", fit_batch=32)
+    assert meta.projector_params == store.meta.projector_params
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    kfac_store = config(tmp_path / "kfac", paths, curvature="kfac", projector="factored")
+    attribute(kfac_store)  # not the scores of the random sides
+    assert not np.allclose(ours, TrakStore.open(kfac_store.store, mode="r").scores("tiny")[:], rtol=1e-2)
+    res = TrakIndex.from_config(cfg).query(tiny.target_data(), k=N)
+    np.testing.assert_allclose(res.scores, np.take_along_axis(ours.T, res.indices, 1), rtol=1e-5, atol=1e-6)
+
+
+def test_eigen_store_grows_with_its_recorded_factors(tmp_path):
+    """Rows appended to a ``kfac-eigen`` store are projected with the factors it recorded (fitted on the first 48
+    rows): the grown store's scores are TRAKer's with those factors over all rows, its old rows untouched."""
+    from flows import attribute
+    from tasks.common import clear_data_cache
+
+    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0, 1))
+    over = dict(curvature="kfac-eigen", projector="factored")
+    clear_data_cache()
+    attribute(config(tmp_path, paths, train_data="test_kfac_pipeline:first_48", **over))
+    before = TrakStore.open(str(tmp_path / "store.zarr"), mode="r")
+    kept = {mid: np.asarray(before.model(mid).grads[:]).copy() for mid in (0, 1)}
+    factors = {k: v["sha256"] for k, v in before.pipeline_info()[kfac.RECORD_KEY].items()}
+    clear_data_cache()
+    out = attribute(config(tmp_path, paths, **over))
+    assert out["plan"].grown_from == 48
+    grown = TrakStore.open(str(tmp_path / "store.zarr"), mode="r")
+    assert {k: v["sha256"] for k, v in grown.pipeline_info()[kfac.RECORD_KEY].items()} == factors
+    for mid in (0, 1):
+        np.testing.assert_array_equal(grown.model(mid).grads[:48], kept[mid])
+    want, _ = traker_scores(tmp_path / "t", paths, "kfac-eigen", grown.meta, fit_rows=48)
+    ours = np.asarray(grown.scores("tiny")[:])
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
 @pytest.mark.parametrize(
     ("over", "field"),
     [
@@ -92,6 +152,8 @@ def test_pipeline_equals_traker_and_index(tmp_path, curvature):
         ({"curvature": "kfac", "curvature_damping": float("inf")}, "curvature_damping"),
         ({"curvature": "ekfac", "processes_per_task": 2}, "curvature='ekfac'.*processes_per_task"),
         ({"curvature": "kfac", "projector": "dense"}, "needs the factored projector"),
+        ({"curvature": "kfac-eigen", "projector": "dense"}, "needs the factored projector"),
+        ({"curvature": "kfac-eigen", "processes_per_task": 2}, "curvature='kfac-eigen'.*processes_per_task"),
     ],
 )
 def test_bad_settings_named_by_the_config(tmp_path, over, field):

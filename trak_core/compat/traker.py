@@ -364,9 +364,8 @@ class TRAKer:
         except RuntimeError as e:
             self.featurizer._dtype_mismatch(batch, e)
             raise
-        energies = split["energies"]
-        if self.curvature in engine.FIT_BEFORE_FEATURIZE and self._fitted:  # the split the first fit's factors say
-            energies = engine.eigen_energies(next(iter(self._fitted.values())), energies, self.proj_dim)
+        if self.curvature in engine.FIT_BEFORE_FEATURIZE and self._fitted:  # the split model 0's factors say
+            split = engine.eigen_split(split, self._fitted[min(self._fitted)], self.proj_dim)
         projector = default_projector(
             self.model,
             self.num_params_for_grad,
@@ -374,7 +373,7 @@ class TRAKer:
             self.proj_seed,
             self.device,
             self.grad_wrt,
-            energies=energies,
+            energies=split["energies"],
         )
         if self.curvature in engine.FIT_BEFORE_FEATURIZE:
             self._bind_eigen(projector)

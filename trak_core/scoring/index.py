@@ -279,18 +279,7 @@ class TrakIndex:
                     f"{field}={want[field]!r} (check model, grad_wrt and projector)"
                 )
         if meta.curvature in engine.FIT_BEFORE_FEATURIZE:  # the rows are in the recorded factors' eigenbasis
-            store = self.store
-
-            def factors_of(model_id: int) -> engine.KroneckerFactors:
-                pre = engine.current_factors(store, model_id)
-                if pre is None:
-                    raise StateError(
-                        f"model_id={model_id}: the store at {self.location} has curvature={meta.curvature!r} but no "
-                        "curvature factors fitted at its checkpoint"
-                    )
-                return pre
-
-            engine.bind_eigen(given, factors_of)
+            engine.bind_recorded_eigen(given, self.store)
         return given
 
     # ------------------------------------------------------------------ snapshot

@@ -474,6 +474,23 @@ def bind_eigen(projector, factors_of: Callable[[int], KroneckerFactors]) -> None
     projector.side_override = lambda model_id: eigen_sides(blocks, factors_of(model_id))
 
 
+def bind_recorded(projector, store) -> None:
+    """:func:`bind_eigen` with the factors ``store`` records at each model's checkpoint (the pipeline's tasks and the
+    query index); a model without them is refused (StateError naming the fit) when its rows are projected."""
+
+    def factors_of(model_id: int) -> KroneckerFactors:
+        pre = current_factors(store, model_id)
+        if pre is None:
+            raise StateError(
+                f"model_id={model_id}: the store at {store.location} has curvature={store.meta.curvature!r} but no "
+                "curvature factors fitted at its checkpoint; its rows are projected with them, so they are fitted "
+                "first (TRAKer.fit_curvature, or the pipeline's fit step)"
+            )
+        return pre
+
+    bind_eigen(projector, factors_of)
+
+
 def _damped_inverse(h: np.ndarray, damping: float) -> tuple[np.ndarray, float]:
     lam = damping * float(np.trace(h)) / len(h)
     if lam <= 0:  # a block whose rows are all zero: nothing to score through it
