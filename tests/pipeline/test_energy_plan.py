@@ -31,7 +31,8 @@ def test_plan_probes_once_and_workers_rebuild_the_same_projector(tmp_path, monke
     monkeypatch.setattr(engine, "sketched_energies", lambda *a, **k: calls.append(1) or real(*a, **k))
     plan = core.make_plan(cfg)
     assert calls == [1]
-    meta = TrakStore.open(cfg.store, mode="r").meta
+    store = TrakStore.open(cfg.store, mode="r")
+    meta = store.meta
     record = meta.projector_params
     assert record["layout_version"] == 5 and record["split"] == "energy"
     # the energies of checkpoint 0 (sorted checkpoints: model_id 0) on the first 64 train rows
@@ -47,7 +48,7 @@ def test_plan_probes_once_and_workers_rebuild_the_same_projector(tmp_path, monke
         raise AssertionError("a task probed the gradient energy again")
 
     monkeypatch.setattr(engine, "sketched_energies", refuse)
-    specs = [core.build_featurizer(cfg, m.checkpoint, meta).projector.spec() for m in (*plan.models, plan.models[0])]
+    specs = [core.build_featurizer(cfg, m.checkpoint, store).projector.spec() for m in (*plan.models, plan.models[0])]
     got = StoreMetadata.from_projector(specs[0], train_set_size=meta.train_set_size).projector_params
     assert all(s == specs[0] for s in specs) and got == record
     for m, shard in plan.featurize_jobs():
