@@ -311,7 +311,8 @@ def eigen_fit(
     """Model 0's Kronecker factors at ``state_dict`` (the fit the pipeline's fit step would make: ``rows`` of
     ``train`` evenly spaced, or all), fitted by the plan of a new ``"kfac-eigen"`` store: its projection's split
     between layers is theirs (:func:`trak_core.engine.eigen_split`, as TRAKer's), and they are recorded with it."""
-    feat = task_featurizer(settings, meta.model_copy(update={"curvature": "xtx"}), model, task, state_dict, device)
+    plain = meta.model_copy(update={"curvature": "xtx"})  # the fit projects nothing: no eigenbasis to bind yet
+    feat = task_featurizer(settings, plain, model, task, state_dict, device)
     batches = engine.curvature_batches(train, rows, batch_size)
     try:
         return engine.fit_factors(feat, batches, settings.curvature, settings.curvature_damping, settings.grad_wrt)

@@ -51,14 +51,13 @@ by EK-FAC's diagonal: diag(1 / (diag(G_b) + λ_b)), G_b its XᵀX block (the row
 eigenbasis), λ_b = ``damping`` (default :data:`EIGEN_DAMPING`) × their mean; every other block keeps its damped XᵀX
 block. The rows depend on the factors, so each checkpoint's factors are fitted before its rows
 (:data:`FIT_BEFORE_FEATURIZE`); a square Conv1D whose block carries its bias, and the layers without factors,
-keep random sides. Which coordinates are worth keeping is the factors' business, not the gradient energy's: TRAKer's
-default projector (created by the first rows, after the first fit) splits proj_dim with energies whose Kronecker
-layers' share is spread ∝ their eigen-coordinates among the top ones by e/(e + λ) over all those layers
-(:func:`eigen_energies`); on wide-mlp the probe's energy split scored 0.05 LDS lower at proj_dim 512. Whitening
-each gradient then projecting it at random scored far below (offline). benchmarks/peers.py, LDS at proj_dim 512 /
-2048: wide-mlp 0.260 / 0.288 ("kfac" 0.242 / 0.286, kronfluence's exact EK-FAC 0.296), bn-conv 0.337 / 0.405
-(0.307 / 0.386, kronfluence 0.392), the small GPT-2 0.170 / 0.211 (0.166 / 0.208, kronfluence 0.334). TRAKer and
-TrakIndex only so far: the pipeline's featurize tasks do not bind the eigenbasis (its config refuses the name).
+keep random sides. Which coordinates are worth keeping is the factors' business, not the gradient energy's: a new
+store's projector splits proj_dim with energies whose Kronecker layers' share is spread ∝ their eigen-coordinates
+among the top ones by e/(e + λ) over all those layers (:func:`eigen_energies`, by ``engine.eigen_split`` with model
+0's factors: TRAKer's default projector after the first fit, the pipeline's plan by one fit of model 0 before it
+creates the store, so both lay out the same projection); on wide-mlp the probe's energy split scored 0.05 LDS lower
+at proj_dim 512. Whitening each gradient then projecting it at random scored far below (offline). LDS beside
+kronfluence: benchmarks/RESULTS.md, "Beside kronfluence".
 
 The record
 ----------
