@@ -426,10 +426,18 @@ def eigen_sides(
             key = e / (e + lam) if lam > 0 else e
             keep = np.argsort(-key, kind="stable")[: blk.k]
             i, j = keep // len(ec), keep % len(ec)
-            out[name] = (uc[:, j], ur[:, i])
+            out[name] = (_columns(uc[:, j], blk.k), _columns(ur[:, i], blk.k))
         else:
-            out[name] = (uc[:, : blk.k_in], ur[:, : blk.k_out])
+            out[name] = (_columns(uc, blk.k_in), _columns(ur, blk.k_out))
     return out
+
+
+def _columns(u: np.ndarray, k: int) -> np.ndarray:
+    """The first ``k`` columns of ``u``; a block given more coordinates than its eigenbasis has (proj_dim near or
+    above the gradient's dimension) gets zero columns for the rest: coordinates that are always 0."""
+    if u.shape[1] >= k:
+        return u[:, :k]
+    return np.concatenate([u, np.zeros((u.shape[0], k - u.shape[1]))], axis=1)
 
 
 def eigen_energies(pre: KroneckerFactors, energies: dict, proj_dim: int) -> dict[str, float]:
