@@ -100,6 +100,9 @@ EMPIRICAL_DAMPING = 0.1
 EIGEN_DAMPING = 0.01
 #: ``"kfac-eigen"``'s split between layers: each eigen-coordinate ranked by e/(e + λ), λ = this × its layer's mean e
 EIGEN_RANK_DAMPING = 0.1
+#: ``"kfac-eigen"``: the Kronecker layers get at least the coordinates that hold this share of their K-FAC energy
+#: (:func:`eigen_energies`), up to EIGEN_MAX_SHARE of proj_dim (the other layers keep the rest)
+EIGEN_ENERGY_KEPT, EIGEN_MAX_SHARE = 0.95, 0.9
 #: the form of a recorded fit (per-layer A and S); a record of another form was written by an earlier version
 RECORD_FORM = "factors-v2"
 #: the key of the store's pipeline record under which the fitted factors are kept, per model id
@@ -442,9 +445,13 @@ def _columns(u: np.ndarray, k: int) -> np.ndarray:
 
 def eigen_energies(pre: KroneckerFactors, energies: dict, proj_dim: int) -> dict[str, float]:
     """The energies of ``"kfac-eigen"``'s split of ``proj_dim`` between blocks (the factored projector's
-    ``split="energy"``), from the probe's ``energies`` ({parameter name: energy}) and one checkpoint's factors: the
-    Kronecker layers together keep their share of the probe's energy, E_K, but it is redistributed between them ∝
-    n_ℓ, the number of layer ℓ's eigen-coordinates among the p_K = round(proj_dim · E_K / E) of largest e/(e + λ)
+    ``split="energy"``), from the probe's ``energies`` ({parameter name: energy}) and one checkpoint's factors.
+
+    The Kronecker layers together get p_K = max(round(proj_dim · E_K / E), min(N_K, round(:data:`EIGEN_MAX_SHARE` ·
+    proj_dim))) coordinates: their share of the probe's energy E, or, where more, the N_K largest of their K-FAC
+    eigenvalues e that hold :data:`EIGEN_ENERGY_KEPT` of their sum (a layer whose coordinates concentrate its
+    energy is not starved by wide layers of random sides). The group's energy is set to give it that share, and is
+    spread between its layers ∝ n_ℓ, the number of layer ℓ's eigen-coordinates among the p_K of largest e/(e + λ)
     over all of them (λ = :data:`EIGEN_RANK_DAMPING` × each layer's mean e; on the layer's weight, its bias 0): the
     coordinates worth keeping are spread over the layers as the factors say, not as the gradient's energy does.
     Other parameters keep their energy. A square ``Conv1D`` (its block carries its bias) is left as the others."""
@@ -454,14 +461,21 @@ def eigen_energies(pre: KroneckerFactors, energies: dict, proj_dim: int) -> dict
     e_k = float(sum(v for k, v in energies.items() if k in group))
     if not sites or e_k <= 0 or total <= 0:
         return dict(energies)
-    p_k = max(1, round(proj_dim * e_k / total))
-    keys, owner = [], []
+    keys, owner, raw = [], [], []
     for i, site in enumerate(sites):
         _, a, s = pre.blocks[site.name]
         e = np.outer(_eigen(s)[0], _eigen(a)[0]).reshape(-1)
         lam = EIGEN_RANK_DAMPING * float(e.mean())
         keys.append(e / (e + lam) if lam > 0 else e)
         owner.append(np.full(e.size, i))
+        raw.append(e)
+    share = proj_dim * e_k / total
+    held = np.cumsum(np.sort(np.concatenate(raw))[::-1])
+    n_k = int(np.searchsorted(held, EIGEN_ENERGY_KEPT * held[-1])) + 1 if held[-1] > 0 else 0
+    p_k = max(1, round(share), min(n_k, round(EIGEN_MAX_SHARE * proj_dim)))
+    rest = total - e_k
+    if share < p_k < proj_dim and rest > 0:  # the group's energy for its share p_K / proj_dim
+        e_k = rest * p_k / (proj_dim - p_k)
     key, own = np.concatenate(keys), np.concatenate(owner)
     top = np.argsort(-key, kind="stable")[: min(p_k, key.size)]
     counts = np.bincount(own[top], minlength=len(sites))

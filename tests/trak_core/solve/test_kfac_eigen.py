@@ -397,13 +397,20 @@ def brute_energies(pre, energies: dict, proj_dim: int) -> dict:
     """``kfac.eigen_energies`` by its definition, by enumeration of every layer's eigen-coordinates."""
     group = {n for site, _, _ in pre.blocks.values() for n in (site.weight, site.bias) if n}
     e_k = sum(v for k, v in energies.items() if k in group)
-    p_k = round(proj_dim * e_k / sum(energies.values()))
-    ranked = []
+    rest = sum(energies.values()) - e_k
+    ranked, every = [], []
     for name, (site, a, s) in pre.blocks.items():
         ea, es = np.clip(np.linalg.eigvalsh(a), 0, None), np.clip(np.linalg.eigvalsh(s), 0, None)
         e = [x * y for x in es for y in ea]
         lam = kfac.EIGEN_RANK_DAMPING * np.mean(e)
         ranked += [(x / (x + lam), site) for x in e]
+        every += e
+    every.sort(reverse=True)  # the fewest largest eigenvalues holding EIGEN_ENERGY_KEPT of their sum
+    n_k = next(i + 1 for i in range(len(every)) if sum(every[: i + 1]) >= kfac.EIGEN_ENERGY_KEPT * sum(every))
+    share = proj_dim * e_k / (e_k + rest)
+    p_k = max(round(share), min(n_k, round(kfac.EIGEN_MAX_SHARE * proj_dim)))
+    if share < p_k < proj_dim and rest > 0:
+        e_k = rest * p_k / (proj_dim - p_k)
     ranked.sort(key=lambda t: -t[0])
     counts: dict = {}
     for _, site in ranked[:p_k]:
@@ -417,21 +424,26 @@ def brute_energies(pre, energies: dict, proj_dim: int) -> dict:
 
 
 def test_eigen_energies_follow_the_top_eigen_coordinates():
-    """The Kronecker layers keep their share of the probe's energy, split ∝ their coordinates among the top p_K by
-    e/(e + λ); other parameters keep theirs."""
+    """The Kronecker layers get their share of the probe's energy, or the coordinates holding 95 % of their K-FAC
+    energy where more (up to 90 % of proj_dim), split ∝ their coordinates among the top p_K by e/(e + λ); other
+    parameters keep theirs."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv1d(1, 2, 3), nn.Flatten(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, C)).double()
     x, y = torch.randn(N, 1, 10, dtype=torch.float64), torch.randint(0, C, (N,))
     with pytest.warns(UserWarning):
         pre = kfac.fit_factors(featurizer(model, "factored", 14), batches(x, y), kfac.EIGEN)
-    energies = {"0.weight": 2.0, "0.bias": 0.5, "2.weight": 3.0, "2.bias": 0.25, "4.weight": 1.0, "4.bias": 0.25}
-    for p in (6, 20, 60):
-        got = kfac.eigen_energies(pre, energies, p)
-        want = brute_energies(pre, energies, p)
-        assert got.keys() == want.keys()
-        for k in want:
-            assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-12), (p, k)
-        assert got["0.weight"] == 2.0 and sum(got.values()) == pytest.approx(sum(energies.values()))
+    raised = set()
+    for conv in (0.01, 40.0):  # the Kronecker layers' share of the probe: 99.8 %, then 10 %
+        energies = {"0.weight": conv, "0.bias": 0.0, "2.weight": 3.0, "2.bias": 0.25, "4.weight": 1.0, "4.bias": 0.25}
+        for p in (6, 20, 60):
+            got = kfac.eigen_energies(pre, energies, p)
+            want = brute_energies(pre, energies, p)
+            assert got.keys() == want.keys()
+            for k in want:
+                assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-12), (p, k)
+            assert got["0.weight"] == conv and got["0.bias"] == 0.0
+            raised.add(sum(got.values()) > sum(energies.values()) * (1 + 1e-9))
+    assert raised == {False, True}  # both the probe's share and the eigenvalues' floor decide somewhere
 
 
 def test_the_default_projector_splits_by_the_fitted_factors(tmp_path, monkeypatch):
