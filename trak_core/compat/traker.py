@@ -455,8 +455,8 @@ class TRAKer:
             )
         if pre is not None:
             self._fitted[mid] = pre
-            if self.curvature in engine.FIT_BEFORE_FEATURIZE:  # the projector's cached sides are of no factors
-                self._bind_eigen(self.featurizer.projector)
+            if self.curvature in engine.FIT_BEFORE_FEATURIZE:  # sides cached for other factors of this model
+                self.featurizer.projector.free_memory()
 
     # ------------------------------------------------------------------ featurizing
     def _forget_handles(self) -> None:

@@ -490,9 +490,30 @@ def eigen_energies(pre: KroneckerFactors, energies: dict, proj_dim: int) -> dict
 def bind_eigen(projector, factors_of: Callable[[int], KroneckerFactors]) -> None:
     """Make ``projector`` (a :class:`~trak_core.projection.factored.FactoredProjector`) project the Kronecker blocks
     of each model id in the eigenbasis of the factors ``factors_of(model_id)`` gives (:func:`eigen_sides`; it
-    raises when a checkpoint has none); its other blocks keep their random sides."""
+    raises when a checkpoint has none); its other blocks keep their random sides. Each model's sides are computed
+    once for the factors they come from (featurizing and scoring a model decompose its factors once)."""
     blocks = projector.layout.blocks
-    projector.side_override = lambda model_id: eigen_sides(blocks, factors_of(model_id))
+    memo: dict[int, tuple[str, dict]] = {}
+
+    def sides(model_id: int) -> dict:
+        pre = factors_of(model_id)
+        key = _fingerprint(pre)
+        if model_id not in memo or memo[model_id][0] != key:
+            memo[model_id] = (key, eigen_sides(blocks, pre))
+        return memo[model_id][1]
+
+    projector.side_override = sides
+
+
+def _fingerprint(pre: KroneckerFactors) -> str:
+    """A digest of the factors' matrices and damping (which factors a model's cached sides come from)."""
+    h = hashlib.blake2b(repr(pre.info.get("damping")).encode(), digest_size=16)
+    for name in sorted(pre.blocks):
+        _, a, s = pre.blocks[name]
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+        h.update(np.ascontiguousarray(s).tobytes())
+    return h.hexdigest()
 
 
 def bind_recorded(projector, store) -> None:

@@ -201,6 +201,32 @@ def test_rows_are_the_rotated_gradients_selected_coordinates(name, proj_dim, blo
         assert eigen == {"tok.weight", "head"}
 
 
+def test_each_models_factors_are_decomposed_once(monkeypatch):
+    """Switching between models (featurize, then score, checkpoint by checkpoint) reuses each model's sides; other
+    factors for a model (a refit) are decomposed again."""
+    model = mlp()
+    x, y = data()
+    feat = featurizer(model, "factored", 12)
+    pre = kfac.fit_factors(feat, batches(x, y), kfac.EIGEN)
+    other = kfac.fit_factors(feat, batches(x[:12], y[:12]), kfac.EIGEN)
+    given = {0: pre, 1: other}
+    calls = []
+    real = kfac.eigen_sides
+    monkeypatch.setattr(kfac, "eigen_sides", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kfac.bind_eigen(feat.projector, lambda mid: given[mid])
+    first = {mid: feat.projector.factors(mid) for mid in (0, 1)}
+    assert len(calls) == 2
+    for mid in (0, 1, 0):
+        again = feat.projector.factors(mid)
+        assert all(torch.equal(again[b][0], first[mid][b][0]) for b in again)
+    assert len(calls) == 2
+    given[0] = other
+    feat.projector.factors(1)
+    assert len(calls) == 2
+    feat.projector.factors(0)
+    assert len(calls) == 3
+
+
 def test_the_cases_cover_pairs_grid_and_identity_sides(monkeypatch):
     """The parametrization above meets each way a block keeps its coordinates, in a Kronecker block."""
 
@@ -297,10 +323,14 @@ def traker(model, path, projector="factored", **kw):
 
 
 @pytest.mark.parametrize("projector", ["factored", None])
-def test_scores_equal_brute_force(tmp_path, projector):
+def test_scores_equal_brute_force(tmp_path, projector, monkeypatch):
     """TRAKer(curvature="kfac-eigen") end to end (a given factored projector, and the default one whose split waits
     for the first rows): Q · X_target H⁻¹ X_trainᵀ with X the eigen projection by its definition of the brute
-    force's float64 gradients (/√grad_dim, as TRAK normalizes) and H⁻¹ the diagonal formula per eigen block."""
+    force's float64 gradients (/√grad_dim, as TRAK normalizes) and H⁻¹ the diagonal formula per eigen block. The
+    factors are decomposed once for the train rows and the targets together."""
+    calls = []
+    real = kfac.eigen_sides
+    monkeypatch.setattr(kfac, "eigen_sides", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = mlp()
     x, y = data()
     rows = brute(model, x, y)
@@ -314,6 +344,7 @@ def test_scores_equal_brute_force(tmp_path, projector):
     tr.start_scoring_checkpoint("e", model.state_dict(), 0, N)
     tr.score([x, y], num_samples=N)
     got = np.asarray(tr.finalize_scores("e"), dtype=np.float64)
+    assert len(calls) == 1
 
     proj = tr.projector
     g = np.stack([r[0] for r in rows])
