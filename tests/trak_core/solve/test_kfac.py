@@ -225,17 +225,6 @@ def test_factors_match_brute_force(seq):
     assert pre.info["rows"] == N and pre.info["damping"] == kfac.DEFAULT_DAMPING
 
 
-@pytest.fixture(params=["pairs", "grid"])
-def block_form(request, monkeypatch):
-    """The tiny layers get pairs (their default) or, with pairs switched off, the (k_out, k_in) grid."""
-    if request.param == "grid":
-        from trak_core.projection import layout
-
-        for name in ("PAIRS_MAX_WEIGHTS", "PAIRS_MAX_MACS", "PAIRS_MAX_RATIO"):
-            monkeypatch.setattr(layout, name, 0)
-    return request.param
-
-
 def forms(model, proj_dim) -> set:
     out = set()
     for b in featurizer(model, "factored", proj_dim).projector.layout.blocks:

@@ -32,17 +32,6 @@ from trak_core.solve import kfac
 from trak_core.store import StoreMetadata
 
 
-@pytest.fixture(params=["pairs", "grid"])
-def block_form(request, monkeypatch):
-    """The tiny layers get pairs (their default) or, with pairs switched off, the (k_out, k_in) grid."""
-    if request.param == "grid":
-        from trak_core.projection import layout
-
-        for name in ("PAIRS_MAX_WEIGHTS", "PAIRS_MAX_MACS", "PAIRS_MAX_RATIO"):
-            monkeypatch.setattr(layout, name, 0)
-    return request.param
-
-
 # ------------------------------------------------------------------------------------------ brute force
 def kron_sites(model) -> dict:
     """{block name: (module name, transposed)} of the blocks that are a Kronecker product of a layer's factors: a
