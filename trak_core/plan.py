@@ -274,19 +274,17 @@ def check_inputs(
         projector=settings.projector,
         available=max_memory,
     )
-    digests, factors = [], None
+    digests, factors, first = [], None, None
     for i, path in enumerate(checkpoints):
         sd = read_checkpoint(path, "cpu", field=f"checkpoints[{i}]")
         digests.append(state_digest(sd))
         check_state(model, sd, f"checkpoints[{i}]", path, model_name)
         if probe and i == 0:  # the model holds the first checkpoint: the split follows its gradient energy
-            split = probe_split(model, task, train, settings.grad_wrt, batch_size)
-            if settings.curvature in engine.FIT_BEFORE_FEATURIZE:  # ... spread as its factors say
-                factors = eigen_fit(
-                    settings, metadata(split), model, task, sd, train, batch_size, curvature_rows, device
-                )
-                split = engine.eigen_split(split, factors, settings.proj_dim)
-            meta = metadata(split)
+            probed, first = probe_split(model, task, train, settings.grad_wrt, batch_size), sd
+            meta = metadata(probed)
+    if first is not None and settings.curvature in engine.FIT_BEFORE_FEATURIZE:  # every input checked: fit model 0
+        factors = eigen_fit(settings, meta, model, task, first, train, batch_size, curvature_rows, device)
+        meta = metadata(engine.eigen_split(probed, factors, settings.proj_dim))  # ... and spread as its factors say
     return CheckedInputs(
         meta=meta,
         checkpoints=tuple(checkpoints),

@@ -20,7 +20,7 @@ from .errors import BadInputError
 ProjType = Literal["rademacher", "normal"]
 StorageDtype = Literal["float16", "float32"]
 Curvature = Literal["xtx", "ggn", "kfac", "ekfac", "kfac-eigen"]
-#: 'kfac'/'ekfac': each Kronecker block's λ = this × its mean eigenvalue (a finite number > 0)
+#: 'kfac'/'ekfac'/'kfac-eigen': the Kronecker blocks' damping (a finite number > 0; None: the curvature's default)
 CurvatureDamping = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 

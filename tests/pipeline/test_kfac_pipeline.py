@@ -119,6 +119,24 @@ def test_eigen_pipeline_equals_traker_default_projector_and_index(tmp_path):
     np.testing.assert_allclose(res.scores, np.take_along_axis(ours.T, res.indices, 1), rtol=1e-5, atol=1e-6)
 
 
+def test_eigen_plan_checks_every_checkpoint_before_its_fit(tmp_path, monkeypatch):
+    """The plan fits model 0's factors only once every input is checked: a bad later checkpoint is refused, naming
+    it, before that pass over the rows, and nothing is written."""
+    from tasks import core
+    from trak_core import engine
+    from trak_core.errors import BadInputError
+
+    paths = sorted(tiny.save_checkpoints(tmp_path / "ck", seeds=(0, 1)))
+    sd = torch.load(paths[1], weights_only=True)
+    name = next(iter(sd))
+    sd[name] = torch.full_like(sd[name], float("nan"))
+    torch.save(sd, paths[1])
+    monkeypatch.setattr(engine, "fit_factors", lambda *a, **k: pytest.fail("fitted before every input was checked"))
+    with pytest.raises(BadInputError, match=r"checkpoints\[1\]"):
+        core.make_plan(config(tmp_path, paths, curvature="kfac-eigen", projector="factored"))
+    assert not (tmp_path / "store.zarr").exists()
+
+
 def test_eigen_store_grows_with_its_recorded_factors(tmp_path):
     """Rows appended to a ``kfac-eigen`` store are projected with the factors it recorded (fitted on the first 48
     rows): the grown store's scores are TRAKer's with those factors over all rows, its old rows untouched."""
