@@ -493,7 +493,7 @@ def traker_scores(tr_cls, case: Case, truth: dict, num_ckpts: int = NUM_CKPTS, r
         batches = [[t[a : a + rows] for t in train] for a in range(0, n, rows)]
         for mid in range(num_ckpts):
             tr.load_checkpoint(truth["states"][mid], model_id=mid)
-            if kw.get("curvature") in ("kfac", "ekfac", "kfac-eigen"):  # trakflow's K-FAC: fitted first
+            if kw.get("curvature") == "kfac-eigen":  # fitted first (kfac/ekfac: summed while featurized)
                 tr.fit_curvature(batches)
             for b in batches:
                 tr.featurize(b, num_samples=len(b[-1]))

@@ -172,7 +172,7 @@ stored_split = rules.stored_split  # whether a store is at a location, the proje
 rebuild_projector = rules.rebuild_projector  # a projector with a store's recorded split
 recorded_projector = rules.recorded_projector  # the projector a store's metadata records, of any kind
 
-# Kronecker-factored curvature ("kfac" / "ekfac"): each checkpoint's factors fitted before its rows, in the store
+# Kronecker-factored curvature ("kfac" / "ekfac" / "kfac-eigen"): each checkpoint's factors, recorded in the store
 KFAC_CURVATURES, DEFAULT_DAMPING = kfac.KFAC_CURVATURES, kfac.DEFAULT_DAMPING
 KroneckerFactors = kfac.KroneckerFactors
 check_damping = kfac.check_damping
@@ -181,6 +181,9 @@ fit_curvature = kfac.fit_step
 needs_curvature = kfac.wants_factors  # whether a checkpoint of the store has factors to fit
 #: factors fitted before the store exists (TRAKer's default projector waits for its first rows), then recorded
 fit_factors, record_curvature = kfac.fit_factors, kfac.record_factors
+#: "kfac" / "ekfac" without a fit: the factors of the rows a TRAKer featurizes, summed as it featurizes them
+FactorFold = kfac.FactorFold
+FOLDED_CURVATURES = kfac.FOLDED_CURVATURES
 #: "kfac-eigen": rows projected in each checkpoint's factor eigenbasis, so its factors come before its rows
 FIT_BEFORE_FEATURIZE, default_damping = kfac.FIT_BEFORE_FEATURIZE, kfac.default_damping
 bind_eigen, current_factors = kfac.bind_eigen, kfac.current_factors

@@ -1,5 +1,6 @@
 """``curvature: kfac`` / ``ekfac`` / ``kfac-eigen`` through the pipeline (a fit task per checkpoint before its
-shards, then the usual featurize/finalize/score) = TRAKer with ``fit_curvature`` on the same batches; the query index
+shards, then the usual featurize/finalize/score) = TRAKer (``kfac``: the factors summed while it featurizes, no fit;
+``kfac-eigen``: ``fit_curvature`` on the same rows in other batches); the query index
 reads the recorded factors; bad settings are refused by the config, naming the field."""
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def first_48():
 
 def traker_scores(tmp, paths, curvature: str, meta=None, fit_batch=BATCH, fit_rows=N) -> np.ndarray:
     """TRAKer's scores with the projector the pipeline's store ``meta`` records (its energy split; None: TRAKer's own
-    default projector), the factors fitted on the first ``fit_rows`` rows in batches of ``fit_batch``."""
+    default projector), the factors fitted on the first ``fit_rows`` rows in batches of ``fit_batch`` (None: no fit,
+    the factors of the rows featurized)."""
     x, y = tiny.train_data()
     xt, yt = tiny.target_data()
     from trak_core import engine
@@ -52,10 +54,12 @@ def traker_scores(tmp, paths, curvature: str, meta=None, fit_batch=BATCH, fit_ro
         **({} if proj is None else {"projector": proj}),
     )
     sds = [torch.load(p, weights_only=True) for p in sorted(paths)]
-    batches = [(x[a : a + fit_batch], y[a : a + fit_batch]) for a in range(0, fit_rows, fit_batch)]
+    step = fit_batch or N
+    batches = [(x[a : a + step], y[a : a + step]) for a in range(0, fit_rows, step)]
     for mid, sd in enumerate(sds):
         tr.load_checkpoint(sd, mid)
-        tr.fit_curvature(batches)
+        if fit_batch is not None:
+            tr.fit_curvature(batches)
         for a in range(0, N, BATCH):
             tr.featurize((x[a : a + BATCH], y[a : a + BATCH]), inds=np.arange(a, a + BATCH))
     tr.finalize_features()
@@ -77,7 +81,7 @@ def test_pipeline_equals_traker_and_index(tmp_path, curvature):
     assert sorted(store.pipeline_info()[kfac.RECORD_KEY]) == ["0", "1"]
     assert all(store.finalize_info(mid)["curvature"] == curvature for mid in (0, 1))
     ours = np.asarray(store.scores("tiny")[:])
-    want, _ = traker_scores(tmp_path, paths, curvature, store.meta)
+    want, _ = traker_scores(tmp_path, paths, curvature, store.meta, fit_batch=None)  # TRAKer: no fit
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
     # not the scores without the curvature
     plain = config(tmp_path / "plain", paths, projector="factored", report_targets=0, lambda_reg=0.0)

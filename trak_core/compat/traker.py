@@ -141,8 +141,10 @@ class TRAKer:
     (H + λI)⁻¹, ``"xtx"`` (XᵀX, traker's; the default) or ``"ggn"`` (XᵀRX, the Gauss-Newton matrix of the loss in
     the model output, R = diag(Q(1 − Q)) for the built-in tasks, row weights floored at 0.3·mean(r): +0.020 to +0.060
     LDS on converged models at one more p × p partial per shard; benchmarks/RESULTS.md, "Gauss-Newton curvature"),
-    ``"kfac"`` / ``"ekfac"`` (Kronecker-factored curvature applied before the projection: call :meth:`fit_curvature`
-    after each load_checkpoint; ``curvature_damping``: each factor's λ = this × its mean eigenvalue; docs/damping.md),
+    ``"kfac"`` / ``"ekfac"`` (Kronecker-factored curvature applied in the projected space: the factors summed over the
+    rows :meth:`featurize` is given and recorded by :meth:`finalize_features`, or fitted by :meth:`fit_curvature`,
+    needed where another TRAKer featurized some of the rows; ``curvature_damping``: each factor's λ = this × its
+    mean eigenvalue; docs/damping.md),
     ``"kfac-eigen"`` (the layers projected in their factors' eigenbasis, EK-FAC's diagonal inverse: call
     :meth:`fit_curvature` after each load_checkpoint and before featurize or score; ``curvature_damping``: each
     such block's λ = this × its rows' mean second moment, default 0.01; trak_core.solve.kfac).
@@ -207,6 +209,9 @@ class TRAKer:
         self.curvature_damping = engine.check_damping(curvature_damping)
         self.curvature = curvature
         self._fitted: dict[int, engine.KroneckerFactors] = {}  # K-FAC factors fitted before the store exists
+        # "kfac" / "ekfac" without fit_curvature: each model's factor sums over the rows this instance featurizes
+        # (None: the store records the model's factors)
+        self._folds: dict[int, engine.FactorFold | None] = {}
         self.model = model
         self.task = resolve_task(task)
         self.train_set_size = int(train_set_size)
@@ -431,10 +436,11 @@ class TRAKer:
         engine.bind_eigen(projector, factors_of)
 
     def fit_curvature(self, batches) -> None:
-        """Fit the current checkpoint's Kronecker-factored curvature (``curvature="kfac"`` / ``"ekfac"``) on train
-        ``batches`` (a list or DataLoader of batches as :meth:`featurize` takes them, all train rows or a sample;
-        iterated twice for ``"ekfac"``): after :meth:`load_checkpoint`, before :meth:`featurize`. The store records
-        the factors; a checkpoint that has them keeps them (this call then does nothing)."""
+        """Fit the current checkpoint's Kronecker-factored curvature on train ``batches`` (a list or DataLoader of
+        batches as :meth:`featurize` takes them, all train rows or a sample): after :meth:`load_checkpoint`; for
+        ``"kfac-eigen"`` before :meth:`featurize` (required), for ``"kfac"`` / ``"ekfac"`` before
+        :meth:`finalize_features` (optional: without it, the factors of the rows featurized). The store records the
+        factors; a checkpoint that has them keeps them (this call then does nothing)."""
         mid = self.current_model_id
         if self.curvature not in engine.KFAC_CURVATURES:
             raise StateError(
@@ -516,6 +522,7 @@ class TRAKer:
             engine.plan_model(self.store, model_id, checkpoint=record, start_over=start_over)
         if start_over:
             self._started_over.add(model_id)
+            self._folds.pop(model_id, None)
         self.ckpt_loaded = model_id
         self.current_model_id = model_id
         self._last_ind = 0
@@ -595,7 +602,42 @@ class TRAKer:
             inds = inds[keep]
             computed = None if computed is None else (computed[0][keep], computed[1][keep])
         x, q = self.featurizer.featurize(batch, mid, inds) if computed is None else computed
+        fold = self._fold_of(mid)
+        if fold is not None:  # the factors' sums over the same rows (before they count as featurized)
+            fold.add(self.featurizer, batch, inds)
         self._rows.add(self.store, mid, inds, x, q)
+
+    def _fold_of(self, mid: int) -> engine.FactorFold | None:
+        """The factor sums featurizing ``mid`` adds to: ``"kfac"`` / ``"ekfac"`` with no factors fitted for it
+        (:meth:`fit_curvature`) nor recorded in the store at its checkpoint; else None."""
+        if self.curvature not in engine.FOLDED_CURVATURES or mid in self._fitted:
+            return None
+        if mid not in self._folds:
+            recorded = engine.current_factors(self.store, mid) is not None
+            self._folds[mid] = None if recorded else engine.FactorFold(self.train_set_size, self.grad_wrt)
+        return self._folds[mid]
+
+    def _fold_factors(self, mid: int) -> None:
+        """Record the factors of ``mid``'s featurized rows (:class:`engine.FactorFold`) when it has none fitted nor
+        recorded and this instance featurized every one of its rows; rows featurized elsewhere are refused, naming
+        the fit."""
+        fold = self._fold_of(mid)
+        if fold is None:
+            return
+        featurized = self.store.featurized_mask(mid)
+        if not featurized.all():  # finalize names the rows missing
+            return
+        if not fold.covers(featurized):
+            counted = int((fold.rows & featurized).sum())
+            raise StateError(
+                f"model_id={mid}: curvature={self.curvature!r} fits its Kronecker factors on the rows this TRAKer "
+                f"featurizes, and {featurized.size - counted} of its {featurized.size} rows were featurized by "
+                "another TRAKer or process: call TRAKer.fit_curvature(batches) after load_checkpoint"
+            )
+        pre = fold.factors(self.curvature, self.curvature_damping)
+        engine.record_curvature(self.store, mid, pre, replace=True)  # factors of an earlier checkpoint: replaced
+        self._fitted[mid] = pre
+        del self._folds[mid]
 
     def finalize_features(self, model_ids: Iterable[int] | None = None, del_grads: bool = False) -> None:
         """XᵀX and A = (XᵀX + λI)⁻¹ for each model (all registered ones by default), stored; the features
@@ -622,6 +664,7 @@ class TRAKer:
                     f"Model ID {mid} not registered, not ready for finalizing: load_checkpoint and featurize it first"
                 )
         for mid in ids:
+            self._fold_factors(mid)
             sums = self._rows.partial_sums  # the partials' running sum: used where it covers all of mid's shards
             _, skipped, _ = engine.finalize(self.store, mid, self.lambda_reg, self.rescale_inverse, self.device, sums)
             if skipped:

@@ -90,6 +90,8 @@ KFAC_CURVATURES = ("kfac", "ekfac", "kfac-eigen")
 EIGEN = "kfac-eigen"
 #: the curvatures whose rows depend on the factors: each checkpoint's factors are fitted before its rows
 FIT_BEFORE_FEATURIZE = (EIGEN,)
+#: the curvatures whose factors TRAKer may sum while it featurizes, without a fit (:class:`FactorFold`)
+FOLDED_CURVATURES = tuple(c for c in KFAC_CURVATURES if c not in FIT_BEFORE_FEATURIZE)
 #: λ of each K-FAC block of the inverse = DEFAULT_DAMPING × its mean eigenvalue (chosen on held-out cases,
 #: benchmarks/RESULTS.md "Beside kronfluence")
 DEFAULT_DAMPING = 0.001
@@ -310,6 +312,25 @@ def factors_of(
     return KroneckerFactors(blocks, info)
 
 
+def _finish(
+    total: FactorSums, sites: list[Site], others: list[str], skipped: set, kind: str, damping, warn: bool
+) -> KroneckerFactors:
+    """The factors of a reduced pass (:func:`fit_factors`, :class:`FactorFold`): the sites called other than once and
+    the other parameters keep their XᵀX block (a warning names them)."""
+    if total.examples == 0:
+        raise BadInputError("curvature: the factor pass was given no train rows")
+    used = [s for s in sites if s.name not in skipped]
+    identity = list(others) + [n for s in sites if s.name in skipped for n in (s.weight, s.bias) if n]
+    if identity and warn:
+        warnings.warn(
+            f"curvature={kind!r}: only nn.Linear and Conv1D layers called once per forward get Kronecker factors; "
+            "parameters "
+            f"{identity[:10]}{' and more' if len(identity) > 10 else ''} keep their block of XᵀX",
+            stacklevel=3,
+        )
+    return factors_of(total, used, kind, damping, identity)
+
+
 def fit_factors(
     feat,
     batches: Callable[[], Iterable[Sequence[Tensor]]],
@@ -331,18 +352,48 @@ def fit_factors(
         part, left = batch_sums(feat, batch, sites)
         total.add(part)
         skipped.update(left)
-    if total.examples == 0:
-        raise BadInputError("curvature: the factor pass was given no train rows")
-    used = [s for s in sites if s.name not in skipped]
-    identity = list(others) + [n for s in sites if s.name in skipped for n in (s.weight, s.bias) if n]
-    if identity and warn:
-        warnings.warn(
-            f"curvature={kind!r}: only nn.Linear and Conv1D layers called once per forward get Kronecker factors; "
-            "parameters "
-            f"{identity[:10]}{' and more' if len(identity) > 10 else ''} keep their block of XᵀX",
-            stacklevel=2,
-        )
-    return factors_of(total, used, kind, damping, identity)
+    return _finish(total, sites, others, skipped, kind, damping, warn)
+
+
+class FactorFold:
+    """The factor fit folded into featurizing (``"kfac"`` / ``"ekfac"``, whose rows do not depend on the factors):
+    the running :class:`FactorSums` of the train rows of one model featurized so far, each row counted once. Its
+    :meth:`factors` are :func:`fit_factors`' over the same rows (the same sums, added in another order: equal to
+    float64 rounding), provided those rows are all the model's (:meth:`covers`)."""
+
+    def __init__(self, train_rows: int, grad_wrt: Iterable[str] | None = None) -> None:
+        self.rows = np.zeros(int(train_rows), dtype=bool)
+        self.total, self.skipped = FactorSums(), set[str]()
+        self._grad_wrt = None if grad_wrt is None else list(grad_wrt)
+        self._sites: tuple[list[Site], list[str]] | None = None
+
+    def add(self, feat, batch: Sequence[Tensor], rows) -> None:
+        """Add the rows ``rows`` (distinct) of ``batch`` that are not counted yet."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        new = ~self.rows[rows]
+        if not new.any():
+            return
+        if not new.all():
+            keep = torch.as_tensor(np.flatnonzero(new), device=batch[0].device)
+            batch, rows = [t[keep] for t in batch], rows[new]
+        if self._sites is None:
+            self._sites = linear_sites(feat.model, self._grad_wrt)
+        part, left = batch_sums(feat, batch, self._sites[0])
+        self.total.add(part)
+        self.skipped.update(left)
+        self.rows[rows] = True
+
+    def covers(self, featurized: np.ndarray) -> bool:
+        """Whether the rows counted are exactly ``featurized`` (a model's featurized flags)."""
+        return bool(np.array_equal(self.rows, np.asarray(featurized, dtype=bool)))
+
+    def factors(self, kind: str, damping: float | None = None, warn: bool = True) -> KroneckerFactors:
+        if kind not in FOLDED_CURVATURES:
+            raise BadInputError(f"curvature={kind!r}: the factors summed while featurizing are {FOLDED_CURVATURES}'")
+        if self._sites is None:
+            raise BadInputError("curvature: the factor pass was given no train rows")
+        damping = check_damping(default_damping(kind) if damping is None else damping)
+        return _finish(self.total, *self._sites, self.skipped, kind, damping, warn)
 
 
 # ---------------------------------------------------------------------------------------------- the inverse

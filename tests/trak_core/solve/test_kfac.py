@@ -225,6 +225,30 @@ def test_factors_match_brute_force(seq):
     assert pre.info["rows"] == N and pre.info["damping"] == kfac.DEFAULT_DAMPING
 
 
+@pytest.mark.parametrize("seq", [False, True])
+def test_folded_sums_in_any_order_and_overlap_match_brute_force(seq):
+    """The factors summed while featurizing (:class:`kfac.FactorFold`): rows added out of order, in uneven batches,
+    some twice, give the brute-force factors of the rows counted once; covers() says which rows those are."""
+    model = SeqModel().double() if seq else mlp()
+    x, y = data(seq)
+    want = brute_factors(brute(model, x, y))
+    feat = featurizer(model)
+    fold = kfac.FactorFold(N)
+    for rows in (np.arange(N // 2, N), np.arange(0, 7), np.arange(3, N // 2 + 4)[::-1].copy()):  # 3..6 and N//2.. again
+        fold.add(feat, [x[rows], y[rows]], rows)
+    assert fold.covers(np.ones(N, bool)) and not fold.covers(np.arange(N) < N - 1)
+    pre = fold.factors("ekfac", 0.01)
+    assert set(pre.blocks) == set(want) and pre.info["rows"] == N and pre.info["damping"] == 0.01
+    for name, (a, s) in want.items():
+        _, got_a, got_s = pre.blocks[name]
+        np.testing.assert_allclose(got_a, a, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(got_s, s, rtol=1e-10, atol=1e-12)
+    with pytest.raises(BadInputError, match="featurizing"):
+        fold.factors("kfac-eigen")
+    with pytest.raises(BadInputError, match="no train rows"):
+        kfac.FactorFold(N).factors("kfac")
+
+
 def forms(model, proj_dim) -> set:
     out = set()
     for b in featurizer(model, "factored", proj_dim).projector.layout.blocks:

@@ -32,7 +32,7 @@ def factored(model):
     return make_projector("factored", sum(p.numel() for p in model.parameters()), 16, 0, "rademacher", model=model)
 
 
-def run(path, curvature="kfac", projector=None, n=N, fit=True, device="cpu", **kw):
+def run(path, curvature="kfac", projector=None, n=N, fit=True, device="cpu", batch=10, **kw):
     model = mlp().to(device)
     x, y, xt, yt = (t.to(device) for t in make_data())
     tr = TRAKer(
@@ -52,8 +52,8 @@ def run(path, curvature="kfac", projector=None, n=N, fit=True, device="cpu", **k
     tr.load_checkpoint(ck, model_id=0)
     if fit:
         tr.fit_curvature([(x[a : a + 10], y[a : a + 10]) for a in range(0, N, 10)])
-    for a in range(0, n, 10):
-        tr.featurize((x[a : min(a + 10, n)], y[a : min(a + 10, n)]), num_samples=min(a + 10, n) - a)
+    for a in range(0, n, batch):
+        tr.featurize((x[a : min(a + batch, n)], y[a : min(a + batch, n)]), num_samples=min(a + batch, n) - a)
     tr.finalize_features()
     tr.start_scoring_checkpoint("e", ck, 0, M)
     tr.score((xt, yt), num_samples=M)
@@ -97,20 +97,45 @@ def test_index_queries_with_the_recorded_factors(tmp_path, curvature, projector)
     np.testing.assert_allclose(np.take_along_axis(got.T, res.indices, 1), res.scores, rtol=1e-5, atol=1e-6)
 
 
-def test_finalize_before_fit_is_refused_and_a_later_fit_serves(tmp_path):
-    """The rows do not depend on the factors: featurizing first is fine, finalizing without factors is refused naming
-    the fit, and fitting after the rows gives the scores of fitting first."""
-    with pytest.raises(StateError, match="fit_curvature"):
-        run(tmp_path / "s", fit=False)
+@pytest.mark.parametrize("curvature", ["kfac", "ekfac"])
+def test_without_a_fit_the_featurized_rows_give_the_factors(tmp_path, curvature):
+    """No fit_curvature: the factors are summed over the rows featurize is given (in batches of 7 here, the fit's of
+    10), recorded at finalize, and equal the fit's over the same rows; so are the inverse and the scores."""
+    fitted, a, _ = run(tmp_path / "f", curvature)
+    folded, b, _ = run(tmp_path / "n", curvature, fit=False, batch=7)
+    got, want = kfac.load_factors(b.store, 0), kfac.load_factors(a.store, 0)
+    assert got.info["rows"] == want.info["rows"] == N and got.info["kind"] == curvature
+    for name, (_, fa, fs) in want.blocks.items():
+        np.testing.assert_allclose(got.blocks[name][1], fa, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(got.blocks[name][2], fs, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(b.store.inverse(0), a.store.inverse(0), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(folded, fitted, rtol=1e-5, atol=1e-6 * np.abs(fitted).max())
+
+
+def test_rows_featurized_elsewhere_are_refused_and_a_fit_serves(tmp_path):
+    """Factors summed while featurizing cover one TRAKer's rows: a model whose rows were featurized partly by another
+    TRAKer is refused at finalize, naming the fit and leaving the model unfinalized without factors; fitting then
+    (after the rows) gives the scores of fitting first."""
     first, _, _ = run(tmp_path / "f")
-    model = mlp()
     x, y, xt, yt = make_data()
-    tr = TRAKer(model=model, task="image_classification", train_set_size=N, save_dir=str(tmp_path / "l"),
-                device="cpu", projector=factored(model), use_half_precision=False, logging_level=logging.ERROR,
-                curvature="kfac")  # fmt: skip
+
+    def traker(model):
+        return TRAKer(model=model, task="image_classification", train_set_size=N, save_dir=str(tmp_path / "l"),
+                      device="cpu", projector=factored(model), use_half_precision=False, lambda_reg=0.0,
+                      logging_level=logging.ERROR, curvature="kfac")  # fmt: skip
+
+    model = mlp()
+    tr = traker(model)
     tr.load_checkpoint(model.state_dict(), model_id=0)
-    for a in range(0, N, 10):
-        tr.featurize((x[a : a + 10], y[a : a + 10]), num_samples=len(y[a : a + 10]))
+    tr.featurize((x[:20], y[:20]), num_samples=20)
+    tr._close()
+    del tr
+    tr = traker(model)
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    tr.featurize((x[20:], y[20:]), inds=np.arange(20, N))
+    with pytest.raises(StateError, match=f"20 of its {N} rows were featurized by another TRAKer.*fit_curvature"):
+        tr.finalize_features()
+    assert not tr.store.is_finalized(0) and kfac.RECORD_KEY not in tr.store.pipeline_info()
     tr.fit_curvature([(x[a : a + 10], y[a : a + 10]) for a in range(0, N, 10)])
     tr.finalize_features()
     tr.start_scoring_checkpoint("e", model.state_dict(), 0, M)
