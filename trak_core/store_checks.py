@@ -224,6 +224,26 @@ def check_store_partials(obj) -> None:
 
 
 @_check
+def check_store_factor_arrays(obj) -> None:
+    """A model's curvature factor arrays read back bit for bit as written, another model's are its own, and a
+    second write replaces the first whole; the pipeline record is not where they live."""
+    import numpy as np
+
+    st, _, _, _ = _new_store(obj)
+    assert st.read_factor_arrays(0) == {}, "a model without factor arrays reads some"
+    rng = np.random.default_rng(1)
+    first = {"a0": rng.standard_normal((3, 3)), "s0": rng.standard_normal((2, 2))}
+    st.write_factor_arrays(0, first)
+    st.write_factor_arrays(1, {"a0": np.eye(4)})
+    got = st.read_factor_arrays(0)
+    assert set(got) == set(first) and all(np.array_equal(got[k], v) for k, v in first.items()), "arrays differ"
+    assert set(st.read_factor_arrays(1)) == {"a0"} and np.array_equal(st.read_factor_arrays(1)["a0"], np.eye(4))
+    st.write_factor_arrays(0, {"a1": np.ones((1, 5))})
+    assert set(st.read_factor_arrays(0)) == {"a1"}, "a second write does not replace the first whole"
+    assert st.pipeline_info() == {}, "factor arrays went into the pipeline record"
+
+
+@_check
 def check_store_score_pieces(obj) -> None:
     """Score pieces (:meth:`score_layout`: whole pieces of scores within pieces of flags) written unmarked are
     not done until marked; the flags read by path follow."""
@@ -288,6 +308,7 @@ STORE_CHECKS = (
     check_store_scores,
     check_store_rows_by_path,
     check_store_partials,
+    check_store_factor_arrays,
     check_store_score_pieces,
     check_store_grow,
 )

@@ -108,8 +108,10 @@ EIGEN_RANK_DAMPING = 0.1
 #: alone) scores up to 0.032 lower (bn-conv 512), a cap of 0.75 up to 0.006 lower (small-lm); 0.99 ties 0.95 left out
 #: one case at a time (bn-conv +0.019 at 512, −0.019 at 2048)
 EIGEN_ENERGY_KEPT, EIGEN_MAX_SHARE = 0.95, 0.9
-#: the form of a recorded fit (per-layer A and S); a record of another form was written by an earlier version
-RECORD_FORM = "factors-v2"
+#: the form of a recorded fit: per-layer A and S as arrays beside the records (``store.write_factor_arrays``), sealed
+#: by the record's sha256; INLINE_FORM's carry them in the record itself (base64; still read); any other form was
+#: written by an earlier version
+RECORD_FORM, INLINE_FORM = "factors-v3", "factors-v2"
 #: the key of the store's pipeline record under which the fitted factors are kept, per model id
 RECORD_KEY = "curvature_factors"
 
@@ -646,16 +648,12 @@ def finalize_inverse(store, model_id: int, xtx: np.ndarray, rule, rescale: bool)
 
 
 # ---------------------------------------------------------------------------------------------- the record
-def _encode(m: np.ndarray) -> dict:
-    m = np.ascontiguousarray(m, dtype="<f8")
-    return {"shape": list(m.shape), "data": base64.b64encode(m.tobytes()).decode("ascii")}
-
-
 def _decode(d: dict) -> np.ndarray:
+    """A factor of an earlier record form (inline, base64)."""
     return np.frombuffer(base64.b64decode(d["data"]), dtype="<f8").reshape(d["shape"]).copy()
 
 
-def _digest(blocks: dict) -> str:
+def _inline_digest(blocks: dict) -> str:
     h = hashlib.sha256()
     for name in sorted(blocks):
         h.update(name.encode())
@@ -664,30 +662,58 @@ def _digest(blocks: dict) -> str:
     return h.hexdigest()
 
 
-def to_record(pre: KroneckerFactors) -> dict:
-    blocks = {
-        n: {"weight": s.weight, "bias": s.bias, "d_out": s.d_out, "d_in": s.d_in, "a": _encode(a), "s": _encode(sm)}
-        | ({"transposed": True} if s.transposed else {})
-        for n, (s, a, sm) in pre.blocks.items()
-    }
-    return {**pre.info, "form": RECORD_FORM, "blocks": blocks, "sha256": _digest(blocks)}
+def _digest(names: list[str], arrays: dict[str, np.ndarray]) -> str:
+    """sha256 of the factor arrays in block order (their names, shapes and little-endian float64 bytes)."""
+    h = hashlib.sha256()
+    for i, name in enumerate(names):
+        h.update(name.encode())
+        for part in ("a", "s"):
+            m = np.ascontiguousarray(arrays[f"{part}{i}"], dtype="<f8")
+            h.update(str(m.shape).encode())
+            h.update(m.tobytes())
+    return h.hexdigest()
 
 
-def from_record(rec: dict, where: str = "") -> KroneckerFactors:
-    if rec.get("form") != RECORD_FORM:
+def to_record(pre: KroneckerFactors) -> tuple[dict, dict[str, np.ndarray]]:
+    """(the record of ``pre``: its info, each block's layer and the digest, small enough for the pipeline record;
+    the factor arrays it seals, ``a<i>`` / ``s<i>`` for the i-th block in name order)."""
+    names = sorted(pre.blocks)
+    arrays: dict[str, np.ndarray] = {}
+    blocks = {}
+    for i, n in enumerate(names):
+        site, a, sm = pre.blocks[n]
+        arrays[f"a{i}"], arrays[f"s{i}"] = np.asarray(a, dtype=np.float64), np.asarray(sm, dtype=np.float64)
+        blocks[n] = {"weight": site.weight, "bias": site.bias, "d_out": site.d_out, "d_in": site.d_in} | (
+            {"transposed": True} if site.transposed else {}
+        )
+    return {**pre.info, "form": RECORD_FORM, "blocks": blocks, "sha256": _digest(names, arrays)}, arrays
+
+
+def from_record(rec: dict, arrays: dict[str, np.ndarray] | None = None, where: str = "") -> KroneckerFactors:
+    """The factors of a record and its arrays (a record of the earlier inline form carries them itself)."""
+    from trak_core.errors import StoreDamageError
+
+    form, blocks = rec.get("form"), rec.get("blocks", {})
+    if form not in (RECORD_FORM, INLINE_FORM):
         raise StateError(
             f"curvature factors{where} were recorded by an earlier trakflow (preconditioning before the projection); "
             "fit them again in a new store"
         )
-    blocks = rec.get("blocks", {})
-    if _digest(blocks) != rec.get("sha256"):
-        from trak_core.errors import StoreDamageError
-
-        raise StoreDamageError(f"curvature factors{where}: their record does not match its sha256 (damaged)")
+    names = sorted(blocks)
+    if form == INLINE_FORM:
+        ok = _inline_digest(blocks) == rec.get("sha256")
+        arrays = {f"{p}{i}": _decode(blocks[n][p]) for i, n in enumerate(names) for p in "as"} if ok else {}
+    else:
+        arrays = arrays or {}
+        ok = all(f"{p}{i}" in arrays for i in range(len(names)) for p in "as")
+        ok = ok and _digest(names, arrays) == rec.get("sha256")
+    if not ok:
+        raise StoreDamageError(f"curvature factors{where}: their arrays do not match the record's sha256 (damaged)")
     out = {}
-    for n, b in blocks.items():
+    for i, n in enumerate(names):
+        b = blocks[n]
         site = Site(n, b["weight"], b["bias"], int(b["d_out"]), int(b["d_in"]), bool(b.get("transposed", False)))
-        out[n] = (site, _decode(b["a"]), _decode(b["s"]))
+        out[n] = (site, arrays[f"a{i}"], arrays[f"s{i}"])
     info = {k: v for k, v in rec.items() if k not in ("blocks", "sha256", "form")}
     return KroneckerFactors(out, info)
 
@@ -703,14 +729,15 @@ def _checkpoint_of(store, model_id: int) -> str | None:
 
 
 def record_factors(store, model_id: int, pre: KroneckerFactors, replace: bool = False) -> None:
-    """Record ``pre`` as ``model_id``'s factors in the store's pipeline record, with the digest of the checkpoint the
-    store records for it; a model that has factors keeps them (StateError when they differ: a store never mixes two
-    fits) unless ``replace`` (a model started over, no row featurized with the old ones)."""
-    info = store.pipeline_info()
-    factors = dict(info.get(RECORD_KEY, {}))
+    """Record ``pre`` as ``model_id``'s factors (its arrays beside the store's records, their digest and layout in
+    the pipeline record), with the digest of the checkpoint the store records for it; a model that has factors
+    keeps them (StateError when they differ: a store never mixes two fits) unless ``replace`` (a model started
+    over, no row featurized with the old ones). A crash part way leaves no record (the fit runs again), never a
+    record of other arrays."""
     pre.info["checkpoint"] = _checkpoint_of(store, model_id)
-    rec = to_record(pre)
-    old = factors.get(str(int(model_id)))
+    rec, arrays = to_record(pre)
+    key = str(int(model_id))
+    old = store.pipeline_info().get(RECORD_KEY, {}).get(key)
     if old is not None and not replace:
         if old.get("sha256") != rec["sha256"]:
             raise StateError(
@@ -718,7 +745,19 @@ def record_factors(store, model_id: int, pre: KroneckerFactors, replace: bool = 
                 "factors it recorded (use a new store to fit them again)"
             )
         return
-    factors[str(int(model_id))] = rec
+    if old is not None:  # the old record goes first: its arrays are replaced next
+        _set_record(store, key, None)
+    store.write_factor_arrays(model_id, arrays)
+    _set_record(store, key, rec)
+
+
+def _set_record(store, key: str, rec: dict | None) -> None:
+    info = store.pipeline_info()
+    factors = dict(info.get(RECORD_KEY, {}))
+    if rec is None:
+        factors.pop(key, None)
+    else:
+        factors[key] = rec
     info[RECORD_KEY] = factors
     store.set_pipeline_info(info)
 
@@ -732,7 +771,8 @@ def load_factors(store, model_id: int) -> KroneckerFactors:
             "factors for this checkpoint; fit them before finalizing (TRAKer.fit_curvature, or the pipeline's "
             "fit step)"
         )
-    return from_record(rec, f" of model_id={model_id}")
+    arrays = store.read_factor_arrays(model_id) if rec.get("form") == RECORD_FORM else None
+    return from_record(rec, arrays, f" of model_id={model_id}")
 
 
 def current_factors(store, model_id: int) -> KroneckerFactors | None:

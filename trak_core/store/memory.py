@@ -62,6 +62,7 @@ class _Experiment:
 class _State:
     meta: StoreMetadata
     pipeline: dict[str, Any] = field(default_factory=dict)
+    factors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     models: dict[int, _Model] = field(default_factory=dict)
     experiments: dict[str, _Experiment] = field(default_factory=dict)
 
@@ -157,6 +158,12 @@ class MemoryStore:
 
     def set_pipeline_info(self, info: dict) -> None:
         self._state.pipeline = _json(dict(info))
+
+    def write_factor_arrays(self, model_id: int, arrays: dict[str, np.ndarray]) -> None:
+        self._state.factors[int(model_id)] = {k: np.array(v, dtype=np.float64) for k, v in arrays.items()}
+
+    def read_factor_arrays(self, model_id: int) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self._state.factors.get(int(model_id), {}).items()}
 
     # ---------------------------------------------------------------- models
     def _model(self, model_id: int) -> _Model:

@@ -38,6 +38,12 @@ class RunRecords(Protocol):
 
     def set_pipeline_info(self, info: dict) -> None: ...
 
+    def write_factor_arrays(self, model_id: int, arrays: dict[str, np.ndarray]) -> None:
+        """Replace ``model_id``'s curvature factor arrays ({name: float64 array}; their digest is in the record)."""
+
+    def read_factor_arrays(self, model_id: int) -> dict[str, np.ndarray]:
+        """``model_id``'s curvature factor arrays as written ({} when none)."""
+
     # models
     def model_ids(self) -> list[int]: ...
 

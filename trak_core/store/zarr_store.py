@@ -27,6 +27,7 @@ from .arrays import (
     stored_chunk_keys,
 )
 from .chunkio import stack_dtype
+from .factor_arrays import FactorArrays
 from .grow import grow_train_rows as _grow_train_rows
 from .location import _open_zarr, _refuse_orphan_arrays, check_writable
 from .lock import StoreLock, check_lock_held
@@ -50,7 +51,7 @@ from .schema import (
 )
 
 
-class TrakStore:
+class TrakStore(FactorArrays):
     """A TRAK store. Create with :meth:`create_or_open`, open existing ones with :meth:`open`."""
 
     def __init__(self, location: str, group: zarr.Group, meta: StoreMetadata, check_on_use: bool = False):

@@ -6,6 +6,8 @@ or transformers' Conv1D, applied at every position)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -306,7 +308,7 @@ def test_conv1d_factors_and_projected_factors_match_brute_force(proj_dim, block_
             f = got[b.name][1]
             np.testing.assert_allclose(f, full[off : off + b.k, off : off + b.k], rtol=1e-6, atol=1e-9 * abs(f).max())
         off += b.k
-    assert kfac.from_record(kfac.to_record(pre)).blocks["tok"][0].transposed
+    assert kfac.from_record(*kfac.to_record(pre)).blocks["tok"][0].transposed
 
 
 def test_square_conv1d_with_its_bias_in_the_block_keeps_xtx():
@@ -421,23 +423,43 @@ def test_scores_equal_brute_force(tmp_path):
 
 
 def test_record_round_trip_and_damage():
+    """The record (layout, info, digest) and its arrays round-trip bit for bit; a changed array, a missing one or a
+    changed shape is damage; a record of the earlier inline form is still read, one of an older form refused."""
+    import base64
+
     from trak_core.errors import StateError, StoreDamageError
 
     model = mlp()
     x, y = data()
     pre = kfac.fit_factors(featurizer(model), batches(x, y), "kfac")
-    rec = kfac.to_record(pre)
-    back = kfac.from_record(rec)
+    rec, arrays = kfac.to_record(pre)
+    assert all(isinstance(v, (str, int, float, list, dict, type(None))) for v in rec.values())
+    assert len(json.dumps(rec)) < 2000  # the matrices are not in the record
+    back = kfac.from_record(rec, arrays)
     for n, (_, a, s) in pre.blocks.items():
         np.testing.assert_array_equal(back.blocks[n][1], a)
         np.testing.assert_array_equal(back.blocks[n][2], s)
     assert back.info == pre.info
-    bad = {**rec, "blocks": {**rec["blocks"], "0": {**rec["blocks"]["0"], "a": kfac._encode(pre.blocks["0"][1] * 2)}}}
+    for bad in ({**arrays, "a0": arrays["a0"] * 2}, {k: v for k, v in arrays.items() if k != "s1"},
+                {**arrays, "a0": arrays["a0"].reshape(1, -1)}, None):  # fmt: skip
+        with pytest.raises(StoreDamageError, match="sha256"):
+            kfac.from_record(rec, bad)
+
+    def inline(m):
+        m = np.ascontiguousarray(m, dtype="<f8")
+        return {"shape": list(m.shape), "data": base64.b64encode(m.tobytes()).decode("ascii")}
+
+    blocks = {n: {**rec["blocks"][n], "a": inline(a), "s": inline(s)} for n, (_, a, s) in pre.blocks.items()}
+    old = {**rec, "form": kfac.INLINE_FORM, "blocks": blocks, "sha256": kfac._inline_digest(blocks)}
+    again = kfac.from_record(old)
+    for n, (_, a, s) in pre.blocks.items():
+        np.testing.assert_array_equal(again.blocks[n][1], a)
+        np.testing.assert_array_equal(again.blocks[n][2], s)
     with pytest.raises(StoreDamageError, match="sha256"):
-        kfac.from_record(bad)
-    old = {k: v for k, v in rec.items() if k != "form"}  # a record of the earlier form (whitening before projecting)
+        kfac.from_record({**old, "sha256": "0" * 64})
+    older = {k: v for k, v in rec.items() if k != "form"}  # a record of the earliest form (whitening first)
     with pytest.raises(StateError, match="earlier trakflow"):
-        kfac.from_record(old)
+        kfac.from_record(older, arrays)
 
 
 @pytest.mark.parametrize("bad", [0, -0.1, float("nan"), float("inf"), "0.1", True, None])

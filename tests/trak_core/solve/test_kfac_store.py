@@ -71,7 +71,10 @@ def test_rows_are_the_plain_projection_and_the_inverse_is_the_block_inverse(tmp_
     np.testing.assert_array_equal(tr.store.inverse(0), want.astype(np.float32))
     info = tr.store.finalize_info(0)
     assert info["curvature"] == curvature and set(info["blocks"]) == {"0", "2"}
-    assert tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]["kind"] == curvature
+    rec = tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]
+    assert rec["kind"] == curvature and rec["form"] == kfac.RECORD_FORM
+    assert all(set(b) <= {"weight", "bias", "d_out", "d_in", "transposed"} for b in rec["blocks"].values())
+    assert sorted(tr.store.read_factor_arrays(0)) == ["a0", "a1", "s0", "s1"]  # the matrices: arrays, not the record
     assert not np.allclose(got, plain, rtol=1e-2)  # the curvature changes the scores
 
 

@@ -39,6 +39,7 @@ def test_store_checks_are_named_and_listed():
         "check_store_scores",
         "check_store_rows_by_path",
         "check_store_partials",
+        "check_store_factor_arrays",
         "check_store_score_pieces",
         "check_store_grow",
     ]
@@ -55,6 +56,19 @@ def test_the_contract_fails_a_store_that_loses_flags(tmp_path):
 
     with pytest.raises(AssertionError, match="^check_store_train_rows: featurized_mask"):
         check_store(make)
+
+
+def test_the_contract_fails_a_store_that_keeps_old_factor_arrays(tmp_path):
+    class Merging(TrakStore):
+        def write_factor_arrays(self, model_id: int, arrays: dict) -> None:
+            super().write_factor_arrays(model_id, {**self.read_factor_arrays(model_id), **arrays})
+
+    def make(meta):
+        st = TrakStore.create_or_open(str(tmp_path / uuid.uuid4().hex), meta)
+        return Merging(st.location, st.root, st.meta)
+
+    with pytest.raises(AssertionError, match="^check_store_factor_arrays: a second write does not replace"):
+        check_store(make, checks=[store_checks()[7]])
 
 
 def test_store_package_modules_import_one_way_and_stay_small():
