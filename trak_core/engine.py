@@ -28,7 +28,7 @@ from trak_core.featurize.row_sink import RowSink as RowSink  # TRAKer's rows on 
 from trak_core.featurize.row_sink import complete_shard, write_rows
 from trak_core.projection.base import AbstractProjector
 from trak_core.projection.energy import PROBE_ROWS, quantize_energies, sketched_energies
-from trak_core.solve import kfac
+from trak_core.solve import kfac, kfac_record
 from trak_core.solve.damping import CURVATURES, check_lambda
 from trak_core.solve.reduce import (
     GramBuffers,
@@ -177,17 +177,17 @@ KFAC_CURVATURES, DEFAULT_DAMPING = kfac.KFAC_CURVATURES, kfac.DEFAULT_DAMPING
 KroneckerFactors = kfac.KroneckerFactors
 check_damping = kfac.check_damping
 #: fit and record a checkpoint's factors (a checkpoint that has them keeps them)
-fit_curvature = kfac.fit_step
-needs_curvature = kfac.wants_factors  # whether a checkpoint of the store has factors to fit
+fit_curvature = kfac_record.fit_step
+needs_curvature = kfac_record.wants_factors  # whether a checkpoint of the store has factors to fit
 #: factors fitted before the store exists (TRAKer's default projector waits for its first rows), then recorded
-fit_factors, record_curvature = kfac.fit_factors, kfac.record_factors
+fit_factors, record_curvature = kfac.fit_factors, kfac_record.record_factors
 #: "kfac" / "ekfac" without a fit: the factors of the rows a TRAKer featurizes, summed as it featurizes them
 FactorFold = kfac.FactorFold
 FOLDED_CURVATURES = kfac.FOLDED_CURVATURES
 #: "kfac-eigen": rows projected in each checkpoint's factor eigenbasis, so its factors come before its rows
 FIT_BEFORE_FEATURIZE, default_damping = kfac.FIT_BEFORE_FEATURIZE, kfac.default_damping
-bind_eigen, current_factors = kfac.bind_eigen, kfac.current_factors
-bind_recorded_eigen = kfac.bind_recorded  # a store's rows: the eigenbasis of the factors it records
+bind_eigen, current_factors = kfac.bind_eigen, kfac_record.current_factors
+bind_recorded_eigen = kfac_record.bind_recorded  # a store's rows: the eigenbasis of the factors it records
 
 
 def eigen_split(split: dict, pre: KroneckerFactors, proj_dim: int) -> dict:

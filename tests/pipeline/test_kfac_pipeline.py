@@ -14,7 +14,7 @@ from trak_fixtures import tiny_attribute_config
 from examples import tiny
 from tasks.config import AttributeConfig
 from trak_core import TRAKer, TrakIndex
-from trak_core.solve import kfac
+from trak_core.solve import kfac_record
 from trak_core.store import TrakStore
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -78,7 +78,7 @@ def test_pipeline_equals_traker_and_index(tmp_path, curvature):
     attribute(cfg)
     store = TrakStore.open(cfg.store, mode="r")
     assert store.meta.curvature == curvature
-    assert sorted(store.pipeline_info()[kfac.RECORD_KEY]) == ["0", "1"]
+    assert sorted(store.pipeline_info()[kfac_record.RECORD_KEY]) == ["0", "1"]
     assert all(store.finalize_info(mid)["curvature"] == curvature for mid in (0, 1))
     ours = np.asarray(store.scores("tiny")[:])
     want, _ = traker_scores(tmp_path, paths, curvature, store.meta, fit_batch=None)  # TRAKer: no fit
@@ -105,12 +105,12 @@ def test_eigen_pipeline_equals_traker_default_projector_and_index(tmp_path):
     cfg = config(tmp_path, paths, curvature="kfac-eigen", projector="factored")
     attribute(cfg)
     store = TrakStore.open(cfg.store, mode="r")
-    assert sorted(store.pipeline_info()[kfac.RECORD_KEY]) == ["0", "1"]
+    assert sorted(store.pipeline_info()[kfac_record.RECORD_KEY]) == ["0", "1"]
     assert all(store.finalize_info(mid)["curvature"] == "kfac-eigen" for mid in (0, 1))
     model = tiny.make_model()
     model.load_state_dict(torch.load(sorted(paths)[0], weights_only=True))
     probed = engine.probe_split(model, "image_classification", [t[:PROBE_ROWS] for t in tiny.train_data()])
-    split = engine.eigen_split(probed, kfac.load_factors(store, 0), PROJ)
+    split = engine.eigen_split(probed, kfac_record.load_factors(store, 0), PROJ)
     assert store.meta.projector_params["energies"] == split["energies"] != probed["energies"]
     ours = np.asarray(store.scores("tiny")[:])
     want, meta = traker_scores(tmp_path, paths, "kfac-eigen", fit_batch=32)
@@ -153,12 +153,12 @@ def test_eigen_store_grows_with_its_recorded_factors(tmp_path):
     attribute(config(tmp_path, paths, train_data="test_kfac_pipeline:first_48", **over))
     before = TrakStore.open(str(tmp_path / "store.zarr"), mode="r")
     kept = {mid: np.asarray(before.model(mid).grads[:]).copy() for mid in (0, 1)}
-    factors = {k: v["sha256"] for k, v in before.pipeline_info()[kfac.RECORD_KEY].items()}
+    factors = {k: v["sha256"] for k, v in before.pipeline_info()[kfac_record.RECORD_KEY].items()}
     clear_data_cache()
     out = attribute(config(tmp_path, paths, **over))
     assert out["plan"].grown_from == 48
     grown = TrakStore.open(str(tmp_path / "store.zarr"), mode="r")
-    assert {k: v["sha256"] for k, v in grown.pipeline_info()[kfac.RECORD_KEY].items()} == factors
+    assert {k: v["sha256"] for k, v in grown.pipeline_info()[kfac_record.RECORD_KEY].items()} == factors
     for mid in (0, 1):
         np.testing.assert_array_equal(grown.model(mid).grads[:48], kept[mid])
     want, _ = traker_scores(tmp_path / "t", paths, "kfac-eigen", grown.meta, fit_rows=48)

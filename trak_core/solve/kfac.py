@@ -26,7 +26,7 @@ c % k_in), or pairs i = j = c; :mod:`trak_core.projection.factored`). Under K-FA
 
 (k_b × k_b per block: a Kronecker product for the grid, a Hadamard product for pairs), which
 :func:`projected_factors` forms from the fitted A and S and the block's side matrices. Finalize then writes the
-block-diagonal inverse (:func:`finalize_inverse`): per K-FAC block (F_b · tr(G_b)/tr(F_b) + λ_b I)⁻¹, K-FAC's shape
+block-diagonal inverse (:func:`block_inverse`): per K-FAC block (F_b · tr(G_b)/tr(F_b) + λ_b I)⁻¹, K-FAC's shape
 at the scale of the block's own XᵀX block G_b, λ_b = ``damping`` × its mean eigenvalue; for ``"ekfac"`` the
 eigenvalues of F_b are replaced by the rows' second moments in its eigenbasis, uᵀ G_b u (EK-FAC's correction,
 here exact per block and free: G_b is reduced anyway); every other block (convolutions, embeddings, attention,
@@ -62,15 +62,14 @@ kronfluence: benchmarks/RESULTS.md, "Beside kronfluence".
 The record
 ----------
 A fit is a pass over train rows (or a sample of them) at one checkpoint, reducible as sums
-(:class:`FactorSums`). Its per-layer A and S (float64) with the damping and the rows used are recorded in the
-store's pipeline record under ``"curvature_factors"`` → model id (:func:`record_factors`), sealed by a sha256 of
-its matrices; finalize reads them back (:func:`load_factors`). A store grows with the factors it recorded (they
-are never refitted).
+(:class:`FactorSums`; TRAKer sums them while it featurizes, :class:`FactorFold`). Its per-layer A and S (float64)
+are arrays beside the store's records, their layout, the damping, the rows used and a sha256 over them in the
+pipeline record under ``"curvature_factors"`` → model id (:mod:`trak_core.solve.kfac_record`); finalize reads them
+back. A store grows with the factors it recorded (they are never refitted).
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import math
 import warnings
@@ -108,12 +107,6 @@ EIGEN_RANK_DAMPING = 0.1
 #: alone) scores up to 0.032 lower (bn-conv 512), a cap of 0.75 up to 0.006 lower (small-lm); 0.99 ties 0.95 left out
 #: one case at a time (bn-conv +0.019 at 512, −0.019 at 2048)
 EIGEN_ENERGY_KEPT, EIGEN_MAX_SHARE = 0.95, 0.9
-#: the form of a recorded fit: per-layer A and S as arrays beside the records (``store.write_factor_arrays``), sealed
-#: by the record's sha256; INLINE_FORM's carry them in the record itself (base64; still read); any other form was
-#: written by an earlier version
-RECORD_FORM, INLINE_FORM = "factors-v3", "factors-v2"
-#: the key of the store's pipeline record under which the fitted factors are kept, per model id
-RECORD_KEY = "curvature_factors"
 
 
 def default_damping(curvature: str) -> float:
@@ -572,23 +565,6 @@ def _fingerprint(pre: KroneckerFactors) -> str:
     return h.hexdigest()
 
 
-def bind_recorded(projector, store) -> None:
-    """:func:`bind_eigen` with the factors ``store`` records at each model's checkpoint (the pipeline's tasks and the
-    query index); a model without them is refused (StateError naming the fit) when its rows are projected."""
-
-    def factors_of(model_id: int) -> KroneckerFactors:
-        pre = current_factors(store, model_id)
-        if pre is None:
-            raise StateError(
-                f"model_id={model_id}: the store at {store.location} has curvature={store.meta.curvature!r} but no "
-                "curvature factors fitted at its checkpoint; its rows are projected with them, so they are fitted "
-                "first (TRAKer.fit_curvature, or the pipeline's fit step)"
-            )
-        return pre
-
-    bind_eigen(projector, factors_of)
-
-
 def _damped_inverse(h: np.ndarray, damping: float) -> tuple[np.ndarray, float]:
     lam = damping * float(np.trace(h)) / len(h)
     if lam <= 0:  # a block whose rows are all zero: nothing to score through it
@@ -630,190 +606,3 @@ def block_inverse(meta, model_id: int, pre: KroneckerFactors, xtx: np.ndarray) -
             per[blk.name] = {"block": "xtx", "lambda": lam}
         offset = sl.stop
     return inv, per
-
-
-def finalize_inverse(store, model_id: int, xtx: np.ndarray, rule, rescale: bool) -> tuple[np.ndarray, dict]:
-    """Finalize of a K-FAC store's model: :func:`block_inverse` of its recorded factors and XᵀX (float32);
-    ``lambda_reg`` and ``rescale_inverse`` are recorded, not applied."""
-    meta = store.meta
-    inv, per = block_inverse(meta, model_id, load_factors(store, model_id), np.asarray(xtx, dtype=np.float64))
-    info = {
-        "curvature": meta.curvature,
-        "lambda_reg": 0.0,
-        "lambda_setting": rule.setting,
-        "rescale": bool(rescale),
-        "blocks": per,
-    }
-    return inv.astype(np.float32), info
-
-
-# ---------------------------------------------------------------------------------------------- the record
-def _decode(d: dict) -> np.ndarray:
-    """A factor of an earlier record form (inline, base64)."""
-    return np.frombuffer(base64.b64decode(d["data"]), dtype="<f8").reshape(d["shape"]).copy()
-
-
-def _inline_digest(blocks: dict) -> str:
-    h = hashlib.sha256()
-    for name in sorted(blocks):
-        h.update(name.encode())
-        for part in ("a", "s"):
-            h.update(blocks[name][part]["data"].encode())
-    return h.hexdigest()
-
-
-def _digest(names: list[str], arrays: dict[str, np.ndarray]) -> str:
-    """sha256 of the factor arrays in block order (their names, shapes and little-endian float64 bytes)."""
-    h = hashlib.sha256()
-    for i, name in enumerate(names):
-        h.update(name.encode())
-        for part in ("a", "s"):
-            m = np.ascontiguousarray(arrays[f"{part}{i}"], dtype="<f8")
-            h.update(str(m.shape).encode())
-            h.update(m.tobytes())
-    return h.hexdigest()
-
-
-def to_record(pre: KroneckerFactors) -> tuple[dict, dict[str, np.ndarray]]:
-    """(the record of ``pre``: its info, each block's layer and the digest, small enough for the pipeline record;
-    the factor arrays it seals, ``a<i>`` / ``s<i>`` for the i-th block in name order)."""
-    names = sorted(pre.blocks)
-    arrays: dict[str, np.ndarray] = {}
-    blocks = {}
-    for i, n in enumerate(names):
-        site, a, sm = pre.blocks[n]
-        arrays[f"a{i}"], arrays[f"s{i}"] = np.asarray(a, dtype=np.float64), np.asarray(sm, dtype=np.float64)
-        blocks[n] = {"weight": site.weight, "bias": site.bias, "d_out": site.d_out, "d_in": site.d_in} | (
-            {"transposed": True} if site.transposed else {}
-        )
-    return {**pre.info, "form": RECORD_FORM, "blocks": blocks, "sha256": _digest(names, arrays)}, arrays
-
-
-def from_record(rec: dict, arrays: dict[str, np.ndarray] | None = None, where: str = "") -> KroneckerFactors:
-    """The factors of a record and its arrays (a record of the earlier inline form carries them itself)."""
-    from trak_core.errors import StoreDamageError
-
-    form, blocks = rec.get("form"), rec.get("blocks", {})
-    if form not in (RECORD_FORM, INLINE_FORM):
-        raise StateError(
-            f"curvature factors{where} were recorded by an earlier trakflow (preconditioning before the projection); "
-            "fit them again in a new store"
-        )
-    names = sorted(blocks)
-    if form == INLINE_FORM:
-        ok = _inline_digest(blocks) == rec.get("sha256")
-        arrays = {f"{p}{i}": _decode(blocks[n][p]) for i, n in enumerate(names) for p in "as"} if ok else {}
-    else:
-        arrays = arrays or {}
-        ok = all(f"{p}{i}" in arrays for i in range(len(names)) for p in "as")
-        ok = ok and _digest(names, arrays) == rec.get("sha256")
-    if not ok:
-        raise StoreDamageError(f"curvature factors{where}: their arrays do not match the record's sha256 (damaged)")
-    out = {}
-    for i, n in enumerate(names):
-        b = blocks[n]
-        site = Site(n, b["weight"], b["bias"], int(b["d_out"]), int(b["d_in"]), bool(b.get("transposed", False)))
-        out[n] = (site, arrays[f"a{i}"], arrays[f"s{i}"])
-    info = {k: v for k, v in rec.items() if k not in ("blocks", "sha256", "form")}
-    return KroneckerFactors(out, info)
-
-
-def has_factors(store, model_id: int) -> bool:
-    return str(int(model_id)) in store.pipeline_info().get(RECORD_KEY, {})
-
-
-def _checkpoint_of(store, model_id: int) -> str | None:
-    """The state digest of ``model_id``'s recorded checkpoint (None: none recorded)."""
-    rec = store.checkpoint_record(model_id) if store.has_model(model_id) else None
-    return None if rec is None else rec.get("state_sha256")
-
-
-def record_factors(store, model_id: int, pre: KroneckerFactors, replace: bool = False) -> None:
-    """Record ``pre`` as ``model_id``'s factors (its arrays beside the store's records, their digest and layout in
-    the pipeline record), with the digest of the checkpoint the store records for it; a model that has factors
-    keeps them (StateError when they differ: a store never mixes two fits) unless ``replace`` (a model started
-    over, no row featurized with the old ones). A crash part way leaves no record (the fit runs again), never a
-    record of other arrays."""
-    pre.info["checkpoint"] = _checkpoint_of(store, model_id)
-    rec, arrays = to_record(pre)
-    key = str(int(model_id))
-    old = store.pipeline_info().get(RECORD_KEY, {}).get(key)
-    if old is not None and not replace:
-        if old.get("sha256") != rec["sha256"]:
-            raise StateError(
-                f"model_id={model_id}: {store.location} holds curvature factors fitted before; a store keeps the "
-                "factors it recorded (use a new store to fit them again)"
-            )
-        return
-    if old is not None:  # the old record goes first: its arrays are replaced next
-        _set_record(store, key, None)
-    store.write_factor_arrays(model_id, arrays)
-    _set_record(store, key, rec)
-
-
-def _set_record(store, key: str, rec: dict | None) -> None:
-    info = store.pipeline_info()
-    factors = dict(info.get(RECORD_KEY, {}))
-    if rec is None:
-        factors.pop(key, None)
-    else:
-        factors[key] = rec
-    info[RECORD_KEY] = factors
-    store.set_pipeline_info(info)
-
-
-def load_factors(store, model_id: int) -> KroneckerFactors:
-    """``model_id``'s recorded factors, or StateError saying to fit them first."""
-    rec = store.pipeline_info().get(RECORD_KEY, {}).get(str(int(model_id)))
-    if rec is None:
-        raise StateError(
-            f"model_id={model_id}: the store at {store.location} has curvature={store.meta.curvature!r} but no fitted "
-            "factors for this checkpoint; fit them before finalizing (TRAKer.fit_curvature, or the pipeline's "
-            "fit step)"
-        )
-    arrays = store.read_factor_arrays(model_id) if rec.get("form") == RECORD_FORM else None
-    return from_record(rec, arrays, f" of model_id={model_id}")
-
-
-def current_factors(store, model_id: int) -> KroneckerFactors | None:
-    """``model_id``'s recorded factors when they were fitted at the checkpoint the store records for it, else None."""
-    if not has_factors(store, model_id):
-        return None
-    pre = load_factors(store, model_id)
-    return pre if pre.info.get("checkpoint") == _checkpoint_of(store, model_id) else None
-
-
-def wants_factors(store, model_id: int) -> bool:
-    """Whether the store's curvature is Kronecker-factored and ``model_id`` has no factors recorded yet (the fit
-    step has work to do)."""
-    return store.meta.curvature in KFAC_CURVATURES and not has_factors(store, model_id)
-
-
-def fit_step(store, model_id: int, feat, batches, damping=None, grad_wrt=None) -> KroneckerFactors | None:
-    """Fit and record ``model_id``'s factors in a store of K-FAC curvature (None for another curvature); a model
-    with factors recorded at its checkpoint keeps them (read back). The rows of ``"kfac"`` / ``"ekfac"`` do not depend
-    on the factors, so they may be featurized before (``"kfac-eigen"``'s do: rows featurized without factors are
-    refused); factors recorded at another checkpoint (the model was started over) are fitted again, unless
-    rows are featurized already (they are then of another checkpoint than the factors: refused)."""
-    if store.meta.curvature not in KFAC_CURVATURES:
-        return None
-    stale = False
-    featurized = store.has_model(model_id) and bool(store.featurized_mask(model_id).any())
-    if store.meta.curvature in FIT_BEFORE_FEATURIZE and featurized and not has_factors(store, model_id):
-        raise StateError(
-            f"model_id={model_id}: {store.location} holds rows featurized without curvature factors, but "
-            f"curvature={store.meta.curvature!r} projects with them; use a new store"
-        )
-    if has_factors(store, model_id):
-        pre = load_factors(store, model_id)
-        if pre.info.get("checkpoint") == _checkpoint_of(store, model_id):
-            return pre
-        stale = True
-        if featurized:
-            raise StateError(
-                f"model_id={model_id}: {store.location} holds featurized rows and factors fitted at another "
-                "checkpoint; use a new store"
-            )
-    pre = fit_factors(feat, batches, store.meta.curvature, damping, grad_wrt)
-    record_factors(store, model_id, pre, replace=stale)
-    return pre

@@ -23,7 +23,7 @@ from trak_core.scoring.combine import features_block
 from trak_core.scoring.streaming import grads_right_hand, page_array, stream_scores
 from trak_core.solve.damping import LambdaRule, loss_curvature, parse_lambda_reg, solve
 from trak_core.solve.kfac import KFAC_CURVATURES
-from trak_core.solve.kfac import finalize_inverse as kfac_finalize
+from trak_core.solve.kfac_record import finalize_inverse as kfac_finalize
 from trak_core.solve.lambda_rules import unfit_share_of_task
 from trak_core.store import RunStore, experiment_array, model_array, pack_upper, target_array, unpack_upper
 

@@ -16,7 +16,7 @@ from torch import nn
 from trak_core.errors import BadInputError
 from trak_core.featurize.featurizer import Featurizer
 from trak_core.projection.projectors import make_projector
-from trak_core.solve import kfac
+from trak_core.solve import kfac, kfac_record
 from trak_core.store import StoreMetadata
 
 N, D_IN, H, C = 24, 6, 5, 3
@@ -308,7 +308,7 @@ def test_conv1d_factors_and_projected_factors_match_brute_force(proj_dim, block_
             f = got[b.name][1]
             np.testing.assert_allclose(f, full[off : off + b.k, off : off + b.k], rtol=1e-6, atol=1e-9 * abs(f).max())
         off += b.k
-    assert kfac.from_record(*kfac.to_record(pre)).blocks["tok"][0].transposed
+    assert kfac_record.from_record(*kfac_record.to_record(pre)).blocks["tok"][0].transposed
 
 
 def test_square_conv1d_with_its_bias_in_the_block_keeps_xtx():
@@ -432,10 +432,10 @@ def test_record_round_trip_and_damage():
     model = mlp()
     x, y = data()
     pre = kfac.fit_factors(featurizer(model), batches(x, y), "kfac")
-    rec, arrays = kfac.to_record(pre)
+    rec, arrays = kfac_record.to_record(pre)
     assert all(isinstance(v, (str, int, float, list, dict, type(None))) for v in rec.values())
     assert len(json.dumps(rec)) < 2000  # the matrices are not in the record
-    back = kfac.from_record(rec, arrays)
+    back = kfac_record.from_record(rec, arrays)
     for n, (_, a, s) in pre.blocks.items():
         np.testing.assert_array_equal(back.blocks[n][1], a)
         np.testing.assert_array_equal(back.blocks[n][2], s)
@@ -443,23 +443,23 @@ def test_record_round_trip_and_damage():
     for bad in ({**arrays, "a0": arrays["a0"] * 2}, {k: v for k, v in arrays.items() if k != "s1"},
                 {**arrays, "a0": arrays["a0"].reshape(1, -1)}, None):  # fmt: skip
         with pytest.raises(StoreDamageError, match="sha256"):
-            kfac.from_record(rec, bad)
+            kfac_record.from_record(rec, bad)
 
     def inline(m):
         m = np.ascontiguousarray(m, dtype="<f8")
         return {"shape": list(m.shape), "data": base64.b64encode(m.tobytes()).decode("ascii")}
 
     blocks = {n: {**rec["blocks"][n], "a": inline(a), "s": inline(s)} for n, (_, a, s) in pre.blocks.items()}
-    old = {**rec, "form": kfac.INLINE_FORM, "blocks": blocks, "sha256": kfac._inline_digest(blocks)}
-    again = kfac.from_record(old)
+    old = {**rec, "form": kfac_record.INLINE_FORM, "blocks": blocks, "sha256": kfac_record._inline_digest(blocks)}
+    again = kfac_record.from_record(old)
     for n, (_, a, s) in pre.blocks.items():
         np.testing.assert_array_equal(again.blocks[n][1], a)
         np.testing.assert_array_equal(again.blocks[n][2], s)
     with pytest.raises(StoreDamageError, match="sha256"):
-        kfac.from_record({**old, "sha256": "0" * 64})
+        kfac_record.from_record({**old, "sha256": "0" * 64})
     older = {k: v for k, v in rec.items() if k != "form"}  # a record of the earliest form (whitening first)
     with pytest.raises(StateError, match="earlier trakflow"):
-        kfac.from_record(older, arrays)
+        kfac_record.from_record(older, arrays)
 
 
 @pytest.mark.parametrize("bad", [0, -0.1, float("nan"), float("inf"), "0.1", True, None])

@@ -15,7 +15,7 @@ from test_kfac import D_IN, C, N, mlp
 from trak_core import TRAKer, TrakIndex
 from trak_core.errors import BadInputError, StateError
 from trak_core.projection.projectors import make_projector
-from trak_core.solve import kfac
+from trak_core.solve import kfac, kfac_record
 
 M = 5
 DEFAULT = object()  # run(projector=DEFAULT): TRAKer's default projector
@@ -67,12 +67,12 @@ def test_rows_are_the_plain_projection_and_the_inverse_is_the_block_inverse(tmp_
     got, tr, _ = run(tmp_path / "s", curvature)
     plain, ref, _ = run(tmp_path / "p", "xtx", fit=False)
     np.testing.assert_array_equal(tr.store.model(0).grads[:], ref.store.model(0).grads[:])
-    want, _ = kfac.block_inverse(tr.store.meta, 0, kfac.load_factors(tr.store, 0), total_xtx(tr.store, 0))
+    want, _ = kfac.block_inverse(tr.store.meta, 0, kfac_record.load_factors(tr.store, 0), total_xtx(tr.store, 0))
     np.testing.assert_array_equal(tr.store.inverse(0), want.astype(np.float32))
     info = tr.store.finalize_info(0)
     assert info["curvature"] == curvature and set(info["blocks"]) == {"0", "2"}
-    rec = tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]
-    assert rec["kind"] == curvature and rec["form"] == kfac.RECORD_FORM
+    rec = tr.store.pipeline_info()[kfac_record.RECORD_KEY]["0"]
+    assert rec["kind"] == curvature and rec["form"] == kfac_record.RECORD_FORM
     assert all(set(b) <= {"weight", "bias", "d_out", "d_in", "transposed"} for b in rec["blocks"].values())
     assert sorted(tr.store.read_factor_arrays(0)) == ["a0", "a1", "s0", "s1"]  # the matrices: arrays, not the record
     assert not np.allclose(got, plain, rtol=1e-2)  # the curvature changes the scores
@@ -89,7 +89,7 @@ def test_index_queries_with_the_recorded_factors(tmp_path, curvature, projector)
         got, tr, model = run(tmp_path / "s", curvature, projector=DEFAULT, proj_dim=16)
     else:
         got, tr, model = run(tmp_path / "s", curvature, projector=factored(model))
-    assert kfac.has_factors(tr.store, 0)
+    assert kfac_record.has_factors(tr.store, 0)
     tr._close()
     del tr
     index = TrakIndex(
@@ -106,7 +106,7 @@ def test_without_a_fit_the_featurized_rows_give_the_factors(tmp_path, curvature)
     10), recorded at finalize, and equal the fit's over the same rows; so are the inverse and the scores."""
     fitted, a, _ = run(tmp_path / "f", curvature)
     folded, b, _ = run(tmp_path / "n", curvature, fit=False, batch=7)
-    got, want = kfac.load_factors(b.store, 0), kfac.load_factors(a.store, 0)
+    got, want = kfac_record.load_factors(b.store, 0), kfac_record.load_factors(a.store, 0)
     assert got.info["rows"] == want.info["rows"] == N and got.info["kind"] == curvature
     for name, (_, fa, fs) in want.blocks.items():
         np.testing.assert_allclose(got.blocks[name][1], fa, rtol=1e-12, atol=1e-15)
@@ -138,7 +138,7 @@ def test_rows_featurized_elsewhere_are_refused_and_a_fit_serves(tmp_path):
     tr.featurize((x[20:], y[20:]), inds=np.arange(20, N))
     with pytest.raises(StateError, match=f"20 of its {N} rows were featurized by another TRAKer.*fit_curvature"):
         tr.finalize_features()
-    assert not tr.store.is_finalized(0) and kfac.RECORD_KEY not in tr.store.pipeline_info()
+    assert not tr.store.is_finalized(0) and kfac_record.RECORD_KEY not in tr.store.pipeline_info()
     tr.fit_curvature([(x[a : a + 10], y[a : a + 10]) for a in range(0, N, 10)])
     tr.finalize_features()
     tr.start_scoring_checkpoint("e", model.state_dict(), 0, M)
@@ -154,12 +154,12 @@ def test_grown_store_keeps_its_factors(tmp_path):
     from trak_core.store import open_store
 
     _, tr, _ = run(tmp_path / "s", n=N - 4)
-    rec = tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]["sha256"]
+    rec = tr.store.pipeline_info()[kfac_record.RECORD_KEY]["0"]["sha256"]
     tr._close()
     del tr
     st = open_store(str(tmp_path / "s"))
     engine.grow_run(st, N)
-    assert st.pipeline_info()[kfac.RECORD_KEY]["0"]["sha256"] == rec
+    assert st.pipeline_info()[kfac_record.RECORD_KEY]["0"]["sha256"] == rec
     model = mlp()
     feat = Featurizer(model, "image_classification", factored(model), device="cpu")
     feat.load_state(model.state_dict())
@@ -198,7 +198,7 @@ def test_started_over_model_refits_its_factors(tmp_path):
     from trak_core.store import open_store
 
     _, tr, model = run(tmp_path / "s")
-    first = tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]
+    first = tr.store.pipeline_info()[kfac_record.RECORD_KEY]["0"]
     assert first["checkpoint"] == tr.store.checkpoint_record(0)["state_sha256"]
     tr._close()
     del tr
@@ -222,7 +222,7 @@ def test_started_over_model_refits_its_factors(tmp_path):
     )
     tr.load_checkpoint(other.state_dict(), model_id=0)
     tr.fit_curvature([(x, y)])
-    again = tr.store.pipeline_info()[kfac.RECORD_KEY]["0"]
+    again = tr.store.pipeline_info()[kfac_record.RECORD_KEY]["0"]
     assert again["checkpoint"] == engine.state_fingerprint(other.state_dict()) != first["checkpoint"]
     assert again["sha256"] != first["sha256"]
     tr._close()
