@@ -60,6 +60,12 @@ def fit_curvature(config: AttributeConfig, model_id: int, checkpoint: str, tasks
         return core.fit_curvature(config, model_id, checkpoint)
 
 
+@task(name="reduce-curvature", task_run_name="curvature-sums-m{model_id}", **RETRIED_TASK)
+def reduce_curvature(config: AttributeConfig, model_id: int) -> bool:
+    """Kronecker factors of one checkpoint (``curvature: kfac`` / ``ekfac``) from its shards' sums, recorded."""
+    return core.reduce_curvature(config, model_id)
+
+
 @task(name="finalize-checkpoint", task_run_name="finalize-m{model_id}", **RETRIED_TASK)
 def finalize_checkpoint(config: AttributeConfig, model_id: int, tasks: int = 1) -> FinalizeManifest:
     with torch_threads(threads_per_task(config, tasks)):

@@ -345,8 +345,8 @@ class AttributeConfig(_Base):
     )
     curvature_rows: PositiveInt | None = Field(
         None,
-        description="'kfac'/'ekfac'/'kfac-eigen': the factors are fitted on this many train rows, evenly spaced "
-        "(null: all rows)",
+        description="'kfac'/'ekfac'/'kfac-eigen': the factors are fitted on this many train rows, evenly spaced, in a "
+        "pass before the rows (null: all rows; 'kfac'/'ekfac' then sum them as each shard is featurized)",
     )
     dtype: StorageDtype = _setting("dtype", "storage dtype of gradients")
     batch_size: PositiveInt = Field(64, description="examples per gradient batch")

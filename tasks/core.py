@@ -131,16 +131,19 @@ def featurize_shard(config: AttributeConfig, model_id: int, checkpoint: str, sha
         config.batch_size,
         device=config.resolved_device(),
         progress=lambda n: progress.advance("featurize", n),
+        curvature_damping=config.curvature_damping,
+        grad_wrt=config.grad_wrt,
     )
     return ShardManifest.timed(t0, skipped, model_id=model_id, shard=shard, rows=store.meta.shard_range(shard))
 
 
 # ---------------------------------------------------------------------------- curvature
 def fit_curvature(config: AttributeConfig, model_id: int, checkpoint: str) -> bool:
-    """The Kronecker-factored curvature of one checkpoint (``curvature: kfac`` / ``ekfac`` / ``kfac-eigen``; the
-    plan of a new ``kfac-eigen`` store fitted model 0's already), fitted on every train
-    row (or ``curvature_rows`` of them, evenly spaced) in batches of ``batch_size`` and recorded in the store before
-    its shards are featurized (:func:`trak_core.engine.fit_curvature`; a checkpoint that has factors keeps them).
+    """The Kronecker-factored curvature of one checkpoint, where a run fits it before the rows
+    (:func:`trak_core.engine.fit_first`: ``kfac-eigen``, whose plan fitted model 0's already, or ``curvature_rows``
+    given; else ``kfac`` / ``ekfac`` sum it per shard), fitted on every train row (or ``curvature_rows`` of them,
+    evenly spaced) in batches of ``batch_size`` and recorded in the store before its shards are featurized
+    (:func:`trak_core.engine.fit_curvature`; a checkpoint that has factors keeps them).
     Returns whether it fitted."""
     store = open_store(config)
     if not engine.needs_curvature(store, model_id):
@@ -150,6 +153,12 @@ def fit_curvature(config: AttributeConfig, model_id: int, checkpoint: str) -> bo
     batches = engine.curvature_batches(data, config.curvature_rows, config.batch_size)
     engine.fit_curvature(store, model_id, feat, batches, config.curvature_damping, config.grad_wrt)
     return True
+
+
+def reduce_curvature(config: AttributeConfig, model_id: int) -> bool:
+    """The factors of one ``kfac`` / ``ekfac`` checkpoint from its shards' sums, recorded once every shard is
+    featurized (:func:`trak_core.engine.record_folded`; nothing where they are recorded). Returns whether it did."""
+    return engine.record_folded(open_store(config), model_id) is not None
 
 
 # ---------------------------------------------------------------------------- finalize

@@ -173,19 +173,22 @@ rebuild_projector = rules.rebuild_projector  # a projector with a store's record
 recorded_projector = rules.recorded_projector  # the projector a store's metadata records, of any kind
 
 # Kronecker-factored curvature ("kfac" / "ekfac" / "kfac-eigen"): each checkpoint's factors, recorded in the store
-KFAC_CURVATURES, DEFAULT_DAMPING = kfac.KFAC_CURVATURES, kfac.DEFAULT_DAMPING
+KFAC_CURVATURES, DEFAULT_DAMPING, check_damping = kfac.KFAC_CURVATURES, kfac.DEFAULT_DAMPING, kfac.check_damping
 KroneckerFactors = kfac.KroneckerFactors
-check_damping = kfac.check_damping
 #: fit and record a checkpoint's factors (a checkpoint that has them keeps them)
 fit_curvature = kfac_record.fit_step
 needs_curvature = kfac_record.wants_factors  # whether a checkpoint of the store has factors to fit
+#: whether a run fits the factors before the rows (and the fit's rows); else "kfac"/"ekfac" sum them per shard,
+#: reduced and recorded once all are featurized (record_folded; at finalize where not done before)
+fit_first, curvature_batches = kfac_record.fit_first, kfac_record.curvature_batches
+record_folded = kfac_record.record_folded
 #: factors fitted before the store exists (TRAKer's default projector waits for its first rows), then recorded
 fit_factors, record_curvature = kfac.fit_factors, kfac_record.record_factors
 #: "kfac" / "ekfac" without a fit: the factors of the rows a TRAKer featurizes, summed as it featurizes them
 FactorFold = kfac.FactorFold
-FOLDED_CURVATURES = kfac.FOLDED_CURVATURES
 #: "kfac-eigen": rows projected in each checkpoint's factor eigenbasis, so its factors come before its rows
 FIT_BEFORE_FEATURIZE, default_damping = kfac.FIT_BEFORE_FEATURIZE, kfac.default_damping
+FOLDED_CURVATURES = kfac.FOLDED_CURVATURES
 bind_eigen, current_factors = kfac.bind_eigen, kfac_record.current_factors
 bind_recorded_eigen = kfac_record.bind_recorded  # a store's rows: the eigenbasis of the factors it records
 
@@ -196,16 +199,6 @@ def eigen_split(split: dict, pre: KroneckerFactors, proj_dim: int) -> dict:
     (:func:`trak_core.solve.kfac.eigen_energies`), rounded as every recorded split is. TRAKer and the pipeline's
     plan both call it, with the factors of model 0's fit."""
     return {**split, "energies": quantize_energies(kfac.eigen_energies(pre, split["energies"], proj_dim))}
-
-
-def curvature_batches(train: Sequence[torch.Tensor], rows: int | None, batch_size: int):
-    """The factor fit's batches over ``train``: every row, or ``rows`` of them evenly spaced (a declared sample), in
-    order, ``batch_size`` at a time; a function returning a fresh iterator (the fit's ``batches``)."""
-    n = int(train[0].shape[0])
-    pick = torch.arange(n)
-    if rows is not None and rows < n:
-        pick = torch.linspace(0, n - 1, rows).round().long().unique()
-    return lambda: ([t[pick[a : a + batch_size]] for t in train] for a in range(0, len(pick), batch_size))
 
 
 def check_new_store(location: str, storage_options: dict | None = None) -> None:
@@ -582,9 +575,13 @@ def featurize_shard(
     batch_size: int,
     device=None,
     progress: Progress = None,
+    curvature_damping: float | None = None,
+    grad_wrt=None,
 ) -> bool:
     """Featurize one shard of train rows in batches, write it at once and its XᵀX partial beside (computed on the
-    featurizer's device, from the rows as stored), marked done once the rows are.
+    featurizer's device, from the rows as stored), marked done once the rows are; a ``"kfac"`` / ``"ekfac"`` model
+    without factors also sums them over the shard's rows, written before the rows (``curvature_damping``,
+    ``grad_wrt``: the run's; :func:`trak_core.solve.kfac_record.record_folded` reduces them at finalize).
 
     Args:
         featurizer: builds the featurizer (only called when the shard is not in the store yet).
@@ -609,7 +606,7 @@ def featurize_shard(
             feat, store.meta, b - a, batch(start, min(b, start + PROBE_SAMPLE_ROWS)), model_id, batch_size
         )
         xs, qs = [], []
-        old_x = None
+        old_x, fold = None, kfac.FactorFold(b, grad_wrt) if kfac_record.folds(store, model_id) else None
         if start > a:
             old_x, old_q = store.read_train_rows(model_id, a, start)
             qs.append(old_q)
@@ -617,7 +614,10 @@ def featurize_shard(
         for s in range(start, b, batch_size):
             e = min(s + batch_size, b)
             try:
-                x, q = feat.featurize(batch(s, e), model_id, range(s, e))
+                rows = batch(s, e)
+                x, q = feat.featurize(rows, model_id, range(s, e))
+                if fold is not None:
+                    fold.add(feat, rows, range(s, e))
             except NonFiniteGradientError:
                 raise  # names the example indices already
             except BadInputError as err:  # e.g. a label out of range: say which rows
@@ -625,6 +625,8 @@ def featurize_shard(
             xs.append(x)
             qs.append(q)
             _advance(progress, e - s)
+        if fold is not None:  # before the rows: rows flagged featurized have their sums stored
+            kfac_record.write_shard_sums(store, model_id, shard, fold, curvature_damping)
         q = np.concatenate(qs)
         n, p, dtype = b - a, store.meta.proj_dim, store.meta.np_dtype
         keep = _shard_buffers.fit(store.meta)
@@ -690,6 +692,7 @@ def finalize(
     check_finalize_memory(store.meta)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        kfac_record.record_folded(store, model_id)  # "kfac"/"ekfac": the factors of the shards' sums, where due
         info = finalize_model(store, model_id, lambda_reg, rescale, device=device, known=known)
     for w in caught:  # re-issued (the record hides them) and returned
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

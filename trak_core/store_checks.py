@@ -241,6 +241,16 @@ def check_store_factor_arrays(obj) -> None:
     st.write_factor_arrays(0, {"a1": np.ones((1, 5))})
     assert set(st.read_factor_arrays(0)) == {"a1"}, "a second write does not replace the first whole"
     assert st.pipeline_info() == {}, "factor arrays went into the pipeline record"
+    assert st.read_factor_partial(0, 1) is None, "a shard without factor sums reads some"
+    st.write_factor_partial(0, 1, first, {"examples": 8, "sites": ["a"]})
+    st.write_factor_partial(0, 2, {"a0": np.eye(2)}, {"examples": 3})
+    arrays, info = st.read_factor_partial(0, 1)
+    assert info == {"examples": 8, "sites": ["a"]} and set(arrays) == set(first), "a shard's sums read back otherwise"
+    assert all(np.array_equal(arrays[k], v) for k, v in first.items()), "a shard's sums read back otherwise"
+    st.write_factor_partial(0, 1, {"s1": np.ones(3)}, {"examples": 1})
+    arrays, info = st.read_factor_partial(0, 1)
+    assert set(arrays) == {"s1"} and info == {"examples": 1}, "a shard's second write does not replace the first"
+    assert set(st.read_factor_arrays(0)) == {"a1"}, "a shard's sums replaced the model's factors"
 
 
 @_check

@@ -79,6 +79,8 @@ def test_pipeline_equals_traker_and_index(tmp_path, curvature):
     store = TrakStore.open(cfg.store, mode="r")
     assert store.meta.curvature == curvature
     assert sorted(store.pipeline_info()[kfac_record.RECORD_KEY]) == ["0", "1"]
+    # no fit pass: each shard summed its rows' factors, reduced once all were featurized
+    assert all(store.read_factor_partial(m, s) is not None for m in (0, 1) for s in range(store.meta.num_shards))
     assert all(store.finalize_info(mid)["curvature"] == curvature for mid in (0, 1))
     ours = np.asarray(store.scores("tiny")[:])
     want, _ = traker_scores(tmp_path, paths, curvature, store.meta, fit_batch=None)  # TRAKer: no fit
@@ -106,6 +108,8 @@ def test_eigen_pipeline_equals_traker_default_projector_and_index(tmp_path):
     attribute(cfg)
     store = TrakStore.open(cfg.store, mode="r")
     assert sorted(store.pipeline_info()[kfac_record.RECORD_KEY]) == ["0", "1"]
+    # fitted first, not summed per shard
+    assert all(store.read_factor_partial(m, s) is None for m in (0, 1) for s in range(store.meta.num_shards))
     assert all(store.finalize_info(mid)["curvature"] == "kfac-eigen" for mid in (0, 1))
     model = tiny.make_model()
     model.load_state_dict(torch.load(sorted(paths)[0], weights_only=True))

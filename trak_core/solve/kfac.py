@@ -310,7 +310,7 @@ def factors_of(
     return KroneckerFactors(blocks, info)
 
 
-def _finish(
+def finish_factors(
     total: FactorSums, sites: list[Site], others: list[str], skipped: set, kind: str, damping, warn: bool
 ) -> KroneckerFactors:
     """The factors of a reduced pass (:func:`fit_factors`, :class:`FactorFold`): the sites called other than once and
@@ -350,7 +350,7 @@ def fit_factors(
         part, left = batch_sums(feat, batch, sites)
         total.add(part)
         skipped.update(left)
-    return _finish(total, sites, others, skipped, kind, damping, warn)
+    return finish_factors(total, sites, others, skipped, kind, damping, warn)
 
 
 class FactorFold:
@@ -381,6 +381,12 @@ class FactorFold:
         self.skipped.update(left)
         self.rows[rows] = True
 
+    def layout(self) -> tuple[list[Site], list[str]]:
+        """(the model's K-FAC sites, its other gradient parameters); BadInputError before any row was added."""
+        if self._sites is None:
+            raise BadInputError("curvature: the factor pass was given no train rows")
+        return self._sites
+
     def covers(self, featurized: np.ndarray) -> bool:
         """Whether the rows counted are exactly ``featurized`` (a model's featurized flags)."""
         return bool(np.array_equal(self.rows, np.asarray(featurized, dtype=bool)))
@@ -391,7 +397,7 @@ class FactorFold:
         if self._sites is None:
             raise BadInputError("curvature: the factor pass was given no train rows")
         damping = check_damping(default_damping(kind) if damping is None else damping)
-        return _finish(self.total, *self._sites, self.skipped, kind, damping, warn)
+        return finish_factors(self.total, *self._sites, self.skipped, kind, damping, warn)
 
 
 # ---------------------------------------------------------------------------------------------- the inverse
@@ -596,7 +602,7 @@ def block_inverse(meta, model_id: int, pre: KroneckerFactors, xtx: np.ndarray) -
         elif f is not None and np.trace(f) > 0:
             if pre.info.get("kind") == "ekfac":  # F_b's eigenbasis, the rows' own second moments as eigenvalues
                 _, u = np.linalg.eigh((f + f.T) / 2)
-                h = (u * np.einsum("ij,jk,ki->i", u.T, g, u)) @ u.T
+                h = (u * ((g @ u) * u).sum(axis=0)) @ u.T  # uᵢᵀ G_b uᵢ for each eigenvector, by a GEMM
             else:
                 h = f * (np.trace(g) / np.trace(f))
             inv[sl, sl], lam = _damped_inverse(h, damping)

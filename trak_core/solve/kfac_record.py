@@ -1,22 +1,31 @@
 """The record of a K-FAC store's factors (:mod:`trak_core.solve.kfac`): each checkpoint's A and S as arrays beside
 the store's records (``store.write_factor_arrays``), their layout, info and sha256 in the pipeline record; the fit
-step that records them, finalize's inverse from them, and the eigenbasis a store's rows are projected in."""
+step that records them, or each shard's sums of them reduced at finalize; finalize's inverse from them, and the
+eigenbasis a store's rows are projected in."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from trak_core.errors import StateError
 from trak_core.solve.kfac import (
     FIT_BEFORE_FEATURIZE,
+    FOLDED_CURVATURES,
     KFAC_CURVATURES,
+    FactorFold,
+    FactorSums,
     KroneckerFactors,
     Site,
     bind_eigen,
     block_inverse,
+    check_damping,
+    default_damping,
+    finish_factors,
     fit_factors,
 )
 
@@ -229,3 +238,91 @@ def finalize_inverse(store, model_id: int, xtx: np.ndarray, rule, rescale: bool)
         "blocks": per,
     }
     return inv.astype(np.float32), info
+
+
+# ---------------------------------------------------------------------------------------------- sums per shard
+def folds(store, model_id: int) -> bool:
+    """Whether featurizing ``model_id``'s shards sums its factors (:class:`~trak_core.solve.kfac.FactorFold`): a
+    ``"kfac"`` / ``"ekfac"`` store whose model has no factors fitted at its checkpoint."""
+    return store.meta.curvature in FOLDED_CURVATURES and current_factors(store, model_id) is None
+
+
+def fit_first(curvature: str, rows: int | None) -> bool:
+    """Whether a run fits each checkpoint's factors in a pass of their own before its rows: ``"kfac-eigen"`` (its
+    rows need them), or a declared sample of ``rows``; else ``"kfac"`` / ``"ekfac"`` sum them as shards are
+    featurized, reduced at finalize (:func:`record_folded`)."""
+    return curvature in FIT_BEFORE_FEATURIZE or (curvature in KFAC_CURVATURES and rows is not None)
+
+
+def _site_record(site: Site) -> dict:
+    return {"name": site.name, "weight": site.weight, "bias": site.bias, "d_out": site.d_out, "d_in": site.d_in,
+            "transposed": site.transposed}  # fmt: skip
+
+
+def write_shard_sums(store, model_id: int, shard: int, fold: FactorFold, damping: float | None) -> None:
+    """Write a shard's factor sums (``fold``: its rows') with their layout, the damping and the checkpoint."""
+    sites, others = fold.layout()
+    names = sorted(fold.total.a)
+    arrays = {f"{p}{i}": (fold.total.a if p == "a" else fold.total.s)[n] for i, n in enumerate(names) for p in "as"}
+    info = {
+        "names": names,
+        "tokens": {n: int(fold.total.tokens[n]) for n in names},
+        "examples": int(fold.total.examples),
+        "skipped": sorted(fold.skipped),
+        "sites": [_site_record(s) for s in sites],
+        "others": list(others),
+        "damping": check_damping(default_damping(store.meta.curvature) if damping is None else damping),
+        "checkpoint": _checkpoint_of(store, model_id),
+    }
+    store.write_factor_partial(model_id, shard, arrays, info)
+
+
+def record_folded(store, model_id: int) -> KroneckerFactors | None:
+    """At finalize, a ``"kfac"`` / ``"ekfac"`` model without factors: its shards' sums added in shard order, the
+    factors of all its rows (:func:`~trak_core.solve.kfac.fit_factors`' over the same rows, to float64 rounding)
+    recorded. StateError naming the shards featurized without their sums (at another checkpoint, or by a version
+    that fitted first), before anything is written; None where nothing is to do."""
+    if not folds(store, model_id):
+        return None
+    total, skipped, layout, missing = FactorSums(), set[str](), None, []
+    checkpoint = _checkpoint_of(store, model_id)
+    for shard in range(store.meta.num_shards):
+        got = store.read_factor_partial(model_id, shard)
+        if got is None or got[1].get("checkpoint") != checkpoint:
+            missing.append(shard)
+            continue
+        arrays, info = got
+        here = (info["sites"], info["others"], info["damping"])
+        if layout is not None and here != layout:
+            raise StateError(f"model_id={model_id}: the factor sums of shard {shard} were made with other layers")
+        layout = here
+        names = info["names"]
+        total.add(
+            FactorSums(
+                a={n: arrays[f"a{i}"] for i, n in enumerate(names)},
+                s={n: arrays[f"s{i}"] for i, n in enumerate(names)},
+                tokens={n: int(info["tokens"][n]) for n in names},
+                examples=int(info["examples"]),
+            )
+        )
+        skipped.update(info["skipped"])
+    if missing or layout is None:
+        raise StateError(
+            f"model_id={model_id}: shards {missing[:10]}{' and more' if len(missing) > 10 else ''} of "
+            f"{store.location} were featurized without their sums of the curvature factors; fit the factors in a "
+            "pass of their own (curvature_rows, or TRAKer.fit_curvature), or featurize into a new store"
+        )
+    sites = [Site(**d) for d in layout[0]]
+    pre = finish_factors(total, sites, layout[1], skipped, store.meta.curvature, layout[2], warn=True)
+    record_factors(store, model_id, pre, replace=has_factors(store, model_id))
+    return pre
+
+
+def curvature_batches(train: Sequence[torch.Tensor], rows: int | None, batch_size: int):
+    """The factor fit's batches over ``train``: every row, or ``rows`` of them evenly spaced (a declared sample), in
+    order, ``batch_size`` at a time; a function returning a fresh iterator (the fit's ``batches``)."""
+    n = int(train[0].shape[0])
+    pick = torch.arange(n)
+    if rows is not None and rows < n:
+        pick = torch.linspace(0, n - 1, rows).round().long().unique()
+    return lambda: ([t[pick[a : a + batch_size]] for t in train] for a in range(0, len(pick), batch_size))

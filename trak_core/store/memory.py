@@ -63,6 +63,7 @@ class _State:
     meta: StoreMetadata
     pipeline: dict[str, Any] = field(default_factory=dict)
     factors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    factor_partials: dict[tuple[int, int], tuple[dict[str, np.ndarray], dict]] = field(default_factory=dict)
     models: dict[int, _Model] = field(default_factory=dict)
     experiments: dict[str, _Experiment] = field(default_factory=dict)
 
@@ -164,6 +165,14 @@ class MemoryStore:
 
     def read_factor_arrays(self, model_id: int) -> dict[str, np.ndarray]:
         return {k: v.copy() for k, v in self._state.factors.get(int(model_id), {}).items()}
+
+    def write_factor_partial(self, model_id: int, shard: int, arrays: dict[str, np.ndarray], info: dict) -> None:
+        copied = {k: np.array(v, dtype=np.float64) for k, v in arrays.items()}
+        self._state.factor_partials[(int(model_id), int(shard))] = (copied, _json(dict(info)))
+
+    def read_factor_partial(self, model_id: int, shard: int) -> tuple[dict[str, np.ndarray], dict] | None:
+        got = self._state.factor_partials.get((int(model_id), int(shard)))
+        return None if got is None else ({k: v.copy() for k, v in got[0].items()}, _json(got[1]))
 
     # ---------------------------------------------------------------- models
     def _model(self, model_id: int) -> _Model:

@@ -44,6 +44,12 @@ class RunRecords(Protocol):
     def read_factor_arrays(self, model_id: int) -> dict[str, np.ndarray]:
         """``model_id``'s curvature factor arrays as written ({} when none)."""
 
+    def write_factor_partial(self, model_id: int, shard: int, arrays: dict[str, np.ndarray], info: dict) -> None:
+        """Replace a shard's sums of ``model_id``'s curvature factors (float64 ``arrays``, their layout ``info``)."""
+
+    def read_factor_partial(self, model_id: int, shard: int) -> tuple[dict[str, np.ndarray], dict] | None:
+        """(arrays, info) of a shard's factor sums as written; None when none are."""
+
     # models
     def model_ids(self) -> list[int]: ...
 

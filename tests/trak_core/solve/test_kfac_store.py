@@ -243,3 +243,69 @@ def test_cuda_gives_the_cpu_scores(tmp_path, curvature):
     cpu, _, _ = run(tmp_path / "c", curvature, projector=DEFAULT)
     gpu, _, _ = run(tmp_path / "g", curvature, projector=DEFAULT, device="cuda")
     np.testing.assert_allclose(gpu, cpu, rtol=1e-4, atol=1e-6 * float(np.abs(cpu).max()))
+
+
+def _planned_store(tmp_path, curvature):
+    """A store of ``curvature`` with model 0 planned at the test model's checkpoint and nothing featurized."""
+    from trak_core.store import open_store
+
+    model = mlp()
+    tr = TRAKer(model=model, task="image_classification", train_set_size=N, save_dir=str(tmp_path / "s"),
+                device="cpu", projector=factored(model), use_half_precision=False, lambda_reg=0.0,
+                logging_level=logging.ERROR, curvature=curvature, chunk_rows=4, shard_rows=8)  # fmt: skip
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    tr._close()
+    del tr
+    return open_store(str(tmp_path / "s"))
+
+
+def _featurize_shards(st, order, batch=5):
+    from trak_core import engine
+    from trak_core.featurize.featurizer import Featurizer
+
+    x, y, _, _ = make_data()
+
+    def feat():  # a featurizer of its own per shard, as each shard task builds
+        model = mlp()
+        f = Featurizer(model, "image_classification", factored(model), device="cpu")
+        f.load_state(model.state_dict())
+        return f
+
+    for shard in order:
+        engine.featurize_shard(st, 0, shard, feat, lambda a, b: [x[a:b], y[a:b]], batch)
+
+
+@pytest.mark.parametrize("curvature", ["kfac", "ekfac"])
+def test_shards_sum_their_factors_and_finalize_records_them(tmp_path, curvature):
+    """The pipeline's shard step sums each shard's factors beside its rows; finalize adds them in shard order and
+    records the factors of every row: the fit's (TRAKer, fit_curvature over all rows), whatever the order the shards
+    ran in and their batches; so are the inverse and the scores."""
+    from trak_core import engine
+
+    _, fitted, _ = run(tmp_path / "f", curvature)
+    st = _planned_store(tmp_path, curvature)
+    assert st.meta.num_shards == 3
+    _featurize_shards(st, [2, 0, 1])
+    assert all(st.read_factor_partial(0, s) is not None for s in range(3))
+    assert kfac_record.RECORD_KEY not in st.pipeline_info()  # recorded once every shard is in
+    engine.finalize(st, 0, 0.0, True)
+    got, want = kfac_record.load_factors(st, 0), kfac_record.load_factors(fitted.store, 0)
+    assert got.info["rows"] == N and got.info["checkpoint"] == want.info["checkpoint"]
+    for name, (_, a, s) in want.blocks.items():
+        np.testing.assert_allclose(got.blocks[name][1], a, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(got.blocks[name][2], s, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(st.inverse(0), fitted.store.inverse(0), rtol=1e-5, atol=1e-7)
+
+
+def test_a_shard_without_its_factor_sums_is_named_before_anything_is_written(tmp_path):
+    """Finalize refuses a model one of whose shards has no factor sums (here deleted; or featurized at another
+    checkpoint), naming the shard and the way out, and writes nothing: no factors, no inverse."""
+    from trak_core import engine
+    from trak_core.store.factor_arrays import GROUP
+
+    st = _planned_store(tmp_path, "kfac")
+    _featurize_shards(st, [0, 1, 2])
+    del st.root[f"{GROUP}/partials/0/1"]
+    with pytest.raises(StateError, match=r"shards \[1\] .*without their sums.*curvature_rows"):
+        engine.finalize(st, 0, 0.0, True)
+    assert kfac_record.RECORD_KEY not in st.pipeline_info() and not st.is_finalized(0)
