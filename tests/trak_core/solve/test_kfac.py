@@ -93,6 +93,13 @@ def featurizer(model, kind="noop", proj_dim=None):
     return feat
 
 
+def featurizer32(model):
+    gd = sum(p.numel() for p in model.parameters())
+    feat = Featurizer(model, "image_classification", make_projector("noop", gd, gd, 0, "rademacher", device="cpu"))
+    feat.load_state(model.state_dict())
+    return feat
+
+
 # ------------------------------------------------------------------------------------------ brute force
 def brute(model, x, y):
     """Per example: the flat gradient of the margin (parameter order), Q, and per Linear or Conv1D layer ã (T,
@@ -225,6 +232,23 @@ def test_factors_match_brute_force(seq):
         np.testing.assert_allclose(got_a, a, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(got_s, s, rtol=1e-10, atol=1e-12)
     assert pre.info["rows"] == N and pre.info["damping"] == kfac.DEFAULT_DAMPING
+
+
+@pytest.mark.parametrize("seq", [False, True])
+def test_a_float32_models_factors_match_float64_brute_force(seq):
+    """A float32 model's batch products are taken in float32 (its dtype), added up in float64: the factors match the
+    float64 brute force of the same model to float32 precision, and they are float64."""
+    model = SeqModel().double() if seq else mlp()
+    x, y = data(seq)
+    want = brute_factors(brute(model, x, y))
+    single = (SeqModel() if seq else mlp()).float()
+    single.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    pre = kfac.fit_factors(featurizer32(single), batches(x.float(), y), "kfac")
+    for name, (a, s) in want.items():
+        _, got_a, got_s = pre.blocks[name]
+        assert got_a.dtype == got_s.dtype == np.float64
+        np.testing.assert_allclose(got_a, a, rtol=2e-5, atol=2e-6 * np.abs(a).max())
+        np.testing.assert_allclose(got_s, s, rtol=2e-5, atol=2e-6 * np.abs(s).max())
 
 
 @pytest.mark.parametrize("seq", [False, True])
