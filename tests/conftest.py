@@ -36,3 +36,25 @@ def pytest_collection_modifyitems(config, items):
     services = {item.module.__name__ for item in items if item.get_closest_marker("services")}
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: (item.module.__name__ not in services, item.module.__name__ not in slow))
+    _one_worker_for_the_shared_server(items)
+
+
+def _one_worker_for_the_shared_server(items) -> None:
+    """The modules that use the session's real Prefect server (``real_prefect_server``, a server per xdist worker)
+    handed to one worker, so that one server starts instead of two and none idles beside the other worker's tests.
+
+    xdist's loadfile scheduler gives each worker its first module, then the next one while that worker has at most
+    2 tests pending (and so on as its tests finish). So the order [first shared-server module (1 test), a module of
+    more than 2 tests, the other shared-server modules, the rest] gives the first worker both shared-server modules
+    while the second takes the long module. Other layouts (a shared-server module of more tests, other worker
+    counts) keep the order as it was: only the saving is lost."""
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.module.__name__, []).append(item)
+    shared = [m for m, its in modules.items() if any("real_prefect_server" in it.fixturenames for it in its)]
+    others = [m for m in modules if m not in shared]
+    partner = next((m for m in others if len(modules[m]) > 2), None)
+    if len(shared) < 2 or len(modules[shared[0]]) > 2 or partner is None:
+        return
+    order = [shared[0], partner, *shared[1:], *(m for m in others if m != partner)]
+    items[:] = [item for m in order for item in modules[m]]
