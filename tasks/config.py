@@ -334,7 +334,7 @@ class AttributeConfig(_Base):
         "one more p × p partial per shard; "
         "benchmarks/RESULTS.md 'Gauss-Newton curvature'); λ's rule still reads XᵀX, scaled by the traces; "
         "'kfac' / 'ekfac': each Linear layer's Kronecker factors in the factored projection's space (a block-diagonal "
-        "H; other layers keep their XᵀX block), fitted by one more pass over the train rows per checkpoint; "
+        "H; other layers keep their XᵀX block), summed as the rows are featurized; "
         "'kfac-eigen': those layers projected in their factors' eigenbasis (fitted before the rows), EK-FAC's "
         "diagonal inverse (docs/damping.md)",
     )
