@@ -188,8 +188,7 @@ class FactorSums:
 
 
 def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dict, dict, list[str]]:
-    """({site: ã (B, T, in_rows)}, {site: δ (B, T, d_out), scaled by √r}, sites left out) of one batch, in the
-    model's dtype:
+    """({site: ã (B, T, in_rows)}, {site: δ (B, T, d_out), scaled by √r}, sites left out) of one batch, float64:
     one forward of the task's output per example (vmap) and one backward of their sum (each example's δ is its
     own: vmap gives each example its own zero probe added to the layer's output)."""
     from trak_core.solve.damping import loss_curvature
@@ -246,12 +245,12 @@ def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dic
         root_r = torch.ones(bsz, dtype=torch.float64, device=feat.device)
     a_out, d_out = {}, {}
     for s, g in zip(used, grads, strict=True):
-        a = acts[s.name].to(dt).reshape(bsz, -1, s.d_in)
+        a = acts[s.name].to(torch.float64).reshape(bsz, -1, s.d_in)
         if s.bias is not None:
             a = torch.cat([a, torch.ones(*a.shape[:2], 1, dtype=a.dtype, device=a.device)], dim=2)
-        d = torch.zeros(bsz, a.shape[1], s.d_out, dtype=dt, device=a.device) if g is None else g
+        d = torch.zeros(bsz, a.shape[1], s.d_out, dtype=torch.float64, device=a.device) if g is None else g
         a_out[s.name] = a
-        d_out[s.name] = d.to(dt).reshape(bsz, -1, s.d_out) * root_r.to(dt).reshape(bsz, 1, 1)
+        d_out[s.name] = d.to(torch.float64).reshape(bsz, -1, s.d_out) * root_r.reshape(bsz, 1, 1)
     return a_out, d_out, skipped
 
 
@@ -267,8 +266,9 @@ def token_mask(task, batch: Sequence[Tensor]) -> Tensor | None:
 def batch_sums(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[FactorSums, list]:
     """One batch's :class:`FactorSums` and the sites left out (called other than once). A layer applied at every
     token of a text task counts its real tokens only (:func:`token_mask`): a padding position's input is no input
-    of the data, and would otherwise weigh in A as much as a real one. Each batch's sums are products in the model's
-    dtype (BLAS; a float32 model's in float32, as kronfluence's covariances), added up in float64."""
+    of the data, and would otherwise weigh in A as much as a real one. The products are float64 whatever the model's
+    dtype: float32 ones made the factors depend on the batch size at 1e-7, which kfac-eigen's eigenbasis turned
+    into 1e-4 differences between scores of the same rows in other batches."""
     a, d, skipped = _site_tensors(feat, batch, sites)
     out = FactorSums(examples=int(batch[0].shape[0]))
     mask = token_mask(feat.task, batch)
@@ -281,8 +281,8 @@ def batch_sums(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[Factor
         else:
             out.tokens[name] = int(at.shape[0] * at.shape[1])
         at, dt = at.reshape(-1, at.shape[-1]), dt.reshape(-1, dt.shape[-1])
-        out.a[name] = (at.T @ at).cpu().numpy().astype(np.float64)
-        out.s[name] = (dt.T @ dt).cpu().numpy().astype(np.float64)
+        out.a[name] = (at.T @ at).cpu().numpy()
+        out.s[name] = (dt.T @ dt).cpu().numpy()
     return out, skipped
 
 

@@ -236,8 +236,8 @@ def test_factors_match_brute_force(seq):
 
 @pytest.mark.parametrize("seq", [False, True])
 def test_a_float32_models_factors_match_float64_brute_force(seq):
-    """A float32 model's batch products are taken in float32 (its dtype), added up in float64: the factors match the
-    float64 brute force of the same model to float32 precision, and they are float64."""
+    """A float32 model's factors are float64 products of its float32 activations and output gradients: they match
+    the float64 brute force of the same model to float32 precision."""
     model = SeqModel().double() if seq else mlp()
     x, y = data(seq)
     want = brute_factors(brute(model, x, y))
