@@ -281,8 +281,9 @@ def record_folded(store, model_id: int) -> KroneckerFactors | None:
     """At finalize, a ``"kfac"`` / ``"ekfac"`` model without factors: its shards' sums added in shard order, the
     factors of all its rows (:func:`~trak_core.solve.kfac.fit_factors`' over the same rows, to float64 rounding)
     recorded. StateError naming the shards featurized without their sums (at another checkpoint, or by a version
-    that fitted first), before anything is written; None where nothing is to do."""
-    if not folds(store, model_id):
+    that fitted first), before anything is written; None where nothing is to do (or rows are missing: finalize
+    names them)."""
+    if not folds(store, model_id) or not store.featurized_mask(model_id).all():
         return None
     total, skipped, layout, missing = FactorSums(), set[str](), None, []
     checkpoint = _checkpoint_of(store, model_id)

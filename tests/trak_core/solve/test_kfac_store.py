@@ -309,3 +309,13 @@ def test_a_shard_without_its_factor_sums_is_named_before_anything_is_written(tmp
     with pytest.raises(StateError, match=r"shards \[1\] .*without their sums.*curvature_rows"):
         engine.finalize(st, 0, 0.0, True)
     assert kfac_record.RECORD_KEY not in st.pipeline_info() and not st.is_finalized(0)
+
+
+def test_finalize_of_a_model_missing_rows_names_the_rows_not_the_sums(tmp_path):
+    from trak_core import engine
+
+    st = _planned_store(tmp_path, "kfac")
+    _featurize_shards(st, [0, 2])
+    with pytest.raises(StateError, match=r"not fully featurized: 8 of 24 rows missing"):
+        engine.finalize(st, 0, 0.0, True)
+    assert kfac_record.RECORD_KEY not in st.pipeline_info() and not st.is_finalized(0)
