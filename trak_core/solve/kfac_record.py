@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from trak_core.errors import StateError
+from trak_core.errors import StateError, StoreDamageError
 from trak_core.solve.kfac import (
     FIT_BEFORE_FEATURIZE,
     FOLDED_CURVATURES,
@@ -63,6 +63,12 @@ def _digest(names: list[str], arrays: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
+def _sealed(names: list[str], arrays: dict[str, np.ndarray], sha256) -> bool:
+    """Whether ``arrays`` hold every block of ``names`` and match the digest ``sha256``."""
+    present = all(f"{p}{i}" in arrays for i in range(len(names)) for p in "as")
+    return present and _digest(names, arrays) == sha256
+
+
 def to_record(pre: KroneckerFactors) -> tuple[dict, dict[str, np.ndarray]]:
     """(the record of ``pre``: its info, each block's layer and the digest, small enough for the pipeline record;
     the factor arrays it seals, ``a<i>`` / ``s<i>`` for the i-th block in name order)."""
@@ -80,8 +86,6 @@ def to_record(pre: KroneckerFactors) -> tuple[dict, dict[str, np.ndarray]]:
 
 def from_record(rec: dict, arrays: dict[str, np.ndarray] | None = None, where: str = "") -> KroneckerFactors:
     """The factors of a record and its arrays (a record of the earlier inline form carries them itself)."""
-    from trak_core.errors import StoreDamageError
-
     form, blocks = rec.get("form"), rec.get("blocks", {})
     if form not in (RECORD_FORM, INLINE_FORM):
         raise StateError(
@@ -94,8 +98,7 @@ def from_record(rec: dict, arrays: dict[str, np.ndarray] | None = None, where: s
         arrays = {f"{p}{i}": _decode(blocks[n][p]) for i, n in enumerate(names) for p in "as"} if ok else {}
     else:
         arrays = arrays or {}
-        ok = all(f"{p}{i}" in arrays for i in range(len(names)) for p in "as")
-        ok = ok and _digest(names, arrays) == rec.get("sha256")
+        ok = _sealed(names, arrays, rec.get("sha256"))
     if not ok:
         raise StoreDamageError(f"curvature factors{where}: their arrays do not match the record's sha256 (damaged)")
     out = {}
@@ -260,7 +263,8 @@ def _site_record(site: Site) -> dict:
 
 
 def write_shard_sums(store, model_id: int, shard: int, fold: FactorFold, damping: float | None) -> None:
-    """Write a shard's factor sums (``fold``: its rows') with their layout, the damping and the checkpoint."""
+    """Write a shard's factor sums (``fold``: its rows') with their layout, the damping, the checkpoint and a sha256
+    over them."""
     sites, others = fold.layout()
     names = sorted(fold.total.a)
     arrays = {f"{p}{i}": (fold.total.a if p == "a" else fold.total.s)[n] for i, n in enumerate(names) for p in "as"}
@@ -273,6 +277,7 @@ def write_shard_sums(store, model_id: int, shard: int, fold: FactorFold, damping
         "others": list(others),
         "damping": check_damping(default_damping(store.meta.curvature) if damping is None else damping),
         "checkpoint": _checkpoint_of(store, model_id),
+        "sha256": _digest(names, arrays),
     }
     store.write_factor_partial(model_id, shard, arrays, info)
 
@@ -293,6 +298,11 @@ def record_folded(store, model_id: int) -> KroneckerFactors | None:
             missing.append(shard)
             continue
         arrays, info = got
+        if not _sealed(info["names"], arrays, info.get("sha256")):
+            raise StoreDamageError(
+                f"model_id={model_id}: the curvature factor sums of shard {shard} in {store.location} do not match "
+                "their sha256 (damaged); featurize that shard again into a new store, or fit the factors"
+            )
         here = (info["sites"], info["others"], info["damping"])
         if layout is not None and here != layout:
             raise StateError(f"model_id={model_id}: the factor sums of shard {shard} were made with other layers")

@@ -311,6 +311,25 @@ def test_a_shard_without_its_factor_sums_is_named_before_anything_is_written(tmp
     assert kfac_record.RECORD_KEY not in st.pipeline_info() and not st.is_finalized(0)
 
 
+def test_damaged_shard_sums_are_named_before_anything_is_written(tmp_path):
+    """A shard's factor sums changed or lost after they were written fail their sha256 at finalize: StoreDamageError
+    naming the shard, and no factors, no inverse."""
+    from trak_core import engine
+    from trak_core.errors import StoreDamageError
+    from trak_core.store.factor_arrays import GROUP
+
+    st = _planned_store(tmp_path, "kfac")
+    _featurize_shards(st, [0, 1, 2])
+    arr = st.root[f"{GROUP}/partials/0/2/a0"]
+    arr[0, 0] = arr[0, 0] + 1.0
+    with pytest.raises(StoreDamageError, match="shard 2 .*sha256"):
+        engine.finalize(st, 0, 0.0, True)
+    del st.root[f"{GROUP}/partials/0/2/s1"]
+    with pytest.raises(StoreDamageError, match="shard 2 .*sha256"):
+        engine.finalize(st, 0, 0.0, True)
+    assert kfac_record.RECORD_KEY not in st.pipeline_info() and not st.is_finalized(0)
+
+
 def test_finalize_of_a_model_missing_rows_names_the_rows_not_the_sums(tmp_path):
     from trak_core import engine
 
