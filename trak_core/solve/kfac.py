@@ -396,11 +396,10 @@ class FactorFold:
 
     def factors(self, kind: str, damping: float | None = None, warn: bool = True) -> KroneckerFactors:
         if kind not in FOLDED_CURVATURES:
-            raise BadInputError(f"curvature={kind!r}: the factors summed while featurizing are {FOLDED_CURVATURES}'")
-        if self._sites is None:
-            raise BadInputError("curvature: the factor pass was given no train rows")
+            raise BadInputError(f"curvature={kind!r}: the factors summed while featurizing are {FOLDED_CURVATURES}")
+        sites, others = self.layout()
         damping = check_damping(default_damping(kind) if damping is None else damping)
-        return finish_factors(self.total, *self._sites, self.skipped, kind, damping, warn)
+        return finish_factors(self.total, sites, others, self.skipped, kind, damping, warn)
 
 
 # ---------------------------------------------------------------------------------------------- the inverse
