@@ -19,15 +19,29 @@ def featurize(config: AttributeConfig, plan: Plan | None = None) -> dict:
     with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
         progress.start("featurize", plan.train_set_size * len(plan.models))
-        if engine.fit_first(config.curvature, config.curvature_rows):  # one at a time (one record writer)
-            for m in plan.models:
-                fit_curvature.submit(config, m.model_id, m.checkpoint).result()
+        fits = {}  # each checkpoint's factors are its own (curvature/<id>): its tasks run beside the others'
+        if engine.fit_first(config.curvature, config.curvature_rows):  # before that checkpoint's shards
+            fits = {
+                m.model_id: fit_curvature.submit(config, m.model_id, m.checkpoint, tasks=len(plan.models))
+                for m in plan.models
+            }
         jobs = plan.featurize_jobs()
-        futures = [featurize_shard.submit(config, m.model_id, m.checkpoint, s, tasks=len(jobs)) for m, s in jobs]
+        futures = [
+            featurize_shard.submit(
+                config, m.model_id, m.checkpoint, s, tasks=len(jobs), wait_for=[fits[m.model_id]] if fits else None
+            )
+            for m, s in jobs
+        ]
+        reduces = []
+        if config.curvature in engine.FOLDED_CURVATURES:  # the factors from a checkpoint's shard sums, once all are in
+            shards_of = {
+                m.model_id: [f for (j, _), f in zip(jobs, futures, strict=True) if j.model_id == m.model_id]
+                for m in plan.models
+            }
+            reduces = [reduce_curvature.submit(config, mid, wait_for=fs) for mid, fs in shards_of.items()]
+        gather(list(fits.values()))  # a failed fit is raised as itself, not as its shards' missing upstream
         manifests = gather(futures, "featurize", lambda m: m.num_rows)
-        if config.curvature in engine.FOLDED_CURVATURES:  # the shards' factor sums, one at a time (one record writer)
-            for m in plan.models:
-                reduce_curvature.submit(config, m.model_id).result()
+        gather(reduces)
     out = summarize(manifests)
     get_run_logger().info(
         "featurize: %d shard tasks, %d computed, %d skipped (complete in the store)",

@@ -225,21 +225,24 @@ def check_store_partials(obj) -> None:
 
 @_check
 def check_store_factor_arrays(obj) -> None:
-    """A model's curvature factor arrays read back bit for bit as written, another model's are its own, and a
+    """A model's curvature factor arrays and their record read back as written, another model's are its own, and a
     second write replaces the first whole; the pipeline record is not where they live."""
     import numpy as np
 
     st, _, _, _ = _new_store(obj)
-    assert st.read_factor_arrays(0) == {}, "a model without factor arrays reads some"
+    assert st.read_factor_arrays(0) == {} and st.read_factor_record(0) is None, "a model without factors has some"
     rng = np.random.default_rng(1)
     first = {"a0": rng.standard_normal((3, 3)), "s0": rng.standard_normal((2, 2))}
-    st.write_factor_arrays(0, first)
-    st.write_factor_arrays(1, {"a0": np.eye(4)})
+    st.write_factor_arrays(0, first, {"sha256": "x", "blocks": {"l": {"d_in": 2}}})
+    st.write_factor_arrays(1, {"a0": np.eye(4)}, {"sha256": "y"})
     got = st.read_factor_arrays(0)
     assert set(got) == set(first) and all(np.array_equal(got[k], v) for k, v in first.items()), "arrays differ"
+    assert st.read_factor_record(0) == {"sha256": "x", "blocks": {"l": {"d_in": 2}}}, "the record reads otherwise"
     assert set(st.read_factor_arrays(1)) == {"a0"} and np.array_equal(st.read_factor_arrays(1)["a0"], np.eye(4))
-    st.write_factor_arrays(0, {"a1": np.ones((1, 5))})
+    assert st.read_factor_record(1) == {"sha256": "y"}, "another model's record is not its own"
+    st.write_factor_arrays(0, {"a1": np.ones((1, 5))}, {"sha256": "z"})
     assert set(st.read_factor_arrays(0)) == {"a1"}, "a second write does not replace the first whole"
+    assert st.read_factor_record(0) == {"sha256": "z"}, "a second write does not replace the record"
     assert st.pipeline_info() == {}, "factor arrays went into the pipeline record"
     assert st.read_factor_partial(0, 1) is None, "a shard without factor sums reads some"
     st.write_factor_partial(0, 1, first, {"examples": 8, "sites": ["a"]})

@@ -30,6 +30,28 @@ def first_48():
     return tuple(t[:48] for t in tiny.train_data())
 
 
+def _reduce_upstreams() -> dict[str, set[str]]:
+    """{reduce task run name: the names of the task runs it waited for}, of the last run's reduce-curvature tasks."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId, TaskRunFilterName
+
+    async def read():
+        async with get_client() as client:
+            names = [f"curvature-sums-m{mid}" for mid in (0, 1)]
+            runs = await client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=names)))
+            last = {}
+            for r in sorted(runs, key=lambda r: r.created):
+                last[r.name] = r
+            ids = {str(i.id): name for name, r in last.items() for i in r.task_inputs.get("wait_for", [])}
+            ups = await client.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=list(ids))))
+            by_id = {str(u.id): u.name for u in ups}
+            return {name: {by_id[i] for i, n in ids.items() if n == name} for name in last}
+
+    return asyncio.run(read())
+
+
 def traker_scores(tmp, paths, curvature: str, meta=None, fit_batch=BATCH, fit_rows=N) -> np.ndarray:
     """TRAKer's scores with the projector the pipeline's store ``meta`` records (its energy split; None: TRAKer's own
     default projector), the factors fitted on the first ``fit_rows`` rows in batches of ``fit_batch`` (None: no fit,
@@ -78,10 +100,16 @@ def test_pipeline_equals_traker_and_index(tmp_path, curvature):
     attribute(cfg)
     store = TrakStore.open(cfg.store, mode="r")
     assert store.meta.curvature == curvature
-    assert sorted(store.pipeline_info()[kfac_record.RECORD_KEY]) == ["0", "1"]
+    assert [m for m in (0, 1, 2) if kfac_record.has_factors(store, m)] == [0, 1]
+    assert kfac_record.RECORD_KEY not in store.pipeline_info()  # each model's record is its own
     # no fit pass: each shard summed its rows' factors, reduced once all were featurized
     assert all(store.read_factor_partial(m, s) is not None for m in (0, 1) for s in range(store.meta.num_shards))
     assert all(store.finalize_info(mid)["curvature"] == curvature for mid in (0, 1))
+    # each checkpoint's reduce task waits for its own shards only (not for the other checkpoint's, or its reduce)
+    shards = store.meta.num_shards
+    assert _reduce_upstreams() == {
+        f"curvature-sums-m{mid}": {f"featurize-m{mid}-s{s}" for s in range(shards)} for mid in (0, 1)
+    }
     ours = np.asarray(store.scores("tiny")[:])
     want, _ = traker_scores(tmp_path, paths, curvature, store.meta, fit_batch=None)  # TRAKer: no fit
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
@@ -107,7 +135,8 @@ def test_eigen_pipeline_equals_traker_default_projector_and_index(tmp_path):
     cfg = config(tmp_path, paths, curvature="kfac-eigen", projector="factored")
     attribute(cfg)
     store = TrakStore.open(cfg.store, mode="r")
-    assert sorted(store.pipeline_info()[kfac_record.RECORD_KEY]) == ["0", "1"]
+    assert [m for m in (0, 1, 2) if kfac_record.has_factors(store, m)] == [0, 1]
+    assert kfac_record.RECORD_KEY not in store.pipeline_info()  # each model's record is its own
     # fitted first, not summed per shard
     assert all(store.read_factor_partial(m, s) is None for m in (0, 1) for s in range(store.meta.num_shards))
     assert all(store.finalize_info(mid)["curvature"] == "kfac-eigen" for mid in (0, 1))
@@ -157,12 +186,12 @@ def test_eigen_store_grows_with_its_recorded_factors(tmp_path):
     attribute(config(tmp_path, paths, train_data="test_kfac_pipeline:first_48", **over))
     before = TrakStore.open(str(tmp_path / "store.zarr"), mode="r")
     kept = {mid: np.asarray(before.model(mid).grads[:]).copy() for mid in (0, 1)}
-    factors = {k: v["sha256"] for k, v in before.pipeline_info()[kfac_record.RECORD_KEY].items()}
+    factors = {m: kfac_record.factor_record(before, m)["sha256"] for m in (0, 1)}
     clear_data_cache()
     out = attribute(config(tmp_path, paths, **over))
     assert out["plan"].grown_from == 48
     grown = TrakStore.open(str(tmp_path / "store.zarr"), mode="r")
-    assert {k: v["sha256"] for k, v in grown.pipeline_info()[kfac_record.RECORD_KEY].items()} == factors
+    assert {m: kfac_record.factor_record(grown, m)["sha256"] for m in (0, 1)} == factors
     for mid in (0, 1):
         np.testing.assert_array_equal(grown.model(mid).grads[:48], kept[mid])
     want, _ = traker_scores(tmp_path / "t", paths, "kfac-eigen", grown.meta, fit_rows=48)

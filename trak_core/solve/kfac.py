@@ -63,9 +63,9 @@ The record
 ----------
 A fit is a pass over train rows (or a sample of them) at one checkpoint, reducible as sums
 (:class:`FactorSums`; TRAKer sums them while it featurizes, :class:`FactorFold`). Its per-layer A and S (float64)
-are arrays beside the store's records, their layout, the damping, the rows used and a sha256 over them in the
-pipeline record under ``"curvature_factors"`` → model id (:mod:`trak_core.solve.kfac_record`); finalize reads them
-back. A store grows with the factors it recorded (they are never refitted).
+are arrays in the store's ``curvature/<model id>`` group, their layout, the damping, the rows used and a sha256 over
+them in that group's record (:mod:`trak_core.solve.kfac_record`); finalize reads them back. A store grows with the
+factors it recorded (they are never refitted).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The record of a K-FAC store's factors (:mod:`trak_core.solve.kfac`): each checkpoint's A and S as arrays beside
-the store's records (``store.write_factor_arrays``), their layout, info and sha256 in the pipeline record; the fit
+the store's records and their record (layout, info and sha256) with them (``store.write_factor_arrays``), one
+checkpoint's apart from another's, so that its tasks run at once; the fit
 step that records them, or each shard's sums of them reduced at finalize; finalize's inverse from them, and the
 eigenbasis a store's rows are projected in."""
 
@@ -33,7 +34,7 @@ from trak_core.solve.kfac import (
 #: by the record's sha256; INLINE_FORM's carry them in the record itself (base64; still read); any other form was
 #: written by an earlier version
 RECORD_FORM, INLINE_FORM = "factors-v3", "factors-v2"
-#: the key of the store's pipeline record under which the fitted factors are kept, per model id
+#: the key of the store's pipeline record under which earlier versions kept every model's record (still read)
 RECORD_KEY = "curvature_factors"
 
 
@@ -70,7 +71,7 @@ def _sealed(names: list[str], arrays: dict[str, np.ndarray], sha256) -> bool:
 
 
 def to_record(pre: KroneckerFactors) -> tuple[dict, dict[str, np.ndarray]]:
-    """(the record of ``pre``: its info, each block's layer and the digest, small enough for the pipeline record;
+    """(the record of ``pre``: its info, each block's layer and the digest, a small JSON record;
     the factor arrays it seals, ``a<i>`` / ``s<i>`` for the i-th block in name order)."""
     names = sorted(pre.blocks)
     arrays: dict[str, np.ndarray] = {}
@@ -110,8 +111,17 @@ def from_record(rec: dict, arrays: dict[str, np.ndarray] | None = None, where: s
     return KroneckerFactors(out, info)
 
 
+def factor_record(store, model_id: int) -> dict | None:
+    """``model_id``'s factor record: the one written with its arrays, or (a store of an earlier version) the one in
+    the pipeline record; None when it has none."""
+    rec = store.read_factor_record(model_id)
+    if rec is None:
+        rec = store.pipeline_info().get(RECORD_KEY, {}).get(str(int(model_id)))
+    return rec
+
+
 def has_factors(store, model_id: int) -> bool:
-    return str(int(model_id)) in store.pipeline_info().get(RECORD_KEY, {})
+    return factor_record(store, model_id) is not None
 
 
 def _checkpoint_of(store, model_id: int) -> str | None:
@@ -121,15 +131,13 @@ def _checkpoint_of(store, model_id: int) -> str | None:
 
 
 def record_factors(store, model_id: int, pre: KroneckerFactors, replace: bool = False) -> None:
-    """Record ``pre`` as ``model_id``'s factors (its arrays beside the store's records, their digest and layout in
-    the pipeline record), with the digest of the checkpoint the store records for it; a model that has factors
-    keeps them (StateError when they differ: a store never mixes two fits) unless ``replace`` (a model started
-    over, no row featurized with the old ones). A crash part way leaves no record (the fit runs again), never a
-    record of other arrays."""
+    """Record ``pre`` as ``model_id``'s factors (its arrays and their record: layout, digest, the digest of the
+    checkpoint the store records for it) in the model's own group; a model that has factors keeps them (StateError
+    when they differ: a store never mixes two fits) unless ``replace`` (a model started over, no row featurized with
+    the old ones). A crash part way leaves no record (the fit runs again), never a record of other arrays."""
     pre.info["checkpoint"] = _checkpoint_of(store, model_id)
     rec, arrays = to_record(pre)
-    key = str(int(model_id))
-    old = store.pipeline_info().get(RECORD_KEY, {}).get(key)
+    old = factor_record(store, model_id)
     if old is not None and not replace:
         if old.get("sha256") != rec["sha256"]:
             raise StateError(
@@ -137,26 +145,16 @@ def record_factors(store, model_id: int, pre: KroneckerFactors, replace: bool = 
                 "factors it recorded (use a new store to fit them again)"
             )
         return
-    if old is not None:  # the old record goes first: its arrays are replaced next
-        _set_record(store, key, None)
-    store.write_factor_arrays(model_id, arrays)
-    _set_record(store, key, rec)
-
-
-def _set_record(store, key: str, rec: dict | None) -> None:
-    info = store.pipeline_info()
-    factors = dict(info.get(RECORD_KEY, {}))
-    if rec is None:
-        factors.pop(key, None)
-    else:
-        factors[key] = rec
-    info[RECORD_KEY] = factors
-    store.set_pipeline_info(info)
+    legacy = store.pipeline_info()
+    if str(int(model_id)) in legacy.get(RECORD_KEY, {}):  # an earlier version's record goes first
+        legacy[RECORD_KEY] = {k: v for k, v in legacy[RECORD_KEY].items() if k != str(int(model_id))}
+        store.set_pipeline_info(legacy)
+    store.write_factor_arrays(model_id, arrays, rec)
 
 
 def load_factors(store, model_id: int) -> KroneckerFactors:
     """``model_id``'s recorded factors, or StateError saying to fit them first."""
-    rec = store.pipeline_info().get(RECORD_KEY, {}).get(str(int(model_id)))
+    rec = factor_record(store, model_id)
     if rec is None:
         raise StateError(
             f"model_id={model_id}: the store at {store.location} has curvature={store.meta.curvature!r} but no fitted "

@@ -1,9 +1,9 @@
 """A checkpoint's curvature factors as binary arrays beside the store's records (``curvature/<model id>/<name>``,
-float64, one chunk each), the pipeline record keeping only their layout and digest
-(:mod:`trak_core.solve.kfac_record`); and each shard's sums of them, written as it is featurized
-(``curvature/partials/<model id>/<shard>/<name>``, their layout in the group's attributes). Megabytes of factors
-inside the root's attributes would be parsed again by every open of the root group and rewritten by every record
-update (260 ms per array created at 30 MB of attributes)."""
+float64, one chunk each), their record (layout and digest, :mod:`trak_core.solve.kfac_record`) in that group's
+attributes, so that the tasks of two checkpoints write no common object; and each shard's sums of them, written as
+it is featurized (``curvature/partials/<model id>/<shard>/<name>``, their layout in the group's attributes).
+Megabytes of factors inside the root's attributes would be parsed again by every open of the root group and
+rewritten by every record update (260 ms per array created at 30 MB of attributes)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from zarr.errors import ContainsGroupError
 
 #: the group of the factor arrays, beside ``models`` and ``experiments``
 GROUP = "curvature"
+#: the attribute of a model's factor group that holds their record
+RECORD_ATTR = "factor_record"
 
 
 def _child(parent: zarr.Group, name: str) -> zarr.Group:
@@ -50,9 +52,16 @@ class FactorArrays:
 
     root: zarr.Group
 
-    def write_factor_arrays(self, model_id: int, arrays: dict[str, np.ndarray]) -> None:
-        """Replace ``model_id``'s factor arrays by ``arrays`` ({name: float64 array})."""
-        _replace_group(_child(self.root, GROUP), str(int(model_id)), arrays)
+    def write_factor_arrays(self, model_id: int, arrays: dict[str, np.ndarray], record: dict) -> None:
+        """Replace ``model_id``'s factors by ``arrays`` ({name: float64 array}) and their ``record``, written last."""
+        g = _replace_group(_child(self.root, GROUP), str(int(model_id)), arrays)
+        g.attrs[RECORD_ATTR] = dict(record)
+
+    def read_factor_record(self, model_id: int) -> dict | None:
+        """The record written with ``model_id``'s factors (None: none, or a write stopped before it)."""
+        g = _read_group(self.root, f"{GROUP}/{int(model_id)}")
+        rec = None if g is None else g.attrs.get(RECORD_ATTR)
+        return dict(rec) if isinstance(rec, dict) else None
 
     def read_factor_arrays(self, model_id: int) -> dict[str, np.ndarray]:
         """``model_id``'s factor arrays ({} when none are written)."""

@@ -63,6 +63,7 @@ class _State:
     meta: StoreMetadata
     pipeline: dict[str, Any] = field(default_factory=dict)
     factors: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    factor_records: dict[int, dict] = field(default_factory=dict)
     factor_partials: dict[tuple[int, int], tuple[dict[str, np.ndarray], dict]] = field(default_factory=dict)
     models: dict[int, _Model] = field(default_factory=dict)
     experiments: dict[str, _Experiment] = field(default_factory=dict)
@@ -160,8 +161,14 @@ class MemoryStore:
     def set_pipeline_info(self, info: dict) -> None:
         self._state.pipeline = _json(dict(info))
 
-    def write_factor_arrays(self, model_id: int, arrays: dict[str, np.ndarray]) -> None:
+    def write_factor_arrays(self, model_id: int, arrays: dict[str, np.ndarray], record: dict) -> None:
+        self._state.factor_records.pop(int(model_id), None)
         self._state.factors[int(model_id)] = {k: np.array(v, dtype=np.float64) for k, v in arrays.items()}
+        self._state.factor_records[int(model_id)] = _json(dict(record))
+
+    def read_factor_record(self, model_id: int) -> dict | None:
+        got = self._state.factor_records.get(int(model_id))
+        return None if got is None else _json(got)
 
     def read_factor_arrays(self, model_id: int) -> dict[str, np.ndarray]:
         return {k: v.copy() for k, v in self._state.factors.get(int(model_id), {}).items()}

@@ -38,8 +38,13 @@ class RunRecords(Protocol):
 
     def set_pipeline_info(self, info: dict) -> None: ...
 
-    def write_factor_arrays(self, model_id: int, arrays: dict[str, np.ndarray]) -> None:
-        """Replace ``model_id``'s curvature factor arrays ({name: float64 array}; their digest is in the record)."""
+    def write_factor_arrays(self, model_id: int, arrays: dict[str, np.ndarray], record: dict) -> None:
+        """Replace ``model_id``'s curvature factors: the arrays ({name: float64 array}) and their ``record`` (JSON:
+        layout, digest), the record last (a write stopped part way leaves none). Each model's factors are its own:
+        writers of two models never write the same object."""
+
+    def read_factor_record(self, model_id: int) -> dict | None:
+        """The record written with ``model_id``'s factor arrays; None when none is."""
 
     def read_factor_arrays(self, model_id: int) -> dict[str, np.ndarray]:
         """``model_id``'s curvature factor arrays as written ({} when none)."""

@@ -71,7 +71,7 @@ def test_rows_are_the_plain_projection_and_the_inverse_is_the_block_inverse(tmp_
     np.testing.assert_array_equal(tr.store.inverse(0), want.astype(np.float32))
     info = tr.store.finalize_info(0)
     assert info["curvature"] == curvature and set(info["blocks"]) == {"0", "2"}
-    rec = tr.store.pipeline_info()[kfac_record.RECORD_KEY]["0"]
+    rec = kfac_record.factor_record(tr.store, 0)
     assert rec["kind"] == curvature and rec["form"] == kfac_record.RECORD_FORM
     assert all(set(b) <= {"weight", "bias", "d_out", "d_in", "transposed"} for b in rec["blocks"].values())
     assert sorted(tr.store.read_factor_arrays(0)) == ["a0", "a1", "s0", "s1"]  # the matrices: arrays, not the record
@@ -138,7 +138,7 @@ def test_rows_featurized_elsewhere_are_refused_and_a_fit_serves(tmp_path):
     tr.featurize((x[20:], y[20:]), inds=np.arange(20, N))
     with pytest.raises(StateError, match=f"20 of its {N} rows were featurized by another TRAKer.*fit_curvature"):
         tr.finalize_features()
-    assert not tr.store.is_finalized(0) and kfac_record.RECORD_KEY not in tr.store.pipeline_info()
+    assert not tr.store.is_finalized(0) and not kfac_record.has_factors(tr.store, 0)
     tr.fit_curvature([(x[a : a + 10], y[a : a + 10]) for a in range(0, N, 10)])
     tr.finalize_features()
     tr.start_scoring_checkpoint("e", model.state_dict(), 0, M)
@@ -154,12 +154,12 @@ def test_grown_store_keeps_its_factors(tmp_path):
     from trak_core.store import open_store
 
     _, tr, _ = run(tmp_path / "s", n=N - 4)
-    rec = tr.store.pipeline_info()[kfac_record.RECORD_KEY]["0"]["sha256"]
+    rec = kfac_record.factor_record(tr.store, 0)["sha256"]
     tr._close()
     del tr
     st = open_store(str(tmp_path / "s"))
     engine.grow_run(st, N)
-    assert st.pipeline_info()[kfac_record.RECORD_KEY]["0"]["sha256"] == rec
+    assert kfac_record.factor_record(st, 0)["sha256"] == rec
     model = mlp()
     feat = Featurizer(model, "image_classification", factored(model), device="cpu")
     feat.load_state(model.state_dict())
@@ -198,7 +198,7 @@ def test_started_over_model_refits_its_factors(tmp_path):
     from trak_core.store import open_store
 
     _, tr, model = run(tmp_path / "s")
-    first = tr.store.pipeline_info()[kfac_record.RECORD_KEY]["0"]
+    first = kfac_record.factor_record(tr.store, 0)
     assert first["checkpoint"] == tr.store.checkpoint_record(0)["state_sha256"]
     tr._close()
     del tr
@@ -222,7 +222,7 @@ def test_started_over_model_refits_its_factors(tmp_path):
     )
     tr.load_checkpoint(other.state_dict(), model_id=0)
     tr.fit_curvature([(x, y)])
-    again = tr.store.pipeline_info()[kfac_record.RECORD_KEY]["0"]
+    again = kfac_record.factor_record(tr.store, 0)
     assert again["checkpoint"] == engine.state_fingerprint(other.state_dict()) != first["checkpoint"]
     assert again["sha256"] != first["sha256"]
     tr._close()
@@ -287,7 +287,7 @@ def test_shards_sum_their_factors_and_finalize_records_them(tmp_path, curvature)
     assert st.meta.num_shards == 3
     _featurize_shards(st, [2, 0, 1])
     assert all(st.read_factor_partial(0, s) is not None for s in range(3))
-    assert kfac_record.RECORD_KEY not in st.pipeline_info()  # recorded once every shard is in
+    assert not kfac_record.has_factors(st, 0)  # recorded once every shard is in
     engine.finalize(st, 0, 0.0, True)
     got, want = kfac_record.load_factors(st, 0), kfac_record.load_factors(fitted.store, 0)
     assert got.info["rows"] == N and got.info["checkpoint"] == want.info["checkpoint"]
@@ -308,7 +308,7 @@ def test_a_shard_without_its_factor_sums_is_named_before_anything_is_written(tmp
     del st.root[f"{GROUP}/partials/0/1"]
     with pytest.raises(StateError, match=r"shards \[1\] .*without their sums.*curvature_rows"):
         engine.finalize(st, 0, 0.0, True)
-    assert kfac_record.RECORD_KEY not in st.pipeline_info() and not st.is_finalized(0)
+    assert not kfac_record.has_factors(st, 0) and not st.is_finalized(0)
 
 
 def test_damaged_shard_sums_are_named_before_anything_is_written(tmp_path):
@@ -327,7 +327,7 @@ def test_damaged_shard_sums_are_named_before_anything_is_written(tmp_path):
     del st.root[f"{GROUP}/partials/0/2/s1"]
     with pytest.raises(StoreDamageError, match="shard 2 .*sha256"):
         engine.finalize(st, 0, 0.0, True)
-    assert kfac_record.RECORD_KEY not in st.pipeline_info() and not st.is_finalized(0)
+    assert not kfac_record.has_factors(st, 0) and not st.is_finalized(0)
 
 
 def test_finalize_of_a_model_missing_rows_names_the_rows_not_the_sums(tmp_path):
@@ -337,4 +337,53 @@ def test_finalize_of_a_model_missing_rows_names_the_rows_not_the_sums(tmp_path):
     _featurize_shards(st, [0, 2])
     with pytest.raises(StateError, match=r"not fully featurized: 8 of 24 rows missing"):
         engine.finalize(st, 0, 0.0, True)
-    assert kfac_record.RECORD_KEY not in st.pipeline_info() and not st.is_finalized(0)
+    assert not kfac_record.has_factors(st, 0) and not st.is_finalized(0)
+
+
+def test_a_models_factors_are_written_to_its_own_group_only(tmp_path):
+    """Recording one checkpoint's factors writes its ``curvature/<id>`` group and nothing another checkpoint's task
+    writes (the root's attributes, where a shared record would be read, changed and written back by each): the
+    pipeline's reduce and fit tasks of two checkpoints run at once."""
+    from pathlib import Path
+
+    from trak_core.store import open_store
+
+    _, tr, _ = run(tmp_path / "s")
+    pre = kfac_record.load_factors(tr.store, 0)
+    tr._close()
+    del tr
+    root = Path(tmp_path / "s" / "zarr.json")
+    before = root.read_bytes()
+    st = open_store(str(tmp_path / "s"))
+    kfac_record.record_factors(st, 1, kfac.KroneckerFactors(dict(pre.blocks), dict(pre.info)))
+    assert root.read_bytes() == before
+    assert kfac_record.factor_record(st, 1)["sha256"] == kfac_record.factor_record(st, 0)["sha256"]
+    assert kfac_record.RECORD_KEY not in st.pipeline_info()
+
+
+def test_a_store_of_the_previous_version_is_read_and_a_refit_moves_its_record(tmp_path):
+    """A store written before each model's record moved beside its arrays (the record in the pipeline record) is
+    read as it was: the same factors, the same inverse; a model started over records in its own group and drops
+    the old record."""
+    from trak_core.store import open_store
+
+    _, tr, _ = run(tmp_path / "s")
+    want = kfac_record.load_factors(tr.store, 0)
+    tr._close()
+    del tr
+    st = open_store(str(tmp_path / "s"))
+    rec = kfac_record.factor_record(st, 0)
+    del st.root["curvature/0"].attrs["factor_record"]  # the previous layout: arrays here, the record at the root
+    st.set_pipeline_info({**st.pipeline_info(), kfac_record.RECORD_KEY: {"0": rec}})
+    st = open_store(str(tmp_path / "s"))
+    assert st.read_factor_record(0) is None and kfac_record.has_factors(st, 0)
+    got = kfac_record.load_factors(st, 0)
+    for name, (_, a, s) in want.blocks.items():
+        np.testing.assert_array_equal(got.blocks[name][1], a)
+        np.testing.assert_array_equal(got.blocks[name][2], s)
+    changed = {n: (site, a * 2, s) for n, (site, a, s) in want.blocks.items()}
+    kfac_record.record_factors(st, 0, kfac.KroneckerFactors(changed, dict(want.info)), replace=True)
+    assert kfac_record.RECORD_KEY not in st.pipeline_info() or "0" not in st.pipeline_info()[kfac_record.RECORD_KEY]
+    assert st.read_factor_record(0)["sha256"] != rec["sha256"]
+    name = next(iter(changed))
+    np.testing.assert_array_equal(kfac_record.load_factors(st, 0).blocks[name][1], changed[name][1])

@@ -60,14 +60,33 @@ def test_the_contract_fails_a_store_that_loses_flags(tmp_path):
 
 def test_the_contract_fails_a_store_that_keeps_old_factor_arrays(tmp_path):
     class Merging(TrakStore):
-        def write_factor_arrays(self, model_id: int, arrays: dict) -> None:
-            super().write_factor_arrays(model_id, {**self.read_factor_arrays(model_id), **arrays})
+        def write_factor_arrays(self, model_id: int, arrays: dict, record: dict) -> None:
+            super().write_factor_arrays(model_id, {**self.read_factor_arrays(model_id), **arrays}, record)
 
     def make(meta):
         st = TrakStore.create_or_open(str(tmp_path / uuid.uuid4().hex), meta)
         return Merging(st.location, st.root, st.meta)
 
     with pytest.raises(AssertionError, match="^check_store_factor_arrays: a second write does not replace"):
+        check_store(make, checks=[store_checks()[7]])
+
+
+def test_the_contract_fails_a_store_that_shares_one_factor_record(tmp_path):
+    """A store keeping one record for every model (tasks of two checkpoints would then write the same object)."""
+
+    class Shared(TrakStore):
+        def write_factor_arrays(self, model_id: int, arrays: dict, record: dict) -> None:
+            super().write_factor_arrays(model_id, arrays, record)
+            self.root.attrs["one_factor_record"] = dict(record)
+
+        def read_factor_record(self, model_id: int):
+            return None if super().read_factor_record(model_id) is None else self.root.attrs["one_factor_record"]
+
+    def make(meta):
+        st = TrakStore.create_or_open(str(tmp_path / uuid.uuid4().hex), meta)
+        return Shared(st.location, st.root, st.meta)
+
+    with pytest.raises(AssertionError, match="^check_store_factor_arrays: the record reads otherwise"):
         check_store(make, checks=[store_checks()[7]])
 
 
