@@ -62,10 +62,12 @@ kronfluence: benchmarks/RESULTS.md, "Beside kronfluence".
 The record
 ----------
 A fit is a pass over train rows (or a sample of them) at one checkpoint, reducible as sums
-(:class:`FactorSums`; TRAKer sums them while it featurizes, :class:`FactorFold`). Its per-layer A and S (float64)
-are arrays beside the store's records, their layout, the damping, the rows used and a sha256 over them in the
-pipeline record under ``"curvature_factors"`` → model id (:mod:`trak_core.solve.kfac_record`); finalize reads them
-back. A store grows with the factors it recorded (they are never refitted).
+(:class:`FactorSums`; TRAKer and the pipeline's shards sum them while they featurize, :class:`FactorFold`: each
+layer's input and output gradient taken from the factored projection's own forward and backward,
+:mod:`trak_core.solve.kfac_tap`, or by a pass of their own where that fast path does not run). Its per-layer A and
+S (float64) are arrays beside the store's records, their layout, the damping, the rows used and a sha256 over them in
+the pipeline record under ``"curvature_factors"`` → model id (:mod:`trak_core.solve.kfac_record`); finalize reads
+them back. A store grows with the factors it recorded (they are never refitted).
 """
 
 from __future__ import annotations
@@ -285,14 +287,15 @@ def batch_sums(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[Factor
 
 
 def tensor_sums(task, batch: Sequence[Tensor], a: dict, d: dict) -> FactorSums:
-    """The :class:`FactorSums` of one batch's ã and scaled δ (:func:`augmented`), its real tokens only."""
+    """The :class:`FactorSums` of one batch's ã and scaled δ (:func:`augmented`), its real tokens only (the padding
+    positions' rows left out of the products: they would add zeros)."""
     out = FactorSums(examples=int(batch[0].shape[0]))
     mask = token_mask(task, batch)
     for name, at in a.items():
         dt = d[name]
         if mask is not None and at.shape[1] == mask.shape[1]:
-            m = mask.to(device=at.device, dtype=at.dtype).unsqueeze(-1)
-            at, dt = at * m, dt * m
+            real = mask.to(device=at.device) != 0
+            at, dt = at[real], dt[real]
             out.tokens[name] = int(mask.sum())
         else:
             out.tokens[name] = int(at.shape[0] * at.shape[1])
@@ -376,13 +379,15 @@ class FactorFold:
     """The factor fit folded into featurizing (``"kfac"`` / ``"ekfac"``, whose rows do not depend on the factors):
     the running :class:`FactorSums` of the train rows of one model featurized so far, each row counted once. Its
     :meth:`factors` are :func:`fit_factors`' over the same rows (the same sums, added in another order: equal to
-    float64 rounding), provided those rows are all the model's (:meth:`covers`)."""
+    float64 rounding), provided those rows are all the model's (:meth:`covers`). :meth:`featurize` featurizes and
+    sums in one forward and backward; :meth:`add` sums rows featurized already, by a pass of its own."""
 
     def __init__(self, train_rows: int, grad_wrt: Iterable[str] | None = None) -> None:
         self.rows = np.zeros(int(train_rows), dtype=bool)
         self.total, self.skipped = FactorSums(), set[str]()
         self._grad_wrt = None if grad_wrt is None else list(grad_wrt)
         self._sites: tuple[list[Site], list[str]] | None = None
+        self._shapes: dict = {}  # the per-example shapes of the fast path's layers, by input shape (FactorTap)
 
     def add(self, feat, batch: Sequence[Tensor], rows) -> None:
         """Add the rows ``rows`` (distinct) of ``batch`` that are not counted yet."""
@@ -425,7 +430,7 @@ class FactorFold:
             part.add(tensor_sums(feat.task, piece, *augmented(used, acts, grads, fit, int(piece[0].shape[0]))))
             left_out.update(left)
 
-        tap = FactorTap([s.name for s in sites], new, reduce)
+        tap = FactorTap([s.name for s in sites], new, reduce, self._shapes)
         feat.tap = tap
         try:
             out = feat.featurize(batch, model_id, rows)

@@ -29,9 +29,10 @@ class FactorTap:
 
     ``new``: one flag per row of the call, whether its sums are wanted; ``reduce(batch, acts, grads, q, left_out)``
     is called once per computed piece with its wanted rows (the piece's tensors, each layer's input (n, ...) and
-    ∂f/∂output (n, ...), Q (n,) as featurized, the layers left out)."""
+    ∂f/∂output (n, ...), Q (n,) as featurized, the layers left out). ``cache``: the shape passes' results, kept by the
+    caller between featurize calls of the same model."""
 
-    def __init__(self, names: Sequence[str], new: np.ndarray, reduce: Callable) -> None:
+    def __init__(self, names: Sequence[str], new: np.ndarray, reduce: Callable, cache: dict | None = None) -> None:
         self.names = list(names)
         self.new = np.asarray(new, dtype=bool).reshape(-1)
         self.reduce = reduce
@@ -39,7 +40,7 @@ class FactorTap:
         self.offset, self.complete = 0, True
         #: False while a memory budget's probe runs (its rows are not the call's): computed, not counted
         self.recording = True
-        self._shapes: dict[tuple, tuple[dict, list]] = {}
+        self._shapes: dict[tuple, tuple[dict, list]] = {} if cache is None else cache
         self._ctx: dict = {"e": None, "a": {}, "calls": {}, "shapes": {}}
         self._used: list[str] = []
         self._left: list[str] = []
@@ -114,15 +115,10 @@ class FactorTap:
         if not want.any():
             return
         acts, grads, left = pending
-        keep = torch.as_tensor(np.flatnonzero(want), device=q.device)
+        keep = None if want.all() else torch.as_tensor(np.flatnonzero(want), device=q.device)
 
-        def pick(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t[keep.to(t.device)]
+        def pick(t):  # the wanted rows: the first ``rows`` (a view), or those of ``keep``
+            return None if t is None else t[:rows] if keep is None else t[keep.to(t.device)]
 
-        self.reduce(
-            [t[keep.to(t.device)] for t in batch],
-            {n: pick(a) for n, a in acts.items()},
-            {n: pick(g) for n, g in grads.items()},
-            q[keep],
-            left,
-        )
+        acts, grads = {n: pick(a) for n, a in acts.items()}, {n: pick(g) for n, g in grads.items()}
+        self.reduce([pick(t) for t in batch], acts, grads, pick(q), left)
