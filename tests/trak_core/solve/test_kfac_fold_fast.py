@@ -285,3 +285,28 @@ def test_pipeline_shards_fold_without_a_pass(tmp_path):
         _featurize_shards(st, [1, 2, 0], batch=6)
     engine.finalize(st, 0, 0.0, True)
     assert_same(kfac_record.load_factors(st, 0), pass_factors(kfac_record.load_factors(fitted.store, 0)))
+
+
+def test_a_piece_without_the_fast_path_makes_the_call_run_the_pass(monkeypatch):
+    """One piece of a call computed without the fast path (its per-example gradients instead): the sums of the pieces
+    taken so far are dropped and the call's rows summed by the pass, once."""
+    from trak_core.projection.factored import FactoredProjector
+
+    model = mlp(True)
+    x, y = data()
+    feat = factored_featurizer(model)
+    monkeypatch.setattr(featurizer_module, "fit_memory", lambda run, *a, **k: MemoryFit(base=0, points=((5, 0),)))
+    feat.max_memory = 1 << 40
+    real, calls = FactoredProjector.featurize_batch, []
+
+    def second_piece_slow(self, *args, **kwargs):
+        calls.append(1)
+        return None if len(calls) == 2 else real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FactoredProjector, "featurize_batch", second_piece_slow)
+    seen = passes(monkeypatch)
+    fold = kfac.FactorFold(N)
+    for rows in ORDERS:
+        fold.featurize(feat, [x[rows], y[rows]], 0, rows)
+    assert len(seen) == 1  # the first call only (its second piece); the later calls from the fast path
+    assert_same(fold.factors("kfac", warn=False), brute_factors(brute(model, x, y)))
