@@ -186,6 +186,7 @@ record_folded = kfac_record.record_folded
 fit_factors, record_curvature = kfac.fit_factors, kfac_record.record_factors
 #: "kfac" / "ekfac" without a fit: the factors of the rows a TRAKer featurizes, summed as it featurizes them
 FactorFold = kfac.FactorFold
+featurize_folded = kfac.featurize_folded
 #: "kfac-eigen": rows projected in each checkpoint's factor eigenbasis, so its factors come before its rows
 FIT_BEFORE_FEATURIZE, default_damping = kfac.FIT_BEFORE_FEATURIZE, kfac.default_damping
 FOLDED_CURVATURES = kfac.FOLDED_CURVATURES
@@ -615,9 +616,7 @@ def featurize_shard(
             e = min(s + batch_size, b)
             try:
                 rows = batch(s, e)
-                x, q = feat.featurize(rows, model_id, range(s, e))
-                if fold is not None:
-                    fold.add(feat, rows, range(s, e))
+                x, q = kfac.featurize_folded(fold, feat, rows, model_id, range(s, e))  # the fold's sums beside
             except NonFiniteGradientError:
                 raise  # names the example indices already
             except BadInputError as err:  # e.g. a label out of range: say which rows

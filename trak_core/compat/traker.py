@@ -390,8 +390,16 @@ class TRAKer:
         projector = self._energy_projector(self._probe.rows())
         held = self._probe.take()
         stand_in, self.featurizer.projector = self.featurizer.projector, projector
+        folded = self.curvature in engine.FOLDED_CURVATURES  # each batch's factor sums from its own featurizing
         try:
-            computed = [self.featurizer.featurize(batch, mid, inds.tolist()) for mid, batch, inds in held]
+            computed = []
+            for mid, batch, inds in held:
+                fold = (
+                    engine.FactorFold(self.train_set_size, self.grad_wrt)
+                    if folded and mid not in self._fitted
+                    else None
+                )
+                computed.append((*engine.featurize_folded(fold, self.featurizer, batch, mid, inds.tolist()), fold))
         finally:
             self.featurizer.projector = stand_in
         self._create_store(projector)
@@ -600,11 +608,14 @@ class TRAKer:
             sel = torch.as_tensor(keep)
             batch = [x[sel] for x in batch]
             inds = inds[keep]
-            computed = None if computed is None else (computed[0][keep], computed[1][keep])
-        x, q = self.featurizer.featurize(batch, mid, inds) if computed is None else computed
-        fold = self._fold_of(mid)
-        if fold is not None:  # the factors' sums over the same rows (before they count as featurized)
-            fold.add(self.featurizer, batch, inds)
+            computed = None if computed is None else (computed[0][keep], computed[1][keep], None)
+        fold = self._fold_of(mid)  # the factors' sums over the same rows (before they count as featurized)
+        if computed is None:
+            x, q = engine.featurize_folded(fold, self.featurizer, batch, mid, inds)
+        else:  # rows held for the default projector: their own fold's sums, else (some rows stored) a pass here
+            x, q, held = computed
+            if fold is not None and not (held is not None and fold.merge(held)):
+                fold.add(self.featurizer, batch, inds)
         self._rows.add(self.store, mid, inds, x, q)
 
     def _fold_of(self, mid: int) -> engine.FactorFold | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,7 +19,11 @@ from trak_core.featurize.budget import FIRST_USE_BYTES, MemoryFit, check_budget,
 from trak_core.featurize.gradients import AbstractGradientComputer, FunctionalGradientComputer, grad_dim_of
 from trak_core.featurize.modelout import AbstractModelOutput, check_devices, resolve_task
 from trak_core.memory import format_bytes
+from trak_core.projection.factored import FactoredProjector
 from trak_core.projection.projectors import AbstractProjector
+
+if TYPE_CHECKING:
+    from trak_core.solve.kfac_tap import FactorTap
 
 
 def _bad_rows(t: Tensor) -> list[int]:
@@ -110,6 +115,10 @@ class Featurizer:
             model=model, task=self.task, grad_dim=self.grad_dim, dtype=dtype, device=device, grad_wrt=grad_wrt
         )
         self.normalize_factor = math.sqrt(self.grad_dim)
+        # K-FAC's factor sums taken from the fast path's forward and backward (:class:`trak_core.solve.kfac_tap.
+        # FactorTap`, set for one featurize call by ``FactorFold.featurize``): handed each computed piece's Q
+        self.tap: FactorTap | None = None
+        self._fit_with_tap = False  # whether :attr:`memory_fit` was measured with a tap's tensors
 
     def load_state(self, state_dict: dict) -> None:
         try:
@@ -137,9 +146,10 @@ class Featurizer:
         if fast is None or not isinstance(self.gradient_computer, FunctionalGradientComputer):
             return None
         gc = self.gradient_computer
+        tap: dict = {} if self.tap is None or not isinstance(self.projector, FactoredProjector) else {"tap": self.tap}
         if with_output:
-            return fast(self.model, self.task, gc._weights(), gc._buffers(), batch, model_id, with_output=True)
-        return fast(self.model, self.task, gc._weights(), gc._buffers(), batch, model_id)
+            return fast(self.model, self.task, gc._weights(), gc._buffers(), batch, model_id, with_output=True, **tap)
+        return fast(self.model, self.task, gc._weights(), gc._buffers(), batch, model_id, **tap)
 
     def project_batch(self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int]) -> Tensor:
         x = self._fast_path(batch, model_id)
@@ -210,14 +220,21 @@ class Featurizer:
         takes; :func:`trak_core.featurize.budget.fit_memory`)."""
         if self.max_memory is None:
             return MAX_ROWS
-        if self.memory_fit is None:
+        if self.memory_fit is None or (self.tap is not None and not self._fit_with_tap):
             n = batch[0].shape[0]
 
             def run(rows: int) -> None:
                 take = torch.arange(rows) % n
-                self._compute_rows([t[take] for t in batch], model_id, [int(i) for i in take])
+                if self.tap is not None:  # its tensors measured, the probe's rows not counted
+                    self.tap.recording = False
+                try:
+                    self._compute_rows([t[take] for t in batch], model_id, [int(i) for i in take])
+                finally:
+                    if self.tap is not None:
+                        self.tap.recording = True
 
             self.memory_fit = fit_memory(run, self.device, self.max_memory, self._reserve())
+            self._fit_with_tap = self.tap is not None
         fit = self.memory_fit
         held = self._reserve() + out_rows * (self.projector.proj_dim + 1) * 4
         rows = fit.rows_within(self.max_memory, held)
@@ -283,6 +300,8 @@ class Featurizer:
         except RuntimeError as e:
             self._dtype_mismatch(batch, e)
             raise
+        if self.tap is not None:
+            self.tap.settle(batch, q, b)
         return x[:b], q[:b]
 
     def target_features(

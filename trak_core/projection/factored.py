@@ -451,12 +451,15 @@ class FactoredProjector(AbstractProjector):
         batch: Sequence[Tensor],
         model_id: int,
         with_output: bool = False,
+        tap=None,
     ) -> Tensor | tuple[Tensor, Tensor] | None:
         """Projected per-example gradients (B, proj_dim) of ``task.get_output`` without materializing them;
         with ``with_output``, (those, the outputs f (B,) of the same forward, detached).
 
         Returns None when the layout is not bound to a model (the caller then projects materialized
-        gradients). ``weights`` holds all the model's parameters (detached), ``buffers`` its buffers.
+        gradients). ``weights`` holds all the model's parameters (detached), ``buffers`` its buffers. ``tap``: a
+        :class:`~trak_core.solve.kfac_tap.FactorTap` that takes its layers' inputs and output gradients from the same
+        forward and backward (K-FAC's factor sums), handed to it by ``tap.collect``.
         """
         if not self.layout.model_bound:
             return None
@@ -478,7 +481,7 @@ class FactoredProjector(AbstractProjector):
         subst = [b for b in self.layout.blocks if b.kind in (*HOOKED, MATRIX) and b not in hooked]
         verify = bool(hooked) and id(model) not in self._verified
         gz, go, fired, extra, out = self._grads(
-            model, task, weights, buffers, batch, facs, hooked, subst, verify, wdt, uses
+            model, task, weights, buffers, batch, facs, hooked, subst, verify, wdt, uses, tap
         )
         fallback = [b.name for b in hooked if b.name not in fired or b.name in extra]
         if fallback:  # a weight used outside its module's forward: weight substitution is exact for any use
@@ -490,7 +493,7 @@ class FactoredProjector(AbstractProjector):
                 stacklevel=2,
             )
             self._substitute.update(fallback)
-            return self.featurize_batch(model, task, weights, buffers, batch, model_id, with_output)
+            return self.featurize_batch(model, task, weights, buffers, batch, model_id, with_output, tap)
         if verify:
             self._verified.add(id(model))
         bsz = batch[0].shape[0]
@@ -518,6 +521,7 @@ class FactoredProjector(AbstractProjector):
         verify: bool,
         wdt: torch.dtype,
         uses: dict,
+        tap=None,
     ) -> tuple[dict, dict, set, set, Tensor]:
         """(∂f_b/∂Z_b per factored block, ∂f_b/∂w per "__other__" parameter, the hooked layers whose hook
         fired, the hooked layers whose weight has a use the hook missed (checked when ``verify``), the outputs f_b
@@ -526,7 +530,8 @@ class FactoredProjector(AbstractProjector):
         The check: the hooked weights get W + s·R (s a zero scalar shared by the batch, R = P_out D P_inᵀ for
         a fixed ±1 matrix D); ∂(Σ_b f_b)/∂s = ⟨∂F/∂W over all uses, R⟩ while Σ_b ⟨D, ∂f_b/∂Z_b⟩ = ⟨∂F/∂W
         through the module's forward, R⟩: they differ when the weight has another use. Costs one batch-summed
-        weight gradient of those layers, once per model and projector."""
+        weight gradient of those layers, once per model and projector. ``tap``: see :meth:`featurize_batch`."""
+        tapped = {} if tap is None else tap.shapes(model, task, weights, buffers, batch)  # its probes' shapes
         other = next((b for b in self.layout.blocks if b.kind == "other"), None)
         other_names = list(other.params) if other is not None else []
         substituted = {n for b in subst for n in b.params}
@@ -562,6 +567,7 @@ class FactoredProjector(AbstractProjector):
                     and (f"{mname}." if mname else "") + "weight" in per_example
                 ):
                     handles.append(mod.register_forward_hook(_padding_hook))
+            handles += [] if tap is None else tap.hooks(model)
             fixed = {n: w for n, w in weights.items() if n not in set(other_names) and n not in substituted}
             subs = [
                 (b, weights[b.params[0]], weights[b.params[1]] if b.bias else None, *facs[b.name][:2]) for b in subst
@@ -573,8 +579,9 @@ class FactoredProjector(AbstractProjector):
             if inside:
                 mode = _Both(mode, EmbeddingHooks(inside))
 
-            def out_fn(zs, other_w, shared, *sample):
+            def out_fn(zs, other_w, shared, es, *sample):
                 ctx["z"] = zs
+                taken = {} if tap is None else tap.bind(es)  # filled by the tap's hooks: each layer's input
                 w = {**fixed, **other_w}
                 for b, wt, bias, p_in, p_out in subs:  # W + P_out Z P_inᵀ (and b + P_out Z p_in,last)
                     z = zs[b.name]
@@ -587,15 +594,17 @@ class FactoredProjector(AbstractProjector):
                     if r_b is not None:
                         w[b.params[1]] = fixed[b.params[1]] + shared[b.name] * r_b
                 if mode is None:
-                    return task.get_output(model, w, buffers, *sample)
+                    return task.get_output(model, w, buffers, *sample), taken
                 mode.bind(w)
                 with mode:
-                    return task.get_output(model, w, buffers, *sample)
+                    return task.get_output(model, w, buffers, *sample), taken
 
             shared = {b.name: torch.zeros((), device=self.device, dtype=wdt) for b, _, _ in probes}
-            gz, go, gs, out = _per_example_grads(
-                out_fn, hooked + subst, {n: weights[n] for n in other_names}, shared, batch, self.device, wdt
+            gz, go, gs, out, taken = _per_example_grads(
+                out_fn, hooked + subst, {n: weights[n] for n in other_names}, shared, batch, self.device, wdt, tapped
             )
+            if tap is not None:
+                tap.collect(*taken)
         finally:
             for h in handles:
                 h.remove()
@@ -611,10 +620,11 @@ class FactoredProjector(AbstractProjector):
 
 
 def _per_example_grads(
-    out_fn, blocks: list, other_w: dict, shared: dict, batch: Sequence[Tensor], device, dtype
-) -> tuple[dict, dict, dict, Tensor]:
+    out_fn, blocks: list, other_w: dict, shared: dict, batch: Sequence[Tensor], device, dtype, probes: dict
+) -> tuple[dict, dict, dict, Tensor, tuple[dict, dict]]:
     """(∂f_b/∂Z_b per factored block, ∂f_b/∂w per "__other__" parameter w), each (B, ...), for every example b,
-    ∂(Σ_b f_b)/∂s for the ``shared`` scalars s (one value for the whole batch), and the outputs f_b (B,), detached.
+    ∂(Σ_b f_b)/∂s for the ``shared`` scalars s (one value for the whole batch), the outputs f_b (B,), detached, and
+    (what ``out_fn`` returned beside f_b, stacked; ∂f_b/∂e_b for the zero ``probes`` e_b, {name: shape per example}).
 
     Without ``torch.func.grad``: vmap runs the forward of each example with its own zero Z_b and its own
     copy of the other parameters (broadcast views of one tensor, so vmap's per-example semantics hold: no
@@ -629,7 +639,7 @@ def _per_example_grads(
     torch.backends.mha.set_fastpath_enabled(False)
     try:
         with _attention_math():
-            return _per_example_grads_impl(out_fn, blocks, other_w, shared, batch, device, dtype, bsz)
+            return _per_example_grads_impl(out_fn, blocks, other_w, shared, batch, device, dtype, bsz, probes)
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
 
@@ -644,8 +654,8 @@ def _attention_math():
 
 
 def _per_example_grads_impl(
-    out_fn, blocks, other_w, shared, batch, device, dtype, bsz
-) -> tuple[dict, dict, dict, Tensor]:
+    out_fn, blocks, other_w, shared, batch, device, dtype, bsz, probes
+) -> tuple[dict, dict, dict, Tensor, tuple[dict, dict]]:
     with torch.enable_grad():
         zl = {
             b.name: torch.zeros(
@@ -657,10 +667,11 @@ def _per_example_grads_impl(
         sl = {n: s.detach().requires_grad_(True) for n, s in shared.items()}
         zb = {n: z.expand(bsz, *z.shape) for n, z in zl.items()}
         wb = {n: w.expand(bsz, *w.shape) for n, w in wl.items()}
-        out = torch.func.vmap(out_fn, in_dims=(0, 0, None, *([0] * len(batch))), randomness="different")(
-            zb, wb, sl, *batch
+        el = {n: torch.zeros(bsz, *s, device=device, dtype=dtype, requires_grad=True) for n, s in probes.items()}
+        out, aux = torch.func.vmap(out_fn, in_dims=(0, 0, None, 0, *([0] * len(batch))), randomness="different")(
+            zb, wb, sl, el, *batch
         )
-        inputs = [*zb.values(), *wb.values(), *sl.values()]
+        inputs = [*zb.values(), *wb.values(), *sl.values(), *el.values()]
         grads = (
             torch.autograd.grad(out.sum(), inputs, allow_unused=True) if out.requires_grad else [None] * len(inputs)
         )  # nothing differentiable was used: the caller reports the layers
@@ -669,9 +680,11 @@ def _per_example_grads_impl(
         torch.zeros(bsz, *leaf.shape, device=leaf.device, dtype=leaf.dtype) if g is None else g
         for g, leaf in zip(grads[: len(leaves)], leaves, strict=True)
     ]
-    gs = {n: torch.zeros((), dtype=dtype) if g is None else g for n, g in zip(sl, grads[len(leaves) :], strict=True)}
+    gs_, es_ = grads[len(leaves) : len(leaves) + len(sl)], grads[len(leaves) + len(sl) :]
+    gs = {n: torch.zeros((), dtype=dtype) if g is None else g for n, g in zip(sl, gs_, strict=True)}
     zs, ws = dict(zip(zl, full[: len(zl)], strict=True)), dict(zip(wl, full[len(zl) :], strict=True))
-    return zs, ws, gs, out.detach().reshape(bsz)
+    es = dict(zip(el, es_, strict=True))
+    return zs, ws, gs, out.detach().reshape(bsz), (aux, es)
 
 
 class _Both:

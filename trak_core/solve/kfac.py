@@ -62,10 +62,12 @@ kronfluence: benchmarks/RESULTS.md, "Beside kronfluence".
 The record
 ----------
 A fit is a pass over train rows (or a sample of them) at one checkpoint, reducible as sums
-(:class:`FactorSums`; TRAKer sums them while it featurizes, :class:`FactorFold`). Its per-layer A and S (float64)
-are arrays in the store's ``curvature/<model id>`` group, their layout, the damping, the rows used and a sha256 over
-them in that group's record (:mod:`trak_core.solve.kfac_record`); finalize reads them back. A store grows with the
-factors it recorded (they are never refitted).
+(:class:`FactorSums`; TRAKer and the pipeline's shards sum them while they featurize, :class:`FactorFold`: each
+layer's input and output gradient taken from the factored projection's own forward and backward,
+:mod:`trak_core.solve.kfac_tap`, or by a pass of their own where that fast path does not run). Its per-layer A and
+S (float64) are arrays in the store's ``curvature/<model id>`` group, their layout, the damping, the rows used and a
+sha256 over them in that group's record (:mod:`trak_core.solve.kfac_record`); finalize reads them back. A store
+grows with the factors it recorded (they are never refitted).
 """
 
 from __future__ import annotations
@@ -191,7 +193,6 @@ def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dic
     """({site: ã (B, T, in_rows)}, {site: δ (B, T, d_out), scaled by √r}, sites left out) of one batch, float64:
     one forward of the task's output per example (vmap) and one backward of their sum (each example's δ is its
     own: vmap gives each example its own zero probe added to the layer's output)."""
-    from trak_core.solve.damping import loss_curvature
     from trak_core.solve.lambda_rules import q_measures_fit
 
     model, task, gc = feat.model, feat.task, feat.gradient_computer
@@ -238,20 +239,32 @@ def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dic
         ctx["e"] = None
         for h in handles:
             h.remove()
-    if q_measures_fit(task):  # S of the loss's Gauss-Newton: δ scaled by √r, r = Q(1 − Q)
-        q = gc.compute_loss_grad(batch)
-        root_r = torch.from_numpy(np.sqrt(np.maximum(loss_curvature(q.detach().cpu()), 0.0))).to(feat.device)
-    else:  # r ≈ 0 for every sequence says nothing of the fit: S of the output's own gradients (as XᵀX, R = I)
-        root_r = torch.ones(bsz, dtype=torch.float64, device=feat.device)
+    q = gc.compute_loss_grad(batch) if q_measures_fit(task) else None
+    a_out, d_out = augmented(used, acts, {s.name: g for s, g in zip(used, grads, strict=True)}, q, bsz)
+    return a_out, d_out, skipped
+
+
+def augmented(used: list[Site], acts: dict, grads: dict, q: Tensor | None, bsz: int) -> tuple[dict, dict]:
+    """({site: ã (B, T, in_rows)}, {site: δ (B, T, d_out) scaled by √r}) float64 of the ``used`` sites' inputs
+    ``acts`` and output gradients ``grads`` (None: a layer whose output f does not use), r = Q(1 − Q) of the rows'
+    ``q`` (S of the loss's Gauss-Newton), or r = 1 with ``q`` None (a task whose r ≈ 0 for every row says nothing of
+    the fit: S of the output's own gradients, as XᵀX weighs them, R = I)."""
+    from trak_core.solve.damping import loss_curvature
+
+    if q is None:
+        root_r = torch.ones(bsz, dtype=torch.float64)
+    else:
+        root_r = torch.from_numpy(np.sqrt(np.maximum(loss_curvature(q.detach().cpu()), 0.0)))
     a_out, d_out = {}, {}
-    for s, g in zip(used, grads, strict=True):
+    for s in used:
         a = acts[s.name].to(torch.float64).reshape(bsz, -1, s.d_in)
         if s.bias is not None:
             a = torch.cat([a, torch.ones(*a.shape[:2], 1, dtype=a.dtype, device=a.device)], dim=2)
+        g = grads.get(s.name)
         d = torch.zeros(bsz, a.shape[1], s.d_out, dtype=torch.float64, device=a.device) if g is None else g
         a_out[s.name] = a
-        d_out[s.name] = d.to(torch.float64).reshape(bsz, -1, s.d_out) * root_r.reshape(bsz, 1, 1)
-    return a_out, d_out, skipped
+        d_out[s.name] = d.to(torch.float64).reshape(bsz, -1, s.d_out) * root_r.to(a.device).reshape(bsz, 1, 1)
+    return a_out, d_out
 
 
 def token_mask(task, batch: Sequence[Tensor]) -> Tensor | None:
@@ -270,20 +283,26 @@ def batch_sums(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[Factor
     dtype: float32 ones made the factors depend on the batch size at 1e-7, which kfac-eigen's eigenbasis turned
     into 1e-4 differences between scores of the same rows in other batches."""
     a, d, skipped = _site_tensors(feat, batch, sites)
+    return tensor_sums(feat.task, batch, a, d), skipped
+
+
+def tensor_sums(task, batch: Sequence[Tensor], a: dict, d: dict) -> FactorSums:
+    """The :class:`FactorSums` of one batch's ã and scaled δ (:func:`augmented`), its real tokens only (the padding
+    positions' rows left out of the products: they would add zeros)."""
     out = FactorSums(examples=int(batch[0].shape[0]))
-    mask = token_mask(feat.task, batch)
+    mask = token_mask(task, batch)
     for name, at in a.items():
         dt = d[name]
         if mask is not None and at.shape[1] == mask.shape[1]:
-            m = mask.to(device=at.device, dtype=at.dtype).unsqueeze(-1)
-            at, dt = at * m, dt * m
+            real = mask.to(device=at.device) != 0
+            at, dt = at[real], dt[real]
             out.tokens[name] = int(mask.sum())
         else:
             out.tokens[name] = int(at.shape[0] * at.shape[1])
         at, dt = at.reshape(-1, at.shape[-1]), dt.reshape(-1, dt.shape[-1])
         out.a[name] = (at.T @ at).cpu().numpy()
         out.s[name] = (dt.T @ dt).cpu().numpy()
-    return out, skipped
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the factors
@@ -360,13 +379,15 @@ class FactorFold:
     """The factor fit folded into featurizing (``"kfac"`` / ``"ekfac"``, whose rows do not depend on the factors):
     the running :class:`FactorSums` of the train rows of one model featurized so far, each row counted once. Its
     :meth:`factors` are :func:`fit_factors`' over the same rows (the same sums, added in another order: equal to
-    float64 rounding), provided those rows are all the model's (:meth:`covers`)."""
+    float64 rounding), provided those rows are all the model's (:meth:`covers`). :meth:`featurize` featurizes and
+    sums in one forward and backward; :meth:`add` sums rows featurized already, by a pass of its own."""
 
     def __init__(self, train_rows: int, grad_wrt: Iterable[str] | None = None) -> None:
         self.rows = np.zeros(int(train_rows), dtype=bool)
         self.total, self.skipped = FactorSums(), set[str]()
         self._grad_wrt = None if grad_wrt is None else list(grad_wrt)
         self._sites: tuple[list[Site], list[str]] | None = None
+        self._shapes: dict = {}  # the per-example shapes of the fast path's layers, by input shape (FactorTap)
 
     def add(self, feat, batch: Sequence[Tensor], rows) -> None:
         """Add the rows ``rows`` (distinct) of ``batch`` that are not counted yet."""
@@ -384,6 +405,56 @@ class FactorFold:
         self.skipped.update(left)
         self.rows[rows] = True
 
+    def featurize(self, feat, batch: Sequence[Tensor], model_id: int, rows) -> tuple[np.ndarray, np.ndarray]:
+        """``feat.featurize(batch, model_id, rows)``, adding the rows ``rows`` (distinct) not counted yet from the
+        same forward and backward where the factored projector's fast path computes them all
+        (:class:`~trak_core.solve.kfac_tap.FactorTap`); else (another projector or featurizer) by :meth:`add`'s
+        pass of its own. The sums are :meth:`add`'s either way (float64 rounding apart)."""
+        from trak_core.solve.kfac_tap import FactorTap
+
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        new = ~self.rows[rows]
+        if not new.any() or not hasattr(feat, "tap"):
+            out = feat.featurize(batch, model_id, rows)
+            self.add(feat, batch, rows)
+            return out
+        if self._sites is None:
+            self._sites = linear_sites(feat.model, self._grad_wrt)
+        sites, part, left_out = self._sites[0], FactorSums(), set[str]()
+
+        def reduce(piece, acts, grads, q, left) -> None:
+            from trak_core.solve.lambda_rules import q_measures_fit
+
+            used = [s for s in sites if s.name in acts]
+            fit = q if q_measures_fit(feat.task) else None
+            part.add(tensor_sums(feat.task, piece, *augmented(used, acts, grads, fit, int(piece[0].shape[0]))))
+            left_out.update(left)
+
+        tap = FactorTap([s.name for s in sites], new, reduce, self._shapes)
+        feat.tap = tap
+        try:
+            out = feat.featurize(batch, model_id, rows)
+        finally:
+            feat.tap = None
+        if not (tap.complete and tap.offset == len(rows)):
+            self.add(feat, batch, rows)
+            return out
+        self.total.add(part)
+        self.skipped.update(left_out)
+        self.rows[rows[new]] = True
+        return out
+
+    def merge(self, other: FactorFold) -> bool:
+        """Add ``other``'s sums (a fold of the same model) when none of its rows is counted here; False (nothing
+        added) otherwise."""
+        if other.rows.shape != self.rows.shape or bool((self.rows & other.rows).any()):
+            return False
+        self.total.add(other.total)
+        self.skipped.update(other.skipped)
+        self.rows |= other.rows
+        self._sites = self._sites or other._sites
+        return True
+
     def layout(self) -> tuple[list[Site], list[str]]:
         """(the model's K-FAC sites, its other gradient parameters); BadInputError before any row was added."""
         if self._sites is None:
@@ -400,6 +471,11 @@ class FactorFold:
         sites, others = self.layout()
         damping = check_damping(default_damping(kind) if damping is None else damping)
         return finish_factors(self.total, sites, others, self.skipped, kind, damping, warn)
+
+
+def featurize_folded(fold: FactorFold | None, feat, batch: Sequence[Tensor], model_id: int, rows):
+    """(X, Q) of ``feat.featurize``; with a ``fold``, its sums of the rows too (:meth:`FactorFold.featurize`)."""
+    return feat.featurize(batch, model_id, rows) if fold is None else fold.featurize(feat, batch, model_id, rows)
 
 
 # ---------------------------------------------------------------------------------------------- the inverse
