@@ -6,7 +6,7 @@ from prefect import flow, get_run_logger
 
 from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
 from tasks import progress
-from tasks.attribution import featurize_shard, fit_curvature, plan_attribution, reduce_curvature
+from tasks.attribution import featurize_shard, fit_curvature, on_gpu, plan_attribution, reduce_curvature
 from tasks.config import AttributeConfig
 from tasks.plan import Plan, summarize
 from trak_core import engine
@@ -18,12 +18,13 @@ def featurize(config: AttributeConfig, plan: Plan | None = None) -> dict:
     ``plan`` (from the plan task) is computed when not given."""
     with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
+        fit_task, shard_task = on_gpu(fit_curvature, featurize_shard)
         progress.start("featurize", plan.train_set_size * len(plan.models))
         if engine.fit_first(config.curvature, config.curvature_rows):  # one at a time (one record writer)
             for m in plan.models:
-                fit_curvature.submit(config, m.model_id, m.checkpoint).result()
+                fit_task.submit(config, m.model_id, m.checkpoint).result()
         jobs = plan.featurize_jobs()
-        futures = [featurize_shard.submit(config, m.model_id, m.checkpoint, s, tasks=len(jobs)) for m, s in jobs]
+        futures = [shard_task.submit(config, m.model_id, m.checkpoint, s, tasks=len(jobs)) for m, s in jobs]
         manifests = gather(futures, "featurize", lambda m: m.num_rows)
         if config.curvature in engine.FOLDED_CURVATURES:  # the shards' factor sums, one at a time (one record writer)
             for m in plan.models:
