@@ -256,7 +256,7 @@ def test_gpu_tag_and_its_lease_only_where_a_limit_exists(tmp_path, monkeypatch):
     import prefect.concurrency._sync as sconc
     from prefect.client.orchestration import get_client
 
-    from flows import attribute
+    from flows import attribute, featurize
     from tasks import evaluate, training
     from tasks.attribution import featurize_shard, featurize_targets, fit_curvature, on_gpu
     from tasks.common import GPU_TAG
@@ -284,7 +284,7 @@ def test_gpu_tag_and_its_lease_only_where_a_limit_exists(tmp_path, monkeypatch):
     paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
 
     assert all(GPU_TAG not in t.tags for t in on_gpu(*gpu_tasks))
-    attribute(config(tmp_path / "free", paths))
+    attribute(config(tmp_path / "free", paths, report_targets=0, projector="dense"))  # featurize and targets tasks
     assert asked == []
 
     async def limit(create: bool):
@@ -297,11 +297,11 @@ def test_gpu_tag_and_its_lease_only_where_a_limit_exists(tmp_path, monkeypatch):
     asyncio.run(limit(True))
     try:
         assert all(GPU_TAG in t.tags for t in on_gpu(*gpu_tasks))
-        attribute(config(tmp_path / "limited", paths))
+        featurize(config(tmp_path / "limited", paths, projector="dense"))
     finally:
         asyncio.run(limit(False))
-    # one featurize task per shard and one targets task, each asking for a slot of the limit
-    assert asked.count([f"tag:{GPU_TAG}"]) == N // SHARD + 1, asked
+    # one featurize task per shard, each asking for a slot of the limit
+    assert asked.count([f"tag:{GPU_TAG}"]) == N // SHARD, asked
 
 
 def test_bad_config_fails_before_any_compute(tmp_path, monkeypatch):
