@@ -256,7 +256,7 @@ def test_gpu_tag_and_its_lease_only_where_a_limit_exists(tmp_path, monkeypatch):
     import prefect.concurrency._sync as sconc
     from prefect.client.orchestration import get_client
 
-    from flows import attribute, featurize
+    from flows import featurize
     from tasks import evaluate, training
     from tasks.attribution import featurize_shard, featurize_targets, fit_curvature, on_gpu
     from tasks.common import GPU_TAG
@@ -284,7 +284,7 @@ def test_gpu_tag_and_its_lease_only_where_a_limit_exists(tmp_path, monkeypatch):
     paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
 
     assert all(GPU_TAG not in t.tags for t in on_gpu(*gpu_tasks))
-    attribute(config(tmp_path / "free", paths, report_targets=0, projector="dense"))  # featurize and targets tasks
+    featurize(config(tmp_path / "free", paths, projector="dense"))
     assert asked == []
 
     async def limit(create: bool):
