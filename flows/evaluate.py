@@ -9,6 +9,7 @@ from prefect import flow, get_run_logger
 from flows.attribute import attribute
 from flows.runners import ConfigTaskRunner, gather
 from tasks import progress
+from tasks.attribution import on_gpu
 from tasks.config import EvaluateConfig
 from tasks.evaluate import assemble_truth_task, compute_lds_task, plan_truth_task, train_subset_model_task
 from tasks.plan import summarize
@@ -28,9 +29,8 @@ def evaluate(config: EvaluateConfig) -> dict:
     plan = plan_truth_task(config)
     log.info("ground truth %s: %d subset models, %d to train", plan.folder, plan.models, plan.to_train)
     progress.start("lds-train", len(plan.jobs))
-    trained = gather(
-        [train_subset_model_task.submit(config, plan.folder, s, r, tasks=len(plan.jobs)) for s, r in plan.jobs]
-    )
+    (subset_task,) = on_gpu(train_subset_model_task)
+    trained = gather([subset_task.submit(config, plan.folder, s, r, tasks=len(plan.jobs)) for s, r in plan.jobs])
     stats = summarize(trained) if trained else {"tasks": 0, "computed": 0, "skipped": 0, "seconds": 0.0}
     truth = assemble_truth_task(config, plan.folder)
     result = compute_lds_task(config, truth, stats["computed"])

@@ -6,7 +6,7 @@ from prefect import flow, get_run_logger
 
 from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
 from tasks import progress
-from tasks.attribution import featurize_shard, fit_curvature, plan_attribution, reduce_curvature
+from tasks.attribution import featurize_shard, fit_curvature, on_gpu, plan_attribution, reduce_curvature
 from tasks.config import AttributeConfig
 from tasks.plan import Plan, summarize
 from trak_core import engine
@@ -18,16 +18,17 @@ def featurize(config: AttributeConfig, plan: Plan | None = None) -> dict:
     ``plan`` (from the plan task) is computed when not given."""
     with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
+        fit_task, shard_task = on_gpu(fit_curvature, featurize_shard)
         progress.start("featurize", plan.train_set_size * len(plan.models))
         fits = {}  # each checkpoint's factors are its own (curvature/<id>): its tasks run beside the others'
         if engine.fit_first(config.curvature, config.curvature_rows):  # before that checkpoint's shards
             fits = {
-                m.model_id: fit_curvature.submit(config, m.model_id, m.checkpoint, tasks=len(plan.models))
+                m.model_id: fit_task.submit(config, m.model_id, m.checkpoint, tasks=len(plan.models))
                 for m in plan.models
             }
         jobs = plan.featurize_jobs()
         futures = [
-            featurize_shard.submit(
+            shard_task.submit(
                 config, m.model_id, m.checkpoint, s, tasks=len(jobs), wait_for=[fits[m.model_id]] if fits else None
             )
             for m, s in jobs

@@ -6,7 +6,7 @@ from prefect import flow, get_run_logger
 
 from flows.runners import ConfigTaskRunner, gather, run_lock, worker_api
 from tasks import progress
-from tasks.attribution import featurize_targets, plan_attribution, prepare_scores, score_block
+from tasks.attribution import featurize_targets, on_gpu, plan_attribution, prepare_scores, score_block
 from tasks.config import AttributeConfig
 from tasks.plan import Plan, summarize
 
@@ -18,8 +18,9 @@ def score(config: AttributeConfig, plan: Plan | None = None, upstream: dict | No
     with run_lock(config), worker_api(config):
         plan = plan or plan_attribution(config)
         progress.start("targets", len(plan.models))
+        (targets_task,) = on_gpu(featurize_targets)
         targets = gather(
-            [featurize_targets.submit(config, m.model_id, m.checkpoint, tasks=len(plan.models)) for m in plan.models],
+            [targets_task.submit(config, m.model_id, m.checkpoint, tasks=len(plan.models)) for m in plan.models],
             "targets",
             lambda m: 1,
         )

@@ -37,13 +37,38 @@ RETRIED_TASK = dict(
 )
 
 
+def gpu_limited() -> bool:
+    """Whether the Prefect API has a concurrency limit on the tag ``trakflow-gpu``
+    (``prefect concurrency-limit create trakflow-gpu N``). An API that does not answer counts as yes."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.read_concurrency_limit_by_tag(GPU_TAG)
+    except ObjectNotFound:
+        return False
+    except Exception:  # no answer: tag the tasks, so that a limit that exists still holds
+        return True
+    return True
+
+
+def on_gpu(*tasks):
+    """The tasks that run model code, tagged ``trakflow-gpu`` when a limit on that tag exists (checked once, as
+    the flow starts them), else as they are. Prefect takes a lease from the server for every start of a tagged
+    task, limit or not; untagged tasks take none."""
+    if not gpu_limited():
+        return tasks
+    return tuple(t.with_options(tags={*t.tags, GPU_TAG}) for t in tasks)
+
+
 @task(name="plan", cache_policy=NONE, persist_result=False)
 def plan_attribution(config: AttributeConfig) -> Plan:
     """Validate model/data/checkpoints/store together, then create the store's arrays (one writer)."""
     return core.make_plan(config)
 
 
-@task(name="featurize-shard", task_run_name="featurize-m{model_id}-s{shard}", tags=[GPU_TAG], **RETRIED_TASK)
+@task(name="featurize-shard", task_run_name="featurize-m{model_id}-s{shard}", **RETRIED_TASK)
 def featurize_shard(
     config: AttributeConfig, model_id: int, checkpoint: str, shard: int, tasks: int = 1
 ) -> ShardManifest:
@@ -53,7 +78,7 @@ def featurize_shard(
         return core.featurize_shard(config, model_id, checkpoint, shard)
 
 
-@task(name="fit-curvature", task_run_name="curvature-m{model_id}", tags=[GPU_TAG], **RETRIED_TASK)
+@task(name="fit-curvature", task_run_name="curvature-m{model_id}", **RETRIED_TASK)
 def fit_curvature(config: AttributeConfig, model_id: int, checkpoint: str, tasks: int = 1) -> bool:
     """Kronecker-factored curvature of one checkpoint (``curvature: kfac`` / ``ekfac``), before its shards."""
     with torch_threads(threads_per_task(config, tasks)):
@@ -72,7 +97,7 @@ def finalize_checkpoint(config: AttributeConfig, model_id: int, tasks: int = 1) 
         return core.finalize_checkpoint(config, model_id)
 
 
-@task(name="featurize-targets", task_run_name="targets-m{model_id}", tags=[GPU_TAG], **RETRIED_TASK)
+@task(name="featurize-targets", task_run_name="targets-m{model_id}", **RETRIED_TASK)
 def featurize_targets(config: AttributeConfig, model_id: int, checkpoint: str, tasks: int = 1) -> TargetsManifest:
     with torch_threads(threads_per_task(config, tasks)):
         return core.featurize_targets(config, model_id, checkpoint)

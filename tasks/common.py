@@ -18,7 +18,8 @@ from trak_core.store import open_store as open_location
 
 from .config import AttributeConfig, EvaluateConfig, TrainConfig, load_data, load_object
 
-#: tag of tasks that run model code on the device: `prefect concurrency-limit create trakflow-gpu 1`
+#: tag of tasks that run model code on the device, given by the flows where a limit on it exists
+#: (`prefect concurrency-limit create trakflow-gpu 1`; tasks.attribution.on_gpu)
 GPU_TAG = "trakflow-gpu"
 #: errors that a retry cannot fix (bad config/data, wrong order, mismatching or damaged store: a chunk that fails
 #: its checksum fails again)

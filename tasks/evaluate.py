@@ -34,7 +34,7 @@ from trak_core.store import open_store
 
 from . import progress
 from .attribution import RETRIED_TASK
-from .common import GPU_TAG, cached_data, threads_per_task, torch_threads
+from .common import cached_data, threads_per_task, torch_threads
 from .config import EvaluateConfig, TrainConfig
 from .plan import SubsetModelManifest, TruthPlan
 from .report import image_markdown, store_artifact_key
@@ -294,7 +294,7 @@ def plan_truth_task(config: EvaluateConfig) -> TruthPlan:
     return plan_truth(config)
 
 
-@task(name="train-subset-model", task_run_name="subset-{s}-seed-{r}", tags=[GPU_TAG], **RETRIED_TASK)
+@task(name="train-subset-model", task_run_name="subset-{s}-seed-{r}", **RETRIED_TASK)
 def train_subset_model_task(config: EvaluateConfig, folder: str, s: int, r: int, tasks: int = 1) -> SubsetModelManifest:
     """``tasks``: the subset models the flow trains, which sets this task's torch threads (threads_per_task)."""
     with torch_threads(threads_per_task(config, tasks)):

@@ -9,12 +9,12 @@ from prefect.artifacts import create_markdown_artifact
 
 from . import trainer
 from .attribution import RETRIED_TASK
-from .common import GPU_TAG, threads_per_task, torch_threads
+from .common import threads_per_task, torch_threads
 from .config import TrainConfig
 from .report import image_markdown, store_artifact_key
 
 
-@task(name="train-model", task_run_name="train-model-{index}", tags=[GPU_TAG], **RETRIED_TASK)
+@task(name="train-model", task_run_name="train-model-{index}", **RETRIED_TASK)
 def train_model(config: TrainConfig, index: int, tasks: int = 1) -> dict:
     """``tasks``: the models the flow trains, which sets this task's torch threads (tasks.common.threads_per_task:
     concurrent trainings on all the cores each spin at each other's OpenMP barriers)."""

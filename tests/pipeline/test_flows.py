@@ -249,6 +249,61 @@ def test_featurize_skips_complete_shards_and_redoes_one(tmp_path):
     np.testing.assert_array_equal(TrakStore.open(cfg.store).model(0).grads[:], grads)
 
 
+def test_gpu_tag_and_its_lease_only_where_a_limit_exists(tmp_path, monkeypatch):
+    """Prefect asks the server for a lease at every start of a tagged task, limit or not. Without a `trakflow-gpu`
+    limit the flows start their model tasks untagged: no lease is asked for; with one, each asks for its slot."""
+    import prefect.concurrency._asyncio as aconc
+    import prefect.concurrency._sync as sconc
+    from prefect.client.orchestration import get_client
+
+    from flows import featurize
+    from tasks import evaluate, training
+    from tasks.attribution import featurize_shard, featurize_targets, fit_curvature, on_gpu
+    from tasks.common import GPU_TAG
+
+    asked: list[list[str]] = []  # the tag limits asked for (a store's queue, a global limit, is not a tag's)
+
+    def spy(orig):
+        def acquire(names, *a, **k):
+            asked.extend([n] for n in names if n.startswith("tag:"))
+            return orig(names, *a, **k)
+
+        return acquire
+
+    monkeypatch.setattr(sconc, "acquire_concurrency_slots_with_lease", spy(sconc.acquire_concurrency_slots_with_lease))
+    monkeypatch.setattr(
+        aconc, "aacquire_concurrency_slots_with_lease", spy(aconc.aacquire_concurrency_slots_with_lease)
+    )
+    gpu_tasks = (
+        featurize_shard,
+        fit_curvature,
+        featurize_targets,
+        training.train_model,
+        evaluate.train_subset_model_task,
+    )
+    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0,))
+
+    assert all(GPU_TAG not in t.tags for t in on_gpu(*gpu_tasks))
+    featurize(config(tmp_path / "free", paths, projector="dense"))
+    assert asked == []
+
+    async def limit(create: bool):
+        async with get_client() as client:
+            if create:
+                await client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=2)
+            else:
+                await client.delete_concurrency_limit_by_tag(tag=GPU_TAG)
+
+    asyncio.run(limit(True))
+    try:
+        assert all(GPU_TAG in t.tags for t in on_gpu(*gpu_tasks))
+        featurize(config(tmp_path / "limited", paths, projector="dense"))
+    finally:
+        asyncio.run(limit(False))
+    # one featurize task per shard, each asking for a slot of the limit
+    assert asked.count([f"tag:{GPU_TAG}"]) == N // SHARD, asked
+
+
 def test_bad_config_fails_before_any_compute(tmp_path, monkeypatch):
     from prefect.exceptions import ParameterTypeError
 
@@ -348,7 +403,7 @@ def test_task_options():
     from tasks import attribution, training
 
     for t in (attribution.featurize_shard, attribution.featurize_targets, training.train_model):
-        assert "trakflow-gpu" in t.tags
+        assert "trakflow-gpu" not in t.tags  # tagged by the flows only where a limit exists (on_gpu)
     for t in (
         attribution.featurize_shard,
         attribution.finalize_checkpoint,

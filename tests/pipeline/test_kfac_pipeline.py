@@ -91,13 +91,25 @@ def traker_scores(tmp, paths, curvature: str, meta=None, fit_batch=BATCH, fit_ro
     return np.asarray(tr.finalize_scores("tiny")), tr.store.meta
 
 
-@pytest.mark.parametrize("curvature", ["kfac"])  # (EK-FAC through TRAKer and the index: test_kfac_store)
-def test_pipeline_equals_traker_and_index(tmp_path, curvature):
+@pytest.fixture(scope="module")
+def kfac_run(tmp_path_factory, prefect_harness):
+    """One ``kfac`` pipeline run on tiny's checkpoints of seeds 0 and 1 (shared by the tests that need its scores):
+    its checkpoints and config."""
     from flows import attribute
 
-    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0, 1))
-    cfg = config(tmp_path, paths, curvature=curvature, projector="factored", report_targets=0)
+    tmp = tmp_path_factory.mktemp("kfac")
+    paths = tiny.save_checkpoints(tmp / "ck", seeds=(0, 1))
+    cfg = config(tmp, paths, curvature="kfac", projector="factored", report_targets=0)
     attribute(cfg)
+    return paths, cfg
+
+
+@pytest.mark.parametrize("curvature", ["kfac"])  # (EK-FAC through TRAKer and the index: test_kfac_store)
+def test_pipeline_equals_traker_and_index(tmp_path, curvature, kfac_run):
+    from flows import attribute
+
+    paths, cfg = kfac_run
+    assert cfg.curvature == curvature
     store = TrakStore.open(cfg.store, mode="r")
     assert store.meta.curvature == curvature
     assert [m for m in (0, 1, 2) if kfac_record.has_factors(store, m)] == [0, 1]
@@ -123,7 +135,7 @@ def test_pipeline_equals_traker_and_index(tmp_path, curvature):
     np.testing.assert_allclose(res.scores, np.take_along_axis(ours.T, res.indices, 1), rtol=1e-5, atol=1e-6)
 
 
-def test_eigen_pipeline_equals_traker_default_projector_and_index(tmp_path):
+def test_eigen_pipeline_equals_traker_default_projector_and_index(tmp_path, kfac_run):
     """``kfac-eigen``: the plan fits model 0's factors and splits proj_dim by them as TRAKer's default projector does
     (one engine rule), so the pipeline and a TRAKer left to its defaults (fitting in batches of another size) lay
     out the same projection and give the same scores; the index answers in the recorded eigenbasis."""
@@ -131,7 +143,7 @@ def test_eigen_pipeline_equals_traker_default_projector_and_index(tmp_path):
     from trak_core import engine
     from trak_core.projection.energy import PROBE_ROWS
 
-    paths = tiny.save_checkpoints(tmp_path / "ck", seeds=(0, 1))
+    paths, kfac_cfg = kfac_run  # the same checkpoints, and their kfac run's scores
     cfg = config(tmp_path, paths, curvature="kfac-eigen", projector="factored")
     attribute(cfg)
     store = TrakStore.open(cfg.store, mode="r")
@@ -149,9 +161,8 @@ def test_eigen_pipeline_equals_traker_default_projector_and_index(tmp_path):
     want, meta = traker_scores(tmp_path, paths, "kfac-eigen", fit_batch=32)
     assert meta.projector_params == store.meta.projector_params
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
-    kfac_store = config(tmp_path / "kfac", paths, curvature="kfac", projector="factored")
-    attribute(kfac_store)  # not the scores of the random sides
-    assert not np.allclose(ours, TrakStore.open(kfac_store.store, mode="r").scores("tiny")[:], rtol=1e-2)
+    # not the scores of the random sides
+    assert not np.allclose(ours, TrakStore.open(kfac_cfg.store, mode="r").scores("tiny")[:], rtol=1e-2)
     res = TrakIndex.from_config(cfg).query(tiny.target_data(), k=N)
     np.testing.assert_allclose(res.scores, np.take_along_axis(ours.T, res.indices, 1), rtol=1e-5, atol=1e-6)
 

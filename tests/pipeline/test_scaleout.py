@@ -307,8 +307,8 @@ def test_gpu_tag_concurrency_limit_caps_featurize_tasks(ref, tmp_path, monkeypat
                 await client.delete_concurrency_limit_by_tag(tag=GPU_TAG)
 
     asyncio.run(limit(True))
-    # Prefect remembers for 5 s that a set of tags had no limit; a featurize run of an earlier test in this
-    # process may have filled that cache just before the limit existed
+    # Prefect remembers for 5 s that a set of tags had no limit; a tagged run of an earlier test in this process
+    # (under a limit it deleted since) may have filled that cache
     from prefect.concurrency import services as concurrency_services
 
     concurrency_services._no_limits_cache.clear()
