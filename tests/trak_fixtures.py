@@ -92,3 +92,22 @@ def tiny_attribute_config(store, checkpoints, /, **over) -> dict:
 #: the repository's root and the tests' root folder, for tests in any subfolder of tests/
 TESTS_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_ROOT.parent
+
+
+def set_gpu_limit(limit: int | None) -> None:
+    """Create the Prefect API's concurrency limit on the tag ``trakflow-gpu`` (``limit`` tasks at once), or delete it
+    (None)."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    from tasks.common import GPU_TAG
+
+    async def run():
+        async with get_client() as client:
+            if limit is None:
+                await client.delete_concurrency_limit_by_tag(tag=GPU_TAG)
+            else:
+                await client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=limit)
+
+    asyncio.run(run())

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from trak_fixtures import REPO_ROOT, tiny_attribute_config
+from trak_fixtures import REPO_ROOT, set_gpu_limit, tiny_attribute_config
 
 from examples import tiny
 from tasks.config import AttributeConfig, TrainConfig
@@ -254,7 +254,6 @@ def test_gpu_tag_and_its_lease_only_where_a_limit_exists(tmp_path, monkeypatch):
     limit the flows start their model tasks untagged: no lease is asked for; with one, each asks for its slot."""
     import prefect.concurrency._asyncio as aconc
     import prefect.concurrency._sync as sconc
-    from prefect.client.orchestration import get_client
 
     from flows import featurize
     from tasks import evaluate, training
@@ -287,19 +286,12 @@ def test_gpu_tag_and_its_lease_only_where_a_limit_exists(tmp_path, monkeypatch):
     featurize(config(tmp_path / "free", paths, projector="dense"))
     assert asked == []
 
-    async def limit(create: bool):
-        async with get_client() as client:
-            if create:
-                await client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=2)
-            else:
-                await client.delete_concurrency_limit_by_tag(tag=GPU_TAG)
-
-    asyncio.run(limit(True))
+    set_gpu_limit(2)
     try:
         assert all(GPU_TAG in t.tags for t in on_gpu(*gpu_tasks))
         featurize(config(tmp_path / "limited", paths, projector="dense"))
     finally:
-        asyncio.run(limit(False))
+        set_gpu_limit(None)
     # one featurize task per shard, each asking for a slot of the limit
     assert asked.count([f"tag:{GPU_TAG}"]) == N // SHARD, asked
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from trak_fixtures import REPO_ROOT, tiny_attribute_config
+from trak_fixtures import REPO_ROOT, set_gpu_limit, tiny_attribute_config
 
 from examples import tiny
 from tasks.config import AttributeConfig
@@ -282,11 +282,9 @@ def test_process_runner_one_worker_per_gpu(ref, tmp_path, monkeypatch):
 def test_gpu_tag_concurrency_limit_caps_featurize_tasks(ref, tmp_path, monkeypatch):
     """`prefect concurrency-limit create trakflow-gpu 1`: featurize tasks (tagged) never overlap, even
     with two threads."""
-    from prefect.client.orchestration import get_client
 
     import tasks.core as core
     from flows import featurize
-    from tasks.common import GPU_TAG
 
     _, ckpts, _, _ = ref
     intervals, orig = [], core.featurize_shard
@@ -299,14 +297,7 @@ def test_gpu_tag_concurrency_limit_caps_featurize_tasks(ref, tmp_path, monkeypat
 
     monkeypatch.setattr(core, "featurize_shard", timed)
 
-    async def limit(create: bool):
-        async with get_client() as client:
-            if create:
-                await client.create_concurrency_limit(tag=GPU_TAG, concurrency_limit=1)
-            else:
-                await client.delete_concurrency_limit_by_tag(tag=GPU_TAG)
-
-    asyncio.run(limit(True))
+    set_gpu_limit(1)
     # Prefect remembers for 5 s that a set of tags had no limit; a tagged run of an earlier test in this process
     # (under a limit it deleted since) may have filled that cache
     from prefect.concurrency import services as concurrency_services
@@ -315,7 +306,7 @@ def test_gpu_tag_concurrency_limit_caps_featurize_tasks(ref, tmp_path, monkeypat
     try:
         featurize(config(tmp_path / "limited.zarr", ckpts[:1], max_workers=2))
     finally:
-        asyncio.run(limit(False))
+        set_gpu_limit(None)
     intervals.sort()
     assert len(intervals) == SHARDS
     assert all(b[0] >= a[1] for a, b in zip(intervals, intervals[1:])), intervals
