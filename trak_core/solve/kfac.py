@@ -193,34 +193,19 @@ def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dic
     """({site: ã (B, T, in_rows)}, {site: δ (B, T, d_out), scaled by √r}, sites left out) of one batch, float64:
     one forward of the task's output per example (vmap) and one backward of their sum (each example's δ is its
     own: vmap gives each example its own zero probe added to the layer's output)."""
+    from trak_core.solve.kfac_tap import FactorTap
     from trak_core.solve.lambda_rules import q_measures_fit
 
     model, task, gc = feat.model, feat.task, feat.gradient_computer
     weights, buffers = gc._weights(), gc._buffers()
     batch = [t.to(feat.device) for t in batch]
-    ctx: dict = {"e": None, "a": {}, "shapes": {}, "calls": {}}
-    mods = {s.name: model.get_submodule(s.name) for s in sites}
-
-    def make_hook(name):
-        def hook(mod, inputs, output):
-            ctx["calls"][name] = ctx["calls"].get(name, 0) + 1
-            ctx["shapes"][name] = tuple(output.shape)
-            ctx["a"][name] = inputs[0].detach()
-            if ctx["e"] is not None:
-                return output + ctx["e"][name]
-            return output
-
-        return hook
-
-    handles = [m.register_forward_hook(make_hook(n)) for n, m in mods.items()]
+    bsz = batch[0].shape[0]
+    tap = FactorTap([s.name for s in sites], np.ones(bsz, dtype=bool), lambda *_: None)  # its hooks, not its sums
+    shapes = tap.shapes(model, task, weights, buffers, batch)  # the layers called exactly once, their shapes
+    used, skipped = [s for s in sites if s.name in shapes], [s.name for s in sites if s.name not in shapes]
+    dt = next(iter(weights.values())).dtype
+    handles = tap.hooks(model)
     try:
-        with torch.no_grad():  # the per-example output shapes, and the layers called exactly once
-            torch.func.vmap(lambda *s: task.get_output(model, weights, buffers, *s))(*[t[:1] for t in batch])
-        skipped = [s.name for s in sites if ctx["calls"].get(s.name, 0) != 1]
-        used = [s for s in sites if s.name not in skipped]
-        shapes = dict(ctx["shapes"])
-        bsz = batch[0].shape[0]
-        dt = next(iter(weights.values())).dtype
         with torch.enable_grad():
             es = {
                 s.name: torch.zeros(bsz, *shapes[s.name], device=feat.device, dtype=dt, requires_grad=True)
@@ -228,15 +213,13 @@ def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dic
             }
 
             def out_fn(e, *sample):
-                ctx["e"] = {**{n: 0.0 for n in skipped}, **e}
-                ctx["a"] = {}
+                taken = tap.bind(e)
                 out = task.get_output(model, weights, buffers, *sample)
-                return out, {s.name: ctx["a"][s.name] for s in used}
+                return out, {s.name: taken[s.name] for s in used}
 
             out, acts = torch.func.vmap(out_fn)(es, *batch)
             grads = torch.autograd.grad(out.sum(), [es[s.name] for s in used], allow_unused=True)
     finally:
-        ctx["e"] = None
         for h in handles:
             h.remove()
     q = gc.compute_loss_grad(batch) if q_measures_fit(task) else None
