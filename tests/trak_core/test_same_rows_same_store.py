@@ -76,6 +76,42 @@ def test_a_run_given_a_stores_projector_reproduces_it(tmp_path):
         plan.stored_projector(str(tmp_path / "nothing"), _model())
 
 
+def test_row_slots_put_each_row_at_its_index_place_in_a_block():
+    from trak_core.featurize.featurizer import ROW_BLOCK, row_slots
+
+    assert row_slots(range(5)) == (ROW_BLOCK, [0, 1, 2, 3, 4])
+    rows, slots = row_slots(range(21, 21 + 30))  # 30 rows from 21: two blocks, no place taken twice
+    assert rows == 2 * ROW_BLOCK and slots[:3] == [5, 6, 7] and slots[11] == 0
+    assert [s % ROW_BLOCK for s in slots] == [i % ROW_BLOCK for i in range(21, 51)] and len(set(slots)) == 30
+    rows, slots = row_slots([7, 23, 39, 2])  # three rows share a place: three blocks
+    assert (rows, slots) == (3 * ROW_BLOCK, [7, 23, 39, 2])
+
+
+@pytest.mark.parametrize("batch", [1, 5, 7, 100])
+def test_traker_computes_each_row_at_its_index_place_whatever_the_batch(tmp_path, batch, monkeypatch):
+    """Where a CPU's BLAS computes a row by its place among the rows (MKL on AMD EPYC does, in blocks of 16), a
+    row's bits stay the same only if it is computed at the same place in every batch: its index in the store mod
+    ROW_BLOCK. Each train row's place in the padded batches the featurizer computes is checked against its index."""
+    from trak_core.featurize import featurizer
+
+    x = _data(N, 0)[0]
+    places: dict[int, set[int]] = {}
+    real_place = featurizer._place
+
+    def spy(batch_, rows, slots):
+        out = real_place(batch_, rows, slots)
+        for s in slots:
+            hit = torch.nonzero((x == out[0][s]).all(dim=1)).reshape(-1).tolist()  # the train row it is (if any)
+            for i in hit:
+                places.setdefault(i, set()).add(s % featurizer.ROW_BLOCK)
+        return out
+
+    monkeypatch.setattr(featurizer, "_place", spy)
+    _run(tmp_path / "s", batch)
+    assert sorted(places) == list(range(N))
+    assert all(p == {i % featurizer.ROW_BLOCK} for i, p in places.items()), places
+
+
 # ------------------------------------------------------------------------------------------ the pipeline grows
 def first_8():
     return tuple(t[:8] for t in tiny.train_data())

@@ -40,27 +40,40 @@ def _all_finite(t: Tensor) -> bool:
     return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
-#: batches are computed in a whole number of this many rows (at least one such block), the last row repeated to
-#: fill them. BLAS picks its kernels (and so the order of its sums) by the number of rows (one row goes through a
-#: matrix-vector kernel, a few through edge kernels), and torch's CPU loops compute 2 × 16 floats at a time with
-#: vectorized exp/tanh and the rest of a tensor with scalar ones: a row computed in a batch of 1, 5 or 100 rows
-#: would differ in its last bits. In blocks of ROW_BLOCK rows it gets the same bits in every batch (Q's sigmoid is
-#: taken in float64 for the same reason). Only the projected fast path (the factored projector) pads, and not under
-#: a memory budget: the per-example-gradient paths would hold ROW_BLOCK gradients, and a budget may allow fewer rows
+#: batches are computed in whole blocks of this many rows, each row at the place its index has in a block (index mod
+#: ROW_BLOCK), the other places filled with copies of a row. BLAS picks its kernels (and so the order of its sums) by
+#: the number of rows (one row goes through a matrix-vector kernel, a few through edge kernels) and, on some CPUs, by
+#: a row's place among them (MKL on AMD EPYC computes the rows of a block of 16 in several ways); torch's CPU loops
+#: compute whole vectors of floats with vectorized exp/tanh and the rest of a tensor with scalar ones. A row computed
+#: at the same place of a block of 16 gets the same bits in every batch (Q's sigmoid is taken in float64 for the same
+#: reason). Only the projected fast path (the factored projector) places rows so, and not under a memory budget: the
+#: per-example-gradient paths would hold ROW_BLOCK gradients, and a budget may allow fewer rows
 ROW_BLOCK = 16
 
 
-def padded_rows(b: int) -> int:
-    """The rows a batch of ``b`` is computed in: ``b`` rounded up to a multiple of :data:`ROW_BLOCK`."""
-    return max(ROW_BLOCK, -(-b // ROW_BLOCK) * ROW_BLOCK)
+def row_slots(indices: Sequence[int]) -> tuple[int, list[int]]:
+    """(rows, slots): row ``i`` of a batch is computed at row ``slots[i]`` of a padded batch of ``rows`` rows (whole
+    blocks of :data:`ROW_BLOCK`), where ``slots[i] ≡ indices[i]`` (mod ROW_BLOCK), in the first block whose place is
+    free (so as few blocks as a place is wanted times; at least one)."""
+    used = [0] * ROW_BLOCK
+    slots = []
+    for idx in indices:
+        r = int(idx) % ROW_BLOCK
+        slots.append(used[r] * ROW_BLOCK + r)
+        used[r] += 1
+    return max(1, max(used)) * ROW_BLOCK, slots
 
 
-def _pad(batch: Sequence[Tensor], rows: int) -> list[Tensor]:
-    """``batch`` with its last row repeated up to ``rows`` rows (no copy when it has them)."""
+def _place(batch: Sequence[Tensor], rows: int, slots: Sequence[int]) -> list[Tensor]:
+    """``batch`` with row ``i`` at row ``slots[i]`` of ``rows``, the other rows copies of its first row (no copy when
+    the slots are the rows in order)."""
     b = batch[0].shape[0]
-    if rows == b:
+    if rows == b and list(slots) == list(range(b)):
         return list(batch)
-    return [torch.cat([t, t[-1:].expand(rows - b, *t.shape[1:])]) for t in batch]
+    src = [0] * rows
+    for i, s in enumerate(slots):
+        src[s] = i
+    return [t.index_select(0, torch.as_tensor(src, device=t.device)) for t in batch]
 
 
 #: the largest batch of rows copied from a CUDA device into page-locked memory (torch keeps freed page-locked blocks
@@ -284,12 +297,19 @@ class Featurizer:
             "model's device)",
         )
         b = batch[0].shape[0]
-        # the projected fast path holds no per-example gradient: computed in blocks of ROW_BLOCK rows, a row gets the
-        # same bits whatever its batch (the paths that materialize per-example gradients keep the batch's rows)
-        # (under a memory budget a batch is computed in the pieces the budget allows, unpadded)
+        # the projected fast path holds no per-example gradient: each row computed at its index's place in a block of
+        # ROW_BLOCK rows gets the same bits whatever its batch (the paths that materialize per-example gradients keep
+        # the batch's rows; under a memory budget a batch is computed in the pieces the budget allows, unpadded)
         fast = getattr(self.projector, "featurize_batch", None) is not None and self.max_memory is None
-        rows = padded_rows(b) if fast and isinstance(self.gradient_computer, FunctionalGradientComputer) else b
-        batch, indices = _pad(batch, rows), indices + indices[-1:] * (rows - b)
+        if fast and isinstance(self.gradient_computer, FunctionalGradientComputer):
+            rows, slots = row_slots(indices)
+        else:
+            rows, slots = b, list(range(b))
+        batch = _place(batch, rows, slots)
+        placed = [indices[0]] * rows
+        for i, s in enumerate(slots):
+            placed[s] = indices[i]
+        indices = placed
         try:
             both = self._one_forward(batch, model_id, indices, given=b)
             if both is None:
@@ -301,8 +321,11 @@ class Featurizer:
             self._dtype_mismatch(batch, e)
             raise
         if self.tap is not None:
-            self.tap.settle(batch, q, b)
-        return x[:b], q[:b]
+            self.tap.settle(batch, q, slots)
+        if slots == list(range(b)):
+            return x[:b], q[:b]
+        at = torch.as_tensor(slots, device=x.device)
+        return x.index_select(0, at), q.index_select(0, at.to(q.device))
 
     def target_features(
         self, batch: Sequence[Tensor], model_id: int, indices: Sequence[int] | None = None

@@ -102,11 +102,12 @@ class FactorTap:
         self._pending = (acts, grads, list(self._left))
 
     # ------------------------------------------------------------------ the featurizer's side
-    def settle(self, batch: Sequence[Tensor], q: Tensor, rows: int) -> None:
-        """The piece just computed: its tensors and Q (the piece's rows, then its padding), ``rows`` real ones."""
+    def settle(self, batch: Sequence[Tensor], q: Tensor, slots: Sequence[int]) -> None:
+        """The piece just computed: its tensors and Q, padded, the piece's rows at rows ``slots`` of them."""
         pending, self._pending = self._pending, None
         if not self.recording:
             return
+        rows = len(slots)
         want = self.new[self.offset : self.offset + rows]
         self.offset += rows
         if pending is None or len(want) != rows:  # not from the fast path: the fold runs its own pass
@@ -115,7 +116,9 @@ class FactorTap:
         if not want.any():
             return
         acts, grads, left = pending
-        keep = None if want.all() else torch.as_tensor(np.flatnonzero(want), device=q.device)
+        keep = None
+        if not (want.all() and list(slots) == list(range(rows))):
+            keep = torch.as_tensor(np.asarray(slots)[want], device=q.device)
 
         def pick(t):  # the wanted rows: the first ``rows`` (a view), or those of ``keep``
             return None if t is None else t[:rows] if keep is None else t[keep.to(t.device)]

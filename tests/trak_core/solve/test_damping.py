@@ -331,8 +331,8 @@ def test_uresid_is_cresid_times_the_unfit_share(rms):
     share = min(1.0, rms**2 / UNFIT_RMS**2)
     cres = _resolve_cresid("cresid:10", x, q)
     assert _resolve_cresid("uresid:10", x, q) == pytest.approx(cres * share, rel=1e-9, abs=1e-12)
-    if rms > UNFIT_RMS:
-        assert _resolve_cresid("uresid:10", x, q) == cres > 0
+    if rms >= UNFIT_RMS:  # at UNFIT_RMS the share is 1 up to the rounding of mean qᵢ²
+        assert _resolve_cresid("uresid:10", x, q) == pytest.approx(cres, rel=1e-12) and cres > 0
     elif rms > 0:  # scale-free in q: cresid is the same for every rms, the weight is not
         base = _resolve_cresid("cresid:10", x, q * UNFIT_RMS / rms)
         assert cres == pytest.approx(base, rel=1e-9) and _resolve_cresid("uresid:10", x, q) < cres
