@@ -19,6 +19,20 @@ for _var in ("COLUMNS", "LINES"):
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _flow_runs_without_a_heartbeat_thread():
+    """Prefect starts a heartbeat thread per flow run (an event every 180 s, for a server to find crashed runs) and
+    joins it when the run ends; the thread sleeps in steps of a second, so every flow run's end waits up to one
+    (~0.5 s a run, hundreds of in-process runs here). The tests' in-process flow runs go without it; the flows the
+    real-service tests start in processes of their own keep it."""
+    from prefect import flow_engine
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(flow_engine.BaseFlowRunEngine, "heartbeat_seconds", property(lambda self: None))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A temporary Prefect server + SQLite database for the whole session."""
