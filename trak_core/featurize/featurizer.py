@@ -305,6 +305,7 @@ class Featurizer:
             rows, slots = row_slots(indices)
         else:
             rows, slots = b, list(range(b))
+        given, given_indices = batch, indices
         batch = _place(batch, rows, slots)
         placed = [indices[0]] * rows
         for i, s in enumerate(slots):
@@ -317,6 +318,10 @@ class Featurizer:
                 x = self.project_batch(batch, model_id, indices)
             else:
                 x, q = both
+        except BadInputError:
+            if batch is not given:  # an error naming batch positions names the batch's own: its separate forward's
+                self.out_to_loss(given, model_id, given_indices)
+            raise
         except RuntimeError as e:
             self._dtype_mismatch(batch, e)
             raise
