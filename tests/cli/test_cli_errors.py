@@ -235,17 +235,9 @@ def test_signal_leaves_no_process_behind(tmp_path, signal_home, sig):
     """`trakflow run` with Prefect's ephemeral server (no PREFECT_API_URL) and a slowed model, signalled once
     featurization has started: SIGINT/SIGTERM end it within seconds with one `error: interrupted` line; after
     any of them (SIGKILL included) none of the processes it started, nor of its process group, is left.
-    The dense projector: no split probe in the plan (32 more slowed forward passes before featurization); shards
-    of 8 rows: the first is written (featurization seen to have started) after 4 slowed batches, 15 more to go."""
+    The dense projector: no split probe in the plan (32 more slowed forward passes before featurization)."""
     home = signal_home
-    path = write_config(
-        tmp_path,
-        model="services:make_slow_tiny_model",
-        projector="dense",
-        batch_size=2,
-        shard_size=8,
-        max_workers=1,
-    )
+    path = write_config(tmp_path, model="services:make_slow_tiny_model", projector="dense", batch_size=2, max_workers=1)
     log = tmp_path / "cli.log"
     with open(log, "wb") as fh:  # a file, not a pipe: a surviving child would hold a pipe open
         proc = subprocess.Popen(
