@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from services import wait_for
+from services import REPO, wait_for
 
 from trak_core.store import TrakStore
 from trakflow_demo_data import digits, folder_data
@@ -62,25 +62,16 @@ def _cli_env(server) -> dict:
     return env
 
 
-def _in_process(server, *args: str) -> tuple[int, str]:
-    """A trakflow command in this process (a process start costs seconds on 2 cores), its environment as
-    :func:`_cli_env`'s (the train folder and demo folder variables unset): (exit code, stdout + stderr)."""
-    from typer.testing import CliRunner
-
-    from trakflow_cli.main import app
-
-    env = {folder_data.TRAIN_DIR_ENV: None, "TRAKFLOW_DEMO_DIR": None, "COLUMNS": "200"}
-    env.update({k: v for k, v in server.env.items() if k.startswith("PREFECT_") and k != "PREFECT_HOME"})
-    with _api(server):
-        res = CliRunner().invoke(app, list(args), env=env)
-    return res.exit_code, res.output
+def _cli(server, *args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A trakflow command in a fresh process (:func:`_cli_env`)."""
+    return subprocess.run(
+        [TRAKFLOW, *args], env=_cli_env(server), cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
 
 
-def _all(
-    server, commands: dict[str, list[str]], cwd: Path, here: tuple[str, list[str]], timeout: float = 300
-) -> dict[str, tuple[int, str]]:
-    """Several trakflow commands that only read the store, at once: each of ``commands`` in its own process, and
-    ``here`` (name, args) in this one meanwhile: {name: (exit code, stdout + stderr)}."""
+def _all(server, commands: dict[str, list[str]], cwd: Path, timeout: float = 300) -> dict[str, tuple[int, str]]:
+    """Several trakflow commands that only read the store, at once (each its own process): {name: (exit code,
+    stdout + stderr)}."""
     procs = {
         name: subprocess.Popen(
             [TRAKFLOW, *args],
@@ -92,15 +83,7 @@ def _all(
         )
         for name, args in commands.items()
     }
-    try:
-        out = {here[0]: _in_process(server, *here[1])}
-        out.update({name: (p.communicate(timeout=timeout)[0], p.returncode)[::-1] for name, p in procs.items()})
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return {name: (p.communicate(timeout=timeout)[0], p.returncode)[::-1] for name, p in procs.items()}
 
 
 def _run_id(trigger_stdout: str) -> str:
@@ -219,7 +202,7 @@ def test_demo_routes_after_a_served_nightly_append(real_prefect_server, tmp_path
         lambda: _finished_scheduled_run(server, nightly_id, first),
         300,
         "the scheduled nightly run",
-        poll=0.5,
+        poll=1.0,
         proc=proc,
     )
     assert run.state_type.value == "COMPLETED", log()
@@ -235,8 +218,8 @@ def test_demo_routes_after_a_served_nightly_append(real_prefect_server, tmp_path
     take = [0, *range(digits.NUM_TARGETS, digits.NUM_TARGETS + NEW - 1)]
     new_x, new_y = x[take], y[take]
     folder_data.save_part(demo / "train", (new_x, new_y), 2)
-    code, text = _in_process(server, "trigger", "digits-demo/nightly", "--wait")
-    assert code == 0, text + log()
+    res = _cli(server, "trigger", "digits-demo/nightly", "--wait")
+    assert res.returncode == 0, res.stdout + res.stderr + log()
     grown = TrakStore.open(store, mode="r")
     n = base + NEW
     assert grown.meta.train_set_size == n and bool(grown.featurized_mask(0).all())
@@ -248,20 +231,20 @@ def test_demo_routes_after_a_served_nightly_append(real_prefect_server, tmp_path
         return int(y[later[i - digits.NUM_TRAIN]]) if i >= digits.NUM_TRAIN else int(digits.train_data()[1][i])
 
     # every route that reads the grown store, at once (none writes): the query/digits deployment on new rows as
-    # inputs (triggered from this process), and trakflow run / show / query of the demo's attribute.yaml, each in a
-    # fresh process, from another folder than the repository's (whose trakflow_demo/ a user's own demo may fill)
+    # inputs, and trakflow run / show / query of the demo's attribute.yaml, each in a fresh process, from another
+    # folder than the repository's (whose trakflow_demo/ a user's own demo may fill)
     queries = tmp_path / "new_rows.pt"
     torch.save((new_x[1:4], new_y[1:4]), queries)
     yaml_path = str(demo / "attribute.yaml")
     out = _all(
         server,
         {
+            "trigger": ["trigger", "query/digits", "--inputs", str(queries), "--wait"],
             "run": ["run", yaml_path],
             "show": ["show", yaml_path, "--target", "0"],
             "query": ["query", yaml_path, "--inputs", str(queries)],
         },
         cwd=tmp_path,
-        here=("trigger", ["trigger", "query/digits", "--inputs", str(queries), "--wait"]),
     )
     for name, (code, text) in out.items():
         assert code == 0, (name, text + (log() if name == "trigger" else ""))
