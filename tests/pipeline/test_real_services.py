@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,18 +87,7 @@ def wait_terminal(server, deployment_name: str, timeout: float, proc=None, run_i
         ]
         return runs[0] if runs else None
 
-    return wait_for(done, timeout, f"a finished run of deployment {deployment_name!r}", poll=1.0, proc=proc)
-
-
-def trakflow(server, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "trakflow"), *args],
-        env=server.env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return wait_for(done, timeout, f"a finished run of deployment {deployment_name!r}", poll=0.5, proc=proc)
 
 
 def bad_label_train_data():
@@ -270,7 +260,10 @@ def served(setup):
         )
     """)
     )
-    proc = server.spawn([sys.executable, str(script), str(tmp / "scheduled.json")], "serve-attribute")
+    # its runner polls for runs every second (Prefect's default: 10 s, which each run would wait half of)
+    proc = server.spawn(
+        [sys.executable, str(script), str(tmp / "scheduled.json")], "serve-attribute", PREFECT_RUNNER_POLL_FREQUENCY="1"
+    )
     wait_for(lambda: "attribute/served" in _names(server), 300, "deployment attribute/served", poll=1.0, proc=proc)
     return proc
 
@@ -310,7 +303,7 @@ def test_busy_store_queues(setup, served):
         states = [r.state_type.value for r in flow_runs(server, "served") if r.id in {x.id for x in runs}]
         return len(states) == 2 and all(s in TERMINAL for s in states) and states
 
-    states = wait_for(finished, 600, "both queued runs", poll=1.0, proc=served)
+    states = wait_for(finished, 600, "both queued runs", poll=0.5, proc=served)
     assert states == ["COMPLETED", "COMPLETED"], server.read_log("serve-attribute")[-3000:]
     assert any("queued" in _logs(server, r.id) for r in runs), "no run waited in the store's queue"
     np.testing.assert_array_equal(scores(cfg), ref)
@@ -318,26 +311,57 @@ def test_busy_store_queues(setup, served):
 
 def test_trigger_cli(setup, served):
     """`trakflow trigger`: a wrong name lists the deployments; a bad config is refused locally (no run is
-    created); --wait prints a failed run's cause on one `error:` line and exits 1."""
+    created); --wait prints a failed run's cause on one `error:` line and exits 1. The --wait command runs in a
+    process of its own while the other two run in this one: the runs of the deployment afterwards are those
+    before and the failing one."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from typer.testing import CliRunner
+
+    from trakflow_cli.main import app
+
     server, tmp, ckpt_dir, _ = setup
-    res = trakflow(server, "trigger", "attribute/nope")
-    assert res.returncode == 2 and "available:" in res.stderr and "attribute/served" in res.stderr, res.stderr
-
-    before = len(flow_runs(server, "served"))
-    bad = tmp / "typo.yaml"
-    bad.write_text(json.dumps({**tiny_config(tmp, ckpt_dir, "typo"), "projdim": 3}))
-    res = trakflow(server, "trigger", "attribute/served", "--config", str(bad))
-    assert res.returncode == 2 and "projdim" in res.stderr, res.stderr
-    assert len(flow_runs(server, "served")) == before
-
+    before = {str(r.id) for r in flow_runs(server, "served")}
     failing = tmp / "failing.yaml"
     failing.write_text(
         json.dumps(tiny_config(tmp, ckpt_dir, "failing", train_data="test_real_services:bad_label_train_data"))
     )
-    res = trakflow(server, "trigger", "attribute/served", "--config", str(failing), "--wait")
-    assert res.returncode == 1, res.stdout + res.stderr
-    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "BadInputError" in errors[0] and "rows 16..23" in errors[0], res.stderr
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "trakflow"),
+            "trigger",
+            "attribute/served",
+            "--config",
+            str(failing),
+            "--wait",
+        ],
+        env={**server.env, "COLUMNS": "200"},  # the run's id on one line
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        env = {"COLUMNS": "200", "NO_COLOR": "1", "PREFECT_API_URL": server.api_url, "PREFECT_LOGGING_LEVEL": "WARNING"}
+        with temporary_settings({PREFECT_API_URL: server.api_url}):
+            res = CliRunner().invoke(app, ["trigger", "attribute/nope"], env=env)
+            assert res.exit_code == 2 and "available:" in res.stderr and "attribute/served" in res.stderr, res.stderr
+
+            bad = tmp / "typo.yaml"
+            bad.write_text(json.dumps({**tiny_config(tmp, ckpt_dir, "typo"), "projdim": 3}))
+            res = CliRunner().invoke(app, ["trigger", "attribute/served", "--config", str(bad)], env=env)
+            assert res.exit_code == 2 and "projdim" in res.stderr, res.stderr
+
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out + err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "BadInputError" in errors[0] and "rows 16..23" in errors[0], err
+    m = re.search(r"flow run \S+ \(([0-9a-f-]{36})\)", out)
+    assert m, out + err
+    assert {str(r.id) for r in flow_runs(server, "served")} == {*before, m.group(1)}
 
 
 def test_flow_run_graph_shows_stage_order(setup):
