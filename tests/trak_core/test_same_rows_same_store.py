@@ -98,13 +98,13 @@ def test_traker_computes_each_row_at_its_index_place_whatever_the_batch(tmp_path
     places: dict[int, set[int]] = {}
     real_place = featurizer._place
 
-    def spy(batch_, rows, slots):
-        out = real_place(batch_, rows, slots)
+    def spy(batch_, indices, rows, slots):
+        out, _ = real_place(batch_, indices, rows, slots)
         for s in slots:
             hit = torch.nonzero((x == out[0][s]).all(dim=1)).reshape(-1).tolist()  # the train row it is (if any)
             for i in hit:
                 places.setdefault(i, set()).add(s % featurizer.ROW_BLOCK)
-        return out
+        return out, _
 
     monkeypatch.setattr(featurizer, "_place", spy)
     _run(tmp_path / "s", batch)

@@ -64,16 +64,15 @@ def row_slots(indices: Sequence[int]) -> tuple[int, list[int]]:
     return max(1, max(used)) * ROW_BLOCK, slots
 
 
-def _place(batch: Sequence[Tensor], rows: int, slots: Sequence[int]) -> list[Tensor]:
-    """``batch`` with row ``i`` at row ``slots[i]`` of ``rows``, the other rows copies of its first row (no copy when
-    the slots are the rows in order)."""
-    b = batch[0].shape[0]
-    if rows == b and list(slots) == list(range(b)):
-        return list(batch)
+def _place(
+    batch: Sequence[Tensor], indices: list[int], rows: int, slots: Sequence[int]
+) -> tuple[list[Tensor], list[int]]:
+    """``batch`` and its ``indices`` with row ``i`` at row ``slots[i]`` of ``rows``, the other rows copies of its
+    first row."""
     src = [0] * rows
     for i, s in enumerate(slots):
         src[s] = i
-    return [t.index_select(0, torch.as_tensor(src, device=t.device)) for t in batch]
+    return [t.index_select(0, torch.as_tensor(src, device=t.device)) for t in batch], [indices[j] for j in src]
 
 
 #: the largest batch of rows copied from a CUDA device into page-locked memory (torch keeps freed page-locked blocks
@@ -305,12 +304,10 @@ class Featurizer:
             rows, slots = row_slots(indices)
         else:
             rows, slots = b, list(range(b))
+        placed = rows != b or slots != list(range(b))
         given, given_indices = batch, indices
-        batch = _place(batch, rows, slots)
-        placed = [indices[0]] * rows
-        for i, s in enumerate(slots):
-            placed[s] = indices[i]
-        indices = placed
+        if placed:
+            batch, indices = _place(batch, indices, rows, slots)
         try:
             both = self._one_forward(batch, model_id, indices, given=b)
             if both is None:
@@ -319,7 +316,7 @@ class Featurizer:
             else:
                 x, q = both
         except BadInputError:
-            if batch is not given:  # an error naming batch positions names the batch's own: its separate forward's
+            if placed:  # an error naming batch positions names the batch's own: its separate forward's
                 self.out_to_loss(given, model_id, given_indices)
             raise
         except RuntimeError as e:
@@ -327,8 +324,8 @@ class Featurizer:
             raise
         if self.tap is not None:
             self.tap.settle(batch, q, slots)
-        if slots == list(range(b)):
-            return x[:b], q[:b]
+        if not placed:
+            return x, q
         at = torch.as_tensor(slots, device=x.device)
         return x.index_select(0, at), q.index_select(0, at.to(q.device))
 
