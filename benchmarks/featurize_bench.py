@@ -143,6 +143,7 @@ def worker(spec: dict) -> dict:
             t0 = time.perf_counter()
             # traker: its default lambda_reg (0); trakflow: its default ('adaptive') unless the row names one
             kw = {"lambda_reg": 0.0} if impl.startswith("traker") else {"lambda_reg": float(lam)} if lam else {}
+            kw.update({"curvature": spec["curvature"]} if spec.get("curvature") else {})  # matrix.py --curvatures
             if impl == "traker-fastest":
                 from trak.projectors import BasicSingleBlockProjector, ProjectionType
 
@@ -170,6 +171,8 @@ def worker(spec: dict) -> dict:
             )
             t1 = time.perf_counter()
             tr.load_checkpoint(model.state_dict(), model_id=0)
+            if spec.get("curvature") == "kfac-eigen":  # its factors before its rows: the fit counts as featurizing
+                tr.fit_curvature([(x[a : a + bs], y[a : a + bs]) for a in range(0, n, bs)])
             for a in range(0, n, bs):
                 b = min(a + bs, n)
                 tr.featurize((x[a:b], y[a:b]), num_samples=b - a)
@@ -367,33 +370,13 @@ def main() -> None:
     ap.add_argument("--proj-dim", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--device", default="cpu", help="cuda: on a GPU (the floor, traker and trakflow alike)")
-    ap.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="fresh processes per row, interleaved in time across rows; the best cold and warm kept",
-    )
+    ap.add_argument("--repeats", type=int, default=1, help="fresh processes per row, interleaved; best cold/warm kept")
     ap.add_argument("--warm-runs", type=int, default=2, help="warm passes after the cold one, in each process")
-    ap.add_argument(
-        "--slow-repeats",
-        type=int,
-        default=1,
-        help="processes for traker's default row (minutes per pass on the larger models)",
-    )
-    ap.add_argument(
-        "--slow-warm-runs",
-        type=int,
-        default=0,
-        help="warm passes of traker's default row (it regenerates its matrix per batch: cold ≈ warm)",
-    )
+    ap.add_argument("--slow-repeats", type=int, default=1, help="processes for traker's default row (minutes each)")
+    ap.add_argument("--slow-warm-runs", type=int, default=0, help="warm passes of traker's default row (cold ≈ warm)")
     ap.add_argument("--models", nargs="+", default=["mlp400k", "convnet", "transformer"])
     ap.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, choices=list(IMPL_LABEL))
-    ap.add_argument(
-        "--skip",
-        nargs="*",
-        default=["convnet:factored@0", "transformer:factored@0"],
-        help="model:impl pairs left out",
-    )
+    ap.add_argument("--skip", nargs="*", default=["convnet:factored@0", "transformer:factored@0"], help="model:impl")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--json", default=os.path.join(ROOT, ".cache", "featurize_bench.json"), help="the raw results")
     a = ap.parse_args()

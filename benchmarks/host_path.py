@@ -324,12 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=65536, help="train rows")
     ap.add_argument("--p", type=int, default=2048, help="proj_dim")
     ap.add_argument("--batches", type=int, nargs="+", default=[256, 2048])
-    ap.add_argument(
-        "--paths",
-        nargs="+",
-        default=["traker", "traker-behind", "shard", "floor"],
-        choices=["traker", "traker-behind", "shard", "floor"],
-    )
+    paths = ["traker", "traker-behind", "shard", "floor"]
+    ap.add_argument("--paths", nargs="+", default=paths, choices=paths)
     ap.add_argument("--chunk-rows", type=int, default=None, help="store chunk rows (default: the store's choice)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is reported")
     ap.add_argument("--pool", type=int, default=8192, help="rows of precomputed X cycled through")

@@ -4,11 +4,10 @@ each cell in fresh processes through ``featurize_bench``'s worker (the same code
 also fast_jl's ``CudaProjector`` where it imports) and **trakflow**'s ``TRAKer`` defaults, cold and warm.
 
     .venv/bin/python benchmarks/matrix.py                       # the whole matrix (tens of minutes on 2 cores)
-    .venv/bin/python benchmarks/matrix.py --models mlp3 --proj-dims 2048 --repeats 2
     .venv/bin/python benchmarks/matrix.py --models mlp3w --threads 1 --stat median --repeats 5
 
 ``--threads`` sets every worker's torch and BLAS threads; ``--stat median`` keeps each cell's median process
-instead of its best (a shared machine).
+instead of its best (a shared machine); ``--curvatures xtx kfac``: the floor and TRAKer at each curvature, alone.
 """
 
 from __future__ import annotations
@@ -40,12 +39,32 @@ def cells(a) -> list[dict]:
             if a.device.startswith("cuda") and importlib.util.find_spec("fast_jl") is not None:
                 impls.append("traker-fastjl")
             cell = dict(model=m, n=n, batch=bs, proj_dim=p, warm_runs=a.warm_runs, device=a.device)
-            out += [dict(cell, impl=i) for i in impls]
+            curv = [dict(cell, impl="factored", curvature=c) for c in a.curvatures or ()]  # with the floor, alone
+            out += [dict(cell, impl="floor")] + curv if curv else [dict(cell, impl=i) for i in impls]
     return out
 
 
 def _key(r: dict) -> tuple:
-    return (r["model"], r["proj_dim"], r["impl"])
+    return (r["model"], r["proj_dim"], r["impl"]) + ((r["curvature"],) if r.get("curvature") else ())
+
+
+def curvature_table(res: dict, command: str) -> str:
+    """``--curvatures``: each model's warm featurize + finalize at each curvature and proj_dim against its floor."""
+    by, curv = {_key(r): r for r in res["cells"]}, res["curvatures"]
+    dims = sorted({r["proj_dim"] for r in res["cells"]})
+    lines = [f"| model | parameters | compression at {' / '.join(map(str, dims))} | floor s | "
+             + " | ".join(f"{c}: s, × floor" for c in curv)
+             + f" | peak MiB at {dims[-1]}: {' / '.join(curv)} |", "|---" * (5 + len(curv)) + "|"]  # fmt: skip
+    for m in dict.fromkeys(k[0] for k in by):
+        fl = [by[(m, p, "floor")]["warm_s"] for p in dims]
+        rs = {c: [by[(m, p, "factored", c)] for p in dims] for c in curv}
+        d = rs[curv[0]][0]["grad_dim"]
+        cells = [" / ".join(f"{r['warm_s']:.2f}" for r in rs[c]) + ", " + " / ".join(
+            f"{r['warm_s'] / f:.1f}×" for r, f in zip(rs[c], fl, strict=True)) for c in curv]  # fmt: skip
+        peak = " / ".join(f"{rs[c][-1]['peak_rss_mib'] - rs[c][-1]['baseline_rss_mib']:.0f}" for c in curv)
+        lines.append(f"| {bench_models.LABELS.get(m, m)} | {d:,} | {' / '.join(f'{d / p:,.0f}×' for p in dims)} | "
+                     + " / ".join(f"{f:.2f}" for f in fl) + " | " + " | ".join(cells) + f" | {peak} |")  # fmt: skip
+    return "\n".join([*lines, "", f"`{command}`: {res['seconds'] / 60:.1f} min, load {fb._load_range(res['cells'])}."])
 
 
 def _vs(other: dict | None, r: dict) -> str:
@@ -104,6 +123,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the raw results here")
     ap.add_argument("--threads", type=int, default=None, help="torch and BLAS threads of every worker")
     ap.add_argument("--stat", choices=("min", "median"), default="min", help="of a cell's --repeats processes")
+    ap.add_argument("--curvatures", nargs="+", default=None, help="TRAKer at each, beside the floor")
     a = ap.parse_args()
     if a.threads:  # read by torch, OpenBLAS and MKL as each worker starts
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -112,9 +132,9 @@ def main() -> None:
     t0 = time.perf_counter()
     runs = fb.interleaved(cells(a), a.repeats, 3600, _key)
     res = {"cells": [fb.best(v, a.stat) for v in runs.values()], "seconds": time.perf_counter() - t0}
-    res["threads"] = a.threads
+    res["threads"], res["curvatures"] = a.threads, a.curvatures
     write_json(a.json, res)
-    print(table(res, command))
+    print((curvature_table if a.curvatures else table)(res, command))
 
 
 if __name__ == "__main__":

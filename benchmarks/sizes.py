@@ -153,9 +153,8 @@ def main(argv=None) -> None:
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per measurement")
     ap.add_argument("--device", default="cpu", help="cuda: model, batches and TRAKer on the GPU")
     ap.add_argument("--passes", type=int, default=1, help="passes per measurement, the last one reported")
-    ap.add_argument(
-        "--what", nargs="+", default=["train", "featurize", "traker"], choices=["train", "featurize", "traker"]
-    )
+    whats = ["train", "featurize", "traker"]
+    ap.add_argument("--what", nargs="+", default=whats, choices=whats)
     args = ap.parse_args(argv)
     results = []
     for model in args.models:
