@@ -159,6 +159,7 @@ kernel: it would loop over examples); the numbers are the same up to rounding.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -633,13 +634,21 @@ def _per_example_grads(
     rounding, without the double-backward bookkeeping of ``grad`` inside ``vmap`` and without
     ``torch.func.grad``'s first-use cost (it imports torch._dynamo: about a second per process)."""
     bsz = batch[0].shape[0]
-    # nn.MultiheadAttention / nn.TransformerEncoderLayer take a fused inference kernel without a derivative when
-    # no argument reports requires_grad (vmap's per-example views do not): off while we differentiate
+    with differentiable_attention():
+        return _per_example_grads_impl(out_fn, blocks, other_w, shared, batch, device, dtype, bsz, probes)
+
+
+@contextlib.contextmanager
+def differentiable_attention():
+    """Attention that vmap batches and autograd differentiates, for a pass that takes gradients of a model in eval
+    mode (featurizing, a K-FAC fit): ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``'s fused inference
+    kernel, which has no derivative and is taken when no argument reports requires_grad (vmap's per-example views
+    do not), off; scaled dot-product attention on its math backend (:func:`_attention_math`)."""
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
     try:
         with _attention_math():
-            return _per_example_grads_impl(out_fn, blocks, other_w, shared, batch, device, dtype, bsz, probes)
+            yield
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
 

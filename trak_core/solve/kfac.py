@@ -74,9 +74,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -193,6 +195,7 @@ def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dic
     """({site: ã (B, T, in_rows)}, {site: δ (B, T, d_out), scaled by √r}, sites left out) of one batch, float64:
     one forward of the task's output per example (vmap) and one backward of their sum (each example's δ is its
     own: vmap gives each example its own zero probe added to the layer's output)."""
+    from trak_core.projection.factored import differentiable_attention
     from trak_core.solve.kfac_tap import FactorTap
     from trak_core.solve.lambda_rules import q_measures_fit
 
@@ -206,7 +209,7 @@ def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dic
     dt = next(iter(weights.values())).dtype
     handles = tap.hooks(model)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), differentiable_attention():
             es = {
                 s.name: torch.zeros(bsz, *shapes[s.name], device=feat.device, dtype=dt, requires_grad=True)
                 for s in used
@@ -609,11 +612,40 @@ def eigen_energies(pre: KroneckerFactors, energies: dict, proj_dim: int) -> dict
     return out
 
 
-def bind_eigen(projector, factors_of: Callable[[int], KroneckerFactors]) -> None:
+class SidesCache:
+    """The eigenbasis sides (:func:`eigen_sides`) of the last ``keep`` factor sets a process decomposed, keyed by the
+    factors' digest and the blocks they project: the pipeline's worker builds a projector for every shard task of a
+    checkpoint, and decomposing the factors again for each would cost more than a shard's featurizing on a GPU (and
+    tens of seconds of CPU for a ResNet's 4,608² factors). Thread-safe; every caller gets the same arrays, to read."""
+
+    def __init__(self, keep: int = 4):
+        self.keep, self._lock, self._sides = keep, threading.Lock(), OrderedDict()
+
+    def get(self, blocks, pre: KroneckerFactors) -> dict:
+        key = (_fingerprint(pre), repr([asdict(b) for b in blocks]))
+        with self._lock:
+            if key in self._sides:
+                self._sides.move_to_end(key)
+                return self._sides[key]
+        sides = eigen_sides(blocks, pre)
+        with self._lock:
+            self._sides[key] = sides
+            while len(self._sides) > self.keep:
+                self._sides.popitem(last=False)
+        return sides
+
+
+#: the sides of the factors a store records, shared by this process's projectors of that store
+#: (:func:`trak_core.solve.kfac_record.bind_recorded`)
+RECORDED_SIDES = SidesCache()
+
+
+def bind_eigen(projector, factors_of: Callable[[int], KroneckerFactors], cache: SidesCache | None = None) -> None:
     """Make ``projector`` (a :class:`~trak_core.projection.factored.FactoredProjector`) project the Kronecker blocks
     of each model id in the eigenbasis of the factors ``factors_of(model_id)`` gives (:func:`eigen_sides`; it
     raises when a checkpoint has none); its other blocks keep their random sides. Each model's sides are computed
-    once for the factors they come from (featurizing and scoring a model decompose its factors once)."""
+    once for the factors they come from (featurizing and scoring a model decompose its factors once); with a
+    ``cache``, once per process for all the projectors that share it."""
     blocks = projector.layout.blocks
     memo: dict[int, tuple[str, dict]] = {}
 
@@ -621,7 +653,7 @@ def bind_eigen(projector, factors_of: Callable[[int], KroneckerFactors]) -> None
         pre = factors_of(model_id)
         key = _fingerprint(pre)
         if model_id not in memo or memo[model_id][0] != key:
-            memo[model_id] = (key, eigen_sides(blocks, pre))
+            memo[model_id] = (key, eigen_sides(blocks, pre) if cache is None else cache.get(blocks, pre))
         return memo[model_id][1]
 
     projector.side_override = sides

@@ -18,6 +18,7 @@ from trak_core.solve.kfac import (
     FIT_BEFORE_FEATURIZE,
     FOLDED_CURVATURES,
     KFAC_CURVATURES,
+    RECORDED_SIDES,
     FactorFold,
     FactorSums,
     KroneckerFactors,
@@ -223,7 +224,7 @@ def bind_recorded(projector, store) -> None:
             )
         return pre
 
-    bind_eigen(projector, factors_of)
+    bind_eigen(projector, factors_of, RECORDED_SIDES)
 
 
 def finalize_inverse(store, model_id: int, xtx: np.ndarray, rule, rescale: bool) -> tuple[np.ndarray, dict]:

@@ -50,13 +50,15 @@ class FactorTap:
     def shapes(self, model: nn.Module, task, weights: dict, buffers: dict, batch: Sequence[Tensor]) -> dict:
         """{layer: its output's shape per example} of the layers called once in one example's forward (cached per
         input shape); the others are left out of this batch."""
+        from trak_core.projection.factored import differentiable_attention
+
         key = tuple((tuple(t.shape[1:]), t.dtype, str(t.device)) for t in batch)
         if key not in self._shapes:
             ctx = self._ctx
             ctx.update(e=None, calls={}, shapes={})
             handles = self.hooks(model)
-            try:
-                with torch.no_grad():
+            try:  # the layers the differentiated passes call (a fused attention kernel calls none of its own)
+                with torch.no_grad(), differentiable_attention():
                     torch.func.vmap(lambda *s: task.get_output(model, weights, buffers, *s))(*[t[:1] for t in batch])
             finally:
                 for h in handles:

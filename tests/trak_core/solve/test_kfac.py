@@ -590,3 +590,57 @@ def test_a_causal_lm_s_is_its_output_gradients_second_moment():
         got = pre.blocks[name][2]
         assert np.abs(got).max() > 0
         np.testing.assert_allclose(got, s / len(lengths), rtol=1e-8, atol=1e-12 * np.abs(s).max())
+
+
+class Encoder(nn.Module):
+    """Two transformer encoder layers in eval mode (the second's attention would take torch's fused inference
+    kernel: batch_first, no mask), pooled, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer
+        self.enc = nn.Sequential(*[layer(D_IN, 2, 16, dropout=0.0, batch_first=True) for _ in range(2)])
+        self.head = nn.Linear(D_IN, C)
+
+    def forward(self, x):
+        return self.head(self.enc(x).mean(1))
+
+
+def test_attention_fused_kernel_is_not_taken_by_the_fit(monkeypatch):
+    """A fit (and the folded sums) of a model whose attention layer would take torch's fused inference kernel (no
+    derivative; its inner Linears never called): the same factors as with that kernel turned off by the caller, with
+    the feed-forward layers fitted, and the same factors folded while featurizing."""
+    model = Encoder().eval()
+    x, y = torch.randn(N, 4, D_IN, generator=torch.Generator().manual_seed(5)), torch.randint(0, C, (N,))
+    assert torch.backends.mha.get_fastpath_enabled()
+    gd = sum(p.numel() for p in model.parameters())
+
+    def feat():
+        f = Featurizer(model, "image_classification", make_projector("factored", gd, 24, 0, "rademacher", model=model))
+        f.load_state(model.state_dict())
+        return f
+
+    with pytest.warns(UserWarning, match="keep their block"):  # the in-projection is no Linear module's forward
+        got = kfac.fit_factors(feat(), batches(x, y), "kfac")
+    want_sites = {f"enc.{i}.linear{j}" for i in (0, 1) for j in (1, 2)} | {"head"}
+    assert set(got.blocks) == want_sites  # not out_proj: the attention function applies its weights
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with pytest.warns(UserWarning, match="keep their block"):
+            want = kfac.fit_factors(feat(), batches(x, y), "kfac")
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    assert got.blocks.keys() == want.blocks.keys()
+    for name, (_, a, s) in want.blocks.items():  # scaled dot-product attention's backends round differently
+        np.testing.assert_allclose(got.blocks[name][1], a, rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(got.blocks[name][2], s, rtol=1e-5, atol=1e-9)
+    fold, f = kfac.FactorFold(N), feat()
+    for i, b in enumerate(batches(x, y)()):
+        kfac.featurize_folded(fold, f, b, 0, list(range(10 * i, 10 * i + len(b[1]))))
+    with pytest.warns(UserWarning, match="keep their block"):
+        folded = fold.factors("kfac")
+    assert folded.blocks.keys() == want.blocks.keys()
+    for name, (_, a, s) in want.blocks.items():
+        np.testing.assert_allclose(folded.blocks[name][1], a, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(folded.blocks[name][2], s, rtol=1e-5, atol=1e-7)

@@ -412,6 +412,51 @@ def test_index_queries_in_the_recorded_eigenbasis(tmp_path, projector):
     np.testing.assert_allclose(np.take_along_axis(got.T, res.indices, 1), res.scores, rtol=1e-5, atol=1e-6)
 
 
+def test_projectors_of_a_store_share_its_decomposition(tmp_path, monkeypatch):
+    """The pipeline builds a projector per shard task: those bound to one store's recorded factors (bind_recorded,
+    as the tasks and the index bind them) decompose each factor set once per process; another fit of the model, or
+    another layout, is decomposed anew; the shared sides are the ones a projector of its own computes."""
+    from trak_core.engine import recorded_projector
+    from trak_core.solve import kfac_record
+    from trak_core.store import open_store
+
+    model = mlp()
+    x, y = data()
+    tr = traker(model, tmp_path / "s")
+    tr.load_checkpoint(model.state_dict(), model_id=0)
+    tr.fit_curvature([[x, y]])
+    tr.featurize([x, y], num_samples=N)
+    tr.finalize_features()
+    tr._close()
+    del tr
+    monkeypatch.setattr(kfac_record, "RECORDED_SIDES", kfac.SidesCache(keep=2))
+    calls = []
+    real = kfac.eigen_sides
+    monkeypatch.setattr(kfac, "eigen_sides", lambda *a, **k: calls.append(1) or real(*a, **k))
+    store = open_store(str(tmp_path / "s"), mode="r")
+
+    def sides(store, **kw):
+        proj = recorded_projector(store.meta, model, None, "cpu") if not kw else make_projector(**kw, model=model)
+        kfac_record.bind_recorded(proj, store)
+        return proj._overridden_sides(0)
+
+    first = sides(store)
+    again = [sides(store) for _ in range(3)]
+    assert len(calls) == 1
+    pre = kfac_record.current_factors(store, 0)
+    own = {k: (torch.as_tensor(a), torch.as_tensor(b)) for k, (a, b) in real(recorded_projector(
+        store.meta, model, None, "cpu").layout.blocks, pre).items()}  # fmt: skip
+    for got in [first, *again]:
+        assert got.keys() == own.keys() and all(torch.equal(got[k][i], own[k][i]) for k in own for i in (0, 1))
+    gd = sum(p.numel() for p in model.parameters())
+    sides(store, kind="factored", grad_dim=gd, proj_dim=8, seed=0, proj_type="rademacher")  # another layout
+    assert len(calls) == 2
+    refit = kfac.KroneckerFactors({n: (s, a * 2.0, f) for n, (s, a, f) in pre.blocks.items()}, dict(pre.info))
+    monkeypatch.setattr(kfac_record, "current_factors", lambda st, mid: refit)
+    sides(store)
+    assert len(calls) == 3
+
+
 # ------------------------------------------------------------------------------------------ the split
 def brute_energies(pre, energies: dict, proj_dim: int) -> dict:
     """``kfac.eigen_energies`` by its definition, by enumeration of every layer's eigen-coordinates."""
