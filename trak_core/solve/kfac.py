@@ -619,7 +619,8 @@ class SidesCache:
     tens of seconds of CPU for a ResNet's 4,608² factors). Thread-safe; every caller gets the same arrays, to read."""
 
     def __init__(self, keep: int = 4):
-        self.keep, self._lock, self._sides = keep, threading.Lock(), OrderedDict()
+        self.keep, self._lock = keep, threading.Lock()
+        self._sides: OrderedDict[tuple[str, str], dict] = OrderedDict()
 
     def get(self, blocks, pre: KroneckerFactors) -> dict:
         key = (_fingerprint(pre), repr([asdict(b) for b in blocks]))
