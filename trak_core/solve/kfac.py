@@ -622,8 +622,9 @@ class SidesCache:
         self.keep, self._lock = keep, threading.Lock()
         self._sides: OrderedDict[tuple[str, str], dict] = OrderedDict()
 
-    def get(self, blocks, pre: KroneckerFactors) -> dict:
-        key = (_fingerprint(pre), repr([asdict(b) for b in blocks]))
+    def get(self, blocks, pre: KroneckerFactors, digest: str | None = None) -> dict:
+        """The sides of ``pre`` for ``blocks`` (``digest``: ``pre``'s :func:`_fingerprint`, where the caller has it)."""
+        key = (digest or _fingerprint(pre), repr([asdict(b) for b in blocks]))
         with self._lock:
             if key in self._sides:
                 self._sides.move_to_end(key)
@@ -654,7 +655,7 @@ def bind_eigen(projector, factors_of: Callable[[int], KroneckerFactors], cache: 
         pre = factors_of(model_id)
         key = _fingerprint(pre)
         if model_id not in memo or memo[model_id][0] != key:
-            memo[model_id] = (key, eigen_sides(blocks, pre) if cache is None else cache.get(blocks, pre))
+            memo[model_id] = (key, eigen_sides(blocks, pre) if cache is None else cache.get(blocks, pre, key))
         return memo[model_id][1]
 
     projector.side_override = sides
