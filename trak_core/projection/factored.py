@@ -159,7 +159,6 @@ kernel: it would loop over examples); the numbers are the same up to rounding.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -192,7 +191,13 @@ from trak_core.projection.layout import (
     model_layout,
     name_hash,
 )
-from trak_core.projection.mha import ATTENTION, AttentionHooks, attention_blocks, chain_product
+from trak_core.projection.mha import (
+    ATTENTION,
+    AttentionHooks,
+    attention_blocks,
+    chain_product,
+    differentiable_attention,
+)
 
 #: the layout's public names (trak_core.projection.layout) are importable from here too
 __all__ = [
@@ -636,30 +641,6 @@ def _per_example_grads(
     bsz = batch[0].shape[0]
     with differentiable_attention():
         return _per_example_grads_impl(out_fn, blocks, other_w, shared, batch, device, dtype, bsz, probes)
-
-
-@contextlib.contextmanager
-def differentiable_attention():
-    """Attention that vmap batches and autograd differentiates, for a pass that takes gradients of a model in eval
-    mode (featurizing, a K-FAC fit): ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``'s fused inference
-    kernel, which has no derivative and is taken when no argument reports requires_grad (vmap's per-example views
-    do not), off; scaled dot-product attention on its math backend (:func:`_attention_math`)."""
-    fastpath = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with _attention_math():
-            yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(fastpath)
-
-
-def _attention_math():
-    """Scaled dot-product attention's math backend, on every device: on the CPU vmap has no batching rule
-    for the fused kernel (it would run example by example); on CUDA the fused kernels' backward passes fail
-    under vmap (memory-efficient attention: "LSE is not correctly aligned (strideH)", H100, torch 2.11)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(SDPBackend.MATH)
 
 
 def _per_example_grads_impl(

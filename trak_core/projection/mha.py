@@ -19,9 +19,12 @@ of the weights outside these calls is found by the caller's check (W + s·R).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import types
 from collections.abc import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
@@ -30,6 +33,39 @@ from torch.overrides import TorchFunctionMode
 ATTENTION = "attention"
 #: nn.MultiheadAttention's own weight attributes, each applied by a linear call of the attention function
 _WEIGHTS = {"in_proj_weight": "in_proj_bias", "q_proj_weight": None, "k_proj_weight": None, "v_proj_weight": None}
+
+
+#: the passes inside :func:`differentiable_attention` now (threads of one process), and what they changed
+_DIFFERENTIABLE = {"lock": threading.Lock(), "users": 0, "fastpath": True, "sdpa": None}
+
+
+@contextlib.contextmanager
+def differentiable_attention():
+    """Attention that vmap batches and autograd differentiates, for a pass that takes gradients of a model in eval
+    mode (featurizing, a K-FAC fit): ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``'s fused inference
+    kernel, which has no derivative and is taken when no argument reports requires_grad (vmap's per-example views
+    do not), off; scaled dot-product attention on its math backend: on the CPU vmap has no batching rule for the
+    fused kernel (it would run example by example), on CUDA the fused kernels' backward passes fail under vmap
+    (memory-efficient attention: "LSE is not correctly aligned (strideH)", H100, torch 2.11). Both are process-wide
+    switches: the first pass in changes them, the last one out restores them, whatever the order threads leave in."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    st = _DIFFERENTIABLE
+    with st["lock"]:
+        if st["users"] == 0:
+            st["fastpath"] = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+            st["sdpa"] = sdpa_kernel(SDPBackend.MATH)
+            st["sdpa"].__enter__()
+        st["users"] += 1
+    try:
+        yield
+    finally:
+        with st["lock"]:
+            st["users"] -= 1
+            if st["users"] == 0:
+                st["sdpa"].__exit__(None, None, None)
+                torch.backends.mha.set_fastpath_enabled(st["fastpath"])
 
 
 def attention_owners(model: nn.Module) -> dict[int, str]:

@@ -195,7 +195,7 @@ def _site_tensors(feat, batch: Sequence[Tensor], sites: list[Site]) -> tuple[dic
     """({site: ã (B, T, in_rows)}, {site: δ (B, T, d_out), scaled by √r}, sites left out) of one batch, float64:
     one forward of the task's output per example (vmap) and one backward of their sum (each example's δ is its
     own: vmap gives each example its own zero probe added to the layer's output)."""
-    from trak_core.projection.factored import differentiable_attention
+    from trak_core.projection.mha import differentiable_attention
     from trak_core.solve.kfac_tap import FactorTap
     from trak_core.solve.lambda_rules import q_measures_fit
 

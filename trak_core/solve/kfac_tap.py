@@ -50,7 +50,7 @@ class FactorTap:
     def shapes(self, model: nn.Module, task, weights: dict, buffers: dict, batch: Sequence[Tensor]) -> dict:
         """{layer: its output's shape per example} of the layers called once in one example's forward (cached per
         input shape); the others are left out of this batch."""
-        from trak_core.projection.factored import differentiable_attention
+        from trak_core.projection.mha import differentiable_attention
 
         key = tuple((tuple(t.shape[1:]), t.dtype, str(t.device)) for t in batch)
         if key not in self._shapes:

@@ -232,3 +232,26 @@ def test_chain_product_takes_the_cheaper_order_and_the_same_value(rows):
     torch.testing.assert_close(got, a @ (m @ n), rtol=1e-12, atol=1e-12)
     one = factored_mha.chain_product(a[0], m, n)  # an example's one position as a vector
     torch.testing.assert_close(one, a[0] @ (m @ n), rtol=1e-12, atol=1e-12)
+
+
+def test_differentiable_attention_restores_torch_switches_in_any_exit_order():
+    """Two passes (threads) inside at once, leaving in the order they came: the fused-kernel switch and the SDPA
+    backends are off / math-only while any is inside, and as before once both are out (each pass saving and restoring
+    on its own would leave the fast path off for good)."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    from trak_core.projection.mha import differentiable_attention
+
+    was, backends = torch.backends.mha.get_fastpath_enabled(), _cur_sdpa_kernel_backends()
+    torch.backends.mha.set_fastpath_enabled(True)
+    try:
+        first, second = differentiable_attention(), differentiable_attention()
+        first.__enter__()
+        second.__enter__()
+        assert not torch.backends.mha.get_fastpath_enabled()
+        first.__exit__(None, None, None)
+        assert not torch.backends.mha.get_fastpath_enabled() and len(_cur_sdpa_kernel_backends()) == 1
+        second.__exit__(None, None, None)
+        assert torch.backends.mha.get_fastpath_enabled() and _cur_sdpa_kernel_backends() == backends
+    finally:
+        torch.backends.mha.set_fastpath_enabled(was)

@@ -607,13 +607,15 @@ class Encoder(nn.Module):
         return self.head(self.enc(x).mean(1))
 
 
-def test_attention_fused_kernel_is_not_taken_by_the_fit(monkeypatch):
+def test_attention_fused_kernel_is_not_taken_by_the_fit(request):
     """A fit (and the folded sums) of a model whose attention layer would take torch's fused inference kernel (no
     derivative; its inner Linears never called): the same factors as with that kernel turned off by the caller, with
     the feed-forward layers fitted, and the same factors folded while featurizing."""
     model = Encoder().eval()
     x, y = torch.randn(N, 4, D_IN, generator=torch.Generator().manual_seed(5)), torch.randint(0, C, (N,))
-    assert torch.backends.mha.get_fastpath_enabled()
+    was = torch.backends.mha.get_fastpath_enabled()
+    request.addfinalizer(lambda: torch.backends.mha.set_fastpath_enabled(was))
+    torch.backends.mha.set_fastpath_enabled(True)  # torch's default, whatever ran before in this process
     gd = sum(p.numel() for p in model.parameters())
 
     def feat():
