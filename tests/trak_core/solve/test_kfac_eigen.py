@@ -28,7 +28,7 @@ from torch import nn
 from trak_core.errors import BadInputError, StateError
 from trak_core.projection.factored import FactoredProjector
 from trak_core.projection.projectors import make_projector
-from trak_core.solve import kfac
+from trak_core.solve import kfac, spectrum
 from trak_core.store import StoreMetadata
 
 
@@ -157,11 +157,15 @@ MODELS = {
 @pytest.mark.filterwarnings("ignore:curvature=")
 @pytest.mark.parametrize("proj_dim", [7, 12, 20, 80])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_rows_are_the_rotated_gradients_selected_coordinates(name, proj_dim, block_form):
+@pytest.mark.parametrize("reduced", [False, True], ids=["eigh", "tridiagonal"])
+def test_rows_are_the_rotated_gradients_selected_coordinates(name, proj_dim, block_form, reduced, monkeypatch):
     """The projector's sides are the factors' eigenvectors as defined (up to sign), and its rows (fast path and
     project()) the explicitly rotated per-example gradients' selected coordinates; other blocks keep the random
     projection's rows. At proj_dim 80 (above the MLP's 53 gradient coordinates) a block has more coordinates than
-    its eigenbasis: the rest are 0."""
+    its eigenbasis: the rest are 0. ``tridiagonal``: every factor through the reduction that wide factors take
+    (:class:`~trak_core.solve.spectrum.FactorSpectrum`), not numpy's full eigendecomposition."""
+    if reduced:
+        monkeypatch.setattr(spectrum, "DIRECT_MAX", 0)
     make, seq = MODELS[name]
     model = make()
     x, y = data(seq)
