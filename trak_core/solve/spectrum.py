@@ -36,8 +36,9 @@ class FactorSpectrum:
 
             # symmetric: the transpose view is Fortran-ordered, so LAPACK reduces this copy in place
             c, d, e, tau, info = lapack.dsytrd(sym.T, lower=1, lwork=64 * n, overwrite_a=1)
-            vals, info2 = lapack.dsterf(d.copy(), e.copy()) if info == 0 else (None, 1)
-            if info == 0 and info2 == 0:
+            if info == 0:
+                vals, info = lapack.dsterf(d.copy(), e.copy())
+            if info == 0:
                 self._reduced = (c, tau, d, e)
                 self.values = np.clip(vals[::-1], 0.0, None)
                 return
