@@ -123,7 +123,7 @@ CASES = (
         "the floor (a training pass + finalize's float32 linear algebra); traker 0.3.2, default and fastest",
         (
             "python benchmarks/featurize_bench.py --models mlp400k --impls floor traker traker-fastest factored "
-            "factored@0 pipeline --repeats 2 --warm-runs 2",
+            "pipeline --repeats 2 --warm-runs 2",
         ),
     ),
     Case(

@@ -7,8 +7,8 @@
 Rows: **floor** (a training pass over the same N examples + finalize's float32 XᵀX, Cholesky, inverse and Φ = X A);
 **traker** (its CPU default, ``BasicProjector``, regenerating its matrix per batch); **traker-fastest**
 (``BasicSingleBlockProjector``, the matrix generated once and kept); **traker-fastjl** (``CudaProjector``, on a
-GPU); trakflow's ``factored`` (the default), ``factored@0`` (λ = 0), ``pipeline`` (the pipeline's task
-functions). The report's paragraph below the table says what each pass includes.
+GPU); trakflow's ``factored`` (the default), ``factored@<λ>`` (a fixed λ: 0 is refused where proj_dim ≥ n),
+``pipeline`` (the pipeline's task functions). The report's paragraph below the table says what each pass includes.
 """
 
 from __future__ import annotations
@@ -360,7 +360,7 @@ def _load_range(rows: list) -> str:
     return f"{min(vals):.1f}–{max(vals):.1f} on {os.cpu_count()} cores" if vals else "not recorded"
 
 
-DEFAULT_IMPLS = ["floor", "traker", "traker-fastest", "factored", "factored@0", "pipeline"]
+DEFAULT_IMPLS = ["floor", "traker", "traker-fastest", "factored", "pipeline"]
 
 
 def main() -> None:
@@ -376,7 +376,7 @@ def main() -> None:
     ap.add_argument("--slow-warm-runs", type=int, default=0, help="warm passes of traker's default row (cold ≈ warm)")
     ap.add_argument("--models", nargs="+", default=["mlp400k", "convnet", "transformer"])
     ap.add_argument("--impls", nargs="+", default=DEFAULT_IMPLS, choices=list(IMPL_LABEL))
-    ap.add_argument("--skip", nargs="*", default=["convnet:factored@0", "transformer:factored@0"], help="model:impl")
+    ap.add_argument("--skip", nargs="*", default=[], help="model:impl")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ap.add_argument("--json", default=os.path.join(ROOT, ".cache", "featurize_bench.json"), help="the raw results")
     a = ap.parse_args()
@@ -440,7 +440,6 @@ def report(res: dict, a) -> str:
                 f"the floor** warm, cold/warm = {r['cold_s'] / r['warm_s']:.2f}."
                 for what, r in (
                     ("Through the pipeline's task functions", by.get(("mlp400k", "pipeline"))),
-                    ("TRAKer at lambda_reg=0", by.get(("mlp400k", "factored@0"))),
                 )
                 if r and r.get("warm_s") and r.get("cold_s")
             ),
@@ -460,8 +459,7 @@ def report(res: dict, a) -> str:
         "seconds / the floor's; *× traker-fastest* = its seconds / the row's. Both libraries run their "
         "defaults otherwise: float32 store (`use_half_precision=False`), traker `lambda_reg=0` (its default), "
         "trakflow its default `lambda_reg='adaptive'` (λ from the eigenvalues of XᵀX: float32 eigenvalues "
-        "checked against the exact effective dimension, `trak_core.solve.damping.solve_deff_fast`); the *λ = 0* row "
-        "is TRAKer at traker's damping (n = proj_dim: XᵀX is rank-deficient, trakflow warns, traker does not); "
+        "checked against the exact effective dimension, `trak_core.solve.damping.solve_deff_fast`); "
         "the *pipeline* row runs the pipeline's task functions in the worker process (`make_plan`, "
         "`featurize_shard` per shard, `finalize_checkpoint`; init = make_plan), its defaults otherwise; the "
         "model in eval mode, random inputs. The floor: a training pass over the same examples (forward, backward, SGD "
