@@ -134,7 +134,7 @@ CASES = (
         (
             "python benchmarks/matrix.py --proj-dims 2048 --warm-runs 2 --repeats 3",
             "python benchmarks/matrix.py --models mlp3w --proj-dims 2048 --threads 1 --stat median --repeats 5 "
-            "--warm-runs 1",
+            "--warm-runs 1 --traker-max-gib 0",
             "python benchmarks/matrix.py --proj-dims 512 2048 --curvatures xtx kfac kfac-eigen --repeats 2 "
             "--warm-runs 2 --json .cache/curvature-cost.json",
         ),
