@@ -438,9 +438,7 @@ def report(res: dict, a) -> str:
             + "".join(
                 f" {what}: {r['warm_s']:.2f} s warm / {r['cold_s']:.2f} s cold, **{r['warm_s'] / f['warm_s']:.1f}× "
                 f"the floor** warm, cold/warm = {r['cold_s'] / r['warm_s']:.2f}."
-                for what, r in (
-                    ("Through the pipeline's task functions", by.get(("mlp400k", "pipeline"))),
-                )
+                for what, r in (("Through the pipeline's task functions", by.get(("mlp400k", "pipeline"))),)
                 if r and r.get("warm_s") and r.get("cold_s")
             ),
             "",
