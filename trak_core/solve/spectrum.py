@@ -6,9 +6,9 @@ eigendecomposition spends most of its time on the eigenvectors it then throws aw
 11.7 s against 6.8 s for the one tridiagonal reduction that gives every eigenvalue and any few eigenvectors.
 
 :class:`FactorSpectrum` does that reduction once (LAPACK's ``sytrd``), takes every eigenvalue from the tridiagonal
-matrix (``sterf``) and, when asked, the top ``k`` eigenvectors (``stemr`` on the tridiagonal matrix, then the
-reduction's reflectors applied to those ``k`` columns only, ``ormqr``). Factors up to :data:`DIRECT_MAX` wide, and
-any whose reduction LAPACK reports failing, take ``numpy.linalg.eigh``.
+matrix (``sterf``) and, when asked, the top ``k`` eigenvectors (``stemr`` on the tridiagonal matrix, ``stev`` where
+MRRR fails, then the reduction's reflectors applied to those ``k`` columns only, ``ormqr``). Factors up to
+:data:`DIRECT_MAX` wide, and any whose reduction LAPACK reports failing, take ``numpy.linalg.eigh``.
 """
 
 from __future__ import annotations
@@ -70,11 +70,10 @@ class FactorSpectrum:
                 raise np.linalg.LinAlgError(f"the eigenvectors of a {n}-wide Kronecker factor did not converge")
             z = z[:, n - k :]
         z = np.asfortranarray(z[:, :k])
-        if n > 1:
-            # Q = diag(1, Q'), Q' the QR-form product of the reflectors that sytrd stored below the subdiagonal
-            z[1:], _, info = lapack.dormqr("L", "N", c[1:, : n - 1], tau, z[1:], max(1, 64 * k))
-            if info != 0:
-                raise np.linalg.LinAlgError(f"ormqr failed ({info}) on a {n}-wide Kronecker factor")
+        # Q = diag(1, Q'), Q' the QR-form product of the reflectors that sytrd stored below the subdiagonal
+        z[1:], _, info = lapack.dormqr("L", "N", c[1:, : n - 1], tau, z[1:], max(1, 64 * k))
+        if info != 0:
+            raise np.linalg.LinAlgError(f"ormqr failed ({info}) on a {n}-wide Kronecker factor")
         return z[:, ::-1].copy()
 
     def release(self) -> None:
