@@ -19,14 +19,19 @@ import numpy as np
 DIRECT_MAX = 256
 
 
+def _symmetric(m: np.ndarray) -> np.ndarray:
+    """(M + Mᵀ)/2 in float64, a new array: exactly symmetric (a fitted factor is so only to round-off)."""
+    m = np.asarray(m, dtype=np.float64)
+    return (m + m.T) / 2
+
+
 class FactorSpectrum:
     """The eigenvalues of the symmetric part (M + Mᵀ)/2 of ``m`` (float64), clipped at 0, largest first
     (:attr:`values`), and its top eigenvectors on request (:meth:`vectors`). The reduction is kept until
     :meth:`release` (an n² array: the caller drops it once it has the vectors it needs)."""
 
     def __init__(self, m: np.ndarray) -> None:
-        sym = np.asarray(m, dtype=np.float64)
-        sym = (sym + sym.T) / 2  # a new array, exactly symmetric: the reduction may overwrite it
+        sym = _symmetric(m)  # a new array: the reduction overwrites it
         n = sym.shape[0]
         self.n = n
         self._full: np.ndarray | None = None  # all eigenvectors, largest first (the direct path)
@@ -42,7 +47,7 @@ class FactorSpectrum:
                 self._reduced = (c, tau, d, e)
                 self.values = np.clip(vals[::-1], 0.0, None)
                 return
-            sym = (np.asarray(m, dtype=np.float64) + np.asarray(m, dtype=np.float64).T) / 2
+            sym = _symmetric(m)
         e_all, u = np.linalg.eigh(sym)
         self.values = np.clip(e_all[::-1], 0.0, None)
         self._full = u[:, ::-1]
