@@ -42,6 +42,7 @@ from trak_core.solve.lambda_rules import (  # noqa: F401
     resolve_lambda,
     symmetric_eigenvalues,
 )
+from trak_core.solve.lanczos import LanczosSketch
 from trak_core.store import mirror_upper
 
 # above this condition number of (XᵀX + λI) the float32 features are dominated by round-off
@@ -216,8 +217,9 @@ def cholesky_inverse(
     λ_max(XᵀX + λI) · λ_max(inverse) by subspace iteration. A matrix that is not positive definite in float64
     takes the general path (:func:`regularized_inverse`: LU, then the pseudo-inverse) with condition ∞.
     Warnings: :func:`check_conditioning` (naming ``matrix``).
-    ``condition_bound``: an upper bound on the condition number known to the caller (:func:`ggn_condition_bound`);
-    below the warning threshold it is the estimate, and nothing more is computed.
+    ``condition_bound``: an upper bound on the condition number known to the caller (:func:`ggn_condition_bound`),
+    or an estimate proven within a per cent of it (:meth:`LanczosSketch.condition`); below the warning threshold it
+    is the estimate, and nothing more is computed.
     ``linalg_device``: None computes on the host (LAPACK through scipy); a torch device computes there
     (:mod:`trak_core.solve.linalg_device`; ``inverse`` may be a tensor on it). The result is on the host either way.
     """
@@ -257,10 +259,26 @@ def cholesky_inverse(
     else:
         cond = check_conditioning(xtx, lam, n_rows, model_id=model_id, stacklevel=4, cond=est, matrix=matrix)
     if rescale:
-        m = float(np.abs(inv_np).mean()) if linalg_device is None else float(inv.abs().mean())
+        m = _mean_abs(inv_np) if linalg_device is None else float(inv.abs().mean())
         if m > 0:
             inv.div_(m)  # in place: the inverse is this function's (or the caller's ``inverse``, handed over)
     return inv.cpu(), cond
+
+
+#: :func:`_mean_abs` sums this many entries per BLAS call (its length argument is a 32-bit integer)
+ASUM_CHUNK = 1 << 30
+
+
+def _mean_abs(a: np.ndarray) -> float:
+    """The mean |entry| of a float64 array by BLAS's asum, in chunks below its 32-bit length: one pass and no
+    temporary |a| (numpy's abs().mean() allocates and page-faults a p² array first)."""
+    from scipy.linalg import blas
+
+    flat = np.ascontiguousarray(a, dtype=np.float64).reshape(-1)
+    if not flat.size:
+        return float("nan")
+    step = ASUM_CHUNK
+    return sum(float(blas.dasum(flat[i : i + step])) for i in range(0, flat.size, step)) / flat.size
 
 
 def ggn_condition_bound(xtx_eigenvalues: np.ndarray | torch.Tensor, weight_max: float, lam: float) -> float | None:
@@ -314,7 +332,12 @@ def _exact_deff_terms(inv: np.ndarray, lam: float) -> tuple[float, float]:
 
 
 def solve_deff_fast(
-    xtx: np.ndarray | Tensor, fractions, n_rows: int, lam_floor: float = 0.0, linalg_device=None
+    xtx: np.ndarray | Tensor,
+    fractions,
+    n_rows: int,
+    lam_floor: float = 0.0,
+    linalg_device=None,
+    sketch: LanczosSketch | None = None,
 ) -> tuple[float, np.ndarray | Tensor, np.ndarray | None] | None:
     """(λ, (XᵀX + λI)⁻¹ float64 unscaled, the eigenvalues used or None) for ``deff`` rules without a float64
     eigendecomposition, or None where this cannot decide (the caller then takes the float64 path).
@@ -344,6 +367,8 @@ def solve_deff_fast(
 
     ``linalg_device``: None computes on the host (LAPACK through scipy); a torch device computes there
     (:mod:`trak_core.solve.linalg_device`) and returns the inverse as a float64 tensor on it.
+    ``sketch``: XᵀX's :class:`LanczosSketch`, for step 0 (the caller's, to ask it the condition number after; by
+    default a new one).
     """
     p = xtx.shape[0]
     pairs = [(float(c[0]), float(c[1])) if isinstance(c, tuple) else (float(c), None) for c in fractions]
@@ -369,7 +394,8 @@ def solve_deff_fast(
             known[lam] = inverse(a, lam)
         return known[lam]
 
-    if floor > 0 and math.isfinite(floor) and _floor_may_decide(float(a.trace()), p, n, floor, pairs, a):
+    sketch = LanczosSketch(a) if sketch is None else sketch
+    if floor > 0 and math.isfinite(floor) and _floor_may_decide(float(a.trace()), p, n, floor, pairs, sketch):
         inv = inverse_at(floor)
         d, slope = terms(inv, floor) if inv is not None else (math.inf, 0.0)
         if _floor_decides(d, slope, floor, float(a.trace()), p, n, pairs):
@@ -421,57 +447,28 @@ def solve_deff_fast(
 #: is at most this many times the smallest deff target: beyond it the deff λ is well above the floor on most spectra
 FLOOR_FIRST_RATIO = 4.0
 
-#: ... and when the Lanczos estimate of d_eff(floor) (:func:`estimate_deff`, a few per cent off) is at most this
+#: ... and when the Lanczos estimate of d_eff(floor) (:meth:`LanczosSketch.deff`, a few per cent off) is at most this
 #: many times that target: above it the floor cannot decide, and its factorization would only be thrown away
 FLOOR_PROBE_MARGIN = 1.25
 
 
-def _floor_may_decide(trace: float, p: int, n: int, floor: float, pairs, matrix=None) -> bool:
+def _floor_may_decide(trace: float, p: int, n: int, floor: float, pairs, sketch: LanczosSketch | None = None) -> bool:
     """Whether the floor may be λ, cheaply: d_eff(floor) ≤ p·m/(m + floor) (Jensen: σ/(σ+λ) is concave; m =
     trace / p the mean eigenvalue) is within FLOOR_FIRST_RATIO of the largest value the smallest target can take,
-    and, given the ``matrix`` (XᵀX), its Lanczos estimate of d_eff(floor) within FLOOR_PROBE_MARGIN of it. Only
-    the cost depends on this answer: a floor that is λ is found on the eigenvalues too."""
+    and, given XᵀX's ``sketch``, its Lanczos estimate of d_eff(floor) within FLOOR_PROBE_MARGIN of it (the sketch
+    runs only when Jensen's bound passes). Only the cost depends on this answer: a floor that is λ is found on the
+    eigenvalues too."""
     if not (trace > 0 and math.isfinite(trace)):
         return False
     target = min(min(c * rows, min(n, p) / 2.0) for c, rows in pairs)
     if p * trace / (trace + p * floor) > FLOOR_FIRST_RATIO * target:
         return False
-    return matrix is None or estimate_deff(matrix, floor) <= FLOOR_PROBE_MARGIN * target
+    return sketch is None or sketch.deff(floor) <= FLOOR_PROBE_MARGIN * target
 
 
 def estimate_deff(xtx: np.ndarray | Tensor, lam: float, steps: int = 20, probes: int = 16) -> float:
-    """An estimate of d_eff(λ) = tr(XᵀX (XᵀX + λI)⁻¹) by stochastic Lanczos quadrature: ``steps`` Lanczos steps
-    from each of ``probes`` fixed Rademacher vectors (a seeded generator: the same estimate on every run), each
-    vector's Gauss quadrature of σ/(σ+λ) averaged. O(steps · probes · p²) in float32: 0.05-0.15 s at p = 2048 here,
-    a quarter to a half of one float64 factorization; typically within a few per cent of the exact value. A cost
-    model, never a λ."""
-    a = torch.as_tensor(xtx).to(torch.float32)
-    p = a.shape[0]
-    gen = torch.Generator().manual_seed(0)
-    q = (torch.randint(0, 2, (p, probes), generator=gen, dtype=torch.float32) * 2 - 1).to(a.device) / math.sqrt(p)
-    q_prev, b_prev = torch.zeros_like(q), torch.zeros(probes, dtype=a.dtype, device=a.device)
-    alphas, betas = [], []
-    for _ in range(steps):
-        w = a @ q
-        al = (q * w).sum(0)
-        w -= al * q + b_prev * q_prev
-        b = w.norm(dim=0)
-        alphas.append(al.double().cpu())
-        betas.append(b.double().cpu())
-        q_prev, q, b_prev = q, w / torch.where(b > 0, b, torch.ones_like(b)), b
-    al_t, b_t = torch.stack(alphas), torch.stack(betas)  # (steps, probes)
-    scale = float(al_t[0].abs().max()) or 1.0
-    total = 0.0
-    for j in range(probes):
-        k = steps  # a vector whose Krylov space closes early stops there (its β is round-off)
-        small = torch.nonzero(b_t[: steps - 1, j] <= 1e-6 * scale)
-        if len(small):
-            k = int(small[0]) + 1
-        t = torch.diag(al_t[:k, j]) + torch.diag(b_t[: k - 1, j], 1) + torch.diag(b_t[: k - 1, j], -1)
-        theta, u = torch.linalg.eigh(t)
-        theta = theta.clamp_min(0.0)
-        total += float((u[0] ** 2 * theta / (theta + lam)).sum())
-    return p * total / probes
+    """An estimate of d_eff(λ) by stochastic Lanczos quadrature (:meth:`LanczosSketch.deff`, one run)."""
+    return LanczosSketch(xtx, steps, probes).deff(lam)
 
 
 def _floor_decides(d: float, slope: float, floor: float, trace: float, p: int, n: int, pairs) -> bool:
@@ -533,6 +530,7 @@ def solve(
         if value is not None:
             kw[name] = value
     fast = None
+    sketch = LanczosSketch(xtx if linalg_device is None else xtx_d)  # runs only if the fast path asks it
     parts = tuple(getattr(rule, "parts", ())) or (rule,)
     if _has_deff(rule) and not any(getattr(r, "parts", ()) for r in parts):
         # the deff/neff parts from float32 eigenvalues, checked; the others exactly (cheap)
@@ -541,7 +539,7 @@ def solve(
             (r.factor, effective_rows(xtx_t, kw.get("row_norm4")) if r.neff else n) for r in parts if r.deff or r.neff
         ]
         fast = solve_deff_fast(
-            xtx if linalg_device is None else xtx_d, targets, n, max(others, default=0.0), linalg_device
+            xtx if linalg_device is None else xtx_d, targets, n, max(others, default=0.0), linalg_device, sketch
         )
     ev: Any
     if fast is not None:
@@ -555,7 +553,8 @@ def solve(
         inv_np = None
     extra: dict[str, Any] = {}
     matrix = "XᵀX"
-    bound = None
+    # no eigenvalues (the floor decided): the sketch that let it try the floor may give the condition number too
+    bound = sketch.condition(lam) if ev is None and sketch.ran else None
     if ggn is not None:
         if out_to_loss is None:
             raise BadInputError("solve: the Gauss-Newton curvature needs out_to_loss (the stored Q)")
@@ -564,8 +563,7 @@ def solve(
         ggn_np = ggn_curvature(ggn, xtx, mean_r)
         extra = {"curvature": "ggn", "mean_curvature": mean_r, "lambda_xtx": lam, "ggn_trace": float(np.trace(ggn_np))}
         lam = ggn_lambda(lam, float(np.trace(xtx)), extra["ggn_trace"])
-        if ev is not None:
-            bound = ggn_condition_bound(ev, float(r.max(initial=0.0)) + GGN_FLOOR * mean_r, lam)
+        bound = None if ev is None else ggn_condition_bound(ev, float(r.max(initial=0.0)) + GGN_FLOOR * mean_r, lam)
         xtx_d, ev, inv_np, matrix = torch.from_numpy(ggn_np), None, None, "XᵀRX"  # XᵀRX + λ'I is inverted below
     inv, cond = cholesky_inverse(
         xtx_d,

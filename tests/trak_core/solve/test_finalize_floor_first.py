@@ -18,6 +18,7 @@ import torch
 from trak_core.errors import IllConditionedWarning
 from trak_core.solve import damping
 from trak_core.solve.damping import parse_lambda_reg
+from trak_core.solve.lanczos import LanczosSketch
 
 
 def _spectrum(p: int, ev: np.ndarray, seed: int = 0) -> np.ndarray:
@@ -157,7 +158,7 @@ def test_a_floor_far_below_the_deff_lambda_is_not_factorized(monkeypatch):
     deff = damping.deff_lambda(np.linalg.eigvalsh(a), 0.1, n)
     floor = 0.3 * deff
     assert damping._floor_may_decide(float(np.trace(a)), p, n, floor, [(0.1, n)])  # Jensen says "try it"
-    assert not damping._floor_may_decide(float(np.trace(a)), p, n, floor, [(0.1, n)], a)
+    assert not damping._floor_may_decide(float(np.trace(a)), p, n, floor, [(0.1, n)], LanczosSketch(a))
     seen = []
     real = damping.lapack_inverse
     monkeypatch.setattr(damping, "lapack_inverse", lambda m, lam: seen.append(lam) or real(m, lam))
@@ -202,3 +203,38 @@ def test_the_lanczos_estimate_of_deff_is_close_to_the_exact_one():
             assert est == damping.estimate_deff(torch.from_numpy(a), lam)
             errors.append(abs(est / exact - 1))
     assert max(errors) < 0.15 and float(np.mean(errors)) < 0.04, (max(errors), np.mean(errors))
+
+
+def test_a_deciding_floor_takes_its_condition_from_the_sketch(monkeypatch):
+    """Rank deficient (n < p): the floor decides, and the Lanczos run that let finalize try it gives the condition
+    number: no subspace iteration, one Lanczos run in all, the record within 1 % of the exact condition number, on
+    the host and through the torch (device) solve on the CPU."""
+    from trak_core.solve import lanczos
+
+    p, n = 600, 400
+    g = np.random.default_rng(11)
+    x = (g.standard_normal((n, n)) * np.arange(1, n + 1) ** -0.5) @ np.linalg.qr(g.standard_normal((p, n)))[0].T
+    a = x.T @ x
+    floor = 1.5 * damping.deff_lambda(np.linalg.eigvalsh(a), 0.1, n)
+    rule = parse_lambda_reg(f"deff:0.1,{floor!r}")
+    _no_eigenvalues(monkeypatch)
+
+    def no_iteration(*_a, **_k):
+        raise AssertionError("subspace iteration where the sketch gives the condition number")
+
+    runs = []
+    real_run = lanczos.LanczosSketch._run
+
+    def counted(self):
+        runs.append(self.ran)
+        return real_run(self)
+
+    monkeypatch.setattr(damping, "_top_eigenvalue", no_iteration)
+    monkeypatch.setattr(lanczos.LanczosSketch, "_run", counted)
+    want = np.linalg.cond(a + floor * np.eye(p))
+    for device in (None, "cpu"):
+        runs.clear()
+        _, info = damping.solve(a.copy(), n, rule, rescale=True, linalg_device=device)
+        assert info["lambda_reg"] == floor
+        assert info["condition"] == pytest.approx(want, rel=0.01)
+        assert runs.count(False) == 1  # the Lanczos run itself, once
