@@ -191,15 +191,17 @@ featurize_folded = kfac.featurize_folded
 FIT_BEFORE_FEATURIZE, default_damping = kfac.FIT_BEFORE_FEATURIZE, kfac.default_damping
 FOLDED_CURVATURES = kfac.FOLDED_CURVATURES
 bind_eigen, current_factors = kfac.bind_eigen, kfac_record.current_factors
+SpectraMemo = kfac.SpectraMemo  # the split's factor reductions, kept for the sides of model 0
 bind_recorded_eigen = kfac_record.bind_recorded  # a store's rows: the eigenbasis of the factors it records
 
 
-def eigen_split(split: dict, pre: KroneckerFactors, proj_dim: int) -> dict:
+def eigen_split(split: dict, pre: KroneckerFactors, proj_dim: int, spectra: SpectraMemo | None = None) -> dict:
     """The split keywords of a new ``"kfac-eigen"`` store: the probe's ``split`` (:func:`probe_split`) with its
     Kronecker layers' share of proj_dim spread as the first checkpoint's factors ``pre`` say
     (:func:`trak_core.solve.kfac.eigen_energies`), rounded as every recorded split is. TRAKer and the pipeline's
-    plan both call it, with the factors of model 0's fit."""
-    return {**split, "energies": quantize_energies(kfac.eigen_energies(pre, split["energies"], proj_dim))}
+    plan both call it, with the factors of model 0's fit. ``spectra``: keeps the factors' reductions for the sides
+    of the same process (:func:`bind_eigen`); the split is the same with or without it."""
+    return {**split, "energies": quantize_energies(kfac.eigen_energies(pre, split["energies"], proj_dim, spectra))}
 
 
 def check_new_store(location: str, storage_options: dict | None = None) -> None:

@@ -369,8 +369,10 @@ class TRAKer:
         except RuntimeError as e:
             self.featurizer._dtype_mismatch(batch, e)
             raise
+        spectra = None
         if self.curvature in engine.FIT_BEFORE_FEATURIZE and self._fitted:  # the split model 0's factors say
-            split = engine.eigen_split(split, self._fitted[min(self._fitted)], self.proj_dim)
+            spectra = engine.SpectraMemo()  # its reductions, for the sides of the same factors below
+            split = engine.eigen_split(split, self._fitted[min(self._fitted)], self.proj_dim, spectra)
         projector = default_projector(
             self.model,
             self.num_params_for_grad,
@@ -381,7 +383,7 @@ class TRAKer:
             energies=split["energies"],
         )
         if self.curvature in engine.FIT_BEFORE_FEATURIZE:
-            self._bind_eigen(projector)
+            self._bind_eigen(projector, spectra)
         return projector
 
     def _create_default_store(self) -> None:
@@ -422,10 +424,10 @@ class TRAKer:
             engine.record_curvature(self._store, mid, pre)
 
     # ------------------------------------------------------------------ Kronecker-factored curvature
-    def _bind_eigen(self, projector: AbstractProjector) -> None:
+    def _bind_eigen(self, projector: AbstractProjector, spectra: engine.SpectraMemo | None = None) -> None:
         """``curvature="kfac-eigen"``: ``projector`` projects each model's Kronecker blocks in the eigenbasis of
         the factors fitted by :meth:`fit_curvature` (or recorded in the store at its checkpoint); a model without
-        them is refused when featurized or scored."""
+        them is refused when featurized or scored. ``spectra``: the split's reductions of model 0's factors."""
         me = weakref.ref(self)
 
         def factors_of(model_id: int) -> engine.KroneckerFactors:
@@ -441,7 +443,7 @@ class TRAKer:
                 )
             return pre
 
-        engine.bind_eigen(projector, factors_of)
+        engine.bind_eigen(projector, factors_of, spectra=spectra)
 
     def fit_curvature(self, batches) -> None:
         """Fit the current checkpoint's Kronecker-factored curvature on train ``batches`` (a list or DataLoader of

@@ -86,7 +86,7 @@ from torch import Tensor, nn
 
 from trak_core.errors import BadInputError, StateError
 from trak_core.featurize.gradients import grad_param_names
-from trak_core.solve.spectrum import FactorSpectrum
+from trak_core.solve.spectrum import DIRECT_MAX, FactorSpectrum
 
 #: the curvatures of this module (``StoreMetadata.curvature``)
 KFAC_CURVATURES = ("kfac", "ekfac", "kfac-eigen")
@@ -528,18 +528,63 @@ def _eigenvalues(m: np.ndarray) -> np.ndarray:
     return np.clip(np.linalg.eigvalsh((m + m.T) / 2)[::-1], 0.0, None)
 
 
+#: ``"kfac-eigen"``: at most this many bytes of factor reductions are kept from the split (:func:`eigen_energies`)
+#: for the sides of the same factors (:func:`eigen_sides`), the widest factors first (a reduction costs n³, holds n²)
+SPECTRA_KEEP_BYTES = 1 << 30
+
+
+class SpectraMemo:
+    """The tridiagonal reductions (:class:`FactorSpectrum`) that :func:`eigen_energies` made of a checkpoint's factors,
+    kept for :func:`eigen_sides` of the same matrices (the same arrays: a TRAKer's fitted factors), each taken once:
+    the split and the sides then reduce each factor once. Holds at most ``max_bytes`` (:data:`SPECTRA_KEEP_BYTES`);
+    a factor of up to DIRECT_MAX columns is never kept (its full decomposition is cheap). The values are the same
+    bits either way (:class:`FactorSpectrum` and the values-only driver run the same LAPACK reduction)."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = SPECTRA_KEEP_BYTES if max_bytes is None else int(max_bytes)
+        self._wanted: set[int] = set()
+        self._held: dict[int, tuple[np.ndarray, FactorSpectrum]] = {}
+
+    def plan(self, matrices: Iterable[np.ndarray]) -> None:
+        """Choose which of ``matrices`` to keep: the widest first, while their reductions fit in ``max_bytes``."""
+        left, self._wanted = self.max_bytes, set()
+        for m in sorted({id(m): m for m in matrices}.values(), key=lambda m: -m.shape[0]):
+            if m.shape[0] > DIRECT_MAX and m.nbytes <= left:
+                self._wanted.add(id(m))
+                left -= m.nbytes
+
+    def values(self, m: np.ndarray) -> np.ndarray:
+        """``m``'s eigenvalues clipped at 0, largest first; its reduction kept where :meth:`plan` chose it."""
+        if id(m) not in self._wanted:
+            return _eigenvalues(m)
+        spectrum = FactorSpectrum(m)
+        self._held[id(m)] = (m, spectrum)
+        return spectrum.values
+
+    def take(self, m: np.ndarray) -> FactorSpectrum:
+        """``m``'s kept spectrum (then forgotten), else a new one."""
+        held = self._held.pop(id(m), None)
+        return held[1] if held is not None and held[0] is m else FactorSpectrum(m)
+
+    def clear(self) -> None:
+        self._wanted.clear()
+        self._held.clear()
+
+
 def eigen_sides(
-    blocks, pre: KroneckerFactors, damping: float | None = None
+    blocks, pre: KroneckerFactors, damping: float | None = None, spectra: SpectraMemo | None = None
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{block name: (P_in, P_out)} float64 of ``curvature="kfac-eigen"`` for the Kronecker blocks of ``blocks``
     (:func:`kronecker_blocks`), from one checkpoint's factors (module docstring, "The eigenbasis projection"): a
     pairs block of k pairs keeps the k eigen-coordinates (i, j) of largest e/(e + λ), e = e_R,i · e_C,j, λ =
     ``damping`` × the block's mean e (P_out's columns u_R,i, P_in's u_C,j); a grid block (k_out × k_in, an
-    identity side included: its full eigenbasis) the top k_out eigenvectors of R and the top k_in of C."""
+    identity side included: its full eigenbasis) the top k_out eigenvectors of R and the top k_in of C.
+    ``spectra``: the reductions the split made of these factors (:class:`SpectraMemo`), used instead of new ones."""
     damping = float(pre.info.get("damping", EIGEN_DAMPING)) if damping is None else float(damping)
     out = {}
     for name, (blk, r, c) in kronecker_blocks(blocks, pre).items():
-        sr, sc = FactorSpectrum(r), FactorSpectrum(c)  # every eigenvalue; only the eigenvectors kept below
+        # every eigenvalue; only the eigenvectors kept below
+        sr, sc = (FactorSpectrum(m) if spectra is None else spectra.take(m) for m in (r, c))
         if blk.pairs:
             e = np.outer(sr.values, sc.values).reshape(-1)
             lam = damping * float(e.mean())
@@ -563,7 +608,9 @@ def _columns(u: np.ndarray, k: int) -> np.ndarray:
     return np.concatenate([u, np.zeros((u.shape[0], k - u.shape[1]))], axis=1)
 
 
-def eigen_energies(pre: KroneckerFactors, energies: dict, proj_dim: int) -> dict[str, float]:
+def eigen_energies(
+    pre: KroneckerFactors, energies: dict, proj_dim: int, spectra: SpectraMemo | None = None
+) -> dict[str, float]:
     """The energies of ``"kfac-eigen"``'s split of ``proj_dim`` between blocks (the factored projector's
     ``split="energy"``), from the probe's ``energies`` ({parameter name: energy}) and one checkpoint's factors.
 
@@ -574,7 +621,8 @@ def eigen_energies(pre: KroneckerFactors, energies: dict, proj_dim: int) -> dict
     spread between its layers ∝ n_ℓ, the number of layer ℓ's eigen-coordinates among the p_K of largest e/(e + λ)
     over all of them (λ = :data:`EIGEN_RANK_DAMPING` × each layer's mean e; on the layer's weight, its bias 0): the
     coordinates worth keeping are spread over the layers as the factors say, not as the gradient's energy does.
-    Other parameters keep their energy. A square ``Conv1D`` (its block carries its bias) is left as the others."""
+    Other parameters keep their energy. A square ``Conv1D`` (its block carries its bias) is left as the others.
+    ``spectra``: keeps the factors' reductions for :func:`eigen_sides` (:class:`SpectraMemo`); the split is the same."""
     total = float(sum(energies.values()))
     sites = [site for site, _, _ in pre.blocks.values() if not (site.transposed and site.d_in == site.d_out)]
     group = {n for s in sites for n in (s.weight, s.bias) if n is not None}
@@ -582,9 +630,12 @@ def eigen_energies(pre: KroneckerFactors, energies: dict, proj_dim: int) -> dict
     if not sites or e_k <= 0 or total <= 0:
         return dict(energies)
     keys, owner, raw = [], [], []
+    if spectra is not None:
+        spectra.plan(m for site in sites for m in pre.blocks[site.name][1:])
+    values = _eigenvalues if spectra is None else spectra.values
     for i, site in enumerate(sites):
         _, a, s = pre.blocks[site.name]
-        e = np.outer(_eigenvalues(s), _eigenvalues(a)).reshape(-1)
+        e = np.outer(values(s), values(a)).reshape(-1)
         lam = EIGEN_RANK_DAMPING * float(e.mean())
         keys.append(e / (e + lam) if lam > 0 else e)
         owner.append(np.full(e.size, i))
@@ -637,20 +688,33 @@ class SidesCache:
 RECORDED_SIDES = SidesCache()
 
 
-def bind_eigen(projector, factors_of: Callable[[int], KroneckerFactors], cache: SidesCache | None = None) -> None:
+def bind_eigen(
+    projector,
+    factors_of: Callable[[int], KroneckerFactors],
+    cache: SidesCache | None = None,
+    spectra: SpectraMemo | None = None,
+) -> None:
     """Make ``projector`` (a :class:`~trak_core.projection.factored.FactoredProjector`) project the Kronecker blocks
     of each model id in the eigenbasis of the factors ``factors_of(model_id)`` gives (:func:`eigen_sides`; it
     raises when a checkpoint has none); its other blocks keep their random sides. Each model's sides are computed
     once for the factors they come from (featurizing and scoring a model decompose its factors once); with a
-    ``cache``, once per process for all the projectors that share it."""
+    ``cache``, once per process for all the projectors that share it. ``spectra``: the reductions the split made
+    (:func:`eigen_energies`), used by the first sides computed and then dropped."""
     blocks = projector.layout.blocks
     memo: dict[int, tuple[str, dict]] = {}
+    kept = [spectra]
 
     def sides(model_id: int) -> dict:
         pre = factors_of(model_id)
         key = _fingerprint(pre)
         if model_id not in memo or memo[model_id][0] != key:
-            memo[model_id] = (key, eigen_sides(blocks, pre) if cache is None else cache.get(blocks, pre, key))
+            if cache is None:
+                memo[model_id] = (key, eigen_sides(blocks, pre, spectra=kept[0]))
+            else:
+                memo[model_id] = (key, cache.get(blocks, pre, key))
+            if kept[0] is not None:  # what the first sides did not take is never asked for: free it
+                kept[0].clear()
+                kept[0] = None
         return memo[model_id][1]
 
     projector.side_override = sides

@@ -548,3 +548,72 @@ def test_settings_refused_where_the_eigenbasis_is_not_bound():
     assert kfac.default_damping(kfac.EIGEN) == kfac.EIGEN_DAMPING != kfac.default_damping("kfac")
     with pytest.raises(BadInputError, match="curvature_damping"):
         traker(mlp(), "/nonexistent/never-created", curvature_damping=0.0)
+
+
+def _count_reductions(monkeypatch) -> list:
+    """Every factor reduced from here on (a FactorSpectrum or the values-only driver), by matrix id; every factor
+    takes the reduction (DIRECT_MAX 0)."""
+    seen: list = []
+    monkeypatch.setattr(spectrum, "DIRECT_MAX", 0)
+    monkeypatch.setattr(kfac, "DIRECT_MAX", 0)
+    real_spectrum, real_values = kfac.FactorSpectrum, kfac._eigenvalues
+    monkeypatch.setattr(kfac, "FactorSpectrum", lambda m: seen.append(id(m)) or real_spectrum(m))
+    monkeypatch.setattr(kfac, "_eigenvalues", lambda m: seen.append(id(m)) or real_values(m))
+    return seen
+
+
+def test_the_splits_reductions_serve_the_sides_of_the_same_factors(monkeypatch):
+    """With a SpectraMemo the split reduces each factor once and the sides reuse it: the same split and the same
+    sides, bit for bit, as without; each kept reduction is taken once; a budget of 0 bytes keeps none."""
+    model = mlp()
+    x, y = data()
+    feat = featurizer(model, "factored", 12)
+    pre = kfac.fit_factors(feat, batches(x, y), kfac.EIGEN)
+    blocks = feat.projector.layout.blocks
+    energies = {"0.weight": 1.0, "0.bias": 0.1, "2.weight": 3.0, "2.bias": 0.2}
+    factors = {id(m) for _, a, s in pre.blocks.values() for m in (a, s)}
+    seen = _count_reductions(monkeypatch)
+    want_split, want_sides = kfac.eigen_energies(pre, energies, 12), kfac.eigen_sides(blocks, pre)
+    seen.clear()
+    memo = kfac.SpectraMemo()
+    assert kfac.eigen_energies(pre, energies, 12, memo) == want_split
+    assert sorted(seen) == sorted(factors)  # each factor once
+    seen.clear()
+    got = kfac.eigen_sides(blocks, pre, spectra=memo)
+    assert seen == [] and got.keys() == want_sides.keys()
+    for name, (p_in, p_out) in want_sides.items():
+        np.testing.assert_array_equal(got[name][0], p_in)
+        np.testing.assert_array_equal(got[name][1], p_out)
+    kfac.eigen_sides(blocks, pre, spectra=memo)  # taken: reduced anew
+    assert sorted(seen) == sorted(factors)
+    seen.clear()
+    empty = kfac.SpectraMemo(max_bytes=0)
+    assert kfac.eigen_energies(pre, energies, 12, empty) == want_split
+    kfac.eigen_sides(blocks, pre, spectra=empty)
+    assert sorted(seen) == sorted([*factors, *factors])  # the split's and the sides' own
+
+
+def test_a_traker_reduces_model_zeros_factors_once(tmp_path, monkeypatch):
+    """TRAKer's default projector: the split and the first sides share one reduction per factor of model 0, and the
+    sides equal those of a TRAKer that keeps no reduction (SPECTRA_KEEP_BYTES 0), bit for bit."""
+    from trak_core import engine
+
+    model = mlp()
+    x, y = data()
+    probe = {"0.weight": 1.0, "0.bias": 0.1, "2.weight": 3.0, "2.bias": 0.2}
+    monkeypatch.setattr(engine, "probe_split", lambda *a, **k: {"energies": dict(probe)})
+    seen = _count_reductions(monkeypatch)
+    sides = {}
+    for keep in (kfac.SPECTRA_KEEP_BYTES, 0):
+        monkeypatch.setattr(kfac, "SPECTRA_KEEP_BYTES", keep)
+        tr = traker(model, tmp_path / f"s{keep}", None)
+        tr.load_checkpoint(model.state_dict(), model_id=0)
+        tr.fit_curvature([[x, y]])
+        seen.clear()
+        tr.featurize([x, y], num_samples=N)
+        factors = [id(m) for _, a, s in tr._fitted[0].blocks.values() for m in (a, s)]
+        assert sorted(seen) == sorted(factors * (1 if keep else 2)), keep
+        sides[keep] = tr.projector.factors(0)
+    for name, (p_in, p_out, w) in sides[0].items():
+        assert torch.equal(sides[kfac.SPECTRA_KEEP_BYTES][name][0], p_in)
+        assert torch.equal(sides[kfac.SPECTRA_KEEP_BYTES][name][1], p_out)
