@@ -466,11 +466,6 @@ def _floor_may_decide(trace: float, p: int, n: int, floor: float, pairs, sketch:
     return sketch is None or sketch.deff(floor) <= FLOOR_PROBE_MARGIN * target
 
 
-def estimate_deff(xtx: np.ndarray | Tensor, lam: float, steps: int = 20, probes: int = 16) -> float:
-    """An estimate of d_eff(λ) by stochastic Lanczos quadrature (:meth:`LanczosSketch.deff`, one run)."""
-    return LanczosSketch(xtx, steps, probes).deff(lam)
-
-
 def _floor_decides(d: float, slope: float, floor: float, trace: float, p: int, n: int, pairs) -> bool:
     """Whether every deff λ is at most the floor, from the exact d = d_eff(floor) and slope = Σ fᵢ(1 − fᵢ), fᵢ =
     σᵢ/(σᵢ + floor), of the float64 inverse at the floor (:func:`_exact_deff_terms`): each target min(c·rows,

@@ -186,25 +186,6 @@ def test_only_the_cost_depends_on_trying_the_floor(monkeypatch, ratio):
     np.testing.assert_allclose(inv0, inv1, rtol=4 * damping.DEFF_LOG_TOL, atol=1e-12 * np.abs(inv1).max())
 
 
-def test_the_lanczos_estimate_of_deff_is_close_to_the_exact_one():
-    """estimate_deff against Σ σ/(σ+λ) on the exact eigenvalues: power laws of exponent 0-3, full rank and rank
-    deficient, λ from 1e-4 to 1 × σ_max: within 15 % everywhere and 4 % on average (measured: 11 % at worst, on
-    the steepest spectra at the smallest λ, and 2.4 % on average), and the same number on every call."""
-    errors = []
-    for seed, (rank, alpha) in enumerate([(600, 1.0), (600, 0.5), (600, 2.0), (300, 1.0), (40, 0.3), (600, 3.0)]):
-        p = 600
-        ev = np.zeros(p)
-        ev[p - rank :] = np.sort(np.arange(1, rank + 1, dtype=np.float64) ** -alpha)
-        a = _spectrum(p, ev, seed=seed)
-        for rel in (1e-4, 1e-3, 1e-2, 1e-1, 1.0):
-            lam = rel * ev.max()
-            exact = float(np.sum(ev / (ev + lam)))
-            est = damping.estimate_deff(a, lam)
-            assert est == damping.estimate_deff(torch.from_numpy(a), lam)
-            errors.append(abs(est / exact - 1))
-    assert max(errors) < 0.15 and float(np.mean(errors)) < 0.04, (max(errors), np.mean(errors))
-
-
 def test_a_deciding_floor_takes_its_condition_from_the_sketch(monkeypatch):
     """Rank deficient (n < p): the floor decides, and the Lanczos run that let finalize try it gives the condition
     number: no subspace iteration, one Lanczos run in all, the record within 1 % of the exact condition number, on

