@@ -196,11 +196,10 @@ bind_recorded_eigen = kfac_record.bind_recorded  # a store's rows: the eigenbasi
 
 
 def eigen_split(split: dict, pre: KroneckerFactors, proj_dim: int, spectra: SpectraMemo | None = None) -> dict:
-    """The split keywords of a new ``"kfac-eigen"`` store: the probe's ``split`` (:func:`probe_split`) with its
-    Kronecker layers' share of proj_dim spread as the first checkpoint's factors ``pre`` say
-    (:func:`trak_core.solve.kfac.eigen_energies`), rounded as every recorded split is. TRAKer and the pipeline's
-    plan both call it, with the factors of model 0's fit. ``spectra``: keeps the factors' reductions for the sides
-    of the same process (:func:`bind_eigen`); the split is the same with or without it."""
+    """A new ``"kfac-eigen"`` store's split keywords: the probe's ``split`` (:func:`probe_split`) with its Kronecker
+    layers' share of proj_dim spread as model 0's fitted factors ``pre`` say (:func:`kfac.eigen_energies`), rounded as
+    every recorded split is; TRAKer and the pipeline's plan both call it. ``spectra`` keeps the factors' reductions
+    for this process's sides (:func:`bind_eigen`); the split is the same bits with or without it."""
     return {**split, "energies": quantize_energies(kfac.eigen_energies(pre, split["energies"], proj_dim, spectra))}
 
 
