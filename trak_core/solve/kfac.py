@@ -537,8 +537,7 @@ class SpectraMemo:
     """The tridiagonal reductions (:class:`FactorSpectrum`) that :func:`eigen_energies` made of a checkpoint's factors,
     kept for :func:`eigen_sides` of the same matrices (the same arrays: a TRAKer's fitted factors), each taken once:
     the split and the sides then reduce each factor once. Holds at most ``max_bytes`` (:data:`SPECTRA_KEEP_BYTES`);
-    a factor of up to DIRECT_MAX columns is never kept (its full decomposition is cheap). The values are the same
-    bits either way (:class:`FactorSpectrum` and the values-only driver run the same LAPACK reduction)."""
+    a factor of up to DIRECT_MAX columns is never kept (its full decomposition is cheap)."""
 
     def __init__(self, max_bytes: int | None = None) -> None:
         self.max_bytes = SPECTRA_KEEP_BYTES if max_bytes is None else int(max_bytes)
@@ -553,13 +552,10 @@ class SpectraMemo:
                 self._wanted.add(id(m))
                 left -= m.nbytes
 
-    def values(self, m: np.ndarray) -> np.ndarray:
-        """``m``'s eigenvalues clipped at 0, largest first; its reduction kept where :meth:`plan` chose it."""
-        if id(m) not in self._wanted:
-            return _eigenvalues(m)
-        spectrum = FactorSpectrum(m)
-        self._held[id(m)] = (m, spectrum)
-        return spectrum.values
+    def keep(self, m: np.ndarray, spectrum: FactorSpectrum) -> None:
+        """Hold ``m``'s ``spectrum`` for :meth:`take` where :meth:`plan` chose it."""
+        if id(m) in self._wanted:
+            self._held[id(m)] = (m, spectrum)
 
     def take(self, m: np.ndarray) -> FactorSpectrum:
         """``m``'s kept spectrum (then forgotten), else a new one."""
@@ -622,7 +618,8 @@ def eigen_energies(
     over all of them (λ = :data:`EIGEN_RANK_DAMPING` × each layer's mean e; on the layer's weight, its bias 0): the
     coordinates worth keeping are spread over the layers as the factors say, not as the gradient's energy does.
     Other parameters keep their energy. A square ``Conv1D`` (its block carries its bias) is left as the others.
-    ``spectra``: keeps the factors' reductions for :func:`eigen_sides` (:class:`SpectraMemo`); the split is the same."""
+    ``spectra``: keeps the factors' reductions for :func:`eigen_sides` (:class:`SpectraMemo`); the split is the same.
+    A factor wider than DIRECT_MAX takes the reduction :class:`FactorSpectrum` makes, either way."""
     total = float(sum(energies.values()))
     sites = [site for site, _, _ in pre.blocks.values() if not (site.transposed and site.d_in == site.d_out)]
     group = {n for s in sites for n in (s.weight, s.bias) if n is not None}
@@ -632,7 +629,15 @@ def eigen_energies(
     keys, owner, raw = [], [], []
     if spectra is not None:
         spectra.plan(m for site in sites for m in pre.blocks[site.name][1:])
-    values = _eigenvalues if spectra is None else spectra.values
+
+    def values(m: np.ndarray) -> np.ndarray:  # the same computation with or without ``spectra``: the same split
+        if m.shape[0] <= DIRECT_MAX:
+            return _eigenvalues(m)
+        spectrum = FactorSpectrum(m)
+        if spectra is not None:
+            spectra.keep(m, spectrum)
+        return spectrum.values
+
     for i, site in enumerate(sites):
         _, a, s = pre.blocks[site.name]
         e = np.outer(values(s), values(a)).reshape(-1)

@@ -564,7 +564,8 @@ def _count_reductions(monkeypatch) -> list:
 
 def test_the_splits_reductions_serve_the_sides_of_the_same_factors(monkeypatch):
     """With a SpectraMemo the split reduces each factor once and the sides reuse it: the same split and the same
-    sides, bit for bit, as without; each kept reduction is taken once; a budget of 0 bytes keeps none."""
+    sides, bit for bit, as without; each kept reduction is taken once; a budget keeps the widest factors that fit in
+    it, and one of 0 bytes keeps none."""
     model = mlp()
     x, y = data()
     feat = featurizer(model, "factored", 12)
@@ -586,6 +587,15 @@ def test_the_splits_reductions_serve_the_sides_of_the_same_factors(monkeypatch):
         np.testing.assert_array_equal(got[name][1], p_out)
     kfac.eigen_sides(blocks, pre, spectra=memo)  # taken: reduced anew
     assert sorted(seen) == sorted(factors)
+    seen.clear()
+    mats = [m for _, a, s in pre.blocks.values() for m in (a, s)]
+    widest = max(mats, key=lambda m: m.shape[0])
+    assert sum(m.shape == widest.shape for m in mats) == 1
+    one = kfac.SpectraMemo(max_bytes=widest.nbytes)  # room for the widest alone
+    kfac.eigen_energies(pre, energies, 12, one)
+    seen.clear()
+    kfac.eigen_sides(blocks, pre, spectra=one)
+    assert sorted(seen) == sorted(id(m) for m in mats if m is not widest)
     seen.clear()
     empty = kfac.SpectraMemo(max_bytes=0)
     assert kfac.eigen_energies(pre, energies, 12, empty) == want_split
