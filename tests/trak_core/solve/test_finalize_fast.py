@@ -533,3 +533,15 @@ def test_finalize_on_a_gpu_equals_the_host(tmp_path, monkeypatch, setting):
     inv_b = b.inverse(0)
     np.testing.assert_allclose(inv_b, want, rtol=1e-6, atol=1e-9 * np.abs(want).max())  # stored in float32
     assert np.array_equal(inv_b, inv_b.T)
+
+
+def test_mean_abs_is_numpys(monkeypatch):
+    """The rescale's mean |entry| by BLAS asum: numpy's to 1e-14 relative, in chunks too (a chunk size that does not
+    divide the length), on a transposed (non-contiguous) array too; NaN for an empty one."""
+    x = np.random.default_rng(0).standard_normal((300, 200)) ** 3
+    want = float(np.abs(x).mean())
+    assert damping._mean_abs(x) == pytest.approx(want, rel=1e-14)
+    assert damping._mean_abs(x.T) == pytest.approx(want, rel=1e-14)
+    monkeypatch.setattr(damping, "ASUM_CHUNK", 7_001)
+    assert damping._mean_abs(x) == pytest.approx(want, rel=1e-14)
+    assert np.isnan(damping._mean_abs(np.zeros((0, 3))))

@@ -624,6 +624,7 @@ def test_a_traker_reduces_model_zeros_factors_once(tmp_path, monkeypatch):
         factors = [id(m) for _, a, s in tr._fitted[0].blocks.values() for m in (a, s)]
         assert sorted(seen) == sorted(factors * (1 if keep else 2)), keep
         sides[keep] = tr.projector.factors(0)
-    for name, (p_in, p_out, w) in sides[0].items():
+    assert sides[0]
+    for name, (p_in, p_out, _) in sides[0].items():
         assert torch.equal(sides[kfac.SPECTRA_KEEP_BYTES][name][0], p_in)
         assert torch.equal(sides[kfac.SPECTRA_KEEP_BYTES][name][1], p_out)

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from trak_core.solve import damping
 from trak_core.solve.lanczos import CONDITION_SHARE, LanczosSketch
 
 
@@ -75,15 +74,3 @@ def test_the_sketch_refuses_a_lambda_that_is_not_positive():
     a = _spectrum(50, _power_law(50, 20, 1.0), seed=2)
     for lam in (0.0, -1.0, float("nan"), float("inf")):
         assert LanczosSketch(a).condition(lam) is None
-
-
-def test_mean_abs_is_numpys_in_one_pass(monkeypatch):
-    """The rescale's mean |entry| by BLAS asum: numpy's to 1e-14 relative, in chunks too (a chunk size that does not
-    divide the length), on a transposed (non-contiguous) array too; NaN for an empty one."""
-    x = np.random.default_rng(0).standard_normal((300, 200)) ** 3
-    want = float(np.abs(x).mean())
-    assert damping._mean_abs(x) == pytest.approx(want, rel=1e-14)
-    assert damping._mean_abs(x.T) == pytest.approx(want, rel=1e-14)
-    monkeypatch.setattr(damping, "ASUM_CHUNK", 7_001)
-    assert damping._mean_abs(x) == pytest.approx(want, rel=1e-14)
-    assert np.isnan(damping._mean_abs(np.zeros((0, 3))))
