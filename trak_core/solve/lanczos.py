@@ -33,7 +33,6 @@ class LanczosSketch:
     def __init__(self, xtx: np.ndarray | torch.Tensor, steps: int = 20, probes: int = 16):
         self._xtx, self.steps, self.probes = xtx, steps, probes
         self._nodes: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._scale = 0.0
 
     @property
     def ran(self) -> bool:
