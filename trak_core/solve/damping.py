@@ -548,8 +548,8 @@ def solve(
         inv_np = None
     extra: dict[str, Any] = {}
     matrix = "XᵀX"
-    # no eigenvalues (the floor decided): the sketch that let it try the floor may give the condition number too
-    bound = sketch.condition(lam) if ev is None and sketch.ran else None
+    # no eigenvalues (the floor decided): the sketch that let it try the floor may give XᵀX's condition number too
+    bound = sketch.condition(lam) if ggn is None and ev is None and sketch.ran else None
     if ggn is not None:
         if out_to_loss is None:
             raise BadInputError("solve: the Gauss-Newton curvature needs out_to_loss (the stored Q)")

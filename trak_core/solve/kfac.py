@@ -707,19 +707,19 @@ def bind_eigen(
     (:func:`eigen_energies`), used by the first sides computed and then dropped."""
     blocks = projector.layout.blocks
     memo: dict[int, tuple[str, dict]] = {}
-    kept = [spectra]
 
     def sides(model_id: int) -> dict:
+        nonlocal spectra
         pre = factors_of(model_id)
         key = _fingerprint(pre)
         if model_id not in memo or memo[model_id][0] != key:
             if cache is None:
-                memo[model_id] = (key, eigen_sides(blocks, pre, spectra=kept[0]))
+                memo[model_id] = (key, eigen_sides(blocks, pre, spectra=spectra))
             else:
                 memo[model_id] = (key, cache.get(blocks, pre, key))
-            if kept[0] is not None:  # what the first sides did not take is never asked for: free it
-                kept[0].clear()
-                kept[0] = None
+            if spectra is not None:  # what the first sides did not take is never asked for: free it
+                spectra.clear()
+                spectra = None
         return memo[model_id][1]
 
     projector.side_override = sides
