@@ -459,7 +459,7 @@ def report(res: dict, a, cmd: str, wall: float, load: list, others: float | None
     busy = others > 0.1 if others is not None else max(load) > 0.75 * (os.cpu_count() or 1)
     shared = f"other processes used {others:.0%} of the cores during the run" if others is not None else ""
     lines = [
-        "## Streaming scoring against the matmul peak",
+        "### Streaming scoring against the matmul peak",
         "",
         f"Produced by `{cmd}` in one run ({wall / 60:.1f} min) on {platform.processor() or 'x86_64'} "
         f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads). "
